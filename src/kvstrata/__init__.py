@@ -1,0 +1,57 @@
+"""kvstrata: move and cache AI tensors across GPU memory, host memory and local SSD.
+
+Layers, each calling only downward::
+
+    memory  <-  ops  <-  store  <-  server / client / transport  <-  comm / cluster  <-  integrations
+                                                                                       cli on top
+
+Submodules are imported lazily so ``import kvstrata`` stays cheap and works without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvstrata.errors import (
+    CapacityError,
+    ClosedError,
+    ConnectionLost,
+    CorruptData,
+    KeyExists,
+    KeyNotFound,
+    KvstrataError,
+    ProtocolError,
+    ServerError,
+    Timeout,
+    TransportError,
+)
+
+__version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("memory", "ops", "store", "client", "server", "transport", "comm", "bench", "cli")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"kvstrata.{name}")
+    if name == "connect":
+        return importlib.import_module("kvstrata.client").connect
+    raise AttributeError(f"module 'kvstrata' has no attribute {name!r}")
+
+
+__all__ = [
+    "CapacityError",
+    "ClosedError",
+    "ConnectionLost",
+    "CorruptData",
+    "KeyExists",
+    "KeyNotFound",
+    "KvstrataError",
+    "ProtocolError",
+    "ServerError",
+    "Timeout",
+    "TransportError",
+    "__version__",
+    "connect",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvstrata bench <job>``: each measures kvstrata beside its baseline and ceiling."""

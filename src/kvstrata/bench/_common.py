@@ -1,0 +1,135 @@
+"""What every benchmark shares: timing on the device and the host, and the result record.
+
+A result file is JSON holding the figures plus what is needed to trust them: the exact command,
+device, library versions and date. Ratios to a ceiling or baseline are computed from figures
+measured in the same run, never from numbers copied from elsewhere.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def device_time(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds of ``fn`` on the current CUDA stream, timed with CUDA events after warm-up."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def host_time(fn: Callable[[], object], *, warmup: int = 2, iters: int = 10) -> float:
+    """Median wall seconds of ``fn`` (for CPU paths, or GPU paths that synchronize themselves)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Bytes per second in GB/s (10^9), rounded for tables."""
+    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions, host and date: the context a figure needs to be trusted."""
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            info["device"] = props.name
+            info["device_count"] = torch.cuda.device_count()
+            info["sm_count"] = props.multi_processor_count
+            info["driver"] = _nvidia_smi("driver_version")
+            info["pcie"] = _nvidia_smi("pcie.link.gen.current,pcie.link.width.current")
+        else:
+            info["device"] = "cpu"
+    except ImportError:
+        info["device"] = "cpu"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _nvidia_smi(query: str) -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def write_result(name: str, result: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``{"environment": ..., **result}`` to ``<out_dir>/<name>.json`` and return the path.
+
+    ``out_dir`` defaults to ``$KVSTRATA_BENCH_OUT``, else ``bench/results`` under the current folder.
+    """
+    folder = Path(out_dir or os.environ.get("KVSTRATA_BENCH_OUT") or "bench/results")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    record = {"environment": environment(), **result}
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+    """Print rows as an aligned text table (the last thing a benchmark prints)."""
+    if not rows:
+        print("(no rows)")
+        return
+    columns = columns or list(rows[0])
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    sys.stdout.flush()
+
+
+__all__ = ["device_time", "environment", "gbps", "host_time", "print_table", "write_result"]

@@ -1,0 +1,1 @@
+"""The ``kvstrata`` command line."""

@@ -1,0 +1,34 @@
+"""``kvstrata bench <job>``: one benchmark module per job under ``kvstrata.bench``.
+
+A job module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Jobs are listed here so
+``kvstrata bench --help`` shows them even when a job's own dependencies are missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# job name -> (module, one-line help)
+JOBS: dict[str, tuple[str, str]] = {}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="run a benchmark (kvstrata beside its baseline and ceiling)")
+    jobs = parser.add_subparsers(dest="job", metavar="JOB")
+    for job, (module_name, help_text) in JOBS.items():
+        job_parser = jobs.add_parser(job, help=help_text)
+        job_parser.add_argument("--out", default=None, help="folder for the JSON/PNG results (default bench/results)")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            job_parser.set_defaults(func=lambda args, exc=exc: _unavailable(args, exc))
+            continue
+        module.add_arguments(job_parser)
+        job_parser.set_defaults(func=module.run)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _unavailable(args: argparse.Namespace, exc: ImportError) -> int:
+    print(f"kvstrata bench {args.job}: unavailable here ({exc})")
+    return 2

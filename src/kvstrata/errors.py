@@ -1,0 +1,77 @@
+"""kvstrata's exception hierarchy.
+
+One root, :class:`KvstrataError`. Below it two branches users catch differently:
+
+* :class:`TransportError` (also an :class:`OSError`): the connection to a worker broke or could not be
+  made. Retryable: the request may or may not have reached the worker.
+* :class:`ServerError`: the worker understood the request and refused it; retrying the same request
+  gives the same answer.
+
+Plus the specific conditions users test for (:class:`KeyNotFound`, :class:`Timeout`, ...). Bad
+arguments raise the builtin :class:`ValueError` / :class:`TypeError` with the argument's name in the
+message, before anything is written.
+"""
+
+from __future__ import annotations
+
+
+class KvstrataError(Exception):
+    """Root of every error kvstrata raises on purpose."""
+
+
+class TransportError(KvstrataError, OSError):
+    """The link to a worker broke or could not be set up (retryable)."""
+
+
+class ConnectionLost(TransportError):
+    """The worker went away in the middle of a request."""
+
+
+class ServerError(KvstrataError):
+    """The worker refused a request; the message says why."""
+
+
+class KeyNotFound(ServerError, KeyError):
+    """A key does not exist (or expired, or was evicted as evictable)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the message as written
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class KeyExists(ServerError):
+    """A write-once or ``nx`` write found the key already present."""
+
+
+class Timeout(KvstrataError, TimeoutError):
+    """A wait (for a key, a peer, a transfer) ran past its deadline."""
+
+
+class CapacityError(ServerError):
+    """A tier, or the whole store, has no room for the request even after eviction."""
+
+
+class CorruptData(KvstrataError):
+    """Stored bytes failed their checksum or were truncated; they are never served."""
+
+
+class ClosedError(KvstrataError):
+    """The client, worker or object was closed or released before this call."""
+
+
+class ProtocolError(TransportError):
+    """The peer spoke a protocol version or message this side does not understand."""
+
+
+__all__ = [
+    "CapacityError",
+    "ClosedError",
+    "ConnectionLost",
+    "CorruptData",
+    "KeyExists",
+    "KeyNotFound",
+    "KvstrataError",
+    "ProtocolError",
+    "ServerError",
+    "Timeout",
+    "TransportError",
+]

@@ -1,0 +1,34 @@
+"""Test setup shared by every test module.
+
+Without a GPU, Triton kernels run under the interpreter (``TRITON_INTERPRET=1``) on CPU tensors at
+small shapes; this must be decided before any kernel module is imported, so it happens here.
+GPU tests carry ``@pytest.mark.gpu`` and are skipped where CUDA is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and (not HAS_CUDA or torch.cuda.device_count() < 2):
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def seeded() -> torch.Generator:
+    """A fixed-seed generator so a failing random case can be replayed."""
+    torch.manual_seed(0)
+    return torch.Generator().manual_seed(0)
