@@ -24,7 +24,8 @@ res["nvidia_smi"] = sh(
 res["topo"] = sh("nvidia-smi topo -m")
 res["numa_online"] = sh("cat /sys/devices/system/node/online")
 res["hugepages"] = sh(
-    "cat /proc/meminfo | grep -i huge; ls -la /dev/hugepages 2>&1 | head -3; cat /sys/kernel/mm/transparent_hugepage/enabled"
+    "cat /proc/meminfo | grep -i huge; ls -la /dev/hugepages 2>&1 | head -3;"
+    " cat /sys/kernel/mm/transparent_hugepage/enabled"
 )
 res["dev_shm"] = sh("df -h /dev/shm")
 res["mem"] = sh("free -g")
