@@ -89,7 +89,8 @@ def _device_index(device: int | str | torch.device | None) -> int:
 
 
 def _cuda_register(addr: int, nbytes: int) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, _CUDA_HOST_REGISTER_MAPPED | _CUDA_HOST_REGISTER_PORTABLE))
+    flags = _CUDA_HOST_REGISTER_MAPPED | _CUDA_HOST_REGISTER_PORTABLE
+    rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, flags))
     if rc != 0:
         _clear_cuda_error()
         raise CapacityError(
@@ -204,9 +205,9 @@ def register(tensor_or_addr: torch.Tensor | int, nbytes: int | None = None) -> i
     start, n = _span(tensor_or_addr, nbytes)
     if n <= 0:
         raise ValueError(f"nbytes: must be positive, got {n}")
-    if isinstance(tensor_or_addr, torch.Tensor) and _cuda_available() and tensor_or_addr.is_pinned():
-        if _REGISTRY.find(start, n) is None:
-            return start  # torch's pinned memory is mapped under UVA: device address == host address
+    torch_pinned = isinstance(tensor_or_addr, torch.Tensor) and _cuda_available() and tensor_or_addr.is_pinned()
+    if torch_pinned and _REGISTRY.find(start, n) is None:
+        return start  # torch's pinned memory is mapped under UVA: device address == host address
     device = torch.cuda.current_device() if _cuda_available() else None
     region, _ = _REGISTRY.add(start, n, device)
     return region.device_ptr + (start - region.start)

@@ -27,7 +27,6 @@ Example (oracle of the tests)::
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -94,7 +93,7 @@ def _block_transfer_kernel(
         dev_rows = base + tl.multiple_of((head * n_tokens_total + token) * row_words, VEC)
         host_rows = host_ptr + tl.multiple_of(r * row_words, VEC)
         cols = col_tile * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
-        if EVEN_COLS:
+        if EVEN_COLS:  # noqa: SIM108 (constexpr branch: no mask math along columns)
             mask = row_ok[:, None]
         else:
             mask = row_ok[:, None] & (cols < row_words)[None, :]
@@ -117,7 +116,7 @@ class _Geometry:
 
 
 def _launch(
-    piece: torch.Tensor, ptrs: torch.Tensor, t_start: int, geo: _Geometry, to_device: bool, num_ctas: Optional[int]
+    piece: torch.Tensor, ptrs: torch.Tensor, t_start: int, geo: _Geometry, to_device: bool, num_ctas: int | None
 ) -> None:
     """Transpose-copy one token range; ``piece`` is ``[n, L, H, D]`` words on the kernel's device."""
     n_rows = piece.shape[0] * geo.L * geo.H
@@ -151,7 +150,7 @@ def choose_method(nbytes: int, direction: str) -> str:
     return "staging" if nbytes >= STAGING_MIN_BYTES else "zero_copy"
 
 
-def plan_pieces(n_tokens: int, token_bytes: int, staging_tokens: Optional[int] = None) -> tuple[int, int]:
+def plan_pieces(n_tokens: int, token_bytes: int, staging_tokens: int | None = None) -> tuple[int, int]:
     """(tokens per piece, ring slots) for the staging pipeline."""
     total = n_tokens * token_bytes
     pieces = max(1, min(MAX_PIECES, total // PIECE_MIN_BYTES))
@@ -167,17 +166,17 @@ def block_transfer_reference(layer_ptrs: torch.Tensor, host_block: torch.Tensor,
     """Plain-torch transfer on CPU (layer pointers are host addresses): the semantics, spelled out."""
     import ctypes
 
-    T, L, H, D = host_block.shape
+    T, _, H, D = host_block.shape
     nbytes = H * T * D * host_block.element_size()
     if nbytes == 0:
         return
-    for l, ptr in enumerate(layer_ptrs.tolist()):
+    for layer_index, ptr in enumerate(layer_ptrs.tolist()):
         raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
         layer = torch.frombuffer(raw, dtype=torch.uint8).view(host_block.dtype).view(H, T, D)
         if direction == "h2d":
-            layer.copy_(host_block[:, l].permute(1, 0, 2))
+            layer.copy_(host_block[:, layer_index].permute(1, 0, 2))
         else:
-            host_block[:, l].copy_(layer.permute(1, 0, 2))
+            host_block[:, layer_index].copy_(layer.permute(1, 0, 2))
 
 
 def _check_meta(
@@ -185,8 +184,8 @@ def _check_meta(
     host_block: torch.Tensor,
     direction: str,
     method: str,
-    staging: Optional[torch.Tensor],
-    num_ctas: Optional[int],
+    staging: torch.Tensor | None,
+    num_ctas: int | None,
 ) -> None:
     check_tensor(layer_ptrs, "layer_ptrs")
     check_tensor(host_block, "host_block")
@@ -213,7 +212,7 @@ def _check_meta(
             raise ValueError(f"staging: expected shape [S >= 1, {', '.join(map(str, host_block.shape[1:]))}]")
 
 
-def _host_word(host_block: torch.Tensor, layer_ptrs: torch.Tensor, staging: Optional[torch.Tensor]) -> int:
+def _host_word(host_block: torch.Tensor, layer_ptrs: torch.Tensor, staging: torch.Tensor | None) -> int:
     row_bytes = host_block.shape[3] * host_block.element_size()
     addrs = [host_block.data_ptr()] + ([staging.data_ptr()] if staging is not None else [])
     if layer_ptrs.device.type == "cpu":
@@ -226,8 +225,8 @@ def _impl(
     host_block: torch.Tensor,
     direction: str,
     method: str,
-    staging: Optional[torch.Tensor],
-    num_ctas: Optional[int],
+    staging: torch.Tensor | None,
+    num_ctas: int | None,
 ) -> None:
     _check_meta(layer_ptrs, host_block, direction, method, staging, num_ctas)
     if layer_ptrs.device.type == "cpu" and host_block.numel() and (layer_ptrs == 0).any():
@@ -269,7 +268,7 @@ def _impl(
             _staged(host_block, ptrs, staging, geo, to_device, num_ctas, device)
 
 
-def _device_of(layer_ptrs: torch.Tensor, staging: Optional[torch.Tensor]) -> torch.device:
+def _device_of(layer_ptrs: torch.Tensor, staging: torch.Tensor | None) -> torch.device:
     if staging is not None and staging.device.type == "cuda":
         return staging.device
     if layer_ptrs.device.type == "cuda":
@@ -290,10 +289,10 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 def _staged(
     host_block: torch.Tensor,
     ptrs: torch.Tensor,
-    staging: Optional[torch.Tensor],
+    staging: torch.Tensor | None,
     geo: _Geometry,
     to_device: bool,
-    num_ctas: Optional[int],
+    num_ctas: int | None,
     device: torch.device,
 ) -> None:
     """DMA token pieces through a staging ring; transposes on the current stream, DMA on a side stream."""
@@ -362,8 +361,8 @@ def _op(
     host_block: torch.Tensor,
     direction: str,
     method: str,
-    staging: Optional[torch.Tensor],
-    num_ctas: Optional[int],
+    staging: torch.Tensor | None,
+    num_ctas: int | None,
 ) -> None:
     _impl(layer_ptrs, host_block, direction, method, staging, num_ctas)
 
@@ -379,8 +378,8 @@ def multi_layer_block_transfer(
     *,
     direction: str = "h2d",
     method: str = "auto",
-    staging: Optional[torch.Tensor] = None,
-    num_ctas: Optional[int] = None,
+    staging: torch.Tensor | None = None,
+    num_ctas: int | None = None,
 ) -> None:
     """Copy host block ``[T, L, H, D]`` to (``"h2d"``) or from (``"d2h"``) the layer slices ``[H, T, D]``.
 
@@ -397,16 +396,23 @@ def multi_layer_block_transfer(
     Asynchronous on the current stream. Without CUDA the same call runs on CPU, with
     ``layer_ptrs`` holding host addresses.
     """
+    check_tensor(layer_ptrs, "layer_ptrs")  # before the dispatcher, which would reject it less helpfully
+    check_tensor(host_block, "host_block")
+    if staging is not None:
+        check_tensor(staging, "staging")
+    check_choice(direction, "direction", DIRECTIONS)
+    check_choice(method, "method", METHODS)
+    check_optional_positive_int(num_ctas, "num_ctas")
     torch.ops.kvstrata.multi_layer_block_transfer(layer_ptrs, host_block, direction, method, staging, num_ctas)
 
 
 def fused_memcpy_multi_layer_block_transfer(
     layer_ptrs: torch.Tensor,
     host_block: torch.Tensor,
-    staging: Optional[torch.Tensor] = None,
+    staging: torch.Tensor | None = None,
     *,
     direction: str = "h2d",
-    num_ctas: Optional[int] = None,
+    num_ctas: int | None = None,
 ) -> None:
     """HeteroFusedKernels' name for ``multi_layer_block_transfer(..., method="staging")``."""
     multi_layer_block_transfer(

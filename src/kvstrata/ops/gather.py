@@ -11,8 +11,6 @@ Example::
     kvstrata.ops.gather(table, out, ids)          # table read in place over PCIe, ids anywhere
 """
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -67,7 +65,7 @@ def _gather_kernel(
         cols = col_tile * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
         src_rows = tl.multiple_of(idx * table_stride, VEC)
         dst_rows = tl.multiple_of(rows.to(tl.int64) * out_stride, VEC)
-        if EVEN_COLS:
+        if EVEN_COLS:  # noqa: SIM108 (constexpr branch: no mask math along columns)
             mask = row_ok[:, None]
         else:
             mask = row_ok[:, None] & (cols < row_words)[None, :]
@@ -75,14 +73,15 @@ def _gather_kernel(
         tl.store(out_ptr + dst_rows[:, None] + cols[None, :], values, mask=mask)
 
 
-def _launch(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: Optional[int]) -> None:
+def _launch(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None) -> None:
     """Run ``_gather_kernel``; all three tensors are on one device (or CPU under the interpreter)."""
     elt = table.element_size()
     row_bytes = table.shape[1] * elt
     word = word_bytes_for(row_bytes, table.stride(0) * elt, out.stride(0) * elt, table.data_ptr(), out.data_ptr())
     table_w, out_w = as_words(table, word), as_words(out, word)
     row_words = row_bytes // word
-    vec = vec_words(word, row_words, table_w.stride(0), out_w.stride(0), table.data_ptr() // word, out.data_ptr() // word)
+    addrs = (table.data_ptr() // word, out.data_ptr() // word)
+    vec = vec_words(word, row_words, table_w.stride(0), out_w.stride(0), *addrs)
     cfg = launch_config(ids.numel(), row_words, word, device=out.device, tile=TILE, num_ctas=num_ctas)
     _gather_kernel[(cfg.grid,)](
         table_w,
@@ -107,7 +106,7 @@ def gather_reference(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, ids.to(torch.int64)).view(table.dtype)
 
 
-def _check_meta(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: Optional[int]) -> None:
+def _check_meta(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None) -> None:
     """Everything checkable from shapes and dtypes (also runs on fake tensors under torch.compile)."""
     for name, t in (("table", table), ("out", out), ("ids", ids)):
         check_tensor(t, name)
@@ -149,7 +148,7 @@ def _reachable(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor
         raise ValueError(f"{name}: a host tensor must be in registered or pinned memory ({exc})") from exc
 
 
-def _gather_impl(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: Optional[int], check: bool) -> None:
+def _gather_impl(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None, check: bool) -> None:
     _check_meta(table, out, ids, num_ctas)
     if check:
         _check_ids_range(ids, table.shape[0])
@@ -176,12 +175,12 @@ def _gather_impl(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_
     mutates_args=("out",),
     schema="(Tensor table, Tensor(a!) out, Tensor ids, int? num_ctas, bool check) -> ()",
 )
-def _gather_op(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: Optional[int], check: bool) -> None:
+def _gather_op(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None, check: bool) -> None:
     _gather_impl(table, out, ids, num_ctas, check)
 
 
 @_gather_op.register_fake
-def _(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: Optional[int], check: bool) -> None:
+def _(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None, check: bool) -> None:
     _check_meta(table, out, ids, num_ctas)
 
 
@@ -190,7 +189,7 @@ def gather(
     out: torch.Tensor,
     ids: torch.Tensor,
     *,
-    num_ctas: Optional[int] = None,
+    num_ctas: int | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """``out[i] = table[ids[i]]`` asynchronously on the current stream; returns ``out``.
@@ -207,7 +206,10 @@ def gather(
     All-CPU arguments run a CPU implementation (the Triton interpreter under ``TRITON_INTERPRET=1``).
     Raises TypeError/ValueError naming the argument before anything is written.
     """
-    torch.ops.kvstrata.gather(table, out, ids, num_ctas, check)
+    for name, t in (("table", table), ("out", out), ("ids", ids)):
+        check_tensor(t, name)  # before the dispatcher, which would reject it with a less helpful message
+    check_optional_positive_int(num_ctas, "num_ctas")
+    torch.ops.kvstrata.gather(table, out, ids, num_ctas, bool(check))
     return out
 
 
