@@ -107,10 +107,13 @@ def test_registry_thread_safe():
 def test_device_view_requires_registration(buf):
     with pytest.raises(ValueError, match="not registered"):
         device_view(buf)
+    with pytest.raises(ValueError, match="not registered"):
+        pinned.device_alias(buf)
     register(buf)
     view = device_view(buf[10:20])
+    alias = pinned.device_alias(buf[10:20])
     if not HAS_CUDA:
-        assert view.data_ptr() == buf.data_ptr() + 10
+        assert view.data_ptr() == alias.data_ptr() == buf.data_ptr() + 10
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU fallbacks")
@@ -208,6 +211,11 @@ def test_gpu_device_view_aliases_host_memory():
     assert float(view[5].float().sum()) == 1.25 * 1024
     fp8 = t.view(torch.uint8)[:256].view(torch.float8_e4m3fn)
     assert device_view(fp8).dtype == torch.float8_e4m3fn
+    alias = pinned.device_alias(t[:, 8:16])  # the ops' cheap non-owning alias, strided
+    assert alias.is_cuda and alias.data_ptr() == t[:, 8:16].data_ptr() and alias.stride() == t.stride()
+    alias[7].fill_(-1.0)
+    torch.cuda.synchronize()
+    assert bool((t[7, 8:16] == -1.0).all()) and bool((t[7, :8] == 0).all())
 
 
 @pytest.mark.gpu

@@ -266,6 +266,51 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr() + first * size, (last - first + 1) * size
 
 
+def _device_address(tensor: torch.Tensor, name: str) -> tuple[int, int, Region | None]:
+    """(first byte, byte extent, region) of a host tensor the GPU can address; ValueError otherwise."""
+    start, nbytes = _extent(tensor)
+    region = _REGISTRY.find(start, nbytes)
+    if region is None and not (_cuda_available() and tensor.is_pinned()):
+        raise ValueError(
+            f"{name}: host memory at {start:#x} ({nbytes} bytes) is not registered; "
+            "use kvstrata.memory.alloc_pinned or register() first"
+        )
+    return start, nbytes, region
+
+
+def _target_device(region: Region | None, device: int | str | torch.device | None) -> torch.device:
+    if device is None and region is not None and region.device is not None:
+        device = region.device
+    return torch.device("cuda", _device_index(device))
+
+
+def _raw_cuda_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """A non-owning CUDA uint8 tensor over ``[ptr, ptr + nbytes)`` (None where torch lacks the hook)."""
+    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if construct is None:
+        return None
+    storage = construct(ptr, device, nbytes)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def device_alias(tensor: torch.Tensor, device: int | str | torch.device | None = None) -> torch.Tensor:
+    """Like :func:`device_view` but cheaper and without keeping ``tensor`` alive: for ops that use the
+    alias only while their caller holds ``tensor`` (the usual contract of any CPU tensor argument)."""
+    if tensor.device.type == "cuda":
+        return tensor
+    start, nbytes, region = _device_address(tensor, "tensor")
+    if not _cuda_available():
+        return tensor
+    dev = _target_device(region, device)
+    dev_start = start if region is None else region.device_ptr + (start - region.start)
+    raw = _raw_cuda_bytes(dev_start, nbytes, dev) if nbytes else None
+    if raw is None:
+        return device_view(tensor, dev)
+    size = tensor.element_size()
+    typed = raw if tensor.dtype == torch.uint8 else raw.view(tensor.dtype)
+    return typed.as_strided(tensor.shape, tensor.stride(), (tensor.data_ptr() - start) // size)
+
+
 def device_view(tensor: torch.Tensor, device: int | torch.device | None = None) -> torch.Tensor:
     """A CUDA tensor aliasing registered host memory (same dtype, shape and strides).
 
@@ -276,30 +321,21 @@ def device_view(tensor: torch.Tensor, device: int | torch.device | None = None) 
     """
     if tensor.device.type == "cuda":
         return tensor
-    start, nbytes = _extent(tensor)
-    region = _REGISTRY.find(start, nbytes)
-    if region is None:
-        if _cuda_available() and tensor.is_pinned():
-            dev_start = start  # torch-pinned memory is mapped; UVA gives it the host address on the device
-        else:
-            raise ValueError(
-                f"tensor: host memory at {start:#x} ({nbytes} bytes) is not registered; "
-                "use kvstrata.memory.alloc_pinned or register() first"
-            )
-    else:
-        dev_start = region.device_ptr + (start - region.start)
+    start, _, region = _device_address(tensor, "tensor")
     if not _cuda_available():
         return tensor
+    dev_start = start if region is None else region.device_ptr + (start - region.start)
     ptr = dev_start + (tensor.data_ptr() - start)
-    if device is None and region is not None and region.device is not None:
-        device = region.device
-    dev = torch.device("cuda", _device_index(device))
+    dev = _target_device(region, device)
     if tensor.numel() == 0:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=dev)
     raw = torch.as_tensor(_CudaArray(tensor, ptr), device=dev)
     view = raw if raw.dtype == tensor.dtype else raw.view(tensor.dtype)
-    if view.data_ptr() != ptr:  # torch copied instead of aliasing: never hand out a silent copy
-        raise RuntimeError(f"device_view: torch copied the data instead of aliasing it (device={dev})")
+    if view.data_ptr() != ptr:
+        # torch placed the memory on the device it was registered from and copied to ``dev``: alias
+        # through a non-owning storage instead, keeping ``tensor`` alive through the view object.
+        view = device_alias(tensor, dev)
+        view._kvstrata_host = tensor  # type: ignore[attr-defined]
     return view
 
 
@@ -314,12 +350,16 @@ class _Mapping(mmap.mmap):
     registered_start: int | None = None
 
     def __del__(self) -> None:
-        if self.registered_start is not None:
-            try:
-                _REGISTRY.remove(self.registered_start)
-            except ValueError:
-                pass  # the user unregistered it explicitly
-            self.registered_start = None
+        start, self.registered_start = self.registered_start, None
+        try:
+            region = _REGISTRY.find(start) if start is not None else None
+            if region is not None and region.start == start:
+                if region.cuda_registered and not torch.cuda.is_current_stream_capturing():
+                    # Like cudaFreeHost: let queued copies and kernels that use the memory finish.
+                    torch.cuda.synchronize(region.device)
+                _REGISTRY.remove(start)
+        except Exception as exc:  # a finalizer must not raise (e.g. CUDA already torn down at exit)
+            log.debug("releasing pinned memory at %#x: %s", start or 0, exc)
         try:
             self.close()
         except (BufferError, ValueError):
@@ -435,6 +475,7 @@ __all__ = [
     "Region",
     "alloc_numa_pinned_tensor",
     "alloc_pinned",
+    "device_alias",
     "device_ptr",
     "device_view",
     "get_device_ptr",

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.memory.pinned import device_view, is_registered
+from kvstrata.memory.pinned import device_alias, is_registered
 from kvstrata.ops._common import (
     TileConfig,
     as_words,
@@ -258,7 +258,7 @@ def _impl(
         ptrs = pinned_copy_to(layer_ptrs.contiguous(), device)
         if method == "zero_copy":
             try:
-                host_d = device_view(host_block, device)
+                host_d = device_alias(host_block, device)
             except ValueError as exc:
                 raise ValueError(f"host_block: zero_copy needs registered or pinned host memory ({exc})") from exc
             _launch(as_words(host_d, word), ptrs, 0, geo, to_device, num_ctas)

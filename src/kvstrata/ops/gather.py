@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.memory.pinned import device_view
+from kvstrata.memory.pinned import device_alias
 from kvstrata.ops._common import (
     INDEX_DTYPES,
     TileConfig,
@@ -143,7 +143,7 @@ def _reachable(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor
     if t.device.type == "cuda":
         return t
     try:
-        return device_view(t, device)
+        return device_alias(t, device)
     except ValueError as exc:
         raise ValueError(f"{name}: a host tensor must be in registered or pinned memory ({exc})") from exc
 
