@@ -102,7 +102,8 @@ def test_plan_pieces_and_choice():
     assert piece * (64 << 10) <= bt.PIECE_MAX_BYTES and slots == bt.RING_SLOTS
     assert plan_pieces(9, 100) == (9, 1)  # tiny: one piece
     assert plan_pieces(9, 100, staging_tokens=2) == (1, 2)
-    assert plan_pieces(9, 100, staging_tokens=9) == (4, 2)
+    assert plan_pieces(9, 100, staging_tokens=9) == (9, 1)  # HFK's full-size staging: one piece
+    assert plan_pieces(9, 100, staging_tokens=5) == (2, 2)
     assert choose_method(1024, "h2d") == "zero_copy"
     assert choose_method(64 << 20, "d2h") == "staging"
 
@@ -139,8 +140,13 @@ def test_block_transfer_bad_input_raises_before_writing(change, exc, match, dire
     assert torch.equal(_bytes(pool), _bytes(pool_before)) and torch.equal(_bytes(host), _bytes(host_before))
 
 
-def test_block_transfer_is_a_custom_op():
-    assert hasattr(torch.ops.kvstrata, "multi_layer_block_transfer")
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_block_transfer_custom_ops(direction, seeded):
+    pool, b, ptrs = _setup((1, 3, 2, 9, 16), torch.float32, seeded)
+    host = _random((9, 3, 2, 16), torch.float32, seeded)
+    torch.ops.kvstrata.multi_layer_block_transfer(ptrs, host, direction, "zero_copy", None, None)
+    assert torch.equal(_bytes(pool[b].permute(2, 0, 1, 3)), _bytes(host))
+    assert hasattr(torch.ops.kvstrata, f"block_transfer_{direction}")
 
 
 # --------------------------------------------------------------------------------------------- GPU

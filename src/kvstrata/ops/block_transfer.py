@@ -156,7 +156,7 @@ def plan_pieces(n_tokens: int, token_bytes: int, staging_tokens: int | None = No
     pieces = max(1, min(MAX_PIECES, total // PIECE_MIN_BYTES))
     piece = max(1, min(math.ceil(n_tokens / pieces), PIECE_MAX_BYTES // max(token_bytes, 1)))
     if staging_tokens is not None:
-        if staging_tokens < 2 * piece:
+        if staging_tokens < min(2 * piece, n_tokens):  # room for two slots, unless it holds the whole block
             piece = max(1, staging_tokens // 2)
         return piece, max(1, staging_tokens // piece)
     return piece, min(RING_SLOTS, math.ceil(n_tokens / piece))
@@ -348,28 +348,52 @@ def _staged(
         main.wait_event(done[-1])  # the side stream ran the DMAs in order: the last implies all
 
 
+# Registered ops. ``layer_ptrs`` stands for the device memory it addresses: h2d declares it mutated
+# so torch.compile neither drops nor reorders the call; the host block is declared mutated only by
+# d2h (a functionalized copy of it would not be registered memory).
+_TAIL = "str method, Tensor(c!)? staging, int? num_ctas) -> ()"
+
+
 @torch.library.custom_op(
     "kvstrata::multi_layer_block_transfer",
-    # layer_ptrs stands for the device memory it addresses (written by h2d): declaring it keeps the
-    # op from being dropped or reordered under torch.compile.
     mutates_args=("layer_ptrs", "host_block", "staging"),
-    schema="(Tensor(a!) layer_ptrs, Tensor(b!) host_block, str direction, str method, Tensor(c!)? staging, "
-    "int? num_ctas) -> ()",
+    schema="(Tensor(a!) layer_ptrs, Tensor(b!) host_block, str direction, " + _TAIL,
 )
-def _op(
-    layer_ptrs: torch.Tensor,
-    host_block: torch.Tensor,
-    direction: str,
-    method: str,
-    staging: torch.Tensor | None,
-    num_ctas: int | None,
-) -> None:
+def _op(layer_ptrs, host_block, direction, method, staging, num_ctas) -> None:
     _impl(layer_ptrs, host_block, direction, method, staging, num_ctas)
 
 
 @_op.register_fake
 def _(layer_ptrs, host_block, direction, method, staging, num_ctas) -> None:
     _check_meta(layer_ptrs, host_block, direction, method, staging, num_ctas)
+
+
+@torch.library.custom_op(
+    "kvstrata::block_transfer_h2d",
+    mutates_args=("layer_ptrs", "staging"),
+    schema="(Tensor(a!) layer_ptrs, Tensor host_block, " + _TAIL,
+)
+def _op_h2d(layer_ptrs, host_block, method, staging, num_ctas) -> None:
+    _impl(layer_ptrs, host_block, "h2d", method, staging, num_ctas)
+
+
+@_op_h2d.register_fake
+def _(layer_ptrs, host_block, method, staging, num_ctas) -> None:
+    _check_meta(layer_ptrs, host_block, "h2d", method, staging, num_ctas)
+
+
+@torch.library.custom_op(
+    "kvstrata::block_transfer_d2h",
+    mutates_args=("host_block", "staging"),
+    schema="(Tensor layer_ptrs, Tensor(b!) host_block, " + _TAIL,
+)
+def _op_d2h(layer_ptrs, host_block, method, staging, num_ctas) -> None:
+    _impl(layer_ptrs, host_block, "d2h", method, staging, num_ctas)
+
+
+@_op_d2h.register_fake
+def _(layer_ptrs, host_block, method, staging, num_ctas) -> None:
+    _check_meta(layer_ptrs, host_block, "d2h", method, staging, num_ctas)
 
 
 def multi_layer_block_transfer(
@@ -403,7 +427,8 @@ def multi_layer_block_transfer(
     check_choice(direction, "direction", DIRECTIONS)
     check_choice(method, "method", METHODS)
     check_optional_positive_int(num_ctas, "num_ctas")
-    torch.ops.kvstrata.multi_layer_block_transfer(layer_ptrs, host_block, direction, method, staging, num_ctas)
+    op = torch.ops.kvstrata.block_transfer_h2d if direction == "h2d" else torch.ops.kvstrata.block_transfer_d2h
+    op(layer_ptrs, host_block, method, staging, num_ctas)
 
 
 def fused_memcpy_multi_layer_block_transfer(
