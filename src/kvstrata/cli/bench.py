@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 # job name -> (module, one-line help)
-JOBS: dict[str, tuple[str, str]] = {}
+JOBS: dict[str, tuple[str, str]] = {
+    "gather": ("kvstrata.bench.gather", "gather rows from pinned host memory: kvstrata vs table[ids].to(cuda) and DMA"),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,6 @@
+"""Transfer operators (each also a torch custom op ``torch.ops.kvstrata.<name>``)."""
+
+from kvstrata.ops.block_transfer import fused_memcpy_multi_layer_block_transfer, multi_layer_block_transfer
+from kvstrata.ops.gather import gather
+
+__all__ = ["fused_memcpy_multi_layer_block_transfer", "gather", "multi_layer_block_transfer"]
