@@ -21,13 +21,13 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from kvstrata.ops import copy_engine
+from kvstrata.ops._common import interpreting
 from kvstrata.ops.chunk_copy import alignment, default_ctas, launch_copy_chunks
 from kvstrata.ops.kv_layout import HostPool, KVLayout
 from kvstrata.ops.staging import Geometry, staging_transfer
@@ -127,7 +127,7 @@ def _validate(layout: KVLayout, pool: HostPool, dev_ids: torch.Tensor, host_ids:
     if np.unique(dst).size != dst.size:
         raise ValueError(f"{dst_name}: duplicate destination ids")
     on_cuda = layout.device.type == "cuda"
-    if method in ("zero_copy", "staging") and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if method in ("zero_copy", "staging") and not on_cuda and not interpreting():
         raise ValueError(f"method={method!r} needs a CUDA device layout (or TRITON_INTERPRET=1)")
     if method == "copy_engine" and on_cuda and copy_engine._runtime() is None:
         raise ValueError("method='copy_engine' needs cuda-bindings (pip install cuda-bindings)")
@@ -146,7 +146,7 @@ def _host_mapped(t: torch.Tensor) -> bool:
         from kvstrata.memory import is_registered
     except ImportError:
         is_registered = None
-    if is_registered is not None and is_registered(t):
+    if is_registered is not None and is_registered(t.data_ptr(), t.numel() * t.element_size()):
         return True
     return t.is_pinned()
 
