@@ -303,7 +303,7 @@ class HostPool:
         nbytes = num_blocks * device_layout.block_bytes
         if pinned is None:
             pinned = device_layout.device.type == "cuda"
-        tensor = _alloc_pinned(nbytes, device_layout.device) if pinned else torch.empty(nbytes, dtype=torch.uint8)
+        tensor = _alloc_pinned(nbytes, device_layout.device) if pinned else torch.zeros(nbytes, dtype=torch.uint8)
         return cls(tensor, layout, device_layout.num_segments, device_layout.chunk_bytes, num_blocks)
 
 
