@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 # job name -> (module, one-line help)
-JOBS: dict[str, tuple[str, str]] = {}
+JOBS: dict[str, tuple[str, str]] = {
+    "transfer": ("kvstrata.bench.transfer", "KV block transfer methods vs the DMA ceiling and baselines"),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

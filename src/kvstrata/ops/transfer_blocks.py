@@ -189,6 +189,8 @@ def _transfer_blocks_op(
         from kvstrata.ops.calibration import choose_method
 
         method = choose_method(direction, chunk, n * len(seg_ptrs), device=device)
+        if method == "zero_copy" and device.type == "cuda" and not _host_mapped(host):
+            method = "staging"  # pageable pool: the kernel cannot address it; DMA can
     host_flat = host.reshape(-1).view(torch.uint8)
     g = Geometry(
         seg_ptrs=tuple(seg_ptrs),
@@ -210,9 +212,9 @@ def _transfer_blocks_op(
     ctas = num_ctas or (ZERO_COPY_CTAS[direction] if method == "zero_copy" else default_ctas(device))
     guard = torch.cuda.device(device) if device.type == "cuda" else _null()
     with guard:
-        d_ids = dev_ids if dev_ids.device == device else dev_ids.to(device, non_blocking=True)
+        d_ids = _on_device(dev_ids, device, "device_block_ids")
         if method == "zero_copy":
-            h_ids = host_ids if host_ids.device == device else host_ids.to(device, non_blocking=True)
+            h_ids = _on_device(host_ids, device, "host_block_ids")
             base = _host_device_ptr(host) if device.type == "cuda" else host.data_ptr()
             launch_copy_chunks(
                 seg_table, d_ids, h_ids, base, n_blocks=n, nseg=g.nseg, chunk_bytes=chunk, dev_block_stride=dbs,
@@ -227,6 +229,17 @@ def _transfer_blocks_op(
 @_transfer_blocks_op.register_fake
 def _(dev_tensors, host, seg_table, seg_ptrs, dev_ids, host_ids, geom, direction, method, num_ctas) -> None:
     return None
+
+
+def _on_device(ids: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
+    """Ids for a kernel on ``device``: host ids go through pinned memory, so the copy is truly async."""
+    if ids.device == device:
+        return ids
+    if device.type != "cuda":
+        return ids.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"{name}: pass device-resident ids under CUDA graph capture (a host buffer is not replayable)")
+    return (ids if ids.is_pinned() else ids.pin_memory()).to(device, non_blocking=True)
 
 
 class _null:
