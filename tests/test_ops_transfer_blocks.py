@@ -256,7 +256,7 @@ def test_gpu_compile():
     @torch.compile(fullgraph=True)
     def store(d, h):
         torch.ops.kvstrata.transfer_blocks(
-            list(layout.tensors), pool.tensor, layout.seg_ptr_table, list(layout.seg_ptrs), d, h,
+            *layout.op_args(), pool.tensor, d, h,
             [layout.chunk_bytes, layout.block_stride, pool.block_stride, pool.seg_stride, 1], "d2h", "zero_copy", 0,
         )  # fmt: skip
 
@@ -299,3 +299,23 @@ def test_gpu_graph_capture(seeded, method):
         for seg in range(6):
             assert same(host_chunk(pool.flat, "block_first", 6, 4, layout.chunk_bytes, seg, h),
                                device_chunk(cache, seg, d).cpu())  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["zero_copy", "copy_engine", "torch"])
+def test_op_addresses_the_tensors_it_is_given(seeded, method):
+    """torch.compile's functionalization may hand the op clones of the cache: the op must write those."""
+    cache = make_cache("vllm", layers=2, blocks=4, dtype=torch.float16)
+    layout = layout_of(cache)
+    pool = _pool(layout, 2, "block_first", "cpu")
+    tensors, table, ptrs, owners, offsets = layout.op_args()
+    clones = [t.clone() for t in tensors]
+    before = clone_all(cache)
+    geom = [layout.chunk_bytes, layout.block_stride, pool.block_stride, pool.seg_stride, 1]
+    ids = torch.tensor([3]), torch.tensor([1])
+    torch.ops.kvstrata.transfer_blocks(clones, table, ptrs, owners, offsets, pool.tensor, *ids, geom, "h2d", method, 0)
+    assert all(same(t, b) for t, b in zip(tensors, before)), "the originals were written"
+    clone_cache = {"kind": "vllm", "caches": clones}
+    for seg in range(4):
+        assert same(
+            device_chunk(clone_cache, seg, 3), host_chunk(pool.flat, "block_first", 4, 2, layout.chunk_bytes, seg, 1)
+        )

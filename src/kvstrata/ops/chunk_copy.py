@@ -41,23 +41,23 @@ def _copy_chunks_kernel(
     other_block_stride,
     other_seg_stride,
     nprog,
-    NSEG: tl.constexpr,
-    CHUNK: tl.constexpr,  # words per chunk
+    nseg,  # segments per block in this launch
+    chunk,  # words per chunk
     TILE: tl.constexpr,  # words per row of a tile (power of 2)
     ROWS: tl.constexpr,  # chunks per tile (power of 2)
-    EVEN: tl.constexpr,  # CHUNK % TILE == 0: no column mask
+    EVEN: tl.constexpr,  # chunk % TILE == 0: no column mask
     TO_OTHER: tl.constexpr,  # True: device -> other side; False: other side -> device
     WORD: tl.constexpr,
     ALIGN: tl.constexpr,  # bytes every address is a multiple of (vectorisation hint)
 ):
     pid = tl.program_id(0)
-    n_rows = n_blocks * NSEG
+    n_rows = n_blocks * nseg
     n_groups = tl.cdiv(n_rows, ROWS)
     for g in range(pid, n_groups, nprog):
         r = g * ROWS + tl.arange(0, ROWS)
         rmask = r < n_rows
-        i = r // NSEG
-        s = r % NSEG
+        i = r // nseg
+        s = r % nseg
         d = tl.load(dev_ids + i, mask=rmask, other=0).to(tl.int64)
         o = tl.load(other_ids + i, mask=rmask, other=0).to(tl.int64)
         dev_addr = tl.load(seg_ptrs + seg_lo + s, mask=rmask, other=0) + d * dev_block_stride
@@ -68,14 +68,14 @@ def _copy_chunks_kernel(
         else:
             src_addr = other_addr
             dst_addr = dev_addr
-        src = tl.multiple_of(src_addr, ALIGN).to(tl.pointer_type(WORD))
-        dst = tl.multiple_of(dst_addr, ALIGN).to(tl.pointer_type(WORD))
-        for off in range(0, CHUNK, TILE):
+        src = tl.multiple_of(tl.multiple_of(src_addr, ALIGN).to(tl.pointer_type(WORD)), ALIGN)
+        dst = tl.multiple_of(tl.multiple_of(dst_addr, ALIGN).to(tl.pointer_type(WORD)), ALIGN)
+        for off in range(0, chunk, TILE):
             c = tl.max_contiguous(tl.multiple_of(off + tl.arange(0, TILE), TILE), TILE)
             if EVEN:  # noqa: SIM108 (constexpr branch, clearer in a kernel)
                 m = rmask[:, None] & (c[None, :] >= 0)
             else:
-                m = rmask[:, None] & (c[None, :] < CHUNK)
+                m = rmask[:, None] & (c[None, :] < chunk)
             x = tl.load(src[:, None] + c[None, :], mask=m)
             tl.store(dst[:, None] + c[None, :], x, mask=m)
 
@@ -136,8 +136,8 @@ def launch_copy_chunks(
         other_block_stride,
         other_seg_stride,
         nprog,
-        NSEG=nseg,
-        CHUNK=chunk_words,
+        nseg,
+        chunk_words,
         TILE=tile,
         ROWS=rows,
         EVEN=chunk_words % tile == 0,

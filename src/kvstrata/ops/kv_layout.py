@@ -61,6 +61,8 @@ class KVLayout:
     dtype: torch.dtype
     device: torch.device
     seg_ptrs: tuple[int, ...]
+    seg_owner: tuple[int, ...]  # index into ``tensors`` of each segment's tensor
+    seg_offset: tuple[int, ...]  # bytes from that tensor's data_ptr() to the segment base
     seg_ptr_table: torch.Tensor = field(repr=False, compare=False)  # int64 [S*L] on ``device``
     seg_views: tuple[torch.Tensor, ...] = field(repr=False, compare=False)  # uint8 [num_blocks, chunk] each
     tensors: tuple[torch.Tensor, ...] = field(repr=False, compare=False)
@@ -73,6 +75,10 @@ class KVLayout:
     def block_bytes(self) -> int:
         """Bytes of one block over all layers (and K/V): one host block."""
         return self.num_segments * self.chunk_bytes
+
+    def op_args(self) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int], list[int]]:
+        """The layout's arguments of ``torch.ops.kvstrata.transfer_blocks`` (tensors, table, ptrs, owners, offsets)."""
+        return list(self.tensors), self.seg_ptr_table, list(self.seg_ptrs), list(self.seg_owner), list(self.seg_offset)
 
     # -- constructors ------------------------------------------------------------------------------
     @classmethod
@@ -152,10 +158,13 @@ class KVLayout:
             raise ValueError(f"{kind} cache has no blocks")
         if block_stride < chunk:
             raise ValueError(f"{kind} cache: blocks overlap (block stride {block_stride} B < block size {chunk} B)")
-        views, ptrs = [], []
+        views, ptrs, owners, offsets = [], [], [], []
+        index = {id(t): i for i, t in enumerate(tensors)}
         for t, off in segs:
             views.append(_seg_view(t, off, num_blocks, block_stride, chunk))
             ptrs.append(t.data_ptr() + off)
+            owners.append(index[id(t)])
+            offsets.append(off)
         table = torch.tensor(ptrs, dtype=torch.int64)
         if t0.device.type != "cpu":
             table = table.to(t0.device)
@@ -170,6 +179,8 @@ class KVLayout:
             dtype=t0.dtype,
             device=t0.device,
             seg_ptrs=tuple(ptrs),
+            seg_owner=tuple(owners),
+            seg_offset=tuple(offsets),
             seg_ptr_table=table,
             seg_views=tuple(views),
             tensors=tuple(tensors),

@@ -75,10 +75,8 @@ def transfer_blocks(
     if dev_ids.numel() == 0:
         return
     torch.ops.kvstrata.transfer_blocks(
-        list(device_layout.tensors),
+        *device_layout.op_args(),
         host_pool.tensor,
-        device_layout.seg_ptr_table,
-        list(device_layout.seg_ptrs),
         dev_ids,
         host_ids,
         [
@@ -169,9 +167,11 @@ def _host_device_ptr(t: torch.Tensor) -> int:
 @torch.library.custom_op("kvstrata::transfer_blocks", mutates_args=("dev_tensors", "host"))
 def _transfer_blocks_op(
     dev_tensors: list[torch.Tensor],
-    host: torch.Tensor,
     seg_table: torch.Tensor,
     seg_ptrs: list[int],
+    seg_owner: list[int],
+    seg_offset: list[int],
+    host: torch.Tensor,
     dev_ids: torch.Tensor,
     host_ids: torch.Tensor,
     geom: list[int],
@@ -185,6 +185,14 @@ def _transfer_blocks_op(
     n = dev_ids.numel()
     if n == 0:
         return
+    # Under torch.compile the tensors may arrive as functionalization clones: address those, not the originals.
+    first, last = 0, len(seg_ptrs) - 1
+    if (
+        dev_tensors[seg_owner[first]].data_ptr() + seg_offset[first] != seg_ptrs[first]
+        or dev_tensors[seg_owner[last]].data_ptr() + seg_offset[last] != seg_ptrs[last]
+    ):
+        seg_ptrs = [dev_tensors[o].data_ptr() + off for o, off in zip(seg_owner, seg_offset)]
+        seg_table = torch.tensor(seg_ptrs, dtype=torch.int64).to(device)
     if method == "auto":
         from kvstrata.ops.calibration import choose_method
 
@@ -227,7 +235,8 @@ def _transfer_blocks_op(
 
 
 @_transfer_blocks_op.register_fake
-def _(dev_tensors, host, seg_table, seg_ptrs, dev_ids, host_ids, geom, direction, method, num_ctas) -> None:
+def _(dev_tensors, seg_table, seg_ptrs, seg_owner, seg_offset, host, dev_ids, host_ids, geom, direction, method,
+      num_ctas) -> None:  # fmt: skip
     return None
 
 
