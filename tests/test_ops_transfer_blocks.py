@@ -255,10 +255,8 @@ def test_gpu_compile():
 
     @torch.compile(fullgraph=True)
     def store(d, h):
-        torch.ops.kvstrata.transfer_blocks(
-            *layout.op_args(), pool.tensor, d, h,
-            [layout.chunk_bytes, layout.block_stride, pool.block_stride, pool.seg_stride, 1], "d2h", "zero_copy", 0,
-        )  # fmt: skip
+        geom = [layout.chunk_bytes, layout.block_stride, pool.block_stride, pool.seg_stride, 1, layout.align]
+        torch.ops.kvstrata.transfer_blocks(*layout.op_args(), pool.tensor, d, h, geom, "d2h", "zero_copy", 0)
 
     store(dev_ids, host_ids)
     torch.cuda.synchronize()
@@ -310,7 +308,7 @@ def test_op_addresses_the_tensors_it_is_given(seeded, method):
     tensors, table, ptrs, owners, offsets = layout.op_args()
     clones = [t.clone() for t in tensors]
     before = clone_all(cache)
-    geom = [layout.chunk_bytes, layout.block_stride, pool.block_stride, pool.seg_stride, 1]
+    geom = [layout.chunk_bytes, layout.block_stride, pool.block_stride, pool.seg_stride, 1, layout.align]
     ids = torch.tensor([3]), torch.tensor([1])
     torch.ops.kvstrata.transfer_blocks(clones, table, ptrs, owners, offsets, pool.tensor, *ids, geom, "h2d", method, 0)
     assert all(same(t, b) for t, b in zip(tensors, before)), "the originals were written"

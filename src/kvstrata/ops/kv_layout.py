@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -63,6 +64,7 @@ class KVLayout:
     seg_ptrs: tuple[int, ...]
     seg_owner: tuple[int, ...]  # index into ``tensors`` of each segment's tensor
     seg_offset: tuple[int, ...]  # bytes from that tensor's data_ptr() to the segment base
+    align: int  # largest power of two <= 16 dividing every segment base, the block stride and the chunk
     seg_ptr_table: torch.Tensor = field(repr=False, compare=False)  # int64 [S*L] on ``device``
     seg_views: tuple[torch.Tensor, ...] = field(repr=False, compare=False)  # uint8 [num_blocks, chunk] each
     tensors: tuple[torch.Tensor, ...] = field(repr=False, compare=False)
@@ -181,10 +183,18 @@ class KVLayout:
             seg_ptrs=tuple(ptrs),
             seg_owner=tuple(owners),
             seg_offset=tuple(offsets),
+            align=_alignment(chunk, block_stride, *ptrs),
             seg_ptr_table=table,
             seg_views=tuple(views),
             tensors=tuple(tensors),
         )
+
+
+def _alignment(*values: int) -> int:
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    return min(16, g & -g) if g else 16
 
 
 def _check_list(tensors: Sequence[torch.Tensor], name: str, *, ndim: int) -> list[torch.Tensor]:

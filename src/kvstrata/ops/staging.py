@@ -59,6 +59,20 @@ def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.St
     return _streams[idx]
 
 
+_aranges: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int32 on ``device``, cached (no kernel launch per call; stable under graph capture)."""
+    have = _aranges.get(device)
+    if have is not None and have.numel() >= n:
+        return have[:n]
+    t = torch.arange(max(n, 4096), dtype=torch.int32, device=device)
+    if not torch.cuda.is_current_stream_capturing():
+        _aranges[device] = t
+    return t[:n]
+
+
 def _pieces(n_blocks: int, g: Geometry, slot_bytes: int) -> list[tuple[int, int, int, int]]:
     """(block lo, block hi, seg lo, seg hi) pieces, each fitting one slot."""
     per_block = g.nseg * g.chunk
@@ -119,7 +133,7 @@ def staging_transfer(
         cs.wait_stream(cur)
         with torch.cuda.stream(ks):
             ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
-            slot_ids = torch.arange(max_nb, dtype=torch.int32, device=device)
+            slot_ids = _arange(max_nb, device)
         ring.record_stream(cs)
     else:
         ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)

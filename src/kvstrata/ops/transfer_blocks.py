@@ -74,7 +74,9 @@ def transfer_blocks(
         _validate(device_layout, host_pool, dev_ids, host_ids, direction, method)
     if dev_ids.numel() == 0:
         return
-    torch.ops.kvstrata.transfer_blocks(
+    # Eager calls skip the dispatcher (tens of us with one tensor per layer); torch.compile sees the op.
+    op = torch.ops.kvstrata.transfer_blocks if torch.compiler.is_compiling() else _transfer_blocks_impl
+    op(
         *device_layout.op_args(),
         host_pool.tensor,
         dev_ids,
@@ -85,6 +87,7 @@ def transfer_blocks(
             host_pool.block_stride,
             host_pool.seg_stride,
             int(host_pool.layout == "block_first"),
+            device_layout.align,
         ],
         direction,
         method,
@@ -164,8 +167,7 @@ def _host_device_ptr(t: torch.Tensor) -> int:
 # -- the custom op ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kvstrata::transfer_blocks", mutates_args=("dev_tensors", "host"))
-def _transfer_blocks_op(
+def _transfer_blocks_impl(
     dev_tensors: list[torch.Tensor],
     seg_table: torch.Tensor,
     seg_ptrs: list[int],
@@ -179,8 +181,11 @@ def _transfer_blocks_op(
     method: str,
     num_ctas: int,
 ) -> None:
-    """Op form of :func:`transfer_blocks` (``geom`` = chunk, dev block stride, host block/seg stride, block_first)."""
-    chunk, dbs, hbs, hss, block_first = geom
+    """Body of ``torch.ops.kvstrata.transfer_blocks``.
+
+    ``geom`` = [chunk bytes, device block stride, host block stride, host seg stride, block_first, device alignment].
+    """
+    chunk, dbs, hbs, hss, block_first, dev_align = geom
     device = seg_table.device
     n = dev_ids.numel()
     if n == 0:
@@ -208,7 +213,7 @@ def _transfer_blocks_op(
         host_block_stride=hbs,
         host_seg_stride=hss,
         block_first=bool(block_first),
-        align=alignment(chunk, dbs, hbs, hss, host.data_ptr(), *seg_ptrs),
+        align=alignment(dev_align, hbs, hss, host.data_ptr()),
     )
     to_host = direction == "d2h"
     if method == "torch":
@@ -232,6 +237,11 @@ def _transfer_blocks_op(
             staging_transfer(g, seg_table, d_ids, host_ids.cpu().numpy(), host_flat, to_host=to_host, num_ctas=ctas)
         else:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+_transfer_blocks_op = torch.library.custom_op("kvstrata::transfer_blocks", mutates_args=("dev_tensors", "host"))(
+    _transfer_blocks_impl
+)
 
 
 @_transfer_blocks_op.register_fake
