@@ -189,7 +189,7 @@ def choose_method(
     dev = torch.device(device) if isinstance(device, (str, torch.device)) else None
     if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
         return "torch"
-    candidates = tuple(m for m in PREFERENCE if methods is None or m in methods)
+    candidates = tuple(m for m in _available() if methods is None or m in methods)
     if not candidates:
         raise ValueError(f"methods: none of {PREFERENCE} in {methods!r}")
     idx = _index(device)
@@ -210,9 +210,16 @@ def _load_or_calibrate(idx: int) -> Calibration | None:
     if cal is None and os.environ.get("KVSTRATA_AUTO_CALIBRATE", "1") != "0":
         try:
             cal = calibrate(idx, key=None)
-        except (RuntimeError, OSError, KvstrataError) as exc:  # a failed calibration must not stop transfers
+        except (RuntimeError, OSError, ValueError, KvstrataError) as exc:  # must not stop the transfer itself
             warnings.warn(f"kvstrata: calibration failed ({exc}); method='auto' uses the static rule", stacklevel=3)
     return cal
+
+
+def _available() -> tuple[str, ...]:
+    """Methods that can run here (``copy_engine`` needs cuda-bindings), in preference order."""
+    from kvstrata.ops import copy_engine
+
+    return PREFERENCE if copy_engine._runtime() is not None else tuple(m for m in PREFERENCE if m != "copy_engine")
 
 
 def _index(device: torch.device | int | str | None) -> int:
@@ -240,7 +247,7 @@ def _measure(device: torch.device) -> Points:
                 dev_ids = torch.randperm(2 * n)[:n].sort().values
                 host_ids = torch.arange(n)
                 for direction in ("d2h", "h2d"):
-                    for method in PREFERENCE:
+                    for method in _available():
                         args = (layout, pool, dev_ids, host_ids)
                         t = _time(lambda a=args, d=direction, m=method: transfer_blocks(*a, direction=d, method=m))
                         points[direction][method][regime].append([chunk, round(nseg * n * chunk / t / 1e9, 2)])
