@@ -202,8 +202,10 @@ def _transfer_blocks_impl(
         from kvstrata.ops.calibration import choose_method
 
         method = choose_method(direction, chunk, n * len(seg_ptrs), device=device)
-        if method == "zero_copy" and device.type == "cuda" and not _host_mapped(host):
-            method = "staging"  # pageable pool: the kernel cannot address it; DMA can
+    if method == "zero_copy" and device.type == "cuda" and not _host_mapped(host):
+        # A pageable pool (auto's choice, check=False, or a compile-time clone): the kernel cannot address it,
+        # DMA can. Never launch a kernel on an unmapped host address.
+        method = "staging"
     host_flat = host.reshape(-1).view(torch.uint8)
     g = Geometry(
         seg_ptrs=tuple(seg_ptrs),
