@@ -47,16 +47,19 @@ class Geometry:
         return len(self.seg_ptrs)
 
 
-_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_streams: dict[tuple[int, bool], tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
 
-def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(high-priority kernel stream, copy stream) of ``device``, created once."""
+def side_streams(device: torch.device, to_host: bool) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(high-priority kernel stream, copy stream) of ``device`` for one direction, created once.
+
+    One pair per direction, so a store and a load running at the same time use both DMA directions."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _streams:
+    key = (idx, to_host)
+    if key not in _streams:
         _, highest = torch.cuda.Stream.priority_range()
-        _streams[idx] = (torch.cuda.Stream(device=idx, priority=highest), torch.cuda.Stream(device=idx))
-    return _streams[idx]
+        _streams[key] = (torch.cuda.Stream(device=idx, priority=highest), torch.cuda.Stream(device=idx))
+    return _streams[key]
 
 
 _aranges: dict[torch.device, torch.Tensor] = {}
@@ -128,7 +131,7 @@ def staging_transfer(
     max_nb = max(p[1] - p[0] for p in pieces)
     if cuda:
         cur = torch.cuda.current_stream(device)
-        ks, cs = side_streams(device)
+        ks, cs = side_streams(device, to_host)
         ks.wait_stream(cur)
         cs.wait_stream(cur)
         with torch.cuda.stream(ks):
