@@ -317,3 +317,33 @@ def test_op_addresses_the_tensors_it_is_given(seeded, method):
         assert same(
             device_chunk(clone_cache, seg, 3), host_chunk(pool.flat, "block_first", 4, 2, layout.chunk_bytes, seg, 1)
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["staging", "copy_engine", "zero_copy", "auto"])
+def test_gpu_store_and_load_at_once(seeded, method):
+    """A store on one stream and a load on another, concurrently: both land exactly."""
+    cache = make_cache("vllm", layers=4, blocks=64, dtype=torch.bfloat16, device="cuda", head_dim=512)
+    layout = layout_of(cache)
+    pool = _pool(layout, 64, "block_first", "cuda")
+    before = clone_all(cache)
+    pool_before = pool.flat.clone()
+    on_gpu = method == "zero_copy"
+    ids = (lambda x: torch.tensor(x, device="cuda")) if on_gpu else list
+    store_dev, store_host = list(range(0, 32)), list(range(32, 64))
+    load_dev, load_host = list(range(63, 31, -1)), list(range(0, 32))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        transfer_blocks(layout, pool, ids(store_dev), ids(store_host), direction="d2h", method=method, check=False)
+    with torch.cuda.stream(s2):
+        transfer_blocks(layout, pool, ids(load_dev), ids(load_host), direction="h2d", method=method, check=False)
+    torch.cuda.synchronize()
+    old = _rebuild(cache, before)
+    for seg in range(8):
+        for d, h in zip(store_dev, store_host):
+            assert same(
+                host_chunk(pool.flat, "block_first", 8, 64, layout.chunk_bytes, seg, h), device_chunk(old, seg, d).cpu()
+            )
+        for d, h in zip(load_dev, load_host):
+            expect = host_chunk(pool_before, "block_first", 8, 64, layout.chunk_bytes, seg, h)
+            assert same(device_chunk(cache, seg, d).cpu(), expect)
