@@ -12,6 +12,7 @@ import importlib
 # job name -> (module, one-line help)
 JOBS: dict[str, tuple[str, str]] = {
     "gather": ("kvstrata.bench.gather", "gather rows from pinned host memory: kvstrata vs table[ids].to(cuda) and DMA"),
+    "transfer": ("kvstrata.bench.transfer", "KV block transfer methods vs the DMA ceiling and baselines"),
 }
 
 

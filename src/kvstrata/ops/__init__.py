@@ -2,5 +2,14 @@
 
 from kvstrata.ops.block_transfer import fused_memcpy_multi_layer_block_transfer, multi_layer_block_transfer
 from kvstrata.ops.gather import gather
+from kvstrata.ops.kv_layout import HostPool, KVLayout
+from kvstrata.ops.transfer_blocks import transfer_blocks
 
-__all__ = ["fused_memcpy_multi_layer_block_transfer", "gather", "multi_layer_block_transfer"]
+__all__ = [
+    "HostPool",
+    "KVLayout",
+    "fused_memcpy_multi_layer_block_transfer",
+    "gather",
+    "multi_layer_block_transfer",
+    "transfer_blocks",
+]
