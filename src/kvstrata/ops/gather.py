@@ -209,7 +209,12 @@ def gather(
     for name, t in (("table", table), ("out", out), ("ids", ids)):
         check_tensor(t, name)  # before the dispatcher, which would reject it with a less helpful message
     check_optional_positive_int(num_ctas, "num_ctas")
-    torch.ops.kvstrata.gather(table, out, ids, num_ctas, bool(check))
+    if torch.compiler.is_compiling():
+        torch.ops.kvstrata.gather(table, out, ids, num_ctas, bool(check))
+    else:
+        # Eager calls skip the dispatcher (~100 us of host time per call on the H200 machine, five
+        # times the copy of 1,024 rows); torch.compile and export still see the registered op.
+        _gather_impl(table, out, ids, num_ctas, bool(check))
     return out
 
 
