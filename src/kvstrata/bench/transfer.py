@@ -334,15 +334,17 @@ def under_gemm(chunks: list[int], total: int) -> dict:
             for _ in range(2):  # the first window warms up
                 torch.cuda.synchronize()
                 e0, e1, t0, t1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+                # GEMMs first, as baselines/overlap_gpu.py does: enqueued after the transfer, their launches
+                # would wait for its host-side work and the GEMM window would measure idle time.
                 e0.record()
-                side.wait_stream(torch.cuda.current_stream())
+                gemms()
+                e1.record()
+                side.wait_event(e0)
                 with torch.cuda.stream(side):
                     t0.record()
                     for _ in range(reps):
                         fn()
                     t1.record()
-                gemms()
-                e1.record()
                 torch.cuda.synchronize()
                 kept.append(reps_gemm * flops / (e0.elapsed_time(e1) / 1e3) / 1e12 / solo)
                 rate.append(reps * s.bytes / (t0.elapsed_time(t1) / 1e3) / 1e9)

@@ -23,9 +23,12 @@ import torch
 from kvstrata.ops import copy_engine
 from kvstrata.ops.chunk_copy import launch_copy_chunks
 
-# Ring geometry (tunable; a deep ring keeps the DMA busy while a long GEMM holds the SMs).
-SLOT_BYTES = int(os.environ.get("KVSTRATA_STAGING_SLOT_MB", "8")) << 20
-NUM_SLOTS = int(os.environ.get("KVSTRATA_STAGING_SLOTS", "4"))
+# Ring geometry. Pieces must be large: each costs ~150-300 us of host time (planning, a kernel launch,
+# a DMA, events) on the H200 machine, so 8 MiB pieces (150 us of DMA) left the copy engine idle half
+# the time at 32 KiB chunks (28 GB/s), while 32 MiB x 3 reached 47-50 GB/s at 2 KiB-2 MiB chunks
+# (tools/tune_transfer.py, 2026-11-29). The ring is taken from torch's caching allocator per call.
+SLOT_BYTES = int(os.environ.get("KVSTRATA_STAGING_SLOT_MB", "32")) << 20
+NUM_SLOTS = int(os.environ.get("KVSTRATA_STAGING_SLOTS", "3"))
 BATCH_RUNS = 8  # above this many DMA runs per piece, use one cudaMemcpyBatchAsync
 
 
