@@ -157,6 +157,10 @@ def _bad_input(rank: int, world: int, store: str, backend: str) -> None:
         with pytest.raises((ValueError, TypeError), match="rank") as info:
             ag.all_gather(out, inp)
         assert text in str(info.value), (text, str(info.value))
+    # Ratios that differ across ranks.
+    inp, out = good()
+    with pytest.raises(ValueError, match="ratio: must match"):
+        ag.all_gather(out, inp, ratio=3 if rank == 0 else 5)
     # The group and the instance still work.
     inp, out = good()
     ag.all_gather(out, inp)
@@ -253,3 +257,19 @@ def test_nccl_two_numa_nodes_relay(tmp_path: Path) -> None:
 @pytest.mark.multigpu
 def test_nccl_bad_input_raises_on_every_rank(tmp_path: Path) -> None:
     _spawn(_bad_input, 2, tmp_path, "nccl")
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    """The benchmark end to end on two gloo processes: every method runs and gives the right result."""
+    import argparse
+    import json
+
+    from kvstrata.bench import allgather
+
+    args = argparse.Namespace(smoke=True, quick=False, sizes=None, gpus=None, iters=None, no_load=True, out=tmp_path)
+    assert allgather.run(args) == 0
+    record = json.loads((tmp_path / "allgather_smoke.json").read_text())
+    methods = {r["method"] for r in record["rows"]}
+    assert {"nccl", "host", "hybrid r=2", "hybrid r=16", "hybrid auto"} <= methods
+    assert all(r["correct"] and r["busbw_gbs"] > 0 for r in record["rows"]), record["rows"]
+    assert record["environment"]["command"]

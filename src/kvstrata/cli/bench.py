@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 # job name -> (module, one-line help)
-JOBS: dict[str, tuple[str, str]] = {}
+JOBS: dict[str, tuple[str, str]] = {
+    "allgather": ("kvstrata.bench.allgather", "hybrid all-gather (NCCL + host path) vs NCCL and the host path alone"),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

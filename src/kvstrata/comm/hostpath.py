@@ -211,8 +211,8 @@ class HostPath:
                     yield q
                 continue
             spins += 1
-            if spins > 200:
-                time.sleep(min(1e-3, 1e-5 * (spins - 200)))
+            # sleep(0) still releases the GIL, so the caller's thread can launch work while we poll.
+            time.sleep(0 if spins < 50 else min(2e-4, 2e-6 * spins))
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.2

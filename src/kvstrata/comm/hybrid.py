@@ -101,12 +101,7 @@ class HybridAllGather:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised (call init_process_group first)")
-        if (
-            ratio != "auto"
-            and ratio is not None
-            and (isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0)
-        ):
-            raise ValueError(f"ratio: expected 'auto', None or an int >= 0, got {ratio!r}")
+        _check_ratio(ratio)
         if hugepages not in (True, False, "auto"):
             raise ValueError(f"hugepages: expected True, False or 'auto', got {hugepages!r}")
         if not timeout > 0:
@@ -239,17 +234,28 @@ class HybridAllGather:
 
     # --- the call ------------------------------------------------------------------------------------
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False) -> Token | None:
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        *,
+        async_op: bool = False,
+        ratio: int | str | None = None,
+    ) -> Token | None:
         """Gather every rank's ``inp`` into ``out`` (``world * inp.numel()`` elements, rank order).
 
-        Collective: every rank of the group calls it with the same size and dtype. With
+        Collective: every rank of the group calls it with the same size, dtype and ``ratio``. With
         ``async_op=True`` returns a :class:`Token`; ``inp`` and ``out`` must stay alive and
         untouched until ``token.wait()``. Otherwise the result is ordered on the current stream.
+        ``ratio`` overrides the instance's split for this call (same meaning as in the constructor;
+        use 0 for the collective alone).
         """
         if self._closed:
             raise ClosedError("HybridAllGather is closed")
-        self._validate(out, inp)
-        ratio = self._choose_ratio(out, inp)
+        _check_ratio(ratio)
+        ratio = self.ratio if ratio is None else ratio
+        self._validate(out, inp, ratio)
+        ratio = self._choose_ratio(out, inp, ratio)
         token = self._launch(out, inp, ratio)
         if async_op:
             return token
@@ -315,7 +321,7 @@ class HybridAllGather:
 
     # --- checks and the automatic split --------------------------------------------------------------
 
-    def _validate(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def _validate(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> None:
         """Collective on the first call of a shape: every rank raises the same error for bad input."""
         if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
             raise TypeError("out, inp: expected torch.Tensor")
@@ -330,13 +336,14 @@ class HybridAllGather:
             problems |= 8
         if inp.device != self.device or out.device != self.device:
             problems |= 16
-        key = (inp.numel(), inp.dtype, out.numel(), out.dtype, inp.device, out.device, problems)
+        code = -1 if ratio == "auto" else int(ratio)
+        key = (inp.numel(), inp.dtype, out.numel(), out.dtype, inp.device, out.device, code, problems)
         if problems == 0 and key in self._validated:
             return
-        meta = torch.tensor([inp.numel(), zlib.crc32(str(inp.dtype).encode()), problems], dtype=torch.int64)
-        gathered = torch.empty(self.world * 3, dtype=torch.int64, device=self.device)
+        meta = torch.tensor([inp.numel(), zlib.crc32(str(inp.dtype).encode()), problems, code], dtype=torch.int64)
+        gathered = torch.empty(self.world * 4, dtype=torch.int64, device=self.device)
         _gather(gathered, meta.to(self.device), group=self.group)
-        rows = gathered.view(self.world, 3).tolist()
+        rows = [tuple(r) for r in gathered.view(self.world, 4).tolist()]
         messages = []
         names = {
             1: "inp is not contiguous",
@@ -345,19 +352,22 @@ class HybridAllGather:
             8: "out.dtype differs from inp.dtype",
             16: f"tensors are not on {self.device.type} as the group's backend needs",
         }
-        for r, (_, _, bits) in enumerate(rows):
+        for r, (_, _, bits, _) in enumerate(rows):
             messages += [f"rank {r}: {text}" for bit, text in names.items() if bits & bit]
         if messages:
-            kind = TypeError if any(bits & (8 | 16) for _, _, bits in rows) else ValueError
+            kind = TypeError if any(row[2] & (8 | 16) for row in rows) else ValueError
             raise kind("out/inp: " + "; ".join(messages))
-        if len({(n, d) for n, d, _ in rows}) != 1:
-            detail = ", ".join(f"rank {r}: {n} elements, dtype #{d:x}" for r, (n, d, _) in enumerate(rows))
+        if len({(n, d) for n, d, _, _ in rows}) != 1:
+            detail = ", ".join(f"rank {r}: {n} elements, dtype #{d:x}" for r, (n, d, _, _) in enumerate(rows))
             raise ValueError(f"inp: size and dtype must match on every rank ({detail})")
+        if len({row[3] for row in rows}) != 1:
+            detail = ", ".join(f"rank {r}: {'auto' if c < 0 else c}" for r, (_, _, _, c) in enumerate(rows))
+            raise ValueError(f"ratio: must match on every rank ({detail})")
         self._validated.add(key)
 
-    def _choose_ratio(self, out: torch.Tensor, inp: torch.Tensor) -> int:
-        if self.ratio != "auto":
-            return int(self.ratio)
+    def _choose_ratio(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> int:
+        if ratio != "auto":
+            return int(ratio)
         nbytes = inp.numel() * inp.element_size()
         if not self.host_path_enabled or self.world == 1 or nbytes < AUTO_MIN_BYTES:
             return 0
@@ -370,7 +380,11 @@ class HybridAllGather:
     def _measure(self, out: torch.Tensor, inp: torch.Tensor, iters: int = 3) -> int:
         """Collective: time every candidate split on these tensors; all ranks pick the same one."""
         candidates = [r for r in AUTO_CANDIDATES if r == 0 or inp.numel() // r > 0]
-        self._ensure_capacity(max((inp.numel() // r for r in candidates if r), default=0) * inp.element_size())
+        try:
+            self._ensure_capacity(max((inp.numel() // r for r in candidates if r), default=0) * inp.element_size())
+        except RuntimeError as exc:  # raised on every rank alike (setup agrees collectively)
+            log.warning("hybrid all-gather: host path unavailable at this size, using the collective: %s", exc)
+            return 0
         times = []
         for r in candidates:
             self._launch(out, inp, r).wait()  # warm-up
@@ -409,6 +423,13 @@ class HybridAllGather:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_ratio(ratio) -> None:
+    if ratio is None or ratio == "auto":
+        return
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0:
+        raise ValueError(f"ratio: expected 'auto', None or an int >= 0, got {ratio!r}")
 
 
 def _wait_on(work, stream: torch.cuda.Stream) -> None:

@@ -129,6 +129,13 @@ class NodeSegment:
         if world > MAX_RANKS:
             raise ValueError(f"group: at most {MAX_RANKS} ranks, got {world}")
         size = segment_bytes(world, slot_bytes, huge=huge)
+        if not huge:  # tmpfs hands out sparse files and SIGBUSes on first touch when full: check first
+            st = os.statvfs(path.parent)
+            if st.f_bavail * st.f_frsize < size:
+                raise RuntimeError(
+                    f"{path.parent} has {st.f_bavail * st.f_frsize} bytes free, the segment needs {size} "
+                    "(enlarge it, e.g. docker --shm-size, or use a larger ratio)"
+                )
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
