@@ -41,6 +41,7 @@ from kvstrata.errors import ClosedError
 log = logging.getLogger(__name__)
 
 AUTO_CANDIDATES = (0, 32, 16, 8, 4, 2)  # 0: the device collective only
+HEADS = ("p2p", "gather")
 AUTO_MIN_BYTES = 1 << 20  # below this per rank the host leg's fixed latency never pays off
 AUTO_MARGIN = 0.98  # a split must beat the collective alone by 2% to be chosen (noise guard)
 _MIN_SLOT = 1 << 20
@@ -88,6 +89,10 @@ class HybridAllGather:
         numa_map: NUMA node of each rank (sequence or ``{rank: node}``), identical on every rank;
             default: the node of each rank's GPU (node 0 without CUDA or NUMA information).
         timeout: seconds a rank waits for a peer on the host leg before raising.
+        head: how the collective leg moves the heads: ``"p2p"`` (batched send/recv straight into
+            ``out``), ``"gather"`` (``all_gather_into_tensor`` into a scratch buffer, then one strided
+            copy into ``out``), or ``"auto"`` (measured with ``ratio="auto"``; for a fixed ratio
+            ``"p2p"`` on two ranks, where it moves the same bytes as the ring, ``"gather"`` otherwise).
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class HybridAllGather:
         hugepages: bool | str = "auto",
         numa_map: Sequence[int] | Mapping[int, int] | None = None,
         timeout: float = 60.0,
+        head: str = "auto",
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised (call init_process_group first)")
@@ -106,19 +112,22 @@ class HybridAllGather:
             raise ValueError(f"hugepages: expected True, False or 'auto', got {hugepages!r}")
         if not timeout > 0:
             raise ValueError(f"timeout: must be > 0, got {timeout!r}")
+        if head not in (*HEADS, "auto"):
+            raise ValueError(f"head: expected one of {(*HEADS, 'auto')}, got {head!r}")
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.ratio: int | str = "auto" if ratio == "auto" else (ratio or 0)
         self.hugepages = hugepages
         self.timeout = float(timeout)
+        self.head = head
         backend = str(dist.get_backend(self.group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._closed = False
         self._seq = 0
         self._gen = 0
         self._validated: set[tuple] = set()
-        self._auto: dict[tuple[int, str, int], int] = {}
+        self._auto: dict[tuple[int, str, int], tuple[int, str]] = {}
         self._scratch: torch.Tensor | None = None
         self._segments: dict[int, _segment.NodeSegment] = {}
         self._host: HostPath | None = None
@@ -255,14 +264,14 @@ class HybridAllGather:
         _check_ratio(ratio)
         ratio = self.ratio if ratio is None else ratio
         self._validate(out, inp, ratio)
-        ratio = self._choose_ratio(out, inp, ratio)
-        token = self._launch(out, inp, ratio)
+        ratio, head = self._choose(out, inp, ratio)
+        token = self._launch(out, inp, ratio, head)
         if async_op:
             return token
         token.wait()
         return None
 
-    def _launch(self, out: torch.Tensor, inp: torch.Tensor, ratio: int) -> Token:
+    def _launch(self, out: torch.Tensor, inp: torch.Tensor, ratio: int, head: str) -> Token:
         count = inp.numel()
         tail = count // ratio if ratio and self.host_path_enabled else 0
         if self.world == 1 or tail == 0:
@@ -281,29 +290,50 @@ class HybridAllGather:
             ev_in.record(torch.cuda.current_stream(self.device))
         call = _Call(self._seq, inp_b[head_bytes:], [out_2d[q, head_bytes:] for q in range(self.world)], ev_in)
         future = self._host.submit(call)
-        scratch = self._scratch_bytes(self.world * head_bytes) if head_bytes else None
         if cuda:
             comm = self._comm_stream
             comm.wait_event(ev_in)
             inp.record_stream(comm)
             out.record_stream(comm)
             with torch.cuda.stream(comm):
-                if head_bytes:
-                    _gather(scratch, inp_b[:head_bytes], group=self.group)
-                    out_2d[:, :head_bytes].copy_(scratch.view(self.world, head_bytes))
+                finish_head = self._start_head(out_2d, inp_b, head_bytes, head)
+                finish_head()
                 out_2d[self.rank, head_bytes:].copy_(inp_b[head_bytes:])
             done = torch.cuda.Event()
             done.record(comm)
             return Token(lambda s: (s or torch.cuda.current_stream(self.device)).wait_event(done), future, self.device)
-        work = _gather(scratch, inp_b[:head_bytes], group=self.group, async_op=True) if head_bytes else None
+        finish_head = self._start_head(out_2d, inp_b, head_bytes, head)
         out_2d[self.rank, head_bytes:].copy_(inp_b[head_bytes:])
+        return Token(lambda _s: finish_head(), future, self.device)
 
-        def finish(_stream) -> None:
-            if work is not None:
+    def _start_head(self, out_2d: torch.Tensor, inp_b: torch.Tensor, head_bytes: int, head: str):
+        """Start the collective leg for the heads; returns what completes it (on the current stream)."""
+        if head_bytes == 0:
+            return lambda: None
+        src = inp_b[:head_bytes]
+        if head == "gather":
+            scratch = self._scratch_bytes(self.world * head_bytes)
+            work = _gather(scratch, src, group=self.group, async_op=True)
+
+            def finish_gather() -> None:
                 work.wait()
                 out_2d[:, :head_bytes].copy_(scratch.view(self.world, head_bytes))
 
-        return Token(finish, future, self.device)
+            return finish_gather
+        ops = []
+        for q in range(self.world):
+            if q != self.rank:
+                peer = dist.get_global_rank(self.group, q)
+                ops.append(dist.P2POp(dist.isend, src, peer, self.group))
+                ops.append(dist.P2POp(dist.irecv, out_2d[q, :head_bytes], peer, self.group))
+        works = dist.batch_isend_irecv(ops)
+        out_2d[self.rank, :head_bytes].copy_(src)
+
+        def finish_p2p() -> None:
+            for work in works:
+                work.wait()
+
+        return finish_p2p
 
     def _collective_only(self, out: torch.Tensor, inp: torch.Tensor) -> Token:
         flat_out, flat_in = out.reshape(-1), inp.reshape(-1)
@@ -365,48 +395,59 @@ class HybridAllGather:
             raise ValueError(f"ratio: must match on every rank ({detail})")
         self._validated.add(key)
 
-    def _choose_ratio(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> int:
+    def _choose(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> tuple[int, str]:
+        """The split for this call: ``(ratio, head)``; ratio 0 means the collective alone."""
         if ratio != "auto":
-            return int(ratio)
+            return int(ratio), self._default_head()
         nbytes = inp.numel() * inp.element_size()
         if not self.host_path_enabled or self.world == 1 or nbytes < AUTO_MIN_BYTES:
-            return 0
+            return 0, self._default_head()
         key = (self.world, str(inp.dtype), int(math.log2(nbytes)))
         if key not in self._auto:
             self._auto[key] = self._measure(out, inp)
             log.info("hybrid all-gather: auto ratio for %s -> %s", key, self._auto[key])
         return self._auto[key]
 
-    def _measure(self, out: torch.Tensor, inp: torch.Tensor, iters: int = 3) -> int:
+    def _default_head(self) -> str:
+        if self.head != "auto":
+            return self.head
+        return "p2p" if self.world == 2 else "gather"
+
+    def _measure(self, out: torch.Tensor, inp: torch.Tensor, iters: int = 3) -> tuple[int, str]:
         """Collective: time every candidate split on these tensors; all ranks pick the same one."""
-        candidates = [r for r in AUTO_CANDIDATES if r == 0 or inp.numel() // r > 0]
+        heads = HEADS if self.head == "auto" else (self.head,)
+        candidates = [(0, self._default_head())]
+        candidates += [(r, h) for r in AUTO_CANDIDATES if r and inp.numel() // r > 0 for h in heads]
         try:
-            self._ensure_capacity(max((inp.numel() // r for r in candidates if r), default=0) * inp.element_size())
+            self._ensure_capacity(max((inp.numel() // r for r, _ in candidates if r), default=0) * inp.element_size())
         except RuntimeError as exc:  # raised on every rank alike (setup agrees collectively)
             log.warning("hybrid all-gather: host path unavailable at this size, using the collective: %s", exc)
-            return 0
+            return candidates[0]
         times = []
-        for r in candidates:
-            self._launch(out, inp, r).wait()  # warm-up
+        for r, h in candidates:
+            self._launch(out, inp, r, h).wait()  # warm-up
             self._sync()
             t0 = time.perf_counter()
             for _ in range(iters):
-                self._launch(out, inp, r).wait()
+                self._launch(out, inp, r, h).wait()
             self._sync()
             times.append((time.perf_counter() - t0) / iters)
         slowest = torch.tensor(times, dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
         t = slowest.tolist()
         best = min(range(len(t)), key=t.__getitem__)
-        return candidates[best] if t[best] < AUTO_MARGIN * t[0] else 0
+        return candidates[best] if t[best] < AUTO_MARGIN * t[0] else candidates[0]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @property
-    def auto_choices(self) -> dict[tuple[int, str, int], int]:
-        """What ``ratio="auto"`` picked so far: ``(world, dtype, log2 bytes) -> ratio`` (0: collective only)."""
+    def auto_choices(self) -> dict[tuple[int, str, int], tuple[int, str]]:
+        """What ``ratio="auto"`` picked so far: ``(world, dtype, log2 bytes) -> (ratio, head)``.
+
+        Ratio 0 means the collective alone.
+        """
         return dict(self._auto)
 
     def close(self) -> None:
