@@ -32,31 +32,36 @@ MAX_RANKS = HEADER_BYTES // 8
 SHM_DIR = Path("/dev/shm")
 HUGEPAGES_DIR = Path("/dev/hugepages")
 PREFIX = "kvstrata-ag-"
-_HUGE_PAGE = 2 << 20
 _cuda_registered: set[int] = set()
 
 
 def segment_bytes(world: int, slot_bytes: int, *, huge: bool) -> int:
     """Total size of a segment holding ``world`` slots of ``slot_bytes`` in each of two buffers."""
     size = HEADER_BYTES + 2 * world * slot_bytes
-    page = _HUGE_PAGE if huge else mmap.PAGESIZE
+    page = (huge_page_size() or mmap.PAGESIZE) if huge else mmap.PAGESIZE
     return -(-size // page) * page
+
+
+def _meminfo(field: str) -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def huge_page_size() -> int:
+    """The default huge page size in bytes (what ``/dev/hugepages`` hands out), 0 when unknown."""
+    return _meminfo("Hugepagesize") * 1024
 
 
 def hugepages_free_bytes() -> int:
     """Bytes of free default-size huge pages on this host (0 without hugetlbfs mounted)."""
     if not HUGEPAGES_DIR.is_dir():
         return 0
-    free = size_kb = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("HugePages_Free:"):
-                free = int(line.split()[1])
-            elif line.startswith("Hugepagesize:"):
-                size_kb = int(line.split()[1])
-    except OSError:
-        return 0
-    return free * size_kb * 1024
+    return _meminfo("HugePages_Free") * huge_page_size()
 
 
 def sweep_stale(directory: Path = SHM_DIR) -> int:
@@ -202,6 +207,7 @@ __all__ = [
     "NodeSegment",
     "cuda_host_register",
     "cuda_host_unregister",
+    "huge_page_size",
     "hugepages_free_bytes",
     "segment_bytes",
     "sweep_stale",
