@@ -132,7 +132,10 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
                     algbw = world * size / seconds / 1e9
                     row.update(ms=round(seconds * 1e3, 3), busbw_gbs=round(algbw * (world - 1) / world, 2))
                 if ratio == "auto":
-                    row["auto_choice"] = ag.auto_choices.get((world, str(dtype), (size).bit_length() - 1))
+                    choice = ag.auto_choices.get((world, str(dtype), size.bit_length() - 1))
+                    row["auto_choice"] = "nccl" if not choice or not choice[0] else f"r={choice[0]} {choice[1]}"
+                elif ratio is not None and ratio > 1:
+                    row["head"] = ag.default_head
                 rows.append(row)
             del inp, out, ref
         if rank == 0:
@@ -227,7 +230,7 @@ def _summarize(rows: list[dict]) -> list[dict]:
             "MiB/rank": size,
             "nccl GB/s": nccl.get("busbw_gbs"),
             "host GB/s": host.get("busbw_gbs"),
-            "best fixed": best.get("method", "-").replace("hybrid ", ""),
+            "best fixed": best.get("method", "-").replace("hybrid ", "") + (f" {best['head']}" if best else ""),
             "best GB/s": best.get("busbw_gbs"),
             "auto": auto.get("auto_choice"),
             "auto GB/s": auto.get("busbw_gbs"),

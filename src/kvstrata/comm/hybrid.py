@@ -398,17 +398,19 @@ class HybridAllGather:
     def _choose(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> tuple[int, str]:
         """The split for this call: ``(ratio, head)``; ratio 0 means the collective alone."""
         if ratio != "auto":
-            return int(ratio), self._default_head()
+            return int(ratio), self.default_head
         nbytes = inp.numel() * inp.element_size()
         if not self.host_path_enabled or self.world == 1 or nbytes < AUTO_MIN_BYTES:
-            return 0, self._default_head()
+            return 0, self.default_head
         key = (self.world, str(inp.dtype), int(math.log2(nbytes)))
         if key not in self._auto:
             self._auto[key] = self._measure(out, inp)
             log.info("hybrid all-gather: auto ratio for %s -> %s", key, self._auto[key])
         return self._auto[key]
 
-    def _default_head(self) -> str:
+    @property
+    def default_head(self) -> str:
+        """How a fixed ratio moves the heads (``head`` unless "auto": p2p on two ranks, else gather)."""
         if self.head != "auto":
             return self.head
         return "p2p" if self.world == 2 else "gather"
@@ -416,27 +418,41 @@ class HybridAllGather:
     def _measure(self, out: torch.Tensor, inp: torch.Tensor, iters: int = 3) -> tuple[int, str]:
         """Collective: time every candidate split on these tensors; all ranks pick the same one."""
         heads = HEADS if self.head == "auto" else (self.head,)
-        candidates = [(0, self._default_head())]
+        candidates = [(0, self.default_head)]
         candidates += [(r, h) for r in AUTO_CANDIDATES if r and inp.numel() // r > 0 for h in heads]
         try:
             self._ensure_capacity(max((inp.numel() // r for r, _ in candidates if r), default=0) * inp.element_size())
         except RuntimeError as exc:  # raised on every rank alike (setup agrees collectively)
             log.warning("hybrid all-gather: host path unavailable at this size, using the collective: %s", exc)
             return candidates[0]
-        times = []
-        for r, h in candidates:
-            self._launch(out, inp, r, h).wait()  # warm-up
-            self._sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                self._launch(out, inp, r, h).wait()
-            self._sync()
-            times.append((time.perf_counter() - t0) / iters)
-        slowest = torch.tensor(times, dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
-        t = slowest.tolist()
+        for r, h in candidates:  # warm-up: first use of each leg (P2P communicators, page faults)
+            self._launch(out, inp, r, h).wait()
+        t = self._slowest([self._time_split(out, inp, c, iters) for c in candidates])
         best = min(range(len(t)), key=t.__getitem__)
-        return candidates[best] if t[best] < AUTO_MARGIN * t[0] else candidates[0]
+        if best == 0 or t[best] >= AUTO_MARGIN * t[0]:
+            return candidates[0]
+        # Confirm against the collective alone, interleaved, so one noisy batch cannot pick a loser.
+        pair = (candidates[0], candidates[best])
+        again = [0.0, 0.0]
+        for _ in range(3):
+            for i, c in enumerate(pair):
+                again[i] += self._time_split(out, inp, c, iters)
+        t0, t1 = self._slowest(again)
+        return pair[1] if t1 < AUTO_MARGIN * t0 else pair[0]
+
+    def _time_split(self, out: torch.Tensor, inp: torch.Tensor, split: tuple[int, str], iters: int) -> float:
+        self._sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self._launch(out, inp, *split).wait()
+        self._sync()
+        return (time.perf_counter() - t0) / iters
+
+    def _slowest(self, times: list[float]) -> list[float]:
+        """Collective: each entry's maximum over the ranks (a collective is as fast as its slowest rank)."""
+        t = torch.tensor(times, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -186,10 +186,17 @@ class NodeSegment:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
+    def __del__(self) -> None:
+        # Dropped without close(): never leave CUDA a registration over memory about to be unmapped.
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def close(self) -> None:
         """Unregister, unmap and unlink. Callers make sure no copy still uses the segment."""
         self.unlink()
-        if self._mm is None:
+        if getattr(self, "_mm", None) is None:
             return
         if self._registered:
             cuda_host_unregister(self.data.data_ptr())
