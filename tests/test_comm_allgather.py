@@ -25,6 +25,7 @@ SPLITS = [(1, "auto"), (2, "p2p"), (2, "gather"), (3, "gather"), (3, "p2p"), (8,
 
 def _init(rank: int, world: int, store: str, backend: str, timeout: float = 20.0) -> None:
     if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast on the shared machines
         torch.cuda.set_device(rank)
     dist.init_process_group(
         backend,
@@ -74,16 +75,23 @@ def _correctness(rank: int, world: int, store: str, backend: str, numa_map, bad_
                     case += 1
                     out = torch.empty(world * count, dtype=dtype, device=device)
                     _poison(out)
-                    token = ag.all_gather(out, x, async_op=async_op)
+                    src = x
+                    if device == "cuda":  # the input is written late on the current stream: copies must wait
+                        torch.cuda._sleep(2_000_000)
+                        src = x.clone()
+                    token = ag.all_gather(out, src, async_op=async_op)
+                    what = f"rank {rank} dtype {dtype} count {count} ratio {ratio} head {head} async {async_op}"
                     if async_op:
                         assert token is not None
+                        if device == "cuda":  # wait on a side stream and check there, without a device sync
+                            side = torch.cuda.Stream()
+                            token.wait(side)
+                            with torch.cuda.stream(side):
+                                assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), what
                         token.wait()
                         token.wait()  # idempotent
                     else:
                         assert token is None
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    what = f"rank {rank} dtype {dtype} count {count} ratio {ratio} head {head} async {async_op}"
                     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), what
                     assert torch.equal(x.view(torch.uint8), x_before.view(torch.uint8)), what
     # Repeated calls reuse the segments: one generation per instance (sizes only shrink after the max).

@@ -56,23 +56,29 @@ class Token:
         self._finish = finish  # makes ``stream`` (or the host) wait for the collective leg
         self._future = future  # the host leg: yields its CUDA event (None on CPU)
         self._device = device
-        self._done = False
+        self._event: torch.cuda.Event | None = None
+        self._host_done = self._done = False
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: the current stream) wait until ``out`` is complete.
 
-        On CPU tensors this blocks until ``out`` is complete. Raises the host leg's error
-        (:class:`kvstrata.errors.Timeout` naming a rank that did not arrive, or
-        :class:`kvstrata.errors.ConnectionLost` for a rank that exited) or the collective's.
-        Calling it again is a no-op.
+        Blocks the host until the peers' tails have reached host memory (the copies into ``out``
+        are then ordered on ``stream``); on CPU tensors it blocks until ``out`` is complete. Raises
+        the host leg's error (:class:`kvstrata.errors.Timeout` naming a rank that did not arrive,
+        :class:`kvstrata.errors.ConnectionLost` for a rank that exited) or the collective's. May be
+        called again, e.g. for another stream.
         """
-        if self._done:
+        if not self._host_done:
+            self._event = self._future.result() if self._future is not None else None
+            self._host_done = True
+        if self._device.type != "cuda":
+            if not self._done:
+                self._finish(None)
+                self._done = True
             return
-        event = self._future.result() if self._future is not None else None
         self._finish(stream)
-        if event is not None:
-            (stream or torch.cuda.current_stream(self._device)).wait_event(event)
-        self._done = True
+        if self._event is not None:
+            (stream or torch.cuda.current_stream(self._device)).wait_event(self._event)
 
 
 class HybridAllGather:
