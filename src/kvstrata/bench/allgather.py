@@ -137,7 +137,7 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
                 elif ratio is not None and ratio > 1:
                     row["head"] = ag.default_head
                 rows.append(row)
-            del inp, out, ref
+            del inp, out, ref, fn
         if rank == 0:
             Path(out_file).write_text(json.dumps(rows))
     finally:
