@@ -94,20 +94,32 @@ def _pid_alive(pid: int) -> bool:
 def cuda_host_register(ptr: int, nbytes: int) -> None:
     """Page-lock and map ``[ptr, ptr + nbytes)`` for DMA from every device (portable | mapped).
 
-    A local helper until ``kvstrata.memory.register`` lands (branch ops-a); same contract.
+    Uses ``kvstrata.memory.register`` where it exists (branch ops-a: one registry for the whole
+    process), else cudaHostRegister directly with the same flags.
     """
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 3)
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister({nbytes} bytes) failed with CUDA error {code}")
+    try:
+        from kvstrata.memory import register
+    except ImportError:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 3)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister({nbytes} bytes) failed with CUDA error {code}") from None
+    else:
+        register(ptr, nbytes)
     _cuda_registered.add(ptr)
 
 
 def cuda_host_unregister(ptr: int) -> None:
     """Undo :func:`cuda_host_register` (no-op for a pointer that is not registered)."""
-    if ptr in _cuda_registered:
-        _cuda_registered.discard(ptr)
+    if ptr not in _cuda_registered:
+        return
+    _cuda_registered.discard(ptr)
+    try:
+        from kvstrata.memory import unregister
+    except ImportError:
         torch.cuda.cudart().cudaHostUnregister(ptr)
+    else:
+        unregister(ptr)
 
 
 class NodeSegment:
