@@ -131,6 +131,19 @@ def _correctness(rank: int, world: int, store: str, backend: str, numa_map, bad_
     assert torch.equal(out, ref)
     oeccl_cleanup()
     oeccl_cleanup()
+    if world >= 3:  # a subgroup: ranks are group ranks, peers global ranks
+        sub = dist.new_group([0, world - 1])
+        if rank in (0, world - 1):
+            ag = HybridAllGather(sub, ratio=2, timeout=10.0)
+            x = _make_input(rank, 3001, torch.float16, device, 99)
+            out, ref = (
+                torch.empty(2 * 3001, dtype=x.dtype, device=device),
+                torch.empty(2 * 3001, dtype=x.dtype, device=device),
+            )
+            dist.all_gather_into_tensor(ref, x, group=sub)
+            ag.all_gather(out, x)
+            assert torch.equal(out, ref)
+            ag.close()
     if bad_input:  # same group: spawning another one costs seconds here
         _bad_input(rank, world, device)
     dist.barrier()
