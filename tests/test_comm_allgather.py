@@ -19,8 +19,17 @@ import torch.multiprocessing as mp
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64]
 COUNTS = [1, 7, 1001, 20011]
-# (ratio, head): both ways of moving the heads at two ratios, the defaults elsewhere
-SPLITS = [(1, "auto"), (2, "p2p"), (2, "gather"), (3, "gather"), (3, "p2p"), (8, "auto"), ("auto", "auto")]
+# (ratio, head, cross_node): both head legs at two ratios, direct cross-node reads at two, defaults elsewhere
+SPLITS = [
+    (1, "auto", "relay"),
+    (1, "auto", "direct"),
+    (2, "p2p", "relay"),
+    (2, "gather", "relay"),
+    (3, "gather", "direct"),
+    (3, "p2p", "relay"),
+    (8, "auto", "relay"),
+    ("auto", "auto", "relay"),
+]
 
 
 def _init(rank: int, world: int, store: str, backend: str, timeout: float = 20.0) -> None:
@@ -62,7 +71,9 @@ def _correctness(rank: int, world: int, store: str, backend: str, numa_map, bad_
     hybrid.AUTO_MIN_BYTES = 0  # let "auto" measure even tiny tensors
     _init(rank, world, store, backend)
     device = "cuda" if backend == "nccl" else "cpu"
-    ags = {(r, h): HybridAllGather(ratio=r, head=h, numa_map=numa_map, timeout=10.0) for r, h in SPLITS}
+    ags = {
+        (r, h, c): HybridAllGather(ratio=r, head=h, cross_node=c, numa_map=numa_map, timeout=10.0) for r, h, c in SPLITS
+    }
     case = 0
     for dtype in DTYPES:
         for count in COUNTS:
@@ -70,7 +81,7 @@ def _correctness(rank: int, world: int, store: str, backend: str, numa_map, bad_
             x_before = x.clone()
             ref = torch.empty(world * count, dtype=dtype, device=device)
             dist.all_gather_into_tensor(ref, x)
-            for (ratio, head), ag in ags.items():
+            for (ratio, head, cross), ag in ags.items():
                 for async_op in (False, True):
                     case += 1
                     out = torch.empty(world * count, dtype=dtype, device=device)
@@ -80,7 +91,7 @@ def _correctness(rank: int, world: int, store: str, backend: str, numa_map, bad_
                         torch.cuda._sleep(2_000_000)
                         src = x.clone()
                     token = ag.all_gather(out, src, async_op=async_op)
-                    what = f"rank {rank} dtype {dtype} count {count} ratio {ratio} head {head} async {async_op}"
+                    what = f"rank {rank} dtype {dtype} count {count} ratio {ratio} head {head} {cross} async {async_op}"
                     if async_op:
                         assert token is not None
                         if device == "cuda":  # wait on a side stream and check there, without a device sync
@@ -100,10 +111,10 @@ def _correctness(rank: int, world: int, store: str, backend: str, numa_map, bad_
             assert ag._gen <= 2, (split, ag._gen)
             assert ag._seq > 10, (split, ag._seq)
     choices: list = [None] * world
-    dist.all_gather_object(choices, ags[("auto", "auto")].auto_choices)
+    dist.all_gather_object(choices, ags[("auto", "auto", "relay")].auto_choices)
     assert all(c == choices[0] for c in choices) and choices[0], choices
     # Back-to-back async calls on two buffers before any wait: double buffering must keep them apart.
-    ag = ags[(1, "auto")]
+    ag = ags[(1, "auto", "direct")]
     xs = [_make_input(rank, 5000, torch.float32, device, 1000 + i) for i in range(4)]
     outs = [torch.full((world * 5000,), float("nan"), device=device) for _ in xs]
     tokens = [ag.all_gather(o, x, async_op=True) for o, x in zip(outs, xs)]

@@ -11,6 +11,9 @@ One helper thread per :class:`HostPath` runs the calls in order. For call ``seq`
 3. waits for every peer's flag in its node's segment and copies the peer's chunk into ``out``
    (H2D on CUDA), taking peers in the order they arrive.
 
+With ``direct=True`` there are no relays: a rank reads each peer's chunk from the peer's own node
+segment (the DMA crosses the socket link instead of a CPU memcpy).
+
 Segments are double buffered (call ``seq`` uses buffer ``seq % 2``), which is safe without
 acknowledgements: a rank raises its flags for call ``seq + 1`` only after its reads of call ``seq``
 finished (on CUDA the D2H stream waits for the previous H2D event), and a rank writes buffer
@@ -48,6 +51,11 @@ class Topology:
 
     def ranks_on(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def relay_sources(self, rank: int) -> list[int]:
+        """The nodes whose slots ``rank`` copies into its own node's segment."""
+        node = self.node_of[rank]
+        return [src for (src, dst), r in self.relays().items() if dst == node and r == rank]
 
     def relays(self) -> dict[tuple[int, int], int]:
         """``(src, dst) -> rank`` on dst that copies src's slots into dst's segment (spread over dst's ranks)."""
@@ -88,14 +96,16 @@ class HostPath:
         *,
         device: torch.device,
         timeout: float,
+        direct: bool = False,
     ) -> None:
         self.rank = rank
+        self.direct = direct
         self.topo = topo
         self.node = topo.node_of[rank]
         self.segments = segments
         self.device = device
         self.timeout = timeout
-        self.relay_sources = [src for (src, dst), r in topo.relays().items() if dst == self.node and r == rank]
+        self.relay_sources = [] if direct else topo.relay_sources(rank)
         self.peers = [q for q in range(len(topo.node_of)) if q != rank]
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-ag-r{rank}")
         self._last: concurrent.futures.Future | None = None
@@ -160,11 +170,13 @@ class HostPath:
             value = base + k + 1
             for src in self.relay_sources:
                 src_seg = self.segments[src]
-                for q in self._arrivals(src_seg, self.topo.ranks_on(src), value, call.seq, k, len(bounds)):
+                for q in self._arrivals(
+                    self.topo.ranks_on(src), lambda _q, s=src_seg: s, value, call.seq, k, len(bounds)
+                ):
                     seg.slot(buf, q)[lo:hi].copy_(src_seg.slot(buf, q)[lo:hi])
                     seg.flags[q] = value
-            for q in self._arrivals(seg, self.peers, value, call.seq, k, len(bounds)):
-                src = seg.slot(buf, q)[lo:hi]
+            for q in self._arrivals(self.peers, self._source, value, call.seq, k, len(bounds)):
+                src = self._source(q).slot(buf, q)[lo:hi]
                 if self._cuda:
                     with torch.cuda.stream(self._h2d):
                         call.out_tails[q][lo:hi].copy_(src, non_blocking=True)
@@ -195,15 +207,19 @@ class HostPath:
                 mine[lo:hi].copy_(call.inp_tail[lo:hi], non_blocking=True)
                 flag.copy_(self._flag_src[k : k + 1], non_blocking=True)
 
-    def _arrivals(self, seg: NodeSegment, ranks: list[int], value: int, seq: int, chunk: int, chunks: int):
-        """Yield the ranks of ``ranks`` as their flag in ``seg`` reaches ``value``, in arrival order."""
+    def _source(self, q: int) -> NodeSegment:
+        """The segment where rank ``q``'s data shows up for this rank (its own node's, unless direct)."""
+        return self.segments[self.topo.node_of[q] if self.direct else self.node]
+
+    def _arrivals(self, ranks: list[int], where, value: int, seq: int, chunk: int, chunks: int):
+        """Yield the ranks of ``ranks`` as their flag in segment ``where(rank)`` reaches ``value``, in arrival order."""
         pending = list(ranks)
         deadline = time.monotonic() + self.timeout
         next_check = time.monotonic() + 0.2
         spins = 0
-        flags = seg.flags
+        flags = {q: where(q).flags for q in ranks}
         while pending:
-            ready = [q for q in pending if flags[q] >= value]
+            ready = [q for q in pending if flags[q][q] >= value]
             if ready:
                 spins = 0
                 for q in ready:

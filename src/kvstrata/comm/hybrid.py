@@ -99,6 +99,9 @@ class HybridAllGather:
             ``out``), ``"gather"`` (``all_gather_into_tensor`` into a scratch buffer, then one strided
             copy into ``out``), or ``"auto"`` (measured with ``ratio="auto"``; for a fixed ratio
             ``"p2p"`` on two ranks, where it moves the same bytes as the ring, ``"gather"`` otherwise).
+        cross_node: with ranks on several NUMA nodes, ``"relay"`` (one rank per node pair copies the
+            other node's slots into its node's segment, as in the seed) or ``"direct"`` (each GPU reads
+            a remote rank's slot straight from that rank's node segment; no CPU copy).
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class HybridAllGather:
         numa_map: Sequence[int] | Mapping[int, int] | None = None,
         timeout: float = 60.0,
         head: str = "auto",
+        cross_node: str = "relay",
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised (call init_process_group first)")
@@ -120,6 +124,8 @@ class HybridAllGather:
             raise ValueError(f"timeout: must be > 0, got {timeout!r}")
         if head not in (*HEADS, "auto"):
             raise ValueError(f"head: expected one of {(*HEADS, 'auto')}, got {head!r}")
+        if cross_node not in ("relay", "direct"):
+            raise ValueError(f"cross_node: expected 'relay' or 'direct', got {cross_node!r}")
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
@@ -127,6 +133,7 @@ class HybridAllGather:
         self.hugepages = hugepages
         self.timeout = float(timeout)
         self.head = head
+        self.cross_node = cross_node
         backend = str(dist.get_backend(self.group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._closed = False
@@ -191,7 +198,8 @@ class HybridAllGather:
         topo = self.topology
         my_node = topo.node_of[self.rank]
         creators = {n: topo.ranks_on(n)[0] for n in topo.nodes}
-        needed = {my_node} | {src for (src, dst), r in topo.relays().items() if dst == my_node and r == self.rank}
+        direct = self.cross_node == "direct"
+        needed = set(topo.nodes) if direct else {my_node, *topo.relay_sources(self.rank)}
         segments: dict[int, _segment.NodeSegment] = {}
         error = path = None
         try:
@@ -216,8 +224,9 @@ class HybridAllGather:
                 for node in needed - set(segments):
                     huge = paths[node].parent == _segment.HUGEPAGES_DIR
                     segments[node] = _segment.NodeSegment.attach(paths[node], self.world, slot, huge=huge)
-                if self.device.type == "cuda":
-                    segments[my_node].register_cuda()
+                if self.device.type == "cuda":  # the segments this rank's GPU copies to or from
+                    for node in topo.nodes if direct else [my_node]:
+                        segments[node].register_cuda()
             except Exception as exc:
                 error = f"attaching/registering segment: {exc!r}"
             self._agree(error)
@@ -228,7 +237,7 @@ class HybridAllGather:
         for seg in segments.values():
             seg.unlink()  # everyone is attached: from here on nothing can be left behind
         self._segments = segments
-        self._host = HostPath(self.rank, topo, segments, device=self.device, timeout=self.timeout)
+        self._host = HostPath(self.rank, topo, segments, device=self.device, timeout=self.timeout, direct=direct)
 
     def _use_hugepages(self, slot: int) -> bool:
         if self.hugepages is False:
