@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: all)")
     parser.add_argument("--iters", type=int, default=None, help="calls per timed batch")
     parser.add_argument("--no-load", action="store_true", help="no matmul on a side stream")
+    parser.add_argument(
+        "--cross-node", choices=["relay", "direct"], default="relay", help="how ranks on different NUMA nodes meet"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         "sizes": sizes,
         "iters": iters,
         "load": not (args.no_load or args.smoke),
+        "cross_node": getattr(args, "cross_node", "relay"),
     }
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-ag-") as tmp:
         out_file = Path(tmp, "rows.json")
@@ -94,7 +98,7 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
     )
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16
-    ag = HybridAllGather(ratio="auto", timeout=120.0)
+    ag = HybridAllGather(ratio="auto", timeout=120.0, cross_node=config["cross_node"])
     load = _MatmulLoad(device) if config["load"] and cuda else None
     rows = []
     try:
@@ -139,6 +143,8 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
                 rows.append(row)
             del inp, out, ref, fn
         if rank == 0:
+            for row in rows:
+                row["numa_nodes"] = list(ag.topology.node_of)
             Path(out_file).write_text(json.dumps(rows))
     finally:
         ag.close()
