@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-ag-") as tmp:
         out_file = Path(tmp, "rows.json")
         mp.spawn(_worker, args=(config, str(Path(tmp, "store")), str(out_file)), nprocs=world, join=True)
-        rows = json.loads(out_file.read_text())
+        gathered = json.loads(out_file.read_text())
+    rows = gathered["rows"]
+    config["numa_node_of_rank"] = gathered["numa_node_of_rank"]
     summary = _summarize(rows)
     name = "allgather_smoke" if args.smoke else "allgather"
     path = write_result(name, {"config": config, "rows": rows, "summary": summary}, args.out)
@@ -143,9 +145,7 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
                 rows.append(row)
             del inp, out, ref, fn
         if rank == 0:
-            for row in rows:
-                row["numa_nodes"] = list(ag.topology.node_of)
-            Path(out_file).write_text(json.dumps(rows))
+            Path(out_file).write_text(json.dumps({"rows": rows, "numa_node_of_rank": list(ag.topology.node_of)}))
     finally:
         ag.close()
         dist.barrier()
