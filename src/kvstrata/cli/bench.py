@@ -13,6 +13,7 @@ import importlib
 JOBS: dict[str, tuple[str, str]] = {
     "gather": ("kvstrata.bench.gather", "gather rows from pinned host memory: kvstrata vs table[ids].to(cuda) and DMA"),
     "transfer": ("kvstrata.bench.transfer", "KV block transfer methods vs the DMA ceiling and baselines"),
+    "allgather": ("kvstrata.bench.allgather", "hybrid all-gather (NCCL + host path) vs NCCL and the host path alone"),
 }
 
 
