@@ -545,9 +545,9 @@ class ObjectStore:
         """Whether each key is present (in any tier). Fast for 100,000 keys."""
         keys = check_keys(keys)
         with self._lock:
-            get = self._objects.get
-            out = [get(k) is not None for k in keys]
+            out = list(map(self._objects.__contains__, keys))
             if self._ttl_heap:
+                get = self._objects.get
                 now = time.monotonic()
                 for i, k in enumerate(keys):
                     if out[i]:

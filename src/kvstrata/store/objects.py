@@ -92,8 +92,9 @@ def check_keys(keys: object) -> list[str]:
     if not isinstance(keys, Iterable):
         raise ValueError(f"keys: must be a sequence of str, got {type(keys).__name__}")
     keys = list(keys)
-    for k in keys:
-        if type(k) is not str:
+    types = set(map(type, keys))
+    if types and types != {str}:
+        for k in keys:
             check_key(k, "keys")
     return keys
 
@@ -132,6 +133,8 @@ def check_size(size: object, name: str = "size") -> int:
 
 def as_bytes_view(data: object) -> memoryview:
     """A flat byte view of ``data`` (bytes-like, numpy array, CPU tensor); ValueError/TypeError naming ``data``."""
+    if type(data) is bytes:
+        return memoryview(data)
     if hasattr(data, "__dlpack__") and hasattr(data, "is_cuda") and not isinstance(data, memoryview):
         if data.is_cuda:
             raise ValueError("data: a CUDA tensor; copy it to the host first (or use the client's mset_d2h)")

@@ -65,6 +65,7 @@ class MemoryTier(BlockTier):
             name=f"kvstrata-{len(self.segments)}",
             hugepages=self._hugepages,
             numa_node=self._numa_node,
+            populate=True,
         )
         self.segments.append(seg)
         self._allocators.append(OffsetAllocator(nbytes))
@@ -75,6 +76,8 @@ class MemoryTier(BlockTier):
         return len(self.segments) - 1
 
     def fits_ever(self, size: int) -> bool:
+        if size <= self._allocators[0].capacity:
+            return True
         rounded = -(-size // ALIGNMENT) * ALIGNMENT
         if any(a.capacity >= rounded for a in self._allocators):
             return True
