@@ -31,3 +31,9 @@ def dstore(tmp_path):
     s = ObjectStore(make_config(tmp_path))
     yield s
     s.close()
+
+
+@pytest.fixture(name="make_config")
+def make_config_fixture():
+    """The factory :func:`make_config`, for tests that build their own stores."""
+    return make_config

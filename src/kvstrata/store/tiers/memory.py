@@ -98,7 +98,8 @@ class MemoryTier(BlockTier):
                     self._used += (size + ALIGNMENT - 1) & -ALIGNMENT
                     return Location(i, off, size)
         room = self._capacity - self._mapped
-        want = max(self._segment_bytes, -(-size // _GROW_GRANULE) * _GROW_GRANULE)
+        # a value larger than a segment gets a segment of its own, in whole huge pages
+        want = self._segment_bytes if size <= self._segment_bytes else -(-size // _GROW_GRANULE) * _GROW_GRANULE
         want = min(want, room)
         if want - want % ALIGNMENT >= size and want >= ALIGNMENT:
             i = self._add_segment(want)
