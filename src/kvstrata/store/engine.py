@@ -386,8 +386,8 @@ class ObjectStore:
             return None
         return e
 
-    def _wait_for(self, key: str, timeout: float | None) -> Entry:
-        """The visible entry of ``key``, waiting up to ``timeout``; resident in DRAM. Under the lock."""
+    def _wait_for(self, key: str, timeout: float | None, promote: bool = True) -> Entry:
+        """The visible entry of ``key``, waiting up to ``timeout``; in DRAM if ``promote``. Under the lock."""
         e = self._lookup(key)
         if e is None and timeout != 0.0:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -412,10 +412,9 @@ class ObjectStore:
         if e is None:
             self._counts["misses"] += 1
             raise KeyNotFound(f"key {key!r} not found")
-        if e.loc is None:
+        if e.loc is None and promote:
             self._promote(e)
         e.referenced = True
-        self._counts["hits"] += 1
         return e
 
     def _promote(self, e: Entry) -> None:
@@ -425,17 +424,30 @@ class ObjectStore:
         except CorruptData as exc:
             if loc.size:
                 self._mem.free(loc)
-            if self._objects.get(e.key) is e:
-                del self._objects[e.key]
-            e.on_disk = False  # the disk tier already dropped the file from its index
-            self._retire(e)
-            self._counts["corrupt"] += 1
-            self._counts["misses"] += 1
+            self._drop_corrupt(e)
             raise KeyNotFound(f"key {e.key!r} not found (its SSD copy was corrupt: {exc})") from exc
         e.loc = loc
         if e.size:
             self._clock.add(e.key, e)
         self._counts["promotions"] += 1
+
+    def _read_from_disk(self, e: Entry) -> bytes:
+        """Serve a copy straight from SSD when DRAM has no room to promote into."""
+        buf = bytearray(e.size)
+        try:
+            self._disk.read_into(e.key, memoryview(buf))
+        except CorruptData as exc:
+            self._drop_corrupt(e)
+            raise KeyNotFound(f"key {e.key!r} not found (its SSD copy was corrupt: {exc})") from exc
+        return bytes(buf)
+
+    def _drop_corrupt(self, e: Entry) -> None:
+        if self._objects.get(e.key) is e:
+            del self._objects[e.key]
+        e.on_disk = False  # the disk tier already dropped the file from its index
+        self._retire(e)
+        self._counts["corrupt"] += 1
+        self._counts["misses"] += 1
 
     def acquire(self, key: str, *, owner: object, timeout: float | None = 0.0) -> Lease:
         """Lease the current version of ``key``, waiting up to ``timeout`` s (None: forever) for it to appear.
@@ -448,6 +460,7 @@ class ObjectStore:
             if self._closed:
                 raise ClosedError("the object store is closed")
             e = self._wait_for(key, timeout)
+            self._counts["hits"] += 1
             e.leases += 1
             lid = next(self._lease_ids)
             self._leases[lid] = (e, owner)
@@ -496,11 +509,19 @@ class ObjectStore:
         with self._lock:
             if self._closed:
                 raise ClosedError("the object store is closed")
-            e = self._wait_for(key, timeout)
+            e = self._wait_for(key, timeout, promote=False)
             if size is None:
                 size = e.size - offset
             if offset + size > e.size:
                 raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
+            if e.loc is None:
+                try:
+                    self._promote(e)
+                except CapacityError:
+                    data = self._read_from_disk(e)[offset : offset + size]
+                    self._counts["hits"] += 1
+                    return data
+            self._counts["hits"] += 1
             if size <= _SMALL:
                 return bytes(self.buffer(e.loc)[offset : offset + size])
             e.leases += 1
@@ -675,7 +696,10 @@ class ObjectStore:
                     self._counts["expired"] += 1
 
     def _evict_to_low(self) -> None:
+        """Hysteresis: start above the high watermark, stop at the low one."""
         with self._lock:
+            if self._mem.used <= self._high:
+                return
             while self._mem.used > self._low and self._evict_one():
                 pass
 
