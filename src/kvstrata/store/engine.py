@@ -25,12 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError, ClosedError, CorruptData, KeyExists, KeyNotFound, KvstrataError, Timeout
+from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.config import StoreConfig, WriteMode
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.objects import (
-    ZERO_LOCATION,
     Entry,
     Lease,
     as_bytes_view,
@@ -41,6 +40,7 @@ from kvstrata.store.objects import (
     check_timeout,
     check_ttl,
 )
+from kvstrata.store.tiering import TieringMixin
 from kvstrata.store.tiers.base import Location
 from kvstrata.store.tiers.disk import DiskTier
 from kvstrata.store.tiers.memory import MemoryTier
@@ -52,7 +52,7 @@ _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
 _COUNTERS = ("hits", "misses", "evictions", "spills", "promotions", "expired", "corrupt", "flushes")
 
 
-class ObjectStore:
+class ObjectStore(TieringMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
@@ -318,64 +318,6 @@ class ObjectStore:
         if e.leases == 0:
             self._free_locked(e)
 
-    def _allocate(self, size: int) -> Location:
-        if size == 0:
-            return ZERO_LOCATION
-        mem = self._mem
-        loc = mem.allocate(size)
-        while loc is None:
-            if not self._evict_one():
-                raise CapacityError(
-                    f"no room for {size} bytes: memory tier {mem.used} of {mem.capacity} bytes used and nothing "
-                    f"more can be evicted (leased, unsealed, or no SSD room to spill)"
-                )
-            loc = mem.allocate(size)
-        if mem.used > self._high:
-            self._wake.set()
-        return loc
-
-    # -- eviction ----------------------------------------------------------------------------------
-    def _can_evict(self, e: Entry) -> bool:
-        if e.leases or e.loc is None:
-            return False
-        if e.mode is WriteMode.EVICTABLE or (e.on_disk and not e.dirty):
-            return True
-        disk = self._disk
-        return disk is not None and disk.used + disk._reserved + disk.file_bytes(e.key, e.size) <= disk.capacity
-
-    def _evict_one(self) -> bool:
-        """Free one resident object's DRAM (drop, release a clean SSD copy, or spill). Under the lock."""
-        e = self._clock.next_victim(self._can_evict)
-        if e is None:
-            return False
-        key = e.key
-        if e.mode is WriteMode.EVICTABLE:
-            del self._objects[key]
-            self._retire(e)
-            self._counts["evictions"] += 1
-            return True
-        if not (e.on_disk and not e.dirty):
-            disk = self._disk
-            nbytes = disk.file_bytes(key, e.size)
-            if not disk.reserve(nbytes):
-                return True  # raced with another reservation; the next call tries the next victim
-            try:
-                pending = disk.write_temp(key, self._mem.view(e.loc), e.mode)
-            except OSError as exc:
-                disk.unreserve(nbytes)
-                log.error("spilling %r to SSD failed: %s; kept in DRAM", key, exc)
-                self._clock.add(key, e)
-                return True
-            disk.commit(key, pending, e.mode, e.size)
-            e.on_disk = True
-            e.dirty = False
-            self._dirty.pop(key, None)
-            self._counts["spills"] += 1
-        else:
-            self._counts["evictions"] += 1
-        self._free_locked(e)
-        return True
-
     # -- read path ---------------------------------------------------------------------------------
     def _lookup(self, key: str) -> Entry | None:
         e = self._objects.get(key)
@@ -387,67 +329,47 @@ class ObjectStore:
         return e
 
     def _wait_for(self, key: str, timeout: float | None, promote: bool = True) -> Entry:
-        """The visible entry of ``key``, waiting up to ``timeout``; in DRAM if ``promote``. Under the lock."""
-        e = self._lookup(key)
-        if e is None and timeout != 0.0:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            w = self._waiters.get(key)
-            if w is None:
-                w = self._waiters[key] = [threading.Condition(self._lock), 0]
-            w[1] += 1
-            try:
-                while e is None:
-                    if self._closed:
-                        raise ClosedError("the object store is closed")
-                    remaining = None if deadline is None else deadline - time.monotonic()
+        """The visible entry of ``key``, waiting up to ``timeout`` s for it to appear (and for a load
+        by another reader to finish); brought into DRAM if ``promote``. Under the lock; may release it.
+        """
+        deadline = None
+        w = None
+        try:
+            while True:
+                e = self._lookup(key)
+                if e is not None:
+                    if e.loc is not None or not promote:
+                        break
+                    if not e.loading:
+                        if self._load(e):
+                            break
+                        continue  # deleted or replaced while loading: look again
+                    remaining = None  # another reader is loading it: loads finish, wait for it
+                else:
+                    if timeout == 0.0:
+                        self._counts["misses"] += 1
+                        raise KeyNotFound(f"key {key!r} not found")
+                    if deadline is None and timeout is not None:
+                        deadline = time.monotonic() + timeout
+                    remaining = None if timeout is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         self._counts["misses"] += 1
                         raise Timeout(f"key {key!r} did not appear within {timeout} s")
-                    w[0].wait(remaining)
-                    e = self._lookup(key)
-            finally:
+                if self._closed:
+                    raise ClosedError("the object store is closed")
+                if w is None:
+                    w = self._waiters.get(key)
+                    if w is None:
+                        w = self._waiters[key] = [threading.Condition(self._lock), 0]
+                    w[1] += 1
+                w[0].wait(remaining)
+        finally:
+            if w is not None:
                 w[1] -= 1
                 if w[1] == 0:
                     del self._waiters[key]
-        if e is None:
-            self._counts["misses"] += 1
-            raise KeyNotFound(f"key {key!r} not found")
-        if e.loc is None and promote:
-            self._promote(e)
         e.referenced = True
         return e
-
-    def _promote(self, e: Entry) -> None:
-        loc = self._allocate(e.size)
-        try:
-            self._disk.read_into(e.key, self.buffer(loc))
-        except CorruptData as exc:
-            if loc.size:
-                self._mem.free(loc)
-            self._drop_corrupt(e)
-            raise KeyNotFound(f"key {e.key!r} not found (its SSD copy was corrupt: {exc})") from exc
-        e.loc = loc
-        if e.size:
-            self._clock.add(e.key, e)
-        self._counts["promotions"] += 1
-
-    def _read_from_disk(self, e: Entry) -> bytes:
-        """Serve a copy straight from SSD when DRAM has no room to promote into."""
-        buf = bytearray(e.size)
-        try:
-            self._disk.read_into(e.key, memoryview(buf))
-        except CorruptData as exc:
-            self._drop_corrupt(e)
-            raise KeyNotFound(f"key {e.key!r} not found (its SSD copy was corrupt: {exc})") from exc
-        return bytes(buf)
-
-    def _drop_corrupt(self, e: Entry) -> None:
-        if self._objects.get(e.key) is e:
-            del self._objects[e.key]
-        e.on_disk = False  # the disk tier already dropped the file from its index
-        self._retire(e)
-        self._counts["corrupt"] += 1
-        self._counts["misses"] += 1
 
     def acquire(self, key: str, *, owner: object, timeout: float | None = 0.0) -> Lease:
         """Lease the current version of ``key``, waiting up to ``timeout`` s (None: forever) for it to appear.
@@ -509,16 +431,20 @@ class ObjectStore:
         with self._lock:
             if self._closed:
                 raise ClosedError("the object store is closed")
-            e = self._wait_for(key, timeout, promote=False)
-            if size is None:
-                size = e.size - offset
-            if offset + size > e.size:
-                raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
-            if e.loc is None:
+            want = size
+            while True:
+                e = self._wait_for(key, timeout, promote=False)
+                size = e.size - offset if want is None else want
+                if offset + size > e.size:
+                    raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
+                if e.loc is not None:
+                    break
                 try:
-                    self._promote(e)
+                    self._wait_for(key, timeout, promote=True)
                 except CapacityError:
-                    data = self._read_from_disk(e)[offset : offset + size]
+                    data = self._read_direct(e, offset, size)  # DRAM full of leased data: serve from SSD
+                    if data is None:
+                        continue  # replaced or deleted meanwhile: look again
                     self._counts["hits"] += 1
                     return data
             self._counts["hits"] += 1
@@ -694,59 +620,6 @@ class ObjectStore:
                     del self._objects[key]
                     self._retire(e)
                     self._counts["expired"] += 1
-
-    def _evict_to_low(self) -> None:
-        """Hysteresis: start above the high watermark, stop at the low one."""
-        with self._lock:
-            if self._mem.used <= self._high:
-                return
-            while self._mem.used > self._low and self._evict_one():
-                pass
-
-    def _flush_pass(self) -> None:
-        """Write dirty write-back objects to SSD, the file I/O outside the lock."""
-        disk = self._disk
-        with self._flush_lock:
-            with self._lock:
-                batch = []
-                for e in self._dirty.values():
-                    if e.flushing or e.loc is None:
-                        continue
-                    nbytes = disk.file_bytes(e.key, e.size)
-                    if not disk.reserve(nbytes):
-                        log.warning("SSD tier full: write-back of %r postponed", e.key)
-                        continue
-                    e.flushing = True
-                    e.leases += 1
-                    batch.append((e, nbytes))
-            for e, nbytes in batch:
-                pending = None
-                try:
-                    pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode)
-                except OSError as exc:
-                    log.error("write-back of %r failed: %s; will retry", e.key, exc)
-                with self._lock:
-                    e.flushing = False
-                    e.leases -= 1
-                    if pending is None:
-                        disk.unreserve(nbytes)
-                    elif not e.dead and self._objects.get(e.key) is e:
-                        disk.commit(e.key, pending, e.mode, e.size)
-                        e.on_disk = True
-                        e.dirty = False
-                        self._dirty.pop(e.key, None)
-                        self._counts["flushes"] += 1
-                    else:
-                        disk.discard(pending)
-                    if e.dead and e.leases == 0:
-                        self._free_locked(e)
-
-    def flush(self) -> None:
-        """Write all write-back data to SSD now."""
-        for _ in range(3):
-            if not self._dirty:
-                return
-            self._flush_pass()
 
     def close(self) -> None:
         """Flush write-back data, stop the background thread, unmap the segments. Idempotent."""

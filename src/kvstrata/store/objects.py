@@ -38,6 +38,7 @@ class Entry:
         "flushing",
         "key",
         "leases",
+        "loading",
         "loc",
         "mode",
         "mutable",
@@ -66,6 +67,7 @@ class Entry:
         self.on_disk = False  # a committed SSD file holds this version
         self.dirty = False  # write-back data not yet on SSD
         self.flushing = False
+        self.loading = False  # being promoted from SSD; readers wait for it
         self.referenced = False  # second-chance bit
 
 

@@ -219,7 +219,12 @@ class DiskTier(Tier):
 
     # -- reads ---------------------------------------------------------------------------------
     def read_into(self, key: str, dest: memoryview) -> None:
-        """Fill ``dest`` with ``key``'s payload, verified. CorruptData (file quarantined) when it fails."""
+        """Fill ``dest`` with ``key``'s payload and verify it; CorruptData when that fails.
+
+        Touches no shared state, so it runs outside the engine's lock; the engine decides (under
+        the lock) whether a failure means corruption (:meth:`mark_corrupt`) or a concurrent
+        replacement of the file.
+        """
         path = os.path.join(self.directory, file_name(key))
         try:
             with open(path, "rb", buffering=0) as f:
@@ -231,15 +236,18 @@ class DiskTier(Tier):
                     raise CorruptData(f"{path}: payload is {got} bytes (or longer), header says {size}")
                 if xxhash.xxh64_intdigest(dest) != checksum:
                     raise CorruptData(f"{path}: payload checksum mismatch")
-        except CorruptData as exc:
-            self._forget(key)
-            self._quarantine(path, str(exc))
-            raise
         except FileNotFoundError as exc:
-            self._forget(key)
+            raise CorruptData(f"{path}: object file is missing") from exc
+
+    def mark_corrupt(self, key: str, why: str) -> None:
+        """Forget ``key``'s file, count it, and move it aside so it is never served again."""
+        self._forget(key)
+        path = os.path.join(self.directory, file_name(key))
+        if os.path.exists(path):
+            self._quarantine(path, why)
+        else:
             self.corrupt += 1
-            log.error("disk tier: object file of %r vanished (%s)", key, exc)
-            raise CorruptData(f"object file of {key!r} is missing") from exc
+            log.error("disk tier: object file of %r is gone (%s)", key, why)
 
     def _forget(self, key: str) -> None:
         rec = self.index.pop(key, None)
