@@ -136,3 +136,44 @@ def test_write_through_copy_lets_eviction_free_dram_without_io(tmp_path, make_co
     assert st["spills"] == 0 and st["evictions"] > 0 and st["tiers"]["disk"]["files"] == 15
     assert s.get_bytes("w0") == bytes([0]) * (100 * KB)
     s.close()
+
+
+def test_spill_and_promotion_io_do_not_block_other_readers(tmp_path, make_config, monkeypatch):
+    import threading
+
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    s.put("hot", b"h" * 1000, write_mode="evictable")
+    lease = s.acquire("hot", owner="r")  # keeps "hot" resident
+    disk = s._disk
+    slow_write, slow_read = disk.write_temp, disk.read_into
+
+    def write_temp(*a, **kw):
+        time.sleep(0.3)
+        return slow_write(*a, **kw)
+
+    def read_into(*a, **kw):
+        time.sleep(0.3)
+        return slow_read(*a, **kw)
+
+    for i in range(9):
+        s.put(f"m{i}", bytes([i]) * (100 * KB))
+    monkeypatch.setattr(disk, "write_temp", write_temp)
+    monkeypatch.setattr(disk, "read_into", read_into)
+    t = threading.Thread(target=lambda: s.put("m9", bytes(200 * KB)))  # must spill: slow write
+    t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    assert s.get_bytes("hot") == b"h" * 1000
+    assert time.monotonic() - t0 < 0.2, "a reader waited for a spill's file write"
+    t.join()
+    assert s.stats()["spills"] >= 1
+    t = threading.Thread(target=lambda: s.get_bytes("m0"))  # spilled: a slow promotion
+    t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    assert s.exists(["hot"]) == [True] and s.get_bytes("hot") == b"h" * 1000
+    assert time.monotonic() - t0 < 0.2, "a reader waited for a promotion's file read"
+    t.join()
+    assert s.stats()["promotions"] >= 1
+    s.release(lease.lease_id)
+    s.close()
