@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.config import StoreConfig, WriteMode
+from kvstrata.store.device import DeviceCacheMixin, GpuCopy
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.objects import (
     Entry,
@@ -49,10 +50,21 @@ log = logging.getLogger(__name__)
 
 _SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
-_COUNTERS = ("hits", "misses", "evictions", "spills", "promotions", "expired", "corrupt", "flushes")
+_COUNTERS = (
+    "hits",
+    "misses",
+    "evictions",
+    "spills",
+    "promotions",
+    "expired",
+    "corrupt",
+    "flushes",
+    "device_loads",
+    "device_evictions",
+)
 
 
-class ObjectStore(TieringMixin):
+class ObjectStore(TieringMixin, DeviceCacheMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
@@ -87,6 +99,8 @@ class ObjectStore(TieringMixin):
         self._owner_leases: dict[object, set[int]] = {}
         self._waiters: dict[str, list] = {}  # key -> [Condition, number of waiters]
         self._clock = ClockPolicy()
+        self._gpu_clock = ClockPolicy()
+        self._gpu_cond = threading.Condition(self._lock)
         self._dirty: dict[str, Entry] = {}
         self._ttl_heap: list[tuple[float, int, str]] = []
         self._versions = itertools.count(1)
@@ -315,6 +329,8 @@ class ObjectStore(TieringMixin):
         if e.on_disk and not keep_disk_file:
             self._disk.remove(key)
         e.on_disk = False
+        if e.gpu is not None:
+            self._gpu_retire(e)
         if e.leases == 0:
             self._free_locked(e)
 
@@ -423,6 +439,9 @@ class ObjectStore(TieringMixin):
                 leases.discard(lease_id)
                 if not leases:
                     del self._owner_leases[owner]
+            if type(e) is GpuCopy:
+                self._gpu_release(e)
+                return
             e.leases -= 1
             if e.dead and e.leases == 0:
                 self._free_locked(e)
@@ -633,6 +652,7 @@ class ObjectStore(TieringMixin):
             self._closed = True
             for w in self._waiters.values():
                 w[0].notify_all()
+            self._gpu_cond.notify_all()
         self._mem.close()
         if self._gpu is not None:
             self._gpu.close()

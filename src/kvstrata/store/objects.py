@@ -36,6 +36,7 @@ class Entry:
         "dirty",
         "expires",
         "flushing",
+        "gpu",
         "key",
         "leases",
         "loading",
@@ -68,6 +69,7 @@ class Entry:
         self.dirty = False  # write-back data not yet on SSD
         self.flushing = False
         self.loading = False  # being promoted from SSD; readers wait for it
+        self.gpu = None  # the HBM copy (kvstrata.store.device.GpuCopy), if any
         self.referenced = False  # second-chance bit
 
 
