@@ -136,7 +136,8 @@ class DeviceCacheMixin:
             victim = self._gpu_clock.next_victim(lambda c: c.leases == 0 and not c.loading)
             if victim is None:
                 raise CapacityError(
-                    f"no room for {size} bytes in the HBM tier: {gpu.used} of {gpu.capacity} bytes held by leased copies"
+                    f"no room for {size} bytes in the HBM tier: {gpu.used} of {gpu.capacity} bytes held by "
+                    "leased copies"
                 )
             self._gpu_free(victim.loc)
             victim.loc = None
