@@ -201,19 +201,32 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
     ) -> None:
         """Store ``data`` (bytes-like) under ``key``, atomically replacing an older version."""
         view = as_bytes_view(data)
-        e = self._reserve(key, view.nbytes, owner, ttl, write_mode, nx)
-        if self._new_segments:
-            self._announce_segments()
-        if view.nbytes:
+        size = view.nbytes
+        mode, ttl_s = self._check_write(key, size, ttl, write_mode)
+        if size <= _SMALL and mode is not WriteMode.WRITE_THROUGH:
+            # small values: reserve, copy and seal in one critical section (a copy of a few KiB
+            # costs less than taking the lock twice)
+            with self._lock:
+                e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+                if size:
+                    self._mem.view(e.loc)[:] = view
+                self._uncreate(key)
+                self._seal_locked(e, None, mutable=False)
+        else:
+            e = self._reserve(key, size, owner, ttl, write_mode, nx)
+            if self._new_segments:
+                self._announce_segments()
             try:
                 self._mem.view(e.loc)[:] = view
             except BaseException:
                 with self._lock:
                     self._abort_locked(e)
                 raise
-        self._finish(e, mutable=False)
+            self._finish(e, mutable=False)
+        if self._new_segments:
+            self._announce_segments()
 
-    def _reserve(self, key, size, owner, ttl, write_mode, nx) -> Entry:
+    def _check_write(self, key, size, ttl, write_mode) -> tuple[WriteMode, float]:
         check_key(key)
         check_size(size)
         mode = check_mode(write_mode)
@@ -225,16 +238,29 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                 f"value of {size} bytes does not fit the memory tier ({self._mem.capacity} bytes, "
                 f"segments of {self.config.segment_bytes})"
             )
+        return mode, ttl_s
+
+    def _reserve(self, key, size, owner, ttl, write_mode, nx) -> Entry:
+        mode, ttl_s = self._check_write(key, size, ttl, write_mode)
         with self._lock:
-            if self._closed:
-                raise ClosedError("the object store is closed")
-            if nx and (key in self._creating or self._lookup(key) is not None):
-                raise KeyExists(f"key {key!r} already exists")
+            return self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+
+    def _reserve_locked(self, key, size, owner, mode, ttl_s, nx) -> Entry:
+        if self._closed:
+            raise ClosedError("the object store is closed")
+        if nx and (key in self._creating or self._lookup(key) is not None):
+            raise KeyExists(f"key {key!r} already exists")
+        # counted before allocating: _allocate may release the lock, and a concurrent nx write of
+        # the same key must see this one
+        self._creating[key] = self._creating.get(key, 0) + 1
+        try:
             loc = self._allocate(size)
-            e = Entry(key, size, loc, mode, next(self._versions), owner)
-            if ttl_s:
-                e.expires = ttl_s  # made absolute at seal time
-            self._creating[key] = self._creating.get(key, 0) + 1
+        except BaseException:
+            self._uncreate(key)
+            raise
+        e = Entry(key, size, loc, mode, next(self._versions), owner)
+        if ttl_s:
+            e.expires = ttl_s  # made absolute at seal time
         return e
 
     def _take_pending(self, key: str, owner: object) -> Entry:
@@ -270,38 +296,42 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                     disk.unreserve(nbytes)
                     self._abort_locked(e)
                 raise
-        key = e.key
         with self._lock:
-            self._uncreate(key)
+            self._uncreate(e.key)
             if self._closed:
                 if pending is not None:
                     disk.discard(pending)
                 self._free_locked(e)
                 raise ClosedError("the object store is closed")
-            if pending is not None:
-                disk.commit(key, pending, e.mode, e.size)
-                e.on_disk = True
-            old = self._objects.get(key)
-            if old is not None:
-                e.ref = old.ref
-                self._retire(old, keep_disk_file=pending is not None)
-            e.sealed = True
-            e.mutable = mutable
-            if e.expires:
-                e.expires += time.monotonic()
-                heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
-            self._objects[key] = e
-            if e.size:
-                self._clock.add(key, e)
-            if e.mode is WriteMode.WRITE_BACK:
-                e.dirty = True
-                self._dirty[key] = e
-                self._wake.set()
-            w = self._waiters.get(key)
-            if w is not None:
-                w[0].notify_all()
-            if self._mem.used > self._high:
-                self._wake.set()
+            self._seal_locked(e, pending, mutable)
+
+    def _seal_locked(self, e: Entry, pending, mutable: bool) -> None:
+        """Make ``e`` the visible version of its key (after its bytes and any SSD file are complete)."""
+        key = e.key
+        if pending is not None:
+            self._disk.commit(key, pending, e.mode, e.size)
+            e.on_disk = True
+        old = self._objects.get(key)
+        if old is not None:
+            e.ref = old.ref
+            self._retire(old, keep_disk_file=pending is not None)
+        e.sealed = True
+        e.mutable = mutable
+        if e.expires:
+            e.expires += time.monotonic()
+            heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
+        self._objects[key] = e
+        if e.size:
+            self._clock.add(key, e)
+        if e.mode is WriteMode.WRITE_BACK:
+            e.dirty = True
+            self._dirty[key] = e
+            self._wake.set()
+        w = self._waiters.get(key)
+        if w is not None:
+            w[0].notify_all()
+        if self._mem.used > self._high:
+            self._wake.set()
 
     def _uncreate(self, key: str) -> None:
         n = self._creating.get(key, 0) - 1
