@@ -11,7 +11,7 @@ import time
 
 import xxhash
 
-from kvstrata.errors import CapacityError, KeyNotFound
+from kvstrata.errors import CapacityError, KeyExists, KeyNotFound
 from kvstrata.store import ObjectStore, WriteMode
 
 MODES = [WriteMode.MEMORY, WriteMode.EVICTABLE, WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK]
@@ -94,4 +94,29 @@ def test_threads_hammer_shared_keys(tmp_path, make_config):
         time.sleep(0.01)
     assert s.stats()["tiers"]["memory"]["used"] == 0
     assert s.stats()["tiers"]["disk"]["used"] == 0
+    s.close()
+
+
+def test_nx_races_have_exactly_one_winner(make_config):
+    s = ObjectStore(make_config())
+    for round_ in range(20):
+        key = f"once{round_}"
+        wins: list[int] = []
+        barrier = threading.Barrier(4)
+
+        def writer(i: int, key: str = key, wins: list = wins, barrier=barrier) -> None:
+            barrier.wait()
+            try:
+                s.put(key, b"%d" % i * (1 + i * 30_000), nx=True)  # mixes the small and large paths
+                wins.append(i)
+            except KeyExists:
+                pass
+
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(wins) == 1
+        assert s.get_bytes(key) == b"%d" % wins[0] * (1 + wins[0] * 30_000)
     s.close()

@@ -57,3 +57,18 @@ def test_numa_bind_node0_when_available():
     assert seg.numa_node in (0, None)  # None: this kernel refused mbind, recorded not hidden
     assert np.all(seg.as_numpy()[:16] == 0)
     seg.close()
+
+
+def test_hugetlb_unavailable_falls_back_and_records_it(monkeypatch):
+    import kvstrata.memory.shm as shm
+
+    monkeypatch.setattr(shm, "_free_hugetlb_bytes", lambda: 1 << 40)  # claims pages the kernel lacks
+    seg = SharedSegment.create(3 << 20, hugepages="auto")
+    assert seg.nbytes == 3 << 20 and len(seg.buffer) == 3 << 20
+    assert seg.hugepages in ("hugetlb", "thp", "off")
+    seg.buffer[-1] = 9
+    assert seg.as_numpy()[-1] == 9
+    seg.close()
+    off = SharedSegment.create(1 << 20, hugepages="off")
+    assert off.hugepages == "off"
+    off.close()
