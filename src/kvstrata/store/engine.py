@@ -109,10 +109,15 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
         self._flush_lock = threading.Lock()
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt
+            self._counts["expired"] = self._disk.expired
+            now, wall = time.monotonic(), time.time()
             for key, rec in self._disk.index.items():
                 e = Entry(key, rec.size, None, rec.mode, next(self._versions), None)
                 e.sealed = True
                 e.on_disk = True
+                if rec.expires_at:
+                    e.expires = now + (rec.expires_at - wall)
+                    heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
                 self._objects[key] = e
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -290,7 +295,8 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                     f"SSD tier full: {nbytes} bytes needed for {e.key!r}, {disk.used} of {disk.capacity} used"
                 )
             try:
-                pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode)
+                expires_at = time.time() + e.expires if e.expires else 0.0  # e.expires is still relative
+                pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode, expires_at)
             except BaseException:
                 with self._lock:
                     disk.unreserve(nbytes)
@@ -332,6 +338,11 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
             w[0].notify_all()
         if self._mem.used > self._high:
             self._wake.set()
+
+    @staticmethod
+    def _wall_expiry(e: Entry) -> float:
+        """A sealed entry's deadline as Unix time (what SSD files record), 0 for never."""
+        return time.time() + (e.expires - time.monotonic()) if e.expires else 0.0
 
     def _uncreate(self, key: str) -> None:
         n = self._creating.get(key, 0) - 1
@@ -566,6 +577,11 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                 e.expires = now + ttl_s if ttl_s else 0.0
                 if ttl_s:
                     heapq.heappush(self._ttl_heap, (e.expires, e.version, k))
+                if e.on_disk:  # so a restart honours the new deadline too
+                    try:
+                        self._disk.set_expiry(k, self._wall_expiry(e))
+                    except OSError as exc:
+                        log.error("could not record the new expiry of %r on SSD: %s", k, exc)
                 out.append(True)
         return out
 

@@ -93,7 +93,8 @@ class TieringMixin:
             written = []
             for e, _ in jobs:
                 try:
-                    written.append(disk.write_temp(e.key, self._mem.view(e.loc), e.mode))
+                    view = self._mem.view(e.loc)
+                    written.append(disk.write_temp(e.key, view, e.mode, self._wall_expiry(e)))
                 except OSError as exc:
                     log.error("spilling %r to SSD failed (%s); it stays in DRAM", e.key, exc)
                     written.append(None)
@@ -229,7 +230,7 @@ class TieringMixin:
             for e, nbytes in batch:
                 pending = None
                 try:
-                    pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode)
+                    pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode, self._wall_expiry(e))
                 except OSError as exc:
                     log.error("write-back of %r failed: %s; will retry", e.key, exc)
                 with self._lock:
