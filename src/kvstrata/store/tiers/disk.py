@@ -10,8 +10,9 @@ A file is written under a temporary name and renamed into place (atomic: a reade
 sees the old file or the new one, never half of one). The engine does the rename under its lock, so
 the file on disk always matches the newest sealed version. At startup the index is rebuilt from the
 headers; objects whose time to live ran out meanwhile, files of DRAM-only modes (spill files of a
-previous run) and temporary files are removed. A file whose header or payload fails its checksum, or that is truncated, is a miss: logged, counted
-in ``corrupt``, moved aside as ``*.corrupt`` and never served.
+previous run) and temporary files are removed. A file whose header or payload fails its checksum,
+or that is truncated, is a miss: logged, counted in ``corrupt``, moved aside as ``*.corrupt`` and
+never served.
 """
 
 from __future__ import annotations
