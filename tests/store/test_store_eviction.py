@@ -177,3 +177,23 @@ def test_spill_and_promotion_io_do_not_block_other_readers(tmp_path, make_config
     assert s.stats()["promotions"] >= 1
     s.release(lease.lease_id)
     s.close()
+
+
+def test_spilled_object_read_from_ssd_when_dram_is_all_leased(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    s.put("cold", b"C" * (300 * KB))
+    leases = []
+    for i in range(9):  # fill DRAM with leased objects: "cold" is spilled, nothing else may go
+        s.put(f"h{i}", bytes([i]) * (100 * KB))
+        leases.append(s.acquire(f"h{i}", owner="pin"))
+    assert s.stats()["spills"] == 1
+    assert s.get_bytes("cold") == b"C" * (300 * KB)  # served straight from SSD
+    assert s.read("cold", 1000, 10) == b"C" * 10
+    assert s.stats()["promotions"] == 0
+    with pytest.raises(CapacityError):
+        s.acquire("cold", owner=1)  # a zero-copy lease needs DRAM
+    s.release_owner("pin")
+    lease = s.acquire("cold", owner=1)
+    assert bytes(s.buffer(lease.location)) == b"C" * (300 * KB) and s.stats()["promotions"] == 1
+    s.release(lease.lease_id)
+    s.close()

@@ -72,3 +72,21 @@ def test_hugetlb_unavailable_falls_back_and_records_it(monkeypatch):
     off = SharedSegment.create(1 << 20, hugepages="off")
     assert off.hugepages == "off"
     off.close()
+
+
+def test_another_process_writes_through_a_passed_fd():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    seg = SharedSegment.create(1 << 20)
+    child = (
+        "import sys; sys.path.insert(0, sys.argv[3]);"
+        "from kvstrata.memory.shm import SharedSegment;"
+        "s = SharedSegment.attach(int(sys.argv[1]), int(sys.argv[2]));"
+        "s.buffer[4096:4101] = b'child'; s.close()"
+    )
+    subprocess.run([sys.executable, "-c", child, str(seg.fd), str(seg.nbytes), src], pass_fds=[seg.fd], check=True)
+    assert bytes(seg.buffer[4096:4101]) == b"child"
+    seg.close()
