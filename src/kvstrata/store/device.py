@@ -70,7 +70,10 @@ class DeviceCacheMixin:
             lid = next(self._lease_ids)
             self._leases[lid] = (copy, owner)
             self._owner_leases.setdefault(owner, set()).add(lid)
-            return Lease(lid, key, copy.loc, e.size, False)
+            lease = Lease(lid, key, copy.loc, e.size, False)
+        if self._announced < len(self._mem.segments):  # loading through DRAM may have grown it
+            self._announce_segments()
+        return lease
 
     def device_tensor(self, location: Location) -> Any:
         """The uint8 device tensor over an HBM ``location`` (no copy)."""

@@ -74,15 +74,14 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
         self._lock = threading.Lock()
         self._closed = False
         self._listeners: list[Callable[[SharedSegment], None]] = []
-        self._new_segments: list[SharedSegment] = []
+        self._announce_lock = threading.RLock()
         self._mem = MemoryTier(
             config.memory_bytes,
             segment_bytes=config.segment_bytes,
             hugepages=config.hugepages,
             numa_node=config.resolved_numa_node(),
-            on_new_segment=self._new_segments.append,
         )
-        self._new_segments.clear()  # the first segment is visible through .segments from the start
+        self._announced = len(self._mem.segments)  # the first segment is visible through .segments from the start
         self._disk = DiskTier(config.disk_dir, config.disk_bytes, sync=config.disk_sync) if config.disk_dir else None
         self._gpu = None
         if config.gpu_bytes:
@@ -136,13 +135,20 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
             self._listeners.append(fn)
 
     def _announce_segments(self) -> None:
-        while self._new_segments:
-            seg = self._new_segments.pop(0)
-            for fn in list(self._listeners):
-                try:
-                    fn(seg)
-                except Exception:
-                    log.exception("segment listener %r failed", fn)
+        # Whoever announces, a segment is announced before the write that made it returns: a
+        # thread finding the list empty waits here for the announcer still calling listeners.
+        with self._announce_lock:
+            segments = self._mem.segments
+            while self._announced < len(segments):
+                self._call_listeners(segments[self._announced])
+                self._announced += 1
+
+    def _call_listeners(self, seg: SharedSegment) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(seg)
+            except Exception:
+                log.exception("segment listener %r failed", fn)
 
     def buffer(self, location: Location) -> memoryview:
         """A writable view of the bytes at ``location`` (no copy)."""
@@ -173,7 +179,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                 self._abort_locked(old)
             self._pending[(key, owner)] = e
             self._owner_creates.setdefault(owner, set()).add(key)
-        if self._new_segments:
+        if self._announced < len(self._mem.segments):
             self._announce_segments()
         return e.loc
 
@@ -191,7 +197,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
         with self._lock:
             e = self._pending.pop((key, owner), None)
             if e is not None:
-                self._owner_creates.get(owner, set()).discard(key)
+                self._forget_create(key, owner)
                 self._abort_locked(e)
 
     def put(
@@ -218,8 +224,9 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                 self._uncreate(key)
                 self._seal_locked(e, None, mutable=False)
         else:
-            e = self._reserve(key, size, owner, ttl, write_mode, nx)
-            if self._new_segments:
+            with self._lock:
+                e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+            if self._announced < len(self._mem.segments):
                 self._announce_segments()
             try:
                 self._mem.view(e.loc)[:] = view
@@ -228,7 +235,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                     self._abort_locked(e)
                 raise
             self._finish(e, mutable=False)
-        if self._new_segments:
+        if self._announced < len(self._mem.segments):
             self._announce_segments()
 
     def _check_write(self, key, size, ttl, write_mode) -> tuple[WriteMode, float]:
@@ -274,12 +281,15 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
             e = self._pending.pop((key, owner), None)
             if e is None:
                 raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
-            creates = self._owner_creates.get(owner)
-            if creates is not None:
-                creates.discard(key)
-                if not creates:
-                    del self._owner_creates[owner]
+            self._forget_create(key, owner)
         return e
+
+    def _forget_create(self, key: str, owner: object) -> None:
+        creates = self._owner_creates.get(owner)
+        if creates is not None:
+            creates.discard(key)
+            if not creates:
+                del self._owner_creates[owner]
 
     def _finish(self, e: Entry, *, mutable: bool) -> None:
         pending = None
@@ -448,7 +458,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                 leases = self._owner_leases[owner] = set()
             leases.add(lid)
             lease = Lease(lid, key, e.loc, e.size, e.mutable)
-        if self._new_segments:
+        if self._announced < len(self._mem.segments):
             self._announce_segments()
         return lease
 
@@ -523,14 +533,20 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
     def get_bytes(self, key: str, *, timeout: float | None = 0.0) -> bytes:
         """A copy of ``key``'s value, waiting up to ``timeout`` s for it to appear."""
         check_key(key)
-        return self._copy_out(key, 0, None, check_timeout(timeout))
+        data = self._copy_out(key, 0, None, check_timeout(timeout))
+        if self._announced < len(self._mem.segments):  # a promotion may have grown the tier
+            self._announce_segments()
+        return data
 
     def read(self, key: str, offset: int, size: int) -> bytes:
         """A copy of ``size`` bytes of ``key`` from ``offset``; ValueError for a range outside the object."""
         check_key(key)
         check_size(offset, "offset")
         check_size(size)
-        return self._copy_out(key, offset, size, 0.0)
+        data = self._copy_out(key, offset, size, 0.0)
+        if self._announced < len(self._mem.segments):
+            self._announce_segments()
+        return data
 
     # -- metadata ----------------------------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> list[bool]:
