@@ -106,6 +106,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
         self._lease_ids = itertools.count(1)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._flush_lock = threading.Lock()
+        self._evict_blocked = False
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt
             self._counts["expired"] = self._disk.expired
@@ -373,6 +374,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
     def _retire(self, e: Entry, *, keep_disk_file: bool = False) -> None:
         """Take a visible version out of service (deleted, replaced, expired, dropped)."""
         e.dead = True
+        self._evict_blocked = False
         key = e.key
         self._clock.remove(key, e)
         if self._dirty.get(key) is e:
@@ -494,8 +496,10 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                 self._gpu_release(e)
                 return
             e.leases -= 1
-            if e.dead and e.leases == 0:
-                self._free_locked(e)
+            if e.leases == 0:
+                self._evict_blocked = False
+                if e.dead:
+                    self._free_locked(e)
 
     def _copy_out(self, key: str, offset: int, size: int | None, timeout: float | None) -> bytes:
         with self._lock:

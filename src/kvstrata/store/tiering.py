@@ -130,10 +130,13 @@ class TieringMixin:
     def _evict_to_low(self) -> None:
         """Hysteresis: start above the high watermark, stop at the low one."""
         with self._lock:
-            if self._mem.used <= self._high:
+            if self._mem.used <= self._high or self._evict_blocked:
                 return
             while self._mem.used > self._low:
                 if not self._make_room(self._mem.used - self._low):
+                    # nothing evictable now: do not rescan every pass until a lease is released
+                    # or an object is replaced or deleted
+                    self._evict_blocked = True
                     break
 
     # -- promotion -----------------------------------------------------------------------------------
