@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
 from kvstrata.memory.shm import SharedSegment
+from kvstrata.store.batch import BatchMixin
 from kvstrata.store.config import StoreConfig, WriteMode
 from kvstrata.store.device import DeviceCacheMixin, GpuCopy
 from kvstrata.store.eviction import ClockPolicy
@@ -64,7 +65,7 @@ _COUNTERS = (
 )
 
 
-class ObjectStore(TieringMixin, DeviceCacheMixin):
+class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
