@@ -35,7 +35,7 @@ class BatchMixin:
         ttl: float | None = None,
         write_mode: WriteMode | str = WriteMode.MEMORY,
         nx: bool = False,
-    ) -> list[None | KvstrataError]:
+    ) -> list[KvstrataError | None]:
         """:meth:`put` for each ``(key, value)``; per-key results. With ``nx=True``: write-once."""
         pairs = _pairs(items, "items")
         views = []
@@ -43,7 +43,7 @@ class BatchMixin:
             check_key(key, "items")
             views.append(as_bytes_view(value))
         self._check_batch_options(ttl, write_mode)
-        out: list[None | KvstrataError] = []
+        out: list[KvstrataError | None] = []
         for (key, _), view in zip(pairs, views):
             try:
                 self.put(key, view, owner=owner, ttl=ttl, write_mode=write_mode, nx=nx)
@@ -80,11 +80,11 @@ class BatchMixin:
         if check_mode(write_mode) in (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK) and self._disk is None:
             raise ValueError(f"write_mode: {write_mode} needs an SSD tier (StoreConfig.disk_dir)")
 
-    def seal_many(self, keys: Iterable[str], *, owner: object, publish: bool = False) -> list[None | KvstrataError]:
+    def seal_many(self, keys: Iterable[str], *, owner: object, publish: bool = False) -> list[KvstrataError | None]:
         """:meth:`seal` (or :meth:`publish`) each of ``owner``'s creates; per-key results."""
         keys = check_keys(keys)
         finish = self.publish if publish else self.seal
-        out: list[None | KvstrataError] = []
+        out: list[KvstrataError | None] = []
         for key in keys:
             try:
                 finish(key, owner=owner)
