@@ -711,7 +711,10 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         """Flush write-back data, stop the background thread, unmap the segments. Idempotent."""
         if self._closed:
             return
-        self.flush()
+        try:
+            self.flush()
+        except CapacityError as exc:
+            log.error("closing the store: %s; that data is lost", exc)
         self._stop.set()
         self._wake.set()
         self._thread.join()

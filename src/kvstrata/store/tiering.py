@@ -253,11 +253,16 @@ class TieringMixin:
                         self._free_locked(e)
 
     def flush(self) -> None:
-        """Write all write-back data to SSD now."""
+        """Write all write-back data to SSD now; CapacityError if some could not be (SSD full or failing)."""
         for _ in range(3):
             if not self._dirty:
                 return
             self._flush_pass()
+        if self._dirty:
+            raise CapacityError(
+                f"{len(self._dirty)} write-back objects could not be written to SSD "
+                f"({self._disk.used} of {self._disk.capacity} bytes used); they stay in DRAM"
+            )
 
 
 __all__ = ["TieringMixin"]
