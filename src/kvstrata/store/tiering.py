@@ -14,6 +14,7 @@ This is a mixin of :class:`~kvstrata.store.engine.ObjectStore`; it shares the en
 from __future__ import annotations
 
 import logging
+import time
 
 from kvstrata.errors import CapacityError, CorruptData, KeyNotFound
 from kvstrata.store.config import WriteMode
@@ -220,16 +221,21 @@ class TieringMixin:
         with self._flush_lock:
             with self._lock:
                 batch = []
+                postponed = 0
                 for e in self._dirty.values():
                     if e.flushing or e.loc is None:
                         continue
                     nbytes = disk.file_bytes(e.key, e.size)
                     if not disk.reserve(nbytes):
-                        log.warning("SSD tier full: write-back of %r postponed", e.key)
+                        postponed += 1
                         continue
                     e.flushing = True
                     e.leases += 1
                     batch.append((e, nbytes))
+                now = time.monotonic()
+                if postponed and now - self._flush_warned > 10.0:  # at most one warning per 10 s
+                    self._flush_warned = now
+                    log.warning("SSD tier full: write-back of %d objects postponed", postponed)
             for e, nbytes in batch:
                 pending = None
                 try:
