@@ -108,6 +108,7 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._flush_lock = threading.Lock()
         self._evict_blocked = False
+        self._flush_warned = -1e9
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt
             self._counts["expired"] = self._disk.expired
