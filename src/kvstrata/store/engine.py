@@ -275,7 +275,7 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             raise
         e = Entry(key, size, loc, mode, next(self._versions), owner)
         if ttl_s:
-            e.expires = ttl_s  # made absolute at seal time
+            e.ttl = ttl_s
         return e
 
     def _take_pending(self, key: str, owner: object) -> Entry:
@@ -308,7 +308,7 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
                     f"SSD tier full: {nbytes} bytes needed for {e.key!r}, {disk.used} of {disk.capacity} used"
                 )
             try:
-                expires_at = time.time() + e.expires if e.expires else 0.0  # e.expires is still relative
+                expires_at = time.time() + e.ttl if e.ttl else 0.0
                 pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode, expires_at)
             except BaseException:
                 with self._lock:
@@ -336,8 +336,8 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             self._retire(old, keep_disk_file=pending is not None)
         e.sealed = True
         e.mutable = mutable
-        if e.expires:
-            e.expires += time.monotonic()
+        if e.ttl:
+            e.expires = time.monotonic() + e.ttl
             heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
         self._objects[key] = e
         if e.size:

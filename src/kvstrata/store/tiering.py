@@ -51,7 +51,7 @@ class TieringMixin:
         if e.mode is WriteMode.EVICTABLE or (e.on_disk and not e.dirty):
             return True
         disk = self._disk
-        return disk is not None and disk.used + disk._reserved + disk.file_bytes(e.key, e.size) <= disk.capacity
+        return disk is not None and disk.has_room(disk.file_bytes(e.key, e.size))
 
     def _make_room(self, goal: int) -> bool:
         """Free about ``goal`` bytes of DRAM; False when nothing could be freed. May release the lock.

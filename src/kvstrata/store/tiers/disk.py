@@ -171,6 +171,9 @@ class DiskTier(Tier):
     def file_bytes(self, key: str, size: int) -> int:
         return HEADER_BYTES + len(key.encode()) + size
 
+    def has_room(self, nbytes: int) -> bool:
+        return self._used + self._reserved + nbytes <= self._capacity
+
     def reserve(self, nbytes: int) -> bool:
         if self._used + self._reserved + nbytes > self._capacity:
             return False
