@@ -96,7 +96,7 @@ class TieringMixin:
                 try:
                     view = self._mem.view(e.loc)
                     written.append(disk.write_temp(e.key, view, e.mode, self._wall_expiry(e)))
-                except OSError as exc:
+                except Exception as exc:  # the pins below must be undone whatever went wrong
                     log.error("spilling %r to SSD failed (%s); it stays in DRAM", e.key, exc)
                     written.append(None)
         finally:
@@ -240,7 +240,7 @@ class TieringMixin:
                 pending = None
                 try:
                     pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode, self._wall_expiry(e))
-                except OSError as exc:
+                except Exception as exc:  # the pin below must be undone whatever went wrong
                     log.error("write-back of %r failed: %s; will retry", e.key, exc)
                 with self._lock:
                     e.flushing = False
