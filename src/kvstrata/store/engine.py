@@ -89,6 +89,10 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             from kvstrata.store.tiers.gpu import GpuTier
 
             self._gpu = GpuTier(config.gpu_bytes, device=config.gpu_device or 0)
+            # loads into HBM read DRAM segments: page-lock them so those copies run at DMA speed
+            for seg in self._mem.segments:
+                self._gpu.register_host(seg.address, seg.nbytes)
+            self._listeners.append(lambda seg: self._gpu.register_host(seg.address, seg.nbytes))
         self._high = int(config.high_watermark * config.memory_bytes)
         self._low = int(config.low_watermark * config.memory_bytes)
         self._objects: dict[str, Entry] = {}  # visible versions
@@ -724,9 +728,9 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             for w in self._waiters.values():
                 w[0].notify_all()
             self._gpu_cond.notify_all()
-        self._mem.close()
         if self._gpu is not None:
-            self._gpu.close()
+            self._gpu.close()  # unregisters the segments before they are unmapped
+        self._mem.close()
 
     def __enter__(self) -> ObjectStore:
         return self

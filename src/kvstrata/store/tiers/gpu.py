@@ -8,10 +8,15 @@ machine without CUDA the tier cannot be configured (``StoreConfig.gpu_bytes`` mu
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kvstrata.store.allocator import OffsetAllocator
 from kvstrata.store.tiers.base import BlockTier, Location
+
+log = logging.getLogger(__name__)
+
+_CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class GpuTier(BlockTier):
@@ -28,6 +33,7 @@ class GpuTier(BlockTier):
         self.device = dev
         self._buffer = torch.empty(capacity, dtype=torch.uint8, device=dev)
         self._alloc = OffsetAllocator(capacity)
+        self._registered: dict[int, int] = {}  # host address -> bytes registered with CUDA
 
     @property
     def capacity(self) -> int:
@@ -57,10 +63,47 @@ class GpuTier(BlockTier):
             raise ValueError(f"src: {flat.numel()} bytes, location holds {location.size}")
         self.tensor(location).copy_(flat, non_blocking=non_blocking)
 
+    def register_host(self, address: int, nbytes: int) -> bool:
+        """Page-lock a host range with CUDA so loads from it run at DMA speed (False: stays pageable).
+
+        Uses ``cudaHostRegister`` through torch's cudart binding (flags: portable), the same call
+        ``kvstrata.memory.pinned.register`` makes; a failure is logged and the copies stay correct,
+        only slower.
+        """
+        if self.device.type != "cuda" or address in self._registered:
+            return address in self._registered
+        import torch
+
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+        except (RuntimeError, AttributeError) as exc:
+            log.warning("HBM tier: cannot page-lock %d host bytes (%s); loads use pageable copies", nbytes, exc)
+            return False
+        if int(err) != 0:
+            log.warning("HBM tier: cudaHostRegister of %d bytes failed (error %d); pageable copies", nbytes, int(err))
+            return False
+        self._registered[address] = nbytes
+        return True
+
+    def unregister_all(self) -> None:
+        """Undo :meth:`register_host` (before the host memory is unmapped)."""
+        if not self._registered:
+            return
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for address in self._registered:
+            try:
+                cudart.cudaHostUnregister(address)
+            except RuntimeError as exc:
+                log.warning("HBM tier: cudaHostUnregister failed: %s", exc)
+        self._registered.clear()
+
     def stats(self) -> dict:
-        return {**self._alloc.stats(), "device": str(self.device)}
+        return {**self._alloc.stats(), "device": str(self.device), "host_registered": sum(self._registered.values())}
 
     def close(self) -> None:
+        self.unregister_all()
         self._buffer = None
 
 
