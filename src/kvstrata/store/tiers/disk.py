@@ -72,7 +72,7 @@ class DiskTier(Tier):
 
     def __init__(self, directory: str, capacity: int, *, sync: bool = False):
         self.directory = os.path.abspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._capacity = capacity
         self._sync = sync
         self._used = 0
