@@ -190,17 +190,17 @@ def test_sigkill_mid_write_keeps_every_acknowledged_write(tmp_path, make_config,
 def test_time_to_live_survives_restart(tmp_path, make_config):
     cfg = make_config(tmp_path, disk_sync=True)
     s = ObjectStore(cfg)
-    s.put("short", b"s", ttl=0.2, write_mode="write_through")
+    s.put("short", b"s", ttl=0.6, write_mode="write_through")
     s.put("long", b"l", ttl=60, write_mode="write_through")
-    s.put("extended", b"e", ttl=0.2, write_mode="write_through")
+    s.put("extended", b"e", ttl=0.6, write_mode="write_through")
     s.put("cut", b"c", write_mode="write_through")
     assert s.expire(["extended"], 60) == [True]
-    assert s.expire(["cut"], 0.2) == [True]
+    assert s.expire(["cut"], 0.6) == [True]
     s.close()
     s2 = ObjectStore(cfg)  # the deadlines carry over: still there now, gone soon
     assert s2.exists(["short", "long", "extended", "cut"]) == [True] * 4
     s2.close()
-    time.sleep(0.3)
+    time.sleep(0.7)
     s3 = ObjectStore(cfg)  # expired files are dropped at startup, and counted
     assert s3.stats()["expired"] == 2 and s3.stats()["tiers"]["disk"]["files"] == 2
     assert s3.exists(["short", "long", "extended", "cut"]) == [False, True, True, False]

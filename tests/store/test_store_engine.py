@@ -156,13 +156,13 @@ def test_close_wakes_waiters_with_closed_error(make_config):
 
 
 def test_ttl_expiry_lazy_and_sweeper(store):
-    store.put("short", b"x", ttl=0.05)
+    store.put("short", b"x", ttl=0.3)
     store.put("forever0", b"x", ttl=0)
     store.put("foreverN", b"x", ttl=None)
     store.put("later", b"x")
-    assert store.expire(["later", "missing"], 0.05) == [True, False]
+    assert store.expire(["later", "missing"], 0.3) == [True, False]
     assert store.exists(["short", "later"]) == [True, True]
-    time.sleep(0.08)
+    time.sleep(0.4)
     assert store.exists(["short", "later", "forever0", "foreverN"]) == [False, False, True, True]
     with pytest.raises(KeyNotFound):
         store.get_bytes("short")
