@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstrata.memory import numa
+from kvstrata.memory import numa, register, unregister
 
 log = logging.getLogger(__name__)
 
@@ -92,20 +92,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cuda_host_register(ptr: int, nbytes: int) -> None:
-    """Page-lock and map ``[ptr, ptr + nbytes)`` for DMA from every device (portable | mapped).
-
-    Uses ``kvstrata.memory.register`` where it exists (branch ops-a: one registry for the whole
-    process), else cudaHostRegister directly with the same flags.
-    """
-    try:
-        from kvstrata.memory import register
-    except ImportError:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 3)
-        code = int(getattr(err, "value", err))
-        if code != 0:
-            raise RuntimeError(f"cudaHostRegister({nbytes} bytes) failed with CUDA error {code}") from None
-    else:
-        register(ptr, nbytes)
+    """Page-lock and map ``[ptr, ptr + nbytes)`` for DMA from every device (portable | mapped), through
+    the process-wide registry of :mod:`kvstrata.memory`."""
+    register(ptr, nbytes)
     _cuda_registered.add(ptr)
 
 
@@ -114,12 +103,7 @@ def cuda_host_unregister(ptr: int) -> None:
     if ptr not in _cuda_registered:
         return
     _cuda_registered.discard(ptr)
-    try:
-        from kvstrata.memory import unregister
-    except ImportError:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    else:
-        unregister(ptr)
+    unregister(ptr)
 
 
 class NodeSegment:

@@ -16,7 +16,6 @@ from kvstrata.store.tiers.base import BlockTier, Location
 
 log = logging.getLogger(__name__)
 
-_CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class GpuTier(BlockTier):
@@ -66,37 +65,28 @@ class GpuTier(BlockTier):
     def register_host(self, address: int, nbytes: int) -> bool:
         """Page-lock a host range with CUDA so loads from it run at DMA speed (False: stays pageable).
 
-        Uses ``cudaHostRegister`` through torch's cudart binding (flags: portable), the same call
-        ``kvstrata.memory.pinned.register`` makes; a failure is logged and the copies stay correct,
-        only slower.
+        Registers through :func:`kvstrata.memory.register` (mapped + portable, one process-wide
+        registry); a failure is logged and the copies stay correct, only slower.
         """
         if self.device.type != "cuda" or address in self._registered:
             return address in self._registered
-        import torch
+        from kvstrata.errors import CapacityError
+        from kvstrata.memory import register
 
         try:
-            err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-        except (RuntimeError, AttributeError) as exc:
+            register(address, nbytes)
+        except (CapacityError, RuntimeError) as exc:
             log.warning("HBM tier: cannot page-lock %d host bytes (%s); loads use pageable copies", nbytes, exc)
-            return False
-        if int(err) != 0:
-            log.warning("HBM tier: cudaHostRegister of %d bytes failed (error %d); pageable copies", nbytes, int(err))
             return False
         self._registered[address] = nbytes
         return True
 
     def unregister_all(self) -> None:
         """Undo :meth:`register_host` (before the host memory is unmapped)."""
-        if not self._registered:
-            return
-        import torch
+        from kvstrata.memory import unregister
 
-        cudart = torch.cuda.cudart()
         for address in self._registered:
-            try:
-                cudart.cudaHostUnregister(address)
-            except RuntimeError as exc:
-                log.warning("HBM tier: cudaHostUnregister failed: %s", exc)
+            unregister(address)
         self._registered.clear()
 
     def stats(self) -> dict:
