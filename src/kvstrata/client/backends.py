@@ -88,6 +88,8 @@ class RemoteBackend:
                 self._segments[index] = SharedSegment.attach(fd, nbytes)
 
     def view(self, loc: Any) -> memoryview:
+        if loc.size == 0:
+            return memoryview(bytearray())
         try:
             seg = self._segments[loc.segment]
         except KeyError:

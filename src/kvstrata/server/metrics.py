@@ -28,8 +28,11 @@ COUNTERS = frozenset(
         "deletes",
         "bytes_written",
         "bytes_read",
+        "flushes",
     }
 )
+# Leaves that are byte counts get the ``_bytes`` unit suffix Prometheus asks for.
+BYTES = frozenset({"used", "capacity", "mapped", "free", "size"})
 
 
 def _singular(name: str) -> str:
@@ -76,7 +79,8 @@ def to_prometheus(stats: dict[str, Any], prefix: str = "kvstrata") -> str:
     for name, rows in sorted(samples.items()):
         base = name.rsplit("_", 1)[-1]
         is_counter = name.removeprefix(prefix + "_") in COUNTERS or base in COUNTERS
-        metric = f"{name}_total" if is_counter and not name.endswith("_total") else name
+        metric = f"{name}_bytes" if base in BYTES else name
+        metric = f"{metric}_total" if is_counter and not metric.endswith("_total") else metric
         lines.append(f"# TYPE {metric} {'counter' if is_counter else 'gauge'}")
         for label_text, value in rows:
             lines.append(f"{metric}{label_text} {_format(value)}")

@@ -183,6 +183,8 @@ class Session:
                 _close(fd)
             op = msg.get("op")
             self.worker.counters["requests"] += 1
+            if msg.get("rel"):  # releases deferred by the client's garbage collector
+                _release(self, {"ids": msg["rel"]})
             handler = _HANDLERS.get(op) if isinstance(op, str) else None
             try:
                 if handler is None:
@@ -223,7 +225,7 @@ class Session:
 
     # helpers -------------------------------------------------------------------------------------
     def loc(self, location: Any, reply: dict) -> list[int]:
-        if location.segment not in self.sent_segments:
+        if location.size and location.segment not in self.sent_segments:
             reply.setdefault("_segs", []).append(location.segment)
             self.sent_segments.add(location.segment)  # once per reply, even for many keys
         return [location.segment, location.offset, location.size]
