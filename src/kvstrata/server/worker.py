@@ -1,0 +1,459 @@
+"""The node worker: owns an :class:`~kvstrata.store.ObjectStore`, serves clients over a transport.
+
+One thread per client connection runs request -> engine call -> reply. The connection is the
+engine's ``owner``: when a client closes, crashes or is SIGKILLed, its socket reads EOF and the
+worker calls ``release_owner`` (its leases are released, its unfinished writes aborted, so no
+partial object ever becomes visible). Shared segments are handed to a client the first time a
+reply points into them. A bad request gets an error record back; it never takes the worker down.
+
+Example (what ``kvstrata worker`` does)::
+
+    worker = Worker(WorkerConfig.load(flags={"socket": "/tmp/kv.sock", "memory": "1GiB"})).start()
+    worker.serve_forever()          # until SIGTERM/SIGINT or worker.stop()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, TransportError
+from kvstrata.server import protocol as P
+from kvstrata.server.config import WorkerConfig
+from kvstrata.transport import Connection, Listener, listen
+
+log = logging.getLogger("kvstrata.worker")
+_owner_ids = itertools.count(1)
+
+
+class Worker:
+    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM in ``serve_forever``) shuts down cleanly."""
+
+    def __init__(self, config: WorkerConfig, *, store: Any = None) -> None:
+        self.config = config
+        self._store = store
+        self._own_store = store is None
+        self._listener: Listener | None = None
+        self._sessions: dict[int, Session] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.started_at = time.time()
+        self.counters: Counter[str] = Counter()
+
+    # lifecycle -----------------------------------------------------------------------------------
+    @property
+    def store(self) -> Any:
+        return self._store
+
+    @property
+    def address(self) -> str:
+        if self._listener is None:
+            raise ClosedError("worker is not listening (call start())")
+        return self._listener.address
+
+    def start(self) -> Worker:
+        if self._store is None:
+            from kvstrata.store import ObjectStore
+
+            self._store = ObjectStore(self.config.store_config())
+        if hasattr(self._store, "add_segment_listener"):
+            self._store.add_segment_listener(self._on_segment)
+        try:
+            self._listener = listen(
+                self.config.address, self._serve, on_hello=self._on_hello, mode=self.config.socket_mode
+            )
+        except BaseException:
+            if self._own_store:
+                self._store.close()
+            raise
+        stats = self._store.stats()
+        log.info(
+            "worker pid %d listening on %s (memory tier %s, disk tier %s)",
+            _pid(),
+            self._listener.address,
+            _fmt(self.config.memory),
+            f"{_fmt(self.config.disk_size)} in {self.config.disk_dir}" if self.config.disk_dir else "off",
+        )
+        log.debug("store stats at start: %s", stats)
+        return self
+
+    def serve_forever(self) -> None:
+        """Block until stop() or SIGTERM/SIGINT (when called from the main thread), then shut down."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: self._on_signal(signum))
+        while not self._stopped.wait(0.5):
+            pass
+        self.stop()
+
+    def _on_signal(self, signum: int) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        self._stopped.set()
+
+    def stop(self) -> None:
+        """Stop listening, disconnect clients, flush write-back data and close the store (idempotent)."""
+        self._stopped.set()
+        if self._listener is not None:
+            self._listener.stop()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            s.conn.close()
+        if self._store is not None and self._own_store:
+            self._store.close()
+            log.info("worker stopped; write-back data flushed")
+            self._own_store = False
+
+    def __enter__(self) -> Worker:
+        return self if self._listener else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # stats ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The store's stats plus the worker's own (clients, requests, errors, uptime)."""
+        stats = dict(self._store.stats())
+        with self._lock:
+            stats["clients"] = len(self._sessions)
+        stats["requests"] = self.counters["requests"]
+        stats["request_errors"] = self.counters["errors"]
+        stats["connections"] = self.counters["connections"]
+        stats["uptime_seconds"] = round(time.time() - self.started_at, 3)
+        return stats
+
+    # connections ---------------------------------------------------------------------------------
+    def _on_segment(self, segment: Any) -> None:
+        log.info("memory tier grew: %d segments, newest %s", len(self._store.segments), _fmt(segment.nbytes))
+
+    def _on_hello(self, conn: Connection, hello: dict) -> tuple[dict, list[int]]:
+        session = Session(self, conn, hello)
+        conn.session = session  # type: ignore[attr-defined]
+        return {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}, []
+
+    def _serve(self, conn: Connection) -> None:
+        session: Session = conn.session  # type: ignore[attr-defined]
+        with self._lock:
+            self._sessions[session.owner] = session
+            self.counters["connections"] += 1
+            n = len(self._sessions)
+        log.info("client %s connected (%d connected)", session.name, n)
+        why = "closed the connection"
+        try:
+            session.run()
+        except ConnectionLost:
+            why = "went away"
+        except ClosedError:
+            why = "was disconnected by the worker"
+        except TransportError as exc:
+            why = f"broke the protocol ({exc})"
+        finally:
+            conn.close()
+            with self._lock:
+                self._sessions.pop(session.owner, None)
+                n = len(self._sessions)
+            released = session.cleanup()
+            log.info("client %s %s%s (%d connected)", session.name, why, released, n)
+
+
+class Session:
+    """One client connection: its owner id, what it was sent, what it holds."""
+
+    def __init__(self, worker: Worker, conn: Connection, hello: dict) -> None:
+        self.worker = worker
+        self.store = worker.store
+        self.conn = conn
+        self.owner = next(_owner_ids)
+        self.name = f"pid {hello.get('pid', '?')}" + (f" ({hello['name']})" if hello.get("name") else "")
+        # Large values go through shared memory only if the client can map it.
+        self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
+        self.sent_segments: set[int] = set()
+        self.leases: set[int] = set()
+        self.writes: set[str] = set()
+
+    def run(self) -> None:
+        while True:
+            msg, fds = self.conn.recv()
+            for fd in fds:  # clients have no reason to send descriptors
+                _close(fd)
+            op = msg.get("op")
+            self.worker.counters["requests"] += 1
+            if msg.get("rel"):  # releases deferred by the client's garbage collector
+                _release(self, {"ids": msg["rel"]})
+            handler = _HANDLERS.get(op) if isinstance(op, str) else None
+            try:
+                if handler is None:
+                    raise ServerError(f"unknown request {op!r}")
+                reply = handler(self, msg)
+            except (KvstrataError, ValueError, TypeError, KeyError) as exc:
+                self.worker.counters["errors"] += 1
+                reply = P.error_record(exc)
+            except Exception as exc:  # a bug: say so, keep serving
+                self.worker.counters["errors"] += 1
+                log.exception("request %r from client %s failed", op, self.name)
+                reply = P.error_record(ServerError(f"internal error in {op!r}: {type(exc).__name__}: {exc}"))
+            if op in P.ONE_WAY_OPS and "err" not in reply:
+                continue
+            self.send(reply)
+
+    def send(self, reply: dict) -> None:
+        new = reply.pop("_segs", None)
+        if new:
+            segs = self.store.segments
+            reply["segs"] = [[i, segs[i].nbytes] for i in new]
+            self.conn.send(reply, [segs[i].fd for i in new])
+            self.sent_segments.update(new)
+        else:
+            self.conn.send(reply)
+
+    def cleanup(self) -> str:
+        leases, writes = len(self.leases), len(self.writes)
+        self.store.release_owner(self.owner)
+        self.leases.clear()
+        self.writes.clear()
+        parts = []
+        if leases:
+            parts.append(f"{leases} read lease{'s' * (leases != 1)}")
+        if writes:
+            parts.append(f"{writes} unfinished write{'s' * (writes != 1)} aborted")
+        return f"; released {', '.join(parts)}" if parts else ""
+
+    # helpers -------------------------------------------------------------------------------------
+    def loc(self, location: Any, reply: dict) -> list[int]:
+        if location.size and location.segment not in self.sent_segments:
+            reply.setdefault("_segs", []).append(location.segment)
+            self.sent_segments.add(location.segment)  # once per reply, even for many keys
+        return [location.segment, location.offset, location.size]
+
+    def write_options(self, msg: dict) -> dict:
+        from kvstrata.store import WriteMode
+
+        return {
+            "ttl": P.check_ttl(msg.get("ttl")),
+            "write_mode": WriteMode(P.check_write_mode(msg.get("mode", "memory"))),
+            "nx": bool(msg.get("nx", False)),
+        }
+
+    def lease_item(self, lease: Any, reply: dict) -> dict:
+        """Inline the bytes of a small object (and drop the lease), else hand out the lease."""
+        if not self.shm or lease.size < P.INLINE_MAX:
+            try:
+                return {"v": bytes(self.store.buffer(lease.location))}
+            finally:
+                self.store.release(lease.lease_id)
+        self.leases.add(lease.lease_id)
+        return {"lease": lease.lease_id, "loc": self.loc(lease.location, reply)}
+
+
+# request handlers --------------------------------------------------------------------------------
+def _value(msg: dict) -> bytes:
+    v = msg.get("v")
+    if not isinstance(v, bytes):
+        raise TypeError(f"value: expected bytes on the wire, got {type(v).__name__}")
+    return v
+
+
+def _put(s: Session, msg: dict) -> dict:
+    key = P.check_key(msg.get("key"))
+    s.store.put(key, _value(msg), owner=s.owner, **s.write_options(msg))
+    return {}
+
+
+def _mput(s: Session, msg: dict) -> dict:
+    opts = s.write_options(msg)
+    items = []
+    for key, value in msg.get("items", []):
+        try:
+            s.store.put(P.check_key(key), _value({"v": value}), owner=s.owner, **opts)
+            items.append({})
+        except (KvstrataError, ValueError, TypeError) as exc:
+            items.append(P.error_record(exc))
+    return {"items": items}
+
+
+def _create(s: Session, msg: dict) -> dict:
+    key = P.check_key(msg.get("key"))
+    size = P.check_size(msg.get("size"))
+    location = s.store.create(key, size, owner=s.owner, **s.write_options(msg))
+    s.writes.add(key)
+    reply: dict = {}
+    reply["loc"] = s.loc(location, reply)
+    return reply
+
+
+def _mcreate(s: Session, msg: dict) -> dict:
+    opts = s.write_options(msg)
+    reply: dict = {}
+    items = []
+    for key, size in msg.get("items", []):
+        try:
+            location = s.store.create(P.check_key(key), P.check_size(size), owner=s.owner, **opts)
+            s.writes.add(key)
+            items.append({"loc": s.loc(location, reply)})
+        except (KvstrataError, ValueError, TypeError) as exc:
+            items.append(P.error_record(exc))
+    reply["items"] = items
+    return reply
+
+
+def _finish(action: str):
+    def handle(s: Session, msg: dict) -> dict:
+        key = P.check_key(msg.get("key"))
+        getattr(s.store, action)(key, owner=s.owner)
+        s.writes.discard(key)
+        return {}
+
+    return handle
+
+
+def _mfinish(action: str):
+    def handle(s: Session, msg: dict) -> dict:
+        items = []
+        for key in P.check_keys(msg.get("keys", [])):
+            try:
+                getattr(s.store, action)(key, owner=s.owner)
+                s.writes.discard(key)
+                items.append({})
+            except (KvstrataError, ValueError, TypeError) as exc:
+                items.append(P.error_record(exc))
+        return {"items": items}
+
+    return handle
+
+
+def _get(s: Session, msg: dict) -> dict:
+    key = P.check_key(msg.get("key"))
+    lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
+    reply: dict = {}
+    reply.update(s.lease_item(lease, reply))
+    return reply
+
+
+def _mget(s: Session, msg: dict) -> dict:
+    keys = P.check_keys(msg.get("keys", []))
+    reply: dict = {}
+    items = []
+    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))):
+        items.append(P.error_record(result) if isinstance(result, BaseException) else s.lease_item(result, reply))
+    reply["items"] = items
+    return reply
+
+
+def _acquire(s: Session, msg: dict) -> dict:
+    """Leases for zero-copy views, never inlined (``get_buffers``)."""
+    if not s.shm:
+        raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
+    keys = P.check_keys(msg.get("keys", []))
+    reply: dict = {}
+    items = []
+    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))):
+        if isinstance(result, BaseException):
+            items.append(P.error_record(result))
+        else:
+            s.leases.add(result.lease_id)
+            items.append({"lease": result.lease_id, "loc": s.loc(result.location, reply), "mutable": result.mutable})
+    reply["items"] = items
+    return reply
+
+
+def _release(s: Session, msg: dict) -> dict:
+    for lease_id in msg.get("ids", []):
+        if lease_id in s.leases:  # only what this client was given
+            s.leases.discard(lease_id)
+            s.store.release(lease_id)
+    return {}
+
+
+def _read(s: Session, msg: dict) -> dict:
+    key = P.check_key(msg.get("key"))
+    offset, size = P.check_size(msg.get("offset"), "offset"), P.check_size(msg.get("size"))
+    return {"v": s.store.read(key, offset, size)}
+
+
+def _keys_op(method: str):
+    def handle(s: Session, msg: dict) -> dict:
+        keys = P.check_keys(msg.get("keys", []))
+        if method == "expire":
+            return {"r": list(s.store.expire(keys, P.check_ttl(msg.get("ttl"))))}
+        return {"r": list(getattr(s.store, method)(keys))}
+
+    return handle
+
+
+def _refcount(s: Session, msg: dict) -> dict:
+    return {"r": s.store.refcount(P.check_key(msg.get("key")))}
+
+
+def _stats(s: Session, msg: dict) -> dict:
+    return {"stats": s.worker.stats()}
+
+
+def _flush(s: Session, msg: dict) -> dict:
+    s.store.flush()
+    return {}
+
+
+def _segments(s: Session, msg: dict) -> dict:
+    """Descriptors of segments the client lacks (after a reconnect, say)."""
+    want = [int(i) for i in msg.get("indices", [])]
+    n = len(s.store.segments)
+    reply: dict = {"_segs": [i for i in want if 0 <= i < n]}
+    return reply
+
+
+def _ping(s: Session, msg: dict) -> dict:
+    return {"pong": True}
+
+
+_HANDLERS = {
+    "put": _put,
+    "mput": _mput,
+    "create": _create,
+    "mcreate": _mcreate,
+    "seal": _finish("seal"),
+    "publish": _finish("publish"),
+    "abort": _finish("abort"),
+    "mseal": _mfinish("seal"),
+    "get": _get,
+    "mget": _mget,
+    "acquire": _acquire,
+    "release": _release,
+    "read": _read,
+    "delete": _keys_op("delete"),
+    "exists": _keys_op("exists"),
+    "expire": _keys_op("expire"),
+    "sizes": _keys_op("sizes"),
+    "incref": _keys_op("incref"),
+    "decref": _keys_op("decref"),
+    "refcount": _refcount,
+    "stats": _stats,
+    "flush": _flush,
+    "segments": _segments,
+    "ping": _ping,
+}
+
+
+def _close(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _fmt(n: int) -> str:
+    from kvstrata.units import format_size
+
+    return format_size(n)

@@ -1,0 +1,750 @@
+"""The object store engine: metadata table, versions, leases, waiters, TTL, tiers and eviction.
+
+One lock guards all metadata; bytes move outside it. A write reserves DRAM under the lock, fills
+the bytes without it (in this process or, through a shared mapping, in a client's), then seals under
+the lock; until then the new version is invisible, and a replacing write is a new version, so a
+reader never sees a partial write and readers holding a lease on the old version keep its bytes.
+
+Example::
+
+    store = ObjectStore(StoreConfig(memory_bytes=64 << 20, numa_node=None))
+    store.put("a", b"hello")
+    assert store.get_bytes("a") == b"hello"
+    lease = store.acquire("a", owner="me")
+    view = store.buffer(lease.location)      # zero-copy
+    store.release(lease.lease_id)
+    store.close()
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from kvstrata.errors import CapacityError, ClosedError, CorruptData, KeyExists, KeyNotFound, KvstrataError, Timeout
+from kvstrata.memory.shm import SharedSegment
+from kvstrata.store.config import StoreConfig, WriteMode
+from kvstrata.store.eviction import ClockPolicy
+from kvstrata.store.objects import (
+    ZERO_LOCATION,
+    Entry,
+    Lease,
+    as_bytes_view,
+    check_key,
+    check_keys,
+    check_mode,
+    check_size,
+    check_timeout,
+    check_ttl,
+)
+from kvstrata.store.tiers.base import Location
+from kvstrata.store.tiers.disk import DiskTier
+from kvstrata.store.tiers.memory import MemoryTier
+
+log = logging.getLogger(__name__)
+
+_SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
+_PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
+_COUNTERS = ("hits", "misses", "evictions", "spills", "promotions", "expired", "corrupt", "flushes")
+
+
+class ObjectStore:
+    """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
+
+    def __init__(self, config: StoreConfig):
+        if not isinstance(config, StoreConfig):
+            raise TypeError(f"config: must be a StoreConfig, got {type(config).__name__}")
+        self.config = config
+        self._lock = threading.Lock()
+        self._closed = False
+        self._listeners: list[Callable[[SharedSegment], None]] = []
+        self._new_segments: list[SharedSegment] = []
+        self._mem = MemoryTier(
+            config.memory_bytes,
+            segment_bytes=config.segment_bytes,
+            hugepages=config.hugepages,
+            numa_node=config.resolved_numa_node(),
+            on_new_segment=self._new_segments.append,
+        )
+        self._new_segments.clear()  # the first segment is visible through .segments from the start
+        self._disk = DiskTier(config.disk_dir, config.disk_bytes, sync=config.disk_sync) if config.disk_dir else None
+        self._gpu = None
+        if config.gpu_bytes:
+            from kvstrata.store.tiers.gpu import GpuTier
+
+            self._gpu = GpuTier(config.gpu_bytes, device=config.gpu_device or 0)
+        self._high = int(config.high_watermark * config.memory_bytes)
+        self._low = int(config.low_watermark * config.memory_bytes)
+        self._objects: dict[str, Entry] = {}  # visible versions
+        self._pending: dict[tuple[str, object], Entry] = {}  # (key, owner) -> unsealed create
+        self._creating: dict[str, int] = {}  # key -> creates in progress (for nx)
+        self._owner_creates: dict[object, set[str]] = {}
+        self._leases: dict[int, tuple[Entry, object]] = {}
+        self._owner_leases: dict[object, set[int]] = {}
+        self._waiters: dict[str, list] = {}  # key -> [Condition, number of waiters]
+        self._clock = ClockPolicy()
+        self._dirty: dict[str, Entry] = {}
+        self._ttl_heap: list[tuple[float, int, str]] = []
+        self._versions = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._flush_lock = threading.Lock()
+        if self._disk is not None:
+            self._counts["corrupt"] = self._disk.corrupt
+            for key, rec in self._disk.index.items():
+                e = Entry(key, rec.size, None, rec.mode, next(self._versions), None)
+                e.sealed = True
+                e.on_disk = True
+                self._objects[key] = e
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._background, name="kvstrata-store", daemon=True)
+        self._thread.start()
+
+    # -- segments ----------------------------------------------------------------------------------
+    @property
+    def segments(self) -> list[SharedSegment]:
+        """The DRAM tier's shared segments; ``Location.segment`` indexes this list."""
+        return self._mem.segments
+
+    def add_segment_listener(self, fn: Callable[[SharedSegment], None]) -> None:
+        """Call ``fn(segment)`` (outside the store's lock) whenever the DRAM tier adds a segment."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def _announce_segments(self) -> None:
+        while self._new_segments:
+            seg = self._new_segments.pop(0)
+            for fn in list(self._listeners):
+                try:
+                    fn(seg)
+                except Exception:
+                    log.exception("segment listener %r failed", fn)
+
+    def buffer(self, location: Location) -> memoryview:
+        """A writable view of the bytes at ``location`` (no copy)."""
+        if location.size == 0:
+            return memoryview(bytearray())
+        return self._mem.view(location)
+
+    # -- write path --------------------------------------------------------------------------------
+    def create(
+        self,
+        key: str,
+        size: int,
+        *,
+        owner: object,
+        ttl: float | None = None,
+        write_mode: WriteMode | str = WriteMode.MEMORY,
+        nx: bool = False,
+    ) -> Location:
+        """Reserve ``size`` bytes for a new version of ``key``; fill them, then :meth:`seal` or :meth:`publish`.
+
+        KeyExists if ``nx`` and the key is present or being created; CapacityError when there is no
+        room even after eviction. A second create of the same key by the same owner aborts the first.
+        """
+        e = self._reserve(key, size, owner, ttl, write_mode, nx)
+        with self._lock:
+            old = self._pending.pop((key, owner), None)
+            if old is not None:
+                self._abort_locked(old)
+            self._pending[(key, owner)] = e
+            self._owner_creates.setdefault(owner, set()).add(key)
+        if self._new_segments:
+            self._announce_segments()
+        return e.loc
+
+    def seal(self, key: str, *, owner: object) -> None:
+        """Make ``owner``'s create of ``key`` visible and immutable; waiters wake."""
+        self._finish(self._take_pending(key, owner), mutable=False)
+
+    def publish(self, key: str, *, owner: object) -> None:
+        """Make ``owner``'s create of ``key`` visible but mutable (a later publish/put replaces it)."""
+        self._finish(self._take_pending(key, owner), mutable=True)
+
+    def abort(self, key: str, *, owner: object) -> None:
+        """Drop ``owner``'s unsealed create of ``key`` (no-op when there is none)."""
+        check_key(key)
+        with self._lock:
+            e = self._pending.pop((key, owner), None)
+            if e is not None:
+                self._owner_creates.get(owner, set()).discard(key)
+                self._abort_locked(e)
+
+    def put(
+        self,
+        key: str,
+        data: object,
+        *,
+        owner: object = None,
+        ttl: float | None = None,
+        write_mode: WriteMode | str = WriteMode.MEMORY,
+        nx: bool = False,
+    ) -> None:
+        """Store ``data`` (bytes-like) under ``key``, atomically replacing an older version."""
+        view = as_bytes_view(data)
+        e = self._reserve(key, view.nbytes, owner, ttl, write_mode, nx)
+        if self._new_segments:
+            self._announce_segments()
+        if view.nbytes:
+            try:
+                self._mem.view(e.loc)[:] = view
+            except BaseException:
+                with self._lock:
+                    self._abort_locked(e)
+                raise
+        self._finish(e, mutable=False)
+
+    def _reserve(self, key, size, owner, ttl, write_mode, nx) -> Entry:
+        check_key(key)
+        check_size(size)
+        mode = check_mode(write_mode)
+        ttl_s = check_ttl(ttl)
+        if mode in _PERSISTENT and self._disk is None:
+            raise ValueError(f"write_mode: {mode.value} needs an SSD tier (StoreConfig.disk_dir)")
+        if not self._mem.fits_ever(size):
+            raise CapacityError(
+                f"value of {size} bytes does not fit the memory tier ({self._mem.capacity} bytes, "
+                f"segments of {self.config.segment_bytes})"
+            )
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the object store is closed")
+            if nx and (key in self._creating or self._lookup(key) is not None):
+                raise KeyExists(f"key {key!r} already exists")
+            loc = self._allocate(size)
+            e = Entry(key, size, loc, mode, next(self._versions), owner)
+            if ttl_s:
+                e.expires = ttl_s  # made absolute at seal time
+            self._creating[key] = self._creating.get(key, 0) + 1
+        return e
+
+    def _take_pending(self, key: str, owner: object) -> Entry:
+        check_key(key)
+        with self._lock:
+            e = self._pending.pop((key, owner), None)
+            if e is None:
+                raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
+            creates = self._owner_creates.get(owner)
+            if creates is not None:
+                creates.discard(key)
+                if not creates:
+                    del self._owner_creates[owner]
+        return e
+
+    def _finish(self, e: Entry, *, mutable: bool) -> None:
+        pending = None
+        disk = self._disk
+        if e.mode is WriteMode.WRITE_THROUGH:
+            nbytes = disk.file_bytes(e.key, e.size)
+            with self._lock:
+                ok = disk.reserve(nbytes)
+                if not ok:
+                    self._abort_locked(e)
+            if not ok:
+                raise CapacityError(
+                    f"SSD tier full: {nbytes} bytes needed for {e.key!r}, {disk.used} of {disk.capacity} used"
+                )
+            try:
+                pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode)
+            except BaseException:
+                with self._lock:
+                    disk.unreserve(nbytes)
+                    self._abort_locked(e)
+                raise
+        key = e.key
+        with self._lock:
+            self._uncreate(key)
+            if self._closed:
+                if pending is not None:
+                    disk.discard(pending)
+                self._free_locked(e)
+                raise ClosedError("the object store is closed")
+            if pending is not None:
+                disk.commit(key, pending, e.mode, e.size)
+                e.on_disk = True
+            old = self._objects.get(key)
+            if old is not None:
+                e.ref = old.ref
+                self._retire(old, keep_disk_file=pending is not None)
+            e.sealed = True
+            e.mutable = mutable
+            if e.expires:
+                e.expires += time.monotonic()
+                heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
+            self._objects[key] = e
+            if e.size:
+                self._clock.add(key, e)
+            if e.mode is WriteMode.WRITE_BACK:
+                e.dirty = True
+                self._dirty[key] = e
+                self._wake.set()
+            w = self._waiters.get(key)
+            if w is not None:
+                w[0].notify_all()
+            if self._mem.used > self._high:
+                self._wake.set()
+
+    def _uncreate(self, key: str) -> None:
+        n = self._creating.get(key, 0) - 1
+        if n > 0:
+            self._creating[key] = n
+        else:
+            self._creating.pop(key, None)
+
+    def _abort_locked(self, e: Entry) -> None:
+        self._uncreate(e.key)
+        self._free_locked(e)
+
+    def _free_locked(self, e: Entry) -> None:
+        if e.loc is not None and e.loc.size:
+            self._mem.free(e.loc)
+        e.loc = None
+
+    def _retire(self, e: Entry, *, keep_disk_file: bool = False) -> None:
+        """Take a visible version out of service (deleted, replaced, expired, dropped)."""
+        e.dead = True
+        key = e.key
+        self._clock.remove(key, e)
+        if self._dirty.get(key) is e:
+            del self._dirty[key]
+        if e.on_disk and not keep_disk_file:
+            self._disk.remove(key)
+        e.on_disk = False
+        if e.leases == 0:
+            self._free_locked(e)
+
+    def _allocate(self, size: int) -> Location:
+        if size == 0:
+            return ZERO_LOCATION
+        mem = self._mem
+        loc = mem.allocate(size)
+        while loc is None:
+            if not self._evict_one():
+                raise CapacityError(
+                    f"no room for {size} bytes: memory tier {mem.used} of {mem.capacity} bytes used and nothing "
+                    f"more can be evicted (leased, unsealed, or no SSD room to spill)"
+                )
+            loc = mem.allocate(size)
+        if mem.used > self._high:
+            self._wake.set()
+        return loc
+
+    # -- eviction ----------------------------------------------------------------------------------
+    def _can_evict(self, e: Entry) -> bool:
+        if e.leases or e.loc is None:
+            return False
+        if e.mode is WriteMode.EVICTABLE or (e.on_disk and not e.dirty):
+            return True
+        disk = self._disk
+        return disk is not None and disk.used + disk._reserved + disk.file_bytes(e.key, e.size) <= disk.capacity
+
+    def _evict_one(self) -> bool:
+        """Free one resident object's DRAM (drop, release a clean SSD copy, or spill). Under the lock."""
+        e = self._clock.next_victim(self._can_evict)
+        if e is None:
+            return False
+        key = e.key
+        if e.mode is WriteMode.EVICTABLE:
+            del self._objects[key]
+            self._retire(e)
+            self._counts["evictions"] += 1
+            return True
+        if not (e.on_disk and not e.dirty):
+            disk = self._disk
+            nbytes = disk.file_bytes(key, e.size)
+            if not disk.reserve(nbytes):
+                return True  # raced with another reservation; the next call tries the next victim
+            try:
+                pending = disk.write_temp(key, self._mem.view(e.loc), e.mode)
+            except OSError as exc:
+                disk.unreserve(nbytes)
+                log.error("spilling %r to SSD failed: %s; kept in DRAM", key, exc)
+                self._clock.add(key, e)
+                return True
+            disk.commit(key, pending, e.mode, e.size)
+            e.on_disk = True
+            e.dirty = False
+            self._dirty.pop(key, None)
+            self._counts["spills"] += 1
+        else:
+            self._counts["evictions"] += 1
+        self._free_locked(e)
+        return True
+
+    # -- read path ---------------------------------------------------------------------------------
+    def _lookup(self, key: str) -> Entry | None:
+        e = self._objects.get(key)
+        if e is not None and e.expires and e.expires <= time.monotonic():
+            del self._objects[key]
+            self._retire(e)
+            self._counts["expired"] += 1
+            return None
+        return e
+
+    def _wait_for(self, key: str, timeout: float | None) -> Entry:
+        """The visible entry of ``key``, waiting up to ``timeout``; resident in DRAM. Under the lock."""
+        e = self._lookup(key)
+        if e is None and timeout != 0.0:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            w = self._waiters.get(key)
+            if w is None:
+                w = self._waiters[key] = [threading.Condition(self._lock), 0]
+            w[1] += 1
+            try:
+                while e is None:
+                    if self._closed:
+                        raise ClosedError("the object store is closed")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self._counts["misses"] += 1
+                        raise Timeout(f"key {key!r} did not appear within {timeout} s")
+                    w[0].wait(remaining)
+                    e = self._lookup(key)
+            finally:
+                w[1] -= 1
+                if w[1] == 0:
+                    del self._waiters[key]
+        if e is None:
+            self._counts["misses"] += 1
+            raise KeyNotFound(f"key {key!r} not found")
+        if e.loc is None:
+            self._promote(e)
+        e.referenced = True
+        self._counts["hits"] += 1
+        return e
+
+    def _promote(self, e: Entry) -> None:
+        loc = self._allocate(e.size)
+        try:
+            self._disk.read_into(e.key, self.buffer(loc))
+        except CorruptData as exc:
+            if loc.size:
+                self._mem.free(loc)
+            if self._objects.get(e.key) is e:
+                del self._objects[e.key]
+            e.on_disk = False  # the disk tier already dropped the file from its index
+            self._retire(e)
+            self._counts["corrupt"] += 1
+            self._counts["misses"] += 1
+            raise KeyNotFound(f"key {e.key!r} not found (its SSD copy was corrupt: {exc})") from exc
+        e.loc = loc
+        if e.size:
+            self._clock.add(e.key, e)
+        self._counts["promotions"] += 1
+
+    def acquire(self, key: str, *, owner: object, timeout: float | None = 0.0) -> Lease:
+        """Lease the current version of ``key``, waiting up to ``timeout`` s (None: forever) for it to appear.
+
+        The bytes stay at ``lease.location`` until :meth:`release`. KeyNotFound, or Timeout after a wait.
+        """
+        check_key(key)
+        timeout = check_timeout(timeout)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the object store is closed")
+            e = self._wait_for(key, timeout)
+            e.leases += 1
+            lid = next(self._lease_ids)
+            self._leases[lid] = (e, owner)
+            leases = self._owner_leases.get(owner)
+            if leases is None:
+                leases = self._owner_leases[owner] = set()
+            leases.add(lid)
+            lease = Lease(lid, key, e.loc, e.size, e.mutable)
+        if self._new_segments:
+            self._announce_segments()
+        return lease
+
+    def acquire_many(
+        self, keys: Iterable[str], *, owner: object, timeout: float | None = 0.0
+    ) -> list[Lease | KvstrataError]:
+        """Per-key :meth:`acquire`; a failed key yields its exception in place. ``timeout`` bounds the whole call."""
+        keys = check_keys(keys)
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Lease | KvstrataError] = []
+        for k in keys:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out.append(self.acquire(k, owner=owner, timeout=left))
+            except KvstrataError as exc:
+                out.append(exc)
+        return out
+
+    def release(self, lease_id: int) -> None:
+        """Give a lease back (idempotent)."""
+        with self._lock:
+            item = self._leases.pop(lease_id, None)
+            if item is None:
+                return
+            e, owner = item
+            leases = self._owner_leases.get(owner)
+            if leases is not None:
+                leases.discard(lease_id)
+                if not leases:
+                    del self._owner_leases[owner]
+            e.leases -= 1
+            if e.dead and e.leases == 0:
+                self._free_locked(e)
+
+    def _copy_out(self, key: str, offset: int, size: int | None, timeout: float | None) -> bytes:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the object store is closed")
+            e = self._wait_for(key, timeout)
+            if size is None:
+                size = e.size - offset
+            if offset + size > e.size:
+                raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
+            if size <= _SMALL:
+                return bytes(self.buffer(e.loc)[offset : offset + size])
+            e.leases += 1
+            loc = e.loc
+        try:
+            return bytes(self._mem.view(loc)[offset : offset + size])
+        finally:
+            with self._lock:
+                e.leases -= 1
+                if e.dead and e.leases == 0:
+                    self._free_locked(e)
+
+    def get_bytes(self, key: str, *, timeout: float | None = 0.0) -> bytes:
+        """A copy of ``key``'s value, waiting up to ``timeout`` s for it to appear."""
+        check_key(key)
+        return self._copy_out(key, 0, None, check_timeout(timeout))
+
+    def read(self, key: str, offset: int, size: int) -> bytes:
+        """A copy of ``size`` bytes of ``key`` from ``offset``; ValueError for a range outside the object."""
+        check_key(key)
+        check_size(offset, "offset")
+        check_size(size)
+        return self._copy_out(key, offset, size, 0.0)
+
+    # -- metadata ----------------------------------------------------------------------------------
+    def delete(self, keys: Iterable[str]) -> list[bool]:
+        """Delete keys; True where the key existed. Bytes under a lease are freed at its release."""
+        keys = check_keys(keys)
+        out = []
+        with self._lock:
+            for k in keys:
+                e = self._lookup(k)
+                if e is None:
+                    out.append(False)
+                    continue
+                del self._objects[k]
+                self._retire(e)
+                out.append(True)
+        return out
+
+    def exists(self, keys: Iterable[str]) -> list[bool]:
+        """Whether each key is present (in any tier). Fast for 100,000 keys."""
+        keys = check_keys(keys)
+        with self._lock:
+            get = self._objects.get
+            out = [get(k) is not None for k in keys]
+            if self._ttl_heap:
+                now = time.monotonic()
+                for i, k in enumerate(keys):
+                    if out[i]:
+                        e = get(k)
+                        out[i] = not e.expires or e.expires > now
+        return out
+
+    def expire(self, keys: Iterable[str], ttl: float | None) -> list[bool]:
+        """Set the time to live of existing keys (None/0: forever); True where the key existed."""
+        keys = check_keys(keys)
+        ttl_s = check_ttl(ttl)
+        out = []
+        with self._lock:
+            now = time.monotonic()
+            for k in keys:
+                e = self._lookup(k)
+                if e is None:
+                    out.append(False)
+                    continue
+                e.expires = now + ttl_s if ttl_s else 0.0
+                if ttl_s:
+                    heapq.heappush(self._ttl_heap, (e.expires, e.version, k))
+                out.append(True)
+        return out
+
+    def sizes(self, keys: Iterable[str]) -> list[int | None]:
+        """Each key's size in bytes, None where absent."""
+        keys = check_keys(keys)
+        with self._lock:
+            return [None if (e := self._lookup(k)) is None else e.size for k in keys]
+
+    def incref(self, keys: Iterable[str]) -> list[int]:
+        """Add one global reference to each key; the new counts (0 where the key is absent)."""
+        keys = check_keys(keys)
+        out = []
+        with self._lock:
+            for k in keys:
+                e = self._lookup(k)
+                if e is None:
+                    out.append(0)
+                else:
+                    e.ref += 1
+                    out.append(e.ref)
+        return out
+
+    def decref(self, keys: Iterable[str]) -> list[int]:
+        """Drop one global reference from each key; a key whose count reaches 0 is deleted."""
+        keys = check_keys(keys)
+        out = []
+        with self._lock:
+            for k in keys:
+                e = self._lookup(k)
+                if e is None or e.ref == 0:
+                    out.append(0)
+                    continue
+                e.ref -= 1
+                if e.ref == 0:
+                    del self._objects[k]
+                    self._retire(e)
+                out.append(e.ref)
+        return out
+
+    def refcount(self, key: str) -> int:
+        """The global reference count of ``key`` (0 when absent)."""
+        check_key(key)
+        with self._lock:
+            e = self._lookup(key)
+            return 0 if e is None else e.ref
+
+    def release_owner(self, owner: object) -> None:
+        """A client went away: release its leases and abort its unsealed creates."""
+        with self._lock:
+            lids = self._owner_leases.get(owner, ())
+            keys = self._owner_creates.pop(owner, ())
+            for k in keys:
+                e = self._pending.pop((k, owner), None)
+                if e is not None:
+                    self._abort_locked(e)
+        for lid in list(lids):
+            self.release(lid)
+
+    def stats(self) -> dict:
+        """Tiers' use and capacity, object count and event counters."""
+        with self._lock:
+            tiers = {"memory": self._mem.stats()}
+            if self._disk is not None:
+                tiers["disk"] = self._disk.stats()
+            if self._gpu is not None:
+                tiers["gpu"] = self._gpu.stats()
+            return {
+                "tiers": tiers,
+                "objects": len(self._objects),
+                "leases": len(self._leases),
+                "creates_in_progress": len(self._pending),
+                "dirty": len(self._dirty),
+                **self._counts,
+            }
+
+    # -- background: write-back, TTL, watermark eviction ------------------------------------------
+    def _background(self) -> None:
+        interval = self.config.flush_interval
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self._sweep_ttl()
+                self._evict_to_low()
+                if self._dirty:
+                    self._flush_pass()
+            except Exception:
+                log.exception("object store background pass failed")
+
+    def _sweep_ttl(self) -> None:
+        with self._lock:
+            heap = self._ttl_heap
+            now = time.monotonic()
+            while heap and heap[0][0] <= now:
+                expires, version, key = heapq.heappop(heap)
+                e = self._objects.get(key)
+                if e is not None and e.version == version and e.expires == expires:
+                    del self._objects[key]
+                    self._retire(e)
+                    self._counts["expired"] += 1
+
+    def _evict_to_low(self) -> None:
+        with self._lock:
+            while self._mem.used > self._low and self._evict_one():
+                pass
+
+    def _flush_pass(self) -> None:
+        """Write dirty write-back objects to SSD, the file I/O outside the lock."""
+        disk = self._disk
+        with self._flush_lock:
+            with self._lock:
+                batch = []
+                for e in self._dirty.values():
+                    if e.flushing or e.loc is None:
+                        continue
+                    nbytes = disk.file_bytes(e.key, e.size)
+                    if not disk.reserve(nbytes):
+                        log.warning("SSD tier full: write-back of %r postponed", e.key)
+                        continue
+                    e.flushing = True
+                    e.leases += 1
+                    batch.append((e, nbytes))
+            for e, nbytes in batch:
+                pending = None
+                try:
+                    pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode)
+                except OSError as exc:
+                    log.error("write-back of %r failed: %s; will retry", e.key, exc)
+                with self._lock:
+                    e.flushing = False
+                    e.leases -= 1
+                    if pending is None:
+                        disk.unreserve(nbytes)
+                    elif not e.dead and self._objects.get(e.key) is e:
+                        disk.commit(e.key, pending, e.mode, e.size)
+                        e.on_disk = True
+                        e.dirty = False
+                        self._dirty.pop(e.key, None)
+                        self._counts["flushes"] += 1
+                    else:
+                        disk.discard(pending)
+                    if e.dead and e.leases == 0:
+                        self._free_locked(e)
+
+    def flush(self) -> None:
+        """Write all write-back data to SSD now."""
+        for _ in range(3):
+            if not self._dirty:
+                return
+            self._flush_pass()
+
+    def close(self) -> None:
+        """Flush write-back data, stop the background thread, unmap the segments. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        with self._lock:
+            self._closed = True
+            for w in self._waiters.values():
+                w[0].notify_all()
+        self._mem.close()
+        if self._gpu is not None:
+            self._gpu.close()
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["ObjectStore"]

@@ -1,0 +1,265 @@
+"""The SSD tier: one checksummed file per object under ``disk_dir``.
+
+File layout (little endian)::
+
+    magic "KVST" | version u16 | write mode u8 | flags u8 | key length u32 | payload size u64
+    | xxh64(payload) u64 | xxh32(header fields + key) u32 | key (UTF-8) | payload
+
+A file is written under a temporary name and renamed into place (atomic: a reader or a restart
+sees the old file or the new one, never half of one). The engine does the rename under its lock, so
+the file on disk always matches the newest sealed version. At startup the index is rebuilt from the
+headers; files of DRAM-only modes (spill files of a previous run) and temporary files are removed.
+A file whose header or payload fails its checksum, or that is truncated, is a miss: logged, counted
+in ``corrupt``, moved aside as ``*.corrupt`` and never served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstrata.errors import CorruptData
+from kvstrata.store.config import WriteMode
+from kvstrata.store.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVST"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHBBIQQ")
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _HEADER.size + _CRC.size
+_MODES = list(WriteMode)
+_PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
+_SUFFIX = ".kvs"
+
+
+@dataclass(slots=True)
+class DiskRecord:
+    """One object file in the index."""
+
+    size: int  # payload bytes
+    mode: WriteMode
+    nbytes: int  # file bytes (header + key + payload), what counts against capacity
+
+
+@dataclass(slots=True)
+class PendingFile:
+    """A fully written temporary file waiting for :meth:`DiskTier.commit` or :meth:`DiskTier.discard`."""
+
+    path: str
+    nbytes: int
+
+
+def file_name(key: str) -> str:
+    return xxhash.xxh3_128_hexdigest(key.encode()) + _SUFFIX
+
+
+class DiskTier(Tier):
+    """Objects as files under ``directory``, at most ``capacity`` bytes of files."""
+
+    name = "disk"
+
+    def __init__(self, directory: str, capacity: int, *, sync: bool = False):
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self._capacity = capacity
+        self._sync = sync
+        self._used = 0
+        self._reserved = 0
+        self._tmp_ids = itertools.count()
+        self.corrupt = 0
+        self.index: dict[str, DiskRecord] = {}
+        self._scan()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def stats(self) -> dict:
+        return {
+            "used": self._used,
+            "capacity": self._capacity,
+            "files": len(self.index),
+            "reserved": self._reserved,
+            "corrupt": self.corrupt,
+        }
+
+    # -- startup -------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        for entry in os.scandir(self.directory):
+            if not entry.is_file():
+                continue
+            if entry.name.endswith(".tmp"):
+                _unlink(entry.path)  # a write that never committed (killed process)
+                continue
+            if not entry.name.endswith(_SUFFIX):
+                continue
+            try:
+                with open(entry.path, "rb") as f:
+                    key, size, mode, _ = self._read_header(f, entry.path)
+                file_bytes = entry.stat().st_size
+                expected = HEADER_BYTES + len(key.encode()) + size
+                if file_bytes != expected:
+                    raise CorruptData(f"{entry.path}: {file_bytes} bytes on disk, header says {expected}")
+                if file_name(key) != entry.name:
+                    raise CorruptData(f"{entry.path}: holds key {key!r}, whose file name differs")
+            except CorruptData as exc:
+                self._quarantine(entry.path, str(exc))
+                continue
+            except OSError as exc:
+                log.error("disk tier: cannot read %s (%s); ignored", entry.path, exc)
+                continue
+            if mode not in _PERSISTENT:
+                _unlink(entry.path)  # spill file of a previous run: DRAM-only data does not outlive it
+                continue
+            self.index[key] = DiskRecord(size, mode, file_bytes)
+            self._used += file_bytes
+        if self.index:
+            log.info("disk tier: %d objects (%d bytes) found in %s", len(self.index), self._used, self.directory)
+
+    @staticmethod
+    def _read_header(f, path: str) -> tuple[str, int, WriteMode, int]:
+        raw = f.read(HEADER_BYTES)
+        if len(raw) < HEADER_BYTES:
+            raise CorruptData(f"{path}: truncated header ({len(raw)} bytes)")
+        magic, version, mode_i, _flags, key_len, size, checksum = _HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            raise CorruptData(f"{path}: bad magic {magic!r}")
+        if version != FORMAT_VERSION:
+            raise CorruptData(f"{path}: format version {version}, this kvstrata reads {FORMAT_VERSION}")
+        if key_len > 4096 or mode_i >= len(_MODES):
+            raise CorruptData(f"{path}: implausible header")
+        key_raw = f.read(key_len)
+        (crc,) = _CRC.unpack_from(raw, _HEADER.size)
+        if len(key_raw) != key_len or xxhash.xxh32_intdigest(raw[: _HEADER.size] + key_raw) != crc:
+            raise CorruptData(f"{path}: header checksum mismatch")
+        try:
+            key = key_raw.decode()
+        except UnicodeDecodeError as exc:
+            raise CorruptData(f"{path}: key is not UTF-8") from exc
+        return key, size, _MODES[mode_i], checksum
+
+    def _quarantine(self, path: str, why: str) -> None:
+        self.corrupt += 1
+        log.error("disk tier: corrupt object file %s (%s); it will not be served", path, why)
+        try:
+            os.replace(path, path + ".corrupt")
+        except OSError:
+            _unlink(path)
+
+    # -- writes (write_temp runs outside the engine's lock; the rest under it) -------------------
+    def file_bytes(self, key: str, size: int) -> int:
+        return HEADER_BYTES + len(key.encode()) + size
+
+    def reserve(self, nbytes: int) -> bool:
+        if self._used + self._reserved + nbytes > self._capacity:
+            return False
+        self._reserved += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+
+    def write_temp(self, key: str, data: memoryview, mode: WriteMode) -> PendingFile:
+        """Write ``data`` for ``key`` to a temporary file (thread-safe; call without the engine lock)."""
+        key_raw = key.encode()
+        checksum = xxhash.xxh64_intdigest(data)
+        head = _HEADER.pack(MAGIC, FORMAT_VERSION, _MODES.index(mode), 0, len(key_raw), len(data), checksum)
+        head += _CRC.pack(xxhash.xxh32_intdigest(head + key_raw))
+        path = os.path.join(self.directory, f".{os.getpid()}-{next(self._tmp_ids)}.tmp")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            with open(fd, "wb", buffering=0, closefd=True) as f:
+                f.write(head + key_raw)
+                view = memoryview(data)
+                while view:
+                    n = f.write(view)
+                    view = view[n:]
+                if self._sync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            _unlink(path)
+            raise
+        return PendingFile(path, HEADER_BYTES + len(key_raw) + len(data))
+
+    def commit(self, key: str, pending: PendingFile, mode: WriteMode, size: int) -> None:
+        """Rename a reserved, written temp file into place as ``key``'s file (replacing any older one)."""
+        final = os.path.join(self.directory, file_name(key))
+        os.replace(pending.path, final)
+        if self._sync:
+            _fsync_dir(self.directory)
+        self._reserved -= pending.nbytes
+        old = self.index.get(key)
+        if old is not None:
+            self._used -= old.nbytes
+        self.index[key] = DiskRecord(size, mode, pending.nbytes)
+        self._used += pending.nbytes
+
+    def discard(self, pending: PendingFile) -> None:
+        _unlink(pending.path)
+        self._reserved -= pending.nbytes
+
+    def remove(self, key: str) -> bool:
+        rec = self.index.pop(key, None)
+        if rec is None:
+            return False
+        self._used -= rec.nbytes
+        _unlink(os.path.join(self.directory, file_name(key)))
+        return True
+
+    # -- reads ---------------------------------------------------------------------------------
+    def read_into(self, key: str, dest: memoryview) -> None:
+        """Fill ``dest`` with ``key``'s payload, verified. CorruptData (file quarantined) when it fails."""
+        path = os.path.join(self.directory, file_name(key))
+        try:
+            with open(path, "rb", buffering=0) as f:
+                hkey, size, _mode, checksum = self._read_header(f, path)
+                if hkey != key or size != len(dest):
+                    raise CorruptData(f"{path}: header names {hkey!r} of {size} bytes, expected {key!r} of {len(dest)}")
+                got = f.readinto(dest) if size else 0
+                if got != size or f.read(1):
+                    raise CorruptData(f"{path}: payload is {got} bytes (or longer), header says {size}")
+                if xxhash.xxh64_intdigest(dest) != checksum:
+                    raise CorruptData(f"{path}: payload checksum mismatch")
+        except CorruptData as exc:
+            self._forget(key)
+            self._quarantine(path, str(exc))
+            raise
+        except FileNotFoundError as exc:
+            self._forget(key)
+            self.corrupt += 1
+            log.error("disk tier: object file of %r vanished (%s)", key, exc)
+            raise CorruptData(f"object file of {key!r} is missing") from exc
+
+    def _forget(self, key: str) -> None:
+        rec = self.index.pop(key, None)
+        if rec is not None:
+            self._used -= rec.nbytes
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["FORMAT_VERSION", "HEADER_BYTES", "MAGIC", "DiskRecord", "DiskTier", "PendingFile", "file_name"]

@@ -1,0 +1,67 @@
+"""The HBM tier: one device buffer on a CUDA GPU carved by an offset allocator.
+
+The buffer is allocated once through torch (so it comes from torch's caching allocator and is
+visible to torch streams); objects are byte ranges of it, handed out as uint8 device tensors. On a
+machine without CUDA the tier cannot be configured (``StoreConfig.gpu_bytes`` must stay 0); the
+``device`` argument also accepts a torch CPU device so the bookkeeping can be exercised anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstrata.store.allocator import OffsetAllocator
+from kvstrata.store.tiers.base import BlockTier, Location
+
+
+class GpuTier(BlockTier):
+    """``capacity`` bytes of device memory on ``device`` (an index or a torch device)."""
+
+    name = "gpu"
+
+    def __init__(self, capacity: int, *, device: int | str | Any = 0):
+        import torch
+
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("gpu_bytes: an HBM tier needs a CUDA GPU, and none is available")
+        self.device = dev
+        self._buffer = torch.empty(capacity, dtype=torch.uint8, device=dev)
+        self._alloc = OffsetAllocator(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def used(self) -> int:
+        return self._alloc.used_bytes
+
+    def allocate(self, size: int) -> Location | None:
+        off = self._alloc.allocate(size)
+        return None if off is None else Location(0, off, size)
+
+    def free(self, location: Location) -> None:
+        self._alloc.free(location.offset)
+
+    def tensor(self, location: Location) -> Any:
+        """The uint8 device tensor over ``location`` (no copy)."""
+        return self._buffer[location.offset : location.offset + location.size]
+
+    def write(self, location: Location, src: Any, *, non_blocking: bool = False) -> None:
+        """Copy a tensor's bytes (any device, contiguous) into ``location``."""
+        import torch
+
+        flat = src.detach().contiguous().view(-1).view(torch.uint8)
+        if flat.numel() != location.size:
+            raise ValueError(f"src: {flat.numel()} bytes, location holds {location.size}")
+        self.tensor(location).copy_(flat, non_blocking=non_blocking)
+
+    def stats(self) -> dict:
+        return {**self._alloc.stats(), "device": str(self.device)}
+
+    def close(self) -> None:
+        self._buffer = None
+
+
+__all__ = ["GpuTier"]

@@ -1,0 +1,132 @@
+"""The DRAM tier: shared memory segments carved by offset allocators.
+
+The tier starts with one segment and grows by ``segment_bytes`` (or by what a large object needs)
+up to ``capacity``; segments are never unmapped while the store runs, because clients hold mappings
+of them. Every segment is a :class:`~kvstrata.memory.shm.SharedSegment`, so a worker can pass its fd
+to clients for zero-copy access.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvstrata.memory.shm import SharedSegment
+from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
+from kvstrata.store.tiers.base import BlockTier, Location
+
+log = logging.getLogger(__name__)
+
+_GROW_GRANULE = 2 << 20  # segments are whole huge pages
+
+
+class MemoryTier(BlockTier):
+    """Host DRAM in shared segments, up to ``capacity`` bytes in total."""
+
+    name = "memory"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        segment_bytes: int = 256 << 20,
+        hugepages: str | bool = "auto",
+        numa_node: int | None = None,
+        on_new_segment: Callable[[SharedSegment], None] | None = None,
+    ):
+        self._capacity = capacity
+        self._segment_bytes = segment_bytes
+        self._hugepages = hugepages
+        self._numa_node = numa_node
+        self._on_new_segment = on_new_segment
+        self.segments: list[SharedSegment] = []
+        self._allocators: list[OffsetAllocator] = []
+        self._mapped = 0
+        self._used = 0
+        self._last = 0  # the segment that served the last allocation: tried first
+        self._add_segment(min(segment_bytes, capacity))
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def mapped(self) -> int:
+        return self._mapped
+
+    def _add_segment(self, nbytes: int) -> int:
+        nbytes -= nbytes % ALIGNMENT
+        seg = SharedSegment.create(
+            nbytes,
+            name=f"kvstrata-{len(self.segments)}",
+            hugepages=self._hugepages,
+            numa_node=self._numa_node,
+        )
+        self.segments.append(seg)
+        self._allocators.append(OffsetAllocator(nbytes))
+        self._mapped += nbytes
+        log.debug("memory tier: segment %d of %d bytes (hugepages=%s)", len(self.segments) - 1, nbytes, seg.hugepages)
+        if self._on_new_segment is not None:
+            self._on_new_segment(seg)
+        return len(self.segments) - 1
+
+    def fits_ever(self, size: int) -> bool:
+        rounded = -(-size // ALIGNMENT) * ALIGNMENT
+        if any(a.capacity >= rounded for a in self._allocators):
+            return True
+        return rounded <= self._capacity - self._mapped
+
+    def allocate(self, size: int) -> Location | None:
+        allocs = self._allocators
+        last = self._last
+        off = allocs[last].allocate(size)
+        if off is not None:
+            self._used += (size + ALIGNMENT - 1) & -ALIGNMENT
+            return Location(last, off, size)
+        for i, a in enumerate(allocs):
+            if i != last and a.largest_free >= size:
+                off = a.allocate(size)
+                if off is not None:
+                    self._last = i
+                    self._used += (size + ALIGNMENT - 1) & -ALIGNMENT
+                    return Location(i, off, size)
+        room = self._capacity - self._mapped
+        want = max(self._segment_bytes, -(-size // _GROW_GRANULE) * _GROW_GRANULE)
+        want = min(want, room)
+        if want - want % ALIGNMENT >= size and want >= ALIGNMENT:
+            i = self._add_segment(want)
+            off = allocs[i].allocate(size)
+            if off is not None:
+                self._last = i
+                self._used += (size + ALIGNMENT - 1) & -ALIGNMENT
+                return Location(i, off, size)
+        return None
+
+    def free(self, location: Location) -> None:
+        self._used -= self._allocators[location.segment].free(location.offset)
+
+    def view(self, location: Location) -> memoryview:
+        return self.segments[location.segment].buffer[location.offset : location.offset + location.size]
+
+    def stats(self) -> dict:
+        used = self.used
+        frag = [a.fragmentation for a in self._allocators]
+        return {
+            "used": used,
+            "capacity": self._capacity,
+            "mapped": self._mapped,
+            "segments": len(self.segments),
+            "hugepages": self.segments[0].hugepages if self.segments else "off",
+            "fragmentation": round(max(frag), 4) if frag else 0.0,
+        }
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close()
+
+
+__all__ = ["MemoryTier"]
