@@ -285,3 +285,40 @@ def test_config_validation():
         DeviceObjectConfig(chunk_bytes=1)
     with pytest.raises(ValueError, match="device"):
         DeviceObjects(InprocBrokerLink(DeviceBroker()), device="cpu")
+
+
+# -- through a real worker process's code path (the worker in this process, clients over unix sockets) --
+@pytest.fixture
+def worker(tmp_path):
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    w = Worker(WorkerConfig.load(flags={"socket": str(tmp_path / "kv.sock"), "memory": "64MiB"})).start()
+    yield w
+    w.stop()
+
+
+def test_publish_subscribe_through_worker_and_client_death(worker):
+    import kvstrata
+
+    a, b = kvstrata.connect(worker.address), kvstrata.connect(worker.address)
+    try:
+        a.device_objects(device="cpu", config=CFG)
+        b.device_objects(device="cpu", config=CFG)
+        src = [torch.arange(100, dtype=torch.int32), rand(7, 3)]
+        dst = poisoned_like(src)
+        (sf,) = b.dev_subscribe(["k"], [dst], timeout=WAIT)
+        (pf,) = a.dev_publish(["k"], [src])
+        sf.result(WAIT)
+        pf.result(WAIT)
+        assert all(torch.equal(d, s) for d, s in zip(dst, src))
+        assert a.dev_mset(["w"], [src]) == [None]
+        b.dev_mget(["w"], [poisoned_like(src)], timeout=WAIT)[0].result(WAIT)
+        assert worker.devobj_broker.snapshot()["objects"].keys() == {"w"}
+        a.close()  # its connections drop: its keys vanish
+        with pytest.raises(errors.Timeout):
+            b.dev_mget(["w"], [poisoned_like(src)], timeout=0.1)[0].result(WAIT)
+        assert worker.devobj_broker.snapshot()["objects"] == {}
+    finally:
+        a.close()
+        b.close()

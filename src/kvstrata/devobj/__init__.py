@@ -4,9 +4,30 @@
 * :mod:`~kvstrata.devobj.api`: the client side (:class:`DeviceObjects`, the ``dev_*`` methods).
 * :mod:`~kvstrata.devobj.ipc`: the same-node data path (CUDA IPC, peer copies over NVLink/PCIe).
 * :mod:`~kvstrata.devobj.nccl`: the between-nodes data path (NCCL send/recv per pair).
+* :mod:`~kvstrata.devobj.service`: the worker handler and the Client mixin.
+
+The client-side names load torch, so they are imported on first use (the worker needs only the broker).
 """
 
-from kvstrata.devobj.api import BrokerLink, DeviceObjectConfig, DeviceObjects, InprocBrokerLink
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from kvstrata.devobj.broker import DeviceBroker
+
+_LAZY = {
+    "BrokerLink": "kvstrata.devobj.api",
+    "DeviceObjectConfig": "kvstrata.devobj.api",
+    "DeviceObjects": "kvstrata.devobj.api",
+    "InprocBrokerLink": "kvstrata.devobj.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvstrata.devobj' has no attribute {name!r}")
+
 
 __all__ = ["BrokerLink", "DeviceBroker", "DeviceObjectConfig", "DeviceObjects", "InprocBrokerLink"]
