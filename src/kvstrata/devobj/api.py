@@ -94,6 +94,14 @@ def error_from(code: str | None, message: str) -> Exception:
     return errors.ServerError(f"{code}: {message}" if code else message)
 
 
+#: transfers up to this size are copied on the event thread itself instead of the copy pool
+INLINE_COPY_BYTES = 1 << 20
+
+
+def _nbytes(t: dict[str, Any]) -> int:
+    return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
+
+
 def _settle(f: Future, exc: BaseException | None = None) -> None:
     try:
         if exc is None:
@@ -339,7 +347,7 @@ class DeviceObjects:
             ev.record(torch.cuda.current_stream(self.device))  # the data is ready once the caller's work ran
             events = [ev]
             ev_handles = [bytes(ev.ipc_handle())]
-            if self.config.transport != "nccl":
+            if self.config.transport != "nccl" or mode == "broadcast":  # chains always pull over IPC
                 handles = [export_tensor(t) for t in tensors]
         token = uuid.uuid4().hex
         _LOCAL[token] = (tensors, events)
@@ -433,6 +441,12 @@ class DeviceObjects:
             if t["position"] == 0:
                 rec = t["record"]
                 self._submit(t, want, self._bcast_step, dict(rec, client=rec["owner"]))
+        elif threading.current_thread() is self._poller and _nbytes(t) <= INLINE_COPY_BYTES:
+            # A small copy costs less than a hand-off to the pool: do it here (the 4 KiB latency path).
+            try:
+                self._copy(t, want)
+            except BaseException as exc:
+                self._fail_transfer(t, want, exc)
         else:
             self._submit(t, want, self._copy)
         for ev in early:

@@ -198,8 +198,8 @@ class DeviceBroker:
             elif obj.transfers:
                 obj.state = "deleting"  # released once the reads in flight complete
                 results.append({"ok": True, "obj": obj.record["obj"], "pending": True})
-            else:
-                self._forget_locked(key, obj, reason="deleted")
+            else:  # the owner learns it from this answer, not from an event
+                self._forget_locked(key, obj, reason="deleted", notify_owner=False)
                 results.append({"ok": True, "obj": obj.record["obj"], "pending": False})
         return {"results": results}
 
@@ -374,9 +374,11 @@ class DeviceBroker:
     def _error_event(self, t: dict[str, Any], code: str, message: str) -> dict[str, Any]:
         return {"type": "error", "wid": t["wid"], "tid": t["tid"], "key": t["key"], "error": code, "message": message}
 
-    def _forget_locked(self, key: str, obj: _Object, *, reason: str) -> None:
+    def _forget_locked(self, key: str, obj: _Object, *, reason: str, notify_owner: bool = True) -> None:
         del self._objects[key]
-        self._push(obj.record["owner"], {"type": "released", "key": key, "obj": obj.record["obj"], "reason": reason})
+        if notify_owner:
+            released = {"type": "released", "key": key, "obj": obj.record["obj"], "reason": reason}
+            self._push(obj.record["owner"], released)
         for reader in obj.readers:
             self._push(reader, {"type": "invalidate", "key": key, "obj": obj.record["obj"]})
 

@@ -164,8 +164,12 @@ class EventPool:
 class ImportCache:
     """Imported allocations per (peer, handle), bounded LRU, plus opened interprocess events."""
 
-    def __init__(self, max_allocations: int = 256, max_events: int = 4096) -> None:
-        self._allocs: OrderedDict[tuple[str, bytes, int], torch.Tensor] = OrderedDict()
+    def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 30, max_events: int = 4096) -> None:
+        # A cached import pins the exporter's block (torch keeps it out of reuse while mapped), so the
+        # cache is bounded by count and by bytes.
+        self._allocs: OrderedDict[tuple[str, bytes, int], tuple[torch.Tensor, int]] = OrderedDict()
+        self._bytes = 0
+        self._max_bytes = max_bytes
         self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
         self._max_allocs = max_allocations
         self._max_events = max_events
@@ -173,6 +177,11 @@ class ImportCache:
 
     def tensors(self, peer: str, record: dict[str, Any]) -> list[torch.Tensor]:
         """Views of the source tensors of ``record`` (exported by ``peer``) in this process."""
+        if len(record["handles"]) != len(record["tensors"]):
+            raise ValueError(
+                f"record of {record.get('key')!r}: {len(record['handles'])} exports for "
+                f"{len(record['tensors'])} tensors"
+            )
         device = local_index(record["device"]["uuid"])
         out = []
         for blob, sp in zip(record["handles"], record["tensors"]):
@@ -180,10 +189,12 @@ class ImportCache:
             with self._lock:
                 # Holding one view per allocation keeps torch's shared_cache entry (and the mapping) open.
                 k = (peer, blob["handle"], blob["storage_offset"])
-                self._allocs[k] = t
-                self._allocs.move_to_end(k)
-                while len(self._allocs) > self._max_allocs:
-                    self._allocs.popitem(last=False)
+                old = self._allocs.pop(k, None)
+                self._bytes -= old[1] if old else 0
+                self._allocs[k] = (t, int(blob["storage_bytes"]))
+                self._bytes += int(blob["storage_bytes"])
+                while self._allocs and (len(self._allocs) > self._max_allocs or self._bytes > self._max_bytes):
+                    self._bytes -= self._allocs.popitem(last=False)[1][1]
             out.append(t)
         return out
 
@@ -205,12 +216,13 @@ class ImportCache:
     def drop_peer(self, peer: str) -> None:
         with self._lock:
             for k in [k for k in self._allocs if k[0] == peer]:
-                del self._allocs[k]
+                self._bytes -= self._allocs.pop(k)[1]
 
     def drop_handles(self, peer: str, handles: list[dict[str, Any]]) -> None:
         with self._lock:
             for blob in handles:
-                self._allocs.pop((peer, blob["handle"], blob["storage_offset"]), None)
+                old = self._allocs.pop((peer, blob["handle"], blob["storage_offset"]), None)
+                self._bytes -= old[1] if old else 0
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -229,12 +241,14 @@ def pull(
     dev = dst[0].device.index
     sd = streams.get(dev)
     last = torch.cuda.Event()
+    waited: set[tuple[int, int]] = set()
     for d, s, ev in zip(dst, src, ready):
         ss = streams.get(s.device.index)
         if ev is not None:
-            sd.wait_event(ev)
-            if ss is not sd:
-                ss.wait_event(ev)
+            for st in (sd, ss):
+                if (id(st), id(ev)) not in waited:
+                    waited.add((id(st), id(ev)))
+                    st.wait_event(ev)
         with torch.cuda.stream(ss), torch.cuda.stream(sd):
             d.copy_(s, non_blocking=True)
     last.record(sd)
