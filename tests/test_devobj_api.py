@@ -293,7 +293,7 @@ def worker(tmp_path):
     from kvstrata.server.config import WorkerConfig
     from kvstrata.server.worker import Worker
 
-    w = Worker(WorkerConfig.load(flags={"socket": str(tmp_path / "kv.sock"), "memory": "64MiB"})).start()
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=64 << 20, disk_dir="")).start()
     yield w
     w.stop()
 
