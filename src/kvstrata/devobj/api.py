@@ -281,10 +281,10 @@ class DeviceObjects:
         keys = self._check_keys(keys)
         with self._lock:
             gone = [o for o, (_, _, k) in self._read.items() if k in keys]
-            entries = [self._read.pop(o) for o in gone]
-        for owner, handles, _ in entries:
+            entries = [(o, self._read.pop(o)) for o in gone]
+        for obj, (owner, handles, _) in entries:
             if self._imports is not None:
-                self._imports.drop_handles(owner, handles)
+                self._imports.drop_handles(owner, handles, obj=obj)
         self._call("local_delete", {"keys": keys})
 
     def close(self) -> None:
@@ -413,11 +413,17 @@ class DeviceObjects:
             after.record(torch.cuda.current_stream(self.device))
         specs = [[spec(t) for t in ts] for ts in lists]
         results = self._call(op, {"keys": keys, "specs": specs, "timeout": timeout})["results"]
-        futures = []
+        futures, batch = [], []
         for key, ts, r in zip(keys, lists, results):
             want = _Want(key, ts, Future(), after)
             futures.append(want.future)
-            if r["status"] == "matched":
+            if r["status"] == "matched" and r["transfer"]["path"] != "nccl" and r["transfer"]["kind"] != "bcast":
+                t = r["transfer"]
+                want.tid, want.transfer = t["tid"], t
+                with self._lock:
+                    self._inflight[t["tid"]] = want
+                batch.append((t, want))
+            elif r["status"] == "matched":
                 self._start(r["transfer"], want)
             elif r["status"] == "waiting":
                 with self._lock:
@@ -427,6 +433,8 @@ class DeviceObjects:
                     self._dispatch(ev)
             else:
                 _settle(want.future, error_from(r.get("error"), r.get("message", "")))
+        if batch:
+            self._pool.submit(self._copy_batch, batch)
         return futures
 
     def _start(self, t: dict[str, Any], want: _Want) -> None:
@@ -470,7 +478,7 @@ class DeviceObjects:
             log.debug("devobj complete(ok=False): %s", exc2)
         _settle(want.future, exc)
 
-    def _sources(self, src: dict[str, Any], peer: str) -> tuple[list[torch.Tensor], list[Any]]:
+    def _sources(self, src: dict[str, Any], peer: str, reuse: bool = False) -> tuple[list[torch.Tensor], list[Any]]:
         """The source tensors and readiness events of an export (a record or a chain link)."""
         if src.get("pid") == os.getpid() and src.get("node_id") == self.config.node_id:
             local = _LOCAL.get(src["local"])
@@ -479,33 +487,63 @@ class DeviceObjects:
             return local[0], local[1]
         if not self._cuda:
             raise ValueError("tensor_lists: CPU tensors can only move between clients of one process")
-        tensors = self._imports.tensors(peer, src)
+        tensors = self._imports.tensors(peer, src, reuse=reuse)
         events = [self._imports.event(h, src["device"]["uuid"]) for h in src["events"]]
         return tensors, events
 
-    def _copy(self, t: dict[str, Any], want: _Want) -> None:
+    def _enqueue_copy(self, t: dict[str, Any], want: _Want) -> Any:
+        """Queue the copy of one matched key on this client's transfer stream; return its end event."""
         from kvstrata.devobj.ipc import pull
 
         rec = t["record"]
-        src, events = self._sources(rec, rec["owner"])
+        src, events = self._sources(rec, rec["owner"], reuse=t["kind"] == "get")
         if t["kind"] == "get":
             with self._lock:
                 self._read[rec["obj"]] = (rec["owner"], rec["handles"], rec["key"])
-        if self._cuda:
-            sd = self._streams.get(self.device.index)
-            sd.wait_event(want.after)
-            ready = events[0] if events else None
-            done = pull(want.tensors, src, [ready] * len(src), self._streams)
-            done.synchronize()
-        else:
+        if not self._cuda:
             for d, s in zip(want.tensors, src):
                 d.copy_(s)
+            return None
+        self._streams.get(self.device.index).wait_event(want.after)
+        ready = events[0] if events else None
+        return pull(want.tensors, src, [ready] * len(src), self._streams)
+
+    def _copy(self, t: dict[str, Any], want: _Want) -> None:
+        done = self._enqueue_copy(t, want)
+        if done is not None:
+            done.synchronize()
         self._complete(t, want)
+
+    def _copy_batch(self, items: list[tuple[dict[str, Any], _Want]]) -> None:
+        """Copies of one call's keys: all queued, one wait, one completion request (per-key results)."""
+        queued, last = [], None
+        for t, want in items:
+            try:
+                ev = self._enqueue_copy(t, want)
+                last = ev if ev is not None else last
+                queued.append((t, want))
+            except BaseException as exc:
+                self._fail_transfer(t, want, exc)
+        if not queued:
+            return
+        try:
+            if last is not None:
+                last.synchronize()  # one stream: the last copy's end covers all
+            done = self._call("complete_many", {"items": [{"tid": t["tid"], "ok": True} for t, _ in queued]})
+        except BaseException as exc:  # never leave a caller's future hanging
+            for t, want in queued:
+                self._fail_transfer(t, want, exc)
+            return
+        for (t, want), r in zip(queued, done["results"]):
+            self._settle_completed(t, want, r)
 
     def _complete(self, t: dict[str, Any], want: _Want) -> None:
         r = self._call("complete", {"tid": t["tid"], "ok": True})
         if t["kind"] == "bcast":
             return  # settled by transfer_done, once every receiver has it
+        self._settle_completed(t, want, r)
+
+    def _settle_completed(self, t: dict[str, Any], want: _Want, r: dict[str, Any]) -> None:
         with self._lock:
             self._inflight.pop(t["tid"], None)
         if r.get("ok", True):
@@ -695,7 +733,7 @@ class DeviceObjects:
             with self._lock:
                 entry = self._read.pop(ev["obj"], None)
             if entry is not None and self._imports is not None:
-                self._imports.drop_handles(entry[0], entry[1])
+                self._imports.drop_handles(entry[0], entry[1], obj=ev["obj"])
         elif kind == "peer_gone":
             if self._nccl is not None:
                 self._nccl.peer_gone(ev["client"])

@@ -268,6 +268,10 @@ class DeviceBroker:
             self._forget_locked(t["key"], obj, reason="deleted")
         return {"ok": True}
 
+    def op_complete_many(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`op_complete` for several transfers in one request (one result each)."""
+        return {"results": [self.op_complete(client, item) for item in args["items"]]}
+
     def op_chain_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         """Broadcast receiver at ``position`` exported its buffers and enqueued its copies."""
         t = self._transfers.get(args["tid"])

@@ -170,13 +170,23 @@ class ImportCache:
         self._allocs: OrderedDict[tuple[str, bytes, int], tuple[torch.Tensor, int]] = OrderedDict()
         self._bytes = 0
         self._max_bytes = max_bytes
+        self._objects: dict[tuple[str, int], list[torch.Tensor]] = {}
         self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
         self._max_allocs = max_allocations
         self._max_events = max_events
         self._lock = threading.Lock()
 
-    def tensors(self, peer: str, record: dict[str, Any]) -> list[torch.Tensor]:
-        """Views of the source tensors of ``record`` (exported by ``peer``) in this process."""
+    def tensors(self, peer: str, record: dict[str, Any], *, reuse: bool = False) -> list[torch.Tensor]:
+        """Views of the source tensors of ``record`` (exported by ``peer``) in this process.
+
+        ``reuse``: keep the views of this object (a registered one, read again and again) until
+        :meth:`drop_handles` names it, so repeated reads rebuild nothing.
+        """
+        if reuse:
+            with self._lock:
+                hit = self._objects.get((peer, record["obj"]))
+            if hit is not None:
+                return hit
         if len(record["handles"]) != len(record["tensors"]):
             raise ValueError(
                 f"record of {record.get('key')!r}: {len(record['handles'])} exports for "
@@ -196,6 +206,9 @@ class ImportCache:
                 while self._allocs and (len(self._allocs) > self._max_allocs or self._bytes > self._max_bytes):
                     self._bytes -= self._allocs.popitem(last=False)[1][1]
             out.append(t)
+        if reuse:
+            with self._lock:
+                self._objects[(peer, record["obj"])] = out
         return out
 
     def event(self, handle: bytes | None, uuid: str) -> torch.cuda.Event | None:
@@ -217,9 +230,12 @@ class ImportCache:
         with self._lock:
             for k in [k for k in self._allocs if k[0] == peer]:
                 self._bytes -= self._allocs.pop(k)[1]
+            for k in [k for k in self._objects if k[0] == peer]:
+                del self._objects[k]
 
-    def drop_handles(self, peer: str, handles: list[dict[str, Any]]) -> None:
+    def drop_handles(self, peer: str, handles: list[dict[str, Any]], obj: int | None = None) -> None:
         with self._lock:
+            self._objects.pop((peer, obj), None)
             for blob in handles:
                 old = self._allocs.pop((peer, blob["handle"], blob["storage_offset"]), None)
                 self._bytes -= old[1] if old else 0
