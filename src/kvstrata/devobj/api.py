@@ -172,6 +172,14 @@ class _Want:
 
 
 @dataclass
+class _SharedEvent:
+    """The ready event of one publish/mset call, shared by its keys."""
+
+    event: Any
+    refs: int = 0
+
+
+@dataclass
 class _Owned:
     """A published / registered / broadcast object: kept alive until the broker releases it."""
 
@@ -181,6 +189,7 @@ class _Owned:
     events: list[Any]
     token: str
     future: Future | None
+    shared: _SharedEvent | None = None
 
 
 class DeviceObjects:
@@ -340,13 +349,20 @@ class DeviceObjects:
         return check_tensor_lists(keys, tensor_lists, self.device, allow_cpu=self.config.allow_cpu)
 
     # -- writers ----------------------------------------------------------------------------------
-    def _export(self, key: str, tensors: list[torch.Tensor], mode: str) -> tuple[dict[str, Any], _Owned]:
-        events, handles, ev_handles = [], [], []
-        if self._cuda:
-            ev = self._events.get(self.device.index)
-            ev.record(torch.cuda.current_stream(self.device))  # the data is ready once the caller's work ran
-            events = [ev]
-            ev_handles = [bytes(ev.ipc_handle())]
+    def _ready_event(self) -> tuple[_SharedEvent | None, list[bytes]]:
+        """One interprocess event per call, recorded on the caller's stream: the data is ready after it."""
+        if not self._cuda:
+            return None, []
+        ev = self._events.get(self.device.index)
+        ev.record(torch.cuda.current_stream(self.device))
+        return _SharedEvent(ev), [bytes(ev.ipc_handle())]
+
+    def _export(self, key: str, tensors: list[torch.Tensor], mode: str, ready: tuple) -> tuple[dict[str, Any], _Owned]:
+        shared, ev_handles = ready
+        events, handles = [], []
+        if shared is not None:
+            shared.refs += 1
+            events = [shared.event]
             if self.config.transport != "nccl" or mode == "broadcast":  # chains always pull over IPC
                 handles = [export_tensor(t) for t in tensors]
         token = uuid.uuid4().hex
@@ -362,10 +378,11 @@ class DeviceObjects:
             "local": token,
             "transport": self.config.transport,
         }
-        return item, _Owned(key, mode, tensors, events, token, Future())
+        return item, _Owned(key, mode, tensors, events, token, Future(), shared)
 
     def _register(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], **extra: Any) -> list[Future]:
-        exported = [self._export(k, ts, op) for k, ts in zip(keys, lists)]
+        ready = self._ready_event()
+        exported = [self._export(k, ts, op, ready) for k, ts in zip(keys, lists)]
         try:
             if op == "broadcast":
                 item = dict(exported[0][0], **extra)
@@ -392,8 +409,13 @@ class DeviceObjects:
 
     def _free(self, owned: _Owned) -> None:
         _LOCAL.pop(owned.token, None)
-        if owned.events and self._events is not None:
-            self._events.put(owned.events, self.device.index)
+        shared, owned.shared = owned.shared, None
+        if shared is not None:
+            with self._lock:
+                shared.refs -= 1
+                last = shared.refs == 0
+            if last:  # every key of its call is released: the event can serve another call
+                self._events.put([shared.event], self.device.index)
 
     def _release(self, obj: int, exc: BaseException | None = None) -> None:
         with self._lock:
