@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 # job name -> (module, one-line help)
-JOBS: dict[str, tuple[str, str]] = {}
+JOBS: dict[str, tuple[str, str]] = {
+    "device": ("kvstrata.bench.device", "GPU-to-GPU device objects vs peer copy and NCCL (2 GPUs; --smoke: CPU)"),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
