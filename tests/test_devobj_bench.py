@@ -18,7 +18,7 @@ def test_smoke_writes_timings(tmp_path, capsys):
     assert "handoff_publisher_first_us" in capsys.readouterr().out
 
 
-def test_keys_per_call_fills_about_1GiB():
-    assert device.keys_per_call(64 << 20, quick=False) == 16
-    assert device.keys_per_call(1 << 30, quick=True) == 1
+def test_keys_per_call_fills_about_2GiB():
+    assert device.keys_per_call(64 << 20, quick=False) == 32
+    assert device.keys_per_call(1 << 30, quick=True) == 2
     assert device.keys_per_call(4096, quick=True) == 64
