@@ -313,3 +313,24 @@ def test_no_deadlock_many_pairs_both_directions():
     assert not any(t.is_alive() for t in threads), "deadlock: hand-offs did not finish"
     assert not errors, errors
     assert b.snapshot()["objects"] == {} and b.snapshot()["waiters"] == 0
+
+
+def test_delete_of_claimed_one_shot_then_failed_receive_forgets_it(broker):
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    t = broker.handle("sub", "subscribe", {"keys": ["k"]})["results"][0]["transfer"]
+    assert broker.handle("pub", "delete", {"keys": ["k"]})["results"][0]["pending"]
+    broker.handle("sub2", "subscribe", {"keys": ["k"], "timeout": 5})
+    broker.handle("sub", "complete", {"tid": t["tid"], "ok": False, "error": "x"})
+    assert broker.snapshot()["objects"] == {}  # not back to ready: it was deleted
+    (ev,) = events(broker, "pub")
+    assert ev["type"] == "released" and ev["reason"] == "deleted"
+    assert events(broker, "sub2") == []
+
+
+def test_delete_of_broadcast_errors_receivers_already_joined(broker):
+    broker.handle("pub", "broadcast", {"item": item("b", receivers=3)})
+    r = broker.handle("sub", "subscribe", {"keys": ["b"], "timeout": 5})["results"][0]
+    broker.handle("pub", "delete", {"keys": ["b"]})
+    (ev,) = events(broker, "sub")
+    assert ev["type"] == "error" and ev["wid"] == r["wid"] and ev["error"] == B.E_NOT_FOUND
+    assert broker.snapshot()["waiters"] == 0

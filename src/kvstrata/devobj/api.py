@@ -241,7 +241,12 @@ class DeviceObjects:
         return self._receive("subscribe", keys, lists, timeout)
 
     def dev_mset(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[Exception | None]:
-        """Register keys whose data stays in this client's tensors; per-key ``None`` or the error."""
+        """Register keys whose data stays in this client's tensors; per-key ``None`` or the error.
+
+        Readers copy straight from these tensors, after the work queued on the caller's stream at
+        this call. Write-once: to change the data, ``dev_delete`` (in-flight reads finish first),
+        write, and register again.
+        """
         keys, lists = self._check(keys, tensor_lists)
         futures = self._register("mset", keys, lists)
         return [f.exception() if f.done() else None for f in futures]
@@ -743,11 +748,12 @@ class DeviceObjects:
                 if ev["obj"] not in self._owned:
                     self._early.setdefault(("obj", ev["obj"]), []).append(ev)
                     return
-            exc = (
-                None
-                if kind == "released"
-                else errors.ServerError(f"broadcast of {ev['key']!r} failed: {ev.get('message')}")
-            )
+            if kind == "failed":
+                exc = errors.ServerError(f"broadcast of {ev['key']!r} failed: {ev.get('message')}")
+            elif ev.get("reason") == "deleted":
+                exc = errors.KeyNotFound(f"device object {ev['key']!r} was deleted before anyone received it")
+            else:
+                exc = None
             self._release(ev["obj"], exc)
         elif kind == "send":
             self._nccl_send(ev)

@@ -385,6 +385,21 @@ class DeviceBroker:
             self._push(obj.record["owner"], released)
         for reader in obj.readers:
             self._push(reader, {"type": "invalidate", "key": key, "obj": obj.record["obj"]})
+        for client, wid in obj.pending:  # broadcast receivers still waiting for the others
+            w = self._waiter_by_id.get(wid)
+            if w is not None:
+                self._drop_waiter(w)
+            self._push(
+                client,
+                {
+                    "type": "error",
+                    "wid": wid,
+                    "key": key,
+                    "error": E_NOT_FOUND,
+                    "message": f"device object {key!r} was {reason} before all receivers joined",
+                },
+            )
+        obj.pending.clear()
 
     def _receiver_failed_locked(self, t: dict[str, Any], message: str) -> None:
         obj = self._objects.get(t["key"])
@@ -392,7 +407,9 @@ class DeviceBroker:
         if obj is None:
             return
         obj.transfers.discard(t["tid"])
-        if t["kind"] == "sub":
+        if t["kind"] == "sub" and obj.state == "deleting":
+            self._forget_locked(t["key"], obj, reason="deleted")
+        elif t["kind"] == "sub":
             obj.state = "ready"  # never half-done: the next subscriber gets it whole
             self._match_locked(t["key"])
         elif t["kind"] == "bcast":
