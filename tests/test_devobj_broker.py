@@ -178,7 +178,9 @@ def test_owner_gone_errors_transfers_and_keys_vanish(broker):
     broker.owner_gone("pub")
     ev = events(broker, "sub")
     assert ev[0]["type"] == "error" and ev[0]["tid"] == t["tid"] and ev[0]["error"] == B.E_OWNER_GONE
-    assert [e["error"] for e in events(broker, "sub2")] == [B.E_OWNER_GONE]
+    assert ev[1:] == [{"type": "peer_gone", "client": "pub"}]
+    ev2 = events(broker, "sub2")
+    assert [e.get("error") for e in ev2 if e["type"] == "error"] == [B.E_OWNER_GONE]
     assert broker.snapshot()["objects"] == {}
     r = broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})
     assert r["error"] == B.E_NOT_FOUND  # a late completion cannot make it "done"
@@ -334,3 +336,12 @@ def test_delete_of_broadcast_errors_receivers_already_joined(broker):
     (ev,) = events(broker, "sub")
     assert ev["type"] == "error" and ev["wid"] == r["wid"] and ev["error"] == B.E_NOT_FOUND
     assert broker.snapshot()["waiters"] == 0
+
+
+def test_peers_told_when_a_client_goes(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    t = broker.handle("sub", "mget", {"keys": ["w"]})["results"][0]["transfer"]
+    broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})
+    broker.owner_gone("pub")
+    assert [(e["type"], e["client"]) for e in events(broker, "sub")] == [("peer_gone", "pub")]
+    assert events(broker, "sub2") == []  # never exchanged anything with it

@@ -100,6 +100,7 @@ class DeviceBroker:
         self._clients: dict[str, dict[str, Any]] = {}
         self._transfers: dict[int, dict[str, Any]] = {}
         self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
+        self._peers: dict[str, set[str]] = {}  # client -> clients it exchanged data with
         self._ids = itertools.count(1)
 
     # -- dispatch ---------------------------------------------------------------------------------
@@ -158,8 +159,10 @@ class DeviceBroker:
                     self._drop_waiter(w)
             for pair in [p for p in self._pairs if client in p]:
                 del self._pairs[pair]
-                other = pair[0] if pair[1] == client else pair[1]
-                self._push(other, {"type": "peer_gone", "client": client, "pair": list(pair)})
+            # Peers drop what they imported from it (IPC mappings, NCCL communicators).
+            for other in sorted(self._peers.pop(client, set())):
+                self._peers.get(other, set()).discard(client)
+                self._push(other, {"type": "peer_gone", "client": client})
             self._events.pop(client, None)
             self._cond.notify_all()
 
@@ -477,6 +480,8 @@ class DeviceBroker:
         if w.kind == "get":
             obj.readers.add(w.client)
         self._transfers[t["tid"]] = t
+        self._peers.setdefault(rec["owner"], set()).add(w.client)
+        self._peers.setdefault(w.client, set()).add(rec["owner"])
         t["path"] = self._path(rec, w.client)
         if t["path"] == "nccl":
             pair = self._pairs.setdefault((rec["owner"], w.client), {"uid": None, "seq": 0, "queued": []})
