@@ -339,11 +339,16 @@ class DeviceObjects:
         return dev
 
     def _device_info(self) -> dict[str, Any]:
-        if self.device.type != "cuda":
-            return {"uuid": f"cpu:{self.config.node_id}", "index": -1}
-        from kvstrata.devobj.ipc import device_uuid
+        info = self.__dict__.get("_devinfo")
+        if info is None:
+            if self.device.type != "cuda":
+                info = {"uuid": f"cpu:{self.config.node_id}", "index": -1}
+            else:
+                from kvstrata.devobj.ipc import device_uuid
 
-        return {"uuid": device_uuid(self.device.index), "index": self.device.index}
+                info = {"uuid": device_uuid(self.device.index), "index": self.device.index}
+            self._devinfo = info
+        return dict(info)
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         return check_keys(keys)
