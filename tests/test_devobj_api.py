@@ -322,3 +322,15 @@ def test_publish_subscribe_through_worker_and_client_death(worker):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(("start", "n"), [(16, 4096), (3, 8), (8, 13), (0, 0)])
+def test_copy_bytes_kernel_and_memcpy_exact(start, n):
+    from kvstrata.devobj.api import _copy_bytes
+
+    src = torch.randint(0, 255, (4200,), dtype=torch.uint8)
+    for kernel in (True, False):
+        dst = torch.full_like(src, 7)
+        _copy_bytes(dst[start : start + n], src[start : start + n], kernel=kernel)
+        assert torch.equal(dst[start : start + n], src[start : start + n])
+        assert bool((dst[:start] == 7).all()) and bool((dst[start + n :] == 7).all())

@@ -69,6 +69,9 @@ class DeviceObjectConfig:
     poll_seconds: float = 1.0
     node_id: str = field(default_factory=socket.gethostname)
     allow_cpu: bool = False  # CPU tensors, same-process peers only: for tests and CPU-only pipelines
+    # Broadcast hops within one GPU: "memcpy" (copy engine) or "kernel" (SMs), which can overlap with
+    # another process's copy-engine work on that GPU where copy engines are time-sliced between contexts.
+    same_gpu_copy: str = "memcpy"
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "nccl"):
@@ -77,6 +80,8 @@ class DeviceObjectConfig:
             raise ValueError(f"chunk_bytes: at least 4096, got {self.chunk_bytes}")
         if self.copy_threads < 1:
             raise ValueError(f"copy_threads: at least 1, got {self.copy_threads}")
+        if self.same_gpu_copy not in ("memcpy", "kernel"):
+            raise ValueError(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
         if self.poll_seconds <= 0:
             raise ValueError(f"poll_seconds: must be > 0, got {self.poll_seconds}")
 
@@ -100,6 +105,14 @@ INLINE_COPY_BYTES = 1 << 20
 
 def _nbytes(t: dict[str, Any]) -> int:
     return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, *, kernel: bool) -> None:
+    """Copy one byte range: a copy-engine memcpy, or (``kernel``, 8-byte aligned) an elementwise kernel."""
+    if kernel and dst.numel() % 8 == 0 and dst.storage_offset() % 8 == 0 and src.storage_offset() % 8 == 0:
+        torch.mul(src.view(torch.int64), 1, out=dst.view(torch.int64))
+    else:
+        dst.copy_(src, non_blocking=True)
 
 
 def _settle(f: Future, exc: BaseException | None = None) -> None:
@@ -599,6 +612,7 @@ class DeviceObjects:
             from kvstrata.devobj.ipc import flat_bytes as fb
 
             dev = self.device.index
+            kernel = self.config.same_gpu_copy == "kernel"
             sd = self._streams.get(dev)
             sd.wait_event(want.after)
             mine = [] if last else [self._events.get(dev) for _ in plan]
@@ -614,7 +628,7 @@ class DeviceObjects:
                     if ss is not sd:
                         ss.wait_event(ev)
                 with torch.cuda.stream(ss), torch.cuda.stream(sd):
-                    dst_b[j][off : off + n].copy_(src_b[j][off : off + n], non_blocking=True)
+                    _copy_bytes(dst_b[j][off : off + n], src_b[j][off : off + n], kernel=kernel and ss is sd)
                 if mine:
                     mine[c].record(sd)
             done = torch.cuda.Event()
