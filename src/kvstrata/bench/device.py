@@ -279,20 +279,24 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
 
 
 # -- 4. broadcast --------------------------------------------------------------------------------------
-def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) -> list[float]:
+BCAST_MODES = ("memcpy", "kernel")  # how hops within one GPU copy (DeviceObjectConfig.same_gpu_copy)
+
+
+def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) -> dict[str, list[float]]:
     import torch
 
     c = _client(address, 0, chunk_bytes=chunk)
     src = _pattern(nbytes, 0)
     torch.cuda.synchronize()
-    times = []
-    for i in range(rounds):
-        for _ in range(3):
-            ctl["ready"].get(timeout=WAIT)
-        time.sleep(0.005)  # the receivers' subscribes are registered before they said so
-        t0 = time.perf_counter()
-        c.dev_broadcast(f"b{i}", [src], receivers=3).result(WAIT)
-        times.append(time.perf_counter() - t0)
+    times: dict[str, list[float]] = {}
+    for mode in BCAST_MODES:
+        for i in range(rounds):
+            for _ in range(3):
+                ctl["ready"].get(timeout=WAIT)
+            time.sleep(0.005)  # the receivers' subscribes are registered before they said so
+            t0 = time.perf_counter()
+            c.dev_broadcast(f"b-{mode}-{i}", [src], receivers=3).result(WAIT)
+            times.setdefault(mode, []).append(time.perf_counter() - t0)
     c.close()
     return times
 
@@ -300,16 +304,19 @@ def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) 
 def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dict) -> bool:
     import torch
 
-    c = _client(address, device)
     dst = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
     torch.cuda.synchronize()
-    for i in range(rounds):
-        (f,) = c.dev_subscribe([f"b{i}"], [[dst]], timeout=WAIT)
-        ctl["ready"].put(device)
-        f.result(WAIT)
-        if i == 0 and not torch.equal(dst, _pattern(nbytes, device)):
-            raise AssertionError(f"broadcast receiver on GPU{device} got wrong bytes")
-    c.close()
+    for mode in BCAST_MODES:
+        c = _client(address, device, same_gpu_copy=mode)
+        for i in range(rounds):
+            dst.fill_(7)
+            torch.cuda.synchronize()
+            (f,) = c.dev_subscribe([f"b-{mode}-{i}"], [[dst]], timeout=WAIT)
+            ctl["ready"].put(device)
+            f.result(WAIT)
+            if i == 0 and not torch.equal(dst, _pattern(nbytes, device)):
+                raise AssertionError(f"broadcast ({mode} hops) receiver on GPU{device} got wrong bytes")
+        c.close()
     return True
 
 
@@ -370,7 +377,9 @@ def run(args: argparse.Namespace) -> int:
             )
         finally:
             worker.stop()
-    bcast_time = statistics.median(bc["bcast_sender"][0][1:])
+    bcast_times = {m: statistics.median(ts[1:]) for m, ts in bc["bcast_sender"][0].items()}
+    bcast_mode = min(bcast_times, key=bcast_times.get)
+    bcast_time = bcast_times[bcast_mode]
 
     latency = [d - p for d, p in zip(reader["t_done"], owner["t_pub"])]
     lat_us = statistics.median(latency) * 1e6
@@ -416,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
             "seconds": bcast_time,
             "single_peer_copy_seconds": single,
             "ratio_to_single_copy": round(bcast_time / single, 3),
+            "best_same_gpu_copy": bcast_mode,
+            "ratio_by_same_gpu_copy": {m: round(t / single, 3) for m, t in bcast_times.items()},
             "all_rounds_seconds": bc["bcast_sender"][0],
         },
         "targets": {
@@ -433,7 +444,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"4 KiB hand-off: {lat_us:.0f} us end to end (subscriber first), {lat_pub_first_us:.0f} us subscribe call "
         f"(publisher first); broadcast {fmt_size(bcast_bytes)} to 3: {bcast_time * 1e3:.1f} ms = "
-        f"{bcast_time / single:.2f}x one peer copy ({single * 1e3:.1f} ms); targets {result['targets']}"
+        f"{bcast_time / single:.2f}x one peer copy ({single * 1e3:.1f} ms; same-GPU hops by {bcast_mode}, "
+        f"ratios {result['broadcast']['ratio_by_same_gpu_copy']}); targets {result['targets']}"
     )
     print_table(rows)
     return 0
