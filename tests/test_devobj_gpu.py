@@ -157,8 +157,8 @@ def broadcaster(address: str, device: int, receivers: int, nbytes: int) -> str:
     return "sent"
 
 
-def receiver(address: str, device: int, nbytes: int) -> str:
-    c = _client(address, device)
+def receiver(address: str, device: int, nbytes: int, mode: str = "memcpy") -> str:
+    c = _client(address, device, same_gpu_copy=mode)
     specs = [((nbytes,), torch.uint8), ((333, 17), torch.float32)]
     dst = poisoned(device, specs)
     c.dev_subscribe(["weights"], [dst], timeout=WAIT)[0].result(WAIT)
@@ -233,12 +233,13 @@ def test_many_pairs_both_directions_no_deadlock(worker):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("nbytes", [(1 << 20) + 4099, 1000])
-def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes):
+@pytest.mark.parametrize(
+    ("nbytes", "mode"), [((1 << 20) + 4099, "memcpy"), ((1 << 20) + 4096, "kernel"), (1000, "memcpy")]
+)
+def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode):
     a = worker.address
-    run_procs(
-        [(receiver, a, 1, nbytes), (receiver, a, 0, nbytes), (receiver, a, 1, nbytes), (broadcaster, a, 0, 3, nbytes)]
-    )
+    receivers = [(receiver, a, d, nbytes, mode) for d in (1, 0, 1)]
+    run_procs([*receivers, (broadcaster, a, 0, 3, nbytes)])
     assert worker.devobj_broker.snapshot()["objects"] == {}
 
 
