@@ -498,10 +498,10 @@ class DeviceBroker:
         info = self._clients.get(dst, {})
         src = self._clients.get(rec["owner"], {})
         same_node = rec.get("node_id") == info.get("node_id")
+        if same_node and src.get("pid") is not None and src.get("pid") == info.get("pid"):
+            return "local"  # one process: never through its own IPC handles or an NCCL pair with itself
         if rec["mode"] != "broadcast" and (rec.get("transport") == "nccl" or not same_node):
             return "nccl"
-        if same_node and src.get("pid") is not None and src.get("pid") == info.get("pid"):
-            return "local"
         return "ipc"
 
     def _plan_broadcast(self, key: str, obj: _Object, only: int | None) -> dict[str, Any] | None:
