@@ -130,6 +130,10 @@ class DeviceObjectsMixin:
                         link.close()
                     raise
                 self._devobj_link = link
+            elif (config is not None and config != self._devobj.config) or (
+                device is not None and self._devobj._pick_device(device) != self._devobj.device
+            ):
+                raise ValueError("device/config: this client's device objects already started with other settings")
             return self._devobj
 
     def dev_publish(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]]) -> list[Future]:
