@@ -233,7 +233,9 @@ class EmbeddedBackend:
         for lease_id in ids:
             self.store.release(lease_id)
 
-    defer_release = release  # store.release takes only the store's own short lock
+    def defer_release(self, lease_id: int) -> None:
+        # From a finalizer: store.release takes only the store's own short lock, never held across GC.
+        self.release([lease_id])
 
     def put(self, key: str, data: memoryview, opts: dict) -> None:
         self._check().put(key, data, owner=self.owner, **self._opts(opts))
