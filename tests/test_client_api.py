@@ -114,7 +114,7 @@ def test_exists_100k_keys(kv):
     assert len(res) == 100_000 and res[-1] is True and not any(res[:-1])
     assert time.perf_counter() - t0 < 10
     with pytest.raises(ValueError, match="100000"):
-        kv.exists(keys + ["one-more"])
+        kv.exists([*keys, "one-more"])
 
 
 def test_partial_read(kv):
