@@ -183,12 +183,12 @@ class Session:
                 _close(fd)
             op = msg.get("op")
             self.worker.counters["requests"] += 1
-            if msg.get("rel"):  # releases deferred by the client's garbage collector
-                _release(self, {"ids": msg["rel"]})
             handler = _HANDLERS.get(op) if isinstance(op, str) else None
             try:
                 if handler is None:
-                    raise ServerError(f"unknown request {op!r}")
+                    raise ServerError(f"unknown request {op!r:.100}")
+                if msg.get("rel"):  # releases deferred by the client's garbage collector
+                    _release(self, {"ids": msg["rel"]})
                 reply = handler(self, msg)
             except (KvstrataError, ValueError, TypeError, KeyError) as exc:
                 self.worker.counters["errors"] += 1
@@ -197,7 +197,9 @@ class Session:
                 self.worker.counters["errors"] += 1
                 log.exception("request %r from client %s failed", op, self.name)
                 reply = P.error_record(ServerError(f"internal error in {op!r}: {type(exc).__name__}: {exc}"))
-            if op in P.ONE_WAY_OPS and "err" not in reply:
+            if handler is not None and op in P.ONE_WAY_OPS:
+                if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
+                    log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
                 continue
             self.send(reply)
 
