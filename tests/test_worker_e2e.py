@@ -26,7 +26,17 @@ def start_worker(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     sock = tmp / "w.sock"
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "kvstrata.cli.main", "worker", "--socket", str(sock), "--memory", "48MiB"]
-    cmd += ["--segment-size", "16MiB", "--disk-dir", str(tmp / "disk"), "--disk-size", "256MiB", *extra]
+    cmd += [
+        "--numa-node",
+        "none",
+        "--segment-size",
+        "16MiB",
+        "--disk-dir",
+        str(tmp / "disk"),
+        "--disk-size",
+        "256MiB",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     address = f"unix://{sock}"
     deadline = time.monotonic() + 30

@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-device", dest="gpu_device", type=int, help="CUDA device of the HBM tier")
     p.add_argument("--segment-size", dest="segment_size", help="DRAM tier growth step (default 256MiB)")
     p.add_argument("--hugepages", choices=("auto", "on", "off"), help="huge pages for the DRAM tier")
+    p.add_argument(
+        "--numa-node", dest="numa_node", help="bind the DRAM tier to this NUMA node ('auto': the GPU's; 'none')"
+    )
     p.add_argument("--socket-mode", dest="socket_mode", type=lambda s: int(s, 8), help="socket file mode (0600)")
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--config", help="YAML file of settings (same names as the flags, with underscores)")
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             "gpu_device",
             "segment_size",
             "hugepages",
+            "numa_node",
             "socket_mode",
             "log_level",
         )

@@ -87,6 +87,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        if isinstance(self.numa_node, str) and self.numa_node != "auto":  # from a flag or the environment
+            node = self.numa_node.strip().lower()
+            object.__setattr__(self, "numa_node", None if node in ("none", "off", "") else _int("numa_node", node))
         if not isinstance(self.socket, str) or not self.socket:
             raise ValueError(f"socket: must be a path or address, got {self.socket!r}")
         if self.memory <= 0:
@@ -180,8 +183,13 @@ def _coerce(name: str, raw: str, typ: str) -> Any:
             return int(raw, 8)
         if name == "gpu_device":
             return None if raw.lower() in ("", "none") else int(raw)
-        if name == "numa_node":
-            return raw if raw in ("auto",) else (None if raw.lower() in ("", "none") else int(raw))
     except ValueError:
         raise ValueError(f"KVSTRATA_{name.upper()}: cannot read {raw!r} as {typ}") from None
     return raw
+
+
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, 'auto' or 'none', got {raw!r}") from None
