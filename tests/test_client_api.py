@@ -22,7 +22,7 @@ MEMORY = 32 << 20
 def worker(tmp_path_factory):
     d = tmp_path_factory.mktemp("worker")
     config = WorkerConfig.load(
-        {"socket": str(d / "w.sock"), "memory": MEMORY, "segment_size": 8 << 20, "disk_dir": "", "numa_node": None},
+        {"socket": str(d / "w.sock"), "memory": MEMORY, "segment_size": 8 << 20, "disk_dir": "", "numa_node": "none"},
         environ={},
     )
     with Worker(config).start() as w:
@@ -320,3 +320,21 @@ def test_unknown_op_is_refused_and_connection_survives(worker):
             kv._backend.request({"op": "get", "key": 42})
         kv.set("k0", b"fine")
         assert kv.get("k0") == b"fine"
+
+
+def test_more_new_segments_than_one_message_can_carry(tmp_path):
+    config = WorkerConfig.load(
+        {
+            "socket": str(tmp_path / "s.sock"),
+            "memory": "192MiB",
+            "segment_size": "2MiB",
+            "disk_dir": "",
+            "numa_node": "none",
+        },
+        environ={},
+    )
+    with Worker(config).start() as w, kvstrata.connect(w.address) as reader, kvstrata.connect(w.address) as writer:
+        values = {f"seg-{i}": bytes([i]) * (1536 << 10) for i in range(70)}  # one per 2 MiB segment
+        assert writer.mset(values) == [None] * 70
+        assert len(w.store.segments) >= 70
+        assert reader.mget(list(values)) == list(values.values())

@@ -52,6 +52,7 @@ class RemoteBackend:
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
         self._closed = False
+        self._absorb_segments(self._conn.peer_info.get("segs", []), self._conn.handshake_fds)
 
     # plumbing ----------------------------------------------------------------------------------------
     def request(self, msg: dict) -> dict:
@@ -90,16 +91,22 @@ class RemoteBackend:
     def view(self, loc: Any) -> memoryview:
         if loc.size == 0:
             return memoryview(bytearray())
-        try:
-            seg = self._segments[loc.segment]
-        except KeyError:
-            raise ProtocolError(f"worker pointed into segment {loc.segment}, which it never sent") from None
+        seg = self._segment(loc.segment)
         return seg.buffer[loc.offset : loc.offset + loc.size]
+
+    def _segment(self, index: int) -> Any:
+        seg = self._segments.get(index)
+        if seg is None:  # not sent with the reply (too many new segments at once): ask for it
+            self.request({"op": "segments", "indices": [index]})
+            seg = self._segments.get(index)
+            if seg is None:
+                raise ProtocolError(f"worker pointed into segment {index}, which it does not have")
+        return seg
 
     def segment_tensor(self, index: int) -> Any:
         t = self._tensors.get(index)
         if t is None:
-            t = self._tensors[index] = _segment_tensor(self._segments[index])
+            t = self._tensors[index] = _segment_tensor(self._segment(index))
         return t
 
     def release(self, ids: list[int]) -> None:

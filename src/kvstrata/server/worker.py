@@ -26,6 +26,7 @@ from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerEr
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.transport import Connection, Listener, listen
+from kvstrata.transport.stream import MAX_FDS
 
 log = logging.getLogger("kvstrata.worker")
 _owner_ids = itertools.count(1)
@@ -134,7 +135,14 @@ class Worker:
     def _on_hello(self, conn: Connection, hello: dict) -> tuple[dict, list[int]]:
         session = Session(self, conn, hello)
         conn.session = session  # type: ignore[attr-defined]
-        return {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}, []
+        reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
+        fds: list[int] = []
+        if session.shm:  # map what exists now; later segments come with the first reply pointing into them
+            segs = list(self._store.segments)[:64]
+            reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
+            fds = [seg.fd for seg in segs]
+            session.sent_segments.update(range(len(segs)))
+        return reply, fds
 
     def _serve(self, conn: Connection) -> None:
         session: Session = conn.session  # type: ignore[attr-defined]
@@ -205,6 +213,9 @@ class Session:
 
     def send(self, reply: dict) -> None:
         new = reply.pop("_segs", None)
+        if new and len(new) > MAX_FDS:  # the rest are fetched by the client with a "segments" request
+            self.sent_segments.difference_update(new[MAX_FDS:])
+            new = new[:MAX_FDS]
         if new:
             segs = self.store.segments
             reply["segs"] = [[i, segs[i].nbytes] for i in new]
