@@ -29,7 +29,8 @@ def test_format_size():
 def test_precedence_file_env_flags(tmp_path):
     cfg = tmp_path / "kv.yaml"
     cfg.write_text(
-        "memory: 1GiB\ndisk-dir: ''\nsocket: /tmp/from-file.sock\nlog_level: debug\nhigh_watermark: 0.7\nlow_watermark: 0.6\n"
+        "memory: 1GiB\ndisk-dir: ''\nsocket: /tmp/from-file.sock\nlog_level: debug\n"
+        "high_watermark: 0.7\nlow_watermark: 0.6\n"
     )
     env = {"KVSTRATA_MEMORY": "2GiB", "KVSTRATA_SOCKET": "/tmp/from-env.sock", "KVSTRATA_DISK_SYNC": "yes"}
     c = WorkerConfig.load({"socket": "/tmp/from-flag.sock", "memory": None}, config_file=str(cfg), environ=env)
@@ -95,9 +96,9 @@ def test_prometheus_text():
 
 
 def test_demo_runs_and_checks_its_data(capsys):
-    from kvstrata.cli.main import main
-
     import re
+
+    from kvstrata.cli.main import main
 
     assert main(["demo", "--sessions", "6", "--memory", "2MiB", "--layers", "2"]) == 0
     out = capsys.readouterr().out
