@@ -338,3 +338,13 @@ def test_more_new_segments_than_one_message_can_carry(tmp_path):
         assert writer.mset(values) == [None] * 70
         assert len(w.store.segments) >= 70
         assert reader.mget(list(values)) == list(values.values())
+
+
+def test_dropped_unsealed_buffer_is_aborted(kv):
+    kv.delete("k-drop")
+    kv.create("k-drop", 1000).write(b"half")  # dropped without seal: never becomes visible
+    gc.collect()
+    assert kv.exists("k-drop") is False
+    assert _stats(kv)["creates_in_progress"] == 0
+    kv.set("k-drop", b"fresh", nx=True)
+    assert kv.get("k-drop") == b"fresh"

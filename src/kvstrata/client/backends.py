@@ -51,6 +51,8 @@ class RemoteBackend:
         self._tensors: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
+        self._pid = os.getpid()
         self._closed = False
         self._absorb_segments(self._conn.peer_info.get("segs", []), self._conn.handshake_fds)
 
@@ -59,8 +61,12 @@ class RemoteBackend:
         with self._lock:
             if self._closed:
                 raise ClosedError("client is closed")
+            if self._pid != os.getpid():
+                raise ClosedError("this client was connected in the parent process; connect again after fork()")
             if self._deferred:
                 msg["rel"] = self._drain_deferred()
+            if self._deferred_aborts:
+                msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
             self._conn.send(msg)
             reply, fds = self._conn.recv()
             if fds or "segs" in reply:
@@ -119,6 +125,10 @@ class RemoteBackend:
     def defer_release(self, lease_id: int) -> None:
         """From a finalizer: no locks or I/O here, the next request carries it."""
         self._deferred.append(lease_id)
+
+    def defer_abort(self, key: str) -> None:
+        """From a finalizer of a buffer dropped unsealed: the next request aborts the write."""
+        self._deferred_aborts.append(key)
 
     @staticmethod
     def _item(item: dict) -> Any:
@@ -214,10 +224,19 @@ class EmbeddedBackend:
         self.inline_max = 1 << 62  # no wire: put copies once either way
         self._tensors: dict[int, Any] = {}
         self._closed = False
+        # Finalizers may run inside the store's critical section (GC can strike anywhere), so they
+        # only queue their work here; the next call drains it.
+        self._deferred: collections.deque[int] = collections.deque()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
 
     def _check(self) -> Any:
         if self._closed:
             raise ClosedError("client is closed")
+        while self._deferred:
+            self.store.release(self._deferred.popleft())
+        while self._deferred_aborts:
+            key = self._deferred_aborts.popleft()
+            _result(lambda key=key: self.store.abort(key, owner=self.owner))
         return self.store
 
     def _opts(self, opts: dict) -> dict:
@@ -241,8 +260,10 @@ class EmbeddedBackend:
             self.store.release(lease_id)
 
     def defer_release(self, lease_id: int) -> None:
-        # From a finalizer: store.release takes only the store's own short lock, never held across GC.
-        self.release([lease_id])
+        self._deferred.append(lease_id)
+
+    def defer_abort(self, key: str) -> None:
+        self._deferred_aborts.append(key)
 
     def put(self, key: str, data: memoryview, opts: dict) -> None:
         self._check().put(key, data, owner=self.owner, **self._opts(opts))

@@ -238,6 +238,10 @@ class Client:
         if not self._closed:
             self._backend.defer_release(lease_id)
 
+    def _defer_abort(self, key: str) -> None:
+        if not self._closed:
+            self._backend.defer_abort(key)
+
     def incref(self, keys: str | Iterable[str]) -> int | list[int]:
         """Add one global reference per key; returns the new counts."""
         return _one_or_many(keys, self._keys_op("incref", keys))

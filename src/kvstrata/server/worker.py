@@ -197,6 +197,12 @@ class Session:
                     raise ServerError(f"unknown request {op!r:.100}")
                 if msg.get("rel"):  # releases deferred by the client's garbage collector
                     _release(self, {"ids": msg["rel"]})
+                for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
+                    try:
+                        self.store.abort(key, owner=self.owner)
+                        self.writes.discard(key)
+                    except (KvstrataError, ValueError, TypeError):
+                        pass
                 reply = handler(self, msg)
             except (KvstrataError, ValueError, TypeError, KeyError) as exc:
                 self.worker.counters["errors"] += 1
