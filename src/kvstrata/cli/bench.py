@@ -10,7 +10,9 @@ import argparse
 import importlib
 
 # job name -> (module, one-line help)
-JOBS: dict[str, tuple[str, str]] = {}
+JOBS: dict[str, tuple[str, str]] = {
+    "store": ("kvstrata.bench.store", "kvstrata's node-local clients vs Redis: set/get 4KiB-16MiB, 1 and 8 clients"),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
