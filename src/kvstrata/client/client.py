@@ -73,6 +73,9 @@ class Client:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        for index in self._registered:  # before the segments are unmapped
+            _device.unregister_segment(self._backend.segment_tensor(index))
+        self._registered.clear()
         self._backend.close()
 
     def __enter__(self) -> Client:
@@ -271,7 +274,7 @@ class Client:
         created = [i for i, loc in enumerate(locs) if not isinstance(loc, BaseException)]
         pairs = []
         for i in created:
-            pairs.extend(zip(self._host_slices(locs[i], [t.numel() for t in flat[i]]), flat[i]))
+            pairs.extend(zip(self._host_slices(locs[i], flat[i]), flat[i]))
         try:
             event = _device.copy_batch(pairs, stream=stream)
             if event is not None:
@@ -310,7 +313,7 @@ class Client:
                     ValueError(f"tensor_lists[{i}]: {want} bytes for {keys[i]!r}, which holds {lease.location.size}")
                 )
                 continue
-            pairs.extend(zip(flat[i], self._host_slices(lease.location, [t.numel() for t in flat[i]])))
+            pairs.extend(zip(flat[i], self._host_slices(lease.location, flat[i])))
             results.append(None)
         try:
             event = _device.copy_batch(pairs, stream=stream)
@@ -365,13 +368,15 @@ class Client:
             flat.append([tensor_bytes(t, f"tensor_lists[{i}][{j}]", device_ok=True) for j, t in enumerate(ts)])
         return keys, flat
 
-    def _host_slices(self, loc: Any, sizes: list[int]) -> list[Any]:
+    def _host_slices(self, loc: Any, tensors: list[Any]) -> list[Any]:
+        """Views of the object's bytes in shared memory, one per tensor, in order."""
+        sizes = [t.numel() for t in tensors]
         import torch
 
         if loc.size == 0:
             return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
         seg = self._backend.segment_tensor(loc.segment)
-        if loc.segment not in self._registered:
+        if loc.segment not in self._registered and _device.cuda_in_use(tensors):
             _device.register_segment(seg)
             self._registered.add(loc.segment)
         out, offset = [], loc.offset

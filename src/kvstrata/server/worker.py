@@ -215,7 +215,11 @@ class Session:
                 if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
                     log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
                 continue
-            self.send(reply)
+            try:
+                self.send(reply)
+            except TypeError as exc:  # an unencodable reply is a bug: report it, keep the connection
+                log.exception("reply to %r for client %s could not be encoded", op, self.name)
+                self.send(P.error_record(ServerError(f"internal error in {op!r}: {exc}")))
 
     def send(self, reply: dict) -> None:
         new = reply.pop("_segs", None)
