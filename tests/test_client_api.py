@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 
@@ -256,7 +257,7 @@ def test_mset_d2h_mget_h2d_cuda(kv):
     g = torch.Generator(device="cuda").manual_seed(0)
     keys = [f"cuda-{i}" for i in range(64)]
     kv.delete(keys)
-    src = [[torch.randn(1 << 17, device="cuda", generator=g), torch.randn(3, 5, device="cuda").half()] for _ in keys]
+    src = [[torch.randn(1 << 15, device="cuda", generator=g), torch.randn(3, 5, device="cuda").half()] for _ in keys]
     assert kv.mset_d2h(keys, src) == [None] * 64
     dst = [[torch.full_like(t, float("nan")) for t in ts] for ts in src]
     stream = torch.cuda.Stream()
@@ -265,7 +266,7 @@ def test_mset_d2h_mget_h2d_cuda(kv):
     for a, b in zip(src, dst):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     host = kv.get(keys[5])
-    assert host[: 4 << 17] == src[5][0].cpu().numpy().tobytes()
+    assert host == src[5][0].cpu().numpy().tobytes() + src[5][1].cpu().numpy().tobytes()
     dst2 = [[torch.empty_like(t) for t in ts] for ts in src]
     assert kv.async_mget_h2d(keys, dst2).result() == [None] * 64
     assert all(torch.equal(x, y) for a, b in zip(src, dst2) for x, y in zip(a, b))
@@ -348,3 +349,14 @@ def test_dropped_unsealed_buffer_is_aborted(kv):
     assert _stats(kv)["creates_in_progress"] == 0
     kv.set("k-drop", b"fresh", nx=True)
     assert kv.get("k-drop") == b"fresh"
+
+
+def test_tcp_clients_get_everything_inline():
+    config = WorkerConfig.load({"socket": "tcp://127.0.0.1:0", "memory": "16MiB", "disk_dir": ""}, environ={})
+    with Worker(config).start() as w, kvstrata.connect(w.address) as kv:
+        assert w.address.startswith("tcp://127.0.0.1:") and not w.address.endswith(":0")
+        big = os.urandom(3 << 20)
+        kv.set("over-tcp", big)
+        assert kv.get("over-tcp") == big and kv.mget(["over-tcp"]) == [big]
+        with pytest.raises(ServerError, match="shared memory"):
+            kv.get_buffers(["over-tcp"])
