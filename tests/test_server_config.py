@@ -106,3 +106,10 @@ def test_demo_runs_and_checks_its_data(capsys):
     spills, promotions = map(int, re.search(r"(\d+) spills to SSD, (\d+) promotions", out).groups())
     assert spills > 0 and promotions > 0  # the host tier was too small: the SSD tier was used both ways
     assert int(re.search(r"reused from kvstrata\s+(\d+)", out).group(1)) > 0
+
+
+def test_worker_socket_follows_kvstrata_worker():
+    env = {"KVSTRATA_WORKER": "unix:///tmp/shared-name.sock"}
+    assert WorkerConfig.load({"disk_dir": ""}, environ=env).address == "unix:///tmp/shared-name.sock"
+    env["KVSTRATA_SOCKET"] = "/tmp/explicit.sock"  # an explicit socket setting wins
+    assert WorkerConfig.load({"disk_dir": ""}, environ=env).socket == "/tmp/explicit.sock"

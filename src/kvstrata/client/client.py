@@ -40,6 +40,8 @@ class Client:
 
     Single-key calls raise (``KeyNotFound``, ``KeyExists``, ``Timeout``, ``CapacityError``...); batch
     calls return one result per key, the exception instance in the slot of a refused key.
+    A worker client sends one request at a time on its connection, so a ``get`` waiting for a key
+    holds up the client's other threads: give threads that wait their own client.
     """
 
     def __init__(self, backend: Any) -> None:

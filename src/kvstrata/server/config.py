@@ -129,11 +129,17 @@ class WorkerConfig:
         config_file: str | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> WorkerConfig:
-        """Merge defaults < YAML file < ``KVSTRATA_<FIELD>`` environment < ``flags`` (None values ignored)."""
+        """Merge defaults < YAML file < ``KVSTRATA_<FIELD>`` environment < ``flags`` (None values ignored).
+
+        With no socket set anywhere, a ``unix://`` ``KVSTRATA_WORKER`` (what clients use) is the socket.
+        """
+        environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        if environ.get("KVSTRATA_WORKER", "").startswith("unix://"):  # where clients will look for us
+            values["socket"] = environ["KVSTRATA_WORKER"]
         if config_file:
             values.update(_read_yaml(config_file))
-        values.update(_from_environ(os.environ if environ is None else environ))
+        values.update(_from_environ(environ))
         values.update({k: v for k, v in (flags or {}).items() if v is not None})
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
