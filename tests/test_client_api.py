@@ -360,3 +360,28 @@ def test_tcp_clients_get_everything_inline():
         assert kv.get("over-tcp") == big and kv.mget(["over-tcp"]) == [big]
         with pytest.raises(ServerError, match="shared memory"):
             kv.get_buffers(["over-tcp"])
+
+
+def test_a_hung_worker_is_reported_not_waited_on_forever(tmp_path):
+    from kvstrata.transport import listen
+
+    def mute(conn):  # handshakes, then never answers
+        try:
+            conn.recv()
+            conn.recv()
+        except Exception:
+            pass
+
+    lst = listen(f"unix://{tmp_path}/mute.sock", mute)
+    try:
+        kv = kvstrata.connect(lst.address)
+        kv._backend.request_timeout = 0.3
+        t0 = time.monotonic()
+        with pytest.raises(kvstrata.ConnectionLost, match="did not answer"):
+            kv.get("k", timeout=0.2)
+        assert 0.45 < time.monotonic() - t0 < 3
+        with pytest.raises(kvstrata.TransportError):
+            kv.exists("k")
+        kv.close()
+    finally:
+        lst.stop()

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any, NamedTuple
 
-from kvstrata.errors import ClosedError, KvstrataError, ProtocolError
+from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
 from kvstrata.server import protocol as P
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ class Lease(NamedTuple):
 class RemoteBackend:
     """A connection to a worker. Requests are serialized on the connection (one at a time)."""
 
+    #: seconds a worker may take to answer, beyond the wait a request asks for (a hung worker)
+    request_timeout = 120.0
+
     def __init__(self, address: str, *, timeout: float = 10.0, name: str | None = None) -> None:
         from kvstrata.transport import connect
 
@@ -53,6 +56,7 @@ class RemoteBackend:
         self._deferred: collections.deque[int] = collections.deque()
         self._deferred_aborts: collections.deque[str] = collections.deque()
         self._pid = os.getpid()
+        self._broken = ""
         self._closed = False
         self._absorb_segments(self._conn.peer_info.get("segs", []), self._conn.handshake_fds)
 
@@ -61,6 +65,8 @@ class RemoteBackend:
         with self._lock:
             if self._closed:
                 raise ClosedError("client is closed")
+            if self._broken:
+                raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
             if self._pid != os.getpid():
                 raise ClosedError("this client was connected in the parent process; connect again after fork()")
             if self._deferred:
@@ -68,7 +74,15 @@ class RemoteBackend:
             if self._deferred_aborts:
                 msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
             self._conn.send(msg)
-            reply, fds = self._conn.recv()
+            try:
+                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0))
+            except Timeout:
+                # The reply may still come and would answer the next request: this connection is done.
+                self._broken = "the worker stopped answering"
+                self._conn.close()
+                raise ConnectionLost(
+                    f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
+                ) from None
             if fds or "segs" in reply:
                 self._absorb_segments(reply.pop("segs", []), fds)
         if "err" in reply:
