@@ -39,7 +39,8 @@ def render(stats: dict[str, Any], address: str) -> str:
     """A human summary of a worker's stats."""
     from kvstrata.units import format_size
 
-    lines = [f"worker at {address}  (up {stats.get('uptime_seconds', 0):.0f} s, {stats.get('clients', 0)} clients)"]
+    up, clients = stats.get("uptime_seconds", 0), stats.get("clients", 0)
+    lines = [f"worker at {address}  (up {up:.0f} s, {clients} clients, this one included)"]
     for tier, t in stats.get("tiers", {}).items():
         used, cap = t.get("used", 0), t.get("capacity", 0)
         pct = 100 * used / cap if cap else 0

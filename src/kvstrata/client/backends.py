@@ -218,6 +218,11 @@ class RemoteBackend:
             if self._closed:
                 return
             self._closed = True
+            if not self._conn.closed and self._pid == os.getpid():
+                try:
+                    self._conn.send({"op": "bye"})
+                except KvstrataError:
+                    pass
             self._conn.close()  # the worker releases our leases and aborts our unfinished writes
         self._tensors.clear()
         for seg in self._segments.values():

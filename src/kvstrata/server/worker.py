@@ -151,11 +151,11 @@ class Worker:
             self.counters["connections"] += 1
             n = len(self._sessions)
         log.info("client %s connected (%d connected)", session.name, n)
-        why = "closed the connection"
+        why = "disconnected"
         try:
             session.run()
         except ConnectionLost:
-            why = "went away"
+            why = "went away without closing (exited, crashed or killed)"
         except ClosedError:
             why = "was disconnected by the worker"
         except TransportError as exc:
@@ -190,6 +190,8 @@ class Session:
             for fd in fds:  # clients have no reason to send descriptors
                 _close(fd)
             op = msg.get("op")
+            if op == "bye":  # a clean close, as opposed to a crash
+                return
             self.worker.counters["requests"] += 1
             handler = _HANDLERS.get(op) if isinstance(op, str) else None
             try:

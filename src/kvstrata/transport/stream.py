@@ -25,7 +25,8 @@ from kvstrata.transport.base import Connection, Message
 _HEADER = struct.Struct("<II")
 MAX_FRAME = 1 << 30  # a bigger message is a bug or an attack: values that big go through shared memory
 MAX_FDS = 64
-_CMSG_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_CMSG_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: enum flag arithmetic is slow on this hot path
 _FD = array.array("i")
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * _FD.itemsize)
 _READ_CHUNK = 1 << 16
@@ -169,7 +170,7 @@ class StreamConnection(Connection):
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 usable = len(fd_bytes) - len(fd_bytes) % _FD.itemsize
                 self._rfds.extend(array.array("i", fd_bytes[:usable]))
-        if flags & socket.MSG_CTRUNC:
+        if flags & _CTRUNC:
             raise ProtocolError("file descriptors were truncated in transit")
         if not data:
             raise self._lost_error(None)
