@@ -105,6 +105,9 @@ class Worker:
             sessions = list(self._sessions.values())
         for s in sessions:
             s.conn.close()
+        deadline = time.monotonic() + 5  # let requests in flight finish before the store goes
+        while self._sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self._store is not None and self._own_store:
             self._store.close()
             log.info("worker stopped; write-back data flushed")
@@ -138,7 +141,7 @@ class Worker:
         reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
-            segs = list(self._store.segments)[:64]
+            segs = list(self._store.segments)[:MAX_FDS]
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
             fds = [seg.fd for seg in segs]
             session.sent_segments.update(range(len(segs)))
@@ -238,7 +241,10 @@ class Session:
 
     def cleanup(self) -> str:
         leases, writes = len(self.leases), len(self.writes)
-        self.store.release_owner(self.owner)
+        try:
+            self.store.release_owner(self.owner)
+        except ClosedError:  # the worker is shutting down: the store is gone with everything in it
+            return ""
         self.leases.clear()
         self.writes.clear()
         parts = []
