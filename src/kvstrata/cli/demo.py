@@ -106,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
             segment_bytes=min(memory, 16 << 20),
             disk_dir=disk_dir,
             disk_bytes=8 * memory,
-            numa_node=None,
         ) as kv:
             # Two turns per session: the second turn's prompt is the whole first conversation plus more.
             schedule = [(s, 1) for s in range(args.sessions)] + [
