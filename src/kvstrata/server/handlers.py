@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from kvstrata.server.worker import Session
 
 
-# --------------------------------------------------------------------------------
 def _value(msg: dict) -> bytes:
     v = msg.get("v")
     if not isinstance(v, bytes):
