@@ -276,3 +276,28 @@ def test_bad_addresses():
         connect("carrier-pigeon://x", timeout=1)
     with pytest.raises(ValueError, match="timeout"):
         connect("inproc://x", timeout=0)
+
+
+def test_fds_stay_with_their_messages_in_a_burst(echo_server):
+    with connect(echo_server.address, timeout=5) as conn:
+        if not conn.can_pass_fds:
+            pytest.skip("backend cannot pass descriptors")
+        sent = []
+        received = []
+        reader = threading.Thread(target=lambda: received.extend(conn.recv(timeout=10) for _ in range(30)))
+        reader.start()  # read while sending: the burst is larger than the socket buffers
+        for i in range(30):
+            fds = []
+            for j in range(i % 3):  # 0, 1 or 2 descriptors, tagged with their message
+                fd = os.memfd_create(f"m{i}")
+                os.write(fd, f"{i}/{j}".encode())
+                fds.append(fd)
+            conn.send({"i": i, "pad": b"p" * (i * 5000)}, fds)
+            sent.append(fds)
+        reader.join(20)
+        assert len(received) == 30
+        for i, (msg, fds) in enumerate(received):
+            assert msg["i"] == i and len(fds) == i % 3
+            assert [os.pread(fd, 16, 0).decode() for fd in fds] == [f"{i}/{j}" for j in range(i % 3)]
+            for fd in fds + sent[i]:
+                os.close(fd)

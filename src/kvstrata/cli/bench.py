@@ -12,6 +12,7 @@ import importlib
 # job name -> (module, one-line help)
 JOBS: dict[str, tuple[str, str]] = {
     "device": ("kvstrata.bench.device", "GPU-to-GPU device objects vs peer copy and NCCL (2 GPUs; --smoke: CPU)"),
+    "store": ("kvstrata.bench.store", "kvstrata's node-local clients vs Redis: set/get 4KiB-16MiB, 1 and 8 clients"),
 }
 
 

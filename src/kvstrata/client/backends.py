@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any, NamedTuple
 
-from kvstrata.errors import ClosedError, KvstrataError, ProtocolError
+from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
 from kvstrata.server import protocol as P
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ class Lease(NamedTuple):
 class RemoteBackend:
     """A connection to a worker. Requests are serialized on the connection (one at a time)."""
 
+    #: seconds a worker may take to answer, beyond the wait a request asks for (a hung worker)
+    request_timeout = 120.0
+
     def __init__(self, address: str, *, timeout: float = 10.0, name: str | None = None) -> None:
         from kvstrata.transport import connect
 
@@ -51,17 +54,35 @@ class RemoteBackend:
         self._tensors: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
+        self._pid = os.getpid()
+        self._broken = ""
         self._closed = False
+        self._absorb_segments(self._conn.peer_info.get("segs", []), self._conn.handshake_fds)
 
     # plumbing ----------------------------------------------------------------------------------------
     def request(self, msg: dict) -> dict:
         with self._lock:
             if self._closed:
                 raise ClosedError("client is closed")
+            if self._broken:
+                raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
+            if self._pid != os.getpid():
+                raise ClosedError("this client was connected in the parent process; connect again after fork()")
             if self._deferred:
                 msg["rel"] = self._drain_deferred()
+            if self._deferred_aborts:
+                msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
             self._conn.send(msg)
-            reply, fds = self._conn.recv()
+            try:
+                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0))
+            except Timeout:
+                # The reply may still come and would answer the next request: this connection is done.
+                self._broken = "the worker stopped answering"
+                self._conn.close()
+                raise ConnectionLost(
+                    f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
+                ) from None
             if fds or "segs" in reply:
                 self._absorb_segments(reply.pop("segs", []), fds)
         if "err" in reply:
@@ -90,16 +111,22 @@ class RemoteBackend:
     def view(self, loc: Any) -> memoryview:
         if loc.size == 0:
             return memoryview(bytearray())
-        try:
-            seg = self._segments[loc.segment]
-        except KeyError:
-            raise ProtocolError(f"worker pointed into segment {loc.segment}, which it never sent") from None
+        seg = self._segment(loc.segment)
         return seg.buffer[loc.offset : loc.offset + loc.size]
+
+    def _segment(self, index: int) -> Any:
+        seg = self._segments.get(index)
+        if seg is None:  # not sent with the reply (too many new segments at once): ask for it
+            self.request({"op": "segments", "indices": [index]})
+            seg = self._segments.get(index)
+            if seg is None:
+                raise ProtocolError(f"worker pointed into segment {index}, which it does not have")
+        return seg
 
     def segment_tensor(self, index: int) -> Any:
         t = self._tensors.get(index)
         if t is None:
-            t = self._tensors[index] = _segment_tensor(self._segments[index])
+            t = self._tensors[index] = _segment_tensor(self._segment(index))
         return t
 
     def release(self, ids: list[int]) -> None:
@@ -112,6 +139,10 @@ class RemoteBackend:
     def defer_release(self, lease_id: int) -> None:
         """From a finalizer: no locks or I/O here, the next request carries it."""
         self._deferred.append(lease_id)
+
+    def defer_abort(self, key: str) -> None:
+        """From a finalizer of a buffer dropped unsealed: the next request aborts the write."""
+        self._deferred_aborts.append(key)
 
     @staticmethod
     def _item(item: dict) -> Any:
@@ -187,6 +218,11 @@ class RemoteBackend:
             if self._closed:
                 return
             self._closed = True
+            if not self._conn.closed and self._pid == os.getpid():
+                try:
+                    self._conn.send({"op": "bye"})
+                except KvstrataError:
+                    pass
             self._conn.close()  # the worker releases our leases and aborts our unfinished writes
         self._tensors.clear()
         for seg in self._segments.values():
@@ -207,10 +243,19 @@ class EmbeddedBackend:
         self.inline_max = 1 << 62  # no wire: put copies once either way
         self._tensors: dict[int, Any] = {}
         self._closed = False
+        # Finalizers may run inside the store's critical section (GC can strike anywhere), so they
+        # only queue their work here; the next call drains it.
+        self._deferred: collections.deque[int] = collections.deque()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
 
     def _check(self) -> Any:
         if self._closed:
             raise ClosedError("client is closed")
+        while self._deferred:
+            self.store.release(self._deferred.popleft())
+        while self._deferred_aborts:
+            key = self._deferred_aborts.popleft()
+            _result(lambda key=key: self.store.abort(key, owner=self.owner))
         return self.store
 
     def _opts(self, opts: dict) -> dict:
@@ -233,7 +278,11 @@ class EmbeddedBackend:
         for lease_id in ids:
             self.store.release(lease_id)
 
-    defer_release = release  # store.release takes only the store's own short lock
+    def defer_release(self, lease_id: int) -> None:
+        self._deferred.append(lease_id)
+
+    def defer_abort(self, key: str) -> None:
+        self._deferred_aborts.append(key)
 
     def put(self, key: str, data: memoryview, opts: dict) -> None:
         self._check().put(key, data, owner=self.owner, **self._opts(opts))

@@ -48,6 +48,8 @@ class WritableBuffer:
         self._location = location
         self._view: memoryview | None = view
         self.state = "open"
+        # Dropped without seal/publish/abort: the write is aborted (on the client's next call).
+        self._finalizer = weakref.finalize(self, client._defer_abort, key)
 
     def _live(self) -> memoryview:
         if self._view is None:
@@ -79,6 +81,7 @@ class WritableBuffer:
     def _finish(self, action: str) -> None:
         self._live()
         self._view = None
+        self._finalizer.detach()
         self.state = {"seal": "sealed", "publish": "published", "abort": "aborted"}[action]
         self._client._finish_write(action, self.key)
 

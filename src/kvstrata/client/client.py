@@ -41,6 +41,8 @@ class Client(DeviceObjectsMixin):
 
     Single-key calls raise (``KeyNotFound``, ``KeyExists``, ``Timeout``, ``CapacityError``...); batch
     calls return one result per key, the exception instance in the slot of a refused key.
+    A worker client sends one request at a time on its connection, so a ``get`` waiting for a key
+    holds up the client's other threads: give threads that wait their own client.
     """
 
     def __init__(self, backend: Any) -> None:
@@ -75,6 +77,9 @@ class Client(DeviceObjectsMixin):
         self._close_device_objects()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        for index in self._registered:  # before the segments are unmapped
+            _device.unregister_segment(self._backend.segment_tensor(index))
+        self._registered.clear()
         self._backend.close()
 
     def __enter__(self) -> Client:
@@ -240,6 +245,10 @@ class Client(DeviceObjectsMixin):
         if not self._closed:
             self._backend.defer_release(lease_id)
 
+    def _defer_abort(self, key: str) -> None:
+        if not self._closed:
+            self._backend.defer_abort(key)
+
     def incref(self, keys: str | Iterable[str]) -> int | list[int]:
         """Add one global reference per key; returns the new counts."""
         return _one_or_many(keys, self._keys_op("incref", keys))
@@ -269,7 +278,7 @@ class Client(DeviceObjectsMixin):
         created = [i for i, loc in enumerate(locs) if not isinstance(loc, BaseException)]
         pairs = []
         for i in created:
-            pairs.extend(zip(self._host_slices(locs[i], [t.numel() for t in flat[i]]), flat[i]))
+            pairs.extend(zip(self._host_slices(locs[i], flat[i]), flat[i]))
         try:
             event = _device.copy_batch(pairs, stream=stream)
             if event is not None:
@@ -308,7 +317,7 @@ class Client(DeviceObjectsMixin):
                     ValueError(f"tensor_lists[{i}]: {want} bytes for {keys[i]!r}, which holds {lease.location.size}")
                 )
                 continue
-            pairs.extend(zip(flat[i], self._host_slices(lease.location, [t.numel() for t in flat[i]])))
+            pairs.extend(zip(flat[i], self._host_slices(lease.location, flat[i])))
             results.append(None)
         try:
             event = _device.copy_batch(pairs, stream=stream)
@@ -363,13 +372,15 @@ class Client(DeviceObjectsMixin):
             flat.append([tensor_bytes(t, f"tensor_lists[{i}][{j}]", device_ok=True) for j, t in enumerate(ts)])
         return keys, flat
 
-    def _host_slices(self, loc: Any, sizes: list[int]) -> list[Any]:
+    def _host_slices(self, loc: Any, tensors: list[Any]) -> list[Any]:
+        """Views of the object's bytes in shared memory, one per tensor, in order."""
+        sizes = [t.numel() for t in tensors]
         import torch
 
         if loc.size == 0:
             return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
         seg = self._backend.segment_tensor(loc.segment)
-        if loc.segment not in self._registered:
+        if loc.segment not in self._registered and _device.cuda_in_use(tensors):
             _device.register_segment(seg)
             self._registered.add(loc.segment)
         out, offset = [], loc.offset

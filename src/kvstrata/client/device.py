@@ -9,6 +9,7 @@ for the copy engines: ``non_blocking`` copies run as DMA straight from and to th
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -18,22 +19,57 @@ def cuda_in_use(tensors: list[Any]) -> bool:
     return any(t.device.type == "cuda" for t in tensors)
 
 
+# address -> [nbytes, number of clients using it]: one registration per mapping, shared by the
+# clients of this process (an embedded store's segments can be used by several clients at once).
+_registered: dict[int, list[int]] = {}
+_reg_lock = threading.Lock()
+
+
 def register_segment(tensor: Any) -> None:
-    """Register a segment's CPU tensor view with CUDA (idempotent per address; no-op without CUDA)."""
+    """Register a segment's CPU tensor view with CUDA (counted per address; no-op without CUDA)."""
     import torch
 
     if not torch.cuda.is_available():
         return
-    try:
-        from kvstrata.memory import register
-    except ImportError:
-        register = None
-    if register is not None:
-        register(tensor.data_ptr(), tensor.numel())
-        return
-    rc = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0))
-    if rc not in (0, 712):  # 712: cudaErrorHostMemoryAlreadyRegistered
-        log.warning("cudaHostRegister of a shared segment failed (cudaError %d): copies run at pageable speed", rc)
+    addr, nbytes = tensor.data_ptr(), tensor.numel()
+    with _reg_lock:
+        entry = _registered.get(addr)
+        if entry is not None:
+            entry[1] += 1
+            return
+        try:
+            from kvstrata.memory import register
+        except ImportError:
+            rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
+            if rc != 0:
+                log.warning(
+                    "cudaHostRegister of a shared segment failed (cudaError %d): copies run at pageable speed", rc
+                )
+                return
+        else:
+            register(addr, nbytes)
+        _registered[addr] = [nbytes, 1]
+
+
+def unregister_segment(tensor: Any) -> None:
+    """Undo :func:`register_segment`; the last user unregisters, before the mapping goes away."""
+    import torch
+
+    addr = tensor.data_ptr()
+    with _reg_lock:
+        entry = _registered.get(addr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _registered[addr]
+        try:
+            from kvstrata.memory import unregister
+        except ImportError:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        else:
+            unregister(addr)
 
 
 def copy_batch(pairs: list[tuple[Any, Any]], *, stream: Any = None) -> Any:

@@ -81,13 +81,15 @@ class SharedSegment:
         name: str | None = None,
         hugepages: str | bool = "auto",
         numa_node: int | None = None,
+        populate: bool = False,
     ) -> SharedSegment:
         """A new zero-filled segment of ``nbytes`` (> 0).
 
         ``hugepages``: ``"auto"``/``True`` try hugetlb pages, then fall back to a plain memfd with
         transparent huge pages advised; ``False``/``"off"`` use normal pages. ``numa_node``: bind
         the pages to that node (None: leave placement to the kernel). The node actually bound is in
-        ``.numa_node`` (None when binding was not possible).
+        ``.numa_node`` (None when binding was not possible). ``populate``: fault every page in now
+        (after binding), so first writes do not pay page faults.
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes: must be a positive int, got {nbytes!r}")
@@ -138,6 +140,8 @@ class SharedSegment:
                 raise
             if bound is None:
                 log.info("segment %s: could not bind to NUMA node %s; pages placed by the kernel", name, numa_node)
+        if populate:
+            _populate(mm, nbytes_mapped)
         # A hugetlb mapping is rounded up; callers see (and allocate from) exactly what they asked for.
         seg = cls(fd, nbytes, mm, hugepages=kind, name=name, numa_node=bound)
         if nbytes_mapped != nbytes:
@@ -203,6 +207,16 @@ class SharedSegment:
 
     def __repr__(self) -> str:
         return f"SharedSegment(fd={self.fd}, nbytes={self.nbytes}, hugepages={self.hugepages!r}, name={self.name!r})"
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mm: mmap.mmap, nbytes: int) -> None:
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)  # Linux >= 5.14: faults pages in without writing them
+    except OSError:
+        ctypes.memset(_address_of(mm), 0, nbytes)  # older kernels: touch every page (memfd pages are zero)
 
 
 def _shmem_thp_enabled() -> bool:

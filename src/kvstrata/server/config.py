@@ -87,6 +87,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        if isinstance(self.numa_node, str) and self.numa_node != "auto":  # from a flag or the environment
+            node = self.numa_node.strip().lower()
+            object.__setattr__(self, "numa_node", None if node in ("none", "off", "") else _int("numa_node", node))
         if not isinstance(self.socket, str) or not self.socket:
             raise ValueError(f"socket: must be a path or address, got {self.socket!r}")
         if self.memory <= 0:
@@ -126,11 +129,17 @@ class WorkerConfig:
         config_file: str | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> WorkerConfig:
-        """Merge defaults < YAML file < ``KVSTRATA_<FIELD>`` environment < ``flags`` (None values ignored)."""
+        """Merge defaults < YAML file < ``KVSTRATA_<FIELD>`` environment < ``flags`` (None values ignored).
+
+        With no socket set anywhere, a ``unix://`` ``KVSTRATA_WORKER`` (what clients use) is the socket.
+        """
+        environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        if environ.get("KVSTRATA_WORKER", "").startswith("unix://"):  # where clients will look for us
+            values["socket"] = environ["KVSTRATA_WORKER"]
         if config_file:
             values.update(_read_yaml(config_file))
-        values.update(_from_environ(os.environ if environ is None else environ))
+        values.update(_from_environ(environ))
         values.update({k: v for k, v in (flags or {}).items() if v is not None})
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
@@ -180,8 +189,13 @@ def _coerce(name: str, raw: str, typ: str) -> Any:
             return int(raw, 8)
         if name == "gpu_device":
             return None if raw.lower() in ("", "none") else int(raw)
-        if name == "numa_node":
-            return raw if raw in ("auto",) else (None if raw.lower() in ("", "none") else int(raw))
     except ValueError:
         raise ValueError(f"KVSTRATA_{name.upper()}: cannot read {raw!r} as {typ}") from None
     return raw
+
+
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, 'auto' or 'none', got {raw!r}") from None

@@ -26,7 +26,9 @@ from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, TransportError
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
+from kvstrata.server.handlers import HANDLERS, release
 from kvstrata.transport import Connection, Listener, listen
+from kvstrata.transport.stream import MAX_FDS
 
 log = logging.getLogger("kvstrata.worker")
 _owner_ids = itertools.count(1)
@@ -105,6 +107,9 @@ class Worker:
             sessions = list(self._sessions.values())
         for s in sessions:
             s.conn.close()
+        deadline = time.monotonic() + 5  # let requests in flight finish before the store goes
+        while self._sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self._store is not None and self._own_store:
             self._store.close()
             log.info("worker stopped; write-back data flushed")
@@ -135,7 +140,14 @@ class Worker:
     def _on_hello(self, conn: Connection, hello: dict) -> tuple[dict, list[int]]:
         session = Session(self, conn, hello)
         conn.session = session  # type: ignore[attr-defined]
-        return {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}, []
+        reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
+        fds: list[int] = []
+        if session.shm:  # map what exists now; later segments come with the first reply pointing into them
+            segs = list(self._store.segments)[:MAX_FDS]
+            reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
+            fds = [seg.fd for seg in segs]
+            session.sent_segments.update(range(len(segs)))
+        return reply, fds
 
     def _serve(self, conn: Connection) -> None:
         session: Session = conn.session  # type: ignore[attr-defined]
@@ -144,11 +156,11 @@ class Worker:
             self.counters["connections"] += 1
             n = len(self._sessions)
         log.info("client %s connected (%d connected)", session.name, n)
-        why = "closed the connection"
+        why = "disconnected"
         try:
             session.run()
         except ConnectionLost:
-            why = "went away"
+            why = "went away without closing (exited, crashed or killed)"
         except ClosedError:
             why = "was disconnected by the worker"
         except TransportError as exc:
@@ -183,13 +195,21 @@ class Session:
             for fd in fds:  # clients have no reason to send descriptors
                 _close(fd)
             op = msg.get("op")
+            if op == "bye":  # a clean close, as opposed to a crash
+                return
             self.worker.counters["requests"] += 1
-            if msg.get("rel"):  # releases deferred by the client's garbage collector
-                _release(self, {"ids": msg["rel"]})
-            handler = _HANDLERS.get(op) if isinstance(op, str) else None
+            handler = HANDLERS.get(op) if isinstance(op, str) else None
             try:
                 if handler is None:
-                    raise ServerError(f"unknown request {op!r}")
+                    raise ServerError(f"unknown request {op!r:.100}")
+                if msg.get("rel"):  # releases deferred by the client's garbage collector
+                    release(self, {"ids": msg["rel"]})
+                for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
+                    try:
+                        self.store.abort(key, owner=self.owner)
+                        self.writes.discard(key)
+                    except (KvstrataError, ValueError, TypeError):
+                        pass
                 reply = handler(self, msg)
             except (KvstrataError, ValueError, TypeError, KeyError) as exc:
                 self.worker.counters["errors"] += 1
@@ -198,12 +218,21 @@ class Session:
                 self.worker.counters["errors"] += 1
                 log.exception("request %r from client %s failed", op, self.name)
                 reply = P.error_record(ServerError(f"internal error in {op!r}: {type(exc).__name__}: {exc}"))
-            if op in P.ONE_WAY_OPS and "err" not in reply:
+            if handler is not None and op in P.ONE_WAY_OPS:
+                if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
+                    log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
                 continue
-            self.send(reply)
+            try:
+                self.send(reply)
+            except TypeError as exc:  # an unencodable reply is a bug: report it, keep the connection
+                log.exception("reply to %r for client %s could not be encoded", op, self.name)
+                self.send(P.error_record(ServerError(f"internal error in {op!r}: {exc}")))
 
     def send(self, reply: dict) -> None:
         new = reply.pop("_segs", None)
+        if new and len(new) > MAX_FDS:  # the rest are fetched by the client with a "segments" request
+            self.sent_segments.difference_update(new[MAX_FDS:])
+            new = new[:MAX_FDS]
         if new:
             segs = self.store.segments
             reply["segs"] = [[i, segs[i].nbytes] for i in new]
@@ -215,7 +244,10 @@ class Session:
     def cleanup(self) -> str:
         devobj_service.session_closed(self)  # its device objects vanish, their waiters get errors
         leases, writes = len(self.leases), len(self.writes)
-        self.store.release_owner(self.owner)
+        try:
+            self.store.release_owner(self.owner)
+        except ClosedError:  # the worker is shutting down: the store is gone with everything in it
+            return ""
         self.leases.clear()
         self.writes.clear()
         parts = []
@@ -250,195 +282,6 @@ class Session:
                 self.store.release(lease.lease_id)
         self.leases.add(lease.lease_id)
         return {"lease": lease.lease_id, "loc": self.loc(lease.location, reply)}
-
-
-# request handlers --------------------------------------------------------------------------------
-def _value(msg: dict) -> bytes:
-    v = msg.get("v")
-    if not isinstance(v, bytes):
-        raise TypeError(f"value: expected bytes on the wire, got {type(v).__name__}")
-    return v
-
-
-def _put(s: Session, msg: dict) -> dict:
-    key = P.check_key(msg.get("key"))
-    s.store.put(key, _value(msg), owner=s.owner, **s.write_options(msg))
-    return {}
-
-
-def _mput(s: Session, msg: dict) -> dict:
-    opts = s.write_options(msg)
-    items = []
-    for key, value in msg.get("items", []):
-        try:
-            s.store.put(P.check_key(key), _value({"v": value}), owner=s.owner, **opts)
-            items.append({})
-        except (KvstrataError, ValueError, TypeError) as exc:
-            items.append(P.error_record(exc))
-    return {"items": items}
-
-
-def _create(s: Session, msg: dict) -> dict:
-    key = P.check_key(msg.get("key"))
-    size = P.check_size(msg.get("size"))
-    location = s.store.create(key, size, owner=s.owner, **s.write_options(msg))
-    s.writes.add(key)
-    reply: dict = {}
-    reply["loc"] = s.loc(location, reply)
-    return reply
-
-
-def _mcreate(s: Session, msg: dict) -> dict:
-    opts = s.write_options(msg)
-    reply: dict = {}
-    items = []
-    for key, size in msg.get("items", []):
-        try:
-            location = s.store.create(P.check_key(key), P.check_size(size), owner=s.owner, **opts)
-            s.writes.add(key)
-            items.append({"loc": s.loc(location, reply)})
-        except (KvstrataError, ValueError, TypeError) as exc:
-            items.append(P.error_record(exc))
-    reply["items"] = items
-    return reply
-
-
-def _finish(action: str):
-    def handle(s: Session, msg: dict) -> dict:
-        key = P.check_key(msg.get("key"))
-        getattr(s.store, action)(key, owner=s.owner)
-        s.writes.discard(key)
-        return {}
-
-    return handle
-
-
-def _mfinish(action: str):
-    def handle(s: Session, msg: dict) -> dict:
-        items = []
-        for key in P.check_keys(msg.get("keys", [])):
-            try:
-                getattr(s.store, action)(key, owner=s.owner)
-                s.writes.discard(key)
-                items.append({})
-            except (KvstrataError, ValueError, TypeError) as exc:
-                items.append(P.error_record(exc))
-        return {"items": items}
-
-    return handle
-
-
-def _get(s: Session, msg: dict) -> dict:
-    key = P.check_key(msg.get("key"))
-    lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
-    reply: dict = {}
-    reply.update(s.lease_item(lease, reply))
-    return reply
-
-
-def _mget(s: Session, msg: dict) -> dict:
-    keys = P.check_keys(msg.get("keys", []))
-    reply: dict = {}
-    items = []
-    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))):
-        items.append(P.error_record(result) if isinstance(result, BaseException) else s.lease_item(result, reply))
-    reply["items"] = items
-    return reply
-
-
-def _acquire(s: Session, msg: dict) -> dict:
-    """Leases for zero-copy views, never inlined (``get_buffers``)."""
-    if not s.shm:
-        raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
-    keys = P.check_keys(msg.get("keys", []))
-    reply: dict = {}
-    items = []
-    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))):
-        if isinstance(result, BaseException):
-            items.append(P.error_record(result))
-        else:
-            s.leases.add(result.lease_id)
-            items.append({"lease": result.lease_id, "loc": s.loc(result.location, reply), "mutable": result.mutable})
-    reply["items"] = items
-    return reply
-
-
-def _release(s: Session, msg: dict) -> dict:
-    for lease_id in msg.get("ids", []):
-        if lease_id in s.leases:  # only what this client was given
-            s.leases.discard(lease_id)
-            s.store.release(lease_id)
-    return {}
-
-
-def _read(s: Session, msg: dict) -> dict:
-    key = P.check_key(msg.get("key"))
-    offset, size = P.check_size(msg.get("offset"), "offset"), P.check_size(msg.get("size"))
-    return {"v": s.store.read(key, offset, size)}
-
-
-def _keys_op(method: str):
-    def handle(s: Session, msg: dict) -> dict:
-        keys = P.check_keys(msg.get("keys", []))
-        if method == "expire":
-            return {"r": list(s.store.expire(keys, P.check_ttl(msg.get("ttl"))))}
-        return {"r": list(getattr(s.store, method)(keys))}
-
-    return handle
-
-
-def _refcount(s: Session, msg: dict) -> dict:
-    return {"r": s.store.refcount(P.check_key(msg.get("key")))}
-
-
-def _stats(s: Session, msg: dict) -> dict:
-    return {"stats": s.worker.stats()}
-
-
-def _flush(s: Session, msg: dict) -> dict:
-    s.store.flush()
-    return {}
-
-
-def _segments(s: Session, msg: dict) -> dict:
-    """Descriptors of segments the client lacks (after a reconnect, say)."""
-    want = [int(i) for i in msg.get("indices", [])]
-    n = len(s.store.segments)
-    reply: dict = {"_segs": [i for i in want if 0 <= i < n]}
-    return reply
-
-
-def _ping(s: Session, msg: dict) -> dict:
-    return {"pong": True}
-
-
-_HANDLERS = {
-    "put": _put,
-    "mput": _mput,
-    "create": _create,
-    "mcreate": _mcreate,
-    "seal": _finish("seal"),
-    "publish": _finish("publish"),
-    "abort": _finish("abort"),
-    "mseal": _mfinish("seal"),
-    "get": _get,
-    "mget": _mget,
-    "acquire": _acquire,
-    "release": _release,
-    "read": _read,
-    "delete": _keys_op("delete"),
-    "exists": _keys_op("exists"),
-    "expire": _keys_op("expire"),
-    "sizes": _keys_op("sizes"),
-    "incref": _keys_op("incref"),
-    "decref": _keys_op("decref"),
-    "refcount": _refcount,
-    "stats": _stats,
-    "flush": _flush,
-    "segments": _segments,
-    "ping": _ping,
-    "dev": devobj_service.handle,  # device objects: kvstrata.devobj
-}
 
 
 def _close(fd: int) -> None:

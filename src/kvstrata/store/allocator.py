@@ -1,9 +1,12 @@
 """Offset allocator over one contiguous region (a shared segment, a GPU buffer).
 
-Best fit over a free list kept sorted by ``(size, offset)`` (``sortedcontainers.SortedList``), with
-neighbour coalescing through two dicts (free block by start, free block by end): ``allocate`` and
-``free`` are O(log n). Sizes are rounded up to ``alignment`` (64 bytes: a cache line, and enough
-for any dtype and for vectorised copy kernels).
+Best fit with neighbour coalescing. Free blocks are grouped by size: a sorted list of the distinct
+free sizes (``bisect``) and, per size, the set of offsets; two dicts map each free block's start and
+end to its neighbours for coalescing. ``allocate`` is a binary search plus O(1) dict/set work;
+``free`` is O(1) plus, when a size class appears or empties, an insertion into the list of distinct
+sizes (a memmove of a few thousand pointers at most, since value sizes repeat). This beats a
+balanced tree in Python by several times on the write hot path. Sizes are rounded up to
+``alignment`` (64 bytes: a cache line, and enough for any dtype and for vectorised copy kernels).
 
 Example::
 
@@ -15,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from sortedcontainers import SortedList
+from bisect import bisect_left, insort
 
 ALIGNMENT = 64
 
@@ -23,7 +26,7 @@ ALIGNMENT = 64
 class OffsetAllocator:
     """Hands out aligned ``[offset, offset + size)`` ranges of a region of ``capacity`` bytes."""
 
-    __slots__ = ("_align", "_by_end", "_by_start", "_free", "_used", "alignment", "capacity", "used_bytes")
+    __slots__ = ("_align", "_by_end", "_by_size", "_by_start", "_sizes", "_used", "alignment", "capacity", "used_bytes")
 
     def __init__(self, capacity: int, *, alignment: int = ALIGNMENT):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
@@ -33,7 +36,8 @@ class OffsetAllocator:
         self.capacity = capacity - capacity % alignment
         self.alignment = alignment
         self._align = alignment - 1
-        self._free = SortedList()  # (size, offset) of free blocks
+        self._sizes: list[int] = []  # distinct sizes of free blocks, ascending
+        self._by_size: dict[int, set[int]] = {}  # size -> offsets of free blocks of that size
         self._by_start: dict[int, int] = {}  # offset -> size of free blocks
         self._by_end: dict[int, int] = {}  # end offset -> start offset of free blocks
         self._used: dict[int, int] = {}  # offset -> rounded size of allocated blocks
@@ -42,23 +46,35 @@ class OffsetAllocator:
             self._insert_free(0, self.capacity)
 
     def _insert_free(self, offset: int, size: int) -> None:
-        self._free.add((size, offset))
+        group = self._by_size.get(size)
+        if group is None:
+            self._by_size[size] = {offset}
+            insort(self._sizes, size)
+        else:
+            group.add(offset)
         self._by_start[offset] = size
         self._by_end[offset + size] = offset
 
     def _remove_free(self, offset: int, size: int) -> None:
-        self._free.remove((size, offset))
+        group = self._by_size[size]
+        group.discard(offset)
+        if not group:
+            del self._by_size[size]
+            sizes = self._sizes
+            del sizes[bisect_left(sizes, size)]
         del self._by_start[offset]
         del self._by_end[offset + size]
 
     def allocate(self, size: int) -> int | None:
         """The offset of a new block of at least ``size`` (> 0) bytes, or None when nothing fits."""
         size = (size + self._align) & ~self._align
-        free = self._free
-        i = free.bisect_left((size, -1))
-        if i == len(free):
+        sizes = self._sizes
+        i = bisect_left(sizes, size)
+        if i == len(sizes):
             return None
-        bsize, offset = free[i]
+        bsize = sizes[i]
+        group = self._by_size[bsize]
+        offset = min(group) if len(group) < 8 else group.pop()  # low offsets first keeps the tail free
         self._remove_free(offset, bsize)
         if bsize > size:
             self._insert_free(offset + size, bsize - size)
@@ -95,7 +111,7 @@ class OffsetAllocator:
 
     @property
     def largest_free(self) -> int:
-        return self._free[-1][0] if self._free else 0
+        return self._sizes[-1] if self._sizes else 0
 
     @property
     def fragmentation(self) -> float:
@@ -108,7 +124,7 @@ class OffsetAllocator:
             "capacity": self.capacity,
             "used": self.used_bytes,
             "free": self.free_bytes,
-            "free_blocks": len(self._free),
+            "free_blocks": len(self._by_start),
             "allocated_blocks": len(self._used),
             "largest_free": self.largest_free,
             "fragmentation": round(self.fragmentation, 4),

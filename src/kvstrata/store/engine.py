@@ -25,12 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError, ClosedError, CorruptData, KeyExists, KeyNotFound, KvstrataError, Timeout
+from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.config import StoreConfig, WriteMode
+from kvstrata.store.device import DeviceCacheMixin, GpuCopy
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.objects import (
-    ZERO_LOCATION,
     Entry,
     Lease,
     as_bytes_view,
@@ -41,6 +41,7 @@ from kvstrata.store.objects import (
     check_timeout,
     check_ttl,
 )
+from kvstrata.store.tiering import TieringMixin
 from kvstrata.store.tiers.base import Location
 from kvstrata.store.tiers.disk import DiskTier
 from kvstrata.store.tiers.memory import MemoryTier
@@ -49,10 +50,21 @@ log = logging.getLogger(__name__)
 
 _SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
-_COUNTERS = ("hits", "misses", "evictions", "spills", "promotions", "expired", "corrupt", "flushes")
+_COUNTERS = (
+    "hits",
+    "misses",
+    "evictions",
+    "spills",
+    "promotions",
+    "expired",
+    "corrupt",
+    "flushes",
+    "device_loads",
+    "device_evictions",
+)
 
 
-class ObjectStore:
+class ObjectStore(TieringMixin, DeviceCacheMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
@@ -62,15 +74,14 @@ class ObjectStore:
         self._lock = threading.Lock()
         self._closed = False
         self._listeners: list[Callable[[SharedSegment], None]] = []
-        self._new_segments: list[SharedSegment] = []
+        self._announce_lock = threading.RLock()
         self._mem = MemoryTier(
             config.memory_bytes,
             segment_bytes=config.segment_bytes,
             hugepages=config.hugepages,
             numa_node=config.resolved_numa_node(),
-            on_new_segment=self._new_segments.append,
         )
-        self._new_segments.clear()  # the first segment is visible through .segments from the start
+        self._announced = len(self._mem.segments)  # the first segment is visible through .segments from the start
         self._disk = DiskTier(config.disk_dir, config.disk_bytes, sync=config.disk_sync) if config.disk_dir else None
         self._gpu = None
         if config.gpu_bytes:
@@ -87,18 +98,26 @@ class ObjectStore:
         self._owner_leases: dict[object, set[int]] = {}
         self._waiters: dict[str, list] = {}  # key -> [Condition, number of waiters]
         self._clock = ClockPolicy()
+        self._gpu_clock = ClockPolicy()
+        self._gpu_cond = threading.Condition(self._lock)
         self._dirty: dict[str, Entry] = {}
         self._ttl_heap: list[tuple[float, int, str]] = []
         self._versions = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._flush_lock = threading.Lock()
+        self._evict_blocked = False
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt
+            self._counts["expired"] = self._disk.expired
+            now, wall = time.monotonic(), time.time()
             for key, rec in self._disk.index.items():
                 e = Entry(key, rec.size, None, rec.mode, next(self._versions), None)
                 e.sealed = True
                 e.on_disk = True
+                if rec.expires_at:
+                    e.expires = now + (rec.expires_at - wall)
+                    heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
                 self._objects[key] = e
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -117,13 +136,20 @@ class ObjectStore:
             self._listeners.append(fn)
 
     def _announce_segments(self) -> None:
-        while self._new_segments:
-            seg = self._new_segments.pop(0)
-            for fn in list(self._listeners):
-                try:
-                    fn(seg)
-                except Exception:
-                    log.exception("segment listener %r failed", fn)
+        # Whoever announces, a segment is announced before the write that made it returns: a
+        # thread finding the list empty waits here for the announcer still calling listeners.
+        with self._announce_lock:
+            segments = self._mem.segments
+            while self._announced < len(segments):
+                self._call_listeners(segments[self._announced])
+                self._announced += 1
+
+    def _call_listeners(self, seg: SharedSegment) -> None:
+        for fn in list(self._listeners):
+            try:
+                fn(seg)
+            except Exception:
+                log.exception("segment listener %r failed", fn)
 
     def buffer(self, location: Location) -> memoryview:
         """A writable view of the bytes at ``location`` (no copy)."""
@@ -154,7 +180,7 @@ class ObjectStore:
                 self._abort_locked(old)
             self._pending[(key, owner)] = e
             self._owner_creates.setdefault(owner, set()).add(key)
-        if self._new_segments:
+        if self._announced < len(self._mem.segments):
             self._announce_segments()
         return e.loc
 
@@ -172,7 +198,7 @@ class ObjectStore:
         with self._lock:
             e = self._pending.pop((key, owner), None)
             if e is not None:
-                self._owner_creates.get(owner, set()).discard(key)
+                self._forget_create(key, owner)
                 self._abort_locked(e)
 
     def put(
@@ -187,19 +213,33 @@ class ObjectStore:
     ) -> None:
         """Store ``data`` (bytes-like) under ``key``, atomically replacing an older version."""
         view = as_bytes_view(data)
-        e = self._reserve(key, view.nbytes, owner, ttl, write_mode, nx)
-        if self._new_segments:
-            self._announce_segments()
-        if view.nbytes:
+        size = view.nbytes
+        mode, ttl_s = self._check_write(key, size, ttl, write_mode)
+        if size <= _SMALL and mode is not WriteMode.WRITE_THROUGH:
+            # small values: reserve, copy and seal in one critical section (a copy of a few KiB
+            # costs less than taking the lock twice)
+            with self._lock:
+                e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+                if size:
+                    self._mem.view(e.loc)[:] = view
+                self._uncreate(key)
+                self._seal_locked(e, None, mutable=False)
+        else:
+            with self._lock:
+                e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+            if self._announced < len(self._mem.segments):
+                self._announce_segments()
             try:
                 self._mem.view(e.loc)[:] = view
             except BaseException:
                 with self._lock:
                     self._abort_locked(e)
                 raise
-        self._finish(e, mutable=False)
+            self._finish(e, mutable=False)
+        if self._announced < len(self._mem.segments):
+            self._announce_segments()
 
-    def _reserve(self, key, size, owner, ttl, write_mode, nx) -> Entry:
+    def _check_write(self, key, size, ttl, write_mode) -> tuple[WriteMode, float]:
         check_key(key)
         check_size(size)
         mode = check_mode(write_mode)
@@ -211,16 +251,29 @@ class ObjectStore:
                 f"value of {size} bytes does not fit the memory tier ({self._mem.capacity} bytes, "
                 f"segments of {self.config.segment_bytes})"
             )
+        return mode, ttl_s
+
+    def _reserve(self, key, size, owner, ttl, write_mode, nx) -> Entry:
+        mode, ttl_s = self._check_write(key, size, ttl, write_mode)
         with self._lock:
-            if self._closed:
-                raise ClosedError("the object store is closed")
-            if nx and (key in self._creating or self._lookup(key) is not None):
-                raise KeyExists(f"key {key!r} already exists")
+            return self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+
+    def _reserve_locked(self, key, size, owner, mode, ttl_s, nx) -> Entry:
+        if self._closed:
+            raise ClosedError("the object store is closed")
+        if nx and (key in self._creating or self._lookup(key) is not None):
+            raise KeyExists(f"key {key!r} already exists")
+        # counted before allocating: _allocate may release the lock, and a concurrent nx write of
+        # the same key must see this one
+        self._creating[key] = self._creating.get(key, 0) + 1
+        try:
             loc = self._allocate(size)
-            e = Entry(key, size, loc, mode, next(self._versions), owner)
-            if ttl_s:
-                e.expires = ttl_s  # made absolute at seal time
-            self._creating[key] = self._creating.get(key, 0) + 1
+        except BaseException:
+            self._uncreate(key)
+            raise
+        e = Entry(key, size, loc, mode, next(self._versions), owner)
+        if ttl_s:
+            e.expires = ttl_s  # made absolute at seal time
         return e
 
     def _take_pending(self, key: str, owner: object) -> Entry:
@@ -229,12 +282,15 @@ class ObjectStore:
             e = self._pending.pop((key, owner), None)
             if e is None:
                 raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
-            creates = self._owner_creates.get(owner)
-            if creates is not None:
-                creates.discard(key)
-                if not creates:
-                    del self._owner_creates[owner]
+            self._forget_create(key, owner)
         return e
+
+    def _forget_create(self, key: str, owner: object) -> None:
+        creates = self._owner_creates.get(owner)
+        if creates is not None:
+            creates.discard(key)
+            if not creates:
+                del self._owner_creates[owner]
 
     def _finish(self, e: Entry, *, mutable: bool) -> None:
         pending = None
@@ -250,44 +306,54 @@ class ObjectStore:
                     f"SSD tier full: {nbytes} bytes needed for {e.key!r}, {disk.used} of {disk.capacity} used"
                 )
             try:
-                pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode)
+                expires_at = time.time() + e.expires if e.expires else 0.0  # e.expires is still relative
+                pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode, expires_at)
             except BaseException:
                 with self._lock:
                     disk.unreserve(nbytes)
                     self._abort_locked(e)
                 raise
-        key = e.key
         with self._lock:
-            self._uncreate(key)
+            self._uncreate(e.key)
             if self._closed:
                 if pending is not None:
                     disk.discard(pending)
                 self._free_locked(e)
                 raise ClosedError("the object store is closed")
-            if pending is not None:
-                disk.commit(key, pending, e.mode, e.size)
-                e.on_disk = True
-            old = self._objects.get(key)
-            if old is not None:
-                e.ref = old.ref
-                self._retire(old, keep_disk_file=pending is not None)
-            e.sealed = True
-            e.mutable = mutable
-            if e.expires:
-                e.expires += time.monotonic()
-                heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
-            self._objects[key] = e
-            if e.size:
-                self._clock.add(key, e)
-            if e.mode is WriteMode.WRITE_BACK:
-                e.dirty = True
-                self._dirty[key] = e
-                self._wake.set()
-            w = self._waiters.get(key)
-            if w is not None:
-                w[0].notify_all()
-            if self._mem.used > self._high:
-                self._wake.set()
+            self._seal_locked(e, pending, mutable)
+
+    def _seal_locked(self, e: Entry, pending, mutable: bool) -> None:
+        """Make ``e`` the visible version of its key (after its bytes and any SSD file are complete)."""
+        key = e.key
+        if pending is not None:
+            self._disk.commit(key, pending, e.mode, e.size)
+            e.on_disk = True
+        old = self._objects.get(key)
+        if old is not None:
+            e.ref = old.ref
+            self._retire(old, keep_disk_file=pending is not None)
+        e.sealed = True
+        e.mutable = mutable
+        if e.expires:
+            e.expires += time.monotonic()
+            heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
+        self._objects[key] = e
+        if e.size:
+            self._clock.add(key, e)
+        if e.mode is WriteMode.WRITE_BACK:
+            e.dirty = True
+            self._dirty[key] = e
+            self._wake.set()
+        w = self._waiters.get(key)
+        if w is not None:
+            w[0].notify_all()
+        if self._mem.used > self._high:
+            self._wake.set()
+
+    @staticmethod
+    def _wall_expiry(e: Entry) -> float:
+        """A sealed entry's deadline as Unix time (what SSD files record), 0 for never."""
+        return time.time() + (e.expires - time.monotonic()) if e.expires else 0.0
 
     def _uncreate(self, key: str) -> None:
         n = self._creating.get(key, 0) - 1
@@ -308,6 +374,7 @@ class ObjectStore:
     def _retire(self, e: Entry, *, keep_disk_file: bool = False) -> None:
         """Take a visible version out of service (deleted, replaced, expired, dropped)."""
         e.dead = True
+        self._evict_blocked = False
         key = e.key
         self._clock.remove(key, e)
         if self._dirty.get(key) is e:
@@ -315,66 +382,10 @@ class ObjectStore:
         if e.on_disk and not keep_disk_file:
             self._disk.remove(key)
         e.on_disk = False
+        if e.gpu is not None:
+            self._gpu_retire(e)
         if e.leases == 0:
             self._free_locked(e)
-
-    def _allocate(self, size: int) -> Location:
-        if size == 0:
-            return ZERO_LOCATION
-        mem = self._mem
-        loc = mem.allocate(size)
-        while loc is None:
-            if not self._evict_one():
-                raise CapacityError(
-                    f"no room for {size} bytes: memory tier {mem.used} of {mem.capacity} bytes used and nothing "
-                    f"more can be evicted (leased, unsealed, or no SSD room to spill)"
-                )
-            loc = mem.allocate(size)
-        if mem.used > self._high:
-            self._wake.set()
-        return loc
-
-    # -- eviction ----------------------------------------------------------------------------------
-    def _can_evict(self, e: Entry) -> bool:
-        if e.leases or e.loc is None:
-            return False
-        if e.mode is WriteMode.EVICTABLE or (e.on_disk and not e.dirty):
-            return True
-        disk = self._disk
-        return disk is not None and disk.used + disk._reserved + disk.file_bytes(e.key, e.size) <= disk.capacity
-
-    def _evict_one(self) -> bool:
-        """Free one resident object's DRAM (drop, release a clean SSD copy, or spill). Under the lock."""
-        e = self._clock.next_victim(self._can_evict)
-        if e is None:
-            return False
-        key = e.key
-        if e.mode is WriteMode.EVICTABLE:
-            del self._objects[key]
-            self._retire(e)
-            self._counts["evictions"] += 1
-            return True
-        if not (e.on_disk and not e.dirty):
-            disk = self._disk
-            nbytes = disk.file_bytes(key, e.size)
-            if not disk.reserve(nbytes):
-                return True  # raced with another reservation; the next call tries the next victim
-            try:
-                pending = disk.write_temp(key, self._mem.view(e.loc), e.mode)
-            except OSError as exc:
-                disk.unreserve(nbytes)
-                log.error("spilling %r to SSD failed: %s; kept in DRAM", key, exc)
-                self._clock.add(key, e)
-                return True
-            disk.commit(key, pending, e.mode, e.size)
-            e.on_disk = True
-            e.dirty = False
-            self._dirty.pop(key, None)
-            self._counts["spills"] += 1
-        else:
-            self._counts["evictions"] += 1
-        self._free_locked(e)
-        return True
 
     # -- read path ---------------------------------------------------------------------------------
     def _lookup(self, key: str) -> Entry | None:
@@ -386,56 +397,48 @@ class ObjectStore:
             return None
         return e
 
-    def _wait_for(self, key: str, timeout: float | None) -> Entry:
-        """The visible entry of ``key``, waiting up to ``timeout``; resident in DRAM. Under the lock."""
-        e = self._lookup(key)
-        if e is None and timeout != 0.0:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            w = self._waiters.get(key)
-            if w is None:
-                w = self._waiters[key] = [threading.Condition(self._lock), 0]
-            w[1] += 1
-            try:
-                while e is None:
-                    if self._closed:
-                        raise ClosedError("the object store is closed")
-                    remaining = None if deadline is None else deadline - time.monotonic()
+    def _wait_for(self, key: str, timeout: float | None, promote: bool = True) -> Entry:
+        """The visible entry of ``key``, waiting up to ``timeout`` s for it to appear (and for a load
+        by another reader to finish); brought into DRAM if ``promote``. Under the lock; may release it.
+        """
+        deadline = None
+        w = None
+        try:
+            while True:
+                e = self._lookup(key)
+                if e is not None:
+                    if e.loc is not None or not promote:
+                        break
+                    if not e.loading:
+                        if self._load(e):
+                            break
+                        continue  # deleted or replaced while loading: look again
+                    remaining = None  # another reader is loading it: loads finish, wait for it
+                else:
+                    if timeout == 0.0:
+                        self._counts["misses"] += 1
+                        raise KeyNotFound(f"key {key!r} not found")
+                    if deadline is None and timeout is not None:
+                        deadline = time.monotonic() + timeout
+                    remaining = None if timeout is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         self._counts["misses"] += 1
                         raise Timeout(f"key {key!r} did not appear within {timeout} s")
-                    w[0].wait(remaining)
-                    e = self._lookup(key)
-            finally:
+                if self._closed:
+                    raise ClosedError("the object store is closed")
+                if w is None:
+                    w = self._waiters.get(key)
+                    if w is None:
+                        w = self._waiters[key] = [threading.Condition(self._lock), 0]
+                    w[1] += 1
+                w[0].wait(remaining)
+        finally:
+            if w is not None:
                 w[1] -= 1
                 if w[1] == 0:
                     del self._waiters[key]
-        if e is None:
-            self._counts["misses"] += 1
-            raise KeyNotFound(f"key {key!r} not found")
-        if e.loc is None:
-            self._promote(e)
         e.referenced = True
-        self._counts["hits"] += 1
         return e
-
-    def _promote(self, e: Entry) -> None:
-        loc = self._allocate(e.size)
-        try:
-            self._disk.read_into(e.key, self.buffer(loc))
-        except CorruptData as exc:
-            if loc.size:
-                self._mem.free(loc)
-            if self._objects.get(e.key) is e:
-                del self._objects[e.key]
-            e.on_disk = False  # the disk tier already dropped the file from its index
-            self._retire(e)
-            self._counts["corrupt"] += 1
-            self._counts["misses"] += 1
-            raise KeyNotFound(f"key {e.key!r} not found (its SSD copy was corrupt: {exc})") from exc
-        e.loc = loc
-        if e.size:
-            self._clock.add(e.key, e)
-        self._counts["promotions"] += 1
 
     def acquire(self, key: str, *, owner: object, timeout: float | None = 0.0) -> Lease:
         """Lease the current version of ``key``, waiting up to ``timeout`` s (None: forever) for it to appear.
@@ -448,6 +451,7 @@ class ObjectStore:
             if self._closed:
                 raise ClosedError("the object store is closed")
             e = self._wait_for(key, timeout)
+            self._counts["hits"] += 1
             e.leases += 1
             lid = next(self._lease_ids)
             self._leases[lid] = (e, owner)
@@ -456,7 +460,7 @@ class ObjectStore:
                 leases = self._owner_leases[owner] = set()
             leases.add(lid)
             lease = Lease(lid, key, e.loc, e.size, e.mutable)
-        if self._new_segments:
+        if self._announced < len(self._mem.segments):
             self._announce_segments()
         return lease
 
@@ -488,19 +492,36 @@ class ObjectStore:
                 leases.discard(lease_id)
                 if not leases:
                     del self._owner_leases[owner]
+            if type(e) is GpuCopy:
+                self._gpu_release(e)
+                return
             e.leases -= 1
-            if e.dead and e.leases == 0:
-                self._free_locked(e)
+            if e.leases == 0:
+                self._evict_blocked = False
+                if e.dead:
+                    self._free_locked(e)
 
     def _copy_out(self, key: str, offset: int, size: int | None, timeout: float | None) -> bytes:
         with self._lock:
             if self._closed:
                 raise ClosedError("the object store is closed")
-            e = self._wait_for(key, timeout)
-            if size is None:
-                size = e.size - offset
-            if offset + size > e.size:
-                raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
+            want = size
+            while True:
+                e = self._wait_for(key, timeout, promote=False)
+                size = e.size - offset if want is None else want
+                if offset + size > e.size:
+                    raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
+                if e.loc is not None:
+                    break
+                try:
+                    self._wait_for(key, timeout, promote=True)
+                except CapacityError:
+                    data = self._read_direct(e, offset, size)  # DRAM full of leased data: serve from SSD
+                    if data is None:
+                        continue  # replaced or deleted meanwhile: look again
+                    self._counts["hits"] += 1
+                    return data
+            self._counts["hits"] += 1
             if size <= _SMALL:
                 return bytes(self.buffer(e.loc)[offset : offset + size])
             e.leases += 1
@@ -516,14 +537,20 @@ class ObjectStore:
     def get_bytes(self, key: str, *, timeout: float | None = 0.0) -> bytes:
         """A copy of ``key``'s value, waiting up to ``timeout`` s for it to appear."""
         check_key(key)
-        return self._copy_out(key, 0, None, check_timeout(timeout))
+        data = self._copy_out(key, 0, None, check_timeout(timeout))
+        if self._announced < len(self._mem.segments):  # a promotion may have grown the tier
+            self._announce_segments()
+        return data
 
     def read(self, key: str, offset: int, size: int) -> bytes:
         """A copy of ``size`` bytes of ``key`` from ``offset``; ValueError for a range outside the object."""
         check_key(key)
         check_size(offset, "offset")
         check_size(size)
-        return self._copy_out(key, offset, size, 0.0)
+        data = self._copy_out(key, offset, size, 0.0)
+        if self._announced < len(self._mem.segments):
+            self._announce_segments()
+        return data
 
     # -- metadata ----------------------------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> list[bool]:
@@ -545,9 +572,9 @@ class ObjectStore:
         """Whether each key is present (in any tier). Fast for 100,000 keys."""
         keys = check_keys(keys)
         with self._lock:
-            get = self._objects.get
-            out = [get(k) is not None for k in keys]
+            out = list(map(self._objects.__contains__, keys))
             if self._ttl_heap:
+                get = self._objects.get
                 now = time.monotonic()
                 for i, k in enumerate(keys):
                     if out[i]:
@@ -570,6 +597,11 @@ class ObjectStore:
                 e.expires = now + ttl_s if ttl_s else 0.0
                 if ttl_s:
                     heapq.heappush(self._ttl_heap, (e.expires, e.version, k))
+                if e.on_disk:  # so a restart honours the new deadline too
+                    try:
+                        self._disk.set_expiry(k, self._wall_expiry(e))
+                    except OSError as exc:
+                        log.error("could not record the new expiry of %r on SSD: %s", k, exc)
                 out.append(True)
         return out
 
@@ -674,56 +706,6 @@ class ObjectStore:
                     self._retire(e)
                     self._counts["expired"] += 1
 
-    def _evict_to_low(self) -> None:
-        with self._lock:
-            while self._mem.used > self._low and self._evict_one():
-                pass
-
-    def _flush_pass(self) -> None:
-        """Write dirty write-back objects to SSD, the file I/O outside the lock."""
-        disk = self._disk
-        with self._flush_lock:
-            with self._lock:
-                batch = []
-                for e in self._dirty.values():
-                    if e.flushing or e.loc is None:
-                        continue
-                    nbytes = disk.file_bytes(e.key, e.size)
-                    if not disk.reserve(nbytes):
-                        log.warning("SSD tier full: write-back of %r postponed", e.key)
-                        continue
-                    e.flushing = True
-                    e.leases += 1
-                    batch.append((e, nbytes))
-            for e, nbytes in batch:
-                pending = None
-                try:
-                    pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode)
-                except OSError as exc:
-                    log.error("write-back of %r failed: %s; will retry", e.key, exc)
-                with self._lock:
-                    e.flushing = False
-                    e.leases -= 1
-                    if pending is None:
-                        disk.unreserve(nbytes)
-                    elif not e.dead and self._objects.get(e.key) is e:
-                        disk.commit(e.key, pending, e.mode, e.size)
-                        e.on_disk = True
-                        e.dirty = False
-                        self._dirty.pop(e.key, None)
-                        self._counts["flushes"] += 1
-                    else:
-                        disk.discard(pending)
-                    if e.dead and e.leases == 0:
-                        self._free_locked(e)
-
-    def flush(self) -> None:
-        """Write all write-back data to SSD now."""
-        for _ in range(3):
-            if not self._dirty:
-                return
-            self._flush_pass()
-
     def close(self) -> None:
         """Flush write-back data, stop the background thread, unmap the segments. Idempotent."""
         if self._closed:
@@ -736,6 +718,7 @@ class ObjectStore:
             self._closed = True
             for w in self._waiters.values():
                 w[0].notify_all()
+            self._gpu_cond.notify_all()
         self._mem.close()
         if self._gpu is not None:
             self._gpu.close()

@@ -36,8 +36,10 @@ class Entry:
         "dirty",
         "expires",
         "flushing",
+        "gpu",
         "key",
         "leases",
+        "loading",
         "loc",
         "mode",
         "mutable",
@@ -66,6 +68,8 @@ class Entry:
         self.on_disk = False  # a committed SSD file holds this version
         self.dirty = False  # write-back data not yet on SSD
         self.flushing = False
+        self.loading = False  # being promoted from SSD; readers wait for it
+        self.gpu = None  # the HBM copy (kvstrata.store.device.GpuCopy), if any
         self.referenced = False  # second-chance bit
 
 
@@ -92,8 +96,9 @@ def check_keys(keys: object) -> list[str]:
     if not isinstance(keys, Iterable):
         raise ValueError(f"keys: must be a sequence of str, got {type(keys).__name__}")
     keys = list(keys)
-    for k in keys:
-        if type(k) is not str:
+    types = set(map(type, keys))
+    if types and types != {str}:
+        for k in keys:
             check_key(k, "keys")
     return keys
 
@@ -132,6 +137,8 @@ def check_size(size: object, name: str = "size") -> int:
 
 def as_bytes_view(data: object) -> memoryview:
     """A flat byte view of ``data`` (bytes-like, numpy array, CPU tensor); ValueError/TypeError naming ``data``."""
+    if type(data) is bytes:
+        return memoryview(data)
     if hasattr(data, "__dlpack__") and hasattr(data, "is_cuda") and not isinstance(data, memoryview):
         if data.is_cuda:
             raise ValueError("data: a CUDA tensor; copy it to the host first (or use the client's mset_d2h)")

@@ -7,7 +7,10 @@ SCM_RIGHTS ancillary data on the first byte of the header, so the receiver reads
 
 from __future__ import annotations
 
+import array
+import collections
 import os
+import select
 import socket
 import struct
 import threading
@@ -22,7 +25,11 @@ from kvstrata.transport.base import Connection, Message
 _HEADER = struct.Struct("<II")
 MAX_FRAME = 1 << 30  # a bigger message is a bug or an attack: values that big go through shared memory
 MAX_FDS = 64
-_CMSG_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_CMSG_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: enum flag arithmetic is slow on this hot path
+_FD = array.array("i")
+_ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * _FD.itemsize)
+_READ_CHUNK = 1 << 16
 
 
 def pack(msg: Message) -> bytes:
@@ -55,6 +62,8 @@ class StreamConnection(Connection):
         self._recv_lock = threading.Lock()
         self._closed = False
         self._lost = False
+        self._rbuf = bytearray()
+        self._rfds: collections.deque[int] = collections.deque()
         sock.settimeout(None)
 
     @property
@@ -105,49 +114,71 @@ class StreamConnection(Connection):
     def recv(self, timeout: float | None = None) -> tuple[Message, list[int]]:
         self._check_open()
         with self._recv_lock:
-            fds: list[int] = []
             try:
-                header = self._read_header(timeout, fds)
-                length, nfds = _HEADER.unpack(header)
-                if length > MAX_FRAME or nfds > MAX_FDS:
-                    raise ProtocolError(f"frame header announces {length} bytes and {nfds} fds: not a kvstrata peer")
-                if len(fds) != nfds:
-                    raise ProtocolError(f"expected {nfds} file descriptors with the message, got {len(fds)}")
-                payload = self._read_exact(length)
-                return unpack(payload), fds
-            except BaseException as exc:
-                for fd in fds:
-                    os.close(fd)
-                if isinstance(exc, ProtocolError):
-                    self._lost = True
-                    self._sock.close()
+                return self._recv_frame(timeout)
+            except ProtocolError:
+                self._lost = True
+                self._sock.close()
                 raise
 
-    def _read_header(self, timeout: float | None, fds: list[int]) -> bytes:
-        buf = b""
+    def _recv_frame(self, timeout: float | None) -> tuple[Message, list[int]]:
+        # Frames are parsed out of a read buffer filled by recvmsg, so a small message costs one
+        # system call. Descriptors are queued in arrival order and handed to frames by their
+        # header's count: the kernel delivers them with the first byte of their frame.
+        buf = self._rbuf
         while len(buf) < _HEADER.size:
-            # Only the wait for the first byte may time out: after that the frame is in flight.
-            try:
-                self._sock.settimeout(timeout if not buf else None)
-                data, got_fds, flags, _ = socket.recv_fds(self._sock, _HEADER.size - len(buf), MAX_FDS, _CMSG_FLAGS)
-                self._sock.settimeout(None)
-            except TimeoutError:
-                self._sock.settimeout(None)
-                raise Timeout(f"no message from {self._address} within {timeout} s") from None
-            except OSError as exc:
-                raise self._lost_error(exc) from exc
-            fds.extend(got_fds)
-            if flags & socket.MSG_CTRUNC:
-                raise ProtocolError("file descriptors were truncated in transit")
-            if not data:
-                raise self._lost_error(None)
-            buf += data
-        return buf
+            self._fill(timeout if not buf else None)
+        length, nfds = _HEADER.unpack_from(buf)
+        if length > MAX_FRAME or nfds > MAX_FDS:
+            raise ProtocolError(f"frame header announces {length} bytes and {nfds} fds: not a kvstrata peer")
+        end = _HEADER.size + length
+        if end - len(buf) > _READ_CHUNK:  # a large frame: read its rest straight into place
+            payload = bytearray(length)
+            have = len(buf) - _HEADER.size
+            payload[:have] = buf[_HEADER.size :]
+            buf.clear()
+            self._read_into(memoryview(payload)[have:])
+        else:
+            while len(buf) < end:
+                self._fill(None)
+            payload = buf[_HEADER.size : end]
+            del buf[:end]
+        if len(self._rfds) < nfds:
+            raise ProtocolError(f"expected {nfds} file descriptors with the message, got {len(self._rfds)}")
+        fds = [self._rfds.popleft() for _ in range(nfds)]
+        try:
+            return unpack(payload), fds
+        except ProtocolError:
+            for fd in fds:
+                os.close(fd)
+            raise
 
-    def _read_exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
+    def _fill(self, timeout: float | None) -> None:
+        """One recvmsg into the read buffer; only the wait for a new frame's first byte may time out.
+
+        The socket stays blocking (a socket timeout would also cut sends short); a timed wait polls first.
+        """
+        try:
+            ready = timeout is None or select.select([self._sock], [], [], max(timeout, 0))[0]
+            if ready:
+                data, ancdata, flags, _ = self._sock.recvmsg(_READ_CHUNK, _ANC_SPACE, _CMSG_FLAGS)
+        except (OSError, ValueError) as exc:  # ValueError: select on a socket closed by another thread
+            raise self._lost_error(exc if isinstance(exc, OSError) else None) from exc
+        if not ready:
+            raise Timeout(f"no message from {self._address} within {timeout} s")
+        for level, kind, fd_bytes in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(fd_bytes) - len(fd_bytes) % _FD.itemsize
+                self._rfds.extend(array.array("i", fd_bytes[:usable]))
+        if flags & _CTRUNC:
+            raise ProtocolError("file descriptors were truncated in transit")
+        if not data:
+            raise self._lost_error(None)
+        self._rbuf += data
+
+    def _read_into(self, view: memoryview) -> None:
+        """Exactly len(view) bytes: never past the frame, so the next frame's descriptors are not lost."""
+        got, n = 0, len(view)
         while got < n:
             try:
                 k = self._sock.recv_into(view[got:])
@@ -156,7 +187,6 @@ class StreamConnection(Connection):
             if k == 0:
                 raise self._lost_error(None)
             got += k
-        return buf
 
     def _lost_error(self, exc: OSError | None) -> Exception:
         if self._closed:
@@ -169,6 +199,8 @@ class StreamConnection(Connection):
         if self._closed:
             return
         self._closed = True
+        while self._rfds:
+            os.close(self._rfds.popleft())
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
         except OSError:

@@ -3,14 +3,16 @@
 File layout (little endian)::
 
     magic "KVST" | version u16 | write mode u8 | flags u8 | key length u32 | payload size u64
-    | xxh64(payload) u64 | xxh32(header fields + key) u32 | key (UTF-8) | payload
+    | xxh64(payload) u64 | expires at f64 (Unix time, 0 = never) | xxh32(header fields + key) u32
+    | key (UTF-8) | payload
 
 A file is written under a temporary name and renamed into place (atomic: a reader or a restart
 sees the old file or the new one, never half of one). The engine does the rename under its lock, so
 the file on disk always matches the newest sealed version. At startup the index is rebuilt from the
-headers; files of DRAM-only modes (spill files of a previous run) and temporary files are removed.
-A file whose header or payload fails its checksum, or that is truncated, is a miss: logged, counted
-in ``corrupt``, moved aside as ``*.corrupt`` and never served.
+headers; objects whose time to live ran out meanwhile, files of DRAM-only modes (spill files of a
+previous run) and temporary files are removed. A file whose header or payload fails its checksum,
+or that is truncated, is a miss: logged, counted in ``corrupt``, moved aside as ``*.corrupt`` and
+never served.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import itertools
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 
 import xxhash
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"KVST"
 FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHBBIQQ")
+_HEADER = struct.Struct("<4sHBBIQQd")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size + _CRC.size
 _MODES = list(WriteMode)
@@ -46,6 +49,7 @@ class DiskRecord:
     size: int  # payload bytes
     mode: WriteMode
     nbytes: int  # file bytes (header + key + payload), what counts against capacity
+    expires_at: float = 0.0  # Unix time, 0 = never
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class PendingFile:
 
     path: str
     nbytes: int
+    expires_at: float = 0.0
 
 
 def file_name(key: str) -> str:
@@ -74,6 +79,7 @@ class DiskTier(Tier):
         self._reserved = 0
         self._tmp_ids = itertools.count()
         self.corrupt = 0
+        self.expired = 0  # files dropped at startup because their time to live had run out
         self.index: dict[str, DiskRecord] = {}
         self._scan()
 
@@ -106,7 +112,7 @@ class DiskTier(Tier):
                 continue
             try:
                 with open(entry.path, "rb") as f:
-                    key, size, mode, _ = self._read_header(f, entry.path)
+                    key, size, mode, _, expires_at = self._read_header(f, entry.path)
                 file_bytes = entry.stat().st_size
                 expected = HEADER_BYTES + len(key.encode()) + size
                 if file_bytes != expected:
@@ -122,17 +128,21 @@ class DiskTier(Tier):
             if mode not in _PERSISTENT:
                 _unlink(entry.path)  # spill file of a previous run: DRAM-only data does not outlive it
                 continue
-            self.index[key] = DiskRecord(size, mode, file_bytes)
+            if expires_at and expires_at <= time.time():
+                _unlink(entry.path)
+                self.expired += 1
+                continue
+            self.index[key] = DiskRecord(size, mode, file_bytes, expires_at)
             self._used += file_bytes
         if self.index:
             log.info("disk tier: %d objects (%d bytes) found in %s", len(self.index), self._used, self.directory)
 
     @staticmethod
-    def _read_header(f, path: str) -> tuple[str, int, WriteMode, int]:
+    def _read_header(f, path: str) -> tuple[str, int, WriteMode, int, float]:
         raw = f.read(HEADER_BYTES)
         if len(raw) < HEADER_BYTES:
             raise CorruptData(f"{path}: truncated header ({len(raw)} bytes)")
-        magic, version, mode_i, _flags, key_len, size, checksum = _HEADER.unpack_from(raw)
+        magic, version, mode_i, _flags, key_len, size, checksum, expires_at = _HEADER.unpack_from(raw)
         if magic != MAGIC:
             raise CorruptData(f"{path}: bad magic {magic!r}")
         if version != FORMAT_VERSION:
@@ -147,7 +157,7 @@ class DiskTier(Tier):
             key = key_raw.decode()
         except UnicodeDecodeError as exc:
             raise CorruptData(f"{path}: key is not UTF-8") from exc
-        return key, size, _MODES[mode_i], checksum
+        return key, size, _MODES[mode_i], checksum, expires_at
 
     def _quarantine(self, path: str, why: str) -> None:
         self.corrupt += 1
@@ -170,11 +180,12 @@ class DiskTier(Tier):
     def unreserve(self, nbytes: int) -> None:
         self._reserved -= nbytes
 
-    def write_temp(self, key: str, data: memoryview, mode: WriteMode) -> PendingFile:
+    def write_temp(self, key: str, data: memoryview, mode: WriteMode, expires_at: float = 0.0) -> PendingFile:
         """Write ``data`` for ``key`` to a temporary file (thread-safe; call without the engine lock)."""
         key_raw = key.encode()
         checksum = xxhash.xxh64_intdigest(data)
-        head = _HEADER.pack(MAGIC, FORMAT_VERSION, _MODES.index(mode), 0, len(key_raw), len(data), checksum)
+        fields = (MAGIC, FORMAT_VERSION, _MODES.index(mode), 0, len(key_raw), len(data), checksum, expires_at)
+        head = _HEADER.pack(*fields)
         head += _CRC.pack(xxhash.xxh32_intdigest(head + key_raw))
         path = os.path.join(self.directory, f".{os.getpid()}-{next(self._tmp_ids)}.tmp")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -190,7 +201,7 @@ class DiskTier(Tier):
         except BaseException:
             _unlink(path)
             raise
-        return PendingFile(path, HEADER_BYTES + len(key_raw) + len(data))
+        return PendingFile(path, HEADER_BYTES + len(key_raw) + len(data), expires_at)
 
     def commit(self, key: str, pending: PendingFile, mode: WriteMode, size: int) -> None:
         """Rename a reserved, written temp file into place as ``key``'s file (replacing any older one)."""
@@ -202,8 +213,26 @@ class DiskTier(Tier):
         old = self.index.get(key)
         if old is not None:
             self._used -= old.nbytes
-        self.index[key] = DiskRecord(size, mode, pending.nbytes)
+        self.index[key] = DiskRecord(size, mode, pending.nbytes, pending.expires_at)
         self._used += pending.nbytes
+
+    def set_expiry(self, key: str, expires_at: float) -> None:
+        """Rewrite the expiry in ``key``'s header in place (a few bytes; the payload is untouched)."""
+        rec = self.index.get(key)
+        if rec is None or rec.expires_at == expires_at:
+            return
+        path = os.path.join(self.directory, file_name(key))
+        with open(path, "r+b", buffering=0) as f:
+            raw = f.read(HEADER_BYTES)
+            fields = list(_HEADER.unpack_from(raw))
+            key_raw = f.read(fields[4])
+            fields[7] = expires_at
+            head = _HEADER.pack(*fields)
+            f.seek(0)
+            f.write(head + _CRC.pack(xxhash.xxh32_intdigest(head + key_raw)))
+            if self._sync:
+                os.fsync(f.fileno())
+        rec.expires_at = expires_at
 
     def discard(self, pending: PendingFile) -> None:
         _unlink(pending.path)
@@ -219,11 +248,16 @@ class DiskTier(Tier):
 
     # -- reads ---------------------------------------------------------------------------------
     def read_into(self, key: str, dest: memoryview) -> None:
-        """Fill ``dest`` with ``key``'s payload, verified. CorruptData (file quarantined) when it fails."""
+        """Fill ``dest`` with ``key``'s payload and verify it; CorruptData when that fails.
+
+        Touches no shared state, so it runs outside the engine's lock; the engine decides (under
+        the lock) whether a failure means corruption (:meth:`mark_corrupt`) or a concurrent
+        replacement of the file.
+        """
         path = os.path.join(self.directory, file_name(key))
         try:
             with open(path, "rb", buffering=0) as f:
-                hkey, size, _mode, checksum = self._read_header(f, path)
+                hkey, size, _mode, checksum, _ = self._read_header(f, path)
                 if hkey != key or size != len(dest):
                     raise CorruptData(f"{path}: header names {hkey!r} of {size} bytes, expected {key!r} of {len(dest)}")
                 got = f.readinto(dest) if size else 0
@@ -231,15 +265,18 @@ class DiskTier(Tier):
                     raise CorruptData(f"{path}: payload is {got} bytes (or longer), header says {size}")
                 if xxhash.xxh64_intdigest(dest) != checksum:
                     raise CorruptData(f"{path}: payload checksum mismatch")
-        except CorruptData as exc:
-            self._forget(key)
-            self._quarantine(path, str(exc))
-            raise
         except FileNotFoundError as exc:
-            self._forget(key)
+            raise CorruptData(f"{path}: object file is missing") from exc
+
+    def mark_corrupt(self, key: str, why: str) -> None:
+        """Forget ``key``'s file, count it, and move it aside so it is never served again."""
+        self._forget(key)
+        path = os.path.join(self.directory, file_name(key))
+        if os.path.exists(path):
+            self._quarantine(path, why)
+        else:
             self.corrupt += 1
-            log.error("disk tier: object file of %r vanished (%s)", key, exc)
-            raise CorruptData(f"object file of {key!r} is missing") from exc
+            log.error("disk tier: object file of %r is gone (%s)", key, why)
 
     def _forget(self, key: str) -> None:
         rec = self.index.pop(key, None)

@@ -65,6 +65,7 @@ class MemoryTier(BlockTier):
             name=f"kvstrata-{len(self.segments)}",
             hugepages=self._hugepages,
             numa_node=self._numa_node,
+            populate=True,
         )
         self.segments.append(seg)
         self._allocators.append(OffsetAllocator(nbytes))
@@ -75,6 +76,8 @@ class MemoryTier(BlockTier):
         return len(self.segments) - 1
 
     def fits_ever(self, size: int) -> bool:
+        if size <= self._allocators[0].capacity:
+            return True
         rounded = -(-size // ALIGNMENT) * ALIGNMENT
         if any(a.capacity >= rounded for a in self._allocators):
             return True
@@ -95,7 +98,8 @@ class MemoryTier(BlockTier):
                     self._used += (size + ALIGNMENT - 1) & -ALIGNMENT
                     return Location(i, off, size)
         room = self._capacity - self._mapped
-        want = max(self._segment_bytes, -(-size // _GROW_GRANULE) * _GROW_GRANULE)
+        # a value larger than a segment gets a segment of its own, in whole huge pages
+        want = self._segment_bytes if size <= self._segment_bytes else -(-size // _GROW_GRANULE) * _GROW_GRANULE
         want = min(want, room)
         if want - want % ALIGNMENT >= size and want >= ALIGNMENT:
             i = self._add_segment(want)

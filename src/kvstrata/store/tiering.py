@@ -1,0 +1,263 @@
+"""Moving bytes between tiers: allocation with eviction, spilling, promotion, write-back flushing.
+
+The rule everywhere: decide under the engine's lock, move bytes without it. An object being
+spilled or flushed is pinned (``leases += 1``) so its DRAM copy cannot vanish while its file is
+written; an object being promoted is marked ``loading`` so concurrent readers wait for the one load
+instead of reading the file twice. After the lock is taken back, the entry is checked again: if it
+was deleted or replaced meanwhile, the moved bytes are thrown away, never attached to the new
+version. Methods here whose docstring says "may release the lock" leave every caller to re-check
+its own state afterwards.
+
+This is a mixin of :class:`~kvstrata.store.engine.ObjectStore`; it shares the engine's fields.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstrata.errors import CapacityError, CorruptData, KeyNotFound
+from kvstrata.store.config import WriteMode
+from kvstrata.store.objects import ZERO_LOCATION, Entry
+from kvstrata.store.tiers.base import Location
+
+log = logging.getLogger(__name__)
+
+
+class TieringMixin:
+    """Eviction, spill, promotion and flush mechanics of the engine (see the module docstring)."""
+
+    # -- DRAM allocation and eviction --------------------------------------------------------------
+    def _allocate(self, size: int) -> Location:
+        """A DRAM range of ``size`` bytes, evicting as needed. Under the lock; may release the lock."""
+        if size == 0:
+            return ZERO_LOCATION
+        mem = self._mem
+        while True:
+            loc = mem.allocate(size)
+            if loc is not None:
+                if mem.used > self._high:
+                    self._wake.set()
+                return loc
+            if not self._make_room(size):
+                raise CapacityError(
+                    f"no room for {size} bytes: memory tier {mem.used} of {mem.capacity} bytes used and nothing "
+                    f"more can be evicted (leased, unsealed, being moved, or no SSD room to spill)"
+                )
+
+    def _can_evict(self, e: Entry) -> bool:
+        if e.leases or e.loc is None:
+            return False
+        if e.mode is WriteMode.EVICTABLE or (e.on_disk and not e.dirty):
+            return True
+        disk = self._disk
+        return disk is not None and disk.used + disk._reserved + disk.file_bytes(e.key, e.size) <= disk.capacity
+
+    def _make_room(self, goal: int) -> bool:
+        """Free about ``goal`` bytes of DRAM; False when nothing could be freed. May release the lock.
+
+        Evictable objects are dropped and objects with a clean SSD copy lose their DRAM copy at
+        once; others are spilled (file written without the lock, then committed).
+        """
+        freed = 0
+        jobs: list[tuple[Entry, int]] = []
+        pending = 0
+        disk = self._disk
+        while freed + pending < goal:
+            e = self._clock.next_victim(self._can_evict)
+            if e is None:
+                break
+            if e.mode is WriteMode.EVICTABLE:
+                del self._objects[e.key]
+                freed += e.size
+                self._retire(e)
+                self._counts["evictions"] += 1
+            elif e.on_disk and not e.dirty:
+                freed += e.size
+                self._free_locked(e)
+                self._counts["evictions"] += 1
+            else:
+                nbytes = disk.file_bytes(e.key, e.size)
+                disk.reserve(nbytes)  # cannot fail: _can_evict checked the room under this same lock
+                e.leases += 1
+                jobs.append((e, nbytes))
+                pending += e.size
+        if jobs:
+            freed += self._spill(jobs)
+        return freed > 0
+
+    def _spill(self, jobs: list[tuple[Entry, int]]) -> int:
+        """Write pinned victims to SSD without the lock, then free their DRAM; returns bytes freed."""
+        disk = self._disk
+        self._lock.release()
+        try:
+            written = []
+            for e, _ in jobs:
+                try:
+                    view = self._mem.view(e.loc)
+                    written.append(disk.write_temp(e.key, view, e.mode, self._wall_expiry(e)))
+                except OSError as exc:
+                    log.error("spilling %r to SSD failed (%s); it stays in DRAM", e.key, exc)
+                    written.append(None)
+        finally:
+            self._lock.acquire()
+        freed = 0
+        for (e, nbytes), pending in zip(jobs, written):
+            e.leases -= 1
+            current = not e.dead and self._objects.get(e.key) is e
+            if pending is None:
+                disk.unreserve(nbytes)
+            elif not current:
+                disk.discard(pending)
+            else:
+                disk.commit(e.key, pending, e.mode, e.size)
+                e.on_disk = True
+                if e.dirty:
+                    e.dirty = False
+                    self._dirty.pop(e.key, None)
+            if e.leases:  # a reader leased it meanwhile: it stays resident (and is now clean)
+                if current:
+                    self._clock.add(e.key, e)
+                continue
+            if current and pending is None:
+                self._clock.add(e.key, e)
+                continue
+            freed += e.size
+            self._free_locked(e)
+            if current:
+                self._counts["spills"] += 1
+        return freed
+
+    def _evict_to_low(self) -> None:
+        """Hysteresis: start above the high watermark, stop at the low one."""
+        with self._lock:
+            if self._mem.used <= self._high or self._evict_blocked:
+                return
+            while self._mem.used > self._low:
+                if not self._make_room(self._mem.used - self._low):
+                    # nothing evictable now: do not rescan every pass until a lease is released
+                    # or an object is replaced or deleted
+                    self._evict_blocked = True
+                    break
+
+    # -- promotion -----------------------------------------------------------------------------------
+    def _load(self, e: Entry) -> bool:
+        """Bring a disk-only entry into DRAM. Under the lock; releases it for the read.
+
+        True when ``e`` is now resident; False when it changed meanwhile (the caller looks the key
+        up again). KeyNotFound when its file is corrupt; CapacityError when DRAM has no room.
+        """
+        e.loading = True
+        try:
+            loc = self._allocate(e.size)
+        except BaseException:
+            e.loading = False
+            self._notify(e.key)
+            raise
+        if e.dead:
+            self._free_loc(loc)
+            e.loading = False
+            self._notify(e.key)
+            return False
+        error = self._read_unlocked(e, self.buffer(loc))
+        e.loading = False
+        self._notify(e.key)
+        if e.dead:
+            self._free_loc(loc)
+            return False
+        if error is not None:
+            self._free_loc(loc)
+            self._drop_corrupt(e, error)
+        e.loc = loc
+        if e.size:
+            self._clock.add(e.key, e)
+        self._counts["promotions"] += 1
+        return True
+
+    def _read_unlocked(self, e: Entry, dest: memoryview) -> CorruptData | None:
+        self._lock.release()
+        try:
+            self._disk.read_into(e.key, dest)
+        except CorruptData as exc:
+            return exc
+        finally:
+            self._lock.acquire()
+        return None
+
+    def _read_direct(self, e: Entry, offset: int, size: int) -> bytes | None:
+        """A copy straight from SSD when DRAM has no room; None when ``e`` changed meanwhile."""
+        buf = bytearray(e.size)
+        error = self._read_unlocked(e, memoryview(buf))
+        if e.dead:
+            return None
+        if error is not None:
+            self._drop_corrupt(e, error)
+        return bytes(buf[offset : offset + size])
+
+    def _drop_corrupt(self, e: Entry, error: CorruptData) -> None:
+        """``e``'s file failed verification (and still belongs to ``e``): forget it, count it, raise."""
+        self._disk.mark_corrupt(e.key, str(error))
+        if self._objects.get(e.key) is e:
+            del self._objects[e.key]
+        e.on_disk = False
+        self._retire(e)
+        self._counts["corrupt"] += 1
+        self._counts["misses"] += 1
+        raise KeyNotFound(f"key {e.key!r} not found (its SSD copy was corrupt: {error})") from error
+
+    def _free_loc(self, loc: Location) -> None:
+        if loc.size:
+            self._mem.free(loc)
+
+    def _notify(self, key: str) -> None:
+        w = self._waiters.get(key)
+        if w is not None:
+            w[0].notify_all()
+
+    # -- write-back ----------------------------------------------------------------------------------
+    def _flush_pass(self) -> None:
+        """Write dirty write-back objects to SSD, the file I/O outside the lock."""
+        disk = self._disk
+        with self._flush_lock:
+            with self._lock:
+                batch = []
+                for e in self._dirty.values():
+                    if e.flushing or e.loc is None:
+                        continue
+                    nbytes = disk.file_bytes(e.key, e.size)
+                    if not disk.reserve(nbytes):
+                        log.warning("SSD tier full: write-back of %r postponed", e.key)
+                        continue
+                    e.flushing = True
+                    e.leases += 1
+                    batch.append((e, nbytes))
+            for e, nbytes in batch:
+                pending = None
+                try:
+                    pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode, self._wall_expiry(e))
+                except OSError as exc:
+                    log.error("write-back of %r failed: %s; will retry", e.key, exc)
+                with self._lock:
+                    e.flushing = False
+                    e.leases -= 1
+                    if pending is None:
+                        disk.unreserve(nbytes)
+                    elif not e.dead and self._objects.get(e.key) is e:
+                        disk.commit(e.key, pending, e.mode, e.size)
+                        e.on_disk = True
+                        e.dirty = False
+                        self._dirty.pop(e.key, None)
+                        self._counts["flushes"] += 1
+                    else:
+                        disk.discard(pending)
+                    if e.dead and e.leases == 0:
+                        self._free_locked(e)
+
+    def flush(self) -> None:
+        """Write all write-back data to SSD now."""
+        for _ in range(3):
+            if not self._dirty:
+                return
+            self._flush_pass()
+
+
+__all__ = ["TieringMixin"]

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
+
+
+def test_alignment_and_exhaustion():
+    a = OffsetAllocator(1024)
+    offs = [a.allocate(1) for _ in range(16)]
+    assert offs == [i * ALIGNMENT for i in range(16)]
+    assert a.allocate(1) is None
+    assert a.used_bytes == 1024 and a.free_bytes == 0
+
+
+def test_best_fit_picks_smallest_hole():
+    a = OffsetAllocator(64 * 10)
+    blocks = [a.allocate(64) for _ in range(10)]
+    a.free(blocks[1])  # hole of 64
+    a.free(blocks[4])
+    a.free(blocks[5])  # hole of 128
+    assert a.allocate(64) == blocks[1]
+    assert a.allocate(100) == blocks[4]
+
+
+def test_coalescing_restores_one_block():
+    a = OffsetAllocator(1 << 16)
+    offs = [a.allocate(1000) for _ in range(50)]
+    random.Random(1).shuffle(offs)
+    for o in offs[:25]:
+        a.free(o)
+    assert a.fragmentation > 0
+    for o in offs[25:]:
+        a.free(o)
+    assert a.free_bytes == a.capacity and a.largest_free == a.capacity
+    assert a.fragmentation == 0.0
+    assert a.stats()["free_blocks"] == 1
+
+
+def test_fragmentation_stat():
+    a = OffsetAllocator(64 * 4)
+    b = [a.allocate(64) for _ in range(4)]
+    a.free(b[0])
+    a.free(b[2])
+    assert a.free_bytes == 128 and a.largest_free == 64
+    assert a.fragmentation == pytest.approx(0.5)
+    assert a.allocate(128) is None  # free bytes are enough, contiguous space is not
+
+
+def test_random_against_model():
+    rng = random.Random(7)
+    a = OffsetAllocator(1 << 20)
+    live: dict[int, int] = {}
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            off = rng.choice(list(live))
+            assert a.free(off) == live.pop(off)
+        else:
+            size = rng.randint(1, 20000)
+            off = a.allocate(size)
+            if off is None:
+                continue
+            assert off % ALIGNMENT == 0 and off + size <= a.capacity
+            for o, s in live.items():  # no overlap with any live block
+                assert off + size <= o or o + s <= off
+            live[off] = a.block_size(off)
+        assert a.used_bytes == sum(live.values())
+    for off in list(live):
+        a.free(off)
+    assert a.largest_free == a.capacity
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="capacity"):
+        OffsetAllocator(0)
+    a = OffsetAllocator(4096)
+    with pytest.raises(ValueError, match="offset"):
+        a.free(64)

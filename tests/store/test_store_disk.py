@@ -1,0 +1,203 @@
+"""SSD tier: write-through/back persistence, restart rebuild, corruption, SIGKILL of a writer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvstrata.errors import CapacityError, KeyNotFound
+from kvstrata.store import ObjectStore
+from kvstrata.store.tiers.disk import HEADER_BYTES, DiskTier, file_name
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _file(tmp_path, key):
+    return tmp_path / "ssd" / file_name(key)
+
+
+def test_restart_sees_write_through_and_flushed_write_back(tmp_path, make_config):
+    cfg = make_config(tmp_path)
+    s = ObjectStore(cfg)
+    s.put("wt", b"through" * 1000, write_mode="write_through")
+    assert _file(tmp_path, "wt").exists()  # on SSD before put returned
+    s.put("wb", b"back" * 1000, write_mode="write_back")
+    s.put("mem", b"memory only")
+    s.put("ev", b"evictable", write_mode="evictable")
+    s.put("empty", b"", write_mode="write_through")
+    s.put("gone", b"deleted", write_mode="write_through")
+    s.delete(["gone"])
+    s.put("replaced", b"v1", write_mode="write_through")
+    s.put("replaced", b"v2")  # a newer MEMORY version: the stale v1 file must not come back
+    s.close()  # flushes write-back
+    s2 = ObjectStore(cfg)
+    assert s2.exists(["wt", "wb", "mem", "ev", "empty", "gone", "replaced"]) == [True, True] + [False] * 2 + [
+        True,
+        False,
+        False,
+    ]
+    assert s2.get_bytes("wt") == b"through" * 1000
+    assert s2.get_bytes("wb") == b"back" * 1000
+    assert s2.get_bytes("empty") == b""
+    assert s2.stats()["promotions"] == 3
+    s2.close()
+
+
+def test_write_back_flusher_runs_in_background(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, flush_interval=0.01))
+    s.put("wb", b"x" * 5000, write_mode="write_back")
+    deadline = time.monotonic() + 2
+    while s.stats()["dirty"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.stats()["dirty"] == 0 and s.stats()["flushes"] == 1
+    assert _file(tmp_path, "wb").exists()
+    s.close()
+
+
+def test_spill_files_do_not_survive_restart(tmp_path, make_config):
+    cfg = make_config(tmp_path, memory=1 << 20, segment=1 << 20)
+    s = ObjectStore(cfg)
+    for i in range(15):
+        s.put(f"m{i}", bytes(100 << 10))
+    assert s.stats()["spills"] > 0
+    s.close()
+    s2 = ObjectStore(cfg)
+    assert s2.stats()["objects"] == 0 and s2.stats()["tiers"]["disk"]["used"] == 0
+    assert not any(p.suffix == ".kvs" for p in (tmp_path / "ssd").iterdir())
+    s2.close()
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "extend"])
+def test_corrupt_file_is_a_miss_never_served(tmp_path, make_config, damage, caplog):
+    cfg = make_config(tmp_path)
+    s = ObjectStore(cfg)
+    s.put("victim", bytes(range(256)) * 40, write_mode="write_through")
+    s.put("healthy", b"fine", write_mode="write_through")
+    s.close()
+    path = _file(tmp_path, "victim")
+    raw = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        raw[-100] ^= 0x01
+    elif damage == "flip_header":
+        raw[20] ^= 0x10
+    elif damage == "truncate":
+        raw = raw[: len(raw) - 7]
+    else:
+        raw += b"junk"
+    path.write_bytes(bytes(raw))
+    s2 = ObjectStore(cfg)
+    with pytest.raises(KeyNotFound):
+        s2.get_bytes("victim")
+    assert s2.stats()["corrupt"] == 1
+    assert s2.exists(["victim", "healthy"]) == [False, True]
+    assert s2.get_bytes("healthy") == b"fine"
+    assert "corrupt" in caplog.text
+    assert not path.exists() and path.with_name(path.name + ".corrupt").exists()
+    s2.close()
+
+
+def test_corruption_found_while_running(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    s.put("a", b"A" * (300 << 10), write_mode="write_through")
+    for i in range(10):  # push "a" out of DRAM; its SSD copy stays
+        s.put(f"f{i}", bytes(100 << 10), write_mode="evictable")
+    raw = bytearray(_file(tmp_path, "a").read_bytes())
+    raw[HEADER_BYTES + 5000] ^= 0xFF
+    _file(tmp_path, "a").write_bytes(bytes(raw))
+    with pytest.raises(KeyNotFound, match="corrupt"):
+        s.acquire("a", owner=1)
+    assert s.stats()["corrupt"] == 1 and s.stats()["leases"] == 0
+    s.close()
+
+
+def test_file_format_header(tmp_path):
+    d = DiskTier(str(tmp_path), 1 << 20)
+    assert d.reserve(d.file_bytes("k", 3))
+    pending = d.write_temp("k", memoryview(b"abc"), "write_through")
+    d.commit("k", pending, "write_through", 3)
+    raw = (tmp_path / file_name("k")).read_bytes()
+    assert raw[:4] == b"KVST" and raw[HEADER_BYTES : HEADER_BYTES + 1] == b"k" and raw.endswith(b"abc")
+    assert int.from_bytes(raw[20:28], "little") == xxhash.xxh64_intdigest(b"abc")
+    assert d.used == len(raw) and d.stats()["files"] == 1
+    assert d.remove("k") and d.used == 0
+
+
+def test_disk_capacity(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, disk=10_000))
+    s.put("a", bytes(6000), write_mode="write_through")
+    with pytest.raises(CapacityError, match="SSD"):
+        s.put("b", bytes(6000), write_mode="write_through")
+    assert s.exists(["a", "b"]) == [True, False]
+    assert s.stats()["tiers"]["memory"]["used"] == 6016  # b's reservation was given back
+    s.close()
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from kvstrata.store import ObjectStore, StoreConfig
+    s = ObjectStore(StoreConfig(memory_bytes=8 << 20, segment_bytes=8 << 20, disk_dir=sys.argv[1],
+                                disk_bytes=256 << 20, numa_node=None, hugepages="off"))
+    i = 0
+    while True:
+        value = (b"%08d" % i) * 2048
+        s.put(f"k{i}", value, write_mode="write_through")
+        print(i, flush=True)
+        s.create(f"half{i}", 4096, owner="w")  # a create that never gets sealed
+        i += 1
+    """
+)
+
+
+def test_sigkill_mid_write_keeps_every_acknowledged_write(tmp_path, make_config):
+    ssd = tmp_path / "ssd"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(ssd), SRC], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    acked = -1
+    try:
+        for line in proc.stdout:
+            acked = int(line)
+            if acked >= 60:
+                break
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert acked >= 60, proc.stderr.read()
+    s = ObjectStore(make_config(tmp_path))
+    keys = [f"k{i}" for i in range(acked + 1)]
+    assert all(s.exists(keys))
+    for i in (0, acked // 2, acked):
+        assert s.get_bytes(f"k{i}") == (b"%08d" % i) * 2048
+    assert not any(s.exists([f"half{i}" for i in range(acked + 1)]))
+    assert not [p for p in ssd.iterdir() if p.suffix == ".tmp"]
+    s.close()
+
+
+def test_time_to_live_survives_restart(tmp_path, make_config):
+    cfg = make_config(tmp_path, disk_sync=True)
+    s = ObjectStore(cfg)
+    s.put("short", b"s", ttl=0.2, write_mode="write_through")
+    s.put("long", b"l", ttl=60, write_mode="write_through")
+    s.put("extended", b"e", ttl=0.2, write_mode="write_through")
+    s.put("cut", b"c", write_mode="write_through")
+    assert s.expire(["extended"], 60) == [True]
+    assert s.expire(["cut"], 0.2) == [True]
+    s.close()
+    s2 = ObjectStore(cfg)  # the deadlines carry over: still there now, gone soon
+    assert s2.exists(["short", "long", "extended", "cut"]) == [True] * 4
+    s2.close()
+    time.sleep(0.3)
+    s3 = ObjectStore(cfg)  # expired files are dropped at startup, and counted
+    assert s3.stats()["expired"] == 2 and s3.stats()["tiers"]["disk"]["files"] == 2
+    assert s3.exists(["short", "long", "extended", "cut"]) == [False, True, True, False]
+    s3.close()

@@ -1,0 +1,199 @@
+"""Clock policy, watermarks, spill + promote, evictable drop, leases pinning, capacity limits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvstrata.errors import CapacityError, KeyNotFound
+from kvstrata.store import ObjectStore
+from kvstrata.store.eviction import ClockPolicy
+
+KB = 1024
+
+
+class _Obj:
+    def __init__(self, name, evictable=True):
+        self.name = name
+        self.referenced = False
+        self.evictable = evictable
+
+
+def test_clock_second_chance_order():
+    clock = ClockPolicy()
+    objs = {n: _Obj(n) for n in "abcd"}
+    for n, o in objs.items():
+        clock.add(n, o)
+    objs["b"].referenced = True
+    objs["c"].evictable = False
+    pick = lambda: clock.next_victim(lambda o: o.evictable).name
+    assert pick() == "a"
+    assert pick() == "d"  # b had its second chance, c is pinned
+    assert pick() == "b"
+    assert clock.next_victim(lambda o: o.evictable) is None  # only the pinned one is left
+    assert len(clock) == 1 and "c" in clock
+
+
+def test_clock_remove_only_matching_entry():
+    clock = ClockPolicy()
+    old, new = _Obj("old"), _Obj("new")
+    clock.add("k", old)
+    clock.add("k", new)
+    clock.remove("k", old)  # a stale version must not evict the current one's slot
+    assert "k" in clock
+    clock.remove("k", new)
+    assert "k" not in clock
+
+
+def _wait(pred, timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def test_watermarks_evict_oldest_unreferenced_down_to_low(make_config):
+    s = ObjectStore(make_config(memory=1 << 20, segment=1 << 20, high_watermark=0.9, low_watermark=0.5))
+    for i in range(14):  # 14 x 64 KiB = 87.5%: below the high watermark, nothing moves
+        s.put(f"k{i}", bytes([i]) * (64 * KB), write_mode="evictable")
+    time.sleep(0.1)
+    assert s.stats()["evictions"] == 0
+    s.get_bytes("k0")  # referenced: gets a second chance
+    s.put("k14", bytes(64 * KB), write_mode="evictable")  # 93.75% > 90%: background eviction to 50%
+    assert _wait(lambda: s.stats()["tiers"]["memory"]["used"] <= (1 << 20) // 2)
+    present = s.exists([f"k{i}" for i in range(15)])
+    assert present[0], "k0 was referenced and must survive the first sweep"
+    assert present[1:8] == [False] * 7 and all(present[8:])
+    assert s.stats()["evictions"] == 7 and s.stats()["spills"] == 0
+    s.close()
+
+
+def test_evictable_dropped_memory_mode_spilled_and_promoted(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    for i in range(8):
+        s.put(f"e{i}", bytes([i]) * (100 * KB), write_mode="evictable")
+    for i in range(16):
+        s.put(f"m{i}", bytes([100 + i]) * (100 * KB))  # 1.6 MiB of MEMORY data in a 1 MiB tier
+    st = s.stats()
+    assert st["spills"] > 0 and st["tiers"]["disk"]["files"] == st["spills"]
+    for i in range(16):  # nothing acknowledged is lost: each comes back from SSD as needed
+        assert s.get_bytes(f"m{i}") == bytes([100 + i]) * (100 * KB)
+    assert s.stats()["promotions"] > 0
+    assert not any(s.exists([f"e{i}" for i in range(8)]))  # evictable data went first, and not to SSD
+    with pytest.raises(KeyNotFound):
+        s.get_bytes("e0")
+    s.close()
+
+
+def test_leased_object_is_never_evicted(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    s.put("pinned", b"P" * (200 * KB), write_mode="evictable")
+    lease = s.acquire("pinned", owner="reader")
+    for i in range(20):
+        s.put(f"f{i}", bytes(100 * KB), write_mode="evictable")
+    assert bytes(s.buffer(lease.location)) == b"P" * (200 * KB)
+    assert s.exists(["pinned"]) == [True]
+    s.release(lease.lease_id)
+    for i in range(20):
+        s.put(f"g{i}", bytes(100 * KB), write_mode="evictable")
+    assert s.exists(["pinned"]) == [False]  # once released it is an ordinary candidate
+    s.close()
+
+
+def test_no_room_anywhere_rejects_new_write_and_keeps_old(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20, disk=600 * KB))
+    written = []
+    with pytest.raises(CapacityError):
+        for i in range(100):
+            s.put(f"m{i}", bytes([i]) * (100 * KB))
+            written.append(i)
+    assert 10 <= len(written) < 20
+    for i in written:
+        assert s.get_bytes(f"m{i}") == bytes([i]) * (100 * KB)
+    s.close()
+
+
+def test_memory_mode_without_ssd_is_never_dropped(make_config):
+    s = ObjectStore(make_config(memory=1 << 20, segment=1 << 20))
+    written = []
+    with pytest.raises(CapacityError, match="nothing more can be evicted"):
+        for i in range(20):
+            s.put(f"m{i}", bytes([i]) * (100 * KB))
+            written.append(i)
+    assert len(written) == 10
+    assert [s.get_bytes(f"m{i}")[:1] for i in written] == [bytes([i]) for i in written]
+    s.close()
+
+
+def test_write_through_copy_lets_eviction_free_dram_without_io(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    for i in range(15):
+        s.put(f"w{i}", bytes([i]) * (100 * KB), write_mode="write_through")
+    st = s.stats()
+    assert st["spills"] == 0 and st["evictions"] > 0 and st["tiers"]["disk"]["files"] == 15
+    assert s.get_bytes("w0") == bytes([0]) * (100 * KB)
+    s.close()
+
+
+def test_spill_and_promotion_io_do_not_block_other_readers(tmp_path, make_config, monkeypatch):
+    import threading
+
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    s.put("hot", b"h" * 1000, write_mode="evictable")
+    lease = s.acquire("hot", owner="r")  # keeps "hot" resident
+    disk = s._disk
+    slow_write, slow_read = disk.write_temp, disk.read_into
+
+    def write_temp(*a, **kw):
+        time.sleep(0.3)
+        return slow_write(*a, **kw)
+
+    def read_into(*a, **kw):
+        time.sleep(0.3)
+        return slow_read(*a, **kw)
+
+    for i in range(9):
+        s.put(f"m{i}", bytes([i]) * (100 * KB))
+    monkeypatch.setattr(disk, "write_temp", write_temp)
+    monkeypatch.setattr(disk, "read_into", read_into)
+    t = threading.Thread(target=lambda: s.put("m9", bytes(200 * KB)))  # must spill: slow write
+    t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    assert s.get_bytes("hot") == b"h" * 1000
+    assert time.monotonic() - t0 < 0.2, "a reader waited for a spill's file write"
+    t.join()
+    assert s.stats()["spills"] >= 1
+    t = threading.Thread(target=lambda: s.get_bytes("m0"))  # spilled: a slow promotion
+    t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    assert s.exists(["hot"]) == [True] and s.get_bytes("hot") == b"h" * 1000
+    assert time.monotonic() - t0 < 0.2, "a reader waited for a promotion's file read"
+    t.join()
+    assert s.stats()["promotions"] >= 1
+    s.release(lease.lease_id)
+    s.close()
+
+
+def test_spilled_object_read_from_ssd_when_dram_is_all_leased(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    s.put("cold", b"C" * (300 * KB))
+    leases = []
+    for i in range(9):  # fill DRAM with leased objects: "cold" is spilled, nothing else may go
+        s.put(f"h{i}", bytes([i]) * (100 * KB))
+        leases.append(s.acquire(f"h{i}", owner="pin"))
+    assert s.stats()["spills"] == 1
+    assert s.get_bytes("cold") == b"C" * (300 * KB)  # served straight from SSD
+    assert s.read("cold", 1000, 10) == b"C" * 10
+    assert s.stats()["promotions"] == 0
+    with pytest.raises(CapacityError):
+        s.acquire("cold", owner=1)  # a zero-copy lease needs DRAM
+    s.release_owner("pin")
+    lease = s.acquire("cold", owner=1)
+    assert bytes(s.buffer(lease.location)) == b"C" * (300 * KB) and s.stats()["promotions"] == 1
+    s.release(lease.lease_id)
+    s.close()
