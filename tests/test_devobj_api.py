@@ -334,3 +334,14 @@ def test_copy_bytes_kernel_and_memcpy_exact(start, n):
         _copy_bytes(dst[start : start + n], src[start : start + n], kernel=kernel)
         assert torch.equal(dst[start : start + n], src[start : start + n])
         assert bool((dst[:start] == 7).all()) and bool((dst[start + n :] == 7).all())
+
+
+def test_close_from_a_future_callback(make):
+    a, b = make(), make()
+    closed = threading.Event()
+    (sf,) = b.dev_subscribe(["k"], [[torch.zeros(3)]], timeout=WAIT)
+    sf.add_done_callback(lambda f: (b.close(), closed.set()))  # runs on b's event thread
+    a.dev_publish(["k"], [[rand(3)]])[0].result(WAIT)
+    assert closed.wait(WAIT)
+    with pytest.raises(errors.ClosedError):
+        b.dev_subscribe(["j"], [[torch.zeros(3)]])

@@ -325,7 +325,8 @@ class DeviceObjects:
         except Exception as exc:  # the worker may be gone already
             log.debug("devobj goodbye: %s", exc)
         self._fail_all(errors.ClosedError("device-object client closed"))
-        self._poller.join(timeout=self.config.poll_seconds + 1)
+        if threading.current_thread() is not self._poller:  # close() may run in a future's callback
+            self._poller.join(timeout=self.config.poll_seconds + 1)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._nccl is not None:
             self._nccl.close()
