@@ -345,3 +345,17 @@ def test_close_from_a_future_callback(make):
     assert closed.wait(WAIT)
     with pytest.raises(errors.ClosedError):
         b.dev_subscribe(["j"], [[torch.zeros(3)]])
+
+
+def test_worker_going_away_fails_waiters(worker):
+    import kvstrata
+
+    b = kvstrata.connect(worker.address)
+    try:
+        b.device_objects(device="cpu", config=CFG)
+        (f,) = b.dev_subscribe(["never"], [[torch.zeros(2)]])  # no timeout: only the worker's end can end it
+        worker.stop()
+        with pytest.raises(errors.KvstrataError):
+            f.result(WAIT)
+    finally:
+        b.close()
