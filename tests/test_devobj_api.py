@@ -359,3 +359,17 @@ def test_worker_going_away_fails_waiters(worker):
             f.result(WAIT)
     finally:
         b.close()
+
+
+def test_cancelled_subscribe_is_withdrawn_and_writes_nothing(make, broker):
+    a, b, c = make(), make(), make()
+    dst = [torch.full((3,), 7.0)]
+    (f,) = b.dev_subscribe(["k"], [dst])
+    assert f.cancel()
+    assert broker.snapshot()["waiters"] == 0
+    src = [rand(3)]
+    (pf,) = a.dev_publish(["k"], [src])
+    other = [torch.zeros(3)]
+    c.dev_subscribe(["k"], [other], timeout=WAIT)[0].result(WAIT)  # the object went to the next one
+    pf.result(WAIT)
+    assert torch.equal(other[0], src[0]) and torch.equal(dst[0], torch.full((3,), 7.0))

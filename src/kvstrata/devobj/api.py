@@ -224,6 +224,7 @@ class DeviceObjects:
         self._inflight: dict[int, _Want] = {}  # by tid
         self._owned: dict[int, _Owned] = {}  # by broker object id
         self._early: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        self._cancelled: set[int] = set()  # wids withdrawn by their caller
         self._read: dict[int, tuple[str, list[dict[str, Any]], str]] = {}  # obj -> (owner, handles, key) read
         self._pool = ThreadPoolExecutor(self.config.copy_threads, thread_name_prefix="kvstrata-devobj")
         self._cuda = self.device.type == "cuda"
@@ -249,7 +250,11 @@ class DeviceObjects:
     def dev_subscribe(
         self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]], timeout: float | None = None
     ) -> list[Future]:
-        """Receive published (or broadcast) keys into ``tensor_lists``; each future waits up to ``timeout``."""
+        """Receive published (or broadcast) keys into ``tensor_lists``; each future waits up to ``timeout``.
+
+        A subscribe waits for ``dev_publish``/``dev_broadcast`` keys (``dev_mget`` reads ``dev_mset`` ones).
+        Cancelling a future that is still waiting withdraws it; once matched, the copy runs to the end.
+        """
         keys, lists = self._check(keys, tensor_lists)
         return self._receive("subscribe", keys, lists, timeout)
 
@@ -466,6 +471,7 @@ class DeviceObjects:
             if r["status"] == "matched" and r["transfer"]["path"] != "nccl" and r["transfer"]["kind"] != "bcast":
                 t = r["transfer"]
                 want.tid, want.transfer = t["tid"], t
+                want.future.set_running_or_notify_cancel()  # from here on, cancel() is refused
                 with self._lock:
                     self._inflight[t["tid"]] = want
                 batch.append((t, want))
@@ -475,6 +481,7 @@ class DeviceObjects:
                 with self._lock:
                     self._wants[r["wid"]] = want
                     early = self._early.pop(("wid", r["wid"]), [])
+                want.future.add_done_callback(lambda f, wid=r["wid"]: self._on_cancel(f, wid))
                 for ev in early:
                     self._dispatch(ev)
             else:
@@ -483,7 +490,28 @@ class DeviceObjects:
             self._pool.submit(self._copy_batch, batch)
         return futures
 
+    def _on_cancel(self, f: Future, wid: int) -> None:
+        """A waiting receive was cancelled by its caller: withdraw it from the broker."""
+        if not f.cancelled():
+            return
+        with self._lock:
+            gone = self._wants.pop(wid, None)
+            if gone is not None:
+                self._cancelled.add(wid)  # a match already on its way is declined (see _dispatch)
+        if gone is not None and not self._closed:
+            try:
+                self._call("cancel", {"wids": [wid]})
+            except Exception as exc:  # the broker is gone: nothing left to withdraw
+                log.debug("devobj cancel: %s", exc)
+
     def _start(self, t: dict[str, Any], want: _Want) -> None:
+        if not want.future.set_running_or_notify_cancel():
+            # Cancelled just as it matched: hand the object back untouched (a broadcast aborts).
+            try:
+                self._call("complete", {"tid": t["tid"], "ok": False, "error": "receive cancelled"})
+            except Exception as exc:
+                log.debug("devobj decline: %s", exc)
+            return
         want.tid = t["tid"]
         want.transfer = t
         with self._lock:
@@ -739,9 +767,15 @@ class DeviceObjects:
         if kind == "matched" or (kind in ("timeout", "error") and "tid" not in ev):
             with self._lock:
                 want = self._wants.pop(ev["wid"], None)
-                if want is None:
+                cancelled = want is None and ev["wid"] in self._cancelled
+                self._cancelled.discard(ev["wid"])
+                if want is None and not cancelled:
                     self._early.setdefault(("wid", ev["wid"]), []).append(ev)
                     return
+            if cancelled:
+                if kind == "matched":  # withdrawn by its caller after the broker matched it: hand it back
+                    self._call("complete", {"tid": ev["transfer"]["tid"], "ok": False, "error": "receive cancelled"})
+                return
             if kind == "matched":
                 self._start(ev["transfer"], want)
             else:
