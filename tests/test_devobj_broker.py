@@ -345,3 +345,13 @@ def test_peers_told_when_a_client_goes(broker):
     broker.owner_gone("pub")
     assert [(e["type"], e["client"]) for e in events(broker, "sub")] == [("peer_gone", "pub")]
     assert events(broker, "sub2") == []  # never exchanged anything with it
+
+
+def test_source_gpu_hidden_from_reader_uses_nccl():
+    b = DeviceBroker()
+    b.handle("p", "hello", {"info": {"pid": 1, "node_id": "n"}})
+    b.handle("q", "hello", {"info": {"pid": 2, "node_id": "n", "visible": ["GPU-b"]}})
+    b.handle("r", "hello", {"info": {"pid": 3, "node_id": "n", "visible": ["GPU-a", "GPU-b"]}})
+    b.handle("p", "mset", {"items": [item("w")]})  # on GPU-a
+    assert b.handle("q", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "nccl"
+    assert b.handle("r", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "ipc"

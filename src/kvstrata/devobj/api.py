@@ -233,6 +233,10 @@ class DeviceObjects:
         self._streams = StreamSet() if self._cuda else None
         self._nccl = None
         info = {"pid": os.getpid(), "node_id": self.config.node_id, "device": self._device_info()}
+        if self._cuda:
+            from kvstrata.devobj.ipc import device_uuid
+
+            info["visible"] = [device_uuid(i) for i in range(torch.cuda.device_count())]
         self.link.call("hello", {"info": info})
         self._poller = threading.Thread(target=self._poll, name="kvstrata-devobj-poll", daemon=True)
         self._poller.start()

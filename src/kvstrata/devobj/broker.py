@@ -500,7 +500,9 @@ class DeviceBroker:
         same_node = rec.get("node_id") == info.get("node_id")
         if same_node and src.get("pid") is not None and src.get("pid") == info.get("pid"):
             return "local"  # one process: never through its own IPC handles or an NCCL pair with itself
-        if rec["mode"] != "broadcast" and (rec.get("transport") == "nccl" or not same_node):
+        visible = info.get("visible")  # GPUs the destination can open IPC memory of (CUDA_VISIBLE_DEVICES)
+        hidden = visible is not None and (rec.get("device") or {}).get("uuid") not in visible
+        if rec["mode"] != "broadcast" and (rec.get("transport") == "nccl" or not same_node or hidden):
             return "nccl"
         return "ipc"
 
