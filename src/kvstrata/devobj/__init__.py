@@ -2,6 +2,7 @@
 
 * :mod:`~kvstrata.devobj.broker`: the registry and meeting point, hosted in the worker.
 * :mod:`~kvstrata.devobj.api`: the client side (:class:`DeviceObjects`, the ``dev_*`` methods).
+* :mod:`~kvstrata.devobj.link`: the client's broker link, settings and argument checks.
 * :mod:`~kvstrata.devobj.ipc`: the same-node data path (CUDA IPC, peer copies over NVLink/PCIe).
 * :mod:`~kvstrata.devobj.nccl`: the between-nodes data path (NCCL send/recv per pair).
 * :mod:`~kvstrata.devobj.service`: the worker handler and the Client mixin.
@@ -17,10 +18,10 @@ from typing import Any
 from kvstrata.devobj.broker import DeviceBroker
 
 _LAZY = {
-    "BrokerLink": "kvstrata.devobj.api",
-    "DeviceObjectConfig": "kvstrata.devobj.api",
+    "BrokerLink": "kvstrata.devobj.link",
+    "DeviceObjectConfig": "kvstrata.devobj.link",
     "DeviceObjects": "kvstrata.devobj.api",
-    "InprocBrokerLink": "kvstrata.devobj.api",
+    "InprocBrokerLink": "kvstrata.devobj.link",
 }
 
 

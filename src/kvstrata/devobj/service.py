@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.devobj.broker import DeviceBroker
 
 if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
-    from kvstrata.devobj.api import DeviceObjectConfig, DeviceObjects
+    from kvstrata.devobj.api import DeviceObjects
+    from kvstrata.devobj.link import DeviceObjectConfig
 
 _lock = threading.Lock()  # brokers of this process (never held while calling out)
 _client_lock = threading.Lock()  # starting a client's DeviceObjects (may call into an in-process worker)
@@ -114,7 +115,8 @@ class DeviceObjectsMixin:
 
     def device_objects(self, *, device: Any = None, config: DeviceObjectConfig | None = None) -> DeviceObjects:
         """The client's :class:`DeviceObjects` (started on first call; ``device``/``config`` apply then)."""
-        from kvstrata.devobj.api import DeviceObjects, InprocBrokerLink
+        from kvstrata.devobj.api import DeviceObjects
+        from kvstrata.devobj.link import InprocBrokerLink
 
         with _client_lock:
             if self._devobj is None:
