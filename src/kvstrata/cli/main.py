@@ -16,6 +16,9 @@ import sys
 # Subcommand modules, in the order `kvstrata --help` lists them.
 SUBCOMMAND_MODULES = [
     "kvstrata.cli.bench",
+    "kvstrata.cli.demo",
+    "kvstrata.cli.worker",
+    "kvstrata.cli.status",
 ]
 
 

@@ -1,0 +1,262 @@
+"""``kvstrata bench store``: kvstrata's node-local clients beside Redis, same machine, same run.
+
+Both servers run as local processes: a ``kvstrata worker`` on a Unix socket and Debian's
+``redis-server`` on 127.0.0.1 (persistence off), driven by redis-py with hiredis. For each value
+size and number of client processes, every client process sets (then gets) values in a loop; the
+table shows aggregate ops/s and GB/s and the single-client median latency. kvstrata's gets appear
+twice: ``get`` (a copy into bytes, like Redis) and ``get_buffers`` (a zero-copy leased view, timed
+until the view is in hand; its release, a one-way message, follows untimed).
+With CUDA, ``mget_h2d`` / ``mset_d2h`` of 64 keys x 1 MiB are measured against the pinned-memory
+DMA ceiling (one 64 MiB ``copy_``) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench._common import gbps, print_table, write_result
+
+SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+KEYS_PER_CLIENT = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="4KiB,1MiB,16MiB", help="value sizes (default 4KiB,1MiB,16MiB)")
+    parser.add_argument("--clients", default="1,8", help="client process counts (default 1,8)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="target seconds per measurement (default 1)")
+    parser.add_argument("--no-redis", action="store_true", help="skip Redis (kvstrata rows only)")
+
+
+def _ops_for(size: int, seconds: float) -> int:
+    per_op = {4 << 10: 60e-6, 1 << 20: 600e-6, 16 << 20: 8e-3}.get(size, size / 2e9 + 50e-6)
+    return max(8, int(seconds / per_op))
+
+
+# ------------------------------------------------------------------------------------- client jobs
+def _job(system: str, address: str, op: str, me: int, size: int, n: int, start_at: float) -> list[float]:
+    """One client process: n ops of ``op`` on its own keys; returns per-op seconds (first op after start_at)."""
+    value = os.urandom(size)
+    keys = [f"bench/{me}/{i}" for i in range(KEYS_PER_CLIENT)]
+    if system == "redis":
+        import redis
+
+        host, port = address.rsplit(":", 1)
+        r = redis.Redis(host=host, port=int(port))
+        do = {"set": lambda k: r.set(k, value), "get": lambda k: r.get(k)}[op]
+        close = r.close
+    else:
+        import kvstrata
+
+        kv = kvstrata.connect(address, timeout=30)
+
+        def zero_copy(k: str) -> Any:
+            buf = kv.get_buffers([k])[0]
+            buf.memoryview()
+            return buf.release  # timed: until the view is in hand; the release happens after
+
+        do = {"set": lambda k: kv.set(k, value), "get": kv.get, "get_buffers": zero_copy}[op]
+        close = kv.close
+    if op != "set":
+        for k in keys:
+            (r.set(k, value) if system == "redis" else kv.set(k, value))
+    for k in keys:  # warm-up
+        after = do(k)
+        if callable(after):
+            after()
+    while time.time() < start_at:
+        time.sleep(0.001)
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        after = do(keys[i % KEYS_PER_CLIENT])
+        times.append(time.perf_counter() - t0)
+        if callable(after):
+            after()
+    close()
+    return times
+
+
+def _measure(pool: Any, system: str, address: str, op: str, size: int, clients: int, n: int) -> dict[str, Any]:
+    start_at = time.time() + 0.3  # every client starts its loop at the same moment
+    results = pool.starmap(_job, [(system, address, op, me, size, n, start_at) for me in range(clients)])
+    walls = [sum(t) for t in results]
+    total_ops = clients * n
+    wall = max(walls)
+    return {
+        "system": system,
+        "op": op,
+        "size": size,
+        "clients": clients,
+        "ops_per_s": round(total_ops / wall),
+        "GB/s": gbps(total_ops * size, wall),
+        "p50_us": round(statistics.median([x for t in results for x in t]) * 1e6, 1),
+    }
+
+
+# ------------------------------------------------------------------------------------- servers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str] | None:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        print("redis-server not found (apt-get install redis-server): Redis rows skipped")
+        return None
+    try:
+        import hiredis  # noqa: F401
+        import redis
+    except ImportError as exc:
+        print(f"redis-py/hiredis missing ({exc}; pip install redis hiredis): Redis rows skipped")
+        return None
+    port = _free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    r = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            r.ping()
+            return proc, f"127.0.0.1:{port}"
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    print("redis-server did not come up: Redis rows skipped")
+    return None
+
+
+def _start_worker(tmp: Path, memory: int) -> tuple[subprocess.Popen, str]:
+    sock = tmp / "kvstrata.sock"
+    cmd = [sys.executable, "-m", "kvstrata.cli.main", "worker", "--socket", str(sock), "--memory", str(memory)]
+    cmd += ["--disk-dir", "", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd)
+    import kvstrata
+
+    kvstrata.connect(f"unix://{sock}", timeout=60).close()  # waits (with retries) until it listens
+    return proc, f"unix://{sock}"
+
+
+# ------------------------------------------------------------------------------------- device rows
+def _device_rows(address: str) -> list[dict[str, Any]]:
+    import torch
+
+    import kvstrata
+    from kvstrata.bench._common import device_time, host_time
+
+    n, size = 64, 1 << 20
+    rows = []
+    host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n * size, dtype=torch.uint8, device="cuda")
+    h2d_ceiling = device_time(lambda: dev.copy_(host, non_blocking=True))
+    d2h_ceiling = device_time(lambda: host.copy_(dev, non_blocking=True))
+    with kvstrata.connect(address) as kv:
+        src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
+        keys = [f"h2d/{i}" for i in range(n)]
+        assert kv.mset_d2h(keys, src) == [None] * n
+        dst = [[torch.empty_like(t[0])] for t in src]
+        t_get = host_time(lambda: kv.mget_h2d(keys, dst), warmup=3, iters=20)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+        times = []
+        for it in range(23):  # write-once keys: fresh ones every time, deleted outside the timing
+            ks = [f"d2h/{it}/{i}" for i in range(n)]
+            t0 = time.perf_counter()
+            assert kv.mset_d2h(ks, src) == [None] * n
+            times.append(time.perf_counter() - t0)
+            kv.delete(ks)
+        t_put = statistics.median(times[3:])
+    for op, t, ceiling in (("mget_h2d", t_get, h2d_ceiling), ("mset_d2h", t_put, d2h_ceiling)):
+        rows.append(
+            {
+                "system": "kvstrata",
+                "op": f"{op} 64x1MiB",
+                "size": n * size,
+                "clients": 1,
+                "GB/s": gbps(n * size, t),
+                "ceiling_GB/s": gbps(n * size, ceiling),
+                "of_ceiling": round(ceiling / t, 3),
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------- main
+def run(args: argparse.Namespace) -> int:
+    sizes = [SIZES[s.strip()] for s in args.sizes.split(",")]
+    client_counts = [int(c) for c in args.clients.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-"))
+    memory = max(client_counts) * KEYS_PER_CLIENT * max(sizes) * 3 + (256 << 20)
+    worker, kv_address = _start_worker(tmp, memory)
+    redis_srv = None if args.no_redis else _start_redis(tmp)
+    rows: list[dict[str, Any]] = []
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with ctx.Pool(max(client_counts)) as pool:
+            for size in sizes:
+                n = _ops_for(size, args.seconds)
+                for clients in client_counts:
+                    systems = [("kvstrata", kv_address)] + ([("redis", redis_srv[1])] if redis_srv else [])
+                    for op in ("set", "get", "get_buffers"):
+                        for system, address in systems:
+                            if system == "redis" and op == "get_buffers":
+                                continue
+                            row = _measure(pool, system, address, op, size, clients, n)
+                            rows.append(row)
+                            print(f"  {system:8} {op:11} {size:>9} B x{clients}: {row['ops_per_s']} ops/s", flush=True)
+        _add_ratios(rows)
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                rows += _device_rows(kv_address)
+        except ImportError:
+            pass
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+        if redis_srv:
+            redis_srv[0].terminate()
+            redis_srv[0].wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    path = write_result("store", {"rows": rows}, args.out)
+    print(f"results: {path}")
+    columns = [
+        "system",
+        "op",
+        "size",
+        "clients",
+        "ops_per_s",
+        "GB/s",
+        "p50_us",
+        "x_redis",
+        "ceiling_GB/s",
+        "of_ceiling",
+    ]
+    print_table(rows, columns)
+    return 0
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """kvstrata's throughput over Redis's for the same op (get_buffers against Redis get)."""
+    redis = {(r["op"], r["size"], r["clients"]): r for r in rows if r["system"] == "redis"}
+    for r in rows:
+        if r["system"] != "kvstrata":
+            continue
+        base = redis.get(("get" if r["op"] == "get_buffers" else r["op"], r["size"], r["clients"]))
+        if base:
+            r["x_redis"] = round(r["ops_per_s"] / base["ops_per_s"], 2)

@@ -1,0 +1,57 @@
+"""``kvstrata status``: what the node's worker holds (tiers, objects, hits, misses, evictions, spills, clients)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvstrata.errors import KvstrataError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("status", help="show the node worker's tiers, objects, hit rate and clients")
+    p.add_argument("--address", help="worker address (default: $KVSTRATA_WORKER or the default socket)")
+    p.add_argument("--prometheus", action="store_true", help="print metrics in the Prometheus text format")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the worker (default 2)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kvstrata
+    from kvstrata.server.metrics import to_prometheus
+
+    try:
+        with kvstrata.connect(args.address, timeout=args.timeout, name="kvstrata status") as kv:
+            stats = kv.stats()
+            address = kv.address
+    except KvstrataError as exc:
+        print(f"kvstrata status: no worker reachable: {exc}", file=sys.stderr)
+        return 1
+    if args.prometheus:
+        sys.stdout.write(to_prometheus(stats))
+    else:
+        print(render(stats, address))
+    return 0
+
+
+def render(stats: dict[str, Any], address: str) -> str:
+    """A human summary of a worker's stats."""
+    from kvstrata.units import format_size
+
+    up, clients = stats.get("uptime_seconds", 0), stats.get("clients", 0)
+    lines = [f"worker at {address}  (up {up:.0f} s, {clients} clients, this one included)"]
+    for tier, t in stats.get("tiers", {}).items():
+        used, cap = t.get("used", 0), t.get("capacity", 0)
+        pct = 100 * used / cap if cap else 0
+        lines.append(f"  {tier:<7} {format_size(used):>10} of {format_size(cap):>10} used ({pct:4.1f}%)")
+    hits, misses = stats.get("hits", 0), stats.get("misses", 0)
+    rate = 100 * hits / (hits + misses) if hits + misses else 0
+    lines.append(f"  objects {stats.get('objects', 0)}   hits {hits}   misses {misses}   (hit rate {rate:.1f}%)")
+    lines.append(
+        "  evictions {}   spills {}   promotions {}   expired {}   corrupt {}".format(
+            *(stats.get(k, 0) for k in ("evictions", "spills", "promotions", "expired", "corrupt"))
+        )
+    )
+    lines.append(f"  requests {stats.get('requests', 0)}   refused {stats.get('request_errors', 0)}")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""The kvstrata client SDK: :func:`connect` returns a :class:`Client` (a worker's, or an embedded store's)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvstrata.client.buffers import ReadBuffer, WritableBuffer
+from kvstrata.client.client import Client
+from kvstrata.units import parse_size
+
+_SIZE_OPTIONS = ("memory_bytes", "disk_bytes", "gpu_bytes", "segment_bytes")
+EMBEDDED_MEMORY_CAP = 4 << 30
+
+
+def connect(
+    address: str | None = None,
+    *,
+    embedded: bool = False,
+    timeout: float = 10.0,
+    name: str | None = None,
+    store: Any = None,
+    **store_options: Any,
+) -> Client:
+    """A client of the node's worker, or of an in-process store.
+
+    ``address``: ``unix:///path.sock`` (default: ``$KVSTRATA_WORKER`` or the default socket path).
+    ``embedded=True``: no worker process; an :class:`~kvstrata.store.ObjectStore` is built in this
+    process from ``store_options`` (:class:`~kvstrata.store.StoreConfig` fields; sizes may be
+    strings like ``"1GiB"``; memory defaults to a quarter of RAM, at most 4 GiB; no SSD tier unless
+    ``disk_dir``/``disk_bytes`` are given), or an existing one is shared through ``store=``.
+
+    >>> import kvstrata
+    >>> with kvstrata.connect(embedded=True, memory_bytes="64MiB") as kv:
+    ...     kv.set("k", b"v"); kv.get("k")
+    b'v'
+    """
+    from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
+
+    if embedded or store is not None:
+        if address is not None:
+            raise ValueError("address: not used by an embedded client (drop it or embedded=True)")
+        if store is not None:
+            if store_options:
+                raise ValueError(f"{next(iter(store_options))}: options don't apply to a store passed in")
+            return Client(EmbeddedBackend(store, own_store=False))
+        from kvstrata.server.config import default_memory_bytes
+        from kvstrata.store import ObjectStore, StoreConfig
+
+        options = dict(store_options)
+        for key in _SIZE_OPTIONS:
+            if key in options:
+                options[key] = parse_size(options[key], key)
+        options.setdefault("memory_bytes", min(default_memory_bytes(), EMBEDDED_MEMORY_CAP))
+        options.setdefault("segment_bytes", min(256 << 20, options["memory_bytes"]))
+        return Client(EmbeddedBackend(ObjectStore(StoreConfig(**options)), own_store=True))
+    if store_options:
+        raise ValueError(f"{next(iter(store_options))}: store options apply only with embedded=True")
+    if address is None:
+        from kvstrata.server.config import default_address
+
+        address = default_address()
+    elif "://" not in address:
+        address = f"unix://{os.path.abspath(address)}"
+    return Client(RemoteBackend(address, timeout=timeout, name=name))
+
+
+__all__ = ["Client", "ReadBuffer", "WritableBuffer", "connect"]

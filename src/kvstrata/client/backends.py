@@ -1,0 +1,375 @@
+"""How a :class:`~kvstrata.client.Client` reaches the engine: a remote worker, or an in-process store.
+
+Both backends answer the same small set of calls with the same results, so the Client holds all the
+API logic once. ``RemoteBackend`` speaks :mod:`kvstrata.server.protocol` over a transport and maps
+the worker's segments from the descriptors it is sent; ``EmbeddedBackend`` calls the
+:class:`~kvstrata.store.ObjectStore` directly, with views straight into its segments.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import threading
+from typing import Any, NamedTuple
+
+from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
+from kvstrata.server import protocol as P
+
+log = logging.getLogger(__name__)
+_embedded_owners = itertools.count(1)
+
+
+class Loc(NamedTuple):
+    segment: int
+    offset: int
+    size: int
+
+
+class Lease(NamedTuple):
+    lease_id: int
+    location: Any
+    mutable: bool
+
+
+class RemoteBackend:
+    """A connection to a worker. Requests are serialized on the connection (one at a time)."""
+
+    #: seconds a worker may take to answer, beyond the wait a request asks for (a hung worker)
+    request_timeout = 120.0
+
+    def __init__(self, address: str, *, timeout: float = 10.0, name: str | None = None) -> None:
+        from kvstrata.transport import connect
+
+        hello = {"shm": True}
+        if name:
+            hello["name"] = name
+        self.address = address
+        self._conn = connect(address, timeout=timeout, hello=hello)
+        self.inline_max = int(self._conn.peer_info.get("inline_max", P.INLINE_MAX))
+        self.shm = self._conn.can_pass_fds
+        self._segments: dict[int, Any] = {}
+        self._tensors: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._deferred: collections.deque[int] = collections.deque()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
+        self._pid = os.getpid()
+        self._broken = ""
+        self._closed = False
+        self._absorb_segments(self._conn.peer_info.get("segs", []), self._conn.handshake_fds)
+
+    # plumbing ----------------------------------------------------------------------------------------
+    def request(self, msg: dict) -> dict:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("client is closed")
+            if self._broken:
+                raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
+            if self._pid != os.getpid():
+                raise ClosedError("this client was connected in the parent process; connect again after fork()")
+            if self._deferred:
+                msg["rel"] = self._drain_deferred()
+            if self._deferred_aborts:
+                msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
+            self._conn.send(msg)
+            try:
+                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0))
+            except Timeout:
+                # The reply may still come and would answer the next request: this connection is done.
+                self._broken = "the worker stopped answering"
+                self._conn.close()
+                raise ConnectionLost(
+                    f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
+                ) from None
+            if fds or "segs" in reply:
+                self._absorb_segments(reply.pop("segs", []), fds)
+        if "err" in reply:
+            raise P.error_from_record(reply["err"])
+        return reply
+
+    def _drain_deferred(self) -> list[int]:
+        out = []
+        while self._deferred:
+            out.append(self._deferred.popleft())
+        return out
+
+    def _absorb_segments(self, segs: list, fds: list[int]) -> None:
+        from kvstrata.memory.shm import SharedSegment
+
+        if len(segs) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"worker sent {len(fds)} descriptors for {len(segs)} segments")
+        for (index, nbytes), fd in zip(segs, fds):
+            if index in self._segments:
+                os.close(fd)
+            else:
+                self._segments[index] = SharedSegment.attach(fd, nbytes)
+
+    def view(self, loc: Any) -> memoryview:
+        if loc.size == 0:
+            return memoryview(bytearray())
+        seg = self._segment(loc.segment)
+        return seg.buffer[loc.offset : loc.offset + loc.size]
+
+    def _segment(self, index: int) -> Any:
+        seg = self._segments.get(index)
+        if seg is None:  # not sent with the reply (too many new segments at once): ask for it
+            self.request({"op": "segments", "indices": [index]})
+            seg = self._segments.get(index)
+            if seg is None:
+                raise ProtocolError(f"worker pointed into segment {index}, which it does not have")
+        return seg
+
+    def segment_tensor(self, index: int) -> Any:
+        t = self._tensors.get(index)
+        if t is None:
+            t = self._tensors[index] = _segment_tensor(self._segment(index))
+        return t
+
+    def release(self, ids: list[int]) -> None:
+        with self._lock:
+            if self._closed or self._conn.closed:
+                return  # the worker released them when the connection ended
+            ids = self._drain_deferred() + list(ids)
+            self._conn.send({"op": "release", "ids": ids})
+
+    def defer_release(self, lease_id: int) -> None:
+        """From a finalizer: no locks or I/O here, the next request carries it."""
+        self._deferred.append(lease_id)
+
+    def defer_abort(self, key: str) -> None:
+        """From a finalizer of a buffer dropped unsealed: the next request aborts the write."""
+        self._deferred_aborts.append(key)
+
+    @staticmethod
+    def _item(item: dict) -> Any:
+        return P.error_from_record(item["err"]) if "err" in item else item
+
+    @staticmethod
+    def _loc(raw: list) -> Loc:
+        return Loc(*raw)
+
+    # calls ---------------------------------------------------------------------------------------
+    def put(self, key: str, data: memoryview, opts: dict) -> None:
+        self.request({"op": "put", "key": key, "v": data, **opts})
+
+    def mput(self, items: list[tuple[str, memoryview]], opts: dict) -> list[Any]:
+        reply = self.request({"op": "mput", "items": items, **opts})
+        return [self._item(i) for i in reply["items"]]
+
+    def create(self, key: str, size: int, opts: dict) -> Loc:
+        return self._loc(self.request({"op": "create", "key": key, "size": size, **opts})["loc"])
+
+    def mcreate(self, items: list[tuple[str, int]], opts: dict) -> list[Any]:
+        reply = self.request({"op": "mcreate", "items": items, **opts})
+        return [r if isinstance(r, BaseException) else self._loc(r["loc"]) for r in map(self._item, reply["items"])]
+
+    def finish(self, action: str, key: str) -> None:
+        self.request({"op": action, "key": key})
+
+    def mseal(self, keys: list[str]) -> list[Any]:
+        return [
+            None if not isinstance(r, BaseException) else r
+            for r in map(self._item, self.request({"op": "mseal", "keys": keys})["items"])
+        ]
+
+    def get(self, key: str, timeout: float) -> bytes:
+        return self._value(self.request({"op": "get", "key": key, "timeout": timeout}))
+
+    def mget(self, keys: list[str], timeout: float) -> list[Any]:
+        items = self.request({"op": "mget", "keys": keys, "timeout": timeout})["items"]
+        return [r if isinstance(r, BaseException) else self._value(r) for r in map(self._item, items)]
+
+    def _value(self, item: dict) -> bytes:
+        if "v" in item:
+            return item["v"]
+        try:
+            return bytes(self.view(self._loc(item["loc"])))  # the one copy, straight out of shared memory
+        finally:
+            self.release([item["lease"]])
+
+    def acquire(self, keys: list[str], timeout: float) -> list[Any]:
+        items = self.request({"op": "acquire", "keys": keys, "timeout": timeout})["items"]
+        out = []
+        for r in map(self._item, items):
+            out.append(r if isinstance(r, BaseException) else Lease(r["lease"], self._loc(r["loc"]), r["mutable"]))
+        return out
+
+    def read(self, key: str, offset: int, size: int) -> bytes:
+        return self.request({"op": "read", "key": key, "offset": offset, "size": size})["v"]
+
+    def keys_op(self, op: str, keys: list[str], **kw: Any) -> list[Any]:
+        return self.request({"op": op, "keys": keys, **kw})["r"]
+
+    def refcount(self, key: str) -> int:
+        return self.request({"op": "refcount", "key": key})["r"]
+
+    def stats(self) -> dict:
+        return self.request({"op": "stats"})["stats"]
+
+    def flush(self) -> None:
+        self.request({"op": "flush"})
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._conn.closed and self._pid == os.getpid():
+                try:
+                    self._conn.send({"op": "bye"})
+                except KvstrataError:
+                    pass
+            self._conn.close()  # the worker releases our leases and aborts our unfinished writes
+        self._tensors.clear()
+        for seg in self._segments.values():
+            _close_segment(seg)
+        self._segments.clear()
+
+
+class EmbeddedBackend:
+    """An :class:`~kvstrata.store.ObjectStore` in this process; closing the client closes an owned store."""
+
+    shm = True
+    address = "embedded"
+
+    def __init__(self, store: Any, *, own_store: bool) -> None:
+        self.store = store
+        self._own_store = own_store
+        self.owner = ("embedded", os.getpid(), next(_embedded_owners))
+        self.inline_max = 1 << 62  # no wire: put copies once either way
+        self._tensors: dict[int, Any] = {}
+        self._closed = False
+        # Finalizers may run inside the store's critical section (GC can strike anywhere), so they
+        # only queue their work here; the next call drains it.
+        self._deferred: collections.deque[int] = collections.deque()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
+
+    def _check(self) -> Any:
+        if self._closed:
+            raise ClosedError("client is closed")
+        while self._deferred:
+            self.store.release(self._deferred.popleft())
+        while self._deferred_aborts:
+            key = self._deferred_aborts.popleft()
+            _result(lambda key=key: self.store.abort(key, owner=self.owner))
+        return self.store
+
+    def _opts(self, opts: dict) -> dict:
+        from kvstrata.store import WriteMode
+
+        return {"ttl": opts["ttl"], "nx": opts["nx"], "write_mode": WriteMode(opts["mode"])}
+
+    def view(self, loc: Any) -> memoryview:
+        return self._check().buffer(loc)
+
+    def segment_tensor(self, index: int) -> Any:
+        t = self._tensors.get(index)
+        if t is None:
+            t = self._tensors[index] = _segment_tensor(self._check().segments[index])
+        return t
+
+    def release(self, ids: list[int]) -> None:
+        if self._closed:
+            return
+        for lease_id in ids:
+            self.store.release(lease_id)
+
+    def defer_release(self, lease_id: int) -> None:
+        self._deferred.append(lease_id)
+
+    def defer_abort(self, key: str) -> None:
+        self._deferred_aborts.append(key)
+
+    def put(self, key: str, data: memoryview, opts: dict) -> None:
+        self._check().put(key, data, owner=self.owner, **self._opts(opts))
+
+    def mput(self, items: list[tuple[str, memoryview]], opts: dict) -> list[Any]:
+        return [_result(lambda k=k, v=v: self.put(k, v, opts)) for k, v in items]
+
+    def create(self, key: str, size: int, opts: dict) -> Any:
+        return self._check().create(key, size, owner=self.owner, **self._opts(opts))
+
+    def mcreate(self, items: list[tuple[str, int]], opts: dict) -> list[Any]:
+        return [_result(lambda k=k, n=n: self.create(k, n, opts)) for k, n in items]
+
+    def finish(self, action: str, key: str) -> None:
+        getattr(self._check(), action)(key, owner=self.owner)
+
+    def mseal(self, keys: list[str]) -> list[Any]:
+        return [_result(lambda k=k: self.finish("seal", k)) for k in keys]
+
+    def get(self, key: str, timeout: float) -> bytes:
+        return self._check().get_bytes(key, timeout=timeout)
+
+    def mget(self, keys: list[str], timeout: float) -> list[Any]:
+        out = []
+        for r in self._check().acquire_many(keys, owner=self.owner, timeout=timeout):
+            if isinstance(r, BaseException):
+                out.append(r)
+                continue
+            try:
+                out.append(bytes(self.store.buffer(r.location)))
+            finally:
+                self.store.release(r.lease_id)
+        return out
+
+    def acquire(self, keys: list[str], timeout: float) -> list[Any]:
+        results = self._check().acquire_many(keys, owner=self.owner, timeout=timeout)
+        return [r if isinstance(r, BaseException) else Lease(r.lease_id, r.location, r.mutable) for r in results]
+
+    def read(self, key: str, offset: int, size: int) -> bytes:
+        return self._check().read(key, offset, size)
+
+    def keys_op(self, op: str, keys: list[str], **kw: Any) -> list[Any]:
+        store = self._check()
+        if op == "expire":
+            return list(store.expire(keys, kw["ttl"]))
+        return list(getattr(store, op)(keys))
+
+    def refcount(self, key: str) -> int:
+        return self._check().refcount(key)
+
+    def stats(self) -> dict:
+        stats = dict(self._check().stats())
+        stats.setdefault("clients", 1)
+        return stats
+
+    def flush(self) -> None:
+        self._check().flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._tensors.clear()
+        self.store.release_owner(self.owner)
+        if self._own_store:
+            self.store.close()
+
+
+def _result(fn: Any) -> Any:
+    """Per-key result: None/value on success, the exception instance on a refused key."""
+    try:
+        return fn()
+    except (KvstrataError, ValueError, TypeError) as exc:
+        return exc
+
+
+def _segment_tensor(seg: Any) -> Any:
+    if hasattr(seg, "as_tensor"):
+        return seg.as_tensor()
+    import torch
+
+    return torch.frombuffer(seg.buffer, dtype=torch.uint8)
+
+
+def _close_segment(seg: Any) -> None:
+    try:
+        seg.close()
+    except BufferError:
+        # A view the user still holds pins the mapping; it goes when the last view does.
+        log.debug("segment still viewed by the application; unmapped when the last view goes")

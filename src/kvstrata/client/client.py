@@ -1,0 +1,403 @@
+"""The kvstrata client: KV and object APIs over a worker (``unix://``) or an in-process store (embedded).
+
+Example::
+
+    import kvstrata, numpy as np
+    with kvstrata.connect(embedded=True, memory_bytes="256MiB") as kv:
+        kv.set("greeting", b"hello")
+        assert kv.get("greeting") == b"hello"
+        with kv.create("array", 4096) as buf:          # written in place, sealed on exit
+            buf.numpy(np.float32)[:] = 1.0
+        with kv.get_buffers(["array"])[0] as view:     # zero-copy, read-only
+            assert view.numpy(np.float32).sum() == 1024
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kvstrata.client import device as _device
+from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
+from kvstrata.client.buffers import ReadBuffer, WritableBuffer
+from kvstrata.client.values import byte_view, tensor_bytes
+from kvstrata.devobj.service import DeviceObjectsMixin
+from kvstrata.errors import ClosedError, KvstrataError
+from kvstrata.server import protocol as P
+
+Result = Any  # per-key: a value (or None) on success, the KvstrataError instance on failure
+
+
+def _one_or_many(keys: Any, results: list[Any]) -> Any:
+    return results[0] if isinstance(keys, str) else results
+
+
+class Client(DeviceObjectsMixin):
+    """A handle on a node's store. Build it with :func:`kvstrata.connect`; thread-safe; close it when done.
+
+    Single-key calls raise (``KeyNotFound``, ``KeyExists``, ``Timeout``, ``CapacityError``...); batch
+    calls return one result per key, the exception instance in the slot of a refused key.
+    A worker client sends one request at a time on its connection, so a ``get`` waiting for a key
+    holds up the client's other threads: give threads that wait their own client.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._closed = False
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._exec_lock = threading.Lock()
+        self._registered: set[int] = set()
+        self._counter = itertools.count()
+
+    # lifecycle -----------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self._backend.address
+
+    @property
+    def embedded(self) -> bool:
+        return isinstance(self._backend, EmbeddedBackend)
+
+    @property
+    def store(self) -> Any:
+        """The in-process ObjectStore (embedded clients only)."""
+        if not self.embedded:
+            raise AttributeError("store: only an embedded client has an in-process store")
+        return self._backend.store
+
+    def close(self) -> None:
+        """Release every lease and unfinished write of this client (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_device_objects()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        for index in self._registered:  # before the segments are unmapped
+            _device.unregister_segment(self._backend.segment_tensor(index))
+        self._registered.clear()
+        self._backend.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _b(self) -> Any:
+        if self._closed:
+            raise ClosedError("client is closed")
+        return self._backend
+
+    def __repr__(self) -> str:
+        return f"<kvstrata.Client {self.address}{' closed' if self._closed else ''}>"
+
+    # KV ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _write_opts(ttl: Any, nx: bool, write_mode: Any) -> dict:
+        return {"ttl": P.check_ttl(ttl), "nx": bool(nx), "mode": P.check_write_mode(write_mode)}
+
+    def set(
+        self, key: str, value: Any, *, ttl: float | None = None, nx: bool = False, write_mode: str = "memory"
+    ) -> None:
+        """Store ``value`` (bytes-like, numpy array, CPU tensor: its raw bytes) under ``key``.
+
+        ``ttl`` seconds (None/0: until deleted); ``nx``: only if absent (else KeyExists);
+        ``write_mode``: ``memory``, ``write_through``, ``write_back`` or ``evictable``.
+        A value over the inline limit is copied once, straight into shared memory.
+        """
+        P.check_key(key)
+        view = byte_view(value)
+        opts = self._write_opts(ttl, nx, write_mode)
+        backend = self._b()
+        if len(view) < backend.inline_max or not backend.shm:
+            backend.put(key, view, opts)
+            return
+        self._write_through_shm(backend, key, backend.create(key, len(view), opts), view)
+        backend.finish("seal", key)
+
+    @staticmethod
+    def _write_through_shm(backend: Any, key: str, loc: Any, view: memoryview) -> None:
+        try:
+            backend.view(loc)[:] = view
+        except BaseException:
+            backend.finish("abort", key)
+            raise
+
+    def get(self, key: str, *, timeout: float = 0) -> bytes:
+        """The value of ``key`` as bytes, waiting up to ``timeout`` seconds for it to appear.
+
+        KeyNotFound at once when ``timeout`` is 0, Timeout when it ran out.
+        """
+        P.check_key(key)
+        return self._b().get(key, P.check_timeout(timeout))
+
+    def mget(self, keys: Iterable[str], *, timeout: float = 0) -> list[Result]:
+        """Values of ``keys``: bytes, or the exception (KeyNotFound, Timeout...) in a missing key's slot."""
+        keys = P.check_keys(keys)
+        return self._b().mget(keys, P.check_timeout(timeout)) if keys else []
+
+    def mset(
+        self,
+        items: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        ttl: float | None = None,
+        nx: bool = False,
+        write_mode: str = "memory",
+    ) -> list[Result]:
+        """Store many values; returns None per stored key, the exception where a key was refused."""
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        keys = P.check_keys([k for k, _ in pairs])
+        views = [byte_view(v, f"items[{k!r}]") for k, v in pairs]
+        opts = self._write_opts(ttl, nx, write_mode)
+        backend = self._b()
+        results: list[Result] = [None] * len(keys)
+        small = [i for i, v in enumerate(views) if len(v) < backend.inline_max or not backend.shm]
+        large = [i for i, v in enumerate(views) if not (len(v) < backend.inline_max or not backend.shm)]
+        if small:
+            for i, r in zip(small, backend.mput([(keys[i], views[i]) for i in small], opts)):
+                results[i] = r if isinstance(r, BaseException) else None
+        if large:
+            locs = backend.mcreate([(keys[i], len(views[i])) for i in large], opts)
+            created = []
+            for i, loc in zip(large, locs):
+                if isinstance(loc, BaseException):
+                    results[i] = loc
+                    continue
+                try:
+                    self._write_through_shm(backend, keys[i], loc, views[i])
+                except KvstrataError as exc:
+                    results[i] = exc
+                    continue
+                created.append(i)
+            for i, r in zip(created, backend.mseal([keys[i] for i in created]) if created else []):
+                results[i] = r
+        return results
+
+    def read(self, key: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``key``'s value from ``offset`` (ValueError for a range outside it)."""
+        P.check_key(key)
+        return self._b().read(key, P.check_size(offset, "offset"), P.check_size(size))
+
+    def delete(self, keys: str | Iterable[str]) -> bool | list[bool]:
+        """Delete keys; True where a key existed. A str gives one bool, an iterable a list."""
+        return _one_or_many(keys, self._keys_op("delete", keys))
+
+    def exists(self, keys: str | Iterable[str]) -> bool | list[bool]:
+        """Whether each key exists (up to 100,000 keys per call)."""
+        return _one_or_many(keys, self._keys_op("exists", keys))
+
+    def expire(self, keys: str | Iterable[str], ttl: float | None) -> bool | list[bool]:
+        """Set keys' time to live (None/0: until deleted); True where the key existed."""
+        return _one_or_many(keys, self._keys_op("expire", keys, ttl=P.check_ttl(ttl)))
+
+    def size(self, keys: str | Iterable[str]) -> int | list[int | None] | None:
+        """Value size in bytes per key (None where missing)."""
+        return _one_or_many(keys, self._keys_op("sizes", keys))
+
+    def _keys_op(self, op: str, keys: Any, **kw: Any) -> list[Any]:
+        keys = P.check_keys(keys)
+        return self._b().keys_op(op, keys, **kw) if keys else []
+
+    def generate_key(self, prefix: str = "") -> str:
+        """A new unique key, ``prefix`` followed by 32 hex digits."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: must be a str, got {type(prefix).__name__}")
+        return P.check_key(f"{prefix}{uuid.uuid4().hex}", "prefix")
+
+    # objects -------------------------------------------------------------------------------------
+    def create(
+        self, key: str, size: int, *, ttl: float | None = None, nx: bool = False, write_mode: str = "memory"
+    ) -> WritableBuffer:
+        """Reserve ``size`` bytes of shared memory for ``key``; fill the returned buffer, then seal/publish."""
+        P.check_key(key)
+        size = P.check_size(size)
+        backend = self._b()
+        if not backend.shm:
+            raise KvstrataError("create needs shared memory with the worker (connect over unix://)")
+        loc = backend.create(key, size, self._write_opts(ttl, nx, write_mode))
+        return WritableBuffer(self, key, loc, backend.view(loc))
+
+    def _finish_write(self, action: str, key: str) -> None:
+        self._b().finish(action, key)
+
+    def get_buffers(self, keys: str | Iterable[str], *, timeout: float = 0) -> list[ReadBuffer | KvstrataError]:
+        """Zero-copy read-only views of objects, each holding a lease until released (or collected)."""
+        keys = P.check_keys(keys)
+        backend = self._b()
+        out: list[Any] = []
+        for key, lease in zip(keys, backend.acquire(keys, P.check_timeout(timeout)) if keys else []):
+            if isinstance(lease, BaseException):
+                out.append(lease)
+            else:
+                out.append(ReadBuffer(self, key, lease.lease_id, backend.view(lease.location)))
+        return out
+
+    def _release_leases(self, ids: list[int]) -> None:
+        if not self._closed:
+            self._backend.release(ids)
+
+    def _defer_release(self, lease_id: int) -> None:
+        if not self._closed:
+            self._backend.defer_release(lease_id)
+
+    def _defer_abort(self, key: str) -> None:
+        if not self._closed:
+            self._backend.defer_abort(key)
+
+    def incref(self, keys: str | Iterable[str]) -> int | list[int]:
+        """Add one global reference per key; returns the new counts."""
+        return _one_or_many(keys, self._keys_op("incref", keys))
+
+    def decref(self, keys: str | Iterable[str]) -> int | list[int]:
+        """Drop one global reference per key; an object whose count reaches 0 is deleted."""
+        return _one_or_many(keys, self._keys_op("decref", keys))
+
+    def refcount(self, key: str) -> int:
+        return self._b().refcount(P.check_key(key))
+
+    # host <-> device -----------------------------------------------------------------------------
+    def mset_d2h(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
+    ) -> list[Result]:
+        """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
+
+        A key that already exists is left as it is and reported as KeyExists in its slot. Returns
+        None per stored key. Copies for all keys run as one batch on ``stream`` (default: current).
+        """
+        keys, flat = self._check_tensor_lists(keys, tensor_lists)
+        backend = self._b()
+        sizes = [sum(t.numel() for t in ts) for ts in flat]
+        opts = {"ttl": None, "nx": True, "mode": "memory"}
+        locs = backend.mcreate(list(zip(keys, sizes)), opts)
+        results: list[Result] = [loc if isinstance(loc, BaseException) else None for loc in locs]
+        created = [i for i, loc in enumerate(locs) if not isinstance(loc, BaseException)]
+        pairs = []
+        for i in created:
+            pairs.extend(zip(self._host_slices(locs[i], flat[i]), flat[i]))
+        try:
+            event = _device.copy_batch(pairs, stream=stream)
+            if event is not None:
+                event.synchronize()  # the bytes must be in host memory before the object is sealed
+        except BaseException:
+            for i in created:
+                backend.finish("abort", keys[i])
+            raise
+        for i, r in zip(created, backend.mseal([keys[i] for i in created]) if created else []):
+            results[i] = r
+        return results
+
+    def mget_h2d(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
+    ) -> list[Result]:
+        """Fill each key's tensors (device or CPU) from its object, split in order. Returns None per key filled.
+
+        The tensors' sizes must add up to the object's size (ValueError in that key's slot
+        otherwise). Waits up to ``timeout`` for missing keys. All copies run as one batch on
+        ``stream``; the call returns once they have landed.
+        """
+        keys, flat = self._check_tensor_lists(keys, tensor_lists)
+        backend = self._b()
+        leases = backend.acquire(keys, P.check_timeout(timeout)) if keys else []
+        results: list[Result] = []
+        pairs = []
+        held = []
+        for i, lease in enumerate(leases):
+            if isinstance(lease, BaseException):
+                results.append(lease)
+                continue
+            held.append(lease.lease_id)
+            want = sum(t.numel() for t in flat[i])
+            if want != lease.location.size:
+                results.append(
+                    ValueError(f"tensor_lists[{i}]: {want} bytes for {keys[i]!r}, which holds {lease.location.size}")
+                )
+                continue
+            pairs.extend(zip(flat[i], self._host_slices(lease.location, flat[i])))
+            results.append(None)
+        try:
+            event = _device.copy_batch(pairs, stream=stream)
+            if event is not None:
+                event.synchronize()  # the leases pin the source bytes until the copies are done
+        finally:
+            if held:
+                backend.release(held)
+        return results
+
+    def async_mset_d2h(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
+    ) -> concurrent.futures.Future:
+        """:meth:`mset_d2h` in the background; the Future's result is its per-key list."""
+        return self._submit(self.mset_d2h, keys, tensor_lists, stream=self._caller_stream(stream, tensor_lists))
+
+    def async_mget_h2d(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
+    ) -> concurrent.futures.Future:
+        """:meth:`mget_h2d` in the background; don't read the tensors before the Future is done."""
+        stream = self._caller_stream(stream, tensor_lists)
+        return self._submit(self.mget_h2d, keys, tensor_lists, timeout=timeout, stream=stream)
+
+    @staticmethod
+    def _caller_stream(stream: Any, tensor_lists: Any) -> Any:
+        # The current stream is per thread: the copies must follow the caller's, not the pool thread's.
+        if stream is not None:
+            return stream
+        import torch
+
+        for ts in tensor_lists:
+            for t in ts:
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    return torch.cuda.current_stream(t.device)
+        return None
+
+    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        self._b()
+        with self._exec_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvstrata-client")
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def _check_tensor_lists(self, keys: Any, tensor_lists: Any) -> tuple[list[str], list[list[Any]]]:
+        keys = P.check_keys(keys)
+        if isinstance(tensor_lists, str | bytes) or len(tensor_lists) != len(keys):
+            raise ValueError(f"tensor_lists: need one list of tensors per key ({len(keys)} keys)")
+        flat = []
+        for i, ts in enumerate(tensor_lists):
+            if not isinstance(ts, list | tuple):
+                raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
+            flat.append([tensor_bytes(t, f"tensor_lists[{i}][{j}]", device_ok=True) for j, t in enumerate(ts)])
+        return keys, flat
+
+    def _host_slices(self, loc: Any, tensors: list[Any]) -> list[Any]:
+        """Views of the object's bytes in shared memory, one per tensor, in order."""
+        sizes = [t.numel() for t in tensors]
+        import torch
+
+        if loc.size == 0:
+            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+        seg = self._backend.segment_tensor(loc.segment)
+        if loc.segment not in self._registered and _device.cuda_in_use(tensors):
+            _device.register_segment(seg)
+            self._registered.add(loc.segment)
+        out, offset = [], loc.offset
+        for n in sizes:
+            out.append(seg[offset : offset + n])
+            offset += n
+        return out
+
+    # operations ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The store's and worker's figures: tiers' use, objects, hits, misses, evictions, spills, clients."""
+        return self._b().stats()
+
+    def flush(self) -> None:
+        """Write write-back data to SSD now."""
+        self._b().flush()
+
+    def ping(self) -> None:
+        if isinstance(self._b(), RemoteBackend):
+            self._backend.request({"op": "ping"})

@@ -1,0 +1,108 @@
+"""Host <-> device copies between user tensors and objects in shared memory.
+
+Everything that moves bytes between a device and the shared segments goes through :func:`copy_batch`,
+so a batched kernel (``kvstrata.ops``) can replace the per-pair copies in one place. The segments
+are registered with CUDA once per client (:func:`register_segment`), which makes them pinned memory
+for the copy engines: ``non_blocking`` copies run as DMA straight from and to the worker's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def cuda_in_use(tensors: list[Any]) -> bool:
+    return any(t.device.type == "cuda" for t in tensors)
+
+
+# address -> [nbytes, number of clients using it]: one registration per mapping, shared by the
+# clients of this process (an embedded store's segments can be used by several clients at once).
+_registered: dict[int, list[int]] = {}
+_reg_lock = threading.Lock()
+
+
+def register_segment(tensor: Any) -> None:
+    """Register a segment's CPU tensor view with CUDA (counted per address; no-op without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    addr, nbytes = tensor.data_ptr(), tensor.numel()
+    with _reg_lock:
+        entry = _registered.get(addr)
+        if entry is not None:
+            entry[1] += 1
+            return
+        try:
+            from kvstrata.memory import register
+        except ImportError:
+            rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
+            if rc != 0:
+                log.warning(
+                    "cudaHostRegister of a shared segment failed (cudaError %d): copies run at pageable speed", rc
+                )
+                return
+        else:
+            register(addr, nbytes)
+        _registered[addr] = [nbytes, 1]
+
+
+def unregister_segment(tensor: Any) -> None:
+    """Undo :func:`register_segment`; the last user unregisters, before the mapping goes away."""
+    import torch
+
+    addr = tensor.data_ptr()
+    with _reg_lock:
+        entry = _registered.get(addr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _registered[addr]
+        try:
+            from kvstrata.memory import unregister
+        except ImportError:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        else:
+            unregister(addr)
+
+
+def copy_batch(pairs: list[tuple[Any, Any]], *, stream: Any = None) -> Any:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair of flat uint8 tensors, as one batch.
+
+    Device copies are enqueued on ``stream`` (default: the current stream) after it waits for the
+    current stream, so they see the caller's pending work; the returned CUDA event (None when no
+    device was involved) completes when the bytes have landed. The caller must keep the source and
+    destination memory alive until then.
+    """
+    import torch
+
+    if not pairs:
+        return None
+    on_device = [p for p in pairs if p[0].device.type == "cuda" or p[1].device.type == "cuda"]
+    host_only = [p for p in pairs if not (p[0].device.type == "cuda" or p[1].device.type == "cuda")]
+    if host_only:
+        dsts, srcs = zip(*host_only)
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(list(dsts), list(srcs))
+        else:
+            for dst, src in host_only:
+                dst.copy_(src)
+    if not on_device:
+        return None
+    device = next(t.device for p in on_device for t in p if t.device.type == "cuda")
+    current = torch.cuda.current_stream(device)
+    stream = stream or current
+    if stream != current:
+        stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for dst, src in on_device:
+            dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event

@@ -1,0 +1,95 @@
+"""Worker stats in the Prometheus text exposition format (version 0.0.4).
+
+Stats are a nested dict (the store's plus the worker's). Numbers at the top become
+``kvstrata_<name>``; a dict of dicts such as ``{"tiers": {"memory": {"used": ...}}}`` becomes
+``kvstrata_tier_used{tier="memory"}``. Monotonic counts get the ``_total`` suffix and type counter.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+# Stats that only grow (Prometheus counters); everything else is a gauge.
+COUNTERS = frozenset(
+    {
+        "hits",
+        "misses",
+        "evictions",
+        "spills",
+        "promotions",
+        "expired",
+        "corrupt",
+        "requests",
+        "request_errors",
+        "connections",
+        "puts",
+        "gets",
+        "deletes",
+        "bytes_written",
+        "bytes_read",
+        "flushes",
+    }
+)
+# Leaves that are byte counts get the ``_bytes`` unit suffix Prometheus asks for.
+BYTES = frozenset({"used", "capacity", "mapped", "free", "size"})
+
+
+def _singular(name: str) -> str:
+    return name[:-1] if name.endswith("s") else name
+
+
+def _sanitize(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in str(name)).strip("_").lower()
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def to_prometheus(stats: dict[str, Any], prefix: str = "kvstrata") -> str:
+    """Render ``stats`` as Prometheus text; non-numeric leaves are skipped."""
+    samples: dict[str, list[tuple[str, float]]] = {}
+
+    def add(name: str, labels: dict[str, str], value: float) -> None:
+        label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        samples.setdefault(name, []).append((f"{{{label_text}}}" if label_text else "", value))
+
+    def walk(path: list[str], labels: dict[str, str], node: Any) -> None:
+        value = _number(node)
+        if value is not None:
+            add("_".join([prefix, *path]), labels, value)
+            return
+        if not isinstance(node, dict):
+            return
+        if path and node and all(isinstance(v, dict) for v in node.values()):
+            label = _singular(path[-1])  # {"tiers": {"memory": {...}}} -> tier="memory"
+            for key, child in node.items():
+                walk([*path[:-1], label], {**labels, label: str(key)}, child)
+            return
+        for key, child in node.items():
+            walk([*path, _sanitize(key)], labels, child)
+
+    walk([], {}, stats)
+    lines = []
+    for name, rows in sorted(samples.items()):
+        base = name.rsplit("_", 1)[-1]
+        is_counter = name.removeprefix(prefix + "_") in COUNTERS or base in COUNTERS
+        metric = f"{name}_bytes" if base in BYTES else name
+        metric = f"{metric}_total" if is_counter and not metric.endswith("_total") else metric
+        lines.append(f"# TYPE {metric} {'counter' if is_counter else 'gauge'}")
+        for label_text, value in rows:
+            lines.append(f"{metric}{label_text} {_format(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _format(value: float) -> str:
+    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)

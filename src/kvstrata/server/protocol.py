@@ -1,0 +1,112 @@
+"""The client <-> worker message protocol: request ops, replies, error records, write options.
+
+A request is ``{"op": name, ...fields}``; the reply is ``{...fields}`` or ``{"err": [type, message]}``.
+Batch ops answer ``{"items": [...]}``, one entry per key, where a failed key is its own error record.
+Object locations travel as ``[segment, offset, size]``; a reply that mentions a segment this client
+has not been sent yet carries ``{"segs": [[index, nbytes], ...]}`` and the segments' descriptors.
+``release`` is one-way (no reply) so a zero-copy read costs one round trip.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import kvstrata.errors as kverrors
+
+#: values below this many bytes travel inside the message; larger ones through shared memory
+INLINE_MAX = 64 << 10
+#: most keys one batch request may name (the seed's 100,000-key exists, with room)
+MAX_BATCH = 100_000
+MAX_KEY_BYTES = 1024
+WRITE_MODES = ("memory", "write_through", "write_back", "evictable")
+ONE_WAY_OPS = frozenset({"release"})
+
+_ERROR_TYPES: dict[str, type[BaseException]] = {
+    name: getattr(kverrors, name) for name in kverrors.__all__ if isinstance(getattr(kverrors, name), type)
+}
+_ERROR_TYPES.update(ValueError=ValueError, TypeError=TypeError)
+
+
+def error_record(exc: BaseException) -> dict[str, Any]:
+    """``{"err": [type name, message]}``: what a worker replies for a refused request or key."""
+    name = type(exc).__name__
+    if name not in _ERROR_TYPES:
+        # the nearest kvstrata class the client knows (e.g. a store-private subclass)
+        name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERROR_TYPES), "ServerError")
+    return {"err": [name, str(exc)]}
+
+
+def error_from_record(record: list | tuple) -> BaseException:
+    """The exception an error record stands for, of the same class the worker raised."""
+    try:
+        name, message = record
+    except (TypeError, ValueError):
+        return kverrors.ProtocolError(f"malformed error record {record!r:.200}")
+    cls = _ERROR_TYPES.get(name)
+    if cls is None:
+        return kverrors.ServerError(f"{name}: {message}")
+    return cls(message)
+
+
+def check_key(key: Any, name: str = "key") -> str:
+    """A valid key (str, 1..1024 UTF-8 bytes) or ValueError/TypeError naming ``name``."""
+    if not isinstance(key, str):
+        raise TypeError(f"{name}: must be a str, got {type(key).__name__}")
+    if not key:
+        raise ValueError(f"{name}: must not be empty")
+    n = len(key.encode("utf-8", "surrogatepass"))
+    if n > MAX_KEY_BYTES:
+        raise ValueError(f"{name}: {n} bytes long, over the {MAX_KEY_BYTES}-byte limit")
+    return key
+
+
+def check_keys(keys: Any, name: str = "keys") -> list[str]:
+    """A list of valid keys (a single str is one key) of at most MAX_BATCH entries."""
+    if isinstance(keys, str):
+        keys = [keys]
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise TypeError(f"{name}: expected a str or an iterable of str, got {type(keys).__name__}") from None
+    if len(keys) > MAX_BATCH:
+        raise ValueError(f"{name}: {len(keys)} keys, over the {MAX_BATCH} per call limit")
+    for i, key in enumerate(keys):
+        check_key(key, f"{name}[{i}]")
+    return keys
+
+
+def check_ttl(ttl: Any) -> float | None:
+    """Seconds to live; None or 0 means until deleted."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
+        raise TypeError(f"ttl: must be seconds (a number) or None, got {type(ttl).__name__}")
+    if ttl < 0:
+        raise ValueError(f"ttl: must be >= 0 seconds, got {ttl}")
+    return float(ttl) or None
+
+
+def check_timeout(timeout: Any) -> float:
+    if timeout is None:
+        return 0.0
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout: must be seconds (a number), got {type(timeout).__name__}")
+    if timeout < 0:
+        raise ValueError(f"timeout: must be >= 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def check_write_mode(mode: Any) -> str:
+    value = getattr(mode, "value", mode)
+    if value not in WRITE_MODES:
+        raise ValueError(f"write_mode: must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
+    return value
+
+
+def check_size(size: Any, name: str = "size") -> int:
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(f"{name}: must be an int, got {type(size).__name__}")
+    if size < 0:
+        raise ValueError(f"{name}: must be >= 0, got {size}")
+    return int(size)

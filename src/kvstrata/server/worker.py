@@ -1,0 +1,305 @@
+"""The node worker: owns an :class:`~kvstrata.store.ObjectStore`, serves clients over a transport.
+
+One thread per client connection runs request -> engine call -> reply. The connection is the
+engine's ``owner``: when a client closes, crashes or is SIGKILLed, its socket reads EOF and the
+worker calls ``release_owner`` (its leases are released, its unfinished writes aborted, so no
+partial object ever becomes visible). Shared segments are handed to a client the first time a
+reply points into them. A bad request gets an error record back; it never takes the worker down.
+
+Example (what ``kvstrata worker`` does)::
+
+    worker = Worker(WorkerConfig.load(flags={"socket": "/tmp/kv.sock", "memory": "1GiB"})).start()
+    worker.serve_forever()          # until SIGTERM/SIGINT or worker.stop()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from kvstrata.devobj import service as devobj_service
+from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, TransportError
+from kvstrata.server import protocol as P
+from kvstrata.server.config import WorkerConfig
+from kvstrata.server.handlers import HANDLERS, release
+from kvstrata.transport import Connection, Listener, listen
+from kvstrata.transport.stream import MAX_FDS
+
+log = logging.getLogger("kvstrata.worker")
+_owner_ids = itertools.count(1)
+
+
+class Worker:
+    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM in ``serve_forever``) shuts down cleanly."""
+
+    def __init__(self, config: WorkerConfig, *, store: Any = None) -> None:
+        self.config = config
+        self._store = store
+        self._own_store = store is None
+        self._listener: Listener | None = None
+        self._sessions: dict[int, Session] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.started_at = time.time()
+        self.counters: Counter[str] = Counter()
+
+    # lifecycle -----------------------------------------------------------------------------------
+    @property
+    def store(self) -> Any:
+        return self._store
+
+    @property
+    def address(self) -> str:
+        if self._listener is None:
+            raise ClosedError("worker is not listening (call start())")
+        return self._listener.address
+
+    def start(self) -> Worker:
+        if self._store is None:
+            from kvstrata.store import ObjectStore
+
+            self._store = ObjectStore(self.config.store_config())
+        if hasattr(self._store, "add_segment_listener"):
+            self._store.add_segment_listener(self._on_segment)
+        try:
+            self._listener = listen(
+                self.config.address, self._serve, on_hello=self._on_hello, mode=self.config.socket_mode
+            )
+        except BaseException:
+            if self._own_store:
+                self._store.close()
+            raise
+        stats = self._store.stats()
+        log.info(
+            "worker pid %d listening on %s (memory tier %s, disk tier %s)",
+            _pid(),
+            self._listener.address,
+            _fmt(self.config.memory),
+            f"{_fmt(self.config.disk_size)} in {self.config.disk_dir}" if self.config.disk_dir else "off",
+        )
+        log.debug("store stats at start: %s", stats)
+        return self
+
+    def serve_forever(self) -> None:
+        """Block until stop() or SIGTERM/SIGINT (when called from the main thread), then shut down."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: self._on_signal(signum))
+        while not self._stopped.wait(0.5):
+            pass
+        self.stop()
+
+    def _on_signal(self, signum: int) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        self._stopped.set()
+
+    def stop(self) -> None:
+        """Stop listening, disconnect clients, flush write-back data and close the store (idempotent)."""
+        self._stopped.set()
+        if self._listener is not None:
+            self._listener.stop()
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            s.conn.close()
+        deadline = time.monotonic() + 5  # let requests in flight finish before the store goes
+        while self._sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._store is not None and self._own_store:
+            self._store.close()
+            log.info("worker stopped; write-back data flushed")
+            self._own_store = False
+
+    def __enter__(self) -> Worker:
+        return self if self._listener else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # stats ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The store's stats plus the worker's own (clients, requests, errors, uptime)."""
+        stats = dict(self._store.stats())
+        with self._lock:
+            stats["clients"] = len(self._sessions)
+        stats["requests"] = self.counters["requests"]
+        stats["request_errors"] = self.counters["errors"]
+        stats["connections"] = self.counters["connections"]
+        stats["uptime_seconds"] = round(time.time() - self.started_at, 3)
+        return stats
+
+    # connections ---------------------------------------------------------------------------------
+    def _on_segment(self, segment: Any) -> None:
+        log.info("memory tier grew: %d segments, newest %s", len(self._store.segments), _fmt(segment.nbytes))
+
+    def _on_hello(self, conn: Connection, hello: dict) -> tuple[dict, list[int]]:
+        session = Session(self, conn, hello)
+        conn.session = session  # type: ignore[attr-defined]
+        reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
+        fds: list[int] = []
+        if session.shm:  # map what exists now; later segments come with the first reply pointing into them
+            segs = list(self._store.segments)[:MAX_FDS]
+            reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
+            fds = [seg.fd for seg in segs]
+            session.sent_segments.update(range(len(segs)))
+        return reply, fds
+
+    def _serve(self, conn: Connection) -> None:
+        session: Session = conn.session  # type: ignore[attr-defined]
+        with self._lock:
+            self._sessions[session.owner] = session
+            self.counters["connections"] += 1
+            n = len(self._sessions)
+        log.info("client %s connected (%d connected)", session.name, n)
+        why = "disconnected"
+        try:
+            session.run()
+        except ConnectionLost:
+            why = "went away without closing (exited, crashed or killed)"
+        except ClosedError:
+            why = "was disconnected by the worker"
+        except TransportError as exc:
+            why = f"broke the protocol ({exc})"
+        finally:
+            conn.close()
+            with self._lock:
+                self._sessions.pop(session.owner, None)
+                n = len(self._sessions)
+            released = session.cleanup()
+            log.info("client %s %s%s (%d connected)", session.name, why, released, n)
+
+
+class Session:
+    """One client connection: its owner id, what it was sent, what it holds."""
+
+    def __init__(self, worker: Worker, conn: Connection, hello: dict) -> None:
+        self.worker = worker
+        self.store = worker.store
+        self.conn = conn
+        self.owner = next(_owner_ids)
+        self.name = f"pid {hello.get('pid', '?')}" + (f" ({hello['name']})" if hello.get("name") else "")
+        # Large values go through shared memory only if the client can map it.
+        self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
+        self.sent_segments: set[int] = set()
+        self.leases: set[int] = set()
+        self.writes: set[str] = set()
+
+    def run(self) -> None:
+        while True:
+            msg, fds = self.conn.recv()
+            for fd in fds:  # clients have no reason to send descriptors
+                _close(fd)
+            op = msg.get("op")
+            if op == "bye":  # a clean close, as opposed to a crash
+                return
+            self.worker.counters["requests"] += 1
+            handler = HANDLERS.get(op) if isinstance(op, str) else None
+            try:
+                if handler is None:
+                    raise ServerError(f"unknown request {op!r:.100}")
+                if msg.get("rel"):  # releases deferred by the client's garbage collector
+                    release(self, {"ids": msg["rel"]})
+                for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
+                    try:
+                        self.store.abort(key, owner=self.owner)
+                        self.writes.discard(key)
+                    except (KvstrataError, ValueError, TypeError):
+                        pass
+                reply = handler(self, msg)
+            except (KvstrataError, ValueError, TypeError, KeyError) as exc:
+                self.worker.counters["errors"] += 1
+                reply = P.error_record(exc)
+            except Exception as exc:  # a bug: say so, keep serving
+                self.worker.counters["errors"] += 1
+                log.exception("request %r from client %s failed", op, self.name)
+                reply = P.error_record(ServerError(f"internal error in {op!r}: {type(exc).__name__}: {exc}"))
+            if handler is not None and op in P.ONE_WAY_OPS:
+                if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
+                    log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
+                continue
+            try:
+                self.send(reply)
+            except TypeError as exc:  # an unencodable reply is a bug: report it, keep the connection
+                log.exception("reply to %r for client %s could not be encoded", op, self.name)
+                self.send(P.error_record(ServerError(f"internal error in {op!r}: {exc}")))
+
+    def send(self, reply: dict) -> None:
+        new = reply.pop("_segs", None)
+        if new and len(new) > MAX_FDS:  # the rest are fetched by the client with a "segments" request
+            self.sent_segments.difference_update(new[MAX_FDS:])
+            new = new[:MAX_FDS]
+        if new:
+            segs = self.store.segments
+            reply["segs"] = [[i, segs[i].nbytes] for i in new]
+            self.conn.send(reply, [segs[i].fd for i in new])
+            self.sent_segments.update(new)
+        else:
+            self.conn.send(reply)
+
+    def cleanup(self) -> str:
+        devobj_service.session_closed(self)  # its device objects vanish, their waiters get errors
+        leases, writes = len(self.leases), len(self.writes)
+        try:
+            self.store.release_owner(self.owner)
+        except ClosedError:  # the worker is shutting down: the store is gone with everything in it
+            return ""
+        self.leases.clear()
+        self.writes.clear()
+        parts = []
+        if leases:
+            parts.append(f"{leases} read lease{'s' * (leases != 1)}")
+        if writes:
+            parts.append(f"{writes} unfinished write{'s' * (writes != 1)} aborted")
+        return f"; released {', '.join(parts)}" if parts else ""
+
+    # helpers -------------------------------------------------------------------------------------
+    def loc(self, location: Any, reply: dict) -> list[int]:
+        if location.size and location.segment not in self.sent_segments:
+            reply.setdefault("_segs", []).append(location.segment)
+            self.sent_segments.add(location.segment)  # once per reply, even for many keys
+        return [location.segment, location.offset, location.size]
+
+    def write_options(self, msg: dict) -> dict:
+        from kvstrata.store import WriteMode
+
+        return {
+            "ttl": P.check_ttl(msg.get("ttl")),
+            "write_mode": WriteMode(P.check_write_mode(msg.get("mode", "memory"))),
+            "nx": bool(msg.get("nx", False)),
+        }
+
+    def lease_item(self, lease: Any, reply: dict) -> dict:
+        """Inline the bytes of a small object (and drop the lease), else hand out the lease."""
+        if not self.shm or lease.size < P.INLINE_MAX:
+            try:
+                return {"v": bytes(self.store.buffer(lease.location))}
+            finally:
+                self.store.release(lease.lease_id)
+        self.leases.add(lease.lease_id)
+        return {"lease": lease.lease_id, "loc": self.loc(lease.location, reply)}
+
+
+def _close(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _fmt(n: int) -> str:
+    from kvstrata.units import format_size
+
+    return format_size(n)

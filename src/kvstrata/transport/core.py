@@ -1,0 +1,139 @@
+"""``connect`` and ``listen``: backends chosen by address scheme, retries, and the version handshake."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstrata.errors import KvstrataError, ProtocolError, TransportError
+from kvstrata.transport.base import PROTOCOL_VERSION, Connection, Handler, Listener, Message, get_backend
+
+log = logging.getLogger(__name__)
+
+#: hello -> (extra fields for the reply, fds to attach); lets a server hand out its state in the handshake
+HelloHook = Callable[[Connection, Message], tuple[Message, Sequence[int]]]
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def connect(
+    address: str,
+    timeout: float = 10.0,
+    *,
+    hello: Message | None = None,
+    retry_delay: float = 0.01,
+    max_retry_delay: float = 0.5,
+) -> Connection:
+    """Connect to ``address`` and handshake, retrying with jittered backoff until ``timeout`` seconds pass.
+
+    Retries only what may heal by itself (nothing listening yet, socket file not there yet, reset).
+    The handshake sends ``{"op": "hello", "protocol": PROTOCOL_VERSION, **hello}``; the reply is in
+    ``conn.peer_info`` and any descriptors attached to it in ``conn.handshake_fds``.
+
+    >>> from kvstrata.transport import connect, listen
+    >>> lst = listen("inproc://*", lambda c: c.send(c.recv()[0]))
+    >>> with connect(lst.address, timeout=1) as c:
+    ...     c.send({"x": 1}); c.recv()[0]
+    {'x': 1}
+    >>> lst.stop()
+    """
+    if timeout is None or timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    backend = get_backend(address)
+    deadline = time.monotonic() + timeout
+    delay = retry_delay
+    attempt = 0
+    while True:
+        attempt += 1
+        left = deadline - time.monotonic()
+        try:
+            conn = backend.connect(address, max(left, 0.001))
+            break
+        except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, TimeoutError) as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(
+                    f"could not connect to {address} within {timeout} s ({attempt} attempts; last: {exc})"
+                ) from exc
+            time.sleep(min(left, delay * random.uniform(0.5, 1.5)))
+            delay = min(delay * 2, max_retry_delay)
+        except OSError as exc:
+            raise TransportError(f"could not connect to {address}: {exc}") from exc
+    try:
+        _client_handshake(conn, hello or {}, max(deadline - time.monotonic(), 0.5))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _client_handshake(conn: Connection, hello: Message, timeout: float) -> None:
+    conn.send({**hello, "op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
+    try:
+        reply, fds = conn.recv(timeout=timeout)
+    except KvstrataError as exc:
+        if isinstance(exc, TransportError):
+            raise
+        raise TransportError(f"no handshake from {conn.address}: {exc}") from exc
+    if reply.get("op") != "welcome":
+        for fd in fds:
+            os.close(fd)
+        why = reply.get("error") or f"unexpected reply {reply!r:.200}"
+        raise ProtocolError(f"{conn.address} refused the handshake: {why}")
+    conn.peer_info = reply
+    conn.handshake_fds = fds
+
+
+def _server_handshake(conn: Connection, on_hello: HelloHook | None) -> bool:
+    try:
+        hello, fds = conn.recv(timeout=HANDSHAKE_TIMEOUT)
+    except KvstrataError as exc:
+        log.debug("client on %s left before the handshake: %s", conn.address, exc)
+        return False
+    for fd in fds:
+        os.close(fd)
+    if hello.get("op") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
+        why = (
+            f"protocol version {hello.get('protocol')!r} not supported (this worker speaks {PROTOCOL_VERSION})"
+            if hello.get("op") == "hello"
+            else "the first message must be a hello"
+        )
+        log.warning("refused a client on %s: %s", conn.address, why)
+        try:
+            conn.send({"op": "refused", "error": why})
+        except KvstrataError:
+            pass
+        return False
+    conn.peer_info = hello
+    extra, reply_fds = on_hello(conn, hello) if on_hello else ({}, ())
+    conn.send({**extra, "op": "welcome", "protocol": PROTOCOL_VERSION, "pid": os.getpid()}, reply_fds)
+    return True
+
+
+def listen(address: str, handler: Handler, *, on_hello: HelloHook | None = None, **options: Any) -> Listener:
+    """Listen on ``address``; each connection is handshaken, then ``handler(conn)`` runs in its own thread.
+
+    The handler owns the connection (close it when done). ``options`` go to the backend
+    (``mode=0o600`` for ``unix://``). ``on_hello`` may add fields and descriptors to the handshake reply.
+    """
+
+    def serve(conn: Connection) -> None:
+        try:
+            if _server_handshake(conn, on_hello):
+                handler(conn)
+                return
+        except KvstrataError as exc:
+            log.debug("connection on %s ended during the handshake: %s", conn.address, exc)
+        except Exception:
+            log.exception("connection handler on %s failed", conn.address)
+        conn.close()
+
+    def accept(conn: Connection) -> None:
+        threading.Thread(target=serve, args=(conn,), name=f"kvstrata-conn {conn.address}", daemon=True).start()
+
+    return get_backend(address).listen(address, accept, **options)

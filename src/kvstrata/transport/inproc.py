@@ -1,0 +1,129 @@
+"""``inproc://name``: connections between threads of one process, through queues.
+
+For the embedded mode and for tests. Messages go through the same msgpack encoding as on a socket,
+so code that works in-process works over ``unix://``; passed descriptors are duplicated, so the
+receiver owns (and must close) what it gets, as with SCM_RIGHTS.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvstrata.errors import ClosedError, ConnectionLost, Timeout, TransportError
+from kvstrata.transport.base import Backend, Connection, Handler, Listener, Message, register_backend, split_address
+from kvstrata.transport.stream import MAX_FDS, pack, unpack
+
+_CLOSED = object()
+_listeners: dict[str, InprocListener] = {}
+_listeners_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+class InprocConnection(Connection):
+    can_pass_fds = True
+
+    def __init__(self, address: str, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
+        self._address = address
+        self._inbox = inbox
+        self._outbox = outbox
+        self._closed = False
+        self._lost = False
+        self._recv_lock = threading.Lock()
+        self.peer_info: Message = {}
+        self.handshake_fds: list[int] = []
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._lost
+
+    def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+        payload = pack(msg)
+        if len(fds) > MAX_FDS:
+            raise ValueError(f"fds: at most {MAX_FDS} per message, got {len(fds)}")
+        if self._closed:
+            raise ClosedError(f"connection to {self._address} is closed")
+        if self._lost:
+            raise ConnectionLost(f"connection to {self._address} was lost")
+        self._outbox.put((payload, [os.dup(fd) for fd in fds]))
+
+    def recv(self, timeout: float | None = None) -> tuple[Message, list[int]]:
+        if self._closed:
+            raise ClosedError(f"connection to {self._address} is closed")
+        if self._lost:
+            raise ConnectionLost(f"connection to {self._address} was lost")
+        with self._recv_lock:
+            try:
+                item = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                raise Timeout(f"no message from {self._address} within {timeout} s") from None
+        if item is _CLOSED:
+            if self._closed:
+                raise ClosedError(f"connection to {self._address} is closed")
+            self._lost = True
+            raise ConnectionLost(f"lost connection to {self._address} (peer closed the connection)")
+        payload, fds = item
+        return unpack(payload), fds
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._outbox.put(_CLOSED)
+        self._inbox.put(_CLOSED)  # wakes a local thread blocked in recv
+
+
+class InprocListener(Listener):
+    def __init__(self, address: str, accept: Handler) -> None:
+        self._address = address
+        self._accept = accept
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def connect(self) -> InprocConnection:
+        a_to_b: queue.SimpleQueue = queue.SimpleQueue()
+        b_to_a: queue.SimpleQueue = queue.SimpleQueue()
+        client = InprocConnection(self._address, inbox=b_to_a, outbox=a_to_b)
+        server = InprocConnection(self._address, inbox=a_to_b, outbox=b_to_a)
+        self._accept(server)
+        return client
+
+    def stop(self) -> None:
+        self._stopped = True
+        with _listeners_lock:
+            if _listeners.get(self._address) is self:
+                del _listeners[self._address]
+
+
+class InprocBackend(Backend):
+    def connect(self, address: str, timeout: float) -> InprocConnection:
+        split_address(address)
+        with _listeners_lock:
+            listener = _listeners.get(address)
+        if listener is None:
+            raise ConnectionRefusedError(f"nothing listens on {address}")
+        return listener.connect()
+
+    def listen(self, address: str, accept: Handler, **options: Any) -> InprocListener:
+        _, name = split_address(address)
+        if name == "*":  # a fresh unique name, like tcp port 0
+            address = f"inproc://{os.getpid()}-{next(_ids)}"
+        with _listeners_lock:
+            if address in _listeners:
+                raise TransportError(f"cannot listen on {address}: already in use")
+            listener = _listeners[address] = InprocListener(address, accept)
+        return listener
+
+
+register_backend("inproc", InprocBackend())

@@ -1,0 +1,387 @@
+"""The Client API, run twice: on an embedded store and against a worker over a Unix socket."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvstrata
+from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, ServerError, Timeout
+from kvstrata.server import Worker, WorkerConfig
+from kvstrata.server.protocol import INLINE_MAX
+
+MEMORY = 32 << 20
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    d = tmp_path_factory.mktemp("worker")
+    config = WorkerConfig.load(
+        {"socket": str(d / "w.sock"), "memory": MEMORY, "segment_size": 8 << 20, "disk_dir": "", "numa_node": "none"},
+        environ={},
+    )
+    with Worker(config).start() as w:
+        yield w
+
+
+@pytest.fixture(params=["embedded", "unix"])
+def kv(request, worker):
+    if request.param == "embedded":
+        client = kvstrata.connect(embedded=True, memory_bytes=MEMORY, segment_bytes=8 << 20, numa_node=None)
+    else:
+        client = kvstrata.connect(worker.address, timeout=5)
+    yield client
+    client.close()
+
+
+def _stats(kv):
+    return kv.stats()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",
+        b"x",
+        bytearray(b"abc"),
+        memoryview(b"0123456789")[2:8],
+        np.arange(1000, dtype=np.float32),
+        np.zeros((0, 3)),
+        torch.arange(77, dtype=torch.bfloat16),
+        torch.tensor(3.5),
+        bytes(range(256)) * (INLINE_MAX // 256 + 3),  # over the inline limit: through shared memory
+        np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8),
+    ],
+    ids=["empty", "one", "bytearray", "memoryview", "numpy", "numpy-empty", "bf16", "scalar", "over-inline", "3MiB"],
+)
+def test_set_get_roundtrip(kv, value):
+    expected = (
+        value.numpy().tobytes()
+        if isinstance(value, torch.Tensor) and value.dtype != torch.bfloat16
+        else value.view(torch.int16).numpy().tobytes()
+        if isinstance(value, torch.Tensor)
+        else bytes(value)
+        if not isinstance(value, np.ndarray)
+        else value.tobytes()
+    )
+    kv.set("k0", value)
+    assert kv.get("k0") == expected
+    assert kv.size("k0") == len(expected)
+    assert kv.mget(["k0"]) == [expected]
+
+
+def test_replace_and_nx(kv):
+    kv.set("k1", b"first")
+    kv.set("k1", b"second")
+    assert kv.get("k1") == b"second"
+    with pytest.raises(KeyExists):
+        kv.set("k1", b"third", nx=True)
+    assert kv.get("k1") == b"second"
+    big = b"B" * (INLINE_MAX * 2)
+    kv.set("k1", big)
+    with pytest.raises(KeyExists):
+        kv.set("k1", big, nx=True)
+    assert kv.get("k1") == big
+
+
+def test_missing_keys_and_batches(kv):
+    kv.delete(["k2", "k3"])
+    with pytest.raises(KeyNotFound):
+        kv.get("k2")
+    results = kv.mset({"k2": b"two", "k3": b"3" * (INLINE_MAX + 1)})
+    assert results == [None, None]
+    got = kv.mget(["k2", "missing-key", "k3"])
+    assert got[0] == b"two" and isinstance(got[1], KeyNotFound) and got[2] == b"3" * (INLINE_MAX + 1)
+    assert kv.exists(["k2", "missing-key"]) == [True, False]
+    assert kv.exists("k2") is True
+    assert kv.size(["k2", "missing-key"]) == [3, None]
+    assert kv.delete(["k2", "missing-key"]) == [True, False]
+    assert kv.exists("k2") is False
+    res = kv.mset([("k4", b"a"), ("k4", b"b")], nx=True)  # the second write of one key in a batch is refused
+    assert res[0] is None and isinstance(res[1], KeyExists)
+
+
+def test_exists_100k_keys(kv):
+    kv.set("k5", b"v")
+    keys = [f"nope-{i}" for i in range(99_999)] + ["k5"]
+    t0 = time.perf_counter()
+    res = kv.exists(keys)
+    assert len(res) == 100_000 and res[-1] is True and not any(res[:-1])
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(ValueError, match="100000"):
+        kv.exists([*keys, "one-more"])
+
+
+def test_partial_read(kv):
+    data = bytes(range(256)) * 1000
+    kv.set("k6", data)
+    assert kv.read("k6", 1000, 500) == data[1000:1500]
+    assert kv.read("k6", len(data) - 1, 1) == data[-1:]
+    with pytest.raises(ValueError):
+        kv.read("k6", len(data) - 10, 11)
+
+
+def test_get_waits_for_a_late_key(kv):
+    kv.delete("late")
+    timer = threading.Timer(0.3, lambda: writer.set("late", b"arrived"))
+    writer = kv if kv.embedded else kvstrata.connect(kv.address)
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        assert kv.get("late", timeout=5) == b"arrived"
+        assert 0.25 < time.monotonic() - t0 < 4
+    finally:
+        timer.join()
+        if writer is not kv:
+            writer.close()
+    t0 = time.monotonic()
+    with pytest.raises(Timeout):
+        kv.get("never-there", timeout=0.3)
+    assert 0.28 < time.monotonic() - t0 < 3
+    with pytest.raises(KeyNotFound):
+        kv.get("never-there")
+
+
+def test_ttl_and_expire(kv):
+    kv.set("ttl", b"short", ttl=0.2)
+    assert kv.get("ttl") == b"short"
+    time.sleep(0.5)
+    assert kv.exists("ttl") is False
+    kv.set("ttl", b"again")
+    assert kv.expire(["ttl", "missing-key"], 0.2) == [True, False]
+    time.sleep(0.5)
+    assert kv.exists("ttl") is False
+
+
+def test_create_seal_publish_abort(kv):
+    arr = np.arange(4096, dtype=np.float32)
+    with kv.create("obj", arr.nbytes) as buf:
+        assert not kv.exists("obj")  # not visible before seal
+        buf.numpy(np.float32)[:] = arr
+    assert kv.get("obj") == arr.tobytes()
+    with pytest.raises(RuntimeError), kv.create("obj", 8) as buf:
+        buf.write(b"partial!")
+        raise RuntimeError("writer failed")
+    assert kv.get("obj") == arr.tobytes()  # the aborted write left the old version
+    buf = kv.create("obj", 4)
+    buf.tensor()[:] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    buf.publish()
+    assert kv.get("obj") == bytes([1, 2, 3, 4])
+    with pytest.raises(ClosedError):
+        buf.memoryview()
+    with kv.create("empty", 0):
+        pass
+    assert kv.get("empty") == b""
+
+
+def test_zero_copy_buffers_hold_leases(kv):
+    arr = np.random.default_rng(1).random(100_000)
+    kv.set("arr", arr)
+    before = _stats(kv)["leases"]
+    bufs = kv.get_buffers(["arr", "missing-key"])
+    assert isinstance(bufs[1], KeyNotFound)
+    view = bufs[0]
+    np.testing.assert_array_equal(view.numpy(np.float64), arr)
+    assert torch.equal(view.tensor(torch.float64), torch.from_numpy(arr))
+    assert not view.numpy().flags.writeable
+    assert _stats(kv)["leases"] == before + 1
+    kv.delete("arr")  # the reader keeps its bytes until it releases them
+    np.testing.assert_array_equal(view.numpy(np.float64), arr)
+    view.release()
+    view.release()
+    with pytest.raises(ClosedError):
+        view.numpy()
+    kv.set("arr", b"z" * 100)
+    with kv.get_buffers("arr")[0] as b:
+        assert bytes(b) == b"z" * 100
+    kv.get_buffers("arr")  # dropped at once: the lease goes with garbage collection
+    gc.collect()
+    kv.exists("arr")  # a remote client hands deferred releases over on its next request
+    assert _stats(kv)["leases"] == before
+
+
+def test_refcounts(kv):
+    kv.set("k7", b"counted")
+    assert kv.incref("k7") == 1
+    assert kv.incref(["k7"]) == [2]
+    assert kv.refcount("k7") == 2
+    assert kv.decref("k7") == 1
+    assert kv.exists("k7")
+    assert kv.decref("k7") == 0
+    assert not kv.exists("k7")
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.bool]
+
+
+def test_mset_d2h_mget_h2d_cpu(kv):
+    g = torch.Generator().manual_seed(0)
+    kv.delete(["d0", "d1", "d2"])
+    lists = [
+        [
+            torch.randint(0, 2, (3, 5), generator=g).to(dt)
+            if dt == torch.bool
+            else (torch.randn(7, 3, generator=g) * 50).to(dt)
+            for dt in DTYPES
+        ],
+        [torch.randn(257, generator=g)],
+        [torch.empty(0)],
+    ]
+    assert kv.mset_d2h(["d0", "d1", "d2"], lists) == [None, None, None]
+    again = kv.mset_d2h(["d1", "k-new-x"], [[torch.zeros(257)], [torch.ones(2)]])
+    assert isinstance(again[0], KeyExists) and again[1] is None  # write-once: d1 untouched
+    kv.delete("k-new-x")
+    out = [[torch.full_like(t, 0) for t in ts] for ts in lists]
+    res = kv.mget_h2d(["d0", "d1", "d2"], out)
+    assert res == [None, None, None]
+    for src, dst in zip(lists, out):
+        for a, b in zip(src, dst):
+            assert torch.equal(a, b)
+    bad = kv.mget_h2d(["d1", "missing-key"], [[torch.empty(256)], [torch.empty(1)]])
+    assert isinstance(bad[0], ValueError) and isinstance(bad[1], KeyNotFound)
+    fut = kv.async_mget_h2d(["d1"], [[torch.empty(257)]])
+    assert fut.result(timeout=10) == [None]
+    fut = kv.async_mset_d2h(["d1"], [[torch.empty(1)]])
+    assert isinstance(fut.result(timeout=10)[0], KeyExists)
+    assert _stats(kv)["leases"] == 0
+
+
+@pytest.mark.gpu
+def test_mset_d2h_mget_h2d_cuda(kv):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    keys = [f"cuda-{i}" for i in range(64)]
+    kv.delete(keys)
+    src = [[torch.randn(1 << 15, device="cuda", generator=g), torch.randn(3, 5, device="cuda").half()] for _ in keys]
+    assert kv.mset_d2h(keys, src) == [None] * 64
+    dst = [[torch.full_like(t, float("nan")) for t in ts] for ts in src]
+    stream = torch.cuda.Stream()
+    assert kv.mget_h2d(keys, dst, stream=stream) == [None] * 64
+    torch.cuda.synchronize()
+    for a, b in zip(src, dst):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    host = kv.get(keys[5])
+    assert host == src[5][0].cpu().numpy().tobytes() + src[5][1].cpu().numpy().tobytes()
+    dst2 = [[torch.empty_like(t) for t in ts] for ts in src]
+    assert kv.async_mget_h2d(keys, dst2).result() == [None] * 64
+    assert all(torch.equal(x, y) for a, b in zip(src, dst2) for x, y in zip(a, b))
+    kv.delete(keys)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda kv: kv.set("", b"v"), ValueError, "key"),
+        (lambda kv: kv.set("x" * 1025, b"v"), ValueError, "key"),
+        (lambda kv: kv.set(b"bytes-key", b"v"), TypeError, "key"),
+        (lambda kv: kv.set("k", "a str"), TypeError, "value"),
+        (lambda kv: kv.set("k", 12), TypeError, "value"),
+        (lambda kv: kv.set("k", np.arange(10)[::2]), ValueError, "contiguous"),
+        (lambda kv: kv.set("k", torch.arange(10)[::2]), ValueError, "contiguous"),
+        (lambda kv: kv.set("k", b"v", write_mode="sometimes"), ValueError, "write_mode"),
+        (lambda kv: kv.set("k", b"v", ttl=-1), ValueError, "ttl"),
+        (lambda kv: kv.get("k", timeout="soon"), TypeError, "timeout"),
+        (lambda kv: kv.exists(["ok", 3]), TypeError, r"keys\[1\]"),
+        (lambda kv: kv.create("k", -1), ValueError, "size"),
+        (lambda kv: kv.mget_h2d(["a", "b"], [[torch.empty(1)]]), ValueError, "tensor_lists"),
+        (lambda kv: kv.set("k", b"x" * (MEMORY + 1)), CapacityError, None),
+        (lambda kv: kv.create("k", MEMORY * 4), CapacityError, None),
+    ],
+)
+def test_bad_input_raises_clear_errors(kv, call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(kv)
+    kv.set("k0", b"still serving")
+    assert kv.get("k0") == b"still serving"
+
+
+def test_closed_client(kv):
+    kv.close()
+    kv.close()
+    for call in (lambda: kv.get("k0"), lambda: kv.set("k0", b"v"), lambda: kv.exists(["k0"]), kv.stats):
+        with pytest.raises(ClosedError):
+            call()
+
+
+def test_generate_key(kv):
+    keys = {kv.generate_key("sess/") for _ in range(1000)}
+    assert len(keys) == 1000 and all(k.startswith("sess/") for k in keys)
+
+
+def test_unknown_op_is_refused_and_connection_survives(worker):
+    with kvstrata.connect(worker.address) as kv:
+        with pytest.raises(ServerError, match="unknown request"):
+            kv._backend.request({"op": "format-disk"})
+        with pytest.raises((ValueError, TypeError)):
+            kv._backend.request({"op": "get", "key": 42})
+        kv.set("k0", b"fine")
+        assert kv.get("k0") == b"fine"
+
+
+def test_more_new_segments_than_one_message_can_carry(tmp_path):
+    config = WorkerConfig.load(
+        {
+            "socket": str(tmp_path / "s.sock"),
+            "memory": "192MiB",
+            "segment_size": "2MiB",
+            "disk_dir": "",
+            "numa_node": "none",
+        },
+        environ={},
+    )
+    with Worker(config).start() as w, kvstrata.connect(w.address) as reader, kvstrata.connect(w.address) as writer:
+        values = {f"seg-{i}": bytes([i]) * (1536 << 10) for i in range(70)}  # one per 2 MiB segment
+        assert writer.mset(values) == [None] * 70
+        assert len(w.store.segments) >= 70
+        assert reader.mget(list(values)) == list(values.values())
+
+
+def test_dropped_unsealed_buffer_is_aborted(kv):
+    kv.delete("k-drop")
+    kv.create("k-drop", 1000).write(b"half")  # dropped without seal: never becomes visible
+    gc.collect()
+    assert kv.exists("k-drop") is False
+    assert _stats(kv)["creates_in_progress"] == 0
+    kv.set("k-drop", b"fresh", nx=True)
+    assert kv.get("k-drop") == b"fresh"
+
+
+def test_tcp_clients_get_everything_inline():
+    config = WorkerConfig.load({"socket": "tcp://127.0.0.1:0", "memory": "16MiB", "disk_dir": ""}, environ={})
+    with Worker(config).start() as w, kvstrata.connect(w.address) as kv:
+        assert w.address.startswith("tcp://127.0.0.1:") and not w.address.endswith(":0")
+        big = os.urandom(3 << 20)
+        kv.set("over-tcp", big)
+        assert kv.get("over-tcp") == big and kv.mget(["over-tcp"]) == [big]
+        with pytest.raises(ServerError, match="shared memory"):
+            kv.get_buffers(["over-tcp"])
+
+
+def test_a_hung_worker_is_reported_not_waited_on_forever(tmp_path):
+    from kvstrata.transport import listen
+
+    def mute(conn):  # handshakes, then never answers
+        try:
+            conn.recv()
+            conn.recv()
+        except Exception:
+            pass
+
+    lst = listen(f"unix://{tmp_path}/mute.sock", mute)
+    try:
+        kv = kvstrata.connect(lst.address)
+        kv._backend.request_timeout = 0.3
+        t0 = time.monotonic()
+        with pytest.raises(kvstrata.ConnectionLost, match="did not answer"):
+            kv.get("k", timeout=0.2)
+        assert 0.45 < time.monotonic() - t0 < 3
+        with pytest.raises(kvstrata.TransportError):
+            kv.exists("k")
+        kv.close()
+    finally:
+        lst.stop()

@@ -1,0 +1,115 @@
+"""WorkerConfig precedence, human sizes, Prometheus rendering, and the demo command."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.server import WorkerConfig, to_prometheus
+from kvstrata.units import format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("8GiB", 8 << 30), ("8G", 8 << 30), ("512MB", 512_000_000), ("1.5 KiB", 1536), (" 42 ", 42), (7, 7), ("0", 0)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "8 parsecs", "-1", True, None, 1.5, -3])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError, match="memory"):
+        parse_size(bad, "memory")
+
+
+def test_format_size():
+    assert format_size(100) == "100 B" and format_size(1536) == "1.5 KiB" and format_size(3 << 30) == "3.0 GiB"
+
+
+def test_precedence_file_env_flags(tmp_path):
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text(
+        "memory: 1GiB\ndisk-dir: ''\nsocket: /tmp/from-file.sock\nlog_level: debug\n"
+        "high_watermark: 0.7\nlow_watermark: 0.6\n"
+    )
+    env = {"KVSTRATA_MEMORY": "2GiB", "KVSTRATA_SOCKET": "/tmp/from-env.sock", "KVSTRATA_DISK_SYNC": "yes"}
+    c = WorkerConfig.load({"socket": "/tmp/from-flag.sock", "memory": None}, config_file=str(cfg), environ=env)
+    assert c.memory == 2 << 30  # env beats file; a None flag is "not given"
+    assert c.socket == "/tmp/from-flag.sock" and c.address == "unix:///tmp/from-flag.sock"
+    assert c.log_level == "debug" and c.high_watermark == 0.7 and c.disk_sync is True and c.disk_dir == ""
+    sc = c.store_config()
+    assert sc.memory_bytes == 2 << 30 and sc.disk_dir is None and sc.high_watermark == 0.7
+
+
+def test_defaults_come_from_the_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    c = WorkerConfig.load(environ={})
+    assert 64 << 20 <= c.memory <= 64 << 30
+    assert c.disk_dir == str(tmp_path / ".cache" / "kvstrata" / "disk") and c.disk_size > 0
+    assert c.socket.endswith("worker.sock")
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"memory": "lots"}, "memory"),
+        ({"log_level": "chatty"}, "log_level"),
+        ({"high_watermark": 2.0}, "high_watermark"),
+        ({"numa_node": "near"}, "numa_node"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_settings_name_the_field(values, match):
+    with pytest.raises(ValueError, match=match):
+        WorkerConfig.load({"disk_dir": "", **values}, environ={})
+
+
+def test_bad_environment_and_file(tmp_path):
+    with pytest.raises(ValueError, match="KVSTRATA_DISK_SYNC"):
+        WorkerConfig.load({"disk_dir": ""}, environ={"KVSTRATA_DISK_SYNC": "maybe"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        WorkerConfig.load(config_file=str(bad), environ={})
+
+
+def test_prometheus_text():
+    stats = {
+        "tiers": {"memory": {"used": 10, "capacity": 100, "hugepages": "off"}, "disk": {"used": 5, "capacity": 50}},
+        "objects": 3,
+        "hits": 7,
+        "misses": 1,
+        "clients": 2,
+        "uptime_seconds": 1.5,
+    }
+    text = to_prometheus(stats)
+    lines = text.splitlines()
+    assert 'kvstrata_tier_used_bytes{tier="memory"} 10' in lines
+    assert 'kvstrata_tier_capacity_bytes{tier="disk"} 50' in lines
+    assert "# TYPE kvstrata_hits_total counter" in lines and "kvstrata_hits_total 7" in lines
+    assert "# TYPE kvstrata_objects gauge" in lines and "kvstrata_uptime_seconds 1.5" in lines
+    assert "hugepages" not in text  # non-numeric leaves are skipped
+    # every sample line belongs to a declared metric
+    declared = {ln.split()[2] for ln in lines if ln.startswith("# TYPE")}
+    assert all(ln.split("{")[0].split()[0] in declared for ln in lines if not ln.startswith("#"))
+
+
+def test_demo_runs_and_checks_its_data(capsys):
+    import re
+
+    from kvstrata.cli.main import main
+
+    assert main(["demo", "--sessions", "6", "--memory", "2MiB", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every reused block matched bit for bit" in out
+    spills, promotions = map(int, re.search(r"(\d+) spills to SSD, (\d+) promotions", out).groups())
+    assert spills > 0 and promotions > 0  # the host tier was too small: the SSD tier was used both ways
+    assert int(re.search(r"reused from kvstrata\s+(\d+)", out).group(1)) > 0
+
+
+def test_worker_socket_follows_kvstrata_worker():
+    env = {"KVSTRATA_WORKER": "unix:///tmp/shared-name.sock"}
+    assert WorkerConfig.load({"disk_dir": ""}, environ=env).address == "unix:///tmp/shared-name.sock"
+    env["KVSTRATA_SOCKET"] = "/tmp/explicit.sock"  # an explicit socket setting wins
+    assert WorkerConfig.load({"disk_dir": ""}, environ=env).socket == "/tmp/explicit.sock"

@@ -1,0 +1,190 @@
+"""End to end: a real ``kvstrata worker`` process, client processes, kills and restarts."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvstrata
+from kvstrata.errors import ConnectionLost, KeyNotFound, ServerError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _e2e_jobs as jobs
+
+SRC = str(Path(kvstrata.__file__).resolve().parents[1])
+
+
+def start_worker(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    sock = tmp / "w.sock"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "kvstrata.cli.main", "worker", "--socket", str(sock), "--memory", "48MiB"]
+    cmd += [
+        "--numa-node",
+        "none",
+        "--segment-size",
+        "16MiB",
+        "--disk-dir",
+        str(tmp / "disk"),
+        "--disk-size",
+        "256MiB",
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    address = f"unix://{sock}"
+    deadline = time.monotonic() + 30
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"worker did not start: {proc.communicate()[0]}")
+        time.sleep(0.02)
+    return proc, address
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> str:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=20)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    proc, address = start_worker(tmp_path_factory.mktemp("e2e"), "--log-level", "info")
+    yield address
+    log = stop(proc)
+    assert proc.returncode == 0, log
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_many_client_processes_read_and_write(worker):
+    n_proc, n_keys = 4, 10
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(n_proc) as pool:
+        checked = pool.starmap(jobs.writer_reader, [(worker, me, n_proc, n_keys) for me in range(n_proc)])
+    assert checked == [n_proc * n_keys] * n_proc
+    with kvstrata.connect(worker) as kv:
+        assert kv.stats()["leases"] == 0
+        kv.delete([f"p{p}/{i}" for p in range(n_proc) for i in range(n_keys)])
+
+
+def test_client_killed_mid_write_leaves_nothing_behind(worker, tmp_path):
+    ready = tmp_path / "ready"
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=jobs.die_mid_write, args=(worker, str(ready)))
+    child.start()
+    with kvstrata.connect(worker) as kv:
+        assert wait_for(ready.exists, 30), "victim never got ready"
+        assert not kv.exists("victim")
+        stats = kv.stats()
+        assert stats["leases"] >= 1 and stats["creates_in_progress"] >= 1 and stats["clients"] == 2
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        assert wait_for(lambda: kv.stats()["clients"] == 1), "worker did not notice the dead client"
+        stats = kv.stats()
+        assert stats["leases"] == 0 and stats["creates_in_progress"] == 0
+        assert not kv.exists("victim")
+        with pytest.raises(KeyNotFound):
+            kv.get("victim")
+        kv.set("victim", b"clean", nx=True)  # nothing of the dead write stands in the way
+        assert kv.get("victim") == b"clean"
+        kv.delete(["victim", "held"])
+
+
+def test_waits_really_wait_across_processes(worker):
+    with kvstrata.connect(worker) as waiter, kvstrata.connect(worker) as writer:
+        t0 = time.monotonic()
+        with pytest.raises(kvstrata.Timeout):
+            waiter.get("slow-key", timeout=0.4)
+        assert time.monotonic() - t0 >= 0.38
+        import threading
+
+        threading.Timer(0.3, lambda: writer.set("slow-key", b"v" * 100_000)).start()
+        t0 = time.monotonic()
+        assert waiter.get("slow-key", timeout=10) == b"v" * 100_000
+        assert 0.25 < time.monotonic() - t0 < 5
+        writer.delete("slow-key")
+
+
+def test_bad_peers_do_not_hurt_others(worker):
+    path = worker.removeprefix("unix://")
+    with kvstrata.connect(worker) as good:
+        good.set("steady", b"ok")
+        for junk in (b"\x00" * 3, b"GET / HTTP/1.1\r\n\r\n", b"\xff\xff\xff\xff\x00\x00\x00\x00"):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.sendall(junk)
+            s.close()
+        from kvstrata.transport import connect as raw_connect
+
+        with raw_connect(worker, timeout=5) as raw:
+            raw.send({"op": "put", "key": "x", "v": "not bytes"})
+            assert raw.recv(timeout=5)[0]["err"][0] == "TypeError"
+            raw.send({"op": ["not", "a", "name"]})
+            assert raw.recv(timeout=5)[0]["err"][0] == "ServerError"
+            raw.send({"op": "mget", "keys": "x" * 5000})
+            assert raw.recv(timeout=5)[0]["err"][0] == "ValueError"
+        with pytest.raises(ServerError):
+            good._backend.request({"op": "nonsense"})
+        assert good.get("steady") == b"ok"
+        assert wait_for(lambda: good.stats()["clients"] == 1)
+
+
+def test_status_command(worker):
+    env = {**os.environ, "PYTHONPATH": SRC}
+    base = [sys.executable, "-m", "kvstrata.cli.main", "status", "--address", worker]
+    out = subprocess.run(base, env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "memory" in out.stdout and "hits" in out.stdout and "clients" in out.stdout
+    prom = subprocess.run([*base, "--prometheus"], env=env, capture_output=True, text=True, timeout=30)
+    assert prom.returncode == 0
+    assert 'kvstrata_tier_capacity_bytes{tier="memory"} 50331648' in prom.stdout
+    assert "# TYPE kvstrata_hits_total counter" in prom.stdout
+    missing = subprocess.run(
+        [*base[:-1], worker + ".nope", "--timeout", "0.2"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert missing.returncode == 1 and "no worker" in missing.stderr
+
+
+def test_worker_killed_keeps_write_through_and_sigterm_flushes_write_back(tmp_path):
+    proc, address = start_worker(tmp_path)
+    big = os.urandom(3 << 20)
+    kv = kvstrata.connect(address)
+    kv.set("wt-small", b"durable", write_mode="write_through")
+    kv.set("wt-big", big, write_mode="write_through")
+    kv.set("mem-only", b"volatile")
+    stop(proc, signal.SIGKILL)
+    with pytest.raises(ConnectionLost):
+        kv.get("wt-small")
+    with pytest.raises(ConnectionLost):
+        kv.get("wt-small")
+    kv.close()
+
+    proc, address = start_worker(tmp_path)
+    with kvstrata.connect(address) as kv:
+        assert kv.get("wt-small") == b"durable"
+        assert kv.get("wt-big") == big
+        assert kv.exists("mem-only") is False
+        kv.set("wb", b"written back", write_mode="write_back")
+    log = stop(proc, signal.SIGTERM)
+    assert proc.returncode == 0 and "shutting down" in log, log
+
+    proc, address = start_worker(tmp_path)
+    with kvstrata.connect(address) as kv:
+        assert kv.get("wb") == b"written back"
+    stop(proc)
