@@ -26,6 +26,7 @@ from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerEr
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.server.handlers import HANDLERS, release
+from kvstrata.server.validity import Validity
 from kvstrata.transport import Connection, Listener, listen
 from kvstrata.transport.stream import MAX_FDS
 
@@ -41,6 +42,7 @@ class Worker:
         self._store = store
         self._own_store = store is None
         self._listener: Listener | None = None
+        self.validity: Validity | None = None
         self._sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -63,6 +65,7 @@ class Worker:
             from kvstrata.store import ObjectStore
 
             self._store = ObjectStore(self.config.store_config())
+        self.validity = Validity()
         if hasattr(self._store, "add_segment_listener"):
             self._store.add_segment_listener(self._on_segment)
         try:
@@ -113,6 +116,9 @@ class Worker:
             self._store.close()
             log.info("worker stopped; write-back data flushed")
             self._own_store = False
+        if self.validity is not None:
+            self.validity.close()
+            self.validity = None  # type: ignore[assignment]
 
     def __enter__(self) -> Worker:
         return self if self._listener else self.start()
@@ -142,9 +148,10 @@ class Worker:
         reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
-            segs = list(self._store.segments)[:MAX_FDS]
+            segs = list(self._store.segments)[: MAX_FDS - 1]
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
-            fds = [seg.fd for seg in segs]
+            reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
+            fds = [self.validity.fd] + [seg.fd for seg in segs]
             session.sent_segments.update(range(len(segs)))
         return reply, fds
 
@@ -186,7 +193,8 @@ class Session:
         self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
         self.sent_segments: set[int] = set()
         self.leases: set[int] = set()
-        self.writes: set[str] = set()
+        self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
+        self.validity = worker.validity
 
     def run(self) -> None:
         while True:
@@ -206,7 +214,7 @@ class Session:
                 for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
                     try:
                         self.store.abort(key, owner=self.owner)
-                        self.writes.discard(key)
+                        self.writes.pop(key, None)
                     except (KvstrataError, ValueError, TypeError):
                         pass
                 reply = handler(self, msg)
