@@ -113,3 +113,18 @@ def test_no_stale_read_under_a_concurrent_writer(worker):
                 pytest.fail("writer failed")
         writer.join(10)
         assert writer.exitcode == 0 and int(kv.get("ctr")) == 300
+
+
+def test_a_dead_worker_is_not_read_from(tmp_path):
+    import signal
+
+    from test_worker_e2e import start_worker, stop
+
+    proc, address = start_worker(tmp_path)
+    kv = kvstrata.connect(address)
+    kv.set("hot", b"cached")
+    assert kv.get("hot") == b"cached" and kv.get("hot") == b"cached"
+    stop(proc, signal.SIGKILL)
+    with pytest.raises(kvstrata.ConnectionLost):
+        kv.get("hot")
+    kv.close()

@@ -12,6 +12,7 @@ import collections
 import itertools
 import logging
 import os
+import select
 import threading
 from typing import Any, NamedTuple
 
@@ -194,7 +195,9 @@ class RemoteBackend:
         with self._lock:
             if not self._closed and self._pid == os.getpid():
                 loc = local.lookup(key)
-                if loc is not None:  # still current: straight out of shared memory, no round trip
+                # Still current, and the worker still there (a dead one makes its socket readable at EOF):
+                # straight out of shared memory, no round trip.
+                if loc is not None and not select.select([self._conn.fileno()], [], [], 0)[0]:
                     return bytes(self._segments[loc.segment].buffer[loc.offset : loc.offset + loc.size])
         reply = self.request({"op": "get", "key": key, "timeout": timeout, "cache": True})
         if not reply.get("cache"):

@@ -35,7 +35,11 @@ _owner_ids = itertools.count(1)
 
 
 class Worker:
-    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM in ``serve_forever``) shuts down cleanly."""
+    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM in ``serve_forever``) shuts down cleanly.
+
+    A ``store`` passed in must be changed only through this worker: clients' local reads trust the
+    worker to announce every change (:mod:`kvstrata.server.validity`).
+    """
 
     def __init__(self, config: WorkerConfig, *, store: Any = None) -> None:
         self.config = config
@@ -103,6 +107,8 @@ class Worker:
     def stop(self) -> None:
         """Stop listening, disconnect clients, flush write-back data and close the store (idempotent)."""
         self._stopped.set()
+        if self.validity is not None:
+            self.validity.bump()  # clients stop answering from shared memory
         if self._listener is not None:
             self._listener.stop()
         with self._lock:
