@@ -277,11 +277,10 @@ class Session:
         return [location.segment, location.offset, location.size]
 
     def write_options(self, msg: dict) -> dict:
-        from kvstrata.store import WriteMode
-
+        ttl = msg.get("ttl")
         return {
-            "ttl": P.check_ttl(msg.get("ttl")),
-            "write_mode": WriteMode(P.check_write_mode(msg.get("mode", "memory"))),
+            "ttl": None if ttl is None else P.check_ttl(ttl),
+            "write_mode": _write_mode(msg.get("mode", "memory")),
             "nx": bool(msg.get("nx", False)),
         }
 
@@ -294,6 +293,18 @@ class Session:
                 self.store.release(lease.lease_id)
         self.leases.add(lease.lease_id)
         return {"lease": lease.lease_id, "loc": self.loc(lease.location, reply)}
+
+
+_WRITE_MODES: dict[str, Any] = {}
+
+
+def _write_mode(name: Any) -> Any:
+    mode = _WRITE_MODES.get(name) if isinstance(name, str) else None
+    if mode is None:
+        from kvstrata.store import WriteMode
+
+        mode = _WRITE_MODES[name] = WriteMode(P.check_write_mode(name))
+    return mode
 
 
 def _close(fd: int) -> None:
