@@ -110,5 +110,6 @@ def test_device_copy_on_cuda():
     t = s.device_tensor(lease.location)
     assert t.is_cuda and t.dtype == torch.uint8 and t.numel() == 3 << 20
     assert torch.equal(t.cpu(), payload)
+    assert s.stats()["tiers"]["gpu"]["host_registered"] >= 64 << 20  # DRAM page-locked for fast loads
     s.release(lease.lease_id)
     s.close()

@@ -147,10 +147,13 @@ _WRITER = textwrap.dedent(
     from kvstrata.store import ObjectStore, StoreConfig
     s = ObjectStore(StoreConfig(memory_bytes=8 << 20, segment_bytes=8 << 20, disk_dir=sys.argv[1],
                                 disk_bytes=256 << 20, numa_node=None, hugepages="off"))
+    mode = sys.argv[3]
     i = 0
     while True:
         value = (b"%08d" % i) * 2048
-        s.put(f"k{i}", value, write_mode="write_through")
+        s.put(f"k{i}", value, write_mode=mode)
+        if mode == "write_back":
+            s.flush()  # acknowledged as durable only once flushed
         print(i, flush=True)
         s.create(f"half{i}", 4096, owner="w")  # a create that never gets sealed
         i += 1
@@ -158,10 +161,11 @@ _WRITER = textwrap.dedent(
 )
 
 
-def test_sigkill_mid_write_keeps_every_acknowledged_write(tmp_path, make_config):
+@pytest.mark.parametrize("mode", ["write_through", "write_back"])
+def test_sigkill_mid_write_keeps_every_acknowledged_write(tmp_path, make_config, mode):
     ssd = tmp_path / "ssd"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(ssd), SRC], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", _WRITER, str(ssd), SRC, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     acked = -1
     try:
@@ -186,18 +190,28 @@ def test_sigkill_mid_write_keeps_every_acknowledged_write(tmp_path, make_config)
 def test_time_to_live_survives_restart(tmp_path, make_config):
     cfg = make_config(tmp_path, disk_sync=True)
     s = ObjectStore(cfg)
-    s.put("short", b"s", ttl=0.2, write_mode="write_through")
+    s.put("short", b"s", ttl=0.6, write_mode="write_through")
     s.put("long", b"l", ttl=60, write_mode="write_through")
-    s.put("extended", b"e", ttl=0.2, write_mode="write_through")
+    s.put("extended", b"e", ttl=0.6, write_mode="write_through")
     s.put("cut", b"c", write_mode="write_through")
     assert s.expire(["extended"], 60) == [True]
-    assert s.expire(["cut"], 0.2) == [True]
+    assert s.expire(["cut"], 0.6) == [True]
     s.close()
     s2 = ObjectStore(cfg)  # the deadlines carry over: still there now, gone soon
     assert s2.exists(["short", "long", "extended", "cut"]) == [True] * 4
     s2.close()
-    time.sleep(0.3)
+    time.sleep(0.7)
     s3 = ObjectStore(cfg)  # expired files are dropped at startup, and counted
     assert s3.stats()["expired"] == 2 and s3.stats()["tiers"]["disk"]["files"] == 2
     assert s3.exists(["short", "long", "extended", "cut"]) == [False, True, True, False]
     s3.close()
+
+
+def test_flush_reports_write_back_data_it_could_not_persist(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, disk=10_000))
+    s.put("fits", bytes(5000), write_mode="write_back")
+    s.put("too_big", bytes(9000), write_mode="write_back")
+    with pytest.raises(CapacityError, match="1 write-back objects"):
+        s.flush()
+    assert s.get_bytes("too_big") == bytes(9000)  # still served from DRAM
+    s.close()

@@ -156,13 +156,13 @@ def test_close_wakes_waiters_with_closed_error(make_config):
 
 
 def test_ttl_expiry_lazy_and_sweeper(store):
-    store.put("short", b"x", ttl=0.05)
+    store.put("short", b"x", ttl=0.3)
     store.put("forever0", b"x", ttl=0)
     store.put("foreverN", b"x", ttl=None)
     store.put("later", b"x")
-    assert store.expire(["later", "missing"], 0.05) == [True, False]
+    assert store.expire(["later", "missing"], 0.3) == [True, False]
     assert store.exists(["short", "later"]) == [True, True]
-    time.sleep(0.08)
+    time.sleep(0.4)
     assert store.exists(["short", "later", "forever0", "foreverN"]) == [False, False, True, True]
     with pytest.raises(KeyNotFound):
         store.get_bytes("short")
@@ -268,3 +268,23 @@ def test_segment_growth_notifies_listener(make_config):
     st = s.stats()["tiers"]["memory"]
     assert st["segments"] == 3 and st["mapped"] == 3 << 20
     s.close()
+
+
+def test_write_once_batches_report_per_key(store):
+    assert store.put_many([("a", b"1"), ("b", b"22")], nx=True) == [None, None]
+    res = store.put_many([("a", b"changed"), ("c", b"333"), ("huge", bytes(8 << 20))], nx=True)
+    assert isinstance(res[0], KeyExists) and res[1] is None and isinstance(res[2], CapacityError)
+    assert store.get_bytes("a") == b"1" and store.get_bytes("c") == b"333"
+    locs = store.create_many([("x", 10), ("a", 5), ("y", 0)], owner="w", nx=True)
+    assert isinstance(locs[0], Location) and isinstance(locs[1], KeyExists) and locs[2].size == 0
+    store.buffer(locs[0])[:] = b"0123456789"
+    sealed = store.seal_many(["x", "a", "y"], owner="w")
+    assert sealed[0] is None and isinstance(sealed[1], KeyNotFound) and sealed[2] is None
+    assert store.get_bytes("x") == b"0123456789" and store.get_bytes("y") == b""
+    with pytest.raises(ValueError, match="items"):
+        store.put_many([("ok", b"1"), (3, b"2")])
+    with pytest.raises(TypeError, match="data"):
+        store.put_many([("ok", b"1"), ("bad", 5)])
+    with pytest.raises(ValueError, match="write_mode"):
+        store.put_many([("ok", b"1")], write_mode="write_through")
+    assert store.exists(["ok"]) == [False]  # bad input: nothing written

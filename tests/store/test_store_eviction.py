@@ -197,3 +197,22 @@ def test_spilled_object_read_from_ssd_when_dram_is_all_leased(tmp_path, make_con
     assert bytes(s.buffer(lease.location)) == b"C" * (300 * KB) and s.stats()["promotions"] == 1
     s.release(lease.lease_id)
     s.close()
+
+
+def test_failing_ssd_keeps_data_in_dram_and_refuses_new_writes(tmp_path, make_config, monkeypatch, caplog):
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    for i in range(9):
+        s.put(f"m{i}", bytes([i]) * (100 * KB))
+
+    def broken(*a, **kw):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(s._disk, "write_temp", broken)
+    with pytest.raises(CapacityError):
+        s.put("more", bytes(300 * KB))
+    assert "spilling" in caplog.text
+    assert [s.get_bytes(f"m{i}")[:1] for i in range(9)] == [bytes([i]) for i in range(9)]
+    monkeypatch.undo()
+    s.put("more", bytes(300 * KB))  # the SSD works again: spilling resumes
+    assert s.stats()["spills"] >= 1 and s.stats()["tiers"]["disk"]["reserved"] == 0
+    s.close()

@@ -20,8 +20,13 @@ from pathlib import Path
 from typing import Any
 
 
-def device_time(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds of ``fn`` on the current CUDA stream, timed with CUDA events after warm-up."""
+def device_time(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10, calls: int = 1) -> float:
+    """Median seconds per call of ``fn`` on the current CUDA stream (CUDA events, after warm-up).
+
+    ``calls`` > 1 times that many back-to-back calls per sample and divides: the streamed rate an
+    engine issuing transfers continuously sees, where one call's host work overlaps the previous
+    call's device work. ``calls=1`` is the latency of an isolated call, host work included.
+    """
     import torch
 
     for _ in range(warmup):
@@ -32,10 +37,11 @@ def device_time(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
 
 

@@ -11,6 +11,10 @@ import importlib
 
 # job name -> (module, one-line help)
 JOBS: dict[str, tuple[str, str]] = {
+    "gather": ("kvstrata.bench.gather", "gather rows from pinned host memory: kvstrata vs table[ids].to(cuda) and DMA"),
+    "transfer": ("kvstrata.bench.transfer", "KV block transfer methods vs the DMA ceiling and baselines"),
+    "allgather": ("kvstrata.bench.allgather", "hybrid all-gather (NCCL + host path) vs NCCL and the host path alone"),
+    "device": ("kvstrata.bench.device", "GPU-to-GPU device objects vs peer copy and NCCL (2 GPUs; --smoke: CPU)"),
     "store": ("kvstrata.bench.store", "kvstrata's node-local clients vs Redis: set/get 4KiB-16MiB, 1 and 8 clients"),
 }
 

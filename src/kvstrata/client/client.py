@@ -25,6 +25,7 @@ from kvstrata.client import device as _device
 from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
 from kvstrata.client.buffers import ReadBuffer, WritableBuffer
 from kvstrata.client.values import byte_view, tensor_bytes
+from kvstrata.devobj.service import DeviceObjectsMixin
 from kvstrata.errors import ClosedError, KvstrataError
 from kvstrata.server import protocol as P
 
@@ -35,7 +36,7 @@ def _one_or_many(keys: Any, results: list[Any]) -> Any:
     return results[0] if isinstance(keys, str) else results
 
 
-class Client:
+class Client(DeviceObjectsMixin):
     """A handle on a node's store. Build it with :func:`kvstrata.connect`; thread-safe; close it when done.
 
     Single-key calls raise (``KeyNotFound``, ``KeyExists``, ``Timeout``, ``CapacityError``...); batch
@@ -73,6 +74,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._close_device_objects()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         for index in self._registered:  # before the segments are unmapped

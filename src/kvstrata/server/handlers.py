@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import KvstrataError, ServerError
 from kvstrata.server import protocol as P
 
@@ -231,4 +232,5 @@ HANDLERS = {
     "flush": _flush,
     "segments": _segments,
     "ping": _ping,
+    "dev": devobj_service.handle,  # device objects: kvstrata.devobj
 }

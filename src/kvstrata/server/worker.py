@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, TransportError
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
@@ -255,6 +256,7 @@ class Session:
             self.conn.send(reply)
 
     def cleanup(self) -> str:
+        devobj_service.session_closed(self)  # its device objects vanish, their waiters get errors
         leases, writes = len(self.leases), len(self.writes)
         try:
             self.store.release_owner(self.owner)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
 from kvstrata.memory.shm import SharedSegment
+from kvstrata.store.batch import BatchMixin
 from kvstrata.store.config import StoreConfig, WriteMode
 from kvstrata.store.device import DeviceCacheMixin, GpuCopy
 from kvstrata.store.eviction import ClockPolicy
@@ -64,7 +65,7 @@ _COUNTERS = (
 )
 
 
-class ObjectStore(TieringMixin, DeviceCacheMixin):
+class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
@@ -88,6 +89,10 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
             from kvstrata.store.tiers.gpu import GpuTier
 
             self._gpu = GpuTier(config.gpu_bytes, device=config.gpu_device or 0)
+            # loads into HBM read DRAM segments: page-lock them so those copies run at DMA speed
+            for seg in self._mem.segments:
+                self._gpu.register_host(seg.address, seg.nbytes)
+            self._listeners.append(lambda seg: self._gpu.register_host(seg.address, seg.nbytes))
         self._high = int(config.high_watermark * config.memory_bytes)
         self._low = int(config.low_watermark * config.memory_bytes)
         self._objects: dict[str, Entry] = {}  # visible versions
@@ -107,6 +112,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._flush_lock = threading.Lock()
         self._evict_blocked = False
+        self._flush_warned = -1e9
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt
             self._counts["expired"] = self._disk.expired
@@ -273,7 +279,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
             raise
         e = Entry(key, size, loc, mode, next(self._versions), owner)
         if ttl_s:
-            e.expires = ttl_s  # made absolute at seal time
+            e.ttl = ttl_s
         return e
 
     def _take_pending(self, key: str, owner: object) -> Entry:
@@ -306,7 +312,7 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
                     f"SSD tier full: {nbytes} bytes needed for {e.key!r}, {disk.used} of {disk.capacity} used"
                 )
             try:
-                expires_at = time.time() + e.expires if e.expires else 0.0  # e.expires is still relative
+                expires_at = time.time() + e.ttl if e.ttl else 0.0
                 pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode, expires_at)
             except BaseException:
                 with self._lock:
@@ -334,8 +340,8 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
             self._retire(old, keep_disk_file=pending is not None)
         e.sealed = True
         e.mutable = mutable
-        if e.expires:
-            e.expires += time.monotonic()
+        if e.ttl:
+            e.expires = time.monotonic() + e.ttl
             heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
         self._objects[key] = e
         if e.size:
@@ -710,7 +716,10 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
         """Flush write-back data, stop the background thread, unmap the segments. Idempotent."""
         if self._closed:
             return
-        self.flush()
+        try:
+            self.flush()
+        except CapacityError as exc:
+            log.error("closing the store: %s; that data is lost", exc)
         self._stop.set()
         self._wake.set()
         self._thread.join()
@@ -719,9 +728,9 @@ class ObjectStore(TieringMixin, DeviceCacheMixin):
             for w in self._waiters.values():
                 w[0].notify_all()
             self._gpu_cond.notify_all()
-        self._mem.close()
         if self._gpu is not None:
-            self._gpu.close()
+            self._gpu.close()  # unregisters the segments before they are unmapped
+        self._mem.close()
 
     def __enter__(self) -> ObjectStore:
         return self

@@ -49,6 +49,7 @@ class Entry:
         "referenced",
         "sealed",
         "size",
+        "ttl",
         "version",
     )
 
@@ -64,6 +65,7 @@ class Entry:
         self.dead = False  # deleted or replaced: bytes freed when the last lease goes
         self.leases = 0  # reader leases plus internal pins (flusher)
         self.ref = 0  # global reference count (incref/decref)
+        self.ttl = 0.0  # seconds to live asked at write time (the deadline starts at seal)
         self.expires = 0.0  # monotonic deadline, 0 = never
         self.on_disk = False  # a committed SSD file holds this version
         self.dirty = False  # write-back data not yet on SSD

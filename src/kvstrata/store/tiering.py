@@ -14,6 +14,7 @@ This is a mixin of :class:`~kvstrata.store.engine.ObjectStore`; it shares the en
 from __future__ import annotations
 
 import logging
+import time
 
 from kvstrata.errors import CapacityError, CorruptData, KeyNotFound
 from kvstrata.store.config import WriteMode
@@ -50,7 +51,7 @@ class TieringMixin:
         if e.mode is WriteMode.EVICTABLE or (e.on_disk and not e.dirty):
             return True
         disk = self._disk
-        return disk is not None and disk.used + disk._reserved + disk.file_bytes(e.key, e.size) <= disk.capacity
+        return disk is not None and disk.has_room(disk.file_bytes(e.key, e.size))
 
     def _make_room(self, goal: int) -> bool:
         """Free about ``goal`` bytes of DRAM; False when nothing could be freed. May release the lock.
@@ -95,7 +96,7 @@ class TieringMixin:
                 try:
                     view = self._mem.view(e.loc)
                     written.append(disk.write_temp(e.key, view, e.mode, self._wall_expiry(e)))
-                except OSError as exc:
+                except Exception as exc:  # the pins below must be undone whatever went wrong
                     log.error("spilling %r to SSD failed (%s); it stays in DRAM", e.key, exc)
                     written.append(None)
         finally:
@@ -220,21 +221,26 @@ class TieringMixin:
         with self._flush_lock:
             with self._lock:
                 batch = []
+                postponed = 0
                 for e in self._dirty.values():
                     if e.flushing or e.loc is None:
                         continue
                     nbytes = disk.file_bytes(e.key, e.size)
                     if not disk.reserve(nbytes):
-                        log.warning("SSD tier full: write-back of %r postponed", e.key)
+                        postponed += 1
                         continue
                     e.flushing = True
                     e.leases += 1
                     batch.append((e, nbytes))
+                now = time.monotonic()
+                if postponed and now - self._flush_warned > 10.0:  # at most one warning per 10 s
+                    self._flush_warned = now
+                    log.warning("SSD tier full: write-back of %d objects postponed", postponed)
             for e, nbytes in batch:
                 pending = None
                 try:
                     pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode, self._wall_expiry(e))
-                except OSError as exc:
+                except Exception as exc:  # the pin below must be undone whatever went wrong
                     log.error("write-back of %r failed: %s; will retry", e.key, exc)
                 with self._lock:
                     e.flushing = False
@@ -253,11 +259,16 @@ class TieringMixin:
                         self._free_locked(e)
 
     def flush(self) -> None:
-        """Write all write-back data to SSD now."""
+        """Write all write-back data to SSD now; CapacityError if some could not be (SSD full or failing)."""
         for _ in range(3):
             if not self._dirty:
                 return
             self._flush_pass()
+        if self._dirty:
+            raise CapacityError(
+                f"{len(self._dirty)} write-back objects could not be written to SSD "
+                f"({self._disk.used} of {self._disk.capacity} bytes used); they stay in DRAM"
+            )
 
 
 __all__ = ["TieringMixin"]

@@ -72,7 +72,7 @@ class DiskTier(Tier):
 
     def __init__(self, directory: str, capacity: int, *, sync: bool = False):
         self.directory = os.path.abspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._capacity = capacity
         self._sync = sync
         self._used = 0
@@ -170,6 +170,9 @@ class DiskTier(Tier):
     # -- writes (write_temp runs outside the engine's lock; the rest under it) -------------------
     def file_bytes(self, key: str, size: int) -> int:
         return HEADER_BYTES + len(key.encode()) + size
+
+    def has_room(self, nbytes: int) -> bool:
+        return self._used + self._reserved + nbytes <= self._capacity
 
     def reserve(self, nbytes: int) -> bool:
         if self._used + self._reserved + nbytes > self._capacity:

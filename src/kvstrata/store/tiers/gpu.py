@@ -8,10 +8,14 @@ machine without CUDA the tier cannot be configured (``StoreConfig.gpu_bytes`` mu
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kvstrata.store.allocator import OffsetAllocator
 from kvstrata.store.tiers.base import BlockTier, Location
+
+log = logging.getLogger(__name__)
+
 
 
 class GpuTier(BlockTier):
@@ -28,6 +32,7 @@ class GpuTier(BlockTier):
         self.device = dev
         self._buffer = torch.empty(capacity, dtype=torch.uint8, device=dev)
         self._alloc = OffsetAllocator(capacity)
+        self._registered: dict[int, int] = {}  # host address -> bytes registered with CUDA
 
     @property
     def capacity(self) -> int:
@@ -57,10 +62,38 @@ class GpuTier(BlockTier):
             raise ValueError(f"src: {flat.numel()} bytes, location holds {location.size}")
         self.tensor(location).copy_(flat, non_blocking=non_blocking)
 
+    def register_host(self, address: int, nbytes: int) -> bool:
+        """Page-lock a host range with CUDA so loads from it run at DMA speed (False: stays pageable).
+
+        Registers through :func:`kvstrata.memory.register` (mapped + portable, one process-wide
+        registry); a failure is logged and the copies stay correct, only slower.
+        """
+        if self.device.type != "cuda" or address in self._registered:
+            return address in self._registered
+        from kvstrata.errors import CapacityError
+        from kvstrata.memory import register
+
+        try:
+            register(address, nbytes)
+        except (CapacityError, RuntimeError) as exc:
+            log.warning("HBM tier: cannot page-lock %d host bytes (%s); loads use pageable copies", nbytes, exc)
+            return False
+        self._registered[address] = nbytes
+        return True
+
+    def unregister_all(self) -> None:
+        """Undo :meth:`register_host` (before the host memory is unmapped)."""
+        from kvstrata.memory import unregister
+
+        for address in self._registered:
+            unregister(address)
+        self._registered.clear()
+
     def stats(self) -> dict:
-        return {**self._alloc.stats(), "device": str(self.device)}
+        return {**self._alloc.stats(), "device": str(self.device), "host_registered": sum(self._registered.values())}
 
     def close(self) -> None:
+        self.unregister_all()
         self._buffer = None
 
 

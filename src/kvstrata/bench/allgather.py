@@ -1,0 +1,281 @@
+"""``kvstrata bench allgather``: the hybrid all-gather beside plain NCCL and the host path alone.
+
+Spawns one worker per GPU (NCCL, ``NCCL_NVLS_ENABLE=0``: no NVLink multicast) and times, per size
+per rank, in one run: ``all_gather_into_tensor`` (the baseline), the host path alone (ratio 1, the
+PCIe leg in isolation), the hybrid at ratios 2/4/8/16 and ``ratio="auto"``, while a bf16 matmul
+keeps running on a side stream (as the seed's test does; ``--no-load`` turns it off). Bus bandwidth
+follows nccl-tests: ``algbw * (n - 1) / n`` with ``algbw = output bytes / time``; a time is the
+slowest rank's mean over a batch of calls, median of three batches.
+
+``--smoke``: two CPU processes over gloo at tiny sizes (for a test, not a figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+FULL_SIZES = [4, 16, 64, 256, 1024]  # MiB per rank
+QUICK_SIZES = [4, 64, 512]
+SMOKE_SIZES_BYTES = [64 << 10, 1 << 20]  # the second one runs the auto measurement
+RATIOS = [2, 4, 8, 16]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="three sizes, fewer iterations (< 90 s on 2 GPUs)")
+    parser.add_argument("--smoke", action="store_true", help="gloo + CPU, 2 processes, tiny sizes (tests)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="MiB per rank (default 4..1024)")
+    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (default: all)")
+    parser.add_argument("--iters", type=int, default=None, help="calls per timed batch")
+    parser.add_argument("--no-load", action="store_true", help="no matmul on a side stream")
+    parser.add_argument(
+        "--cross-node", choices=["relay", "direct"], default="relay", help="how ranks on different NUMA nodes meet"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.multiprocessing as mp
+
+    from kvstrata.bench._common import print_table, write_result
+
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast (inherited by the workers)
+    if args.smoke:
+        backend, world = "gloo", 2
+        sizes = SMOKE_SIZES_BYTES
+        iters = args.iters or 2
+    else:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+            print("kvstrata bench allgather: needs two or more CUDA GPUs (use --smoke for a CPU run)")
+            return 2
+        backend, world = "nccl", args.gpus or torch.cuda.device_count()
+        sizes = [s * MIB for s in (args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES))]
+        iters = args.iters or (5 if args.quick else 10)
+    config = {
+        "backend": backend,
+        "world": world,
+        "sizes": sizes,
+        "iters": iters,
+        "load": not (args.no_load or args.smoke),
+        "cross_node": getattr(args, "cross_node", "relay"),
+    }
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-ag-") as tmp:
+        out_file = Path(tmp, "rows.json")
+        mp.spawn(_worker, args=(config, str(Path(tmp, "store")), str(out_file)), nprocs=world, join=True)
+        gathered = json.loads(out_file.read_text())
+    rows = gathered["rows"]
+    config["numa_node_of_rank"] = gathered["numa_node_of_rank"]
+    summary = _summarize(rows)
+    name = "allgather_smoke" if args.smoke else "allgather"
+    path = write_result(name, {"config": config, "rows": rows, "summary": summary}, args.out)
+    _plot(rows, path.with_suffix(".png"))
+    print(f"results: {path}")
+    print_table(summary)
+    return 0
+
+
+# --- workers -------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from kvstrata.comm import HybridAllGather
+
+    world, backend = config["world"], config["backend"]
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16
+    ag = HybridAllGather(ratio="auto", timeout=120.0, cross_node=config["cross_node"])
+    load = _MatmulLoad(device) if config["load"] and cuda else None
+    rows = []
+    try:
+        for size in config["sizes"]:
+            count = size // 2
+            inp = torch.randn(count, device=device).to(dtype)
+            out = torch.empty(world * count, dtype=dtype, device=device)
+            ref = torch.empty_like(out)
+            dist.all_gather_into_tensor(ref, inp)
+            methods: list[tuple[str, int | str | None]] = [("nccl", None), ("host", 1)]
+            methods += [(f"hybrid r={r}", r) for r in RATIOS] + [("hybrid auto", "auto")]
+            for name, ratio in methods:
+                if ratio is None:
+                    fn = lambda out=out, inp=inp: dist.all_gather_into_tensor(out, inp)
+                else:
+                    fn = lambda out=out, inp=inp, ratio=ratio: ag.all_gather(out, inp, ratio=ratio)
+                row = {"size_mib": round(size / MIB, 3), "method": name, "ratio": ratio}
+                try:
+                    out.zero_()
+                    fn()
+                    _sync(cuda)
+                    ok = torch.tensor([int(torch.equal(out, ref))], device=device)
+                    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                    row["correct"] = bool(ok.item())
+                    if load is not None:
+                        load.start()
+                    seconds = _time(fn, iters=config["iters"], cuda=cuda, device=device)
+                except RuntimeError as exc:  # the same on every rank (setup failures agree collectively)
+                    row["error"] = str(exc)[:200]
+                    seconds = None
+                finally:
+                    if load is not None:
+                        load.stop()
+                if seconds is not None:
+                    algbw = world * size / seconds / 1e9
+                    row.update(ms=round(seconds * 1e3, 3), busbw_gbs=round(algbw * (world - 1) / world, 2))
+                if ratio == "auto":
+                    choice = ag.auto_choices.get((world, str(dtype), size.bit_length() - 1))
+                    row["auto_choice"] = "nccl" if not choice or not choice[0] else f"r={choice[0]} {choice[1]}"
+                elif ratio is not None and ratio > 1:
+                    row["head"] = ag.default_head
+                rows.append(row)
+            del inp, out, ref, fn
+        if rank == 0:
+            Path(out_file).write_text(json.dumps({"rows": rows, "numa_node_of_rank": list(ag.topology.node_of)}))
+    finally:
+        ag.close()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _time(fn, *, iters: int, cuda: bool, device) -> float:
+    """Slowest rank's mean seconds per call over a batch, median of three batches (after warm-up)."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(2):
+        fn()
+    batches = []
+    for _ in range(3):
+        _sync(cuda)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(cuda)
+        batches.append((time.perf_counter() - t0) / iters)
+    slowest = torch.tensor(batches, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
+
+
+class _MatmulLoad:
+    """A bf16 matmul kept running on a side stream (at most two in flight) while a method is timed."""
+
+    def __init__(self, device, n: int = 8192) -> None:
+        import torch
+
+        self.device = device
+        self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+        self.stream = torch.cuda.Stream(device)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self.stream.synchronize()
+
+    def _loop(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device)
+        pending: list = []
+        while not self._stop.is_set():
+            with torch.cuda.stream(self.stream):
+                torch.matmul(self.a, self.b, out=self.c)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            pending.append(ev)
+            if len(pending) > 2:
+                pending.pop(0).synchronize()
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def _summarize(rows: list[dict]) -> list[dict]:
+    """One line per size: baseline, host path alone, best fixed split, auto, and the issue's targets."""
+    out = []
+    for size in sorted({r["size_mib"] for r in rows}):
+        at = {r["method"]: r for r in rows if r["size_mib"] == size}
+        nccl, host, auto = at.get("nccl", {}), at.get("host", {}), at.get("hybrid auto", {})
+        fixed = [r for m, r in at.items() if m.startswith("hybrid r=") and "ms" in r]
+        best = min(fixed, key=lambda r: r["ms"]) if fixed else {}
+        line = {
+            "MiB/rank": size,
+            "nccl GB/s": nccl.get("busbw_gbs"),
+            "host GB/s": host.get("busbw_gbs"),
+            "best fixed": best.get("method", "-").replace("hybrid ", "") + (f" {best['head']}" if best else ""),
+            "best GB/s": best.get("busbw_gbs"),
+            "auto": auto.get("auto_choice"),
+            "auto GB/s": auto.get("busbw_gbs"),
+        }
+        if "ms" in nccl and "ms" in auto:
+            line["auto/nccl time"] = round(auto["ms"] / nccl["ms"], 3)
+            line["<=1.03"] = auto["ms"] <= 1.03 * nccl["ms"]
+        if "busbw_gbs" in nccl and "busbw_gbs" in host and best:
+            gain = best["busbw_gbs"] - nccl["busbw_gbs"]
+            line["gain/host"] = round(gain / host["busbw_gbs"], 3) if host["busbw_gbs"] else None
+        line["all correct"] = all(r.get("correct", False) for r in at.values() if "error" not in r)
+        out.append(line)
+    return out
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["size_mib"], r["busbw_gbs"]) for r in rows if r["method"] == method and "busbw_gbs" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("MiB per rank")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title("all-gather: NCCL, host path, hybrid")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+__all__ = ["add_arguments", "run"]

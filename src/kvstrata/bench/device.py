@@ -1,0 +1,557 @@
+"""``kvstrata bench device``: GPU-to-GPU device objects beside the peer-copy ceiling and NCCL, on 2 GPUs.
+
+One run measures, on the same machine and in this order:
+
+1. the ceiling: ``dst.copy_(src)`` GPU0 -> GPU1 in one process (copy engine over NVLink/PCIe);
+2. the field's path: NCCL send/recv between two processes (torch.distributed);
+3. kvstrata: ``dev_mget`` and ``dev_subscribe`` from a process on GPU0 into one on GPU1, through a real
+   worker (hosted by this process), 4 KiB .. 1 GiB per key, as many keys per call as fit 2 GiB
+   (up to 256); wall time per call, warm; and the 4 KiB hand-off latency end to end (the publish call
+   in one process to the subscriber's future done in the other; clocks are the node's monotonic clock);
+4. ``dev_broadcast`` of 8 GiB (``--broadcast-gib``; ``--quick``: 2 GiB) from GPU0 to 3 receiver
+   processes (GPU1, GPU0, GPU1) against a single peer copy of the same bytes.
+
+``--quick`` fewer sizes and rounds (< 90 s); ``--smoke`` needs no GPU: broker and client-logic
+timings through an in-process broker with CPU tensors (so a CPU test can run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench._common import gbps, print_table, write_result
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
+QUICK_SIZES = [4 * KiB, 1 * MiB, 64 * MiB, 1 * GiB]
+WAIT = 300.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (< 90 s)")
+    parser.add_argument("--smoke", action="store_true", help="no GPU: broker/client timings with CPU tensors")
+    parser.add_argument("--broadcast-gib", type=float, default=None, help="broadcast size (default 8, quick 2)")
+    parser.add_argument("--chunk-mib", type=int, default=64, help="broadcast pipeline chunk (MiB)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size (default 10, quick 4)")
+
+
+CALL_BYTES = 2 * GiB  # bytes per timed call: per-call control costs are paid once per 2 GiB at most
+
+
+def keys_per_call(size: int, quick: bool) -> int:
+    return max(1, min(64 if quick else 256, CALL_BYTES // size))
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= div:
+            v = n / div
+            return f"{v:g} {unit}"
+    return f"{n} B"
+
+
+# -- helpers shared by the GPU processes ------------------------------------------------------------
+def _pattern(n: int, device: int):
+    import torch
+
+    return (torch.arange(n, device=device, dtype=torch.int64) % 251).to(torch.uint8)
+
+
+def _client(address: str, device: int, **cfg: Any):
+    import torch
+
+    import kvstrata
+    from kvstrata.devobj import DeviceObjectConfig
+
+    torch.cuda.set_device(device)
+    c = kvstrata.connect(address)
+    c.device_objects(device=device, config=DeviceObjectConfig(**cfg))
+    return c
+
+
+def _entry(fn, q, *args) -> None:
+    try:
+        q.put(("ok", fn.__name__, fn(*args)))
+    except BaseException:
+        q.put(("err", fn.__name__, traceback.format_exc()))
+
+
+def _spawn(targets: list[tuple], timeout: float = 600) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(t[0], q, *t[1:])) for t in targets]
+    for p in procs:
+        p.start()
+    out: dict[str, Any] = {}
+    try:
+        for _ in procs:
+            status, name, value = q.get(timeout=timeout)
+            if status != "ok":
+                raise RuntimeError(f"{name} failed:\n{value}")
+            out.setdefault(name, []).append(value)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _ctx():
+    import torch.multiprocessing as mp
+
+    return mp.get_context("spawn")
+
+
+# -- 1. ceiling --------------------------------------------------------------------------------------
+def _cross_time(fn, iters: int, warmup: int = 2) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    for d in range(2):
+        torch.cuda.synchronize(d)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(0))
+        fn()
+        end.record(torch.cuda.current_stream(0))  # the copy runs on the source device's stream
+        for d in range(2):
+            torch.cuda.synchronize(d)
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def peer_copy(sizes: list[int], quick: bool, rounds: int) -> dict[int, float]:
+    """Seconds per call-equivalent: ``keys_per_call(size)`` copies of ``size`` bytes GPU0 -> GPU1."""
+    import torch
+
+    torch.cuda.set_device(0)
+    out = {}
+    for size in sizes:
+        k = keys_per_call(size, quick)
+        a = torch.empty(size * k, dtype=torch.uint8, device=0).random_(0, 255)
+        b = torch.empty(size * k, dtype=torch.uint8, device=1)
+        av, bv = a.view(k, size), b.view(k, size)
+
+        def step(av=av, bv=bv, k=k) -> None:
+            for j in range(k):
+                bv[j].copy_(av[j], non_blocking=True)
+
+        out[size] = _cross_time(step, rounds)
+        del a, b, av, bv
+        torch.cuda.empty_cache()
+    return out
+
+
+def _single_copy(nbytes: int) -> float:
+    """Seconds of one peer copy of ``nbytes`` GPU0 -> GPU1 (what a broadcast is compared with)."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=0)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=1)
+    t = _cross_time(lambda a=a, b=b: b.copy_(a, non_blocking=True), 3, warmup=1)
+    a = b = None  # free before the processes allocate theirs
+    torch.cuda.empty_cache()
+    return t
+
+
+# -- 2. NCCL ------------------------------------------------------------------------------------------
+def nccl_rank(rank: int, port: int, sizes: list[int], quick: bool, rounds: int) -> dict[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    from kvstrata.bench._common import device_time
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    out = {}
+    try:
+        for size in sizes:
+            k = keys_per_call(size, quick)
+            x = torch.empty(size * k, dtype=torch.uint8, device=rank).view(k, size)
+
+            def step(x=x, k=k) -> None:
+                for j in range(k):
+                    if rank == 0:
+                        dist.send(x[j], 1)
+                    else:
+                        dist.recv(x[j], 0)
+
+            out[size] = device_time(step, warmup=2, iters=rounds)
+    finally:
+        dist.destroy_process_group()
+    return out if rank == 1 else {}
+
+
+# -- 3. kvstrata mget / subscribe / latency ------------------------------------------------------------
+def kv_owner(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters: int, ctl: dict) -> dict:
+    import torch
+
+    c = _client(address, 0)
+    keep = []
+    for size in sizes:
+        k = keys_per_call(size, quick)
+        buf = _pattern(size * k, 0).view(k, size)
+        keep.append(buf)
+        views = [[buf[j]] for j in range(k)]
+        assert all(r is None for r in c.dev_mset([f"m{size}/{j}" for j in range(k)], views))
+        for i in range(rounds + 2):
+            c.dev_publish([f"s{size}/{i}/{j}" for j in range(k)], views)
+    ctl["ready"].set()
+    src = _pattern(4 * KiB, 0)
+    t_pub = []
+    for _ in range(lat_iters):  # subscriber first: time from the publish call
+        i = ctl["req"].get(timeout=WAIT)
+        t_pub.append(time.perf_counter())
+        c.dev_publish([f"lat/{i}"], [[src]])
+    for _ in range(lat_iters):  # publisher first
+        i = ctl["req"].get(timeout=WAIT)
+        c.dev_publish([f"latp/{i}"], [[src]])
+        ctl["pub"].put(i)
+    ctl["done"].wait(WAIT)
+    torch.cuda.synchronize()
+    c.close()
+    return {"t_pub": t_pub}
+
+
+def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters: int, ctl: dict) -> dict:
+    import torch
+
+    c = _client(address, 1)
+    ctl["ready"].wait(WAIT)
+    out: dict[str, Any] = {"mget": {}, "subscribe": {}}
+    for size in sizes:
+        k = keys_per_call(size, quick)
+        dst = torch.full((k, size), 7, dtype=torch.uint8, device=1)
+        views = [[dst[j]] for j in range(k)]
+        expected = _pattern(size * k, 1).view(k, size)
+        for op in ("mget", "subscribe"):
+            times = []
+            for i in range(rounds + 2):
+                keys = [f"m{size}/{j}" for j in range(k)] if op == "mget" else [f"s{size}/{i}/{j}" for j in range(k)]
+                dst.fill_(7)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                futs = getattr(c, f"dev_{op}")(keys, views, timeout=WAIT)
+                for f in futs:
+                    f.result(WAIT)
+                times.append(time.perf_counter() - t0)
+                if i == 0 and not torch.equal(dst, expected):
+                    raise AssertionError(f"dev_{op} of {size} B keys delivered wrong bytes")
+            out[op][size] = statistics.median(times[2:])
+        del dst, views, expected
+        torch.cuda.empty_cache()
+    d = torch.zeros(4 * KiB, dtype=torch.uint8, device=1)
+    t_done = []
+    for i in range(lat_iters):
+        (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=WAIT)
+        ctl["req"].put(i)
+        f.result(WAIT)
+        t_done.append(time.perf_counter())
+    pub_first = []
+    for i in range(lat_iters):
+        ctl["req"].put(i)
+        ctl["pub"].get(timeout=WAIT)
+        time.sleep(0.002)  # let the publish land in the broker
+        t0 = time.perf_counter()
+        c.dev_subscribe([f"latp/{i}"], [[d]], timeout=WAIT)[0].result(WAIT)
+        pub_first.append(time.perf_counter() - t0)
+    if not torch.equal(d, _pattern(4 * KiB, 1)):
+        raise AssertionError("4 KiB hand-off delivered wrong bytes")
+    ctl["done"].set()
+    c.close()
+    out["t_done"] = t_done
+    out["pub_first"] = pub_first
+    return out
+
+
+# -- 4. broadcast --------------------------------------------------------------------------------------
+BCAST_MODES = ("memcpy", "kernel")  # how hops within one GPU copy (DeviceObjectConfig.same_gpu_copy)
+
+
+def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) -> dict[str, list[float]]:
+    import torch
+
+    c = _client(address, 0, chunk_bytes=chunk)
+    src = _pattern(nbytes, 0)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for mode in BCAST_MODES:
+        for i in range(rounds):
+            for _ in range(3):
+                ctl["ready"].get(timeout=WAIT)
+            time.sleep(0.005)  # the receivers' subscribes are registered before they said so
+            t0 = time.perf_counter()
+            c.dev_broadcast(f"b-{mode}-{i}", [src], receivers=3).result(WAIT)
+            times.setdefault(mode, []).append(time.perf_counter() - t0)
+    c.close()
+    return times
+
+
+def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dict) -> bool:
+    import torch
+
+    dst = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize()
+    for mode in BCAST_MODES:
+        c = _client(address, device, same_gpu_copy=mode)
+        for i in range(rounds):
+            dst.fill_(7)
+            torch.cuda.synchronize()
+            (f,) = c.dev_subscribe([f"b-{mode}-{i}"], [[dst]], timeout=WAIT)
+            ctl["ready"].put(device)
+            f.result(WAIT)
+            if i == 0 and not torch.equal(dst, _pattern(nbytes, device)):
+                raise AssertionError(f"broadcast ({mode} hops) receiver on GPU{device} got wrong bytes")
+        c.close()
+    return True
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.smoke:
+        return smoke(args)
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        print("kvstrata bench device: needs 2 CUDA GPUs (use --smoke for the CPU-only broker timings)")
+        return 2
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    quick = args.quick
+    sizes = QUICK_SIZES if quick else SIZES
+    rounds = args.rounds or (4 if quick else 10)
+    lat_iters = 50 if quick else 200
+    bcast_bytes = int((args.broadcast_gib or (2 if quick else 8)) * GiB)
+    chunk = args.chunk_mib * MiB
+    bcast_rounds = 2 if quick else 3
+    t_start = time.perf_counter()
+
+    print(f"[1/4] peer copy GPU0 -> GPU1 (ceiling); can_access_peer={torch.cuda.can_device_access_peer(0, 1)}")
+    ceiling = peer_copy(sizes, quick, rounds)
+    single = _single_copy(bcast_bytes)
+
+    print("[2/4] NCCL send/recv between two processes")
+    port = _free_port()
+    nccl = _spawn([(nccl_rank, r, port, sizes, quick, rounds) for r in range(2)])["nccl_rank"]
+    nccl = next(x for x in nccl if x)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = Worker(WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="")).start()
+        try:
+            print("[3/4] kvstrata dev_mget / dev_subscribe GPU0 -> GPU1, 4 KiB latency")
+            ctx = _ctx()
+            ctl = {"ready": ctx.Event(), "done": ctx.Event(), "req": ctx.Queue(), "pub": ctx.Queue()}
+            kv = _spawn(
+                [
+                    (kv_owner, worker.address, sizes, quick, rounds, lat_iters, ctl),
+                    (kv_reader, worker.address, sizes, quick, rounds, lat_iters, ctl),
+                ]
+            )
+            reader, owner = kv["kv_reader"][0], kv["kv_owner"][0]
+            print(f"[4/4] broadcast {fmt_size(bcast_bytes)} GPU0 -> 3 receivers (GPU1, GPU0, GPU1)")
+            ctl = {"ready": ctx.Queue()}
+            bc = _spawn(
+                [(bcast_sender, worker.address, bcast_bytes, chunk, bcast_rounds, ctl)]
+                + [(bcast_receiver, worker.address, d, bcast_bytes, bcast_rounds, ctl) for d in (1, 0, 1)]
+            )
+        finally:
+            worker.stop()
+    bcast_times = {m: statistics.median(ts[1:]) for m, ts in bc["bcast_sender"][0].items()}
+    bcast_mode = min(bcast_times, key=bcast_times.get)
+    bcast_time = bcast_times[bcast_mode]
+
+    latency = [d - p for d, p in zip(reader["t_done"], owner["t_pub"])]
+    lat_us = statistics.median(latency) * 1e6
+    lat_pub_first_us = statistics.median(reader["pub_first"]) * 1e6
+    rows, per_size = [], {}
+    for size in sizes:
+        k = keys_per_call(size, quick)
+        n = size * k
+        entry = {
+            "keys_per_call": k,
+            "peer_copy_GBps": gbps(n, ceiling[size]),
+            "nccl_GBps": gbps(n, nccl[size]),
+            "dev_mget_GBps": gbps(n, reader["mget"][size]),
+            "dev_subscribe_GBps": gbps(n, reader["subscribe"][size]),
+        }
+        entry["mget_of_ceiling"] = round(ceiling[size] / reader["mget"][size], 3)
+        entry["subscribe_of_ceiling"] = round(ceiling[size] / reader["subscribe"][size], 3)
+        per_size[size] = entry
+        rows.append(
+            {
+                "key size": fmt_size(size),
+                "keys/call": k,
+                "peer copy GB/s": entry["peer_copy_GBps"],
+                "NCCL GB/s": entry["nccl_GBps"],
+                "dev_mget GB/s": entry["dev_mget_GBps"],
+                "mget/ceiling": entry["mget_of_ceiling"],
+                "dev_subscribe GB/s": entry["dev_subscribe_GBps"],
+                "sub/ceiling": entry["subscribe_of_ceiling"],
+            }
+        )
+    big = [s for s in sizes if s >= 64 * MiB]
+    result = {
+        "sizes": per_size,
+        "latency_4KiB_us": {
+            "subscriber_first_end_to_end": round(lat_us, 1),
+            "publisher_first_subscribe_call": round(lat_pub_first_us, 1),
+            "samples": len(latency),
+        },
+        "broadcast": {
+            "bytes": bcast_bytes,
+            "receivers": 3,
+            "chunk_bytes": chunk,
+            "seconds": bcast_time,
+            "single_peer_copy_seconds": single,
+            "ratio_to_single_copy": round(bcast_time / single, 3),
+            "best_same_gpu_copy": bcast_mode,
+            "ratio_by_same_gpu_copy": {m: round(t / single, 3) for m, t in bcast_times.items()},
+            "all_rounds_seconds": bc["bcast_sender"][0],
+        },
+        "targets": {
+            "mget_and_subscribe_>=64MiB_>=0.9_of_ceiling": all(
+                per_size[s]["mget_of_ceiling"] >= 0.9 and per_size[s]["subscribe_of_ceiling"] >= 0.9 for s in big
+            ),
+            "latency_4KiB_<=200us": lat_us <= 200,
+            "broadcast_<=1.2x_single_copy": bcast_time / single <= 1.2,
+        },
+        "wall_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    path = write_result("device_quick" if quick else "device", result, args.out)
+    _plot(per_size, Path(path).with_suffix(".png"))
+    print(f"results: {path}")
+    print(
+        f"4 KiB hand-off: {lat_us:.0f} us end to end (subscriber first), {lat_pub_first_us:.0f} us subscribe call "
+        f"(publisher first); broadcast {fmt_size(bcast_bytes)} to 3: {bcast_time * 1e3:.1f} ms = "
+        f"{bcast_time / single:.2f}x one peer copy ({single * 1e3:.1f} ms; same-GPU hops by {bcast_mode}, "
+        f"ratios {result['broadcast']['ratio_by_same_gpu_copy']}); targets {result['targets']}"
+    )
+    print_table(rows)
+    return 0
+
+
+def _plot(per_size: dict[int, dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+        return
+    sizes = sorted(per_size)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for field, label in (
+        ("peer_copy_GBps", "peer copy (ceiling)"),
+        ("nccl_GBps", "NCCL send/recv"),
+        ("dev_mget_GBps", "kvstrata dev_mget"),
+        ("dev_subscribe_GBps", "kvstrata dev_subscribe"),
+    ):
+        ax.plot(sizes, [per_size[s][field] for s in sizes], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [fmt_size(s) for s in sizes], rotation=30)
+    ax.set_xlabel("bytes per key")
+    ax.set_ylabel("GB/s (GPU0 -> GPU1, per call)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+# -- smoke (CPU) -------------------------------------------------------------------------------------
+def smoke(args: argparse.Namespace) -> int:
+    """Broker and client logic timings with CPU tensors through an in-process broker (no GPU)."""
+    import torch
+
+    from kvstrata.bench._common import host_time
+    from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink
+
+    broker = DeviceBroker()
+    cfg = DeviceObjectConfig(allow_cpu=True, poll_seconds=0.05)
+    a = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=cfg)
+    b = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=cfg)
+    src, dst = [torch.arange(1024, dtype=torch.int32)], [torch.zeros(1024, dtype=torch.int32)]
+    counter = iter(range(1 << 30))
+    try:
+
+        def handoff_pub_first() -> None:
+            key = f"p{next(counter)}"
+            (pf,) = a.dev_publish([key], [src])
+            b.dev_subscribe([key], [dst], timeout=10)[0].result(10)
+            pf.result(10)
+
+        def handoff_sub_first() -> None:
+            key = f"q{next(counter)}"
+            (sf,) = b.dev_subscribe([key], [dst], timeout=10)
+            (pf,) = a.dev_publish([key], [src])
+            sf.result(10)
+            pf.result(10)
+
+        a.dev_mset(["w"], [src])
+        n_keys = 256
+        a.dev_mset([f"w{j}" for j in range(n_keys)], [src] * n_keys)
+        many = [[torch.zeros(1024, dtype=torch.int32)] for _ in range(n_keys)]
+
+        def mget_one() -> None:
+            b.dev_mget(["w"], [dst], timeout=10)[0].result(10)
+
+        def mget_batch() -> None:
+            for f in b.dev_mget([f"w{j}" for j in range(n_keys)], many, timeout=10):
+                f.result(10)
+
+        rb = DeviceBroker()
+        rb.handle("p", "hello", {"info": {}})
+        rb.handle("s", "hello", {"info": {}})
+        item = {"tensors": [{"shape": [1], "dtype": "uint8", "nbytes": 1}], "handles": [], "events": []}
+
+        def broker_cycle() -> None:
+            key = f"k{next(counter)}"
+            rb.handle("p", "publish", {"items": [dict(item, key=key)]})
+            t = rb.handle("s", "subscribe", {"keys": [key]})["results"][0]["transfer"]
+            rb.handle("s", "complete", {"tid": t["tid"], "ok": True})
+            rb.handle("p", "wait_events", {"timeout": 0})
+
+        timings = {
+            "broker_publish_subscribe_complete_us": host_time(broker_cycle, iters=200) * 1e6,
+            "handoff_publisher_first_us": host_time(handoff_pub_first, iters=50) * 1e6,
+            "handoff_subscriber_first_us": host_time(handoff_sub_first, iters=50) * 1e6,
+            "mget_one_key_us": host_time(mget_one, iters=50) * 1e6,
+            f"mget_{n_keys}_keys_per_key_us": host_time(mget_batch, iters=10) * 1e6 / n_keys,
+        }
+        if not torch.equal(dst[0], src[0]) or not all(torch.equal(m[0], src[0]) for m in many):
+            raise AssertionError("smoke: wrong bytes delivered")
+    finally:
+        a.close()
+        b.close()
+    timings = {k: round(v, 1) for k, v in timings.items()}
+    path = write_result(
+        "device_smoke", {"mode": "smoke (CPU tensors, in-process broker)", "timings": timings}, args.out
+    )
+    print(f"results: {path}")
+    print_table([{"what": k, "value": v} for k, v in timings.items()])
+    return 0
+
+
+__all__ = ["add_arguments", "run", "smoke"]

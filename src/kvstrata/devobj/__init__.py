@@ -1,0 +1,34 @@
+"""Device objects: GPU tensors handed between processes and GPUs without touching host memory.
+
+* :mod:`~kvstrata.devobj.broker`: the registry and meeting point, hosted in the worker.
+* :mod:`~kvstrata.devobj.api`: the client side (:class:`DeviceObjects`, the ``dev_*`` methods).
+* :mod:`~kvstrata.devobj.link`: the client's broker link, settings and argument checks.
+* :mod:`~kvstrata.devobj.ipc`: the same-node data path (CUDA IPC, peer copies over NVLink/PCIe).
+* :mod:`~kvstrata.devobj.nccl`: the between-nodes data path (NCCL send/recv per pair).
+* :mod:`~kvstrata.devobj.service`: the worker handler and the Client mixin.
+
+The client-side names load torch, so they are imported on first use (the worker needs only the broker).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvstrata.devobj.broker import DeviceBroker
+
+_LAZY = {
+    "BrokerLink": "kvstrata.devobj.link",
+    "DeviceObjectConfig": "kvstrata.devobj.link",
+    "DeviceObjects": "kvstrata.devobj.api",
+    "InprocBrokerLink": "kvstrata.devobj.link",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvstrata.devobj' has no attribute {name!r}")
+
+
+__all__ = ["BrokerLink", "DeviceBroker", "DeviceObjectConfig", "DeviceObjects", "InprocBrokerLink"]

@@ -1,0 +1,754 @@
+"""Client side of device objects: dev_publish / dev_subscribe, dev_mset / dev_mget, dev_broadcast.
+
+:class:`DeviceObjects` talks to a :class:`~kvstrata.devobj.broker.DeviceBroker` through a
+:class:`BrokerLink` (``call(op, args, timeout) -> dict``): :class:`InprocBrokerLink` for tests and the
+embedded mode, the worker connection for the real client (it forwards ``dev.<op>`` requests). No call
+blocks on a peer: publishes register and return futures; subscribes register waiters and return
+futures; one thread per client long-polls the broker for events (matches, completions, timeouts) and
+hands the copies to a small pool. Copies run on this client's own transfer streams, ordered after the
+caller's current stream at the time of the call.
+
+Example (two processes on one node, through a worker)::
+
+    objs = DeviceObjects(link)                           # in process A
+    fut, = objs.dev_publish(["w"], [[weights]])
+    objs_b.dev_subscribe(["w"], [[buffer]])[0].result()  # in process B: buffer == weights
+    fut.result()                                         # A: B has it all; A's tensors are released
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstrata import errors
+from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet, export_tensor, flat_bytes, spec
+from kvstrata.devobj.link import (
+    BrokerLink,
+    DeviceObjectConfig,
+    InprocBrokerLink,
+    check_keys,
+    check_tensor_lists,
+    error_from,
+)
+
+log = logging.getLogger(__name__)
+
+# Same-process exports (a peer in this process cannot open its own IPC handles): token -> (tensors, events).
+_LOCAL: dict[str, tuple[list[torch.Tensor], list[Any]]] = {}
+
+
+#: transfers up to this size are copied on the event thread itself instead of the copy pool
+INLINE_COPY_BYTES = 1 << 20
+
+
+def _nbytes(t: dict[str, Any]) -> int:
+    return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, *, kernel: bool) -> None:
+    """Copy one byte range: a copy-engine memcpy, or (``kernel``, 8-byte aligned) an elementwise kernel."""
+    if kernel and dst.numel() % 8 == 0 and dst.storage_offset() % 8 == 0 and src.storage_offset() % 8 == 0:
+        torch.mul(src.view(torch.int64), 1, out=dst.view(torch.int64))
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+def _settle(f: Future, exc: BaseException | None = None) -> None:
+    try:
+        if exc is None:
+            f.set_result(None)
+        else:
+            f.set_exception(exc)
+    except InvalidStateError:  # already settled (e.g. the owner went away first)
+        pass
+
+
+@dataclass
+class _Want:
+    """A receive in progress: the caller's tensors and future."""
+
+    key: str
+    tensors: list[torch.Tensor]
+    future: Future
+    after: Any  # event on the caller's stream at call time (the buffers are free to write after it)
+    tid: int | None = None
+    transfer: dict[str, Any] | None = None
+    chunk_events: list[Any] = field(default_factory=list)
+    token: str | None = None
+
+
+@dataclass
+class _SharedEvent:
+    """The ready event of one publish/mset call, shared by its keys."""
+
+    event: Any
+    refs: int = 0
+
+
+@dataclass
+class _Owned:
+    """A published / registered / broadcast object: kept alive until the broker releases it."""
+
+    key: str
+    mode: str
+    tensors: list[torch.Tensor]
+    events: list[Any]
+    token: str
+    future: Future | None
+    shared: _SharedEvent | None = None
+
+
+class DeviceObjects:
+    """Device-object operations of one client (one GPU). Thread-safe; ``close()`` when done."""
+
+    def __init__(
+        self,
+        link: BrokerLink,
+        *,
+        device: torch.device | int | str | None = None,
+        config: DeviceObjectConfig | None = None,
+    ) -> None:
+        self.config = config or DeviceObjectConfig()
+        self.link = link
+        self.device = self._pick_device(device)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._wants: dict[int, _Want] = {}  # by wid, until matched
+        self._inflight: dict[int, _Want] = {}  # by tid
+        self._owned: dict[int, _Owned] = {}  # by broker object id
+        self._early: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        self._cancelled: set[int] = set()  # wids withdrawn by their caller
+        self._read: dict[int, tuple[str, list[dict[str, Any]], str]] = {}  # obj -> (owner, handles, key) read
+        self._pool = ThreadPoolExecutor(self.config.copy_threads, thread_name_prefix="kvstrata-devobj")
+        self._cuda = self.device.type == "cuda"
+        self._events = EventPool() if self._cuda else None
+        self._imports = ImportCache() if self._cuda else None
+        self._streams = StreamSet() if self._cuda else None
+        self._nccl = None
+        info = {"pid": os.getpid(), "node_id": self.config.node_id, "device": self._device_info()}
+        if self._cuda:
+            from kvstrata.devobj.ipc import device_uuid
+
+            info["visible"] = [device_uuid(i) for i in range(torch.cuda.device_count())]
+        self.link.call("hello", {"info": info})
+        self._poller = threading.Thread(target=self._poll, name="kvstrata-devobj-poll", daemon=True)
+        self._poller.start()
+
+    # -- public API -------------------------------------------------------------------------------
+    def dev_publish(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[Future]:
+        """One-shot hand-off: each future completes once a subscriber received the key in full.
+
+        Until then this client keeps the tensors alive (the caller may drop its references), and
+        must not modify them.
+        """
+        keys, lists = self._check(keys, tensor_lists)
+        return self._register("publish", keys, lists)
+
+    def dev_subscribe(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]], timeout: float | None = None
+    ) -> list[Future]:
+        """Receive published (or broadcast) keys into ``tensor_lists``; each future waits up to ``timeout``.
+
+        A subscribe waits for ``dev_publish``/``dev_broadcast`` keys (``dev_mget`` reads ``dev_mset`` ones).
+        Cancelling a future that is still waiting withdraws it; once matched, the copy runs to the end.
+        """
+        keys, lists = self._check(keys, tensor_lists)
+        return self._receive("subscribe", keys, lists, timeout)
+
+    def dev_mset(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]]) -> list[Exception | None]:
+        """Register keys whose data stays in this client's tensors; per-key ``None`` or the error.
+
+        Readers copy straight from these tensors, after the work queued on the caller's stream at
+        this call. Write-once: to change the data, ``dev_delete`` (in-flight reads finish first),
+        write, and register again.
+        """
+        keys, lists = self._check(keys, tensor_lists)
+        futures = self._register("mset", keys, lists)
+        return [f.exception() if f.done() else None for f in futures]
+
+    def dev_mget(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]], timeout: float | None = None
+    ) -> list[Future]:
+        """Copy registered keys from their owners' GPUs into ``tensor_lists`` (any number of times)."""
+        keys, lists = self._check(keys, tensor_lists)
+        return self._receive("mget", keys, lists, timeout)
+
+    def dev_broadcast(
+        self, key: str, tensor_list: Sequence[torch.Tensor], receivers: int, chunk_bytes: int | None = None
+    ) -> Future:
+        """Send one key to ``receivers`` subscribers, pipelined in chunks along a chain.
+
+        Receivers call :meth:`dev_subscribe` as usual. Once all have subscribed, receiver ``i`` copies
+        chunk ``c`` from receiver ``i-1`` as soon as ``i-1`` has it (GPU-side event waits, no host
+        round trip per chunk); receivers on the sender's GPU come first so each GPU link is crossed
+        once. Every receiver's future, and this one, completes when all receivers have everything.
+        """
+        if not isinstance(receivers, int) or isinstance(receivers, bool) or receivers < 1:
+            raise ValueError(f"receivers: expected a positive int, got {receivers!r}")
+        chunk = self.config.chunk_bytes if chunk_bytes is None else chunk_bytes
+        if not isinstance(chunk, int) or chunk < 4096:
+            raise ValueError(f"chunk_bytes: expected an int >= 4096, got {chunk_bytes!r}")
+        keys, lists = self._check([key], [tensor_list])
+        return self._register("broadcast", keys, lists, receivers=receivers, chunk_bytes=chunk)[0]
+
+    def dev_delete(self, keys: Sequence[str]) -> list[Exception | None]:
+        """Remove keys this client registered or published; in-flight reads finish first."""
+        keys = self._check_keys(keys)
+        results = self._call("delete", {"keys": keys})["results"]
+        out: list[Exception | None] = []
+        for r in results:
+            if not r.get("ok"):
+                out.append(error_from(r.get("error"), r.get("message", "")))
+                continue
+            out.append(None)
+            if not r.get("pending"):
+                self._release(r["obj"], errors.KeyNotFound("deleted before anyone received it"))
+        return out
+
+    def dev_local_delete(self, keys: Sequence[str]) -> None:
+        """Drop this process's cached imports of ``keys`` (closing the IPC mappings that pin the owners' memory)."""
+        keys = self._check_keys(keys)
+        with self._lock:
+            gone = [o for o, (_, _, k) in self._read.items() if k in keys]
+            entries = [(o, self._read.pop(o)) for o in gone]
+        for obj, (owner, handles, _) in entries:
+            if self._imports is not None:
+                self._imports.drop_handles(owner, handles, obj=obj)
+        self._call("local_delete", {"keys": keys})
+
+    def close(self) -> None:
+        """Leave the broker (owned keys vanish), fail pending futures, stop threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.link.call("goodbye", {})
+        except Exception as exc:  # the worker may be gone already
+            log.debug("devobj goodbye: %s", exc)
+        self._fail_all(errors.ClosedError("device-object client closed"))
+        if threading.current_thread() is not self._poller:  # close() may run in a future's callback
+            self._poller.join(timeout=self.config.poll_seconds + 1)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._nccl is not None:
+            self._nccl.close()
+
+    def __enter__(self) -> DeviceObjects:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- validation -------------------------------------------------------------------------------
+    def _pick_device(self, device: torch.device | int | str | None) -> torch.device:
+        if device is None:
+            if torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+            if self.config.allow_cpu:
+                return torch.device("cpu")
+            raise ValueError("device: no CUDA device here (device objects live in GPU memory)")
+        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.type == "cpu" and not self.config.allow_cpu:
+            raise ValueError("device: device objects live in GPU memory; cpu needs config allow_cpu=True")
+        return dev
+
+    def _device_info(self) -> dict[str, Any]:
+        info = self.__dict__.get("_devinfo")
+        if info is None:
+            if self.device.type != "cuda":
+                info = {"uuid": f"cpu:{self.config.node_id}", "index": -1}
+            else:
+                from kvstrata.devobj.ipc import device_uuid
+
+                info = {"uuid": device_uuid(self.device.index), "index": self.device.index}
+            self._devinfo = info
+        return dict(info)
+
+    def _check_keys(self, keys: Sequence[str]) -> list[str]:
+        return check_keys(keys)
+
+    def _check(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]]):
+        if self._closed:
+            raise errors.ClosedError("device-object client closed")
+        return check_tensor_lists(keys, tensor_lists, self.device, allow_cpu=self.config.allow_cpu)
+
+    # -- writers ----------------------------------------------------------------------------------
+    def _ready_event(self) -> tuple[_SharedEvent | None, list[bytes]]:
+        """One interprocess event per call, recorded on the caller's stream: the data is ready after it."""
+        if not self._cuda:
+            return None, []
+        ev = self._events.get(self.device.index)
+        ev.record(torch.cuda.current_stream(self.device))
+        return _SharedEvent(ev), [bytes(ev.ipc_handle())]
+
+    def _export(self, key: str, tensors: list[torch.Tensor], mode: str, ready: tuple) -> tuple[dict[str, Any], _Owned]:
+        shared, ev_handles = ready
+        events, handles = [], []
+        if shared is not None:
+            shared.refs += 1
+            events = [shared.event]
+            if self.config.transport != "nccl" or mode == "broadcast":  # chains always pull over IPC
+                handles = [export_tensor(t) for t in tensors]
+        token = uuid.uuid4().hex
+        _LOCAL[token] = (tensors, events)
+        item = {
+            "key": key,
+            "tensors": [spec(t) for t in tensors],
+            "handles": handles,
+            "events": ev_handles,
+            "device": self._device_info(),
+            "node_id": self.config.node_id,
+            "pid": os.getpid(),
+            "local": token,
+            "transport": self.config.transport,
+        }
+        return item, _Owned(key, mode, tensors, events, token, Future(), shared)
+
+    def _register(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], **extra: Any) -> list[Future]:
+        ready = self._ready_event()
+        exported = [self._export(k, ts, op, ready) for k, ts in zip(keys, lists)]
+        try:
+            if op == "broadcast":
+                item = dict(exported[0][0], **extra)
+                results = self._call("broadcast", {"item": item})["results"]
+            else:
+                results = self._call(op, {"items": [e[0] for e in exported]})["results"]
+        except BaseException:
+            for _, owned in exported:
+                self._free(owned)
+            raise
+        futures = []
+        for (_, owned), r in zip(exported, results):
+            if not r.get("ok"):
+                self._free(owned)
+                _settle(owned.future, error_from(r.get("error"), r.get("message", "")))
+            else:
+                with self._lock:
+                    self._owned[r["obj"]] = owned
+                    early = self._early.pop(("obj", r["obj"]), [])
+                for ev in early:
+                    self._dispatch(ev)
+            futures.append(owned.future)
+        return futures
+
+    def _free(self, owned: _Owned) -> None:
+        _LOCAL.pop(owned.token, None)
+        shared, owned.shared = owned.shared, None
+        if shared is not None:
+            with self._lock:
+                shared.refs -= 1
+                last = shared.refs == 0
+            if last:  # every key of its call is released: the event can serve another call
+                self._events.put([shared.event], self.device.index)
+
+    def _release(self, obj: int, exc: BaseException | None = None) -> None:
+        with self._lock:
+            owned = self._owned.pop(obj, None)
+        if owned is not None:
+            self._free(owned)
+            if owned.future is not None:
+                _settle(owned.future, exc if owned.mode != "mset" else None)
+
+    # -- readers ----------------------------------------------------------------------------------
+    def _receive(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], timeout: float | None):
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
+            raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
+        after = None
+        if self._cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        specs = [[spec(t) for t in ts] for ts in lists]
+        results = self._call(op, {"keys": keys, "specs": specs, "timeout": timeout})["results"]
+        futures, batch = [], []
+        for key, ts, r in zip(keys, lists, results):
+            want = _Want(key, ts, Future(), after)
+            futures.append(want.future)
+            if r["status"] == "matched" and r["transfer"]["path"] != "nccl" and r["transfer"]["kind"] != "bcast":
+                t = r["transfer"]
+                want.tid, want.transfer = t["tid"], t
+                want.future.set_running_or_notify_cancel()  # from here on, cancel() is refused
+                with self._lock:
+                    self._inflight[t["tid"]] = want
+                batch.append((t, want))
+            elif r["status"] == "matched":
+                self._start(r["transfer"], want)
+            elif r["status"] == "waiting":
+                with self._lock:
+                    self._wants[r["wid"]] = want
+                    early = self._early.pop(("wid", r["wid"]), [])
+                want.future.add_done_callback(lambda f, wid=r["wid"]: self._on_cancel(f, wid))
+                for ev in early:
+                    self._dispatch(ev)
+            else:
+                _settle(want.future, error_from(r.get("error"), r.get("message", "")))
+        if batch:
+            self._pool.submit(self._copy_batch, batch)
+        return futures
+
+    def _on_cancel(self, f: Future, wid: int) -> None:
+        """A waiting receive was cancelled by its caller: withdraw it from the broker."""
+        if not f.cancelled():
+            return
+        with self._lock:
+            gone = self._wants.pop(wid, None)
+            if gone is not None:
+                self._cancelled.add(wid)  # a match already on its way is declined (see _dispatch)
+        if gone is not None and not self._closed:
+            try:
+                self._call("cancel", {"wids": [wid]})
+            except Exception as exc:  # the broker is gone: nothing left to withdraw
+                log.debug("devobj cancel: %s", exc)
+
+    def _start(self, t: dict[str, Any], want: _Want) -> None:
+        if not want.future.set_running_or_notify_cancel():
+            # Cancelled just as it matched: hand the object back untouched (a broadcast aborts).
+            try:
+                self._call("complete", {"tid": t["tid"], "ok": False, "error": "receive cancelled"})
+            except Exception as exc:
+                log.debug("devobj decline: %s", exc)
+            return
+        want.tid = t["tid"]
+        want.transfer = t
+        with self._lock:
+            self._inflight[t["tid"]] = want
+            early = self._early.pop(("tid", t["tid"]), [])
+        if t["path"] == "nccl":
+            self._start_nccl_recv(t, want)
+        elif t["kind"] == "bcast":
+            if t["position"] == 0:
+                rec = t["record"]
+                self._submit(t, want, self._bcast_step, dict(rec, client=rec["owner"]))
+        elif threading.current_thread() is self._poller and _nbytes(t) <= INLINE_COPY_BYTES:
+            # A small copy costs less than a hand-off to the pool: do it here (the 4 KiB latency path).
+            try:
+                self._copy(t, want)
+            except BaseException as exc:
+                self._fail_transfer(t, want, exc)
+        else:
+            self._submit(t, want, self._copy)
+        for ev in early:
+            self._dispatch(ev)
+
+    def _submit(self, t: dict[str, Any], want: _Want, fn, *args: Any) -> None:
+        def run() -> None:
+            try:
+                fn(t, want, *args)
+            except BaseException as exc:  # report, never leave the broker or the caller waiting
+                self._fail_transfer(t, want, exc)
+
+        self._pool.submit(run)
+
+    def _fail_transfer(self, t: dict[str, Any], want: _Want, exc: BaseException) -> None:
+        with self._lock:
+            self._inflight.pop(t["tid"], None)
+        try:
+            self._call("complete", {"tid": t["tid"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        except Exception as exc2:
+            log.debug("devobj complete(ok=False): %s", exc2)
+        _settle(want.future, exc)
+
+    def _sources(self, src: dict[str, Any], peer: str, reuse: bool = False) -> tuple[list[torch.Tensor], list[Any]]:
+        """The source tensors and readiness events of an export (a record or a chain link)."""
+        if src.get("pid") == os.getpid() and src.get("node_id") == self.config.node_id:
+            local = _LOCAL.get(src["local"])
+            if local is None:
+                raise errors.ServerError(f"source of {src.get('key')!r} was released in this process")
+            return local[0], local[1]
+        if not self._cuda:
+            raise ValueError("tensor_lists: CPU tensors can only move between clients of one process")
+        tensors = self._imports.tensors(peer, src, reuse=reuse)
+        events = [self._imports.event(h, src["device"]["uuid"]) for h in src["events"]]
+        return tensors, events
+
+    def _enqueue_copy(self, t: dict[str, Any], want: _Want) -> Any:
+        """Queue the copy of one matched key on this client's transfer stream; return its end event."""
+        from kvstrata.devobj.ipc import pull
+
+        rec = t["record"]
+        src, events = self._sources(rec, rec["owner"], reuse=t["kind"] == "get")
+        if t["kind"] == "get":
+            with self._lock:
+                self._read[rec["obj"]] = (rec["owner"], rec["handles"], rec["key"])
+        if not self._cuda:
+            for d, s in zip(want.tensors, src):
+                d.copy_(s)
+            return None
+        self._streams.get(self.device.index).wait_event(want.after)
+        ready = events[0] if events else None
+        return pull(want.tensors, src, [ready] * len(src), self._streams)
+
+    def _copy(self, t: dict[str, Any], want: _Want) -> None:
+        done = self._enqueue_copy(t, want)
+        if done is not None:
+            done.synchronize()
+        self._complete(t, want)
+
+    def _copy_batch(self, items: list[tuple[dict[str, Any], _Want]]) -> None:
+        """Copies of one call's keys: all queued, one wait, one completion request (per-key results)."""
+        queued, last = [], None
+        for t, want in items:
+            try:
+                ev = self._enqueue_copy(t, want)
+                last = ev if ev is not None else last
+                queued.append((t, want))
+            except BaseException as exc:
+                self._fail_transfer(t, want, exc)
+        if not queued:
+            return
+        try:
+            if last is not None:
+                last.synchronize()  # one stream: the last copy's end covers all
+            done = self._call("complete_many", {"items": [{"tid": t["tid"], "ok": True} for t, _ in queued]})
+        except BaseException as exc:  # never leave a caller's future hanging
+            for t, want in queued:
+                self._fail_transfer(t, want, exc)
+            return
+        for (t, want), r in zip(queued, done["results"]):
+            self._settle_completed(t, want, r)
+
+    def _complete(self, t: dict[str, Any], want: _Want) -> None:
+        r = self._call("complete", {"tid": t["tid"], "ok": True})
+        if t["kind"] == "bcast":
+            return  # settled by transfer_done, once every receiver has it
+        self._settle_completed(t, want, r)
+
+    def _settle_completed(self, t: dict[str, Any], want: _Want, r: dict[str, Any]) -> None:
+        with self._lock:
+            self._inflight.pop(t["tid"], None)
+        if r.get("ok", True):
+            _settle(want.future)
+        else:  # e.g. the owner vanished mid-copy: never report a half-received object as done
+            _settle(want.future, error_from(r.get("error"), r.get("message", "")))
+
+    # -- broadcast receiver -----------------------------------------------------------------------
+    def _bcast_step(self, t: dict[str, Any], want: _Want, pred: dict[str, Any]) -> None:
+        rec = t["record"]
+        chunk = int(rec.get("chunk_bytes") or self.config.chunk_bytes)
+        src, src_events = self._sources(pred, pred["client"])
+        plan = [
+            (j, off, min(chunk, sp["nbytes"] - off))
+            for j, sp in enumerate(rec["tensors"])
+            for off in range(0, max(sp["nbytes"], 1), chunk)
+        ]
+        last = t["position"] == t["receivers"] - 1
+        mine: list[Any] = []
+        if self._cuda:
+            from kvstrata.devobj.ipc import flat_bytes as fb
+
+            dev = self.device.index
+            kernel = self.config.same_gpu_copy == "kernel"
+            sd = self._streams.get(dev)
+            sd.wait_event(want.after)
+            mine = [] if last else [self._events.get(dev) for _ in plan]
+            waited: set[int] = set()
+            dst_b = [fb(x) for x in want.tensors]
+            src_b = [fb(x) for x in src]
+            for c, (j, off, n) in enumerate(plan):
+                ev = src_events[c] if len(src_events) > 1 else (src_events[0] if src_events else None)
+                ss = self._streams.get(src[j].device.index)
+                if ev is not None and (len(src_events) > 1 or id(ev) not in waited):
+                    waited.add(id(ev))
+                    sd.wait_event(ev)
+                    if ss is not sd:
+                        ss.wait_event(ev)
+                with torch.cuda.stream(ss), torch.cuda.stream(sd):
+                    _copy_bytes(dst_b[j][off : off + n], src_b[j][off : off + n], kernel=kernel and ss is sd)
+                if mine:
+                    mine[c].record(sd)
+            done = torch.cuda.Event()
+            done.record(sd)
+        else:
+            for j, off, n in plan:
+                flat_bytes(want.tensors[j])[off : off + n].copy_(flat_bytes(src[j])[off : off + n])
+        want.chunk_events = mine
+        if not last:
+            token = uuid.uuid4().hex
+            _LOCAL[token] = (want.tensors, mine)
+            want.token = token
+            export = {
+                "key": rec["key"],
+                "tensors": rec["tensors"],
+                "device": self._device_info(),
+                "node_id": self.config.node_id,
+                "pid": os.getpid(),
+                "local": token,
+                "handles": [export_tensor(x) for x in want.tensors] if self._cuda else [],
+                "events": [bytes(e.ipc_handle()) for e in mine],
+            }
+            self._call("chain_ready", {"tid": t["tid"], "export": export})
+        if self._cuda:
+            done.synchronize()
+        self._complete(t, want)
+
+    def _bcast_done(self, want: _Want, exc: BaseException | None) -> None:
+        if want.token:
+            _LOCAL.pop(want.token, None)
+        if want.chunk_events and self._events is not None:
+            self._events.put(want.chunk_events, self.device.index)
+            want.chunk_events = []
+        _settle(want.future, exc)
+
+    # -- NCCL -------------------------------------------------------------------------------------
+    def _channels(self):
+        with self._lock:
+            if self._nccl is None:
+                from kvstrata.devobj.nccl import Channels
+
+                self._nccl = Channels()
+            return self._nccl
+
+    def _start_nccl_recv(self, t: dict[str, Any], want: _Want) -> None:
+        from kvstrata.devobj.nccl import new_unique_id
+
+        if not self._cuda:
+            raise ValueError("tensor_lists: the NCCL path needs CUDA tensors")
+        ch = self._channels().get(t["src"], t["dst"], rank=1, device=self.device.index)
+        if t["nccl"]["create_uid"]:
+            uid = new_unique_id()
+            ch.set_uid(uid)
+            self._call("pair_uid", {"src": t["src"], "uid": uid})
+
+        def op() -> None:
+            try:
+                ch.recv(want.tensors, want.after)
+                self._complete(t, want)
+            except BaseException as exc:
+                self._fail_transfer(t, want, exc)
+
+        ch.submit(t["nccl"]["seq"], op, lambda msg: self._fail_transfer(t, want, errors.ServerError(msg)))
+
+    def _nccl_send(self, ev: dict[str, Any]) -> None:
+        t = ev["transfer"]
+        with self._lock:
+            owned = self._owned.get(t["record"]["obj"])
+        ch = self._channels().get(t["src"], t["dst"], rank=0, device=self.device.index)
+        ch.set_uid(ev["uid"])
+        if owned is None:  # released meanwhile: the receiver's side fails by the broker's error
+            log.warning("devobj: NCCL send for released object %r", t["key"])
+            return
+
+        def op() -> None:
+            try:
+                ch.send(owned.tensors, owned.events[0] if owned.events else None)
+            except Exception as exc:  # the receiver reports the failure to the broker
+                log.warning("devobj: NCCL send of %r failed: %s", t["key"], exc)
+
+        ch.submit(t["nccl"]["seq"], op, lambda msg: log.warning("devobj: %s", msg))
+
+    # -- events -----------------------------------------------------------------------------------
+    def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        return self.link.call(op, args, timeout)
+
+    def _poll(self) -> None:
+        while not self._closed:
+            try:
+                r = self.link.call("wait_events", {"timeout": self.config.poll_seconds}, self.config.poll_seconds + 30)
+            except Exception as exc:
+                if not self._closed:
+                    log.error("devobj: lost the broker: %s", exc)
+                    self._fail_all(errors.ConnectionLost(f"device-object broker unreachable: {exc}"))
+                return
+            if r.get("closed"):
+                self._fail_all(errors.ClosedError("the broker forgot this client"))
+                return
+            for ev in r["events"]:
+                try:
+                    self._dispatch(ev)
+                except Exception:  # one bad event must not stop the others
+                    log.exception("devobj: event %s", ev.get("type"))
+
+    def _dispatch(self, ev: dict[str, Any]) -> None:
+        kind = ev["type"]
+        if kind == "matched" or (kind in ("timeout", "error") and "tid" not in ev):
+            with self._lock:
+                want = self._wants.pop(ev["wid"], None)
+                cancelled = want is None and ev["wid"] in self._cancelled
+                self._cancelled.discard(ev["wid"])
+                if want is None and not cancelled:
+                    self._early.setdefault(("wid", ev["wid"]), []).append(ev)
+                    return
+            if cancelled:
+                if kind == "matched":  # withdrawn by its caller after the broker matched it: hand it back
+                    self._call("complete", {"tid": ev["transfer"]["tid"], "ok": False, "error": "receive cancelled"})
+                return
+            if kind == "matched":
+                self._start(ev["transfer"], want)
+            else:
+                _settle(want.future, error_from(ev.get("error"), ev.get("message", "")))
+        elif kind == "error":  # a transfer in flight broke (its source went away)
+            with self._lock:
+                want = self._inflight.pop(ev["tid"], None)
+            if want is not None:
+                self._bcast_done(want, error_from(ev.get("error"), ev.get("message", "")))
+        elif kind in ("chain_pred", "transfer_done"):
+            with self._lock:
+                want = self._inflight.get(ev["tid"])
+                if want is None:
+                    self._early.setdefault(("tid", ev["tid"]), []).append(ev)
+                    return
+                if kind == "transfer_done":
+                    self._inflight.pop(ev["tid"], None)
+            if kind == "transfer_done":
+                self._bcast_done(want, None)
+            else:
+                self._submit(want.transfer, want, self._bcast_step, ev["pred"])
+        elif kind in ("released", "failed"):
+            with self._lock:
+                if ev["obj"] not in self._owned:
+                    self._early.setdefault(("obj", ev["obj"]), []).append(ev)
+                    return
+            if kind == "failed":
+                exc = errors.ServerError(f"broadcast of {ev['key']!r} failed: {ev.get('message')}")
+            elif ev.get("reason") == "deleted":
+                exc = errors.KeyNotFound(f"device object {ev['key']!r} was deleted before anyone received it")
+            else:
+                exc = None
+            self._release(ev["obj"], exc)
+        elif kind == "send":
+            self._nccl_send(ev)
+        elif kind == "invalidate":
+            with self._lock:
+                entry = self._read.pop(ev["obj"], None)
+            if entry is not None and self._imports is not None:
+                self._imports.drop_handles(entry[0], entry[1], obj=ev["obj"])
+        elif kind == "peer_gone":
+            if self._nccl is not None:
+                self._nccl.peer_gone(ev["client"])
+            if self._imports is not None:
+                self._imports.drop_peer(ev["client"])
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            wants = list(self._wants.values()) + list(self._inflight.values())
+            owned = list(self._owned.values())
+            self._wants.clear()
+            self._inflight.clear()
+            self._owned.clear()
+        for w in wants:
+            _settle(w.future, exc)
+        for o in owned:
+            self._free(o)
+            if o.future is not None and o.mode != "mset":
+                _settle(o.future, exc)
+
+
+__all__ = [
+    "BrokerLink",
+    "DeviceObjectConfig",
+    "DeviceObjects",
+    "InprocBrokerLink",
+    "check_keys",
+    "check_tensor_lists",
+    "error_from",
+]

@@ -1,0 +1,556 @@
+"""The device-object broker: where publishers, owners and readers of GPU tensors meet.
+
+The broker holds metadata only (shapes, dtypes, exported handles); the bytes never leave GPU memory.
+It lives in the worker process (one per node) and is pure Python, thread-safe and deterministic.
+
+Why cycles cannot form
+----------------------
+Nothing in the broker blocks except :meth:`DeviceBroker.wait_events`, a long poll on the caller's
+*own* event queue, taken without holding anything another client needs. Every other operation
+returns at once: a subscriber that comes first registers a *waiter* and later receives a
+``matched`` event; a publisher only registers a record. Data then moves by *pull*: the receiver
+copies from memory the publisher exported, and reports completion. The publisher never waits on a
+subscriber to start, so many pairs in both directions between the same processes cannot deadlock.
+(The NCCL path needs the source to post a send; the broker asks for it with a ``send`` event, and
+each (source, destination) pair has its own communicator and stream, so sends of A->B and B->A never
+queue behind each other.)
+
+Lifecycles
+----------
+* one-shot (``publish``): ``ready`` -> ``claimed`` by one subscriber -> forgotten when that subscriber
+  reports success (``complete(ok=True)``); the publisher then gets ``released`` and drops its tensors.
+  A receive that fails (``ok=False``) or whose subscriber dies returns the object to ``ready`` for the
+  next subscriber: a half-received object is never done and never lost.
+* registered (``mset``): ``ready`` for any number of ``mget`` reads; ``delete`` by the owner stops new
+  reads and ``released`` is sent once in-flight reads complete.
+* broadcast: like one-shot, for exactly ``receivers`` subscribers, which copy chunk by chunk along a
+  chain (see :mod:`kvstrata.devobj.api`). The chain is planned once all receivers have subscribed.
+* an owner that goes away (:meth:`owner_gone`) makes its keys vanish; receivers with a transfer in
+  flight from it get an ``error`` event (``OwnerGone``), never a hang.
+
+Records and events are plain msgpack-able dicts keyed by client id, so a cluster mode can carry the
+same meeting through a metadata service.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+# Error codes carried in results and events; the client maps them to exceptions.
+E_NOT_FOUND = "KeyNotFound"
+E_EXISTS = "KeyExists"
+E_TIMEOUT = "Timeout"
+E_MISMATCH = "Mismatch"
+E_OWNER_GONE = "OwnerGone"
+E_NOT_OWNER = "NotOwner"
+E_ABORTED = "Aborted"
+E_BAD_REQUEST = "BadRequest"
+
+MODES = ("oneshot", "mset", "broadcast")
+
+
+@dataclass
+class _Object:
+    record: dict[str, Any]
+    state: str = "ready"  # ready | claimed | deleting
+    transfers: set[int] = field(default_factory=set)  # tids in flight reading this object
+    readers: set[str] = field(default_factory=set)  # clients that read it (to invalidate their caches)
+    pending: list[tuple[str, int]] = field(default_factory=list)  # broadcast: (client, wid) in arrival order
+    done: set[int] = field(default_factory=set)  # broadcast: positions that completed
+
+
+@dataclass
+class _Waiter:
+    wid: int
+    client: str
+    key: str
+    kind: str  # sub | get
+    specs: list[dict[str, Any]] | None
+    deadline: float | None
+
+
+class DeviceBroker:
+    """Registry of device objects and the meeting point of their readers (thread-safe).
+
+    The worker calls :meth:`handle` for every ``dev.*`` request and :meth:`owner_gone` when a client's
+    connection drops. ``wait_events`` blocks (up to its timeout) and should run on a thread of its own.
+
+    Example::
+
+        broker = DeviceBroker()
+        broker.handle("a", "publish", {"items": [record]})
+        broker.handle("b", "subscribe", {"keys": ["k"], "timeout": 1.0})  # -> matched at once
+    """
+
+    def __init__(self, *, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._objects: dict[str, _Object] = {}
+        self._waiters: dict[str, deque[_Waiter]] = {}
+        self._waiter_by_id: dict[int, _Waiter] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._events: dict[str, deque[dict[str, Any]]] = {}
+        self._clients: dict[str, dict[str, Any]] = {}
+        self._transfers: dict[int, dict[str, Any]] = {}
+        self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
+        self._peers: dict[str, set[str]] = {}  # client -> clients it exchanged data with
+        self._ids = itertools.count(1)
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def handle(self, client: str, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Run one request ``op`` from ``client``; the seam the worker and the in-process link use."""
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None and op != "goodbye":
+            raise ValueError(f"op: unknown device-object operation {op!r}")
+        if op == "wait_events":
+            return fn(client, args, timeout)
+        if op == "goodbye":
+            self.owner_gone(client)
+            return {"ok": True}
+        with self._lock:
+            self._expire_locked()
+            return fn(client, args)
+
+    # -- client lifetime --------------------------------------------------------------------------
+    def op_hello(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        self._clients[client] = dict(args.get("info") or {})
+        self._events.setdefault(client, deque())
+        return {"ok": True}
+
+    def owner_gone(self, client: str) -> None:
+        """Forget ``client`` (its connection dropped or it died): its keys vanish, its peers get errors."""
+        with self._lock:
+            self._clients.pop(client, None)
+            for key, obj in list(self._objects.items()):
+                if obj.record["owner"] != client:
+                    continue
+                for tid in list(obj.transfers):
+                    t = self._transfers.pop(tid)
+                    self._push(t["dst"], self._error_event(t, E_OWNER_GONE, f"owner of {key!r} went away"))
+                for c, wid in obj.pending:
+                    self._push(
+                        c,
+                        {
+                            "type": "error",
+                            "wid": wid,
+                            "key": key,
+                            "error": E_OWNER_GONE,
+                            "message": f"broadcaster of {key!r} went away",
+                        },
+                    )
+                del self._objects[key]
+            for tid, t in list(self._transfers.items()):
+                if t["dst"] == client:
+                    self._transfers.pop(tid)
+                    self._receiver_failed_locked(t, f"receiver {client!r} went away")
+            for obj in self._objects.values():
+                obj.readers.discard(client)
+                kept = [(c, w) for c, w in obj.pending if c != client]
+                obj.pending[:] = kept
+            for w in list(self._waiter_by_id.values()):
+                if w.client == client:
+                    self._drop_waiter(w)
+            for pair in [p for p in self._pairs if client in p]:
+                del self._pairs[pair]
+            # Peers drop what they imported from it (IPC mappings, NCCL communicators).
+            for other in sorted(self._peers.pop(client, set())):
+                self._peers.get(other, set()).discard(client)
+                self._push(other, {"type": "peer_gone", "client": client})
+            self._events.pop(client, None)
+            self._cond.notify_all()
+
+    # -- writers ----------------------------------------------------------------------------------
+    def op_publish(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        return {"results": [self._register(client, item, "oneshot") for item in args["items"]]}
+
+    def op_mset(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        return {"results": [self._register(client, item, "mset") for item in args["items"]]}
+
+    def op_broadcast(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        item = args["item"]
+        receivers = item.get("receivers")
+        if not isinstance(receivers, int) or receivers < 1:
+            return {"results": [_err(E_BAD_REQUEST, "receivers must be a positive int")]}
+        return {"results": [self._register(client, item, "broadcast")]}
+
+    def _register(self, client: str, item: dict[str, Any], mode: str) -> dict[str, Any]:
+        key = item["key"]
+        if key in self._objects:
+            return _err(E_EXISTS, f"device object {key!r} already exists")
+        record = dict(item, owner=client, mode=mode, obj=next(self._ids))
+        record.setdefault("node_id", self._clients.get(client, {}).get("node_id"))
+        self._objects[key] = _Object(record)
+        self._match_locked(key)
+        return {"ok": True, "obj": record["obj"]}
+
+    def op_delete(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        results = []
+        for key in args["keys"]:
+            obj = self._objects.get(key)
+            if obj is None or obj.state == "deleting":
+                results.append(_err(E_NOT_FOUND, f"device object {key!r} not found"))
+            elif obj.record["owner"] != client:
+                results.append(_err(E_NOT_OWNER, f"device object {key!r} belongs to another client"))
+            elif obj.transfers:
+                obj.state = "deleting"  # released once the reads in flight complete
+                results.append({"ok": True, "obj": obj.record["obj"], "pending": True})
+            else:  # the owner learns it from this answer, not from an event
+                self._forget_locked(key, obj, reason="deleted", notify_owner=False)
+                results.append({"ok": True, "obj": obj.record["obj"], "pending": False})
+        return {"results": results}
+
+    def op_local_delete(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """This client stops caching imports of ``keys``; the broker stops sending it invalidations."""
+        for key in args["keys"]:
+            obj = self._objects.get(key)
+            if obj is not None:
+                obj.readers.discard(client)
+        return {"ok": True}
+
+    # -- readers ----------------------------------------------------------------------------------
+    def op_subscribe(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        return {"results": self._add_waiters(client, args, "sub")}
+
+    def op_mget(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        return {"results": self._add_waiters(client, args, "get")}
+
+    def _add_waiters(self, client: str, args: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+        timeout = args.get("timeout")
+        specs = args.get("specs") or [None] * len(args["keys"])
+        out = []
+        for key, spec in zip(args["keys"], specs, strict=True):
+            deadline = None if timeout is None else self._clock() + max(0.0, float(timeout))
+            w = _Waiter(next(self._ids), client, key, kind, spec, deadline)
+            self._waiters.setdefault(key, deque()).append(w)
+            self._waiter_by_id[w.wid] = w
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, w.wid))
+            # Answer at once when the object is there: the common case costs no event round trip.
+            immediate = self._match_locked(key, only=w.wid)
+            out.append(immediate if immediate is not None else {"status": "waiting", "wid": w.wid})
+        return out
+
+    def op_cancel(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        for wid in args["wids"]:
+            w = self._waiter_by_id.get(wid)
+            if w is not None and w.client == client:
+                self._drop_waiter(w)
+        return {"ok": True}
+
+    def op_complete(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The receiver of transfer ``tid`` reports it finished (``ok``) or failed (``error``)."""
+        t = self._transfers.get(args["tid"])
+        if t is None or t["dst"] != client:
+            return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")
+        obj = self._objects.get(t["key"])
+        if not args.get("ok"):
+            self._transfers.pop(t["tid"])
+            self._receiver_failed_locked(t, args.get("error") or "receive failed")
+            return {"ok": True}
+        if t["kind"] == "bcast":
+            obj.done.add(t["position"])
+            if len(obj.done) == obj.record["receivers"]:
+                for tid in list(obj.transfers):
+                    tt = self._transfers.pop(tid)
+                    self._push(tt["dst"], {"type": "transfer_done", "tid": tid, "key": t["key"], "ok": True})
+                obj.transfers.clear()
+                self._forget_locked(t["key"], obj, reason="received")
+            return {"ok": True, "pending": True}
+        self._transfers.pop(t["tid"])
+        obj.transfers.discard(t["tid"])
+        if t["kind"] == "sub":
+            self._forget_locked(t["key"], obj, reason="received")
+        elif obj.state == "deleting" and not obj.transfers:
+            self._forget_locked(t["key"], obj, reason="deleted")
+        return {"ok": True}
+
+    def op_complete_many(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`op_complete` for several transfers in one request (one result each)."""
+        return {"results": [self.op_complete(client, item) for item in args["items"]]}
+
+    def op_chain_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Broadcast receiver at ``position`` exported its buffers and enqueued its copies."""
+        t = self._transfers.get(args["tid"])
+        if t is None or t["dst"] != client:
+            return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")
+        obj = self._objects[t["key"]]
+        nxt = next(
+            (self._transfers[x] for x in obj.transfers if self._transfers[x]["position"] == t["position"] + 1), None
+        )
+        if nxt is not None:
+            pred = dict(args["export"], client=client)
+            self._push(nxt["dst"], {"type": "chain_pred", "tid": nxt["tid"], "key": t["key"], "pred": pred})
+        return {"ok": True}
+
+    def op_pair_uid(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The destination of an NCCL pair posts the communicator's unique id; queued sends go out."""
+        pair = self._pairs.get((args["src"], client))
+        if pair is None:
+            return _err(E_NOT_FOUND, "no such NCCL pair")
+        pair["uid"] = args["uid"]
+        for t in pair.pop("queued", []):
+            self._push(t["src"], {"type": "send", "transfer": t, "uid": pair["uid"]})
+        return {"ok": True}
+
+    # -- events -----------------------------------------------------------------------------------
+    def op_wait_events(self, client: str, args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """Long poll: this client's events, waiting up to ``timeout`` for the first one."""
+        timeout = args.get("timeout", timeout)
+        end = None if timeout is None else self._clock() + timeout
+        with self._lock:
+            while True:
+                self._expire_locked()
+                q = self._events.get(client)
+                if q is None:
+                    return {"events": [], "closed": True}
+                if q:
+                    events = list(q)
+                    q.clear()
+                    return {"events": events}
+                now = self._clock()
+                if end is not None and now >= end:
+                    return {"events": []}
+                waits = [x - now for x in (end, self._deadlines[0][0] if self._deadlines else None) if x is not None]
+                self._cond.wait(max(0.0, min(waits)) + 1e-4 if waits else None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Registry contents for status pages and tests (msgpack-able)."""
+        with self._lock:
+            return {
+                "objects": {
+                    k: {
+                        "state": o.state,
+                        "mode": o.record["mode"],
+                        "owner": o.record["owner"],
+                        "transfers": len(o.transfers),
+                    }
+                    for k, o in self._objects.items()
+                },
+                "waiters": sum(len(q) for q in self._waiters.values()),
+                "transfers": len(self._transfers),
+                "clients": sorted(self._clients),
+            }
+
+    # -- internals (lock held) --------------------------------------------------------------------
+    def _push(self, client: str, event: dict[str, Any]) -> None:
+        q = self._events.get(client)
+        if q is not None:
+            q.append(event)
+            self._cond.notify_all()
+
+    def _drop_waiter(self, w: _Waiter) -> None:
+        self._waiter_by_id.pop(w.wid, None)
+        q = self._waiters.get(w.key)
+        if q is not None:
+            try:
+                q.remove(w)
+            except ValueError:
+                pass
+            if not q:
+                del self._waiters[w.key]
+
+    def _expire_locked(self) -> None:
+        now = self._clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, wid = heapq.heappop(self._deadlines)
+            w = self._waiter_by_id.get(wid)
+            if w is None:
+                continue
+            self._drop_waiter(w)
+            obj = self._objects.get(w.key)
+            if obj is not None and obj.record["mode"] == "broadcast":
+                obj.pending[:] = [(c, x) for c, x in obj.pending if x != wid]
+            self._push(
+                w.client,
+                {
+                    "type": "timeout",
+                    "wid": wid,
+                    "key": w.key,
+                    "error": E_TIMEOUT,
+                    "message": f"no device object {w.key!r} within the timeout",
+                },
+            )
+
+    def _error_event(self, t: dict[str, Any], code: str, message: str) -> dict[str, Any]:
+        return {"type": "error", "wid": t["wid"], "tid": t["tid"], "key": t["key"], "error": code, "message": message}
+
+    def _forget_locked(self, key: str, obj: _Object, *, reason: str, notify_owner: bool = True) -> None:
+        del self._objects[key]
+        if notify_owner:
+            released = {"type": "released", "key": key, "obj": obj.record["obj"], "reason": reason}
+            self._push(obj.record["owner"], released)
+        for reader in obj.readers:
+            self._push(reader, {"type": "invalidate", "key": key, "obj": obj.record["obj"]})
+        for client, wid in obj.pending:  # broadcast receivers still waiting for the others
+            w = self._waiter_by_id.get(wid)
+            if w is not None:
+                self._drop_waiter(w)
+            self._push(
+                client,
+                {
+                    "type": "error",
+                    "wid": wid,
+                    "key": key,
+                    "error": E_NOT_FOUND,
+                    "message": f"device object {key!r} was {reason} before all receivers joined",
+                },
+            )
+        obj.pending.clear()
+
+    def _receiver_failed_locked(self, t: dict[str, Any], message: str) -> None:
+        obj = self._objects.get(t["key"])
+        self._push(t["dst"], self._error_event(t, E_ABORTED, message))
+        if obj is None:
+            return
+        obj.transfers.discard(t["tid"])
+        if t["kind"] == "sub" and obj.state == "deleting":
+            self._forget_locked(t["key"], obj, reason="deleted")
+        elif t["kind"] == "sub":
+            obj.state = "ready"  # never half-done: the next subscriber gets it whole
+            self._match_locked(t["key"])
+        elif t["kind"] == "bcast":
+            # One broken link breaks the chain after it: abort all, tell the broadcaster.
+            for tid in list(obj.transfers):
+                tt = self._transfers.pop(tid)
+                self._push(tt["dst"], self._error_event(tt, E_ABORTED, f"broadcast of {t['key']!r} failed: {message}"))
+            del self._objects[t["key"]]
+            self._push(
+                obj.record["owner"], {"type": "failed", "key": t["key"], "obj": obj.record["obj"], "message": message}
+            )
+        elif obj.state == "deleting" and not obj.transfers:
+            self._forget_locked(t["key"], obj, reason="deleted")
+
+    def _match_locked(self, key: str, only: int | None = None) -> dict[str, Any] | None:
+        """Pair waiters of ``key`` with its object; return the result for waiter ``only`` if it matched."""
+        obj = self._objects.get(key)
+        q = self._waiters.get(key)
+        if obj is None or not q or obj.state != "ready":
+            return None
+        mode = obj.record["mode"]
+        answer = None
+        for w in list(q):
+            if obj.state != "ready":
+                break
+            if (mode == "mset") != (w.kind == "get"):
+                continue  # subscribe waits for publish/broadcast, mget for mset
+            mismatch = _mismatch(obj.record["tensors"], w.specs)
+            if mode == "broadcast" and not mismatch:
+                q.remove(w)  # joins the chain; stays known by wid so its timeout still runs
+                obj.pending.append((w.client, w.wid))
+                if len(obj.pending) < obj.record["receivers"]:
+                    continue
+                answer = self._plan_broadcast(key, obj, only) or answer
+                continue
+            self._drop_waiter(w)
+            if mismatch:
+                result = {"status": "error", "wid": w.wid, "key": key, "error": E_MISMATCH, "message": mismatch}
+            else:
+                t = self._start_transfer(obj, w)
+                if mode == "oneshot":
+                    obj.state = "claimed"
+                result = {"status": "matched", "wid": w.wid, "key": key, "transfer": t}
+            if w.wid == only:
+                answer = result
+            else:
+                self._push(w.client, dict(result, type=result["status"]))
+        return answer
+
+    def _start_transfer(self, obj: _Object, w: _Waiter, **extra: Any) -> dict[str, Any]:
+        rec = obj.record
+        t = {
+            "tid": next(self._ids),
+            "wid": w.wid,
+            "key": w.key,
+            "kind": "sub" if w.kind == "sub" else "get",
+            "src": rec["owner"],
+            "dst": w.client,
+            "record": rec,
+            **extra,
+        }
+        if rec["mode"] == "broadcast":
+            t["kind"] = "bcast"
+        obj.transfers.add(t["tid"])
+        if w.kind == "get":
+            obj.readers.add(w.client)
+        self._transfers[t["tid"]] = t
+        self._peers.setdefault(rec["owner"], set()).add(w.client)
+        self._peers.setdefault(w.client, set()).add(rec["owner"])
+        t["path"] = self._path(rec, w.client)
+        if t["path"] == "nccl":
+            pair = self._pairs.setdefault((rec["owner"], w.client), {"uid": None, "seq": 0, "queued": []})
+            t["nccl"] = {"seq": pair["seq"], "create_uid": pair["seq"] == 0}
+            pair["seq"] += 1
+            if pair["uid"] is None:
+                pair.setdefault("queued", []).append(t)
+            else:
+                self._push(rec["owner"], {"type": "send", "transfer": t, "uid": pair["uid"]})
+        return t
+
+    def _path(self, rec: dict[str, Any], dst: str) -> str:
+        """How the bytes move: ``local`` (same process), ``nccl`` (forced or across nodes) or ``ipc``."""
+        info = self._clients.get(dst, {})
+        src = self._clients.get(rec["owner"], {})
+        same_node = rec.get("node_id") == info.get("node_id")
+        if same_node and src.get("pid") is not None and src.get("pid") == info.get("pid"):
+            return "local"  # one process: never through its own IPC handles or an NCCL pair with itself
+        visible = info.get("visible")  # GPUs the destination can open IPC memory of (CUDA_VISIBLE_DEVICES)
+        hidden = visible is not None and (rec.get("device") or {}).get("uuid") not in visible
+        if rec["mode"] != "broadcast" and (rec.get("transport") == "nccl" or not same_node or hidden):
+            return "nccl"
+        return "ipc"
+
+    def _plan_broadcast(self, key: str, obj: _Object, only: int | None) -> dict[str, Any] | None:
+        """All receivers are in: order the chain so each GPU link is crossed once (same GPU first)."""
+        rec = obj.record
+        src_uuid = (rec.get("device") or {}).get("uuid")
+        arrivals = list(obj.pending)
+        obj.pending.clear()
+        for _, wid in arrivals:
+            w = self._waiter_by_id.pop(wid, None)
+            if w is not None:
+                self._drop_waiter(w)
+
+        def rank(item: tuple[int, tuple[str, int]]) -> tuple[int, str, int]:
+            uuid = (self._clients.get(item[1][0], {}).get("device") or {}).get("uuid") or ""
+            return (0 if uuid == src_uuid else 1, uuid, item[0])
+
+        order = sorted(enumerate(arrivals), key=rank)
+        obj.state = "claimed"
+        answer = None
+        for pos, (_, (client, wid)) in enumerate(order):
+            w = _Waiter(wid, client, key, "sub", None, None)
+            t = self._start_transfer(obj, w, position=pos, receivers=len(order))
+            result = {"status": "matched", "wid": wid, "key": key, "transfer": t}
+            if wid == only:
+                answer = result
+            else:
+                self._push(client, dict(result, type="matched"))
+        return answer
+
+
+def _err(code: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": code, "message": message}
+
+
+def _mismatch(tensors: list[dict[str, Any]], specs: list[dict[str, Any]] | None) -> str | None:
+    if specs is None:
+        return None
+    if len(specs) != len(tensors):
+        return f"tensor_lists: the object has {len(tensors)} tensors, the receiver passed {len(specs)}"
+    for i, (have, want) in enumerate(zip(tensors, specs)):
+        if list(have["shape"]) != list(want["shape"]) or have["dtype"] != want["dtype"]:
+            return (
+                f"tensor_lists: tensor {i} is {have['dtype']}{list(have['shape'])} on the source, "
+                f"{want['dtype']}{list(want['shape'])} on the receiver"
+            )
+    return None
+
+
+__all__ = ["MODES", "DeviceBroker"]

@@ -1,0 +1,127 @@
+"""What the device-object client is given: the broker link, its settings, its arguments' checks.
+
+:class:`BrokerLink` is the seam to the broker (``call(op, args, timeout) -> dict``): the in-process
+:class:`InprocBrokerLink` here, the worker connection in :mod:`kvstrata.devobj.service`.
+Arguments are checked before anything is registered or copied; broker error codes become the
+exceptions users catch (:func:`error_from`).
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvstrata import errors
+from kvstrata.devobj import broker as B
+
+
+class BrokerLink(Protocol):
+    """How a client reaches the broker: one request/response call per operation."""
+
+    client_id: str
+
+    def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]: ...
+
+
+class InprocBrokerLink:
+    """A :class:`BrokerLink` straight into a :class:`DeviceBroker` of this process."""
+
+    def __init__(self, broker: B.DeviceBroker, client_id: str | None = None) -> None:
+        self.broker = broker
+        self.client_id = client_id or f"inproc-{uuid.uuid4().hex[:12]}"
+
+    def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        return self.broker.handle(self.client_id, op, args, timeout)
+
+
+@dataclass(frozen=True)
+class DeviceObjectConfig:
+    """Client settings. ``transport``: ``auto`` (CUDA IPC on one node, NCCL across) or ``nccl``."""
+
+    transport: str = "auto"
+    chunk_bytes: int = 64 << 20  # broadcast pipeline chunk
+    copy_threads: int = 4
+    poll_seconds: float = 1.0
+    node_id: str = field(default_factory=socket.gethostname)
+    allow_cpu: bool = False  # CPU tensors, same-process peers only: for tests and CPU-only pipelines
+    # Broadcast hops within one GPU: "memcpy" (copy engine) or "kernel" (SMs), which can overlap with
+    # another process's copy-engine work on that GPU where copy engines are time-sliced between contexts.
+    same_gpu_copy: str = "memcpy"
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "nccl"):
+            raise ValueError(f"transport: expected 'auto' or 'nccl', got {self.transport!r}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes: at least 4096, got {self.chunk_bytes}")
+        if self.copy_threads < 1:
+            raise ValueError(f"copy_threads: at least 1, got {self.copy_threads}")
+        if self.same_gpu_copy not in ("memcpy", "kernel"):
+            raise ValueError(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
+        if self.poll_seconds <= 0:
+            raise ValueError(f"poll_seconds: must be > 0, got {self.poll_seconds}")
+
+
+def error_from(code: str | None, message: str) -> Exception:
+    """Map a broker error code to the exception users catch."""
+    if code == B.E_NOT_FOUND:
+        return errors.KeyNotFound(message)
+    if code == B.E_EXISTS:
+        return errors.KeyExists(message)
+    if code == B.E_TIMEOUT:
+        return errors.Timeout(message)
+    if code in (B.E_MISMATCH, B.E_BAD_REQUEST):
+        return ValueError(message)
+    return errors.ServerError(f"{code}: {message}" if code else message)
+
+
+def check_keys(keys: Sequence[str]) -> list[str]:
+    """Keys of one call: a list of distinct non-empty strings."""
+    if isinstance(keys, str) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys: expected a list of str, got {type(keys).__name__}")
+    seen = set()
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not k:
+            raise TypeError(f"keys[{i}]: expected a non-empty str, got {k!r}")
+        if k in seen:
+            raise ValueError(f"keys: duplicate key {k!r} in one call")
+        seen.add(k)
+    return list(keys)
+
+
+def check_tensor_lists(
+    keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.device, *, allow_cpu: bool
+) -> tuple[list[str], list[list[torch.Tensor]]]:
+    """Validate one call's arguments before anything is registered or copied."""
+    keys = check_keys(keys)
+    if isinstance(tensor_lists, torch.Tensor) or not isinstance(tensor_lists, Sequence):
+        raise TypeError("tensor_lists: expected a list of lists of tensors")
+    if len(tensor_lists) != len(keys):
+        raise ValueError(f"tensor_lists: {len(tensor_lists)} lists for {len(keys)} keys")
+    lists = []
+    for i, ts in enumerate(tensor_lists):
+        if isinstance(ts, torch.Tensor) or not isinstance(ts, Sequence) or not ts:
+            raise TypeError(f"tensor_lists[{i}]: expected a non-empty list of tensors")
+        for j, t in enumerate(ts):
+            where = f"tensor_lists[{i}][{j}] (key {keys[i]!r})"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cuda" and not (allow_cpu and device.type == "cpu"):
+                raise ValueError(
+                    f"{where}: a {t.device.type} tensor; device objects live in GPU memory (expected {device})"
+                )
+            if t.device != device:
+                raise ValueError(f"{where}: on {t.device}, but this client's device is {device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{where}: not contiguous (call .contiguous() first)")
+            if t.is_sparse or t.is_quantized:
+                raise TypeError(f"{where}: sparse/quantized tensors are not supported")
+        lists.append(list(ts))
+    return keys, lists
+
+
+__all__ = ["BrokerLink", "DeviceObjectConfig", "InprocBrokerLink", "check_keys", "check_tensor_lists", "error_from"]

@@ -1,0 +1,184 @@
+"""Where device objects plug into the worker and the client SDK.
+
+Worker side (two lines in :mod:`kvstrata.server.worker`): the ``dev`` request is routed to
+:func:`handle`, and :func:`session_closed` runs when a connection ends, so a client that dies makes
+its keys vanish and its peers get errors. Each worker hosts one :class:`DeviceBroker`.
+
+Client side: :class:`WorkerBrokerLink` speaks ``{"op": "dev", "dop": op, "cid": id, "a": args}`` to the
+worker over two connections of its own (requests, and the long poll of events, so a poll never delays
+a request); :class:`DeviceObjectsMixin` gives :class:`kvstrata.client.Client` its ``dev_*`` methods,
+started on first use (embedded clients share one in-process broker).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.devobj.broker import DeviceBroker
+
+if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
+    from kvstrata.devobj.api import DeviceObjects
+    from kvstrata.devobj.link import DeviceObjectConfig
+
+_lock = threading.Lock()  # brokers of this process (never held while calling out)
+_client_lock = threading.Lock()  # starting a client's DeviceObjects (may call into an in-process worker)
+_embedded: DeviceBroker | None = None
+
+
+# -- worker side ----------------------------------------------------------------------------------
+def broker_of(worker: Any) -> DeviceBroker:
+    """The worker's broker (created on first use)."""
+    with _lock:
+        broker = getattr(worker, "devobj_broker", None)
+        if broker is None:
+            broker = worker.devobj_broker = DeviceBroker()
+        return broker
+
+
+def handle(session: Any, msg: dict) -> dict:
+    """Worker handler for ``{"op": "dev", "dop": op, "cid": client id, "a": args, "t": timeout}``."""
+    cid, op = msg.get("cid"), msg.get("dop")
+    if not isinstance(cid, str) or not cid:
+        raise ValueError("cid: a device-object client id (str) is required")
+    if not isinstance(op, str):
+        raise ValueError("dop: a device-object operation name (str) is required")
+    cids = session.__dict__.setdefault("devobj_clients", set())
+    cids.add(cid)
+    args = msg.get("a") or {}
+    if not isinstance(args, dict):
+        raise TypeError("a: the operation's arguments must be a map")
+    return {"r": broker_of(session.worker).handle(cid, op, args, msg.get("t"))}
+
+
+def session_closed(session: Any) -> None:
+    """A connection ended: every device-object client that used it is gone."""
+    cids = session.__dict__.get("devobj_clients")
+    if not cids:
+        return
+    broker = broker_of(session.worker)
+    for cid in list(cids):
+        broker.owner_gone(cid)
+    cids.clear()
+
+
+# -- client side ----------------------------------------------------------------------------------
+class WorkerBrokerLink:
+    """A :class:`~kvstrata.devobj.api.BrokerLink` to a worker's broker."""
+
+    def __init__(self, address: str, *, timeout: float = 10.0, client_id: str | None = None) -> None:
+        from kvstrata.transport import connect
+
+        self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        hello = {"shm": False, "name": f"devobj {self.client_id}"}
+        self._conns = [connect(address, timeout=timeout, hello=hello) for _ in range(2)]
+        self._locks = [threading.Lock(), threading.Lock()]
+
+    def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        from kvstrata.server import protocol as P
+
+        i = 1 if op == "wait_events" else 0
+        msg = {"op": "dev", "dop": op, "cid": self.client_id, "a": args}
+        if op == "wait_events":
+            msg["t"] = args.get("timeout")
+        with self._locks[i]:
+            conn = self._conns[i]
+            conn.send(msg)
+            reply, _ = conn.recv(timeout)
+        if "err" in reply:
+            raise P.error_from_record(reply["err"])
+        return reply["r"]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+
+
+def embedded_broker() -> DeviceBroker:
+    """The broker shared by embedded clients of this process."""
+    global _embedded
+    with _lock:
+        if _embedded is None:
+            _embedded = DeviceBroker()
+        return _embedded
+
+
+class DeviceObjectsMixin:
+    """``dev_*`` methods for :class:`kvstrata.client.Client` (needs ``self._backend`` with ``address``)."""
+
+    _devobj: DeviceObjects | None = None
+    _devobj_link: Any = None
+
+    def device_objects(self, *, device: Any = None, config: DeviceObjectConfig | None = None) -> DeviceObjects:
+        """The client's :class:`DeviceObjects` (started on first call; ``device``/``config`` apply then)."""
+        from kvstrata.devobj.api import DeviceObjects
+        from kvstrata.devobj.link import InprocBrokerLink
+
+        with _client_lock:
+            if self._devobj is None:
+                backend = self._backend  # type: ignore[attr-defined]
+                if getattr(backend, "address", "embedded") == "embedded":
+                    link: Any = InprocBrokerLink(embedded_broker())
+                else:
+                    link = WorkerBrokerLink(backend.address)
+                try:
+                    self._devobj = DeviceObjects(link, device=device, config=config)
+                except BaseException:
+                    if hasattr(link, "close"):
+                        link.close()
+                    raise
+                self._devobj_link = link
+            elif (config is not None and config != self._devobj.config) or (
+                device is not None and self._devobj._pick_device(device) != self._devobj.device
+            ):
+                raise ValueError("device/config: this client's device objects already started with other settings")
+            return self._devobj
+
+    def dev_publish(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]]) -> list[Future]:
+        """See :meth:`DeviceObjects.dev_publish`."""
+        return self.device_objects().dev_publish(keys, tensor_lists)
+
+    def dev_subscribe(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], timeout: float | None = None
+    ) -> list[Future]:
+        """See :meth:`DeviceObjects.dev_subscribe`."""
+        return self.device_objects().dev_subscribe(keys, tensor_lists, timeout)
+
+    def dev_mset(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]]) -> list[Exception | None]:
+        """See :meth:`DeviceObjects.dev_mset`."""
+        return self.device_objects().dev_mset(keys, tensor_lists)
+
+    def dev_mget(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], timeout: float | None = None
+    ) -> list[Future]:
+        """See :meth:`DeviceObjects.dev_mget`."""
+        return self.device_objects().dev_mget(keys, tensor_lists, timeout)
+
+    def dev_broadcast(
+        self, key: str, tensor_list: Sequence[Any], receivers: int, chunk_bytes: int | None = None
+    ) -> Future:
+        """See :meth:`DeviceObjects.dev_broadcast`."""
+        return self.device_objects().dev_broadcast(key, tensor_list, receivers, chunk_bytes)
+
+    def dev_delete(self, keys: Sequence[str]) -> list[Exception | None]:
+        """See :meth:`DeviceObjects.dev_delete`."""
+        return self.device_objects().dev_delete(keys)
+
+    def dev_local_delete(self, keys: Sequence[str]) -> None:
+        """See :meth:`DeviceObjects.dev_local_delete`."""
+        return self.device_objects().dev_local_delete(keys)
+
+    def _close_device_objects(self) -> None:
+        devobj, link = self._devobj, self._devobj_link
+        self._devobj = self._devobj_link = None
+        if devobj is not None:
+            devobj.close()
+        if link is not None and hasattr(link, "close"):
+            link.close()
+
+
+__all__ = ["DeviceObjectsMixin", "WorkerBrokerLink", "broker_of", "embedded_broker", "handle", "session_closed"]

@@ -1,0 +1,15 @@
+"""Transfer operators (each also a torch custom op ``torch.ops.kvstrata.<name>``)."""
+
+from kvstrata.ops.block_transfer import fused_memcpy_multi_layer_block_transfer, multi_layer_block_transfer
+from kvstrata.ops.gather import gather
+from kvstrata.ops.kv_layout import HostPool, KVLayout
+from kvstrata.ops.transfer_blocks import transfer_blocks
+
+__all__ = [
+    "HostPool",
+    "KVLayout",
+    "fused_memcpy_multi_layer_block_transfer",
+    "gather",
+    "multi_layer_block_transfer",
+    "transfer_blocks",
+]

@@ -1,0 +1,350 @@
+"""``transfer_blocks``: copy a list of KV blocks, every layer, between a paged device cache and a host pool.
+
+One call moves ``len(ids)`` blocks x ``S*L`` segments, in either direction, by one of four methods:
+
+* ``"zero_copy"``: one persistent Triton kernel reads/writes the (registered, pinned) host pool in place.
+* ``"staging"``: device gather into a small ring + DMA, pipelined (:mod:`kvstrata.ops.staging`).
+* ``"copy_engine"``: ``cudaMemcpyBatchAsync`` over merged runs: zero SMs (:mod:`kvstrata.ops.copy_engine`).
+* ``"torch"``: plain torch indexing, per segment (the CPU implementation; works anywhere).
+* ``"auto"``: per call, from the device's calibration (:mod:`kvstrata.ops.calibration`).
+
+Async on the caller's current stream; also ``torch.ops.kvstrata.transfer_blocks`` for ``torch.compile``
+and CUDA-graph capture (pass device ids and ``check=False`` there: checking device ids costs a sync).
+
+Example::
+
+    layout = KVLayout.from_vllm(kv_caches)
+    pool = HostPool.allocate(layout, 1024)                 # block_first, pinned
+    transfer_blocks(layout, pool, [3, 9, 4], [0, 1, 2], direction="d2h")   # offload 3 blocks
+    transfer_blocks(layout, pool, [5, 6, 7], [0, 1, 2], direction="h2d")   # and load them back
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvstrata.ops import copy_engine
+from kvstrata.ops._common import interpreting
+from kvstrata.ops.chunk_copy import alignment, default_ctas, launch_copy_chunks
+from kvstrata.ops.kv_layout import HostPool, KVLayout
+from kvstrata.ops.staging import Geometry, staging_transfer
+
+METHODS = ("auto", "zero_copy", "staging", "copy_engine", "torch")
+DIRECTIONS = ("d2h", "h2d")
+# Default CTAs of the in-place kernel: SMs reading host memory (h2d) need more bytes in flight.
+ZERO_COPY_CTAS = {"d2h": 16, "h2d": 32}
+
+Ids = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def transfer_blocks(
+    device_layout: KVLayout,
+    host_pool: HostPool,
+    device_block_ids: Ids,
+    host_block_ids: Ids,
+    *,
+    direction: str = "d2h",
+    method: str = "auto",
+    num_ctas: int | None = None,
+    check: bool = True,
+) -> None:
+    """Copy blocks ``device_block_ids[i] <-> host_block_ids[i]`` for all layers (and K/V) in one call.
+
+    ``direction="d2h"`` writes the host pool, ``"h2d"`` the device cache. Ids: lists, numpy arrays or
+    int32/int64 tensors (host or device). ``num_ctas`` caps the SMs of the kernels. With ``check=True``
+    (default) bad input raises ``ValueError``/``TypeError`` before anything is written; device-resident
+    ids are then copied to the host (a sync). ``staging``/``copy_engine`` need the ids on the host.
+    """
+    if not isinstance(device_layout, KVLayout):
+        raise TypeError(f"device_layout must be a KVLayout, got {type(device_layout).__name__}")
+    if not isinstance(host_pool, HostPool):
+        raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if num_ctas is not None and (not isinstance(num_ctas, int) or num_ctas < 1):
+        raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
+    dev_ids = _as_ids(device_block_ids, "device_block_ids")
+    host_ids = _as_ids(host_block_ids, "host_block_ids")
+    if check:
+        _validate(device_layout, host_pool, dev_ids, host_ids, direction, method)
+    if dev_ids.numel() == 0:
+        return
+    # Eager calls skip the dispatcher (tens of us with one tensor per layer); torch.compile sees the op.
+    op = torch.ops.kvstrata.transfer_blocks if torch.compiler.is_compiling() else _transfer_blocks_impl
+    op(
+        *device_layout.op_args(),
+        host_pool.tensor,
+        dev_ids,
+        host_ids,
+        [
+            device_layout.chunk_bytes,
+            device_layout.block_stride,
+            host_pool.block_stride,
+            host_pool.seg_stride,
+            int(host_pool.layout == "block_first"),
+            device_layout.align,
+        ],
+        direction,
+        method,
+        num_ctas or 0,
+    )
+
+
+def _as_ids(ids: Ids, name: str) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must hold int32 or int64, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+        return ids
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got {ids.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).reshape(-1)
+    if not isinstance(ids, Sequence) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"{name} must be a list of ints or an int tensor")
+    return torch.tensor(list(ids), dtype=torch.int64)
+
+
+def _validate(layout: KVLayout, pool: HostPool, dev_ids: torch.Tensor, host_ids: torch.Tensor, direction: str,
+              method: str) -> None:  # fmt: skip
+    if not pool.matches(layout):
+        raise ValueError(
+            f"host_pool: {pool.num_segments} segments of {pool.chunk_bytes} B, the device layout has "
+            f"{layout.num_segments} of {layout.chunk_bytes} B"
+        )
+    if dev_ids.numel() != host_ids.numel():
+        raise ValueError(f"host_block_ids: {host_ids.numel()} ids, device_block_ids has {dev_ids.numel()}")
+    d, h = dev_ids.cpu().numpy(), host_ids.cpu().numpy()  # a sync when the ids live on the device
+    for name, v, n in (("device_block_ids", d, layout.num_blocks), ("host_block_ids", h, pool.num_blocks)):
+        if v.size and (v.min() < 0 or v.max() >= n):
+            raise ValueError(f"{name}: ids must be in [0, {n}), got range [{v.min()}, {v.max()}]")
+    dst_name, dst = ("host_block_ids", h) if direction == "d2h" else ("device_block_ids", d)
+    if np.unique(dst).size != dst.size:
+        raise ValueError(f"{dst_name}: duplicate destination ids")
+    on_cuda = layout.device.type == "cuda"
+    if method in ("zero_copy", "staging") and not on_cuda and not interpreting():
+        raise ValueError(f"method={method!r} needs a CUDA device layout (or TRITON_INTERPRET=1)")
+    if method == "copy_engine" and on_cuda and copy_engine._runtime() is None:
+        raise ValueError("method='copy_engine' needs cuda-bindings (pip install cuda-bindings)")
+    if method == "zero_copy" and on_cuda and not _host_mapped(pool.tensor):
+        raise ValueError("host_pool: zero_copy needs pinned/registered host memory (kvstrata.memory.alloc_pinned)")
+    lo, hi = pool.data_ptr, pool.data_ptr + pool.flat.numel()
+    for t in layout.tensors:
+        if t.device.type == "cpu":
+            s = t.untyped_storage()
+            if s.data_ptr() < hi and lo < s.data_ptr() + s.nbytes():
+                raise ValueError("host_pool overlaps the device layout's tensors")
+
+
+def _host_mapped(t: torch.Tensor) -> bool:
+    try:
+        from kvstrata.memory import is_registered
+    except ImportError:
+        is_registered = None
+    if is_registered is not None and is_registered(t.data_ptr(), t.numel() * t.element_size()):
+        return True
+    return t.is_pinned()
+
+
+def _host_device_ptr(t: torch.Tensor) -> int:
+    """The device address of a host pool (equal to the host address under UVA)."""
+    try:
+        from kvstrata.memory import device_ptr
+    except ImportError:
+        return t.data_ptr()
+    try:
+        return device_ptr(t.data_ptr())
+    except ValueError:  # torch-pinned memory is mapped under UVA but not in kvstrata's registry
+        return t.data_ptr()
+
+
+# -- the custom op ---------------------------------------------------------------------------------
+
+
+def _transfer_blocks_impl(
+    dev_tensors: list[torch.Tensor],
+    seg_table: torch.Tensor,
+    seg_ptrs: list[int],
+    seg_owner: list[int],
+    seg_offset: list[int],
+    host: torch.Tensor,
+    dev_ids: torch.Tensor,
+    host_ids: torch.Tensor,
+    geom: list[int],
+    direction: str,
+    method: str,
+    num_ctas: int,
+) -> None:
+    """Body of ``torch.ops.kvstrata.transfer_blocks``.
+
+    ``geom`` = [chunk bytes, device block stride, host block stride, host seg stride, block_first, device alignment].
+    """
+    chunk, dbs, hbs, hss, block_first, dev_align = geom
+    device = seg_table.device
+    n = dev_ids.numel()
+    if n == 0:
+        return
+    # Under torch.compile the tensors may arrive as functionalization clones: address those, not the originals.
+    first, last = 0, len(seg_ptrs) - 1
+    if (
+        dev_tensors[seg_owner[first]].data_ptr() + seg_offset[first] != seg_ptrs[first]
+        or dev_tensors[seg_owner[last]].data_ptr() + seg_offset[last] != seg_ptrs[last]
+    ):
+        seg_ptrs = [dev_tensors[o].data_ptr() + off for o, off in zip(seg_owner, seg_offset)]
+        seg_table = torch.tensor(seg_ptrs, dtype=torch.int64).to(device)
+    if method == "auto":
+        from kvstrata.ops.calibration import choose_method
+
+        method = choose_method(direction, chunk, n * len(seg_ptrs), device=device)
+    if method == "zero_copy" and device.type == "cuda" and not _host_mapped(host):
+        # A pageable pool (auto's choice, check=False, or a compile-time clone): the kernel cannot address it,
+        # DMA can. Never launch a kernel on an unmapped host address.
+        method = "staging"
+    host_flat = host.reshape(-1).view(torch.uint8)
+    g = Geometry(
+        seg_ptrs=tuple(seg_ptrs),
+        chunk=chunk,
+        dev_block_stride=dbs,
+        host_base=host.data_ptr(),
+        host_block_stride=hbs,
+        host_seg_stride=hss,
+        block_first=bool(block_first),
+        align=alignment(dev_align, hbs, hss, host.data_ptr()),
+    )
+    to_host = direction == "d2h"
+    if method == "torch":
+        _torch_copy(dev_tensors, g, host_flat, dev_ids, host_ids, to_host)
+        return
+    if method == "copy_engine":
+        _copy_engine_copy(dev_tensors, g, host_flat, dev_ids, host_ids, to_host, device)
+        return
+    ctas = num_ctas or (ZERO_COPY_CTAS[direction] if method == "zero_copy" else default_ctas(device))
+    guard = torch.cuda.device(device) if device.type == "cuda" else _null()
+    with guard:
+        d_ids = _on_device(dev_ids, device, "device_block_ids")
+        if method == "zero_copy":
+            h_ids = _on_device(host_ids, device, "host_block_ids")
+            base = _host_device_ptr(host) if device.type == "cuda" else host.data_ptr()
+            launch_copy_chunks(
+                seg_table, d_ids, h_ids, base, n_blocks=n, nseg=g.nseg, chunk_bytes=chunk, dev_block_stride=dbs,
+                other_block_stride=hbs, other_seg_stride=hss, to_other=to_host, align=g.align, num_ctas=ctas,
+            )  # fmt: skip
+        elif method == "staging":
+            staging_transfer(g, seg_table, d_ids, host_ids.cpu().numpy(), host_flat, to_host=to_host, num_ctas=ctas)
+        else:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+_transfer_blocks_op = torch.library.custom_op("kvstrata::transfer_blocks", mutates_args=("dev_tensors", "host"))(
+    _transfer_blocks_impl
+)
+
+
+@_transfer_blocks_op.register_fake
+def _(dev_tensors, seg_table, seg_ptrs, seg_owner, seg_offset, host, dev_ids, host_ids, geom, direction, method,
+      num_ctas) -> None:  # fmt: skip
+    return None
+
+
+def _on_device(ids: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
+    """Ids for a kernel on ``device``: host ids go through pinned memory, so the copy is truly async."""
+    if ids.device == device:
+        return ids
+    if device.type != "cuda":
+        return ids.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"{name}: pass device-resident ids under CUDA graph capture (a host buffer is not replayable)")
+    return (ids if ids.is_pinned() else ids.pin_memory()).to(device, non_blocking=True)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _chunk_addresses(g: Geometry, dev_ids: np.ndarray, host_ids: np.ndarray):
+    """(device address, host address, segment) of every chunk, in the host pool's order."""
+    seg = np.arange(g.nseg, dtype=np.int64)
+    base = np.asarray(g.seg_ptrs, dtype=np.int64)
+    d, h = dev_ids.astype(np.int64), host_ids.astype(np.int64)
+    if g.block_first:  # (block, seg)
+        da = base[None, :] + d[:, None] * g.dev_block_stride
+        ha = g.host_base + h[:, None] * g.host_block_stride + seg[None, :] * g.host_seg_stride
+        sg = np.broadcast_to(seg[None, :], da.shape)
+    else:  # (seg, block)
+        da = base[:, None] + d[None, :] * g.dev_block_stride
+        ha = g.host_base + seg[:, None] * g.host_seg_stride + h[None, :] * g.host_block_stride
+        sg = np.broadcast_to(seg[:, None], da.shape)
+    return da.reshape(-1), ha.reshape(-1), sg.reshape(-1)
+
+
+def merged_runs(g: Geometry, dev_ids: np.ndarray, host_ids: np.ndarray):
+    """Merged (device address, host address, bytes) runs, in the host pool's order; runs never cross a segment."""
+    da, ha, sg = _chunk_addresses(g, dev_ids, host_ids)
+    return copy_engine.merge_runs(da, ha, g.chunk, keys=sg)
+
+
+def _copy_engine_copy(dev_tensors, g, host_flat, dev_ids, host_ids, to_host, device) -> None:
+    da, ha, sizes = merged_runs(g, dev_ids.cpu().numpy(), host_ids.cpu().numpy())
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            src, dst = (da, ha) if to_host else (ha, da)
+            copy_engine.memcpy_batch(dst, src, sizes, device=device)
+        return
+    spaces = _storages(dev_tensors)
+    host_off = ha - host_flat.data_ptr()
+    for (flat, lo), idx in _by_storage(spaces, da):
+        if to_host:
+            copy_engine.copy_runs_torch(host_flat, host_off[idx], flat, da[idx] - lo, sizes[idx])
+        else:
+            copy_engine.copy_runs_torch(flat, da[idx] - lo, host_flat, host_off[idx], sizes[idx])
+
+
+def _storages(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    seen: dict[int, tuple[torch.Tensor, int]] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),), (1,))
+            seen[s.data_ptr()] = (flat, s.data_ptr())
+    return sorted(seen.values(), key=lambda x: x[1])
+
+
+def _by_storage(spaces, addrs: np.ndarray):
+    starts = np.array([lo for _, lo in spaces], dtype=np.int64)
+    which = np.searchsorted(starts, addrs, side="right") - 1
+    for k in np.unique(which):
+        yield spaces[int(k)], np.flatnonzero(which == k)
+
+
+def _torch_copy(dev_tensors, g: Geometry, host_flat, dev_ids, host_ids, to_host) -> None:
+    """Per segment: ``host[seg][host_ids] = dev[seg][dev_ids]`` (or the reverse) with torch indexing.
+
+    The CPU implementation, and a slow but simple path on CUDA (synchronous for d2h)."""
+    spaces = _storages(dev_tensors)
+    starts = np.array([lo for _, lo in spaces], dtype=np.int64)
+    d_ids = dev_ids.to(spaces[0][0].device, dtype=torch.int64)
+    h_ids = host_ids.to(torch.int64).cpu()
+    n_host = host_flat.numel() // (g.nseg * g.chunk)
+    for seg, ptr in enumerate(g.seg_ptrs):
+        flat, lo = spaces[int(np.searchsorted(starts, ptr, side="right") - 1)]
+        n_dev = (flat.numel() - (ptr - lo) - g.chunk) // g.dev_block_stride + 1
+        dev = flat.as_strided((n_dev, g.chunk), (g.dev_block_stride, 1), ptr - lo)
+        offset = host_flat.storage_offset() + seg * g.host_seg_stride
+        hst = host_flat.as_strided((n_host, g.chunk), (g.host_block_stride, 1), offset)
+        if to_host:
+            hst.index_copy_(0, h_ids, dev.index_select(0, d_ids).cpu())
+        else:
+            dev.index_copy_(0, d_ids, hst.index_select(0, h_ids).to(dev.device))
+
+
+__all__ = ["DIRECTIONS", "METHODS", "ZERO_COPY_CTAS", "merged_runs", "transfer_blocks"]

@@ -1,0 +1,75 @@
+"""Shared builders and plain-torch references for the KV transfer tests (no kvstrata code in the references)."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn]
+
+
+def rand(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Random bytes of every bit pattern, viewed as ``dtype`` (copies are compared bytewise)."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * elt), dtype=torch.uint8)
+    return raw.view(dtype).to(device)
+
+
+def make_cache(kind: str, *, layers: int, blocks: int, dtype: torch.dtype, device="cpu", head_dim: int = 8,
+               page: int = 3) -> dict:  # fmt: skip
+    """A device cache of ``kind`` ("vllm", "sglang", "mla") filled with random bytes."""
+    if kind == "vllm":
+        return {"kind": kind, "caches": [rand((2, blocks, 2, 2, head_dim), dtype, device) for _ in range(layers)]}
+    if kind == "sglang":  # one extra slot: a trailing partial page that must stay unaddressed
+        k = [rand((blocks * page + 1, 2, head_dim), dtype, device) for _ in range(layers)]
+        v = [rand((blocks * page + 1, 2, head_dim), dtype, device) for _ in range(layers)]
+        return {"kind": kind, "k": k, "v": v, "page": page}
+    if kind == "mla":
+        return {"kind": kind, "caches": [rand((blocks, 2, head_dim * 3), dtype, device) for _ in range(layers)]}
+    raise ValueError(kind)
+
+
+def layout_of(cache: dict):
+    from kvstrata.ops import KVLayout
+
+    if cache["kind"] == "vllm":
+        return KVLayout.from_vllm(cache["caches"])
+    if cache["kind"] == "sglang":
+        return KVLayout.from_sglang(cache["k"], cache["v"], cache["page"])
+    return KVLayout.from_mla(cache["caches"])
+
+
+def tensors_of(cache: dict) -> list[torch.Tensor]:
+    return cache["k"] + cache["v"] if cache["kind"] == "sglang" else list(cache["caches"])
+
+
+def device_chunk(cache: dict, seg: int, block: int) -> torch.Tensor:
+    """Bytes of block ``block`` of segment ``seg`` (= layer * S + s), straight from the user's tensors."""
+    kind = cache["kind"]
+    if kind == "vllm":
+        t = cache["caches"][seg // 2][seg % 2, block]
+    elif kind == "sglang":
+        bufs = cache["k"] if seg % 2 == 0 else cache["v"]
+        p = cache["page"]
+        t = bufs[seg // 2][block * p : (block + 1) * p]
+    else:
+        t = cache["caches"][seg][block]
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def num_segments(cache: dict) -> int:
+    return len(cache["caches"]) * (2 if cache["kind"] == "vllm" else 1) if "caches" in cache else 2 * len(cache["k"])
+
+
+def host_chunk(flat: torch.Tensor, layout: str, nseg: int, nblocks: int, chunk: int, seg: int, block: int):
+    """Bytes of host block ``block``, segment ``seg`` of a pool ``flat`` (uint8) in ``layout``."""
+    i = block * nseg + seg if layout == "block_first" else seg * nblocks + block
+    return flat[i * chunk : (i + 1) * chunk]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bytewise equality (random bytes include NaN patterns, which ``torch.equal`` calls unequal)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def clone_all(cache: dict) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors_of(cache)]

@@ -1,0 +1,107 @@
+"""method="auto": calibration cache (write, reuse, invalidate) with a fake measurement, and the choice rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvstrata.ops import calibration
+from kvstrata.ops.calibration import Calibration, calibrate, choose_method, static_rule
+
+KEY_A = {"name": "FakeGPU", "driver": "1.0", "torch": "x", "triton": "y"}
+
+
+def _fake_points(fast: str = "staging"):
+    pts = {}
+    for d in ("d2h", "h2d"):
+        pts[d] = {}
+        for m in ("copy_engine", "staging", "zero_copy"):
+            rate = {"copy_engine": 10.0, "staging": 50.0, "zero_copy": 51.0}[m]
+            if m == fast:
+                rate = 60.0
+            pts[d][m] = {"bulk": [[2048, rate], [2097152, 55.0 if m == "copy_engine" else rate]], "small": []}
+    return pts
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_cache_written_reused_and_invalidated(cache_dir):
+    calls = []
+
+    def measure(device):
+        calls.append(device)
+        return _fake_points()
+
+    cal = calibrate(measure=measure, key=KEY_A)
+    assert len(calls) == 1 and calibration.cache_path(KEY_A).exists()
+    assert str(calibration.cache_path(KEY_A)).startswith(str(cache_dir))
+    assert json.loads(calibration.cache_path(KEY_A).read_text())["key"] == KEY_A
+    again = calibrate(measure=measure, key=KEY_A)
+    assert len(calls) == 1 and again.points == cal.points  # reused from disk
+    calibrate(measure=measure, key={**KEY_A, "driver": "2.0"})  # new driver: measured again
+    assert len(calls) == 2
+    calibrate(measure=measure, key=KEY_A, force=True)
+    assert len(calls) == 3
+
+
+def test_corrupt_or_foreign_cache_is_remeasured(cache_dir):
+    path = calibration.cache_path(KEY_A)
+    path.write_text("{not json")
+    calls = []
+    calibrate(measure=lambda d: calls.append(1) or _fake_points(), key=KEY_A)
+    assert calls == [1]
+    path.write_text(json.dumps({"key": {**KEY_A, "name": "Other"}, "points": _fake_points()}))
+    calibrate(measure=lambda d: calls.append(1) or _fake_points(), key=KEY_A)
+    assert calls == [1, 1]
+
+
+def test_best_prefers_fewer_sms_within_tolerance():
+    cal = Calibration(KEY_A, _fake_points())
+    # staging 60 beats zero_copy 51: staging
+    assert cal.best("d2h", 32768, 10**6) == "staging"
+    near = Calibration(KEY_A, _fake_points(fast="zero_copy"))
+    near.points["d2h"]["staging"]["bulk"] = [[2048, 58.0], [2097152, 58.0]]  # 58 vs 60: within 5%
+    assert near.best("d2h", 32768, 10**6) == "staging"
+    near.points["d2h"]["copy_engine"]["bulk"] = [[2048, 59.0], [2097152, 59.0]]
+    assert near.best("d2h", 32768, 10**6) == "copy_engine"
+    assert near.best("d2h", 32768, 10**6, methods={"zero_copy"}) == "zero_copy"
+
+
+def test_interpolation_in_log_chunk_size():
+    cal = Calibration(KEY_A, _fake_points())
+    ce = cal.gbps("d2h", "copy_engine", 65536, 10**6)  # halfway in log2 between 2 KiB (10) and 2 MiB (55)
+    assert ce == pytest.approx(32.5)
+    assert cal.gbps("d2h", "copy_engine", 1024, 10**6) == 10.0 and cal.gbps("d2h", "copy_engine", 1 << 30, 10) == 55.0
+    assert cal.gbps("d2h", "copy_engine", 2048, 4) is None  # no "small" points measured
+    assert cal.best("h2d", 2048, 4) is None
+
+
+def test_static_rule():
+    assert static_rule("h2d", 32768, 64) == "zero_copy"  # one request: 2 MiB
+    assert static_rule("h2d", 32768, 65536) == "staging"
+    assert static_rule("d2h", 2 << 20, 1024) == "copy_engine"
+
+
+def test_choose_method_off_cuda_is_torch():
+    assert choose_method("d2h", 32768, 100, device="cpu") == "torch"
+    if not torch.cuda.is_available():
+        assert choose_method("h2d", 32768, 100) == "torch"
+    with pytest.raises(ValueError, match="direction"):
+        choose_method("up", 1, 1)
+
+
+@pytest.mark.gpu
+def test_gpu_calibrate_real_device(cache_dir):
+    cal = calibrate(force=True)
+    for d in ("d2h", "h2d"):
+        for m in calibration.PREFERENCE:
+            assert len(cal.points[d][m]["bulk"]) == len(calibration.CHUNK_SIZES)
+            assert all(r > 0 for _, r in cal.points[d][m]["bulk"])
+    assert choose_method("d2h", 32768, 65536) in calibration.PREFERENCE
+    assert calibration.cache_path(calibration.device_key()).exists()

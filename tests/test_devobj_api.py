@@ -1,0 +1,375 @@
+"""DeviceObjects client over an in-process broker, on CPU (same-process peers, allow_cpu): futures,
+either side first, timeouts, one-shot forgetting, many readers, owner death, broadcast chains,
+no deadlock between many pairs in both directions, and bad input rejected before anything moves."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvstrata import errors
+from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink
+from kvstrata.devobj.api import check_tensor_lists
+
+CFG = DeviceObjectConfig(allow_cpu=True, poll_seconds=0.05, chunk_bytes=4096)
+WAIT = 10  # seconds: a hang fails the test instead of blocking the run
+
+
+@pytest.fixture
+def broker():
+    return DeviceBroker()
+
+
+@pytest.fixture
+def make(broker):
+    made = []
+
+    def _make(name: str | None = None) -> DeviceObjects:
+        c = DeviceObjects(InprocBrokerLink(broker, name), device="cpu", config=CFG)
+        made.append(c)
+        return c
+
+    yield _make
+    for c in made:
+        c.close()
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+def poisoned_like(ts):
+    return [torch.full_like(t, 7) for t in ts]
+
+
+@pytest.mark.parametrize("publisher_first", [True, False])
+def test_publish_subscribe_either_side_first(make, broker, publisher_first):
+    a, b = make("a"), make("b")
+    src = [rand(3, 5), rand(41, dtype=torch.bfloat16), torch.arange(9, dtype=torch.int64)]
+    keep = [t.clone() for t in src]
+    dst = poisoned_like(src)
+    if publisher_first:
+        (pf,) = a.dev_publish(["k"], [src])
+        (sf,) = b.dev_subscribe(["k"], [dst], timeout=WAIT)
+    else:
+        (sf,) = b.dev_subscribe(["k"], [dst], timeout=WAIT)
+        (pf,) = a.dev_publish(["k"], [src])
+    sf.result(WAIT)
+    pf.result(WAIT)  # released only after the subscriber completed
+    for d, s, k in zip(dst, src, keep):
+        assert torch.equal(d, k) and torch.equal(s, k)
+    assert broker.snapshot()["objects"] == {}
+
+
+def test_one_shot_is_forgotten_second_subscriber_times_out(make):
+    a, b, c = make(), make(), make()
+    src = [rand(16)]
+    a.dev_publish(["k"], [src])
+    b.dev_subscribe(["k"], [poisoned_like(src)], timeout=WAIT)[0].result(WAIT)
+    f = c.dev_subscribe(["k"], [poisoned_like(src)], timeout=0.1)[0]
+    with pytest.raises(errors.Timeout):
+        f.result(WAIT)
+
+
+def test_subscribe_timeout_and_batch_results_per_key(make):
+    a, b = make(), make()
+    a.dev_publish(["there"], [[rand(4)]])
+    dst_there, dst_missing = [torch.zeros(4)], [torch.zeros(4)]
+    f_there, f_missing = b.dev_subscribe(["there", "missing"], [dst_there, dst_missing], timeout=0.1)
+    f_there.result(WAIT)
+    with pytest.raises(errors.Timeout):
+        f_missing.result(WAIT)
+    assert torch.equal(dst_missing[0], torch.zeros(4))
+
+
+def test_size_and_dtype_mismatch_transfers_nothing(make, broker):
+    a, b = make(), make()
+    a.dev_publish(["k"], [[rand(4, 4)]])
+    wrong_shape = [torch.full((4, 5), 7.0)]
+    wrong_dtype = [torch.full((4, 4), 7, dtype=torch.float16)]
+    f1, f2 = b.dev_subscribe(["k", "k2"], [wrong_shape, [torch.zeros(1)]], timeout=0.05)
+    with pytest.raises(ValueError, match="tensor 0"):
+        f1.result(WAIT)
+    with pytest.raises(errors.Timeout):
+        f2.result(WAIT)
+    with pytest.raises(ValueError, match="float16"):
+        b.dev_subscribe(["k"], [wrong_dtype])[0].result(WAIT)
+    assert torch.equal(wrong_shape[0], torch.full((4, 5), 7.0))
+    assert broker.snapshot()["objects"]["k"]["state"] == "ready"  # still there for a correct receiver
+
+
+def test_duplicate_publish_fails_that_key_only(make):
+    a = make()
+    a.dev_publish(["k"], [[rand(2)]])
+    f_dup, f_new = a.dev_publish(["k", "j"], [[rand(2)], [rand(2)]])
+    with pytest.raises(errors.KeyExists):
+        f_dup.result(WAIT)
+    assert not f_new.done()  # waits for its subscriber
+
+
+def test_mset_mget_many_readers_many_times(make):
+    owner = make("owner")
+    w = [rand(33, 7), rand(5, dtype=torch.float16)]
+    assert owner.dev_mset(["w"], [w]) == [None]
+    assert isinstance(owner.dev_mset(["w"], [w])[0], errors.KeyExists)
+    readers = [make() for _ in range(4)]
+    outs: list[list[torch.Tensor]] = []
+    lock = threading.Lock()
+
+    def read(r: DeviceObjects) -> None:
+        for _ in range(5):
+            dst = poisoned_like(w)
+            r.dev_mget(["w"], [dst], timeout=WAIT)[0].result(WAIT)
+            with lock:
+                outs.append(dst)
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert len(outs) == 20
+    for dst in outs:
+        assert all(torch.equal(d, s) for d, s in zip(dst, w))
+
+
+def test_mget_waits_for_mset(make):
+    owner, reader = make(), make()
+    dst = [torch.zeros(8)]
+    f = reader.dev_mget(["later"], [dst], timeout=WAIT)[0]
+    src = [torch.arange(8.0)]
+    owner.dev_mset(["later"], [src])
+    f.result(WAIT)
+    assert torch.equal(dst[0], src[0])
+
+
+def test_delete_and_missing(make):
+    owner, other, reader = make(), make(), make()
+    owner.dev_mset(["w"], [[rand(3)]])
+    assert isinstance(other.dev_delete(["w"])[0], errors.ServerError)  # not its key
+    assert owner.dev_delete(["w", "nope"])[0] is None
+    assert isinstance(owner.dev_delete(["nope"])[0], errors.KeyNotFound)
+    with pytest.raises(errors.Timeout):
+        reader.dev_mget(["w"], [[torch.zeros(3)]], timeout=0.05)[0].result(WAIT)
+    owner.dev_mset(["w"], [[rand(3)]])  # the key can be registered again
+    reader.dev_mget(["w"], [[torch.zeros(3)]], timeout=WAIT)[0].result(WAIT)
+    reader.dev_local_delete(["w"])
+
+
+def test_publisher_close_fails_its_futures_and_keys_vanish(make, broker):
+    a, b = make(), make()
+    (pf,) = a.dev_publish(["k"], [[rand(3)]])
+    a.close()
+    with pytest.raises(errors.ClosedError):
+        pf.result(WAIT)
+    assert broker.snapshot()["objects"] == {}
+    with pytest.raises(errors.Timeout):
+        b.dev_subscribe(["k"], [[torch.zeros(3)]], timeout=0.05)[0].result(WAIT)
+    with pytest.raises(errors.ClosedError):
+        a.dev_publish(["x"], [[rand(1)]])
+
+
+def test_subscriber_close_fails_its_waits(make):
+    b = make()
+    (f,) = b.dev_subscribe(["never"], [[torch.zeros(2)]])
+    b.close()
+    with pytest.raises(errors.ClosedError):
+        f.result(WAIT)
+
+
+@pytest.mark.parametrize("nbytes", [4096 * 3 + 12, 100])
+def test_broadcast_to_three_receivers(make, nbytes):
+    sender = make("s")
+    receivers = [make(f"r{i}") for i in range(3)]
+    src = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8), rand(17, 3)]
+    keep = [t.clone() for t in src]
+    dsts = [poisoned_like(src) for _ in receivers]
+    futs = [r.dev_subscribe(["b"], [d], timeout=WAIT)[0] for r, d in zip(receivers[:2], dsts)]
+    sf = sender.dev_broadcast("b", src, receivers=3)
+    futs.append(receivers[2].dev_subscribe(["b"], [dsts[2]], timeout=WAIT)[0])
+    for f in futs:
+        f.result(WAIT)
+    sf.result(WAIT)
+    for dst in dsts:
+        assert all(torch.equal(d, k) for d, k in zip(dst, keep))
+
+
+def test_broadcast_bad_arguments(make):
+    s = make()
+    with pytest.raises(ValueError, match="receivers"):
+        s.dev_broadcast("b", [rand(2)], receivers=0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        s.dev_broadcast("b", [rand(2)], receivers=2, chunk_bytes=10)
+
+
+def test_no_deadlock_many_pairs_both_directions(make):
+    """Two clients exchange 40 keys each way, subscribes and publishes interleaved in both orders."""
+    x, y = make("x"), make("y")
+    n = 40
+    srcs = {f"{d}{i}": [torch.full((64,), float(i)), torch.arange(i + 1)] for d in "xy" for i in range(n)}
+    results: dict[str, list] = {}
+    errs: list[BaseException] = []
+
+    def side(me: DeviceObjects, mine: str, theirs: str) -> None:
+        try:
+            futs = []
+            for i in range(n):
+                dst = poisoned_like(srcs[f"{theirs}{i}"])
+                results[f"{theirs}{i}"] = dst
+                if i % 2:
+                    futs += me.dev_subscribe([f"{theirs}{i}"], [dst], timeout=WAIT)
+                    futs += me.dev_publish([f"{mine}{i}"], [srcs[f"{mine}{i}"]])
+                else:
+                    futs += me.dev_publish([f"{mine}{i}"], [srcs[f"{mine}{i}"]])
+                    futs += me.dev_subscribe([f"{theirs}{i}"], [dst], timeout=WAIT)
+            for f in futs:
+                f.result(WAIT)
+        except BaseException as exc:
+            errs.append(exc)
+
+    tx = threading.Thread(target=side, args=(x, "x", "y"))
+    ty = threading.Thread(target=side, args=(y, "y", "x"))
+    tx.start()
+    ty.start()
+    tx.join(3 * WAIT)
+    ty.join(3 * WAIT)
+    assert not tx.is_alive() and not ty.is_alive(), "deadlock"
+    assert not errs, errs
+    for k, dst in results.items():
+        assert all(torch.equal(d, s) for d, s in zip(dst, srcs[k]))
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+def test_cpu_tensor_rejected_with_clear_message():
+    msg = r"tensor_lists\[0\]\[0\] \(key 'k'\): a cpu tensor; device objects live in GPU memory \(expected cuda:0\)"
+    with pytest.raises(ValueError, match=msg):
+        check_tensor_lists(["k"], [[torch.zeros(2)]], CUDA0, allow_cpu=False)
+    with pytest.raises(ValueError, match=msg):  # allow_cpu never lets CPU tensors onto a CUDA client
+        check_tensor_lists(["k"], [[torch.zeros(2)]], CUDA0, allow_cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("keys", "lists", "exc", "match"),
+    [
+        (["a", "a"], [[torch.zeros(1)], [torch.zeros(1)]], ValueError, "duplicate key 'a'"),
+        ("a", [[torch.zeros(1)]], TypeError, "keys"),
+        (["a"], [[torch.zeros(1)], [torch.zeros(1)]], ValueError, "2 lists for 1 keys"),
+        (["a"], [[]], TypeError, r"tensor_lists\[0\]"),
+        (["a"], [[[1, 2]]], TypeError, "torch.Tensor"),
+        (["a"], [[torch.zeros(4, 4).t()]], ValueError, "not contiguous"),
+        ([""], [[torch.zeros(1)]], TypeError, r"keys\[0\]"),
+    ],
+)
+def test_bad_input(keys, lists, exc, match):
+    with pytest.raises(exc, match=match):
+        check_tensor_lists(keys, lists, torch.device("cpu"), allow_cpu=True)
+
+
+def test_bad_input_through_client_registers_nothing(make, broker):
+    a = make()
+    with pytest.raises(ValueError, match="not contiguous"):
+        a.dev_publish(["ok", "bad"], [[rand(3)], [torch.zeros(3, 3).t()]])
+    assert broker.snapshot()["objects"] == {}
+    with pytest.raises(ValueError, match="timeout"):
+        a.dev_subscribe(["k"], [[rand(1)]], timeout=-1)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="transport"):
+        DeviceObjectConfig(transport="tcp")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        DeviceObjectConfig(chunk_bytes=1)
+    with pytest.raises(ValueError, match="device"):
+        DeviceObjects(InprocBrokerLink(DeviceBroker()), device="cpu")
+
+
+# -- through a real worker process's code path (the worker in this process, clients over unix sockets) --
+@pytest.fixture
+def worker(tmp_path):
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=64 << 20, disk_dir="")).start()
+    yield w
+    w.stop()
+
+
+def test_publish_subscribe_through_worker_and_client_death(worker):
+    import kvstrata
+
+    a, b = kvstrata.connect(worker.address), kvstrata.connect(worker.address)
+    try:
+        a.device_objects(device="cpu", config=CFG)
+        b.device_objects(device="cpu", config=CFG)
+        src = [torch.arange(100, dtype=torch.int32), rand(7, 3)]
+        dst = poisoned_like(src)
+        (sf,) = b.dev_subscribe(["k"], [dst], timeout=WAIT)
+        (pf,) = a.dev_publish(["k"], [src])
+        sf.result(WAIT)
+        pf.result(WAIT)
+        assert all(torch.equal(d, s) for d, s in zip(dst, src))
+        assert a.dev_mset(["w"], [src]) == [None]
+        b.dev_mget(["w"], [poisoned_like(src)], timeout=WAIT)[0].result(WAIT)
+        assert worker.devobj_broker.snapshot()["objects"].keys() == {"w"}
+        a.close()  # its connections drop: its keys vanish
+        with pytest.raises(errors.Timeout):
+            b.dev_mget(["w"], [poisoned_like(src)], timeout=0.1)[0].result(WAIT)
+        assert worker.devobj_broker.snapshot()["objects"] == {}
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(("start", "n"), [(16, 4096), (3, 8), (8, 13), (0, 0)])
+def test_copy_bytes_kernel_and_memcpy_exact(start, n):
+    from kvstrata.devobj.api import _copy_bytes
+
+    src = torch.randint(0, 255, (4200,), dtype=torch.uint8)
+    for kernel in (True, False):
+        dst = torch.full_like(src, 7)
+        _copy_bytes(dst[start : start + n], src[start : start + n], kernel=kernel)
+        assert torch.equal(dst[start : start + n], src[start : start + n])
+        assert bool((dst[:start] == 7).all()) and bool((dst[start + n :] == 7).all())
+
+
+def test_close_from_a_future_callback(make):
+    a, b = make(), make()
+    closed = threading.Event()
+    (sf,) = b.dev_subscribe(["k"], [[torch.zeros(3)]], timeout=WAIT)
+    sf.add_done_callback(lambda f: (b.close(), closed.set()))  # runs on b's event thread
+    a.dev_publish(["k"], [[rand(3)]])[0].result(WAIT)
+    assert closed.wait(WAIT)
+    with pytest.raises(errors.ClosedError):
+        b.dev_subscribe(["j"], [[torch.zeros(3)]])
+
+
+def test_worker_going_away_fails_waiters(worker):
+    import kvstrata
+
+    b = kvstrata.connect(worker.address)
+    try:
+        b.device_objects(device="cpu", config=CFG)
+        (f,) = b.dev_subscribe(["never"], [[torch.zeros(2)]])  # no timeout: only the worker's end can end it
+        worker.stop()
+        with pytest.raises(errors.KvstrataError):
+            f.result(WAIT)
+    finally:
+        b.close()
+
+
+def test_cancelled_subscribe_is_withdrawn_and_writes_nothing(make, broker):
+    a, b, c = make(), make(), make()
+    dst = [torch.full((3,), 7.0)]
+    (f,) = b.dev_subscribe(["k"], [dst])
+    assert f.cancel()
+    assert broker.snapshot()["waiters"] == 0
+    src = [rand(3)]
+    (pf,) = a.dev_publish(["k"], [src])
+    other = [torch.zeros(3)]
+    c.dev_subscribe(["k"], [other], timeout=WAIT)[0].result(WAIT)  # the object went to the next one
+    pf.result(WAIT)
+    assert torch.equal(other[0], src[0]) and torch.equal(dst[0], torch.full((3,), 7.0))

@@ -1,0 +1,24 @@
+"""``kvstrata bench device --smoke`` runs without a GPU and writes its JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvstrata.bench import device
+
+
+def test_smoke_writes_timings(tmp_path, capsys):
+    assert device.smoke(argparse.Namespace(out=str(tmp_path))) == 0
+    record = json.loads((tmp_path / "device_smoke.json").read_text())
+    assert record["environment"]["command"]
+    timings = record["timings"]
+    assert set(timings) >= {"broker_publish_subscribe_complete_us", "handoff_subscriber_first_us", "mget_one_key_us"}
+    assert all(v > 0 for v in timings.values())
+    assert "handoff_publisher_first_us" in capsys.readouterr().out
+
+
+def test_keys_per_call_fills_about_2GiB():
+    assert device.keys_per_call(64 << 20, quick=False) == 32
+    assert device.keys_per_call(1 << 30, quick=True) == 2
+    assert device.keys_per_call(4096, quick=True) == 64

@@ -1,0 +1,357 @@
+"""DeviceBroker logic, without GPUs: matching in either order, timeouts, one-shot forgetting,
+mset/mget readers, owner death, broadcast planning, NCCL pairing, serializable records."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+
+from kvstrata.devobj import broker as B
+from kvstrata.devobj.broker import DeviceBroker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def item(key: str, shape=(4, 8), dtype="float16", **extra):
+    return {
+        "key": key,
+        "tensors": [{"shape": list(shape), "dtype": dtype, "nbytes": 64}],
+        "handles": [],
+        "events": [],
+        "device": {"uuid": "GPU-a", "index": 0},
+        **extra,
+    }
+
+
+def spec(shape=(4, 8), dtype="float16"):
+    return [{"shape": list(shape), "dtype": dtype, "nbytes": 64}]
+
+
+@pytest.fixture
+def broker():
+    b = DeviceBroker()
+    for c, pid, uuid in (("pub", 1, "GPU-a"), ("sub", 2, "GPU-b"), ("sub2", 3, "GPU-a"), ("sub3", 4, "GPU-b")):
+        b.handle(c, "hello", {"info": {"pid": pid, "node_id": "n1", "device": {"uuid": uuid, "index": 0}}})
+    return b
+
+
+def events(b, client, timeout=0.0):
+    return b.handle(client, "wait_events", {"timeout": timeout})["events"]
+
+
+def test_publish_first_then_subscribe_matches_at_once(broker):
+    assert broker.handle("pub", "publish", {"items": [item("k")]})["results"][0]["ok"]
+    r = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec()], "timeout": 1})["results"][0]
+    assert r["status"] == "matched"
+    t = r["transfer"]
+    assert (t["src"], t["dst"], t["kind"], t["path"]) == ("pub", "sub", "sub", "ipc")
+    assert broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})["ok"]
+    ev = events(broker, "pub")
+    assert [e["type"] for e in ev] == ["released"] and ev[0]["key"] == "k"
+    assert broker.snapshot()["objects"] == {}  # one-shot: forgotten once received
+
+
+def test_subscribe_first_then_publish_gets_event(broker):
+    r = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec()], "timeout": None})["results"][0]
+    assert r["status"] == "waiting"
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    ev = events(broker, "sub")
+    assert ev[0]["type"] == "matched" and ev[0]["wid"] == r["wid"] and ev[0]["transfer"]["key"] == "k"
+
+
+def test_timeout_event_and_no_match_after_it():
+    clock = Clock()
+    b = DeviceBroker(clock=clock)
+    b.handle("sub", "hello", {"info": {}})
+    r = b.handle("sub", "subscribe", {"keys": ["k"], "timeout": 0.5})["results"][0]
+    assert events(b, "sub") == []
+    clock.t += 0.6
+    ev = events(b, "sub")
+    assert ev == [{"type": "timeout", "wid": r["wid"], "key": "k", "error": B.E_TIMEOUT, "message": ev[0]["message"]}]
+    b.handle("pub", "hello", {"info": {}})
+    b.handle("pub", "publish", {"items": [item("k")]})
+    assert events(b, "sub") == []  # the expired waiter does not take it
+    assert b.snapshot()["objects"]["k"]["state"] == "ready"
+
+
+def test_wait_events_wakes_on_real_timeout():
+    b = DeviceBroker()
+    b.handle("sub", "hello", {"info": {}})
+    b.handle("sub", "subscribe", {"keys": ["k"], "timeout": 0.05})
+    ev = events(b, "sub", timeout=5.0)  # must return at the waiter's deadline, not after 5 s
+    assert [e["type"] for e in ev] == ["timeout"]
+
+
+def test_one_shot_taken_by_exactly_one_subscriber(broker):
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    r1 = broker.handle("sub", "subscribe", {"keys": ["k"], "timeout": 1})["results"][0]
+    r2 = broker.handle("sub2", "subscribe", {"keys": ["k"], "timeout": 1})["results"][0]
+    assert r1["status"] == "matched" and r2["status"] == "waiting"
+    assert broker.snapshot()["objects"]["k"]["state"] == "claimed"
+
+
+def test_failed_receive_returns_object_to_next_subscriber(broker):
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    t = broker.handle("sub", "subscribe", {"keys": ["k"], "timeout": 1})["results"][0]["transfer"]
+    r2 = broker.handle("sub2", "subscribe", {"keys": ["k"], "timeout": 1})["results"][0]
+    broker.handle("sub", "complete", {"tid": t["tid"], "ok": False, "error": "copy failed"})
+    assert [e["type"] for e in events(broker, "sub")] == ["error"]
+    assert events(broker, "pub") == []  # not released: nothing was received
+    ev = events(broker, "sub2")
+    assert ev[0]["type"] == "matched" and ev[0]["wid"] == r2["wid"]
+
+
+def test_subscriber_death_mid_receive_keeps_object(broker):
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    broker.handle("sub", "subscribe", {"keys": ["k"], "timeout": 1})
+    broker.owner_gone("sub")
+    assert broker.snapshot()["objects"]["k"]["state"] == "ready"
+    assert broker.handle("sub2", "subscribe", {"keys": ["k"], "timeout": 1})["results"][0]["status"] == "matched"
+
+
+def test_mismatch_is_an_error_and_leaves_object(broker):
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    r = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec((4, 9))], "timeout": 1})["results"][0]
+    assert r["status"] == "error" and r["error"] == B.E_MISMATCH and "tensor 0" in r["message"]
+    r = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec(dtype="bfloat16")]})["results"][0]
+    assert r["error"] == B.E_MISMATCH
+    assert broker.snapshot()["objects"]["k"]["state"] == "ready"
+
+
+def test_duplicate_publish_is_key_exists(broker):
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    r = broker.handle("pub", "publish", {"items": [item("k"), item("j")]})["results"]
+    assert r[0]["error"] == B.E_EXISTS and r[1]["ok"]  # per-key results
+
+
+def test_mset_many_readers_many_times(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    tids = []
+    for c in ("sub", "sub2", "sub3", "sub"):
+        r = broker.handle(c, "mget", {"keys": ["w"], "specs": [spec()], "timeout": 0})["results"][0]
+        assert r["status"] == "matched"
+        tids.append((c, r["transfer"]["tid"]))
+    assert broker.snapshot()["objects"]["w"]["transfers"] == 4
+    for c, tid in tids:
+        broker.handle(c, "complete", {"tid": tid, "ok": True})
+    assert broker.snapshot()["objects"]["w"] == {"state": "ready", "mode": "mset", "owner": "pub", "transfers": 0}
+
+
+def test_subscribe_does_not_take_mset_and_mget_does_not_take_publish(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    broker.handle("pub", "publish", {"items": [item("p")]})
+    assert broker.handle("sub", "subscribe", {"keys": ["w"], "timeout": 1})["results"][0]["status"] == "waiting"
+    assert broker.handle("sub", "mget", {"keys": ["p"], "timeout": 1})["results"][0]["status"] == "waiting"
+
+
+def test_delete_waits_for_reads_in_flight_and_invalidates_readers(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    t = broker.handle("sub", "mget", {"keys": ["w"], "timeout": 0})["results"][0]["transfer"]
+    r = broker.handle("pub", "delete", {"keys": ["w"]})["results"][0]
+    assert r["ok"] and r["pending"]
+    assert broker.handle("sub2", "mget", {"keys": ["w"], "timeout": 0})["results"][0]["status"] == "waiting"
+    assert events(broker, "pub") == []
+    broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})
+    assert [e["type"] for e in events(broker, "pub")] == ["released"]
+    assert [e["type"] for e in events(broker, "sub")] == ["invalidate"]
+
+
+def test_delete_by_other_client_and_missing_key(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    r = broker.handle("sub", "delete", {"keys": ["w", "nope"]})["results"]
+    assert r[0]["error"] == B.E_NOT_OWNER and r[1]["error"] == B.E_NOT_FOUND
+
+
+def test_owner_gone_errors_transfers_and_keys_vanish(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    broker.handle("pub", "publish", {"items": [item("p")]})
+    t = broker.handle("sub", "mget", {"keys": ["w"], "timeout": 0})["results"][0]["transfer"]
+    broker.handle("sub2", "subscribe", {"keys": ["p"], "timeout": 1})
+    broker.owner_gone("pub")
+    ev = events(broker, "sub")
+    assert ev[0]["type"] == "error" and ev[0]["tid"] == t["tid"] and ev[0]["error"] == B.E_OWNER_GONE
+    assert ev[1:] == [{"type": "peer_gone", "client": "pub"}]
+    ev2 = events(broker, "sub2")
+    assert [e.get("error") for e in ev2 if e["type"] == "error"] == [B.E_OWNER_GONE]
+    assert broker.snapshot()["objects"] == {}
+    r = broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})
+    assert r["error"] == B.E_NOT_FOUND  # a late completion cannot make it "done"
+
+
+def test_broadcast_waits_for_all_and_orders_chain_by_gpu(broker):
+    broker.handle("pub", "broadcast", {"item": item("b", receivers=3, chunk_bytes=4096)})
+    got = {}
+    for c in ("sub", "sub3", "sub2"):  # sub, sub3 on GPU-b; sub2 on the sender's GPU-a
+        got[c] = broker.handle(c, "subscribe", {"keys": ["b"], "timeout": 5})["results"][0]
+    assert got["sub"]["status"] == got["sub3"]["status"] == "waiting"
+    assert got["sub2"]["status"] == "matched"  # the last one in gets its answer at once
+    pos = {"sub2": got["sub2"]["transfer"]["position"]}
+    for c in ("sub", "sub3"):
+        (ev,) = events(broker, c)
+        pos[c] = ev["transfer"]["position"]
+        got[c] = ev
+    assert pos == {"sub2": 0, "sub": 1, "sub3": 2}  # same GPU first, then one crossing, arrival order kept
+    t0 = got["sub2"]["transfer"]
+    broker.handle("sub2", "chain_ready", {"tid": t0["tid"], "export": {"handles": [1], "events": [b"e"]}})
+    (ev,) = events(broker, "sub")
+    assert ev["type"] == "chain_pred" and ev["pred"]["client"] == "sub2"
+    for c, tid in (("sub2", t0["tid"]), ("sub", got["sub"]["transfer"]["tid"])):
+        assert broker.handle(c, "complete", {"tid": tid, "ok": True})["pending"]
+    assert events(broker, "pub") == []  # not done until the last receiver is
+    broker.handle("sub3", "complete", {"tid": got["sub3"]["transfer"]["tid"], "ok": True})
+    assert [e["type"] for e in events(broker, "pub")] == ["released"]
+    for c in ("sub", "sub2", "sub3"):
+        assert [e["type"] for e in events(broker, c)] == ["transfer_done"]
+
+
+def test_broadcast_receiver_failure_aborts_everyone(broker):
+    broker.handle("pub", "broadcast", {"item": item("b", receivers=2)})
+    broker.handle("sub", "subscribe", {"keys": ["b"]})
+    t = broker.handle("sub2", "subscribe", {"keys": ["b"]})["results"][0]["transfer"]
+    events(broker, "sub")
+    broker.handle("sub2", "complete", {"tid": t["tid"], "ok": False, "error": "boom"})
+    assert [e["type"] for e in events(broker, "pub")] == ["failed"]
+    assert [e["error"] for e in events(broker, "sub")] == [B.E_ABORTED]
+    assert broker.snapshot()["objects"] == {} and broker.snapshot()["transfers"] == 0
+
+
+def test_broadcast_pending_receiver_times_out():
+    clock = Clock()
+    b = DeviceBroker(clock=clock)
+    for c in ("pub", "sub"):
+        b.handle(c, "hello", {"info": {}})
+    b.handle("pub", "broadcast", {"item": item("b", receivers=2)})
+    r = b.handle("sub", "subscribe", {"keys": ["b"], "timeout": 1})["results"][0]
+    clock.t += 2
+    assert [e["type"] for e in events(b, "sub")] == ["timeout"]
+    assert b.handle("pub", "broadcast", {"item": item("c", receivers=0)})["results"][0]["error"] == B.E_BAD_REQUEST
+    assert r["status"] == "waiting"
+
+
+def test_nccl_pair_uid_from_destination_then_sends_flow(broker):
+    broker.handle("pub", "publish", {"items": [item("a", transport="nccl"), item("b", transport="nccl")]})
+    ta = broker.handle("sub", "subscribe", {"keys": ["a"]})["results"][0]["transfer"]
+    tb = broker.handle("sub", "subscribe", {"keys": ["b"]})["results"][0]["transfer"]
+    assert ta["path"] == "nccl" and ta["nccl"] == {"seq": 0, "create_uid": True}
+    assert tb["nccl"] == {"seq": 1, "create_uid": False}
+    assert events(broker, "pub") == []  # no send before the communicator id exists
+    broker.handle("sub", "pair_uid", {"src": "pub", "uid": [1, 2, 3]})
+    ev = events(broker, "pub")
+    got = [(e["type"], e["transfer"]["key"], e["uid"]) for e in ev]
+    assert got == [("send", "a", [1, 2, 3]), ("send", "b", [1, 2, 3])]
+
+
+def test_other_node_uses_nccl_same_pid_uses_local():
+    b = DeviceBroker()
+    b.handle("p", "hello", {"info": {"pid": 7, "node_id": "n1"}})
+    b.handle("q", "hello", {"info": {"pid": 7, "node_id": "n2"}})
+    b.handle("r", "hello", {"info": {"pid": 7, "node_id": "n1"}})
+    b.handle("p", "mset", {"items": [item("w")]})
+    assert b.handle("q", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "nccl"
+    assert b.handle("r", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "local"
+
+
+def test_records_and_events_are_msgpack_serializable(broker):
+    broker.handle("pub", "publish", {"items": [item("k", handles=[{"handle": b"\x00\x01"}])]})
+    r = broker.handle("sub", "subscribe", {"keys": ["k"], "timeout": 1})
+    msgpack.packb(r)
+    msgpack.packb(broker.snapshot())
+    broker.handle("sub", "complete", {"tid": r["results"][0]["transfer"]["tid"], "ok": True})
+    msgpack.packb(broker.handle("pub", "wait_events", {"timeout": 0}))
+
+
+def test_unknown_op(broker):
+    with pytest.raises(ValueError, match="op"):
+        broker.handle("pub", "frobnicate", {})
+
+
+def test_no_deadlock_many_pairs_both_directions():
+    """Many clients publish to and subscribe from each other at once; every hand-off completes."""
+    b = DeviceBroker()
+    clients = [f"c{i}" for i in range(6)]
+    for c in clients:
+        b.handle(c, "hello", {"info": {"pid": 0, "node_id": "n"}})
+    errors: list[BaseException] = []
+
+    def run(me: str) -> None:
+        try:
+            wants = {}
+            for other in clients:
+                if other == me:
+                    continue
+                for j in range(5):
+                    r = b.handle(me, "subscribe", {"keys": [f"{other}->{me}/{j}"], "timeout": 20})["results"][0]
+                    if r["status"] == "matched":
+                        b.handle(me, "complete", {"tid": r["transfer"]["tid"], "ok": True})
+                    else:
+                        wants[r["wid"]] = True
+                    b.handle(me, "publish", {"items": [item(f"{me}->{other}/{j}")]})
+            released = 0
+            while wants or released < 25:
+                for e in b.handle(me, "wait_events", {"timeout": 5})["events"]:
+                    if e["type"] == "matched":
+                        wants.pop(e["wid"])
+                        b.handle(me, "complete", {"tid": e["transfer"]["tid"], "ok": True})
+                    elif e["type"] == "released":
+                        released += 1
+                    else:
+                        raise AssertionError(e)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "deadlock: hand-offs did not finish"
+    assert not errors, errors
+    assert b.snapshot()["objects"] == {} and b.snapshot()["waiters"] == 0
+
+
+def test_delete_of_claimed_one_shot_then_failed_receive_forgets_it(broker):
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    t = broker.handle("sub", "subscribe", {"keys": ["k"]})["results"][0]["transfer"]
+    assert broker.handle("pub", "delete", {"keys": ["k"]})["results"][0]["pending"]
+    broker.handle("sub2", "subscribe", {"keys": ["k"], "timeout": 5})
+    broker.handle("sub", "complete", {"tid": t["tid"], "ok": False, "error": "x"})
+    assert broker.snapshot()["objects"] == {}  # not back to ready: it was deleted
+    (ev,) = events(broker, "pub")
+    assert ev["type"] == "released" and ev["reason"] == "deleted"
+    assert events(broker, "sub2") == []
+
+
+def test_delete_of_broadcast_errors_receivers_already_joined(broker):
+    broker.handle("pub", "broadcast", {"item": item("b", receivers=3)})
+    r = broker.handle("sub", "subscribe", {"keys": ["b"], "timeout": 5})["results"][0]
+    broker.handle("pub", "delete", {"keys": ["b"]})
+    (ev,) = events(broker, "sub")
+    assert ev["type"] == "error" and ev["wid"] == r["wid"] and ev["error"] == B.E_NOT_FOUND
+    assert broker.snapshot()["waiters"] == 0
+
+
+def test_peers_told_when_a_client_goes(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    t = broker.handle("sub", "mget", {"keys": ["w"]})["results"][0]["transfer"]
+    broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})
+    broker.owner_gone("pub")
+    assert [(e["type"], e["client"]) for e in events(broker, "sub")] == [("peer_gone", "pub")]
+    assert events(broker, "sub2") == []  # never exchanged anything with it
+
+
+def test_source_gpu_hidden_from_reader_uses_nccl():
+    b = DeviceBroker()
+    b.handle("p", "hello", {"info": {"pid": 1, "node_id": "n"}})
+    b.handle("q", "hello", {"info": {"pid": 2, "node_id": "n", "visible": ["GPU-b"]}})
+    b.handle("r", "hello", {"info": {"pid": 3, "node_id": "n", "visible": ["GPU-a", "GPU-b"]}})
+    b.handle("p", "mset", {"items": [item("w")]})  # on GPU-a
+    assert b.handle("q", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "nccl"
+    assert b.handle("r", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "ipc"

@@ -1,0 +1,290 @@
+"""Device objects on real GPUs: processes (torch.multiprocessing spawn) talking through a real worker
+(hosted by the test process, unix socket), CUDA IPC on two GPUs and on one GPU, broadcast chains,
+the NCCL path, publisher death, and bad input. Every copy is checked for exact equality against data
+regenerated from the same seed; receivers' buffers are poisoned beforehand."""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+
+import pytest
+import torch
+
+from kvstrata import errors
+
+pytestmark = pytest.mark.gpu
+WAIT = 60.0
+SPECS = [
+    ((1000, 37), torch.bfloat16),
+    ((4097,), torch.float32),
+    ((3, 5, 7), torch.int64),
+    ((1,), torch.uint8),
+    ((257, 129), torch.float16),
+]
+
+
+def make(seed: int, device: int | str, specs=SPECS) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape, dtype in specs:
+        if dtype.is_floating_point:
+            t = torch.randn(*shape, generator=g).to(dtype)
+        else:
+            t = torch.randint(0, 127, shape, generator=g, dtype=torch.int64).to(dtype)
+        out.append(t.to(device))
+    return out
+
+
+def poisoned(device: int, specs=SPECS) -> list[torch.Tensor]:
+    return [torch.full(shape, 7, dtype=dtype, device=device) for shape, dtype in specs]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
+
+
+def _client(address: str, device: int, **cfg):
+    import kvstrata
+    from kvstrata.devobj import DeviceObjectConfig
+
+    torch.cuda.set_device(device)
+    c = kvstrata.connect(address)
+    c.device_objects(device=device, config=DeviceObjectConfig(**cfg))
+    return c
+
+
+def _entry(fn, q, *args):
+    try:
+        q.put(("ok", fn.__name__, fn(*args)))
+    except BaseException:
+        q.put(("err", fn.__name__, traceback.format_exc()))
+
+
+def run_procs(targets: list[tuple], timeout: float = 180) -> list:
+    """Run ``(fn, *args)`` in spawned processes; fail on an error, a crash or a hang."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(t[0], q, *t[1:])) for t in targets]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in procs:
+            try:
+                status, name, value = q.get(timeout=timeout)
+            except queue.Empty:
+                pytest.fail(f"hang: no result within {timeout} s")
+            assert status == "ok", f"{name} failed:\n{value}"
+            results.append(value)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+@pytest.fixture
+def worker(tmp_path):
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=64 << 20, disk_dir="")).start()
+    yield w
+    w.stop()
+
+
+# -- children ---------------------------------------------------------------------------------------
+def publisher(address: str, device: int) -> str:
+    c = _client(address, device)
+    # Slow work queued before the data is final: the reader must see the final bytes (ready event).
+    late = torch.zeros(1 << 20, dtype=torch.float32, device=device)
+    torch.cuda._sleep(200_000_000)
+    late.fill_(3.5)
+    fa, fb, fl = c.dev_publish(["a", "b", "late"], [make(1, device), make(2, device), [late]])
+    fa.result(WAIT)
+    fb.result(WAIT)
+    fl.result(WAIT)
+    assert c.dev_mset(["w"], [make(3, device)]) == [None]
+    ready = poisoned(device)
+    c.dev_subscribe(["reader-done"], [ready[:1]], timeout=WAIT)[0].result(WAIT)
+    assert c.dev_delete(["w"]) == [None]
+    c.dev_publish(["w-deleted"], [ready[:1]])[0].result(WAIT)
+    c.close()
+    return "published"
+
+
+def subscriber(address: str, device: int, peer_device: int) -> str:
+    c = _client(address, device)
+    dst_a = poisoned(device)
+    (fa,) = c.dev_subscribe(["a"], [dst_a], timeout=WAIT)  # usually before the publish
+    fa.result(WAIT)
+    assert same(dst_a, make(1, "cpu")), "a differs"
+    dst_b = poisoned(device)
+    c.dev_subscribe(["b"], [dst_b], timeout=WAIT)[0].result(WAIT)
+    assert same(dst_b, make(2, "cpu")), "b differs"
+    late = torch.zeros(1 << 20, dtype=torch.float32, device=device)
+    c.dev_subscribe(["late"], [[late]], timeout=WAIT)[0].result(WAIT)
+    assert bool((late == 3.5).all()), "read before the publisher's queued work finished"
+    for _ in range(3):  # any number of times
+        dst_w = poisoned(device)
+        c.dev_mget(["w"], [dst_w], timeout=WAIT)[0].result(WAIT)
+        assert same(dst_w, make(3, "cpu")), "w differs"
+    bad = poisoned(device)
+    bad[0] = torch.full((1000, 38), 7, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="tensor 0"):
+        c.dev_mget(["w"], [bad], timeout=WAIT)[0].result(WAIT)
+    assert bool((bad[1] == 7).all()), "a mismatched read wrote data"
+    (done,) = c.dev_publish(["reader-done"], [poisoned(device)[:1]])
+    done.result(WAIT)
+    c.dev_subscribe(["w-deleted"], [poisoned(device)[:1]], timeout=WAIT)[0].result(WAIT)
+    with pytest.raises(errors.Timeout):  # deleted by its owner
+        c.dev_mget(["w"], [poisoned(device)], timeout=2)[0].result(WAIT)
+    c.close()
+    return "subscribed"
+
+
+def broadcaster(address: str, device: int, receivers: int, nbytes: int) -> str:
+    c = _client(address, device, chunk_bytes=64 << 10)
+    src = make(11, device, [((nbytes,), torch.uint8), ((333, 17), torch.float32)])
+    c.dev_broadcast("weights", src, receivers=receivers).result(WAIT)
+    assert same(src, make(11, "cpu", [((nbytes,), torch.uint8), ((333, 17), torch.float32)]))
+    c.close()
+    return "sent"
+
+
+def receiver(address: str, device: int, nbytes: int, mode: str = "memcpy") -> str:
+    c = _client(address, device, same_gpu_copy=mode)
+    specs = [((nbytes,), torch.uint8), ((333, 17), torch.float32)]
+    dst = poisoned(device, specs)
+    c.dev_subscribe(["weights"], [dst], timeout=WAIT)[0].result(WAIT)
+    assert same(dst, make(11, "cpu", specs)), "broadcast copy differs"
+    c.close()
+    return "received"
+
+
+def nccl_owner(address: str, device: int) -> str:
+    c = _client(address, device, transport="nccl")
+    (f,) = c.dev_publish(["n1"], [make(21, device)])
+    assert c.dev_mset(["n2"], [make(22, device)]) == [None]
+    f.result(WAIT)
+    c.dev_subscribe(["nccl-done"], [poisoned(device)[:1]], timeout=WAIT)[0].result(WAIT)
+    c.close()
+    return "nccl sent"
+
+
+def nccl_reader(address: str, device: int) -> str:
+    c = _client(address, device)
+    d1, d2, d3 = poisoned(device), poisoned(device), poisoned(device)
+    c.dev_subscribe(["n1"], [d1], timeout=WAIT)[0].result(WAIT)
+    c.dev_mget(["n2"], [d2], timeout=WAIT)[0].result(WAIT)
+    c.dev_mget(["n2"], [d3], timeout=WAIT)[0].result(WAIT)
+    assert same(d1, make(21, "cpu")) and same(d2, make(22, "cpu")) and same(d3, make(22, "cpu"))
+    c.dev_publish(["nccl-done"], [poisoned(device)[:1]])[0].result(WAIT)
+    c.close()
+    return "nccl received"
+
+
+def dying_owner(address: str, device: int) -> None:
+    c = _client(address, device)
+    assert c.dev_mset(["doomed"], [make(5, device)]) == [None]
+    c.dev_publish(["doomed-1shot"], [make(6, device)])
+    os._exit(0)  # no goodbye: the worker sees the connections drop
+
+
+def pair_both_ways(address: str, device: int, me: str, other: str, n: int) -> str:
+    c = _client(address, device)
+    futs, dsts = [], {}
+    for i in range(n):
+        dsts[i] = poisoned(device)
+        if i % 2:
+            futs += c.dev_subscribe([f"{other}{i}"], [dsts[i]], timeout=WAIT)
+            futs += c.dev_publish([f"{me}{i}"], [make(100 + i, device)])
+        else:
+            futs += c.dev_publish([f"{me}{i}"], [make(100 + i, device)])
+            futs += c.dev_subscribe([f"{other}{i}"], [dsts[i]], timeout=WAIT)
+    for f in futs:
+        f.result(WAIT)
+    for i in range(n):
+        assert same(dsts[i], make(100 + i, "cpu")), f"{other}{i} differs"
+    c.close()
+    return "pairs done"
+
+
+# -- tests ------------------------------------------------------------------------------------------
+@pytest.mark.multigpu
+def test_two_gpus_publish_subscribe_mset_mget(worker):
+    run_procs([(publisher, worker.address, 0), (subscriber, worker.address, 1, 0)])
+    assert worker.devobj_broker.snapshot()["objects"] == {}
+
+
+def test_one_gpu_two_processes(worker):
+    run_procs([(publisher, worker.address, 0), (subscriber, worker.address, 0, 0)])
+    assert worker.devobj_broker.snapshot()["objects"] == {}
+
+
+@pytest.mark.multigpu
+def test_many_pairs_both_directions_no_deadlock(worker):
+    run_procs([(pair_both_ways, worker.address, 0, "x", "y", 24), (pair_both_ways, worker.address, 1, "y", "x", 24)])
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    ("nbytes", "mode"), [((1 << 20) + 4099, "memcpy"), ((1 << 20) + 4096, "kernel"), (1000, "memcpy")]
+)
+def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode):
+    a = worker.address
+    receivers = [(receiver, a, d, nbytes, mode) for d in (1, 0, 1)]
+    run_procs([*receivers, (broadcaster, a, 0, 3, nbytes)])
+    assert worker.devobj_broker.snapshot()["objects"] == {}
+
+
+@pytest.mark.multigpu
+def test_nccl_path_between_two_processes(worker):
+    pytest.importorskip("cupy")
+    run_procs([(nccl_owner, worker.address, 0), (nccl_reader, worker.address, 1)])
+
+
+def test_owner_death_makes_keys_vanish(worker):
+    import time
+
+    import torch.multiprocessing as mp
+
+    p = mp.get_context("spawn").Process(target=dying_owner, args=(worker.address, 0))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    deadline = time.monotonic() + 10
+    while worker.devobj_broker.snapshot()["objects"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.devobj_broker.snapshot()["objects"] == {}
+
+
+def test_same_process_clients_and_bad_input():
+    from kvstrata.devobj import DeviceBroker, DeviceObjects, InprocBrokerLink
+
+    broker = DeviceBroker()
+    a = DeviceObjects(InprocBrokerLink(broker), device=0)
+    b = DeviceObjects(InprocBrokerLink(broker), device=0)
+    try:
+        with pytest.raises(ValueError, match=r"tensor_lists\[0\]\[0\].*cpu tensor"):
+            a.dev_publish(["k"], [[torch.zeros(4)]])
+        with pytest.raises(ValueError, match="not contiguous"):
+            a.dev_publish(["k"], [[torch.zeros(4, 4, device=0).t()]])
+        if torch.cuda.device_count() > 1:
+            with pytest.raises(ValueError, match="this client's device is cuda:0"):
+                a.dev_publish(["k"], [[torch.zeros(4, device=1)]])
+        assert broker.snapshot()["objects"] == {}
+        dst = poisoned(0)
+        (sf,) = b.dev_subscribe(["k"], [dst], timeout=WAIT)
+        (pf,) = a.dev_publish(["k"], [make(9, 0)])
+        sf.result(WAIT)
+        pf.result(WAIT)
+        assert same(dst, make(9, "cpu"))
+    finally:
+        a.close()
+        b.close()
