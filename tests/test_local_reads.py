@@ -90,12 +90,16 @@ def test_kept_leases_are_bounded_and_given_back(worker):
         for i in range(300):
             assert kv.get(f"n{i}") == bytes([i % 256]) * 100
         local = kv._backend._local
-        assert len(local) == local.max_entries
+        assert len(local) == local.max_entries  # the count bounds it here, the bytes below
         assert kv.stats()["leases"] == local.max_entries  # (in order after the one-way releases)
         kv.set("other", b"x")  # any change: every kept lease goes back with the next message
         kv.exists("other")
         assert len(local) == 0 and worker.store.stats()["leases"] == 0
         kv.delete([f"n{i}" for i in range(300)])
+        kv.mset({f"b{i}": b"b" * 60_000 for i in range(100)})
+        for i in range(100):
+            kv.get(f"b{i}")
+        assert len(local) * 60_000 <= local.max_bytes < (len(local) + 1) * 60_000
 
 
 def test_no_stale_read_under_a_concurrent_writer(worker):

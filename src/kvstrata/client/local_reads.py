@@ -14,18 +14,21 @@ import ctypes
 from collections import OrderedDict
 from typing import Any
 
-MAX_ENTRIES = 256  # x 64 KiB inline limit: at most 16 MiB pinned per client
+MAX_ENTRIES = 256
+MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
 
 
 class LocalReads:
     """The entries and the mapped generation page. Not thread-safe: the backend's lock guards it."""
 
-    def __init__(self, page: Any, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self, page: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
         self._page = page
         self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
         self._entries: OrderedDict[str, tuple[int, Any]] = OrderedDict()
         self._entries_gen = -1
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._bytes = 0
         self.hits = 0
 
     def generation(self) -> int:
@@ -55,14 +58,19 @@ class LocalReads:
         old = self._entries.pop(key, None)
         if old is not None:
             drop.append(old[0])
+            self._bytes -= old[1].size
         self._entries[key] = (lease_id, location)
-        while len(self._entries) > self.max_entries:
-            drop.append(self._entries.popitem(last=False)[1][0])
+        self._bytes += location.size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            lease, loc = self._entries.popitem(last=False)[1]
+            drop.append(lease)
+            self._bytes -= loc.size
         return drop
 
     def clear(self) -> list[int]:
         ids = [lease_id for lease_id, _ in self._entries.values()]
         self._entries.clear()
+        self._bytes = 0
         return ids
 
     def __len__(self) -> int:
