@@ -52,3 +52,12 @@ def die_mid_write(address: str, ready_file: str) -> None:
         f.write(str(os.getpid()))
     time.sleep(120)
     print(lease, buf)  # keep both alive until killed
+
+
+def count_up(address: str, key: str, n: int) -> None:
+    """Set ``key`` to 1, 2, ..., n (each set visible before the next starts)."""
+    import kvstrata
+
+    with kvstrata.connect(address, timeout=20) as kv:
+        for i in range(1, n + 1):
+            kv.set(key, str(i).encode())

@@ -12,9 +12,11 @@ import collections
 import itertools
 import logging
 import os
+import select
 import threading
 from typing import Any, NamedTuple
 
+from kvstrata.client.local_reads import LocalReads
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
 from kvstrata.server import protocol as P
 
@@ -58,7 +60,14 @@ class RemoteBackend:
         self._pid = os.getpid()
         self._broken = ""
         self._closed = False
-        self._absorb_segments(self._conn.peer_info.get("segs", []), self._conn.handshake_fds)
+        fds = list(self._conn.handshake_fds)
+        self._local: LocalReads | None = None
+        if "generation_page" in self._conn.peer_info and fds:
+            from kvstrata.memory.shm import SharedSegment
+            from kvstrata.server.validity import PAGE_BYTES
+
+            self._local = LocalReads(SharedSegment.attach(fds.pop(0), PAGE_BYTES))
+        self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
 
     # plumbing ----------------------------------------------------------------------------------------
     def request(self, msg: dict) -> dict:
@@ -69,6 +78,8 @@ class RemoteBackend:
                 raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
             if self._pid != os.getpid():
                 raise ClosedError("this client was connected in the parent process; connect again after fork()")
+            if self._local is not None and len(self._local):
+                self._deferred.extend(self._local.stale())
             if self._deferred:
                 msg["rel"] = self._drain_deferred()
             if self._deferred_aborts:
@@ -177,7 +188,27 @@ class RemoteBackend:
         ]
 
     def get(self, key: str, timeout: float) -> bytes:
-        return self._value(self.request({"op": "get", "key": key, "timeout": timeout}))
+        local = self._local
+        if local is None:
+            return self._value(self.request({"op": "get", "key": key, "timeout": timeout}))
+        generation = local.generation()  # read before the request: see kvstrata.server.validity
+        with self._lock:
+            if not self._closed and self._pid == os.getpid():
+                loc = local.lookup(key)
+                # Still current, and the worker still there (a dead one makes its socket readable at EOF):
+                # straight out of shared memory, no round trip.
+                if loc is not None and not select.select([self._conn.fileno()], [], [], 0)[0]:
+                    return bytes(self._segments[loc.segment].buffer[loc.offset : loc.offset + loc.size])
+        reply = self.request({"op": "get", "key": key, "timeout": timeout, "cache": True})
+        if not reply.get("cache"):
+            return self._value(reply)
+        loc = self._loc(reply["loc"])
+        data = bytes(self.view(loc))
+        with self._lock:
+            drop = [] if self._closed else local.add(key, reply["lease"], loc, generation)
+        if drop:
+            self.release(drop)
+        return data
 
     def mget(self, keys: list[str], timeout: float) -> list[Any]:
         items = self.request({"op": "mget", "keys": keys, "timeout": timeout})["items"]
@@ -225,6 +256,8 @@ class RemoteBackend:
                     pass
             self._conn.close()  # the worker releases our leases and aborts our unfinished writes
         self._tensors.clear()
+        if self._local is not None:
+            self._local.close()
         for seg in self._segments.values():
             _close_segment(seg)
         self._segments.clear()

@@ -7,7 +7,7 @@ handlers answer per key. See :mod:`kvstrata.server.protocol` for the message sha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import KvstrataError, ServerError
@@ -24,29 +24,39 @@ def _value(msg: dict) -> bytes:
     return v
 
 
+def _put_one(s: Session, key: Any, value: Any, opts: dict) -> None:
+    key, value = P.check_key(key), _value({"v": value})
+    with s.validity.key_lock(key):
+        s.store.put(key, value, owner=s.owner, **opts)
+        s.validity.written(key, opts["ttl"])
+
+
 def _put(s: Session, msg: dict) -> dict:
-    key = P.check_key(msg.get("key"))
-    s.store.put(key, _value(msg), owner=s.owner, **s.write_options(msg))
+    opts = s.write_options(msg)
+    with s.validity.change():
+        _put_one(s, msg.get("key"), msg.get("v"), opts)
     return {}
 
 
 def _mput(s: Session, msg: dict) -> dict:
     opts = s.write_options(msg)
     items = []
-    for key, value in msg.get("items", []):
-        try:
-            s.store.put(P.check_key(key), _value({"v": value}), owner=s.owner, **opts)
-            items.append({})
-        except (KvstrataError, ValueError, TypeError) as exc:
-            items.append(P.error_record(exc))
+    with s.validity.change():
+        for key, value in msg.get("items", []):
+            try:
+                _put_one(s, key, value, opts)
+                items.append({})
+            except (KvstrataError, ValueError, TypeError) as exc:
+                items.append(P.error_record(exc))
     return {"items": items}
 
 
 def _create(s: Session, msg: dict) -> dict:
     key = P.check_key(msg.get("key"))
     size = P.check_size(msg.get("size"))
-    location = s.store.create(key, size, owner=s.owner, **s.write_options(msg))
-    s.writes.add(key)
+    opts = s.write_options(msg)
+    location = s.store.create(key, size, owner=s.owner, **opts)
+    s.writes[key] = opts["ttl"]
     reply: dict = {}
     reply["loc"] = s.loc(location, reply)
     return reply
@@ -59,7 +69,7 @@ def _mcreate(s: Session, msg: dict) -> dict:
     for key, size in msg.get("items", []):
         try:
             location = s.store.create(P.check_key(key), P.check_size(size), owner=s.owner, **opts)
-            s.writes.add(key)
+            s.writes[key] = opts["ttl"]
             items.append({"loc": s.loc(location, reply)})
         except (KvstrataError, ValueError, TypeError) as exc:
             items.append(P.error_record(exc))
@@ -67,35 +77,49 @@ def _mcreate(s: Session, msg: dict) -> dict:
     return reply
 
 
+def _finish_one(s: Session, action: str, key: str) -> None:
+    if action == "abort":  # nothing visible changes
+        s.store.abort(key, owner=s.owner)
+        s.writes.pop(key, None)
+        return
+    with s.validity.key_lock(key):
+        getattr(s.store, action)(key, owner=s.owner)
+        s.validity.written(key, s.writes.pop(key, 0.0))  # an unknown TTL counts as one
+
+
 def _finish(action: str):
     def handle(s: Session, msg: dict) -> dict:
         key = P.check_key(msg.get("key"))
-        getattr(s.store, action)(key, owner=s.owner)
-        s.writes.discard(key)
+        if action == "abort":
+            _finish_one(s, action, key)
+            return {}
+        with s.validity.change():
+            _finish_one(s, action, key)
         return {}
 
     return handle
 
 
-def _mfinish(action: str):
-    def handle(s: Session, msg: dict) -> dict:
-        items = []
+def _mseal(s: Session, msg: dict) -> dict:
+    items = []
+    with s.validity.change():
         for key in P.check_keys(msg.get("keys", [])):
             try:
-                getattr(s.store, action)(key, owner=s.owner)
-                s.writes.discard(key)
+                _finish_one(s, "seal", key)
                 items.append({})
             except (KvstrataError, ValueError, TypeError) as exc:
                 items.append(P.error_record(exc))
-        return {"items": items}
-
-    return handle
+    return {"items": items}
 
 
 def _get(s: Session, msg: dict) -> dict:
     key = P.check_key(msg.get("key"))
     lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
     reply: dict = {}
+    if msg.get("cache") and s.shm and lease.size < P.INLINE_MAX and s.validity.cacheable(key, lease):
+        # The client keeps this lease and serves later gets from shared memory (see server.validity).
+        s.leases.add(lease.lease_id)
+        return {"lease": lease.lease_id, "loc": s.loc(lease.location, reply), "cache": True, **reply}
     reply.update(s.lease_item(lease, reply))
     return reply
 
@@ -144,9 +168,16 @@ def _read(s: Session, msg: dict) -> dict:
 def _keys_op(method: str):
     def handle(s: Session, msg: dict) -> dict:
         keys = P.check_keys(msg.get("keys", []))
-        if method == "expire":
-            return {"r": list(s.store.expire(keys, P.check_ttl(msg.get("ttl"))))}
-        return {"r": list(getattr(s.store, method)(keys))}
+        if method in ("exists", "sizes", "incref"):  # nothing visible changes
+            return {"r": list(getattr(s.store, method)(keys))}
+        with s.validity.change():
+            if method != "expire":  # delete, decref
+                return {"r": list(getattr(s.store, method)(keys))}
+            result = list(s.store.expire(keys, P.check_ttl(msg.get("ttl"))))
+            for key in keys:
+                with s.validity.key_lock(key):
+                    s.validity.ttl_changed(key)
+            return {"r": result}
 
     return handle
 
@@ -184,7 +215,7 @@ HANDLERS = {
     "seal": _finish("seal"),
     "publish": _finish("publish"),
     "abort": _finish("abort"),
-    "mseal": _mfinish("seal"),
+    "mseal": _mseal,
     "get": _get,
     "mget": _mget,
     "acquire": _acquire,

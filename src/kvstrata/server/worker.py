@@ -27,6 +27,7 @@ from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerEr
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.server.handlers import HANDLERS, release
+from kvstrata.server.validity import Validity
 from kvstrata.transport import Connection, Listener, listen
 from kvstrata.transport.stream import MAX_FDS
 
@@ -35,13 +36,18 @@ _owner_ids = itertools.count(1)
 
 
 class Worker:
-    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM in ``serve_forever``) shuts down cleanly."""
+    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM in ``serve_forever``) shuts down cleanly.
+
+    A ``store`` passed in must be changed only through this worker: clients' local reads trust the
+    worker to announce every change (:mod:`kvstrata.server.validity`).
+    """
 
     def __init__(self, config: WorkerConfig, *, store: Any = None) -> None:
         self.config = config
         self._store = store
         self._own_store = store is None
         self._listener: Listener | None = None
+        self.validity: Validity | None = None
         self._sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -64,6 +70,7 @@ class Worker:
             from kvstrata.store import ObjectStore
 
             self._store = ObjectStore(self.config.store_config())
+        self.validity = Validity()
         if hasattr(self._store, "add_segment_listener"):
             self._store.add_segment_listener(self._on_segment)
         try:
@@ -101,6 +108,8 @@ class Worker:
     def stop(self) -> None:
         """Stop listening, disconnect clients, flush write-back data and close the store (idempotent)."""
         self._stopped.set()
+        if self.validity is not None:
+            self.validity.bump()  # clients stop answering from shared memory
         if self._listener is not None:
             self._listener.stop()
         with self._lock:
@@ -114,6 +123,9 @@ class Worker:
             self._store.close()
             log.info("worker stopped; write-back data flushed")
             self._own_store = False
+        if self.validity is not None:
+            self.validity.close()
+            self.validity = None  # type: ignore[assignment]
 
     def __enter__(self) -> Worker:
         return self if self._listener else self.start()
@@ -143,9 +155,10 @@ class Worker:
         reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
-            segs = list(self._store.segments)[:MAX_FDS]
+            segs = list(self._store.segments)[: MAX_FDS - 1]
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
-            fds = [seg.fd for seg in segs]
+            reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
+            fds = [self.validity.fd] + [seg.fd for seg in segs]
             session.sent_segments.update(range(len(segs)))
         return reply, fds
 
@@ -187,7 +200,8 @@ class Session:
         self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
         self.sent_segments: set[int] = set()
         self.leases: set[int] = set()
-        self.writes: set[str] = set()
+        self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
+        self.validity = worker.validity
 
     def run(self) -> None:
         while True:
@@ -207,7 +221,7 @@ class Session:
                 for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
                     try:
                         self.store.abort(key, owner=self.owner)
-                        self.writes.discard(key)
+                        self.writes.pop(key, None)
                     except (KvstrataError, ValueError, TypeError):
                         pass
                 reply = handler(self, msg)
@@ -265,11 +279,10 @@ class Session:
         return [location.segment, location.offset, location.size]
 
     def write_options(self, msg: dict) -> dict:
-        from kvstrata.store import WriteMode
-
+        ttl = msg.get("ttl")
         return {
-            "ttl": P.check_ttl(msg.get("ttl")),
-            "write_mode": WriteMode(P.check_write_mode(msg.get("mode", "memory"))),
+            "ttl": None if ttl is None else P.check_ttl(ttl),
+            "write_mode": _write_mode(msg.get("mode", "memory")),
             "nx": bool(msg.get("nx", False)),
         }
 
@@ -282,6 +295,18 @@ class Session:
                 self.store.release(lease.lease_id)
         self.leases.add(lease.lease_id)
         return {"lease": lease.lease_id, "loc": self.loc(lease.location, reply)}
+
+
+_WRITE_MODES: dict[str, Any] = {}
+
+
+def _write_mode(name: Any) -> Any:
+    mode = _WRITE_MODES.get(name) if isinstance(name, str) else None
+    if mode is None:
+        from kvstrata.store import WriteMode
+
+        mode = _WRITE_MODES[name] = WriteMode(P.check_write_mode(name))
+    return mode
 
 
 def _close(fd: int) -> None:

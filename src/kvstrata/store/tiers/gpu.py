@@ -17,7 +17,6 @@ from kvstrata.store.tiers.base import BlockTier, Location
 log = logging.getLogger(__name__)
 
 
-
 class GpuTier(BlockTier):
     """``capacity`` bytes of device memory on ``device`` (an index or a torch device)."""
 

@@ -1,0 +1,82 @@
+"""Repeated small ``get``s answered from shared memory, with no round trip to the worker.
+
+The client keeps the leases of up to ``max_entries`` small immutable TTL-free objects it read
+(the worker says which ones qualify). Such an entry is good while the worker's generation page still
+shows the generation read before the request that leased it: the worker bumps that generation
+around every change it makes, so an unchanged generation means the leased version is still the
+current one (the protocol is in :mod:`kvstrata.server.validity`). When the generation moves, every
+entry is dropped at once and its lease given back with the client's next message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from typing import Any
+
+MAX_ENTRIES = 256
+MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
+
+
+class LocalReads:
+    """The entries and the mapped generation page. Not thread-safe: the backend's lock guards it."""
+
+    def __init__(self, page: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
+        self._page = page
+        self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
+        self._entries: OrderedDict[str, tuple[int, Any]] = OrderedDict()
+        self._entries_gen = -1
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._bytes = 0
+        self.hits = 0
+
+    def generation(self) -> int:
+        return self._gen.value
+
+    def lookup(self, key: str) -> Any:
+        """The location of ``key``'s leased bytes if they are still current, else None."""
+        entry = self._entries.get(key)
+        if entry is None or self._entries_gen != self._gen.value:
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry[1]
+
+    def stale(self) -> list[int]:
+        """Lease ids of every entry, dropped, if the generation moved since they were taken."""
+        if not self._entries or self._entries_gen == self._gen.value:
+            return []
+        return self.clear()
+
+    def add(self, key: str, lease_id: int, location: Any, generation: int) -> list[int]:
+        """Keep a lease taken after reading ``generation``; returns lease ids to give back."""
+        drop = self.stale()
+        if generation != self._gen.value:  # something changed during the request: not trustworthy
+            return [*drop, lease_id]
+        self._entries_gen = generation
+        old = self._entries.pop(key, None)
+        if old is not None:
+            drop.append(old[0])
+            self._bytes -= old[1].size
+        self._entries[key] = (lease_id, location)
+        self._bytes += location.size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            lease, loc = self._entries.popitem(last=False)[1]
+            drop.append(lease)
+            self._bytes -= loc.size
+        return drop
+
+    def clear(self) -> list[int]:
+        ids = [lease_id for lease_id, _ in self._entries.values()]
+        self._entries.clear()
+        self._bytes = 0
+        return ids
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        self._entries.clear()
+        self._gen = None  # type: ignore[assignment]
+        self._page.close()
