@@ -101,8 +101,26 @@ def copy_batch(pairs: list[tuple[Any, Any]], *, stream: Any = None) -> Any:
     if stream != current:
         stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        for dst, src in on_device:
-            dst.copy_(src, non_blocking=True)
+        if not _copy_engine_batch(on_device, device):
+            for dst, src in on_device:
+                dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     return event
+
+
+def _copy_engine_batch(pairs: list[tuple[Any, Any]], device: Any) -> bool:
+    """All pairs in one ``cudaMemcpyBatchAsync`` on the current stream (no SMs, one host call for many
+    keys); False where the batch call is unavailable, so the caller copies pair by pair."""
+    from kvstrata.ops import copy_engine
+
+    if len(pairs) < 2 or not copy_engine.has_batch_api():
+        return False
+    dsts = [dst.data_ptr() for dst, _ in pairs]
+    srcs = [src.data_ptr() for _, src in pairs]
+    sizes = [dst.numel() * dst.element_size() for dst, _ in pairs]
+    try:
+        copy_engine.memcpy_batch(dsts, srcs, sizes, device=device)
+    except copy_engine.CopyEngineError:
+        return False
+    return True
