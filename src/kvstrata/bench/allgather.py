@@ -153,10 +153,12 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
 
 
 def _sync(cuda: bool) -> None:
+    # The current stream only: every all-gather path orders its result on it, while a device-wide
+    # synchronize would also wait for the background matmul load and time that instead.
     if cuda:
         import torch
 
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def _time(fn, *, iters: int, cuda: bool, device) -> float:
