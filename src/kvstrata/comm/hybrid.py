@@ -470,8 +470,10 @@ class HybridAllGather:
         return t.tolist()
 
     def _sync(self) -> None:
+        # The current stream only: results are ordered on it, and a device-wide synchronize would also
+        # wait for (and time) whatever the application runs on its other streams.
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     @property
     def auto_choices(self) -> dict[tuple[int, str, int], tuple[int, str]]:
