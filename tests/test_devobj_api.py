@@ -373,3 +373,88 @@ def test_cancelled_subscribe_is_withdrawn_and_writes_nothing(make, broker):
     c.dev_subscribe(["k"], [other], timeout=WAIT)[0].result(WAIT)  # the object went to the next one
     pf.result(WAIT)
     assert torch.equal(other[0], src[0]) and torch.equal(dst[0], torch.full((3,), 7.0))
+
+
+# -- failures surface as the futures' exceptions, never as hangs --------------------------------------
+class _NeverDone:
+    """A CUDA event stand-in whose work never finishes (a source ready event that never fires)."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_wait_event_is_bounded_and_names_the_step():
+    from kvstrata.devobj.debug import wait_event
+
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += max(s, 1e-3)
+
+    with pytest.raises(errors.Timeout, match="copy of 'k'"):
+        wait_event(_NeverDone(), 0.5, "copy of 'k'", clock=lambda: now[0], sleep=sleep)
+    wait_event(type("Done", (), {"query": lambda self: True})(), 0.5, "done at once")
+
+
+def test_stuck_copy_fails_the_receive_and_returns_the_object(make, broker, monkeypatch):
+    from kvstrata.devobj import api
+
+    a = make()
+    stuck = DeviceObjects(
+        InprocBrokerLink(broker), device="cpu", config=DeviceObjectConfig(**{**vars(CFG), "copy_timeout": 0.2})
+    )
+    try:
+        real = api.DeviceObjects._enqueue_copy
+
+        def never(self, t, want):
+            real(self, t, want)
+            return _NeverDone() if self is stuck else None
+
+        monkeypatch.setattr(api.DeviceObjects, "_enqueue_copy", never)
+        src = [rand(5)]
+        (pf,) = a.dev_publish(["k"], [src])
+        with pytest.raises(errors.Timeout, match="copy of 'k'"):
+            stuck.dev_subscribe(["k"], [[torch.zeros(5)]], timeout=WAIT)[0].result(WAIT)
+        assert not pf.done()  # a receive that failed is not a delivery
+        dst = [torch.zeros(5)]
+        make().dev_subscribe(["k"], [dst], timeout=WAIT)[0].result(WAIT)  # the object went back to the broker
+        pf.result(WAIT)
+        assert torch.equal(dst[0], src[0])
+    finally:
+        stuck.close()
+
+
+class _Fatal(BaseException):
+    pass
+
+
+def test_event_thread_death_fails_pending_futures(make, broker, monkeypatch):
+    from kvstrata.devobj import api
+
+    b = make()
+    (f,) = b.dev_subscribe(["k"], [[torch.zeros(2)]], timeout=WAIT)
+
+    def boom(self, ev):
+        raise _Fatal("injected")
+
+    monkeypatch.setattr(api.DeviceObjects, "_dispatch", boom)
+    make().dev_publish(["k"], [[rand(2)]])  # b's event thread gets the match, and dies on it
+    with pytest.raises(errors.ServerError, match="event thread died: _Fatal: injected"):
+        f.result(WAIT)
+    b._poller.join(WAIT)
+    assert not b.debug_state()["poller_alive"]
+
+
+def test_debug_state_names_what_is_pending(make):
+    b = make()
+    b.dev_subscribe(["k"], [[torch.zeros(2)]], timeout=WAIT)
+    b.dev_publish(["p"], [[rand(2)]])
+    state = b.debug_state()
+    assert list(state["waiting"].values()) == ["k"]
+    assert [k for k, _ in state["owned"].values()] == ["p"]
+    assert state["poller_alive"] and not state["closed"]
+
+
+def test_copy_timeout_validated():
+    with pytest.raises(ValueError, match="copy_timeout"):
+        DeviceObjectConfig(copy_timeout=0)

@@ -5,8 +5,12 @@ regenerated from the same seed; receivers' buffers are poisoned beforehand."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
+import sys
+import time
 import traceback
 
 import pytest
@@ -15,7 +19,8 @@ import torch
 from kvstrata import errors
 
 pytestmark = pytest.mark.gpu
-WAIT = 60.0
+WAIT = float(os.environ.get("KVSTRATA_TEST_WAIT", "30"))  # per step; a hang fails with the step's name
+PROC_TIMEOUT = 3 * WAIT
 SPECS = [
     ((1000, 37), torch.bfloat16),
     ((4097,), torch.float32),
@@ -52,40 +57,90 @@ def _client(address: str, device: int, **cfg):
     torch.cuda.set_device(device)
     c = kvstrata.connect(address)
     c.device_objects(device=device, config=DeviceObjectConfig(**cfg))
+    _CLIENTS.append(c)
     return c
 
 
+_CLIENTS: list = []  # this child's clients, for the state printed when a step times out
+
+
+def wait(f, step: str):
+    """``f.result(WAIT)``, failing with the step, this process and its clients' pending state."""
+    try:
+        return f.result(WAIT)
+    except BaseException as exc:
+        states = [c.device_objects().debug_state() for c in _CLIENTS if c._devobj is not None]
+        what = "no result" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise AssertionError(f"pid {os.getpid()} step {step!r}: {what} (within {WAIT} s); clients: {states}") from exc
+
+
 def _entry(fn, q, *args):
+    faulthandler.enable(all_threads=True)  # a crash prints every thread's stack instead of vanishing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
     try:
         q.put(("ok", fn.__name__, fn(*args)))
     except BaseException:
         q.put(("err", fn.__name__, traceback.format_exc()))
 
 
-def run_procs(targets: list[tuple], timeout: float = 180) -> list:
-    """Run ``(fn, *args)`` in spawned processes; fail on an error, a crash or a hang."""
+def _dump_stacks(procs) -> None:
+    """Have every child still running print all its threads' stacks to stderr (faulthandler)."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    if alive:
+        time.sleep(1.0)
+        sys.stderr.flush()
+
+
+def run_procs(targets: list[tuple], timeout: float = PROC_TIMEOUT, broker=None) -> list:
+    """Run ``(fn, *args)`` in spawned processes; fail on an error, a crash or a hang, saying which and where.
+
+    A child that exits without reporting is a crash (exit code / signal named); on an error or a hang the
+    children still running dump their threads' stacks and the broker's state is printed.
+    """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(t[0], q, *t[1:])) for t in targets]
+    procs = [
+        ctx.Process(target=_entry, args=(t[0], q, *t[1:]), name=f"{t[0].__name__}#{i}") for i, t in enumerate(targets)
+    ]
     for p in procs:
         p.start()
-    results = []
+    results, reported, failure = [], 0, None
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
+        while reported < len(procs) and failure is None:
             try:
-                status, name, value = q.get(timeout=timeout)
+                status, name, value = q.get(timeout=0.5)
             except queue.Empty:
-                pytest.fail(f"hang: no result within {timeout} s")
-            assert status == "ok", f"{name} failed:\n{value}"
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    failure = "crashed: " + ", ".join(f"{p.name} (pid {p.pid}) exit code {p.exitcode}" for p in dead)
+                elif time.monotonic() > deadline:
+                    failure = f"hang: {len(procs) - reported} of {len(procs)} children silent after {timeout} s"
+                continue
+            reported += 1
+            if status != "ok":
+                failure = f"{name} failed:\n{value}"
             results.append(value)
+        if failure is not None:
+            _dump_stacks(procs)
+            state = broker.snapshot() if broker is not None else None
+            pytest.fail(f"{failure}\nbroker: {state}\n(children's stacks, if any, are in the captured stderr)")
     finally:
         for p in procs:
-            p.join(10)
+            p.join(10 if failure is None else 1)
             if p.is_alive():
                 p.kill()
     return results
+
+
+def broker_of(worker):
+    from kvstrata.devobj.service import broker_of as of
+
+    return of(worker)
 
 
 @pytest.fixture
@@ -106,14 +161,14 @@ def publisher(address: str, device: int) -> str:
     torch.cuda._sleep(200_000_000)
     late.fill_(3.5)
     fa, fb, fl = c.dev_publish(["a", "b", "late"], [make(1, device), make(2, device), [late]])
-    fa.result(WAIT)
-    fb.result(WAIT)
-    fl.result(WAIT)
+    wait(fa, "publisher: publish 'a' received by the subscriber")
+    wait(fb, "publisher: publish 'b' received")
+    wait(fl, "publisher: publish 'late' received")
     assert c.dev_mset(["w"], [make(3, device)]) == [None]
     ready = poisoned(device)
-    c.dev_subscribe(["reader-done"], [ready[:1]], timeout=WAIT)[0].result(WAIT)
+    wait(c.dev_subscribe(["reader-done"], [ready[:1]], timeout=WAIT)[0], "publisher: subscribe 'reader-done'")
     assert c.dev_delete(["w"]) == [None]
-    c.dev_publish(["w-deleted"], [ready[:1]])[0].result(WAIT)
+    wait(c.dev_publish(["w-deleted"], [ready[:1]])[0], "publisher: publish 'w-deleted'")
     c.close()
     return "published"
 
@@ -122,17 +177,17 @@ def subscriber(address: str, device: int, peer_device: int) -> str:
     c = _client(address, device)
     dst_a = poisoned(device)
     (fa,) = c.dev_subscribe(["a"], [dst_a], timeout=WAIT)  # usually before the publish
-    fa.result(WAIT)
+    wait(fa, "subscriber: subscribe 'a' (first cross-process import)")
     assert same(dst_a, make(1, "cpu")), "a differs"
     dst_b = poisoned(device)
-    c.dev_subscribe(["b"], [dst_b], timeout=WAIT)[0].result(WAIT)
+    wait(c.dev_subscribe(["b"], [dst_b], timeout=WAIT)[0], "subscriber: subscribe 'b'")
     assert same(dst_b, make(2, "cpu")), "b differs"
     late = torch.zeros(1 << 20, dtype=torch.float32, device=device)
-    c.dev_subscribe(["late"], [[late]], timeout=WAIT)[0].result(WAIT)
+    wait(c.dev_subscribe(["late"], [[late]], timeout=WAIT)[0], "subscriber: subscribe 'late'")
     assert bool((late == 3.5).all()), "read before the publisher's queued work finished"
     for _ in range(3):  # any number of times
         dst_w = poisoned(device)
-        c.dev_mget(["w"], [dst_w], timeout=WAIT)[0].result(WAIT)
+        wait(c.dev_mget(["w"], [dst_w], timeout=WAIT)[0], "subscriber: mget 'w'")
         assert same(dst_w, make(3, "cpu")), "w differs"
     bad = poisoned(device)
     bad[0] = torch.full((1000, 38), 7, dtype=torch.bfloat16, device=device)
@@ -140,8 +195,8 @@ def subscriber(address: str, device: int, peer_device: int) -> str:
         c.dev_mget(["w"], [bad], timeout=WAIT)[0].result(WAIT)
     assert bool((bad[1] == 7).all()), "a mismatched read wrote data"
     (done,) = c.dev_publish(["reader-done"], [poisoned(device)[:1]])
-    done.result(WAIT)
-    c.dev_subscribe(["w-deleted"], [poisoned(device)[:1]], timeout=WAIT)[0].result(WAIT)
+    wait(done, "subscriber: publish 'reader-done' received by the publisher")
+    wait(c.dev_subscribe(["w-deleted"], [poisoned(device)[:1]], timeout=WAIT)[0], "subscriber: subscribe 'w-deleted'")
     with pytest.raises(errors.Timeout):  # deleted by its owner
         c.dev_mget(["w"], [poisoned(device)], timeout=2)[0].result(WAIT)
     c.close()
@@ -151,7 +206,7 @@ def subscriber(address: str, device: int, peer_device: int) -> str:
 def broadcaster(address: str, device: int, receivers: int, nbytes: int) -> str:
     c = _client(address, device, chunk_bytes=64 << 10)
     src = make(11, device, [((nbytes,), torch.uint8), ((333, 17), torch.float32)])
-    c.dev_broadcast("weights", src, receivers=receivers).result(WAIT)
+    wait(c.dev_broadcast("weights", src, receivers=receivers), f"broadcaster: broadcast to {receivers} receivers")
     assert same(src, make(11, "cpu", [((nbytes,), torch.uint8), ((333, 17), torch.float32)]))
     c.close()
     return "sent"
@@ -161,7 +216,7 @@ def receiver(address: str, device: int, nbytes: int, mode: str = "memcpy") -> st
     c = _client(address, device, same_gpu_copy=mode)
     specs = [((nbytes,), torch.uint8), ((333, 17), torch.float32)]
     dst = poisoned(device, specs)
-    c.dev_subscribe(["weights"], [dst], timeout=WAIT)[0].result(WAIT)
+    wait(c.dev_subscribe(["weights"], [dst], timeout=WAIT)[0], f"receiver on GPU{device}: subscribe 'weights'")
     assert same(dst, make(11, "cpu", specs)), "broadcast copy differs"
     c.close()
     return "received"
@@ -171,8 +226,8 @@ def nccl_owner(address: str, device: int) -> str:
     c = _client(address, device, transport="nccl")
     (f,) = c.dev_publish(["n1"], [make(21, device)])
     assert c.dev_mset(["n2"], [make(22, device)]) == [None]
-    f.result(WAIT)
-    c.dev_subscribe(["nccl-done"], [poisoned(device)[:1]], timeout=WAIT)[0].result(WAIT)
+    wait(f, "nccl owner: publish 'n1' received")
+    wait(c.dev_subscribe(["nccl-done"], [poisoned(device)[:1]], timeout=WAIT)[0], "nccl owner: subscribe 'nccl-done'")
     c.close()
     return "nccl sent"
 
@@ -180,11 +235,11 @@ def nccl_owner(address: str, device: int) -> str:
 def nccl_reader(address: str, device: int) -> str:
     c = _client(address, device)
     d1, d2, d3 = poisoned(device), poisoned(device), poisoned(device)
-    c.dev_subscribe(["n1"], [d1], timeout=WAIT)[0].result(WAIT)
-    c.dev_mget(["n2"], [d2], timeout=WAIT)[0].result(WAIT)
-    c.dev_mget(["n2"], [d3], timeout=WAIT)[0].result(WAIT)
+    wait(c.dev_subscribe(["n1"], [d1], timeout=WAIT)[0], "nccl reader: subscribe 'n1'")
+    wait(c.dev_mget(["n2"], [d2], timeout=WAIT)[0], "nccl reader: mget 'n2' (1st)")
+    wait(c.dev_mget(["n2"], [d3], timeout=WAIT)[0], "nccl reader: mget 'n2' (2nd)")
     assert same(d1, make(21, "cpu")) and same(d2, make(22, "cpu")) and same(d3, make(22, "cpu"))
-    c.dev_publish(["nccl-done"], [poisoned(device)[:1]])[0].result(WAIT)
+    wait(c.dev_publish(["nccl-done"], [poisoned(device)[:1]])[0], "nccl reader: publish 'nccl-done'")
     c.close()
     return "nccl received"
 
@@ -208,7 +263,7 @@ def pair_both_ways(address: str, device: int, me: str, other: str, n: int) -> st
             futs += c.dev_publish([f"{me}{i}"], [make(100 + i, device)])
             futs += c.dev_subscribe([f"{other}{i}"], [dsts[i]], timeout=WAIT)
     for f in futs:
-        f.result(WAIT)
+        wait(f, f"pair {me}: future {futs.index(f)} of {len(futs)}")
     for i in range(n):
         assert same(dsts[i], make(100 + i, "cpu")), f"{other}{i} differs"
     c.close()
@@ -218,18 +273,21 @@ def pair_both_ways(address: str, device: int, me: str, other: str, n: int) -> st
 # -- tests ------------------------------------------------------------------------------------------
 @pytest.mark.multigpu
 def test_two_gpus_publish_subscribe_mset_mget(worker):
-    run_procs([(publisher, worker.address, 0), (subscriber, worker.address, 1, 0)])
+    run_procs([(publisher, worker.address, 0), (subscriber, worker.address, 1, 0)], broker=broker_of(worker))
     assert worker.devobj_broker.snapshot()["objects"] == {}
 
 
 def test_one_gpu_two_processes(worker):
-    run_procs([(publisher, worker.address, 0), (subscriber, worker.address, 0, 0)])
+    run_procs([(publisher, worker.address, 0), (subscriber, worker.address, 0, 0)], broker=broker_of(worker))
     assert worker.devobj_broker.snapshot()["objects"] == {}
 
 
 @pytest.mark.multigpu
 def test_many_pairs_both_directions_no_deadlock(worker):
-    run_procs([(pair_both_ways, worker.address, 0, "x", "y", 24), (pair_both_ways, worker.address, 1, "y", "x", 24)])
+    run_procs(
+        [(pair_both_ways, worker.address, 0, "x", "y", 24), (pair_both_ways, worker.address, 1, "y", "x", 24)],
+        broker=broker_of(worker),
+    )
 
 
 @pytest.mark.multigpu
@@ -239,14 +297,14 @@ def test_many_pairs_both_directions_no_deadlock(worker):
 def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode):
     a = worker.address
     receivers = [(receiver, a, d, nbytes, mode) for d in (1, 0, 1)]
-    run_procs([*receivers, (broadcaster, a, 0, 3, nbytes)])
+    run_procs([*receivers, (broadcaster, a, 0, 3, nbytes)], broker=broker_of(worker))
     assert worker.devobj_broker.snapshot()["objects"] == {}
 
 
 @pytest.mark.multigpu
 def test_nccl_path_between_two_processes(worker):
     pytest.importorskip("cupy")
-    run_procs([(nccl_owner, worker.address, 0), (nccl_reader, worker.address, 1)])
+    run_procs([(nccl_owner, worker.address, 0), (nccl_reader, worker.address, 1)], broker=broker_of(worker))
 
 
 def test_owner_death_makes_keys_vanish(worker):
@@ -282,8 +340,8 @@ def test_same_process_clients_and_bad_input():
         dst = poisoned(0)
         (sf,) = b.dev_subscribe(["k"], [dst], timeout=WAIT)
         (pf,) = a.dev_publish(["k"], [make(9, 0)])
-        sf.result(WAIT)
-        pf.result(WAIT)
+        wait(sf, "same process: subscribe 'k'")
+        wait(pf, "same process: publish 'k'")
         assert same(dst, make(9, "cpu"))
     finally:
         a.close()

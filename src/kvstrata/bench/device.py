@@ -32,7 +32,7 @@ from kvstrata.bench._common import gbps, print_table, write_result
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB, 64 * MiB, 1 * GiB]
-WAIT = 300.0
+WAIT = float(os.environ.get("KVSTRATA_BENCH_WAIT", "300"))  # per step; --wait sets it for the children too
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broadcast-gib", type=float, default=None, help="broadcast size (default 8, quick 2)")
     parser.add_argument("--chunk-mib", type=int, default=64, help="broadcast pipeline chunk (MiB)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size (default 10, quick 4)")
+    parser.add_argument("--wait", type=float, default=None, help="seconds any one step may take before failing (300)")
 
 
 CALL_BYTES = 2 * GiB  # bytes per timed call: per-call control costs are paid once per 2 GiB at most
@@ -74,34 +75,89 @@ def _client(address: str, device: int, **cfg: Any):
     torch.cuda.set_device(device)
     c = kvstrata.connect(address)
     c.device_objects(device=device, config=DeviceObjectConfig(**cfg))
+    _CLIENTS.append(c)
     return c
 
 
+_CLIENTS: list = []  # this process's clients, for the state printed when a step times out
+
+
+def _wait(f, step: str):
+    """``f.result(WAIT)`` failing with the step, the process and its clients' pending state."""
+    try:
+        return f.result(WAIT)
+    except BaseException as exc:
+        states = [c.device_objects().debug_state() for c in _CLIENTS if c._devobj is not None]
+        what = "no result" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise RuntimeError(f"pid {os.getpid()} step {step!r}: {what} (within {WAIT:g} s); clients: {states}") from exc
+
+
+def _get(q, step: str):
+    """A control-queue get with the step named on a timeout."""
+    import queue
+
+    try:
+        return q.get(timeout=WAIT)
+    except queue.Empty:
+        raise RuntimeError(f"pid {os.getpid()} step {step!r}: the other side sent nothing within {WAIT:g} s") from None
+
+
 def _entry(fn, q, *args) -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.enable(all_threads=True)  # a crash prints every thread's stack instead of vanishing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
     try:
         q.put(("ok", fn.__name__, fn(*args)))
     except BaseException:
         q.put(("err", fn.__name__, traceback.format_exc()))
 
 
-def _spawn(targets: list[tuple], timeout: float = 600) -> dict[str, Any]:
+def _spawn(targets: list[tuple], timeout: float | None = None) -> dict[str, Any]:
+    """Run ``(fn, *args)`` in spawned processes; a crash, an error or a hang raises, naming who and where.
+
+    On a failure the children still running print all their threads' stacks to stderr (SIGUSR1).
+    """
+    import queue
+    import signal
+
     import torch.multiprocessing as mp
 
+    timeout = 2 * WAIT if timeout is None else timeout
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(t[0], q, *t[1:])) for t in targets]
+    procs = [ctx.Process(target=_entry, args=(t[0], q, *t[1:]), name=t[0].__name__) for t in targets]
     for p in procs:
         p.start()
     out: dict[str, Any] = {}
+    failure, reported = None, 0
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            status, name, value = q.get(timeout=timeout)
+        while reported < len(procs) and failure is None:
+            try:
+                status, name, value = q.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    failure = "crashed: " + ", ".join(f"{p.name} (pid {p.pid}) exit code {p.exitcode}" for p in dead)
+                elif time.monotonic() > deadline:
+                    failure = f"hang: {len(procs) - reported} of {len(procs)} processes silent after {timeout:g} s"
+                continue
+            reported += 1
             if status != "ok":
-                raise RuntimeError(f"{name} failed:\n{value}")
+                failure = f"{name} failed:\n{value}"
             out.setdefault(name, []).append(value)
+        if failure is not None:
+            alive = [p for p in procs if p.is_alive()]
+            for p in alive:
+                os.kill(p.pid, signal.SIGUSR1)
+            if alive:
+                time.sleep(1.0)
+            raise RuntimeError(failure + "\n(stacks of the processes still running are above, on stderr)")
     finally:
         for p in procs:
-            p.join(30)
+            p.join(30 if failure is None else 1)
             if p.is_alive():
                 p.kill()
     return out
@@ -214,14 +270,15 @@ def kv_owner(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters
     src = _pattern(4 * KiB, 0)
     t_pub = []
     for _ in range(lat_iters):  # subscriber first: time from the publish call
-        i = ctl["req"].get(timeout=WAIT)
+        i = _get(ctl["req"], "owner: latency request (subscriber first)")
         t_pub.append(time.perf_counter())
         c.dev_publish([f"lat/{i}"], [[src]])
     for _ in range(lat_iters):  # publisher first
-        i = ctl["req"].get(timeout=WAIT)
+        i = _get(ctl["req"], "owner: latency request (publisher first)")
         c.dev_publish([f"latp/{i}"], [[src]])
         ctl["pub"].put(i)
-    ctl["done"].wait(WAIT)
+    if not ctl["done"].wait(WAIT):
+        raise RuntimeError(f"owner: the reader did not finish within {WAIT:g} s")
     torch.cuda.synchronize()
     c.close()
     return {"t_pub": t_pub}
@@ -231,7 +288,8 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
     import torch
 
     c = _client(address, 1)
-    ctl["ready"].wait(WAIT)
+    if not ctl["ready"].wait(WAIT):
+        raise RuntimeError(f"reader: the owner did not register its keys within {WAIT:g} s")
     out: dict[str, Any] = {"mget": {}, "subscribe": {}}
     for size in sizes:
         k = keys_per_call(size, quick)
@@ -247,7 +305,7 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
                 t0 = time.perf_counter()
                 futs = getattr(c, f"dev_{op}")(keys, views, timeout=WAIT)
                 for f in futs:
-                    f.result(WAIT)
+                    _wait(f, f"reader: dev_{op} of {k} x {fmt_size(size)} keys, round {i}")
                 times.append(time.perf_counter() - t0)
                 if i == 0 and not torch.equal(dst, expected):
                     raise AssertionError(f"dev_{op} of {size} B keys delivered wrong bytes")
@@ -259,15 +317,15 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
     for i in range(lat_iters):
         (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=WAIT)
         ctl["req"].put(i)
-        f.result(WAIT)
+        _wait(f, f"reader: latency subscribe lat/{i} (subscriber first)")
         t_done.append(time.perf_counter())
     pub_first = []
     for i in range(lat_iters):
         ctl["req"].put(i)
-        ctl["pub"].get(timeout=WAIT)
+        _get(ctl["pub"], "reader: owner's publish (publisher first)")
         time.sleep(0.002)  # let the publish land in the broker
         t0 = time.perf_counter()
-        c.dev_subscribe([f"latp/{i}"], [[d]], timeout=WAIT)[0].result(WAIT)
+        _wait(c.dev_subscribe([f"latp/{i}"], [[d]], timeout=WAIT)[0], f"reader: latency subscribe latp/{i}")
         pub_first.append(time.perf_counter() - t0)
     if not torch.equal(d, _pattern(4 * KiB, 1)):
         raise AssertionError("4 KiB hand-off delivered wrong bytes")
@@ -292,10 +350,10 @@ def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) 
     for mode in BCAST_MODES:
         for i in range(rounds):
             for _ in range(3):
-                ctl["ready"].get(timeout=WAIT)
+                _get(ctl["ready"], f"broadcaster: receivers' subscribes ({mode}, round {i})")
             time.sleep(0.005)  # the receivers' subscribes are registered before they said so
             t0 = time.perf_counter()
-            c.dev_broadcast(f"b-{mode}-{i}", [src], receivers=3).result(WAIT)
+            _wait(c.dev_broadcast(f"b-{mode}-{i}", [src], receivers=3), f"broadcaster: broadcast ({mode}, round {i})")
             times.setdefault(mode, []).append(time.perf_counter() - t0)
     c.close()
     return times
@@ -313,7 +371,7 @@ def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dic
             torch.cuda.synchronize()
             (f,) = c.dev_subscribe([f"b-{mode}-{i}"], [[dst]], timeout=WAIT)
             ctl["ready"].put(device)
-            f.result(WAIT)
+            _wait(f, f"receiver on GPU{device}: broadcast ({mode}, round {i})")
             if i == 0 and not torch.equal(dst, _pattern(nbytes, device)):
                 raise AssertionError(f"broadcast ({mode} hops) receiver on GPU{device} got wrong bytes")
         c.close()
@@ -328,6 +386,10 @@ def _free_port() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    global WAIT
+    if getattr(args, "wait", None):
+        WAIT = float(args.wait)
+        os.environ["KVSTRATA_BENCH_WAIT"] = str(WAIT)  # the spawned processes read it at import
     if args.smoke:
         return smoke(args)
     import torch
@@ -347,11 +409,12 @@ def run(args: argparse.Namespace) -> int:
     bcast_rounds = 2 if quick else 3
     t_start = time.perf_counter()
 
-    print(f"[1/4] peer copy GPU0 -> GPU1 (ceiling); can_access_peer={torch.cuda.can_device_access_peer(0, 1)}")
+    peer = torch.cuda.can_device_access_peer(0, 1)
+    print(f"[1/4] peer copy GPU0 -> GPU1 (ceiling); can_access_peer={peer}", flush=True)
     ceiling = peer_copy(sizes, quick, rounds)
     single = _single_copy(bcast_bytes)
 
-    print("[2/4] NCCL send/recv between two processes")
+    print("[2/4] NCCL send/recv between two processes", flush=True)
     port = _free_port()
     nccl = _spawn([(nccl_rank, r, port, sizes, quick, rounds) for r in range(2)])["nccl_rank"]
     nccl = next(x for x in nccl if x)
@@ -359,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         worker = Worker(WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="")).start()
         try:
-            print("[3/4] kvstrata dev_mget / dev_subscribe GPU0 -> GPU1, 4 KiB latency")
+            print("[3/4] kvstrata dev_mget / dev_subscribe GPU0 -> GPU1, 4 KiB latency", flush=True)
             ctx = _ctx()
             ctl = {"ready": ctx.Event(), "done": ctx.Event(), "req": ctx.Queue(), "pub": ctx.Queue()}
             kv = _spawn(
@@ -369,12 +432,16 @@ def run(args: argparse.Namespace) -> int:
                 ]
             )
             reader, owner = kv["kv_reader"][0], kv["kv_owner"][0]
-            print(f"[4/4] broadcast {fmt_size(bcast_bytes)} GPU0 -> 3 receivers (GPU1, GPU0, GPU1)")
+            print(f"[4/4] broadcast {fmt_size(bcast_bytes)} GPU0 -> 3 receivers (GPU1, GPU0, GPU1)", flush=True)
             ctl = {"ready": ctx.Queue()}
             bc = _spawn(
                 [(bcast_sender, worker.address, bcast_bytes, chunk, bcast_rounds, ctl)]
                 + [(bcast_receiver, worker.address, d, bcast_bytes, bcast_rounds, ctl) for d in (1, 0, 1)]
             )
+        except BaseException:
+            snap = getattr(worker, "devobj_broker", None)
+            print(f"broker state at the failure: {snap.snapshot() if snap is not None else None}", flush=True)
+            raise
         finally:
             worker.stop()
     bcast_times = {m: statistics.median(ts[1:]) for m, ts in bc["bcast_sender"][0].items()}

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvstrata import errors
+from kvstrata.devobj.debug import configure_from_env, wait_event
 from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet, export_tensor, flat_bytes, spec
 from kvstrata.devobj.link import (
     BrokerLink,
@@ -60,6 +61,22 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, *, kernel: bool) -> None:
         torch.mul(src.view(torch.int64), 1, out=dst.view(torch.int64))
     else:
         dst.copy_(src, non_blocking=True)
+
+
+def _brief(d: dict[str, Any]) -> dict[str, Any]:
+    """An event or result without its bulky parts (records, exported handles), for debug logs."""
+    out = {k: v for k, v in d.items() if k not in ("transfer", "pred", "uid")}
+    t = d.get("transfer")
+    if t:
+        out["transfer"] = {k: t.get(k) for k in ("tid", "kind", "path", "src", "dst", "position")}
+    return out
+
+
+def _what(queued: list[tuple[dict[str, Any], Any]]) -> str:
+    keys = ", ".join(repr(t["key"]) for t, _ in queued[:4]) + (
+        f" and {len(queued) - 4} more" if len(queued) > 4 else ""
+    )
+    return f"copy of {keys} from {queued[0][0]['record']['owner']}"
 
 
 def _settle(f: Future, exc: BaseException | None = None) -> None:
@@ -117,9 +134,11 @@ class DeviceObjects:
         device: torch.device | int | str | None = None,
         config: DeviceObjectConfig | None = None,
     ) -> None:
+        configure_from_env()
         self.config = config or DeviceObjectConfig()
         self.link = link
         self.device = self._pick_device(device)
+        self._cuda = self.device.type == "cuda"
         self._lock = threading.RLock()
         self._closed = False
         self._wants: dict[int, _Want] = {}  # by wid, until matched
@@ -128,8 +147,11 @@ class DeviceObjects:
         self._early: dict[tuple[str, int], list[dict[str, Any]]] = {}
         self._cancelled: set[int] = set()  # wids withdrawn by their caller
         self._read: dict[int, tuple[str, list[dict[str, Any]], str]] = {}  # obj -> (owner, handles, key) read
-        self._pool = ThreadPoolExecutor(self.config.copy_threads, thread_name_prefix="kvstrata-devobj")
-        self._cuda = self.device.type == "cuda"
+        # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
+        # so streams, events and torch's per-device current streams in them are the client's.
+        self._pool = ThreadPoolExecutor(
+            self.config.copy_threads, thread_name_prefix="kvstrata-devobj", initializer=self._thread_init
+        )
         self._events = EventPool() if self._cuda else None
         self._imports = ImportCache() if self._cuda else None
         self._streams = StreamSet() if self._cuda else None
@@ -140,7 +162,8 @@ class DeviceObjects:
 
             info["visible"] = [device_uuid(i) for i in range(torch.cuda.device_count())]
         self.link.call("hello", {"info": info})
-        self._poller = threading.Thread(target=self._poll, name="kvstrata-devobj-poll", daemon=True)
+        log.debug("devobj: client %s on %s started (pid %d)", getattr(link, "client_id", "?"), self.device, os.getpid())
+        self._poller = threading.Thread(target=self._poll_main, name="kvstrata-devobj-poll", daemon=True)
         self._poller.start()
 
     # -- public API -------------------------------------------------------------------------------
@@ -248,6 +271,25 @@ class DeviceObjects:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def debug_state(self) -> dict[str, Any]:
+        """What this client is waiting for, for failure messages: receives, transfers, owned keys, threads."""
+        with self._lock:
+            return {
+                "client": getattr(self.link, "client_id", "?"),
+                "device": str(self.device),
+                "closed": self._closed,
+                "poller_alive": self._poller.is_alive(),
+                "waiting": {w: want.key for w, want in self._wants.items()},
+                "in_flight": {t: want.key for t, want in self._inflight.items()},
+                "owned": {o: (x.key, x.mode) for o, x in self._owned.items()},
+                "early": {f"{k[0]}:{k[1]}": [e.get("type") for e in v] for k, v in self._early.items()},
+                "copy_queue": self._pool._work_queue.qsize(),
+            }
+
+    def _thread_init(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+
     # -- validation -------------------------------------------------------------------------------
     def _pick_device(self, device: torch.device | int | str | None) -> torch.device:
         if device is None:
@@ -328,6 +370,8 @@ class DeviceObjects:
             for _, owned in exported:
                 self._free(owned)
             raise
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("devobj: %s %s -> %s", op, keys[:8], results[:8])
         futures = []
         for (_, owned), r in zip(exported, results):
             if not r.get("ok"):
@@ -370,6 +414,8 @@ class DeviceObjects:
             after.record(torch.cuda.current_stream(self.device))
         specs = [[spec(t) for t in ts] for ts in lists]
         results = self._call(op, {"keys": keys, "specs": specs, "timeout": timeout})["results"]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("devobj: %s %s -> %s", op, keys[:8], [_brief(r) for r in results[:8]])
         futures, batch = [], []
         for key, ts, r in zip(keys, lists, results):
             want = _Want(key, ts, Future(), after)
@@ -393,7 +439,7 @@ class DeviceObjects:
             else:
                 _settle(want.future, error_from(r.get("error"), r.get("message", "")))
         if batch:
-            self._pool.submit(self._copy_batch, batch)
+            self._run_in_pool(self._copy_batch, batch)
         return futures
 
     def _on_cancel(self, f: Future, wid: int) -> None:
@@ -447,9 +493,19 @@ class DeviceObjects:
             except BaseException as exc:  # report, never leave the broker or the caller waiting
                 self._fail_transfer(t, want, exc)
 
-        self._pool.submit(run)
+        self._run_in_pool(run)
+
+    def _run_in_pool(self, fn, *args: Any) -> None:
+        """Run ``fn`` on the copy pool; an error that escapes it is logged, never lost silently."""
+
+        def report(f) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.error("devobj: copy job %s failed", getattr(fn, "__name__", fn), exc_info=f.exception())
+
+        self._pool.submit(fn, *args).add_done_callback(report)
 
     def _fail_transfer(self, t: dict[str, Any], want: _Want, exc: BaseException) -> None:
+        log.warning("devobj: receive of %r (transfer %s) failed: %s: %s", t["key"], t["tid"], type(exc).__name__, exc)
         with self._lock:
             self._inflight.pop(t["tid"], None)
         try:
@@ -476,6 +532,7 @@ class DeviceObjects:
         from kvstrata.devobj.ipc import pull
 
         rec = t["record"]
+        log.debug("devobj: importing %r from %s (transfer %s, %s)", rec["key"], rec["owner"], t["tid"], t["path"])
         src, events = self._sources(rec, rec["owner"], reuse=t["kind"] == "get")
         if t["kind"] == "get":
             with self._lock:
@@ -491,7 +548,8 @@ class DeviceObjects:
     def _copy(self, t: dict[str, Any], want: _Want) -> None:
         done = self._enqueue_copy(t, want)
         if done is not None:
-            done.synchronize()
+            wait_event(done, self.config.copy_timeout, f"copy of {t['key']!r} (transfer {t['tid']})")
+        log.debug("devobj: copied %r (transfer %s)", t["key"], t["tid"])
         self._complete(t, want)
 
     def _copy_batch(self, items: list[tuple[dict[str, Any], _Want]]) -> None:
@@ -507,8 +565,9 @@ class DeviceObjects:
         if not queued:
             return
         try:
-            if last is not None:
-                last.synchronize()  # one stream: the last copy's end covers all
+            if last is not None:  # one stream: the last copy's end covers all
+                wait_event(last, self.config.copy_timeout, _what(queued))
+            log.debug("devobj: copied %d keys (%r, ...)", len(queued), queued[0][0]["key"])
             done = self._call("complete_many", {"items": [{"tid": t["tid"], "ok": True} for t, _ in queued]})
         except BaseException as exc:  # never leave a caller's future hanging
             for t, want in queued:
@@ -519,6 +578,7 @@ class DeviceObjects:
 
     def _complete(self, t: dict[str, Any], want: _Want) -> None:
         r = self._call("complete", {"tid": t["tid"], "ok": True})
+        log.debug("devobj: complete %r (transfer %s) -> %s", t["key"], t["tid"], r)
         if t["kind"] == "bcast":
             return  # settled by transfer_done, once every receiver has it
         self._settle_completed(t, want, r)
@@ -588,7 +648,7 @@ class DeviceObjects:
             }
             self._call("chain_ready", {"tid": t["tid"], "export": export})
         if self._cuda:
-            done.synchronize()
+            wait_event(done, self.config.copy_timeout, f"broadcast step of {rec['key']!r} (position {t['position']})")
         self._complete(t, want)
 
     def _bcast_done(self, want: _Want, exc: BaseException | None) -> None:
@@ -650,6 +710,15 @@ class DeviceObjects:
     def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         return self.link.call(op, args, timeout)
 
+    def _poll_main(self) -> None:
+        """The event thread: whatever ends it unexpectedly fails every pending future (and is logged)."""
+        try:
+            self._thread_init()
+            self._poll()
+        except BaseException as exc:
+            log.exception("devobj: the event thread of %s died", getattr(self.link, "client_id", "?"))
+            self._fail_all(errors.ServerError(f"device-object event thread died: {type(exc).__name__}: {exc}"))
+
     def _poll(self) -> None:
         while not self._closed:
             try:
@@ -663,6 +732,8 @@ class DeviceObjects:
                 self._fail_all(errors.ClosedError("the broker forgot this client"))
                 return
             for ev in r["events"]:
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("devobj: event %s", _brief(ev))
                 try:
                     self._dispatch(ev)
                 except Exception:  # one bad event must not stop the others

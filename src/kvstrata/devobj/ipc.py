@@ -195,7 +195,8 @@ class ImportCache:
         device = local_index(record["device"]["uuid"])
         out = []
         for blob, sp in zip(record["handles"], record["tensors"]):
-            t = import_tensor(blob, dtype_of(sp["dtype"]), device)
+            with torch.cuda.device(device):  # the source GPU current while its memory is mapped here
+                t = import_tensor(blob, dtype_of(sp["dtype"]), device)
             with self._lock:
                 # Holding one view per allocation keeps torch's shared_cache entry (and the mapping) open.
                 k = (peer, blob["handle"], blob["storage_offset"])

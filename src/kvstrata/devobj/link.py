@@ -52,6 +52,9 @@ class DeviceObjectConfig:
     # Broadcast hops within one GPU: "memcpy" (copy engine) or "kernel" (SMs), which can overlap with
     # another process's copy-engine work on that GPU where copy engines are time-sliced between contexts.
     same_gpu_copy: str = "memcpy"
+    # Longest wait for a matched copy's GPU work; past it the receive fails (Timeout) and the object
+    # goes back to the broker, instead of the receiver's thread hanging on a ready event that never fires.
+    copy_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "nccl"):
@@ -64,6 +67,8 @@ class DeviceObjectConfig:
             raise ValueError(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
         if self.poll_seconds <= 0:
             raise ValueError(f"poll_seconds: must be > 0, got {self.poll_seconds}")
+        if self.copy_timeout <= 0:
+            raise ValueError(f"copy_timeout: must be > 0 seconds, got {self.copy_timeout}")
 
 
 def error_from(code: str | None, message: str) -> Exception:

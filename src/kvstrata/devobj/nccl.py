@@ -69,15 +69,20 @@ class Channel:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        torch.cuda.set_device(self.device)  # a new thread starts on GPU 0
         while True:
             with self._cond:
                 while not self._closed and not (self._heap and self._heap[0][0] <= self._next):
                     self._cond.wait()
                 if self._closed:
                     return
-                _, _, op, _ = heapq.heappop(self._heap)
+                _, _, op, fail = heapq.heappop(self._heap)
                 self._next += 1
-            op()
+            try:
+                op()
+            except Exception as exc:  # the op reports its own failures; this keeps the channel alive
+                log.exception("NCCL channel op failed")
+                fail(f"NCCL op failed: {type(exc).__name__}: {exc}")
 
     def _ensure(self):
         if self._comm is None:

@@ -12,6 +12,7 @@ started on first use (embedded clients share one in-process broker).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # the worker imports this module; torch loads only when a cli
     from kvstrata.devobj.api import DeviceObjects
     from kvstrata.devobj.link import DeviceObjectConfig
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()  # brokers of this process (never held while calling out)
 _client_lock = threading.Lock()  # starting a client's DeviceObjects (may call into an in-process worker)
 _embedded: DeviceBroker | None = None
@@ -52,7 +54,10 @@ def handle(session: Any, msg: dict) -> dict:
     args = msg.get("a") or {}
     if not isinstance(args, dict):
         raise TypeError("a: the operation's arguments must be a map")
-    return {"r": broker_of(session.worker).handle(cid, op, args, msg.get("t"))}
+    r = broker_of(session.worker).handle(cid, op, args, msg.get("t"))
+    if op != "wait_events" and log.isEnabledFor(logging.DEBUG):
+        log.debug("broker: %s %s -> %.300r", cid, op, r)
+    return {"r": r}
 
 
 def session_closed(session: Any) -> None:
