@@ -201,7 +201,7 @@ class IpcEvent:
         self._lib = _cudart()
         ptr = ctypes.c_void_p()
         with torch.cuda.device(device):  # the handle opens in the current device's context
-            rc = self._lib.cudaIpcOpenEventHandle(ctypes.byref(ptr), _IpcEventHandle(handle))
+            rc = self._lib.cudaIpcOpenEventHandle(ctypes.byref(ptr), _IpcEventHandle.from_buffer_copy(handle))
         if rc != 0:
             raise KvstrataError(f"cudaIpcOpenEventHandle failed with cudaError {rc} (device {device})")
         self._ptr = ptr.value
