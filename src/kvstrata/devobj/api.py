@@ -327,12 +327,20 @@ class DeviceObjects:
 
     # -- writers ----------------------------------------------------------------------------------
     def _ready_event(self) -> tuple[_SharedEvent | None, list[bytes]]:
-        """One interprocess event per call, recorded on the caller's stream: the data is ready after it."""
+        """One event per call, recorded on the caller's stream and waited for on the host here, so an
+        object is registered only once its bytes are complete.
+
+        Why the host waits instead of handing readers an interprocess event: on the 2xH200 machine
+        (torch 2.11, driver 580, 2026-11-29) a reader's ``cudaStreamWaitEvent`` on an opened IPC
+        event crashed the reader (SIGSEGV), through torch's ``Event.from_ipc_handle`` and through
+        ``cudaIpcOpenEventHandle`` alike. Records therefore carry no events (``events: []``).
+        """
         if not self._cuda:
             return None, []
         ev = self._events.get(self.device.index)
         ev.record(torch.cuda.current_stream(self.device))
-        return _SharedEvent(ev), [bytes(ev.ipc_handle())]
+        wait_event(ev, self.config.copy_timeout, "publish: the caller's stream reaching the publish point")
+        return _SharedEvent(ev), []
 
     def _export(self, key: str, tensors: list[torch.Tensor], mode: str, ready: tuple) -> tuple[dict[str, Any], _Owned]:
         shared, ev_handles = ready
@@ -523,9 +531,8 @@ class DeviceObjects:
             return local[0], local[1]
         if not self._cuda:
             raise ValueError("tensor_lists: CPU tensors can only move between clients of one process")
-        tensors = self._imports.tensors(peer, src, reuse=reuse)
-        events = [self._imports.event(h, src["device"]["uuid"]) for h in src["events"]]
-        return tensors, events
+        # Exports are complete when registered (see _ready_event): nothing to wait for on the device.
+        return self._imports.tensors(peer, src, reuse=reuse), []
 
     def _enqueue_copy(self, t: dict[str, Any], want: _Want) -> Any:
         """Queue the copy of one matched key on this client's transfer stream; return its end event."""
@@ -632,6 +639,10 @@ class DeviceObjects:
             for j, off, n in plan:
                 flat_bytes(want.tensors[j])[off : off + n].copy_(flat_bytes(src[j])[off : off + n])
         want.chunk_events = mine
+        if self._cuda and not last:
+            # The next receiver pulls from us only once our copy is whole (no interprocess events:
+            # see _ready_event), so the chain moves hop by hop instead of chunk by chunk.
+            wait_event(done, self.config.copy_timeout, f"broadcast step of {rec['key']!r} (position {t['position']})")
         if not last:
             token = uuid.uuid4().hex
             _LOCAL[token] = (want.tensors, mine)
@@ -644,7 +655,7 @@ class DeviceObjects:
                 "pid": os.getpid(),
                 "local": token,
                 "handles": [export_tensor(x) for x in want.tensors] if self._cuda else [],
-                "events": [bytes(e.ipc_handle()) for e in mine],
+                "events": [],
             }
             self._call("chain_ready", {"tid": t["tid"], "export": export})
         if self._cuda:

@@ -9,21 +9,18 @@ with different ``CUDA_VISIBLE_DEVICES`` agree).
 
 Opening a memory handle is slow (tens of microseconds), so :class:`ImportCache` keeps imported
 allocations of each peer (bounded LRU) and drops them when the peer's object goes away. Readiness is
-carried by interprocess CUDA events: the exporter records one on its stream at publish time; the
-importer's copy stream waits on it, so a publish never blocks the publisher's thread.
+settled on the exporter's side: it registers an export only once its stream has reached the publish
+point (a host wait on a local event), because waiting on interprocess CUDA events crashed readers on
+the H200 machine (see ``DeviceObjects._ready_event``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
-
-from kvstrata.errors import KvstrataError
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -165,82 +162,17 @@ class EventPool:
             self._free.setdefault(device, []).extend(events)
 
 
-class _IpcEventHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-@functools.cache
-def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime library torch already loaded (same process-wide state, found in our own maps)."""
-    torch.cuda.init()
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-    if not paths:
-        raise KvstrataError("device objects: torch's CUDA runtime library (libcudart) is not loaded")
-    lib = ctypes.CDLL(sorted(paths)[0])
-    lib.cudaIpcOpenEventHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcEventHandle]
-    lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    lib.cudaEventQuery.argtypes = [ctypes.c_void_p]
-    lib.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
-    lib.cudaEventDestroy.argtypes = [ctypes.c_void_p]
-    return lib
-
-
-class IpcEvent:
-    """An interprocess CUDA event another process recorded, opened here.
-
-    Opened with the runtime's ``cudaIpcOpenEventHandle`` directly: ``torch.cuda.Event.from_ipc_handle``
-    gave an event whose ``wait`` crashed the process (SIGSEGV) under torch 2.11 on the 2xH200 machine
-    (2026-11-29). ``wait(stream)`` has torch's Event signature, so ``stream.wait_event(ipc_event)`` works.
-    """
-
-    def __init__(self, device: int, handle: bytes) -> None:
-        if len(handle) != 64:
-            raise ValueError(f"handle: an IPC event handle has 64 bytes, got {len(handle)}")
-        self.device = device
-        self._lib = _cudart()
-        ptr = ctypes.c_void_p()
-        with torch.cuda.device(device):  # the handle opens in the current device's context
-            rc = self._lib.cudaIpcOpenEventHandle(ctypes.byref(ptr), _IpcEventHandle.from_buffer_copy(handle))
-        if rc != 0:
-            raise KvstrataError(f"cudaIpcOpenEventHandle failed with cudaError {rc} (device {device})")
-        self._ptr = ptr.value
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current stream) wait for the event; returns at once."""
-        stream = stream or torch.cuda.current_stream()
-        rc = self._lib.cudaStreamWaitEvent(stream.cuda_stream, self._ptr, 0)
-        if rc != 0:
-            raise KvstrataError(f"cudaStreamWaitEvent failed with cudaError {rc}")
-
-    def query(self) -> bool:
-        """True once the recorded work finished (cudaErrorNotReady -> False)."""
-        return self._lib.cudaEventQuery(self._ptr) == 0
-
-    def synchronize(self) -> None:
-        rc = self._lib.cudaEventSynchronize(self._ptr)
-        if rc != 0:
-            raise KvstrataError(f"cudaEventSynchronize failed with cudaError {rc}")
-
-    def __del__(self) -> None:
-        ptr, self._ptr = getattr(self, "_ptr", None), None
-        if ptr:
-            self._lib.cudaEventDestroy(ptr)
-
-
 class ImportCache:
-    """Imported allocations per (peer, handle), bounded LRU, plus opened interprocess events."""
+    """Imported allocations per (peer, handle), bounded LRU."""
 
-    def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 30, max_events: int = 4096) -> None:
+    def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 30) -> None:
         # A cached import pins the exporter's block (torch keeps it out of reuse while mapped), so the
         # cache is bounded by count and by bytes.
         self._allocs: OrderedDict[tuple[str, bytes, int], tuple[torch.Tensor, int]] = OrderedDict()
         self._bytes = 0
         self._max_bytes = max_bytes
         self._objects: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self._events: OrderedDict[bytes, IpcEvent] = OrderedDict()
         self._max_allocs = max_allocations
-        self._max_events = max_events
         self._lock = threading.Lock()
 
     def tensors(self, peer: str, record: dict[str, Any], *, reuse: bool = False) -> list[torch.Tensor]:
@@ -278,21 +210,6 @@ class ImportCache:
             with self._lock:
                 self._objects[(peer, record["obj"])] = out
         return out
-
-    def event(self, handle: bytes | None, uuid: str) -> IpcEvent | None:
-        if handle is None:
-            return None
-        with self._lock:
-            ev = self._events.get(handle)
-            if ev is not None:
-                self._events.move_to_end(handle)
-                return ev
-        ev = IpcEvent(local_index(uuid), bytes(handle))
-        with self._lock:
-            self._events[handle] = ev
-            while len(self._events) > self._max_events:
-                self._events.popitem(last=False)
-        return ev
 
     def drop_peer(self, peer: str) -> None:
         with self._lock:
@@ -355,7 +272,6 @@ class StreamSet:
 __all__ = [
     "EventPool",
     "ImportCache",
-    "IpcEvent",
     "StreamSet",
     "device_uuid",
     "dtype_name",
