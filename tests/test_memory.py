@@ -52,6 +52,8 @@ def test_register_range_lookup(buf):
     assert register(addr + 100, 50) == dev + 100
     with pytest.raises(ValueError, match="overlaps"):
         register(addr + 4000, 200)
+    unregister(addr + 100)  # each registration is undone by one unregister
+    assert is_registered(addr, 4096)
     unregister(buf)
     assert not is_registered(addr)
     with pytest.raises(ValueError, match="host_ptr"):
@@ -228,3 +230,25 @@ def test_gpu_register_torch_tensor_and_view():
     finally:
         unregister(t)
     assert not t.is_pinned()
+
+
+def test_registry_counts_nested_registrations():
+    """Two users of one range (e.g. a client and the store's HBM tier) each undo their own use; the
+    region stays registered until the last one does."""
+    import mmap
+
+    from kvstrata.memory import is_registered, register, unregister
+
+    m = mmap.mmap(-1, 1 << 16)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    addr = t.data_ptr()
+    register(addr, 1 << 16)
+    register(addr + 4096, 4096)  # inside: one more use of the same region
+    unregister(addr + 4096)
+    assert is_registered(addr, 1 << 16)
+    unregister(addr)
+    assert not is_registered(addr)
+    with pytest.raises(ValueError, match="no registered region"):
+        unregister(addr)
+    del t
+    m.close()

@@ -380,8 +380,8 @@ class Client(DeviceObjectsMixin):
         if loc.size == 0:
             return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
         seg = self._backend.segment_tensor(loc.segment)
-        if loc.segment not in self._registered and _device.cuda_in_use(tensors):
-            _device.register_segment(seg)
+        needs_dma = loc.segment not in self._registered and _device.cuda_in_use(tensors)
+        if needs_dma and _device.register_segment(seg):
             self._registered.add(loc.segment)
         out, offset = [], loc.offset
         for n in sizes:

@@ -9,7 +9,6 @@ for the copy engines: ``non_blocking`` copies run as DMA straight from and to th
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -19,57 +18,32 @@ def cuda_in_use(tensors: list[Any]) -> bool:
     return any(t.device.type == "cuda" for t in tensors)
 
 
-# address -> [nbytes, number of clients using it]: one registration per mapping, shared by the
-# clients of this process (an embedded store's segments can be used by several clients at once).
-_registered: dict[int, list[int]] = {}
-_reg_lock = threading.Lock()
+def register_segment(tensor: Any) -> bool:
+    """Register a segment's CPU tensor view with CUDA (one use in :mod:`kvstrata.memory`'s registry).
 
-
-def register_segment(tensor: Any) -> None:
-    """Register a segment's CPU tensor view with CUDA (counted per address; no-op without CUDA)."""
+    Returns False, with a warning, where CUDA refuses (pinnable memory exhausted): copies stay correct
+    at pageable speed, and the caller must not :func:`unregister_segment` it. No-op (False) without CUDA.
+    """
     import torch
 
+    from kvstrata.errors import CapacityError
+    from kvstrata.memory import register
+
     if not torch.cuda.is_available():
-        return
-    addr, nbytes = tensor.data_ptr(), tensor.numel()
-    with _reg_lock:
-        entry = _registered.get(addr)
-        if entry is not None:
-            entry[1] += 1
-            return
-        try:
-            from kvstrata.memory import register
-        except ImportError:
-            rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
-            if rc != 0:
-                log.warning(
-                    "cudaHostRegister of a shared segment failed (cudaError %d): copies run at pageable speed", rc
-                )
-                return
-        else:
-            register(addr, nbytes)
-        _registered[addr] = [nbytes, 1]
+        return False
+    try:
+        register(tensor.data_ptr(), tensor.numel())
+    except CapacityError as exc:
+        log.warning("shared segment not registered with CUDA (%s): copies run at pageable speed", exc)
+        return False
+    return True
 
 
 def unregister_segment(tensor: Any) -> None:
-    """Undo :func:`register_segment`; the last user unregisters, before the mapping goes away."""
-    import torch
+    """Undo one successful :func:`register_segment`, before the mapping goes away."""
+    from kvstrata.memory import unregister
 
-    addr = tensor.data_ptr()
-    with _reg_lock:
-        entry = _registered.get(addr)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _registered[addr]
-        try:
-            from kvstrata.memory import unregister
-        except ImportError:
-            torch.cuda.cudart().cudaHostUnregister(addr)
-        else:
-            unregister(addr)
+    unregister(tensor.data_ptr())
 
 
 def copy_batch(pairs: list[tuple[Any, Any]], *, stream: Any = None) -> Any:

@@ -125,6 +125,7 @@ class _Registry:
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._regions: list[Region] = []
+        self._uses: dict[int, int] = {}  # region start -> registrations not yet undone
 
     def find(self, addr: int, nbytes: int = 1) -> Region | None:
         with self._lock:
@@ -136,10 +137,12 @@ class _Registry:
 
     def add(self, start: int, nbytes: int, device: int | None) -> tuple[Region, bool]:
         """Register ``[start, start + nbytes)``; returns (region, created). A range inside an existing
-        region reuses it; a partial overlap is a ValueError."""
+        region reuses it and counts one more use (each use is undone by one :meth:`remove`); a partial
+        overlap is a ValueError."""
         with self._lock:
             i = bisect.bisect_right(self._starts, start) - 1
             if i >= 0 and start + nbytes <= self._regions[i].end:
+                self._uses[self._regions[i].start] += 1
                 return self._regions[i], False
             for j in (i, i + 1):
                 if 0 <= j < len(self._regions):
@@ -157,15 +160,23 @@ class _Registry:
             k = bisect.bisect_left(self._starts, start)
             self._starts.insert(k, start)
             self._regions.insert(k, region)
+            self._uses[start] = 1
             return region, True
 
     def remove(self, start: int) -> Region:
+        """Undo one :meth:`add` of a range starting at ``start`` (inside a region); the last use
+        unregisters the region from CUDA."""
         with self._lock:
-            k = bisect.bisect_left(self._starts, start)
-            if k >= len(self._starts) or self._starts[k] != start:
-                raise ValueError(f"tensor_or_addr: no registered region starts at {start:#x}")
+            k = bisect.bisect_right(self._starts, start) - 1
+            if k < 0 or start >= self._regions[k].end:
+                raise ValueError(f"tensor_or_addr: no registered region contains {start:#x}")
+            region = self._regions[k]
+            self._uses[region.start] -= 1
+            if self._uses[region.start] > 0:
+                return region
+            del self._uses[region.start]
             self._starts.pop(k)
-            region = self._regions.pop(k)
+            self._regions.pop(k)
         if region.cuda_registered:
             _cuda_unregister(region.start)
         return region
