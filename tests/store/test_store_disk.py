@@ -215,3 +215,18 @@ def test_flush_reports_write_back_data_it_could_not_persist(tmp_path, make_confi
         s.flush()
     assert s.get_bytes("too_big") == bytes(9000)  # still served from DRAM
     s.close()
+
+
+def test_one_store_per_disk_folder(tmp_path, make_config):
+    """A second store on a folder in use is refused (it would delete the first one's spill files);
+    once the first closes, the folder can be opened again."""
+    from kvstrata.errors import KvstrataError
+
+    first = ObjectStore(make_config(tmp_path))
+    first.put("k", b"v", write_mode="write_through")
+    with pytest.raises(KvstrataError, match="in use by another kvstrata store"):
+        ObjectStore(make_config(tmp_path))
+    assert first.get_bytes("k") == b"v"
+    first.close()
+    with ObjectStore(make_config(tmp_path)) as again:
+        assert again.get_bytes("k") == b"v"

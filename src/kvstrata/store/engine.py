@@ -658,13 +658,13 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
     def release_owner(self, owner: object) -> None:
         """A client went away: release its leases and abort its unsealed creates."""
         with self._lock:
-            lids = self._owner_leases.get(owner, ())
+            lids = list(self._owner_leases.get(owner, ()))  # a copy: release() edits the set
             keys = self._owner_creates.pop(owner, ())
             for k in keys:
                 e = self._pending.pop((k, owner), None)
                 if e is not None:
                     self._abort_locked(e)
-        for lid in list(lids):
+        for lid in lids:
             self.release(lid)
 
     def stats(self) -> dict:
@@ -731,6 +731,8 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         if self._gpu is not None:
             self._gpu.close()  # unregisters the segments before they are unmapped
         self._mem.close()
+        if self._disk is not None:
+            self._disk.close()
 
     def __enter__(self) -> ObjectStore:
         return self

@@ -17,6 +17,7 @@ never served.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstrata.errors import CorruptData
+from kvstrata.errors import CorruptData, KvstrataError
 from kvstrata.store.config import WriteMode
 from kvstrata.store.tiers.base import Tier
 
@@ -73,6 +74,7 @@ class DiskTier(Tier):
     def __init__(self, directory: str, capacity: int, *, sync: bool = False):
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self._lock_fd = _lock_directory(self.directory)
         self._capacity = capacity
         self._sync = sync
         self._used = 0
@@ -199,8 +201,8 @@ class DiskTier(Tier):
                 while view:
                     n = f.write(view)
                     view = view[n:]
-                if self._sync:
-                    os.fsync(f.fileno())
+                if self._sync or mode == WriteMode.WRITE_THROUGH:
+                    os.fsync(f.fileno())  # write-through: on the device, not only in the page cache
         except BaseException:
             _unlink(path)
             raise
@@ -210,14 +212,20 @@ class DiskTier(Tier):
         """Rename a reserved, written temp file into place as ``key``'s file (replacing any older one)."""
         final = os.path.join(self.directory, file_name(key))
         os.replace(pending.path, final)
-        if self._sync:
-            _fsync_dir(self.directory)
+        if self._sync or mode == WriteMode.WRITE_THROUGH:
+            _fsync_dir(self.directory)  # the rename itself survives a power loss
         self._reserved -= pending.nbytes
         old = self.index.get(key)
         if old is not None:
             self._used -= old.nbytes
         self.index[key] = DiskRecord(size, mode, pending.nbytes, pending.expires_at)
         self._used += pending.nbytes
+
+    def close(self) -> None:
+        """Let another store open this folder (idempotent)."""
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def set_expiry(self, key: str, expires_at: float) -> None:
         """Rewrite the expiry in ``key``'s header in place (a few bytes; the payload is untouched)."""
@@ -292,6 +300,21 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _lock_directory(directory: str) -> int:
+    """Hold an exclusive lock on ``directory/.lock`` for this tier's lifetime (released by the kernel when
+    the process dies): a second store on the same folder would delete the first one's files at start."""
+    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise KvstrataError(
+            f"disk_dir: {directory} is in use by another kvstrata store (worker or embedded client); "
+            "give each store its own folder"
+        ) from None
+    return fd
 
 
 def _fsync_dir(path: str) -> None:
