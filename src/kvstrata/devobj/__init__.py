@@ -16,9 +16,6 @@ import importlib
 from typing import Any
 
 from kvstrata.devobj.broker import DeviceBroker
-from kvstrata.devobj.debug import configure_from_env
-
-configure_from_env()  # KVSTRATA_LOG=debug: every process using device objects logs its steps to stderr
 
 _LAZY = {
     "BrokerLink": "kvstrata.devobj.link",

@@ -1,8 +1,9 @@
 """Diagnostics for device objects: ``KVSTRATA_LOG`` logging, thread setup, bounded GPU waits.
 
 ``KVSTRATA_LOG=debug`` (or ``info``/``warning``) sends the ``kvstrata`` loggers to stderr with the
-process id and thread name, in every process that imports :mod:`kvstrata.devobj` (spawned children
-inherit the variable), so a failing multi-process GPU run shows each side's steps interleaved.
+process id and thread name, in every process that creates a device-object client (spawned children
+inherit the variable; importing the package changes no logging), so a failing multi-process GPU
+run shows each side's steps interleaved.
 """
 
 from __future__ import annotations
