@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kvstrata import errors
 from kvstrata.devobj.broker import DeviceBroker
 
 if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
@@ -93,7 +94,12 @@ class WorkerBrokerLink:
         with self._locks[i]:
             conn = self._conns[i]
             conn.send(msg)
-            reply, _ = conn.recv(timeout)
+            try:
+                reply, _ = conn.recv(timeout)
+            except errors.Timeout:
+                # The late reply would answer the next call: this connection is out of step for good.
+                conn.close()
+                raise errors.ConnectionLost(f"device objects: no reply to {op!r} within {timeout} s") from None
         if "err" in reply:
             raise P.error_from_record(reply["err"])
         return reply["r"]
