@@ -59,8 +59,10 @@ def test_gather_strided_rows_and_wide_rows(seeded):
 
 def test_gather_empty_ids_writes_nothing(seeded):
     table = _random((5, 8), torch.bfloat16, seeded)
-    out = _poisoned((0, 8), torch.bfloat16)
-    gather(table, out, torch.empty(0, dtype=torch.int64))
+    backing = _poisoned((3, 8), torch.bfloat16)
+    before = _bytes(backing).clone()
+    assert gather(table, backing[:0], torch.empty(0, dtype=torch.int64)).shape == (0, 8)
+    assert torch.equal(_bytes(backing), before)  # the rows around the empty output are untouched
 
 
 def test_gather_cpu_implementation(monkeypatch, seeded):

@@ -194,6 +194,10 @@ class SharedSegment:
             self._mm.close()
         except BufferError:
             log.debug("segment %s still has live views; unmapped when they are collected", self.name)
+        # Drop our references either way: with live views, the mapping goes with the last of them
+        # (mmap's deallocation unmaps), instead of staying mapped for the life of this object.
+        self.buffer = None  # type: ignore[assignment]
+        self._mm = None  # type: ignore[assignment]
         try:
             os.close(self.fd)
         except OSError:
