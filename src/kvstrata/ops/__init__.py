@@ -1,6 +1,7 @@
 """Transfer operators (each also a torch custom op ``torch.ops.kvstrata.<name>``)."""
 
 from kvstrata.ops.block_transfer import fused_memcpy_multi_layer_block_transfer, multi_layer_block_transfer
+from kvstrata.ops.calibration import calibrate
 from kvstrata.ops.gather import gather
 from kvstrata.ops.kv_layout import HostPool, KVLayout
 from kvstrata.ops.transfer_blocks import transfer_blocks
@@ -8,6 +9,7 @@ from kvstrata.ops.transfer_blocks import transfer_blocks
 __all__ = [
     "HostPool",
     "KVLayout",
+    "calibrate",
     "fused_memcpy_multi_layer_block_transfer",
     "gather",
     "multi_layer_block_transfer",
