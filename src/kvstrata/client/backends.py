@@ -66,7 +66,12 @@ class RemoteBackend:
             from kvstrata.memory.shm import SharedSegment
             from kvstrata.server.validity import PAGE_BYTES
 
-            self._local = LocalReads(SharedSegment.attach(fds.pop(0), PAGE_BYTES))
+            spin_offset = self._conn.peer_info.get("spin_hint")
+            if not isinstance(spin_offset, int) or not 0 <= spin_offset <= PAGE_BYTES - 8 or spin_offset % 8:
+                spin_offset = None
+            if self._conn.peer_info.get("pid") == os.getpid():  # the worker runs on our GIL: never poll
+                spin_offset = None
+            self._local = LocalReads(SharedSegment.attach(fds.pop(0), PAGE_BYTES), spin_offset=spin_offset)
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
 
     # plumbing ----------------------------------------------------------------------------------------
@@ -85,8 +90,9 @@ class RemoteBackend:
             if self._deferred_aborts:
                 msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
             self._conn.send(msg)
+            spin = self._local.spin() if self._local is not None else 0.0
             try:
-                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0))
+                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0), spin=spin)
             except Timeout:
                 # The reply may still come and would answer the next request: this connection is done.
                 self._broken = "the worker stopped answering"

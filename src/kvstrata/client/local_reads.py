@@ -21,9 +21,13 @@ MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be
 class LocalReads:
     """The entries and the mapped generation page. Not thread-safe: the backend's lock guards it."""
 
-    def __init__(self, page: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(
+        self, page: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES, *, spin_offset: int | None = None
+    ) -> None:
         self._page = page
         self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
+        # The worker's advice on busy-polling for replies (microseconds), where it gives one.
+        self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
         self._entries: OrderedDict[str, tuple[int, Any]] = OrderedDict()
         self._entries_gen = -1
         self.max_entries = max_entries
@@ -33,6 +37,10 @@ class LocalReads:
 
     def generation(self) -> int:
         return self._gen.value
+
+    def spin(self) -> float:
+        """Seconds to busy-poll for a reply before sleeping, as the worker currently advises."""
+        return self._spin.value * 1e-6 if self._spin is not None else 0.0
 
     def lookup(self, key: str) -> Any:
         """The location of ``key``'s leased bytes if they are still current, else None."""
@@ -79,4 +87,5 @@ class LocalReads:
     def close(self) -> None:
         self._entries.clear()
         self._gen = None  # type: ignore[assignment]
+        self._spin = None
         self._page.close()
