@@ -6,6 +6,11 @@ shows the generation read before the request that leased it: the worker bumps th
 around every change it makes, so an unchanged generation means the leased version is still the
 current one (the protocol is in :mod:`kvstrata.server.validity`). When the generation moves, every
 entry is dropped at once and its lease given back with the client's next message.
+
+``get_buffers`` keeps entries too (any size, up to the budget the worker advertises): a later view of
+the same key shares the entry's lease with no round trip. The backend counts a shared lease's holders
+and gives it back only when the cache and every view let go, so a view's bytes stay pinned after
+its entry is dropped.
 """
 
 from __future__ import annotations
@@ -50,6 +55,15 @@ class LocalReads:
         self._entries.move_to_end(key)
         self.hits += 1
         return entry[1]
+
+    def entry(self, key: str) -> tuple[int, Any] | None:
+        """``(lease id, location)`` of ``key``'s leased bytes if they are still current, else None."""
+        entry = self._entries.get(key)
+        if entry is None or self._entries_gen != self._gen.value:
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
 
     def stale(self) -> list[int]:
         """Lease ids of every entry, dropped, if the generation moved since they were taken."""

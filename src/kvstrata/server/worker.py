@@ -34,6 +34,8 @@ from kvstrata.transport.stream import MAX_FDS
 
 log = logging.getLogger("kvstrata.worker")
 _owner_ids = itertools.count(1)
+#: one client's local-read cache may pin 1/CACHE_SHARE of the memory tier (kvstrata.client.local_reads)
+CACHE_SHARE = 16
 
 
 class Worker:
@@ -163,6 +165,8 @@ class Worker:
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
             reply["spin_hint"] = SPIN_HINT_OFFSET  # where in that page the polling advice is
+            # what one client may keep leased for local reads (pinned: not evictable while held)
+            reply["cache_bytes"] = self.config.memory // CACHE_SHARE
             fds = [self.validity.fd] + [seg.fd for seg in segs]
             session.sent_segments.update(range(len(segs)))
         return reply, fds
