@@ -61,3 +61,24 @@ def count_up(address: str, key: str, n: int) -> None:
     with kvstrata.connect(address, timeout=20) as kv:
         for i in range(1, n + 1):
             kv.set(key, str(i).encode())
+
+
+def spin_advice(address: str) -> tuple[float, float]:
+    """From another process: the worker's polling advice while this is its only client, and our own poll."""
+    import kvstrata
+
+    with kvstrata.connect(address) as kv:
+        kv.exists("x")
+        return kv._backend._local.spin(), kv._backend._local.spin()
+
+
+def hold_views_and_die(address: str, key: str) -> None:
+    """Take cached and plain views of ``key``, then die by SIGKILL without releasing anything."""
+    import signal
+
+    import kvstrata
+
+    kv = kvstrata.connect(address)
+    views = [kv.get_buffers(key)[0] for _ in range(3)]
+    assert all(len(v) for v in views)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
@@ -132,3 +134,94 @@ def test_a_dead_worker_is_not_read_from(tmp_path):
     with pytest.raises(kvstrata.ConnectionLost):
         kv.get("hot")
     kv.close()
+
+
+def leases(w):
+    return w.stats()["leases"]
+
+
+def test_repeated_zero_copy_views_skip_the_worker(worker):
+    big = bytes(range(256)) * 1024  # 256 KiB: a shared-memory object
+    with kvstrata.connect(worker.address) as kv:
+        kv.set("big", big)
+        with kv.get_buffers("big")[0] as first:  # leases it, for the cache and for this view
+            assert bytes(first) == big
+        before = requests(worker)
+        for _ in range(100):
+            with kv.get_buffers(["big"])[0] as view:
+                assert bytes(view) == big
+        assert requests(worker) == before
+        assert leases(worker) == 1  # the cache's one lease, shared by every view
+
+
+def test_a_view_keeps_its_bytes_after_the_cache_lets_go(worker):
+    """A view made from a cached lease pins the bytes until it is released, whatever happens to the key."""
+    old = b"A" * (256 << 10)
+    with kvstrata.connect(worker.address) as kv, kvstrata.connect(worker.address) as other:
+        kv.set("k", old)
+        kv.get_buffers("k")[0].release()  # now cached
+        view = kv.get_buffers("k")[0]  # from the cache, no round trip
+        view2 = kv.get_buffers("k")[0]
+        other.delete("k")
+        kv.exists("k")  # the cache sees the change and gives up its hold with this request
+        for i in range(8):  # rewrite the memory tier's free space: the old bytes must not be reused
+            other.set(f"fill{i}", bytes([i]) * (256 << 10))
+        assert bytes(view) == old and bytes(view2) == old
+        assert leases(worker) == 1  # the one lease the views share, no longer the cache's
+        view.release()
+        kv.exists("k")
+        assert leases(worker) == 1  # view2 still holds it
+        assert bytes(view2) == old
+        del view2  # dropped without release: freed by the garbage collector, handed over next request
+        gc.collect()
+        kv.exists("k")
+        assert leases(worker) == 0
+
+
+def test_cached_views_never_show_a_newer_version(worker):
+    with kvstrata.connect(worker.address) as kv, kvstrata.connect(worker.address) as other:
+        for n in range(20):
+            other.set("v", bytes([n]) * (128 << 10))
+            for _ in range(3):
+                with kv.get_buffers("v")[0] as view:
+                    assert bytes(view) == bytes([n]) * (128 << 10)
+
+
+def test_mutable_and_ttl_objects_are_not_cached_for_views(worker):
+    with kvstrata.connect(worker.address) as kv:
+        with kv.create("m", 100_000) as buf:
+            buf.write(b"m" * 100_000)
+            buf.publish()
+        kv.set("t", b"t" * 100_000, ttl=60)
+        for key in ("m", "t"):
+            kv.get_buffers(key)[0].release()
+            before = requests(worker)
+            kv.get_buffers(key)[0].release()
+            assert requests(worker) > before
+        assert len(kv._backend._local) == 0
+
+
+def test_a_killed_reader_loses_its_cached_leases(worker):
+    ctx = multiprocessing.get_context("spawn")
+    with kvstrata.connect(worker.address) as kv:
+        kv.set("shared", b"s" * 200_000)
+        p = ctx.Process(target=jobs.hold_views_and_die, args=(worker.address, "shared"))
+        p.start()
+        p.join(60)
+        deadline = time.monotonic() + 10
+        while leases(worker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert leases(worker) == 0
+
+
+def test_poll_advice(worker):
+    """The worker polls for a lone client in another process only; in-process clients never poll."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        advised, _ = pool.apply(jobs.spin_advice, (worker.address,))
+    cpus = len(os.sched_getaffinity(0))
+    assert advised == (worker.config.spin_us * 1e-6 if cpus >= 2 else 0.0)
+    with kvstrata.connect(worker.address) as kv:  # this process: the worker's GIL
+        kv.exists("x")
+        assert worker.spin == 0.0
+        assert kv._backend._local._spin is None

@@ -113,3 +113,13 @@ def test_worker_socket_follows_kvstrata_worker():
     assert WorkerConfig.load({"disk_dir": ""}, environ=env).address == "unix:///tmp/shared-name.sock"
     env["KVSTRATA_SOCKET"] = "/tmp/explicit.sock"  # an explicit socket setting wins
     assert WorkerConfig.load({"disk_dir": ""}, environ=env).socket == "/tmp/explicit.sock"
+
+
+def test_spin_us(tmp_path):
+    base = {"socket": str(tmp_path / "s.sock"), "memory": "16MiB", "disk_dir": ""}
+    assert WorkerConfig.load(base, environ={}).spin_us == 200.0
+    assert WorkerConfig.load(base, environ={"KVSTRATA_SPIN_US": "0"}).spin_us == 0.0
+    assert WorkerConfig.load({**base, "spin_us": 50}, environ={}).spin_us == 50
+    for bad in (-1, 1e6, "fast", True):
+        with pytest.raises(ValueError, match="spin_us"):
+            WorkerConfig.load({**base, "spin_us": bad}, environ={})

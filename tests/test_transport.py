@@ -301,3 +301,37 @@ def test_fds_stay_with_their_messages_in_a_burst(echo_server):
             assert [os.pread(fd, 16, 0).decode() for fd in fds] == [f"{i}/{j}" for j in range(i % 3)]
             for fd in fds + sent[i]:
                 os.close(fd)
+
+
+def test_spin_then_sleep_receives_every_frame(echo_server):
+    """Busy-polling first changes nothing visible: early, late, pipelined and large frames all arrive intact."""
+    big = os.urandom(300_000)  # over the read chunk: read straight into place
+    with connect(echo_server.address, timeout=5) as c:
+        for i in range(50):  # answered while the receiver still polls
+            c.send({"i": i})
+            assert c.recv(timeout=5, spin=1e-3)[0] == {"i": i}
+        c.send({"burst": 0})
+        c.send({"v": big})
+        c.send({"burst": 2})
+        assert [c.recv(timeout=5, spin=1e-4)[0] for _ in range(3)] == [{"burst": 0}, {"v": big}, {"burst": 2}]
+        # Nothing sent: the poll ends, the wait times out, the connection stays usable.
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            c.recv(timeout=0.05, spin=1e-3)
+        assert time.monotonic() - t0 < 2
+        timer = threading.Timer(0.05, lambda: c.send({"late": True}))  # arrives after the poll gave up
+        timer.start()
+        assert c.recv(timeout=5, spin=1e-5)[0] == {"late": True}
+        timer.join()
+
+
+def test_many_small_frames_through_the_read_buffer(echo_server):
+    """Frames of every size around the buffer's edges, pipelined, so they straddle reads and compactions."""
+    with connect(echo_server.address, timeout=5) as c:
+        sizes = [0, 1, 7, 8, 100, 4000, 65_000, 65_536, 65_537, 70_000, 131_072, 200_000]
+        payloads = [os.urandom(n) for n in sizes * 3]
+        sender = threading.Thread(target=lambda: [c.send({"v": p}) for p in payloads])
+        sender.start()
+        got = [c.recv(timeout=10)[0]["v"] for _ in payloads]
+        sender.join()
+        assert got == payloads

@@ -27,6 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--numa-node", dest="numa_node", help="bind the DRAM tier to this NUMA node ('auto': the GPU's; 'none')"
     )
     p.add_argument("--socket-mode", dest="socket_mode", type=lambda s: int(s, 8), help="socket file mode (0600)")
+    p.add_argument(
+        "--spin-us",
+        dest="spin_us",
+        type=float,
+        help="busy-poll for a lone client's next request this many microseconds before sleeping (200; 0: off)",
+    )
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--config", help="YAML file of settings (same names as the flags, with underscores)")
     p.set_defaults(func=run)
@@ -49,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             "numa_node",
             "socket_mode",
             "log_level",
+            "spin_us",
         )
     }
     try:

@@ -16,7 +16,7 @@ import select
 import threading
 from typing import Any, NamedTuple
 
-from kvstrata.client.local_reads import LocalReads
+from kvstrata.client.local_reads import MAX_BYTES, LocalReads
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
 from kvstrata.server import protocol as P
 
@@ -66,7 +66,21 @@ class RemoteBackend:
             from kvstrata.memory.shm import SharedSegment
             from kvstrata.server.validity import PAGE_BYTES
 
-            self._local = LocalReads(SharedSegment.attach(fds.pop(0), PAGE_BYTES))
+            spin_offset = self._conn.peer_info.get("spin_hint")
+            if not isinstance(spin_offset, int) or not 0 <= spin_offset <= PAGE_BYTES - 8 or spin_offset % 8:
+                spin_offset = None
+            if self._conn.peer_info.get("pid") == os.getpid():  # the worker runs on our GIL: never poll
+                spin_offset = None
+            cache_bytes = self._conn.peer_info.get("cache_bytes")
+            self._local = LocalReads(
+                SharedSegment.attach(fds.pop(0), PAGE_BYTES),
+                max_bytes=cache_bytes if isinstance(cache_bytes, int) and cache_bytes >= 0 else MAX_BYTES,
+                spin_offset=spin_offset,
+            )
+        # Leases shared by the local-read cache and zero-copy views made from its entries: how many
+        # of them hold each one. Such a lease goes back to the worker only when the last lets go, so
+        # a view's bytes stay pinned even after the cache dropped its entry.
+        self._holders: dict[int, int] = {}
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
 
     # plumbing ----------------------------------------------------------------------------------------
@@ -81,12 +95,15 @@ class RemoteBackend:
             if self._local is not None and len(self._local):
                 self._deferred.extend(self._local.stale())
             if self._deferred:
-                msg["rel"] = self._drain_deferred()
+                rel = self._drain_deferred()
+                if rel:
+                    msg["rel"] = rel
             if self._deferred_aborts:
                 msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
             self._conn.send(msg)
+            spin = self._local.spin() if self._local is not None else 0.0
             try:
-                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0))
+                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0), spin=spin)
             except Timeout:
                 # The reply may still come and would answer the next request: this connection is done.
                 self._broken = "the worker stopped answering"
@@ -101,10 +118,28 @@ class RemoteBackend:
         return reply
 
     def _drain_deferred(self) -> list[int]:
+        """Deferred releases that are due (call under the lock): shared leases only when their last holder lets go."""
         out = []
         while self._deferred:
             out.append(self._deferred.popleft())
+        return self._unhold(out) if self._holders else out
+
+    def _unhold(self, ids: list[int]) -> list[int]:
+        out = []
+        holders = self._holders
+        for lease_id in ids:
+            n = holders.get(lease_id)
+            if n is None:
+                out.append(lease_id)
+            elif n > 1:
+                holders[lease_id] = n - 1
+            else:
+                del holders[lease_id]
+                out.append(lease_id)
         return out
+
+    def _hold(self, lease_id: int, n: int = 1) -> None:
+        self._holders[lease_id] = self._holders.get(lease_id, 0) + n
 
     def _absorb_segments(self, segs: list, fds: list[int]) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -144,8 +179,10 @@ class RemoteBackend:
         with self._lock:
             if self._closed or self._conn.closed:
                 return  # the worker released them when the connection ended
-            ids = self._drain_deferred() + list(ids)
-            self._conn.send({"op": "release", "ids": ids})
+            self._deferred.extend(ids)
+            ids = self._drain_deferred()
+            if ids:
+                self._conn.send({"op": "release", "ids": ids})
 
     def defer_release(self, lease_id: int) -> None:
         """From a finalizer: no locks or I/O here, the next request carries it."""
@@ -205,10 +242,17 @@ class RemoteBackend:
         loc = self._loc(reply["loc"])
         data = bytes(self.view(loc))
         with self._lock:
-            drop = [] if self._closed else local.add(key, reply["lease"], loc, generation)
+            drop = [reply["lease"]] if self._closed else self._cache_add(key, reply["lease"], loc, generation)
         if drop:
             self.release(drop)
         return data
+
+    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int) -> list[int]:
+        """Offer a lease to the local-read cache (under the lock); returns leases the cache let go of."""
+        drop = self._local.add(key, lease_id, loc, generation)
+        if lease_id not in drop:
+            self._hold(lease_id)  # the cache's hold
+        return drop
 
     def mget(self, keys: list[str], timeout: float) -> list[Any]:
         items = self.request({"op": "mget", "keys": keys, "timeout": timeout})["items"]
@@ -222,11 +266,46 @@ class RemoteBackend:
         finally:
             self.release([item["lease"]])
 
-    def acquire(self, keys: list[str], timeout: float) -> list[Any]:
-        items = self.request({"op": "acquire", "keys": keys, "timeout": timeout})["items"]
-        out = []
-        for r in map(self._item, items):
-            out.append(r if isinstance(r, BaseException) else Lease(r["lease"], self._loc(r["loc"]), r["mutable"]))
+    def acquire(self, keys: list[str], timeout: float, *, cache: bool = False) -> list[Any]:
+        """Leases for zero-copy views. A key the local-read cache holds current needs no round trip:
+        the view shares the cache's lease (see ``_holders``), so its bytes stay pinned until released.
+        ``cache``: also keep the leases of cacheable objects fetched now, for later calls."""
+        local = self._local
+        out: list[Any] = [None] * len(keys)
+        if local is not None:
+            generation = local.generation()  # read before the request: see kvstrata.server.validity
+            with self._lock:
+                if len(local) and not self._closed and self._pid == os.getpid():
+                    alive = not select.select([self._conn.fileno()], [], [], 0)[0]  # a dead worker reads EOF
+                    for i, key in enumerate(keys):
+                        entry = local.entry(key) if alive else None
+                        if entry is not None:
+                            self._hold(entry[0])  # the view's hold
+                            out[i] = Lease(entry[0], entry[1], False)
+        missing = [i for i, lease in enumerate(out) if lease is None]
+        if not missing:
+            return out
+        msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
+        if cache and local is not None:
+            msg["cache"] = True
+        items = self.request(msg)["items"]
+        drop: list[int] = []
+        for i, r in zip(missing, map(self._item, items)):
+            if isinstance(r, BaseException):
+                out[i] = r
+                continue
+            lease = out[i] = Lease(r["lease"], self._loc(r["loc"]), r["mutable"])
+            if r.get("cache") and local is not None:
+                with self._lock:
+                    if not self._closed:
+                        let_go = self._cache_add(keys[i], lease.lease_id, lease.location, generation)
+                        if lease.lease_id in let_go:  # refused (something changed meanwhile): the view's alone
+                            let_go.remove(lease.lease_id)
+                        else:
+                            self._hold(lease.lease_id)  # the view's hold, beside the cache's
+                        drop += let_go
+        if drop:
+            self.release(drop)
         return out
 
     def read(self, key: str, offset: int, size: int) -> bytes:
@@ -350,7 +429,7 @@ class EmbeddedBackend:
                 self.store.release(r.lease_id)
         return out
 
-    def acquire(self, keys: list[str], timeout: float) -> list[Any]:
+    def acquire(self, keys: list[str], timeout: float, *, cache: bool = False) -> list[Any]:
         results = self._check().acquire_many(keys, owner=self.owner, timeout=timeout)
         return [r if isinstance(r, BaseException) else Lease(r.lease_id, r.location, r.mutable) for r in results]
 

@@ -230,7 +230,8 @@ class Client(DeviceObjectsMixin):
         keys = P.check_keys(keys)
         backend = self._b()
         out: list[Any] = []
-        for key, lease in zip(keys, backend.acquire(keys, P.check_timeout(timeout)) if keys else []):
+        leases = backend.acquire(keys, P.check_timeout(timeout), cache=True) if keys else []
+        for key, lease in zip(keys, leases):
             if isinstance(lease, BaseException):
                 out.append(lease)
             else:

@@ -6,6 +6,11 @@ shows the generation read before the request that leased it: the worker bumps th
 around every change it makes, so an unchanged generation means the leased version is still the
 current one (the protocol is in :mod:`kvstrata.server.validity`). When the generation moves, every
 entry is dropped at once and its lease given back with the client's next message.
+
+``get_buffers`` keeps entries too (any size, up to the budget the worker advertises): a later view of
+the same key shares the entry's lease with no round trip. The backend counts a shared lease's holders
+and gives it back only when the cache and every view let go, so a view's bytes stay pinned after
+its entry is dropped.
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be
 class LocalReads:
     """The entries and the mapped generation page. Not thread-safe: the backend's lock guards it."""
 
-    def __init__(self, page: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(
+        self, page: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES, *, spin_offset: int | None = None
+    ) -> None:
         self._page = page
         self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
+        # The worker's advice on busy-polling for replies (microseconds), where it gives one.
+        self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
         self._entries: OrderedDict[str, tuple[int, Any]] = OrderedDict()
         self._entries_gen = -1
         self.max_entries = max_entries
@@ -34,6 +43,10 @@ class LocalReads:
     def generation(self) -> int:
         return self._gen.value
 
+    def spin(self) -> float:
+        """Seconds to busy-poll for a reply before sleeping, as the worker currently advises."""
+        return self._spin.value * 1e-6 if self._spin is not None else 0.0
+
     def lookup(self, key: str) -> Any:
         """The location of ``key``'s leased bytes if they are still current, else None."""
         entry = self._entries.get(key)
@@ -42,6 +55,15 @@ class LocalReads:
         self._entries.move_to_end(key)
         self.hits += 1
         return entry[1]
+
+    def entry(self, key: str) -> tuple[int, Any] | None:
+        """``(lease id, location)`` of ``key``'s leased bytes if they are still current, else None."""
+        entry = self._entries.get(key)
+        if entry is None or self._entries_gen != self._gen.value:
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
 
     def stale(self) -> list[int]:
         """Lease ids of every entry, dropped, if the generation moved since they were taken."""
@@ -79,4 +101,5 @@ class LocalReads:
     def close(self) -> None:
         self._entries.clear()
         self._gen = None  # type: ignore[assignment]
+        self._spin = None
         self._page.close()

@@ -83,6 +83,9 @@ class WorkerConfig:
     numa_node: int | str | None = "auto"
     disk_sync: bool = False
     log_level: str = "info"
+    #: microseconds a connection's thread busy-polls for the next request before sleeping (0: never);
+    #: it polls only while one client is connected and the machine has a core to spare (see Worker)
+    spin_us: float = 200.0
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -96,6 +99,8 @@ class WorkerConfig:
             raise ValueError("memory: must be > 0")
         if self.log_level not in _LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(_LEVELS)}, got {self.log_level!r}")
+        if isinstance(self.spin_us, bool) or not isinstance(self.spin_us, int | float) or not 0 <= self.spin_us <= 1e5:
+            raise ValueError(f"spin_us: must be a number of microseconds in [0, 100000], got {self.spin_us!r}")
         if self.disk_dir and self.disk_size == 0:
             object.__setattr__(self, "disk_size", default_disk_bytes(self.disk_dir))
         self.store_config()  # the engine validates its own fields, with their names

@@ -139,14 +139,19 @@ def _acquire(s: Session, msg: dict) -> dict:
     if not s.shm:
         raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
     keys = P.check_keys(msg.get("keys", []))
+    cache = bool(msg.get("cache"))  # the client may keep cacheable leases for later local views
     reply: dict = {}
     items = []
-    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))):
+    timeout = P.check_timeout(msg.get("timeout"))
+    for key, result in zip(keys, s.store.acquire_many(keys, owner=s.owner, timeout=timeout)):
         if isinstance(result, BaseException):
             items.append(P.error_record(result))
-        else:
-            s.leases.add(result.lease_id)
-            items.append({"lease": result.lease_id, "loc": s.loc(result.location, reply), "mutable": result.mutable})
+            continue
+        s.leases.add(result.lease_id)
+        item = {"lease": result.lease_id, "loc": s.loc(result.location, reply), "mutable": result.mutable}
+        if cache and s.validity.cacheable(key, result):
+            item["cache"] = True
+        items.append(item)
     reply["items"] = items
     return reply
 

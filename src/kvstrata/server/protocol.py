@@ -4,7 +4,8 @@ A request is ``{"op": name, ...fields}``; the reply is ``{...fields}`` or ``{"er
 Batch ops answer ``{"items": [...]}``, one entry per key, where a failed key is its own error record.
 Object locations travel as ``[segment, offset, size]``; a reply that mentions a segment this client
 has not been sent yet carries ``{"segs": [[index, nbytes], ...]}`` and the segments' descriptors.
-``release`` is one-way (no reply) so a zero-copy read costs one round trip.
+``release`` is one-way (no reply) so a zero-copy read costs one round trip. ``get`` and ``acquire``
+with ``"cache": true`` mark leases the client may keep for local reads (``kvstrata.server.validity``).
 """
 
 from __future__ import annotations

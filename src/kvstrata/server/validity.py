@@ -25,6 +25,8 @@ from collections.abc import Iterator
 log = logging.getLogger(__name__)
 
 _STRIPES = 64
+#: byte offset, in the page, of the worker's advice to clients: microseconds to busy-poll for a reply
+SPIN_HINT_OFFSET = 8
 MAX_TRACKED_KEYS = 1_000_000  # beyond this many, new keys are just not cacheable (bounded memory)
 PAGE_BYTES = 4096
 
@@ -38,6 +40,7 @@ class Validity:
         self.segment = SharedSegment.create(PAGE_BYTES, name="kvstrata-generation", hugepages="off", numa_node=None)
         # One aligned 8-byte store/load: readers never see a torn value.
         self._gen = ctypes.c_uint64.from_address(self.segment.address)
+        self._spin_hint = ctypes.c_uint64.from_address(self.segment.address + SPIN_HINT_OFFSET)
         self._gen_lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self._no_ttl: set[str] = set()
@@ -59,6 +62,11 @@ class Validity:
             yield
         finally:
             self.bump()
+
+    def set_spin_hint(self, microseconds: float) -> None:
+        """Tell clients how long to busy-poll for a reply (0: sleep at once); see kvstrata.server.worker."""
+        if self._spin_hint is not None:
+            self._spin_hint.value = int(microseconds)
 
     def key_lock(self, key: str) -> threading.Lock:
         return self._stripes[hash(key) % _STRIPES]
@@ -82,4 +90,5 @@ class Validity:
 
     def close(self) -> None:
         self._gen = None  # type: ignore[assignment]
+        self._spin_hint = None  # type: ignore[assignment]
         self.segment.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
 import threading
 import time
@@ -27,12 +28,14 @@ from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerEr
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.server.handlers import HANDLERS, release
-from kvstrata.server.validity import Validity
+from kvstrata.server.validity import SPIN_HINT_OFFSET, Validity
 from kvstrata.transport import Connection, Listener, listen
 from kvstrata.transport.stream import MAX_FDS
 
 log = logging.getLogger("kvstrata.worker")
 _owner_ids = itertools.count(1)
+#: one client's local-read cache may pin 1/CACHE_SHARE of the memory tier (kvstrata.client.local_reads)
+CACHE_SHARE = 16
 
 
 class Worker:
@@ -53,6 +56,9 @@ class Worker:
         self._stopped = threading.Event()
         self.started_at = time.time()
         self.counters: Counter[str] = Counter()
+        self._cpus = len(os.sched_getaffinity(0))
+        #: seconds a connection thread busy-polls for its next request (see _update_spin)
+        self.spin = 0.0
 
     # lifecycle -----------------------------------------------------------------------------------
     @property
@@ -158,6 +164,9 @@ class Worker:
             segs = list(self._store.segments)[: MAX_FDS - 1]
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
+            reply["spin_hint"] = SPIN_HINT_OFFSET  # where in that page the polling advice is
+            # what one client may keep leased for local reads (pinned: not evictable while held)
+            reply["cache_bytes"] = self.config.memory // CACHE_SHARE
             fds = [self.validity.fd] + [seg.fd for seg in segs]
             session.sent_segments.update(range(len(segs)))
         return reply, fds
@@ -168,6 +177,7 @@ class Worker:
             self._sessions[session.owner] = session
             self.counters["connections"] += 1
             n = len(self._sessions)
+            self._update_spin()
         log.info("client %s connected (%d connected)", session.name, n)
         why = "disconnected"
         try:
@@ -183,8 +193,26 @@ class Worker:
             with self._lock:
                 self._sessions.pop(session.owner, None)
                 n = len(self._sessions)
+                self._update_spin()
             released = session.cleanup()
             log.info("client %s %s%s (%d connected)", session.name, why, released, n)
+
+    def _update_spin(self) -> None:
+        """Busy-poll only where it cannot hurt: waking a sleeping thread costs ~50 us, a small request ~20.
+
+        The worker's thread polls only while one client is connected: with several, a polling thread
+        would hold the GIL the others need (CPython hands it over only every switch interval), and
+        its core is better spent on them. Clients poll for replies while every client and the worker
+        can have a core of their own; the worker advertises that in the generation page. Call under
+        ``self._lock``.
+        """
+        n = len(self._sessions)
+        spin_us = self.config.spin_us if self._cpus >= 2 else 0.0
+        # A client in this very process (embedded use, tests) shares our GIL: polling would starve it.
+        alone = n == 1 and next(iter(self._sessions.values())).pid != os.getpid()
+        self.spin = spin_us * 1e-6 if alone else 0.0
+        if self.validity is not None:
+            self.validity.set_spin_hint(spin_us if n + 1 <= self._cpus else 0)
 
 
 class Session:
@@ -195,6 +223,7 @@ class Session:
         self.store = worker.store
         self.conn = conn
         self.owner = next(_owner_ids)
+        self.pid = hello.get("pid")
         self.name = f"pid {hello.get('pid', '?')}" + (f" ({hello['name']})" if hello.get("name") else "")
         # Large values go through shared memory only if the client can map it.
         self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
@@ -204,8 +233,9 @@ class Session:
         self.validity = worker.validity
 
     def run(self) -> None:
+        worker = self.worker
         while True:
-            msg, fds = self.conn.recv()
+            msg, fds = self.conn.recv(spin=worker.spin)
             for fd in fds:  # clients have no reason to send descriptors
                 _close(fd)
             op = msg.get("op")

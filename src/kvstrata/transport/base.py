@@ -46,8 +46,12 @@ class Connection(abc.ABC):
         """Send one message; ``fds`` are duplicated into the peer (the caller keeps its own)."""
 
     @abc.abstractmethod
-    def recv(self, timeout: float | None = None) -> tuple[Message, list[int]]:
-        """The next message and the descriptors attached to it; waits up to ``timeout`` seconds (None: forever)."""
+    def recv(self, timeout: float | None = None, *, spin: float = 0.0) -> tuple[Message, list[int]]:
+        """The next message and the descriptors attached to it; waits up to ``timeout`` seconds (None: forever).
+
+        ``spin``: busy-poll up to this many seconds before sleeping (a hint; backends may ignore it).
+        It trades CPU for latency: only worth it while the machine has an idle core for the poller.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -55,7 +55,7 @@ class InprocConnection(Connection):
             raise ConnectionLost(f"connection to {self._address} was lost")
         self._outbox.put((payload, [os.dup(fd) for fd in fds]))
 
-    def recv(self, timeout: float | None = None) -> tuple[Message, list[int]]:
+    def recv(self, timeout: float | None = None, *, spin: float = 0.0) -> tuple[Message, list[int]]:
         if self._closed:
             raise ClosedError(f"connection to {self._address} is closed")
         if self._lost:

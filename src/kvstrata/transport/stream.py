@@ -14,6 +14,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,10 +27,12 @@ _HEADER = struct.Struct("<II")
 MAX_FRAME = 1 << 30  # a bigger message is a bug or an attack: values that big go through shared memory
 MAX_FDS = 64
 _CMSG_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_POLL_FLAGS = _CMSG_FLAGS | int(socket.MSG_DONTWAIT)
 _CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: enum flag arithmetic is slow on this hot path
 _FD = array.array("i")
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * _FD.itemsize)
 _READ_CHUNK = 1 << 16
+_BUF_BYTES = 2 * _READ_CHUNK  # the read buffer: any frame up to _READ_CHUNK fits after compaction
 
 
 def pack(msg: Message) -> bytes:
@@ -62,7 +65,11 @@ class StreamConnection(Connection):
         self._recv_lock = threading.Lock()
         self._closed = False
         self._lost = False
-        self._rbuf = bytearray()
+        # Frames are read into one preallocated buffer (no allocation per message); the unread
+        # bytes are _rbuf[_rpos:_rend]. It is never resized: _rview exports it.
+        self._rbuf = bytearray(_BUF_BYTES)
+        self._rview = memoryview(self._rbuf)
+        self._rpos = self._rend = 0
         self._rfds: collections.deque[int] = collections.deque()
         sock.settimeout(None)
 
@@ -111,38 +118,45 @@ class StreamConnection(Connection):
                     raise ClosedError(f"connection to {self._address} is closed") from exc
                 raise ConnectionLost(f"lost connection to {self._address} while sending: {exc}") from exc
 
-    def recv(self, timeout: float | None = None) -> tuple[Message, list[int]]:
+    def recv(self, timeout: float | None = None, *, spin: float = 0.0) -> tuple[Message, list[int]]:
         self._check_open()
         with self._recv_lock:
             try:
-                return self._recv_frame(timeout)
+                return self._recv_frame(timeout, spin)
             except ProtocolError:
                 self._lost = True
                 self._sock.close()
                 raise
 
-    def _recv_frame(self, timeout: float | None) -> tuple[Message, list[int]]:
+    def _recv_frame(self, timeout: float | None, spin: float = 0.0) -> tuple[Message, list[int]]:
         # Frames are parsed out of a read buffer filled by recvmsg, so a small message costs one
         # system call. Descriptors are queued in arrival order and handed to frames by their
         # header's count: the kernel delivers them with the first byte of their frame.
-        buf = self._rbuf
-        while len(buf) < _HEADER.size:
-            self._fill(timeout if not buf else None)
-        length, nfds = _HEADER.unpack_from(buf)
+        if self._rpos == self._rend:
+            self._rpos = self._rend = 0
+            self._fill(timeout, spin)
+        while self._rend - self._rpos < _HEADER.size:
+            self._fill(None)
+        length, nfds = _HEADER.unpack_from(self._rbuf, self._rpos)
         if length > MAX_FRAME or nfds > MAX_FDS:
             raise ProtocolError(f"frame header announces {length} bytes and {nfds} fds: not a kvstrata peer")
-        end = _HEADER.size + length
-        if end - len(buf) > _READ_CHUNK:  # a large frame: read its rest straight into place
+        start = self._rpos + _HEADER.size
+        payload: Any
+        if length > _READ_CHUNK:  # a large frame: read its rest straight into place
+            have = min(self._rend - start, length)
             payload = bytearray(length)
-            have = len(buf) - _HEADER.size
-            payload[:have] = buf[_HEADER.size :]
-            buf.clear()
-            self._read_into(memoryview(payload)[have:])
+            payload[:have] = self._rview[start : start + have]
+            self._rpos = start + have
+            if self._rpos == self._rend:
+                self._rpos = self._rend = 0
+            if have < length:  # nothing of the next frame was read yet: read exactly the rest
+                self._read_into(memoryview(payload)[have:])
         else:
-            while len(buf) < end:
+            while self._rend - start < length:
                 self._fill(None)
-            payload = buf[_HEADER.size : end]
-            del buf[:end]
+                start = self._rpos + _HEADER.size  # _fill may have moved the unread bytes
+            payload = self._rview[start : start + length]
+            self._rpos = start + length
         if len(self._rfds) < nfds:
             raise ProtocolError(f"expected {nfds} file descriptors with the message, got {len(self._rfds)}")
         fds = [self._rfds.popleft() for _ in range(nfds)]
@@ -153,28 +167,54 @@ class StreamConnection(Connection):
                 os.close(fd)
             raise
 
-    def _fill(self, timeout: float | None) -> None:
+    def _fill(self, timeout: float | None, spin: float = 0.0) -> None:
         """One recvmsg into the read buffer; only the wait for a new frame's first byte may time out.
 
         The socket stays blocking (a socket timeout would also cut sends short); a timed wait polls first.
+        ``spin`` seconds of non-blocking polls come before the blocking wait: waking a sleeping
+        process costs tens of microseconds, several times a small request's whole round trip.
         """
         try:
-            ready = timeout is None or select.select([self._sock], [], [], max(timeout, 0))[0]
-            if ready:
-                data, ancdata, flags, _ = self._sock.recvmsg(_READ_CHUNK, _ANC_SPACE, _CMSG_FLAGS)
+            if len(self._rbuf) - self._rend < _READ_CHUNK:  # make room: move the unread bytes to the front
+                n = self._rend - self._rpos
+                self._rbuf[:n] = bytes(self._rview[self._rpos : self._rend])
+                self._rpos, self._rend = 0, n
+            into = [self._rview[self._rend :]]
+            got = self._poll(into, spin) if spin > 0.0 else None
+            if got is None:
+                ready = timeout is None or select.select([self._sock], [], [], max(timeout, 0))[0]
+                if ready:
+                    got = self._sock.recvmsg_into(into, _ANC_SPACE, _CMSG_FLAGS)
         except (OSError, ValueError) as exc:  # ValueError: select on a socket closed by another thread
             raise self._lost_error(exc if isinstance(exc, OSError) else None) from exc
-        if not ready:
+        if got is None:
             raise Timeout(f"no message from {self._address} within {timeout} s")
+        nbytes, ancdata, flags, _ = got
         for level, kind, fd_bytes in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 usable = len(fd_bytes) - len(fd_bytes) % _FD.itemsize
                 self._rfds.extend(array.array("i", fd_bytes[:usable]))
         if flags & _CTRUNC:
             raise ProtocolError("file descriptors were truncated in transit")
-        if not data:
+        if not nbytes:
             raise self._lost_error(None)
-        self._rbuf += data
+        self._rend += nbytes
+
+    def _poll(self, into: list[memoryview], spin: float) -> Any:
+        """recvmsg's result if data arrives within ``spin`` seconds of busy polling, else None.
+
+        Each empty poll yields the CPU: when the peer shares this core (a busy machine), it runs at
+        once instead of waiting for this poller's time slice to end.
+        """
+        recvmsg_into, yield_cpu, clock = self._sock.recvmsg_into, os.sched_yield, time.perf_counter
+        end = clock() + spin
+        while True:
+            try:
+                return recvmsg_into(into, _ANC_SPACE, _POLL_FLAGS)
+            except BlockingIOError:
+                if clock() >= end:
+                    return None
+                yield_cpu()
 
     def _read_into(self, view: memoryview) -> None:
         """Exactly len(view) bytes: never past the frame, so the next frame's descriptors are not lost."""
