@@ -391,3 +391,29 @@ def test_a_hung_worker_is_reported_not_waited_on_forever(tmp_path):
         kv.close()
     finally:
         lst.stop()
+
+
+def test_mset_error_in_one_large_value_leaves_no_open_create(kv, monkeypatch):
+    """A key whose bytes fail to land (any exception) reports it in its slot; the batch's other keys
+    are sealed, and no create stays open (the failed key can be written again at once)."""
+    big = 1 << 20
+    backend = kv._b()
+    if not backend.shm or big < backend.inline_max:
+        pytest.skip("this backend writes every value in one put (no create/seal through shared memory)")
+    original = kvstrata.client.Client._write_through_shm
+
+    def flaky(backend, key, loc, view):
+        if key == "mset-err/b":
+            backend.finish("abort", key)
+            raise ValueError("view: simulated copy failure")
+        original(backend, key, loc, view)
+
+    monkeypatch.setattr(kvstrata.client.Client, "_write_through_shm", staticmethod(flaky))
+    items = {f"mset-err/{k}": bytes([i]) * big for i, k in enumerate("abc")}
+    results = kv.mset(items)
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], ValueError)
+    assert kv.exists(list(items)) == [True, False, True]
+    monkeypatch.undo()
+    assert kv.mset({"mset-err/b": b"x" * big}) == [None]
+    assert kv.get("mset-err/c") == b"\x02" * big

@@ -163,20 +163,35 @@ class Client(DeviceObjectsMixin):
                 results[i] = r if isinstance(r, BaseException) else None
         if large:
             locs = backend.mcreate([(keys[i], len(views[i])) for i in large], opts)
+            unsealed = [i for i, loc in zip(large, locs) if not isinstance(loc, BaseException)]
             created = []
-            for i, loc in zip(large, locs):
-                if isinstance(loc, BaseException):
-                    results[i] = loc
-                    continue
-                try:
-                    self._write_through_shm(backend, keys[i], loc, views[i])
-                except KvstrataError as exc:
-                    results[i] = exc
-                    continue
-                created.append(i)
+            try:
+                for i, loc in zip(large, locs):
+                    if isinstance(loc, BaseException):
+                        results[i] = loc
+                        continue
+                    try:
+                        self._write_through_shm(backend, keys[i], loc, views[i])
+                    except Exception as exc:  # that key is aborted; the others go on
+                        results[i] = exc
+                        unsealed.remove(i)
+                        continue
+                    created.append(i)
+            except BaseException:  # interrupted: no create of this batch may stay open
+                self._abort_quietly(backend, [keys[i] for i in unsealed])
+                raise
             for i, r in zip(created, backend.mseal([keys[i] for i in created]) if created else []):
                 results[i] = r
         return results
+
+    @staticmethod
+    def _abort_quietly(backend: Any, keys: list[str]) -> None:
+        """Abort unsealed creates while another error is on its way out (theirs would hide it)."""
+        for key in keys:
+            try:
+                backend.finish("abort", key)
+            except KvstrataError:
+                pass
 
     def read(self, key: str, offset: int, size: int) -> bytes:
         """``size`` bytes of ``key``'s value from ``offset`` (ValueError for a range outside it)."""
@@ -277,16 +292,15 @@ class Client(DeviceObjectsMixin):
         locs = backend.mcreate(list(zip(keys, sizes)), opts)
         results: list[Result] = [loc if isinstance(loc, BaseException) else None for loc in locs]
         created = [i for i, loc in enumerate(locs) if not isinstance(loc, BaseException)]
-        pairs = []
-        for i in created:
-            pairs.extend(zip(self._host_slices(locs[i], flat[i]), flat[i]))
         try:
+            pairs = []
+            for i in created:
+                pairs.extend(zip(self._host_slices(locs[i], flat[i]), flat[i]))
             event = _device.copy_batch(pairs, stream=stream)
             if event is not None:
                 event.synchronize()  # the bytes must be in host memory before the object is sealed
         except BaseException:
-            for i in created:
-                backend.finish("abort", keys[i])
+            self._abort_quietly(backend, [keys[i] for i in created])
             raise
         for i, r in zip(created, backend.mseal([keys[i] for i in created]) if created else []):
             results[i] = r
