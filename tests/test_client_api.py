@@ -417,3 +417,17 @@ def test_mset_error_in_one_large_value_leaves_no_open_create(kv, monkeypatch):
     monkeypatch.undo()
     assert kv.mset({"mset-err/b": b"x" * big}) == [None]
     assert kv.get("mset-err/c") == b"\x02" * big
+
+
+def test_get_with_timeout_none_waits_until_the_key_exists(kv):
+    kv.delete("late-none")
+    writer = kv if kv.embedded else kvstrata.connect(kv.address)
+    timer = threading.Timer(0.3, lambda: writer.set("late-none", b"here"))
+    timer.start()
+    try:
+        assert kv.get("late-none", timeout=None) == b"here"
+        assert kv.mget(["late-none"], timeout=None) == [b"here"]
+    finally:
+        timer.join()
+        if writer is not kv:
+            writer.close()

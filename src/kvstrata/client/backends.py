@@ -103,7 +103,8 @@ class RemoteBackend:
             self._conn.send(msg)
             spin = self._local.spin() if self._local is not None else 0.0
             try:
-                reply, fds = self._conn.recv(timeout=self.request_timeout + (msg.get("timeout") or 0), spin=spin)
+                wait = msg.get("timeout", 0)  # None: the worker waits until the key exists, and so do we
+                reply, fds = self._conn.recv(timeout=None if wait is None else self.request_timeout + wait, spin=spin)
             except Timeout:
                 # The reply may still come and would answer the next request: this connection is done.
                 self._broken = "the worker stopped answering"

@@ -131,7 +131,8 @@ class Client(DeviceObjectsMixin):
     def get(self, key: str, *, timeout: float = 0) -> bytes:
         """The value of ``key`` as bytes, waiting up to ``timeout`` seconds for it to appear.
 
-        KeyNotFound at once when ``timeout`` is 0, Timeout when it ran out.
+        KeyNotFound at once when ``timeout`` is 0, Timeout when it ran out; ``timeout=None`` waits
+        until the key exists (as in the store and ``queue.Queue.get``).
         """
         P.check_key(key)
         return self._b().get(key, P.check_timeout(timeout))

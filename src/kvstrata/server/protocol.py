@@ -88,9 +88,10 @@ def check_ttl(ttl: Any) -> float | None:
     return float(ttl) or None
 
 
-def check_timeout(timeout: Any) -> float:
+def check_timeout(timeout: Any) -> float | None:
+    """Seconds to wait; 0 means do not wait, None waits until the key exists (the store's meaning)."""
     if timeout is None:
-        return 0.0
+        return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout: must be seconds (a number), got {type(timeout).__name__}")
     if timeout < 0:
