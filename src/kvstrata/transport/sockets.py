@@ -83,12 +83,17 @@ class UnixBackend(Backend):
         _, path = split_address(address)
         if len(os.fsencode(path)) > 107:
             raise ValueError(f"address: unix socket path longer than 107 bytes: {path!r}")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        owner = os.stat(folder).st_uid
+        if owner != os.getuid() and owner != 0:
+            # Another user's folder (say a /tmp/kvstrata-<uid> made in advance) could swap our socket.
+            raise TransportError(f"cannot listen on {address}: {folder} belongs to uid {owner}, not to us")
         _remove_stale_socket(path, address)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
-            os.chmod(path, mode)
+            os.chmod(path, mode)  # before listen(): until then a connect is refused, so no window
             sock.listen(128)
         except OSError as exc:
             sock.close()
