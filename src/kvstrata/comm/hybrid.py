@@ -280,17 +280,28 @@ class HybridAllGather:
         ratio = self.ratio if ratio is None else ratio
         self._validate(out, inp, ratio)
         ratio, head = self._choose(out, inp, ratio)
-        token = self._launch(out, inp, ratio, head)
         if async_op:
-            return token
-        token.wait()
+            return self._launch(out, inp, ratio, head)
+        self._run(out, inp, ratio, head)
         return None
+
+    def _run(self, out: torch.Tensor, inp: torch.Tensor, ratio: int, head: str) -> None:
+        """One synchronous call (its result ordered on the current stream)."""
+        if self._collective_alone(inp, ratio):
+            # Exactly what plain NCCL does: an async collective plus a wait cost measurably more
+            # (the suspected cause of an 11x slowdown at 4 MiB beside a matmul on the H200 pair).
+            _gather(out.reshape(-1), inp.reshape(-1), group=self.group)
+            return
+        self._launch(out, inp, ratio, head).wait()
+
+    def _collective_alone(self, inp: torch.Tensor, ratio: int) -> bool:
+        return self.world == 1 or not (ratio and self.host_path_enabled and inp.numel() // ratio)
 
     def _launch(self, out: torch.Tensor, inp: torch.Tensor, ratio: int, head: str) -> Token:
         count = inp.numel()
-        tail = count // ratio if ratio and self.host_path_enabled else 0
-        if self.world == 1 or tail == 0:
+        if self._collective_alone(inp, ratio):
             return self._collective_only(out, inp)
+        tail = count // ratio
         elem = inp.element_size()
         nbytes, tail_bytes = count * elem, tail * elem
         head_bytes = nbytes - tail_bytes
@@ -441,7 +452,7 @@ class HybridAllGather:
             log.warning("hybrid all-gather: host path unavailable at this size, using the collective: %s", exc)
             return candidates[0]
         for r, h in candidates:  # warm-up: first use of each leg (P2P communicators, page faults)
-            self._launch(out, inp, r, h).wait()
+            self._run(out, inp, r, h)
         t = self._slowest([self._time_split(out, inp, c, iters) for c in candidates])
         best = min(range(len(t)), key=t.__getitem__)
         if best == 0 or t[best] >= AUTO_MARGIN * t[0]:
@@ -459,7 +470,7 @@ class HybridAllGather:
         self._sync()
         t0 = time.perf_counter()
         for _ in range(iters):
-            self._launch(out, inp, *split).wait()
+            self._run(out, inp, *split)
         self._sync()
         return (time.perf_counter() - t0) / iters
 

@@ -103,7 +103,7 @@ def export_tensor(t: torch.Tensor) -> dict[str, Any]:
         rc_handle,
         rc_offset,
         ev_handle,
-        ev_sync,
+        _ev_sync,
     ) = a
     return {
         "size": list(size),
@@ -114,8 +114,11 @@ def export_tensor(t: torch.Tensor) -> dict[str, Any]:
         "storage_offset": int(storage_offset),
         "rc_handle": bytes(rc_handle),
         "rc_offset": int(rc_offset),
-        "ev_handle": bytes(ev_handle) if ev_handle is not None else None,
-        "ev_sync": bool(ev_sync),
+        # torch's interprocess event travels only because its import checks the argument is bytes: it
+        # is imported with ev_sync=False, never waited on. A reader's cudaStreamWaitEvent on an opened
+        # IPC event crashed readers on the H200 machine; the exporter host-waited for its data before
+        # exporting (api._ready_event), so there is nothing to wait for.
+        "ev_handle": bytes(ev_handle) if ev_handle is not None else bytes(64),
     }
 
 
@@ -138,7 +141,7 @@ def import_tensor(blob: dict[str, Any], dtype: torch.dtype, device: int) -> torc
         blob["rc_handle"],
         blob["rc_offset"],
         blob["ev_handle"],
-        blob["ev_sync"],
+        False,  # never wait on the interprocess event (see export_tensor)
     )
 
 
