@@ -3,8 +3,9 @@
 :class:`DeviceObjects` talks to a :class:`~kvstrata.devobj.broker.DeviceBroker` through a
 :class:`BrokerLink` (``call(op, args, timeout) -> dict``): :class:`InprocBrokerLink` for tests and the
 embedded mode, the worker connection for the real client (it forwards ``dev.<op>`` requests). No call
-blocks on a peer: publishes register and return futures; subscribes register waiters and return
-futures; one thread per client long-polls the broker for events (matches, completions, timeouts) and
+blocks on a peer: publishes register and return futures (a publish first waits, on the host, for the
+caller's stream to reach the publish point, so what it registers is complete); subscribes register
+waiters and return futures; one thread per client long-polls the broker for events (matches, completions, timeouts) and
 hands the copies to a small pool. Copies run on this client's own transfer streams, ordered after the
 caller's current stream at the time of the call.
 
@@ -211,9 +212,10 @@ class DeviceObjects:
         """Send one key to ``receivers`` subscribers, pipelined in chunks along a chain.
 
         Receivers call :meth:`dev_subscribe` as usual. Once all have subscribed, receiver ``i`` copies
-        chunk ``c`` from receiver ``i-1`` as soon as ``i-1`` has it (GPU-side event waits, no host
-        round trip per chunk); receivers on the sender's GPU come first so each GPU link is crossed
-        once. Every receiver's future, and this one, completes when all receivers have everything.
+        from receiver ``i-1`` once ``i-1`` has the whole object (a hop at a time: no interprocess
+        events, see ``_ready_event``); receivers on the sender's GPU come first so each GPU link is
+        crossed once. Every receiver's future, and this one, completes when all receivers have
+        everything.
         """
         if not isinstance(receivers, int) or isinstance(receivers, bool) or receivers < 1:
             raise ValueError(f"receivers: expected a positive int, got {receivers!r}")
@@ -339,7 +341,11 @@ class DeviceObjects:
             return None, []
         ev = self._events.get(self.device.index)
         ev.record(torch.cuda.current_stream(self.device))
-        wait_event(ev, self.config.copy_timeout, "publish: the caller's stream reaching the publish point")
+        try:
+            wait_event(ev, self.config.copy_timeout, "publish: the caller's stream reaching the publish point")
+        except BaseException:
+            self._events.put([ev], self.device.index)
+            raise
         return _SharedEvent(ev), []
 
     def _export(self, key: str, tensors: list[torch.Tensor], mode: str, ready: tuple) -> tuple[dict[str, Any], _Owned]:

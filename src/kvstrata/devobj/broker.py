@@ -23,7 +23,7 @@ Lifecycles
   next subscriber: a half-received object is never done and never lost.
 * registered (``mset``): ``ready`` for any number of ``mget`` reads; ``delete`` by the owner stops new
   reads and ``released`` is sent once in-flight reads complete.
-* broadcast: like one-shot, for exactly ``receivers`` subscribers, which copy chunk by chunk along a
+* broadcast: like one-shot, for exactly ``receivers`` subscribers, which copy hop by hop along a
   chain (see :mod:`kvstrata.devobj.api`). The chain is planned once all receivers have subscribed.
 * an owner that goes away (:meth:`owner_gone`) makes its keys vanish; receivers with a transfer in
   flight from it get an ``error`` event (``OwnerGone``), never a hang.

@@ -38,9 +38,10 @@ def configure_from_env() -> None:
 def wait_event(event: Any, timeout: float, what: str, *, clock=time.monotonic, sleep=time.sleep) -> None:
     """Wait for a CUDA event with a deadline; :class:`~kvstrata.errors.Timeout` naming ``what`` past it.
 
-    ``event.synchronize()`` cannot be bounded: a copy stuck behind a peer's ready event that never
-    fires would hang its thread (and the caller's future) forever. Spins briefly (small copies finish
-    in microseconds), then polls with growing sleeps (at most 1 ms), releasing the GIL in between.
+    ``event.synchronize()`` cannot be bounded: a copy or a publishing stream that never finishes (a
+    hung kernel, a peer gone mid-copy) would hang its thread (and the caller's future) forever.
+    Spins briefly (small copies finish in microseconds), then polls with growing sleeps (at most
+    1 ms), releasing the GIL in between.
     """
     if event.query():
         return

@@ -1,4 +1,4 @@
-"""Same-node data path: CUDA IPC export/import of tensors and events, and pulls on a side stream.
+"""Same-node data path: CUDA IPC export/import of tensors, and pulls on a side stream.
 
 The exporter turns each tensor into a msgpack-able dict built from
 :func:`torch.multiprocessing.reductions.reduce_tensor` (the CUDA IPC memory handle of the tensor's
@@ -146,7 +146,7 @@ def import_tensor(blob: dict[str, Any], dtype: torch.dtype, device: int) -> torc
 
 
 class EventPool:
-    """Interprocess CUDA events, reused once the peer that waited on them is done."""
+    """CUDA events of this process (publish points, copy ends), reused once nothing waits on them."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.cuda.Event]] = {}
@@ -158,7 +158,7 @@ class EventPool:
             if free:
                 return free.pop()
         with torch.cuda.device(device):
-            return torch.cuda.Event(interprocess=True)
+            return torch.cuda.Event()
 
     def put(self, events: list[torch.cuda.Event], device: int) -> None:
         with self._lock:
