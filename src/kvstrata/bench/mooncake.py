@@ -84,17 +84,29 @@ class MooncakeStore:
             _ip("netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
             self._spawn(
                 "master",
-                [_binary("mooncake_master"), "--enable_http_metadata_server=true"]
-                + ["--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={METADATA_PORT}"]
-                + [f"--rpc_port={MASTER_PORT}", "--logtostderr"],
+                [
+                    _binary("mooncake_master"),
+                    "--enable_http_metadata_server=true",
+                    "--http_metadata_server_host=127.0.0.1",
+                    f"--http_metadata_server_port={METADATA_PORT}",
+                    f"--rpc_port={MASTER_PORT}",
+                    "--logtostderr",
+                ],
             )
             self._wait_listening([MASTER_PORT, METADATA_PORT], "mooncake_master")
             self._spawn(
                 "client",
-                [_binary("mooncake_client"), "--host=127.0.0.1", "--protocol=tcp", f"--port={CLIENT_PORT}"]
-                + [f"--metadata_server=http://127.0.0.1:{METADATA_PORT}/metadata"]
-                + [f"--master_server_address=127.0.0.1:{MASTER_PORT}"]
-                + [f"--global_segment_size={segment_size}", f"--local_buffer_size={64 << 20}", "--logtostderr"],
+                [
+                    _binary("mooncake_client"),
+                    "--host=127.0.0.1",
+                    "--protocol=tcp",
+                    f"--port={CLIENT_PORT}",
+                    f"--metadata_server=http://127.0.0.1:{METADATA_PORT}/metadata",
+                    f"--master_server_address=127.0.0.1:{MASTER_PORT}",
+                    f"--global_segment_size={segment_size}",
+                    f"--local_buffer_size={64 << 20}",
+                    "--logtostderr",
+                ],
             )
             self._wait_listening([CLIENT_PORT], "mooncake_client")
         except BaseException:
@@ -136,7 +148,11 @@ class MooncakeStore:
                 self._logs.append(log)
                 procs.append(
                     subprocess.Popen(
-                        self._exec([*argv, str(me)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
+                        self._exec([*argv, str(me)]),
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        env=env,
                     )
                 )
             for p in procs:  # connected and warmed up
