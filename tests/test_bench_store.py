@@ -39,6 +39,7 @@ def test_bench_store_runs_and_records(tmp_path):
     ops = {(r["op"], r["system"]) for r in record["rows"]}
     assert {("set", "kvstrata"), ("get", "kvstrata"), ("get_buffers", "kvstrata")} <= ops
     assert all(r["system"] == "kvstrata" for r in record["rows"])
+    assert record["baselines"] == {"redis": None, "mooncake": None}
     assert all(r["ops_per_s"] > 0 for r in record["rows"])
 
 
@@ -61,7 +62,9 @@ def test_bench_store_mooncake_rows_and_teardown(tmp_path):
     before = _our_namespaces()
     out = _bench(tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads((tmp_path / "store.json").read_text())["rows"]
+    record = json.loads((tmp_path / "store.json").read_text())
+    assert record["baselines"]["mooncake"].startswith("mooncake")
+    rows = record["rows"]
     mc = {r["op"]: r for r in rows if r["system"] == "mooncake"}
     assert set(mc) == {"set", "get", "get_buffers"}
     assert all(r["ops_per_s"] > 0 for r in mc.values())

@@ -63,6 +63,17 @@ def _binary(name: str) -> str | None:
     return shutil.which(name)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            pass
+    return "mooncake (version unknown)"
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
@@ -76,6 +87,7 @@ class MooncakeStore:
 
     def __init__(self, segment_size: int, log_dir: Path) -> None:
         self.ns = f"kvstrata-mc-{os.getpid()}"
+        self.version = _version()
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self._logs: list[Any] = []

@@ -124,7 +124,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str] | None:
+def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str, str] | None:
+    """redis-server on a free local port: (process, address, versions), or None (reason printed)."""
     exe = shutil.which("redis-server")
     if exe is None:
         print("redis-server not found (apt-get install redis-server): Redis rows skipped")
@@ -145,7 +146,9 @@ def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str] | None:
     for _ in range(200):
         try:
             r.ping()
-            return proc, f"127.0.0.1:{port}"
+            versions = f"redis-server {r.info('server')['redis_version']}, redis-py {redis.__version__}"
+            r.close()
+            return proc, f"127.0.0.1:{port}", versions
         except redis.ConnectionError:
             time.sleep(0.05)
     proc.kill()
@@ -218,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     mooncake = None
     rows: list[dict[str, Any]] = []
     ctx = multiprocessing.get_context("spawn")
+    finished = False
     try:
         redis_srv = None if args.no_redis else _start_redis(tmp)
         mooncake = None if args.no_mooncake else _start_mooncake(tmp, memory)
@@ -245,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
                 rows += _device_rows(kv_address)
         except ImportError:
             pass
+        finished = True
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(30)
@@ -253,8 +258,11 @@ def run(args: argparse.Namespace) -> int:
             redis_srv[0].wait(30)
         if mooncake:
             mooncake.close()
+            if finished:  # its logs are kept only when something went wrong
+                shutil.rmtree(mooncake.log_dir, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    path = write_result("store", {"rows": rows}, args.out)
+    baselines = {"redis": redis_srv[2] if redis_srv else None, "mooncake": mooncake.version if mooncake else None}
+    path = write_result("store", {"rows": rows, "baselines": baselines}, args.out)
     print(f"results: {path}")
     columns = [
         "system",
