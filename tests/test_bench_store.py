@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.bench import mooncake
-from kvstrata.bench.store import _add_ratios
+from kvstrata.bench.store import _add_ratios, _start_mooncake
 
 MOONCAKE_MISSING = mooncake.unavailable()
 
@@ -57,6 +58,21 @@ def test_ratios_pair_the_same_op_size_and_clients():
     assert all("x_mooncake" not in r and "x_redis" not in r for r in rows[2:])
 
 
+def test_mooncake_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mooncake, "unavailable", lambda: "libibverbs missing (apt-get install libibverbs1)")
+    assert _start_mooncake(tmp_path, 1 << 30) is None
+    assert "libibverbs missing (apt-get install libibverbs1): Mooncake rows skipped" in capsys.readouterr().out
+
+    def no_netns(**kwargs):
+        raise RuntimeError("ip netns add kvstrata-mc-1: Operation not permitted")
+
+    monkeypatch.setattr(mooncake, "unavailable", lambda: None)
+    monkeypatch.setattr(mooncake, "MooncakeStore", no_netns)
+    assert _start_mooncake(tmp_path, 1 << 30) is None
+    out = capsys.readouterr().out
+    assert "did not start (ip netns add kvstrata-mc-1: Operation not permitted): Mooncake rows skipped" in out
+
+
 @pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=f"Mooncake rows cannot run: {MOONCAKE_MISSING}")
 def test_bench_store_mooncake_rows_and_teardown(tmp_path):
     before = _our_namespaces()
@@ -98,6 +114,7 @@ def test_ctrl_c_tears_mooncake_down(tmp_path):
         inode = None
         for line in proc.stdout:
             if "Mooncake Store up" in line:
+                log_dir = line.rsplit("logs: ", 1)[1].rstrip(")\n")
                 (ns,) = _our_namespaces() - before
                 inode = os.stat(f"/run/netns/{ns}").st_ino
             if line.strip().startswith("kvstrata set"):  # Mooncake's set row is next
@@ -113,3 +130,5 @@ def test_ctrl_c_tears_mooncake_down(tmp_path):
     assert _our_namespaces() == before
     assert _processes_in(inode) == []
     assert not (tmp_path / "store.json").exists()
+    assert Path(log_dir, "mooncake_master.log").exists()  # kept after an interrupted run
+    shutil.rmtree(log_dir)

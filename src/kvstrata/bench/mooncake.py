@@ -75,7 +75,9 @@ def _version() -> str:
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip() or f'exit status {out.returncode}'}")
 
 
 class MooncakeStore:

@@ -251,16 +251,18 @@ def run(args: argparse.Namespace) -> int:
             pass
         finished = True
     finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(30)
-        if redis_srv:
-            redis_srv[0].terminate()
-            redis_srv[0].wait(30)
-        if mooncake:
-            mooncake.close()
-            if finished:  # its logs are kept only when something went wrong
-                shutil.rmtree(mooncake.log_dir, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:  # Mooncake first: its namespace must go even if another server hangs on the way down
+            if mooncake:
+                mooncake.close()
+                if finished:  # its logs are kept only when something went wrong
+                    shutil.rmtree(mooncake.log_dir, ignore_errors=True)
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+            if redis_srv:
+                redis_srv[0].terminate()
+                redis_srv[0].wait(30)
+            shutil.rmtree(tmp, ignore_errors=True)
     baselines = {"redis": redis_srv[2] if redis_srv else None, "mooncake": mooncake.version if mooncake else None}
     path = write_result("store", {"rows": rows, "baselines": baselines}, args.out)
     print(f"results: {path}")
@@ -282,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _start_mooncake(tmp: Path, memory: int) -> Any:
+    """Mooncake Store in its own namespace (a ``kvstrata.bench.mooncake.MooncakeStore``), or None (reason printed)."""
     from kvstrata.bench import mooncake
 
     reason = mooncake.unavailable()
@@ -291,8 +294,11 @@ def _start_mooncake(tmp: Path, memory: int) -> Any:
     log_dir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-mooncake-"))  # kept: read it when Mooncake fails
     try:
         store = mooncake.MooncakeStore(segment_size=memory, log_dir=log_dir)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        print(f"Mooncake Store did not start ({exc}): Mooncake rows skipped")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # e.g. no netns support here
+        logs = f"; logs: {log_dir}" if any(log_dir.iterdir()) else ""
+        if not logs:
+            log_dir.rmdir()
+        print(f"Mooncake Store did not start ({exc}{logs}): Mooncake rows skipped")
         return None
     print(f"Mooncake Store up in network namespace {store.ns} (logs: {log_dir})")
     return store
