@@ -100,8 +100,9 @@ def _processes_in(netns_inode: int) -> list[int]:
 
 
 @pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=f"Mooncake rows cannot run: {MOONCAKE_MISSING}")
-def test_ctrl_c_tears_mooncake_down(tmp_path):
-    """SIGINT while Mooncake's clients measure: namespace deleted, nothing left running in it."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_tears_mooncake_down(tmp_path, signum):
+    """SIGINT or SIGTERM while Mooncake's clients measure: namespace deleted, nothing left running in it."""
     before = _our_namespaces()
     argv = ["bench", "store", "--no-redis", "--sizes", "4KiB", "--clients", "1", "--seconds", "0.5"]
     proc = subprocess.Popen(
@@ -121,7 +122,7 @@ def test_ctrl_c_tears_mooncake_down(tmp_path):
                 break
         assert inode is not None and _processes_in(inode), "Mooncake not running"
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         proc.wait(60)
     finally:
         if proc.poll() is None:

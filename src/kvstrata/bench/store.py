@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     ctx = multiprocessing.get_context("spawn")
     finished = False
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupted)  # SIGTERM tears down like Ctrl-C
     try:
         redis_srv = None if args.no_redis else _start_redis(tmp)
         mooncake = None if args.no_mooncake else _start_mooncake(tmp, memory)
@@ -263,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
                 redis_srv[0].terminate()
                 redis_srv[0].wait(30)
             shutil.rmtree(tmp, ignore_errors=True)
+            signal.signal(signal.SIGTERM, previous_sigterm)
     baselines = {"redis": redis_srv[2] if redis_srv else None, "mooncake": mooncake.version if mooncake else None}
     path = write_result("store", {"rows": rows, "baselines": baselines}, args.out)
     print(f"results: {path}")
@@ -281,6 +283,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     print_table(rows, columns)
     return 0
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _start_mooncake(tmp: Path, memory: int) -> Any:
