@@ -1,11 +1,16 @@
-"""``kvstrata bench store``: kvstrata's node-local clients beside Redis, same machine, same run.
+"""``kvstrata bench store``: kvstrata's node-local clients beside Redis and Mooncake Store, same run.
 
-Both servers run as local processes: a ``kvstrata worker`` on a Unix socket and Debian's
-``redis-server`` on 127.0.0.1 (persistence off), driven by redis-py with hiredis. For each value
-size and number of client processes, every client process sets (then gets) values in a loop; the
-table shows aggregate ops/s and GB/s and the single-client median latency. kvstrata's gets appear
-twice: ``get`` (a copy into bytes, like Redis) and ``get_buffers`` (a zero-copy leased view, timed
-until the view is in hand; its release, a one-way message, follows untimed).
+All servers run as local processes: a ``kvstrata worker`` on a Unix socket, Debian's
+``redis-server`` on 127.0.0.1 (persistence off), driven by redis-py with hiredis, and Mooncake Store
+(``mooncake_master`` with its HTTP metadata server plus a ``mooncake_client`` holding the memory, TCP)
+inside a loopback-only network namespace of its own (see ``kvstrata.bench.mooncake``; needs
+``pip install mooncake-transfer-engine-non-cuda``, Debian ``libibverbs1`` and ``iproute2``, and root).
+For each value size and number of client processes, every client process sets (then gets) values in
+a loop; the table shows aggregate ops/s and GB/s and the single-client median latency. kvstrata's
+gets appear twice: ``get`` (a copy into bytes, like Redis) and ``get_buffers`` (a zero-copy leased
+view, timed until the view is in hand; its release, a one-way message, follows untimed). Mooncake's
+``set`` is ``upsert`` (its ``put`` leaves an existing key unchanged), ``get`` is ``get`` (bytes) and
+its ``get_buffers`` row is ``get_buffer`` (a handle on the value copied into the client's buffer).
 With CUDA, ``mget_h2d`` / ``mset_d2h`` of 64 keys x 1 MiB are measured against the pinned-memory
 DMA ceiling (one 64 MiB ``copy_``) in the same run.
 """
@@ -36,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="4KiB,1MiB,16MiB", help="value sizes (default 4KiB,1MiB,16MiB)")
     parser.add_argument("--clients", default="1,8", help="client process counts (default 1,8)")
     parser.add_argument("--seconds", type=float, default=1.0, help="target seconds per measurement (default 1)")
-    parser.add_argument("--no-redis", action="store_true", help="skip Redis (kvstrata rows only)")
+    parser.add_argument("--no-redis", action="store_true", help="skip Redis")
+    parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake Store")
 
 
 def _ops_for(size: int, seconds: float) -> int:
@@ -91,6 +97,12 @@ def _job(system: str, address: str, op: str, me: int, size: int, n: int, start_a
 def _measure(pool: Any, system: str, address: str, op: str, size: int, clients: int, n: int) -> dict[str, Any]:
     start_at = time.time() + 0.3  # every client starts its loop at the same moment
     results = pool.starmap(_job, [(system, address, op, me, size, n, start_at) for me in range(clients)])
+    return _row(system, op, size, clients, results)
+
+
+def _row(system: str, op: str, size: int, clients: int, results: list[list[float]]) -> dict[str, Any]:
+    """Aggregate throughput of ``clients`` processes' per-op seconds, and their median latency."""
+    n = len(results[0])
     walls = [sum(t) for t in results]
     total_ops = clients * n
     wall = max(walls)
@@ -112,7 +124,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str] | None:
+def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str, str] | None:
+    """redis-server on a free local port: (process, address, versions), or None (reason printed)."""
     exe = shutil.which("redis-server")
     if exe is None:
         print("redis-server not found (apt-get install redis-server): Redis rows skipped")
@@ -133,7 +146,9 @@ def _start_redis(tmp: Path) -> tuple[subprocess.Popen, str] | None:
     for _ in range(200):
         try:
             r.ping()
-            return proc, f"127.0.0.1:{port}"
+            versions = f"redis-server {r.info('server')['redis_version']}, redis-py {redis.__version__}"
+            r.close()
+            return proc, f"127.0.0.1:{port}", versions
         except redis.ConnectionError:
             time.sleep(0.05)
     proc.kill()
@@ -202,10 +217,15 @@ def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-"))
     memory = max(client_counts) * KEYS_PER_CLIENT * max(sizes) * 3 + (256 << 20)
     worker, kv_address = _start_worker(tmp, memory)
-    redis_srv = None if args.no_redis else _start_redis(tmp)
+    redis_srv = None
+    mooncake = None
     rows: list[dict[str, Any]] = []
     ctx = multiprocessing.get_context("spawn")
+    finished = False
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupted)  # SIGTERM tears down like Ctrl-C
     try:
+        redis_srv = None if args.no_redis else _start_redis(tmp)
+        mooncake = None if args.no_mooncake else _start_mooncake(tmp, memory)
         with ctx.Pool(max(client_counts)) as pool:
             for size in sizes:
                 n = _ops_for(size, args.seconds)
@@ -218,6 +238,10 @@ def run(args: argparse.Namespace) -> int:
                             row = _measure(pool, system, address, op, size, clients, n)
                             rows.append(row)
                             print(f"  {system:8} {op:11} {size:>9} B x{clients}: {row['ops_per_s']} ops/s", flush=True)
+                        if mooncake:
+                            row = _row("mooncake", op, size, clients, mooncake.run_clients(op, size, clients, n))
+                            rows.append(row)
+                            print(f"  mooncake {op:11} {size:>9} B x{clients}: {row['ops_per_s']} ops/s", flush=True)
         _add_ratios(rows)
         try:
             import torch
@@ -226,14 +250,23 @@ def run(args: argparse.Namespace) -> int:
                 rows += _device_rows(kv_address)
         except ImportError:
             pass
+        finished = True
     finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(30)
-        if redis_srv:
-            redis_srv[0].terminate()
-            redis_srv[0].wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
-    path = write_result("store", {"rows": rows}, args.out)
+        try:  # Mooncake first: its namespace must go even if another server hangs on the way down
+            if mooncake:
+                mooncake.close()
+                if finished:  # its logs are kept only when something went wrong
+                    shutil.rmtree(mooncake.log_dir, ignore_errors=True)
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+            if redis_srv:
+                redis_srv[0].terminate()
+                redis_srv[0].wait(30)
+            shutil.rmtree(tmp, ignore_errors=True)
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    baselines = {"redis": redis_srv[2] if redis_srv else None, "mooncake": mooncake.version if mooncake else None}
+    path = write_result("store", {"rows": rows, "baselines": baselines}, args.out)
     print(f"results: {path}")
     columns = [
         "system",
@@ -244,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         "GB/s",
         "p50_us",
         "x_redis",
+        "x_mooncake",
         "ceiling_GB/s",
         "of_ceiling",
     ]
@@ -251,12 +285,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _start_mooncake(tmp: Path, memory: int) -> Any:
+    """Mooncake Store in its own namespace (a ``kvstrata.bench.mooncake.MooncakeStore``), or None (reason printed)."""
+    from kvstrata.bench import mooncake
+
+    reason = mooncake.unavailable()
+    if reason:
+        print(f"{reason}: Mooncake rows skipped")
+        return None
+    log_dir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-mooncake-"))  # kept: read it when Mooncake fails
+    try:
+        store = mooncake.MooncakeStore(segment_size=memory, log_dir=log_dir)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # e.g. no netns support here
+        logs = f"; logs: {log_dir}" if any(log_dir.iterdir()) else ""
+        if not logs:
+            log_dir.rmdir()
+        print(f"Mooncake Store did not start ({exc}{logs}): Mooncake rows skipped")
+        return None
+    print(f"Mooncake Store up in network namespace {store.ns} (logs: {log_dir})")
+    return store
+
+
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    """kvstrata's throughput over Redis's for the same op (get_buffers against Redis get)."""
-    redis = {(r["op"], r["size"], r["clients"]): r for r in rows if r["system"] == "redis"}
+    """kvstrata's throughput over Redis's and Mooncake's for the same op (Redis: get_buffers against get)."""
+    base = {(r["system"], r["op"], r["size"], r["clients"]): r for r in rows}
     for r in rows:
         if r["system"] != "kvstrata":
             continue
-        base = redis.get(("get" if r["op"] == "get_buffers" else r["op"], r["size"], r["clients"]))
-        if base:
-            r["x_redis"] = round(r["ops_per_s"] / base["ops_per_s"], 2)
+        redis = base.get(("redis", "get" if r["op"] == "get_buffers" else r["op"], r["size"], r["clients"]))
+        if redis:
+            r["x_redis"] = round(r["ops_per_s"] / redis["ops_per_s"], 2)
+        mooncake = base.get(("mooncake", r["op"], r["size"], r["clients"]))
+        if mooncake:
+            r["x_mooncake"] = round(r["ops_per_s"] / mooncake["ops_per_s"], 2)
