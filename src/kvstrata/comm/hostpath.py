@@ -24,13 +24,12 @@ has a deadline and checks that the peer process is alive, so a lost rank surface
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kvstrata.comm.segment import NodeSegment
+from kvstrata.comm.segment import NodeSegment, pid_alive
 from kvstrata.errors import ConnectionLost, Timeout
 
 CHUNK_BYTES = 4 << 20  # pipelining grain: a peer's H2D of chunk k overlaps the D2H of chunk k + 1
@@ -234,7 +233,7 @@ class HostPath:
             if now >= next_check:
                 next_check = now + 0.2
                 for q in pending:
-                    if not _alive(self.topo.pids[q]):
+                    if not pid_alive(self.topo.pids[q]):
                         raise ConnectionLost(
                             f"hybrid all-gather: rank {q} (pid {self.topo.pids[q]}) exited before call {seq} "
                             f"arrived (rank {self.rank} waiting on chunk {chunk + 1}/{chunks})"
@@ -244,21 +243,6 @@ class HostPath:
                         f"hybrid all-gather: rank(s) {pending} did not arrive within {self.timeout:g} s "
                         f"(call {seq}, chunk {chunk + 1}/{chunks}, rank {self.rank} waiting on NUMA node {self.node})"
                     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) still answers kill(0).
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return True
 
 
 __all__ = ["CHUNK_BYTES", "HostPath", "Topology", "chunk_bounds"]

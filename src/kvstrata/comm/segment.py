@@ -73,7 +73,7 @@ def sweep_stale(directory: Path = SHM_DIR) -> int:
         return 0
     for name in names:
         match = re.fullmatch(rf"{PREFIX}[0-9a-f]+-n\d+-g\d+-p(\d+)", name)
-        if not match or _pid_alive(int(match.group(1))):
+        if not match or pid_alive(int(match.group(1))):
             continue
         with contextlib.suppress(OSError):
             os.unlink(directory / name)
@@ -81,14 +81,20 @@ def sweep_stale(directory: Path = SHM_DIR) -> int:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    # A zombie still answers kill(0).
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True
 
 
 def cuda_host_register(ptr: int, nbytes: int) -> None:
