@@ -10,27 +10,19 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-# Stats that only grow (Prometheus counters); everything else is a gauge.
-COUNTERS = frozenset(
-    {
-        "hits",
-        "misses",
-        "evictions",
-        "spills",
-        "promotions",
-        "expired",
-        "corrupt",
-        "requests",
-        "request_errors",
-        "connections",
-        "puts",
-        "gets",
-        "deletes",
-        "bytes_written",
-        "bytes_read",
-        "flushes",
-    }
-)
+from kvstrata.store.engine import STORE_COUNTERS
+
+# Stats that only grow (Prometheus counters): the store's own, plus the worker's; everything else is a gauge.
+COUNTERS = frozenset(STORE_COUNTERS) | {
+    "requests",
+    "request_errors",
+    "connections",
+    "puts",
+    "gets",
+    "deletes",
+    "bytes_written",
+    "bytes_read",
+}
 # Leaves that are byte counts get the ``_bytes`` unit suffix Prometheus asks for.
 BYTES = frozenset({"used", "capacity", "mapped", "free", "size"})
 

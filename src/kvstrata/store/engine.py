@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 _SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
-_COUNTERS = (
+STORE_COUNTERS = (  # stats that only grow; the worker's metrics export them as counters
     "hits",
     "misses",
     "evictions",
@@ -109,7 +109,7 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         self._ttl_heap: list[tuple[float, int, str]] = []
         self._versions = itertools.count(1)
         self._lease_ids = itertools.count(1)
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._counts = dict.fromkeys(STORE_COUNTERS, 0)
         self._flush_lock = threading.Lock()
         self._evict_blocked = False
         self._flush_warned = -1e9
