@@ -7,22 +7,33 @@ Stats are a nested dict (the store's plus the worker's). Numbers at the top beco
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any
 
-from kvstrata.store.engine import STORE_COUNTERS
+# Stats that only grow (Prometheus counters): the store's own (kvstrata.store.config.STORE_COUNTERS,
+# added at first use: importing the store package imports torch), plus the worker's; the rest are gauges.
+WORKER_COUNTERS = frozenset(
+    {
+        "requests",
+        "request_errors",
+        "connections",
+        "puts",
+        "gets",
+        "deletes",
+        "bytes_written",
+        "bytes_read",
+    }
+)
 
-# Stats that only grow (Prometheus counters): the store's own, plus the worker's; everything else is a gauge.
-COUNTERS = frozenset(STORE_COUNTERS) | {
-    "requests",
-    "request_errors",
-    "connections",
-    "puts",
-    "gets",
-    "deletes",
-    "bytes_written",
-    "bytes_read",
-}
+
+@functools.cache
+def counters() -> frozenset[str]:
+    from kvstrata.store.config import STORE_COUNTERS
+
+    return WORKER_COUNTERS | frozenset(STORE_COUNTERS)
+
+
 # Leaves that are byte counts get the ``_bytes`` unit suffix Prometheus asks for.
 BYTES = frozenset({"used", "capacity", "mapped", "free", "size"})
 
@@ -70,7 +81,7 @@ def to_prometheus(stats: dict[str, Any], prefix: str = "kvstrata") -> str:
     lines = []
     for name, rows in sorted(samples.items()):
         base = name.rsplit("_", 1)[-1]
-        is_counter = name.removeprefix(prefix + "_") in COUNTERS or base in COUNTERS
+        is_counter = name.removeprefix(prefix + "_") in counters() or base in counters()
         metric = f"{name}_bytes" if base in BYTES else name
         metric = f"{metric}_total" if is_counter and not metric.endswith("_total") else metric
         lines.append(f"# TYPE {metric} {'counter' if is_counter else 'gauge'}")

@@ -8,6 +8,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+STORE_COUNTERS = (  # stats that only grow; the worker's metrics export them as counters
+    "hits",
+    "misses",
+    "evictions",
+    "spills",
+    "promotions",
+    "expired",
+    "corrupt",
+    "flushes",
+    "device_loads",
+    "device_evictions",
+)
+
 
 class WriteMode(enum.StrEnum):
     """Where a value lives and what may happen to it under memory pressure."""

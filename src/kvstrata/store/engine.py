@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.batch import BatchMixin
-from kvstrata.store.config import StoreConfig, WriteMode
+from kvstrata.store.config import STORE_COUNTERS, StoreConfig, WriteMode
 from kvstrata.store.device import DeviceCacheMixin, GpuCopy
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.objects import (
@@ -51,18 +51,6 @@ log = logging.getLogger(__name__)
 
 _SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
-STORE_COUNTERS = (  # stats that only grow; the worker's metrics export them as counters
-    "hits",
-    "misses",
-    "evictions",
-    "spills",
-    "promotions",
-    "expired",
-    "corrupt",
-    "flushes",
-    "device_loads",
-    "device_evictions",
-)
 
 
 class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
