@@ -458,3 +458,38 @@ def test_debug_state_names_what_is_pending(make):
 def test_copy_timeout_validated():
     with pytest.raises(ValueError, match="copy_timeout"):
         DeviceObjectConfig(copy_timeout=0)
+
+
+class _BytesOnlyNccl:
+    """CuPy 14's NcclCommunicator: the unique id must be bytes."""
+
+    class NcclCommunicator:
+        def __init__(self, ndev: int, comm_id: object, rank: int) -> None:
+            if not isinstance(comm_id, bytes):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(comm_id).__name__})")
+            self.args = (ndev, comm_id, rank)
+
+
+class _TupleOnlyNccl:
+    """Older CuPy: the unique id is a tuple of (signed) chars."""
+
+    class NcclCommunicator:
+        def __init__(self, ndev: int, comm_id: object, rank: int) -> None:
+            if not isinstance(comm_id, tuple):
+                raise TypeError("expected tuple")
+            self.args = (ndev, comm_id, rank)
+
+
+def test_nccl_unique_id_survives_msgpack_for_either_cupy_form() -> None:
+    import msgpack
+
+    from kvstrata.devobj.nccl import _communicator
+
+    raw = bytes(range(120, 248))  # values above 127: the signed/unsigned distinction matters
+    as_sent = msgpack.unpackb(msgpack.packb(list(raw)))
+    comm = _communicator(_BytesOnlyNccl, as_sent, 1)
+    assert comm.args == (2, raw, 1)
+    signed = [x - 256 if x > 127 else x for x in raw]
+    comm = _communicator(_TupleOnlyNccl, msgpack.unpackb(msgpack.packb(signed)), 0)
+    assert comm.args == (2, tuple(signed), 0)
+    assert _communicator(_BytesOnlyNccl, signed, 0).args[1] == raw  # signed chars map to the same bytes

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench._common import gbps, print_table, write_result
+from kvstrata.devobj import debug
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
@@ -271,8 +272,10 @@ def kv_owner(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters
     t_pub = []
     for _ in range(lat_iters):  # subscriber first: time from the publish call
         i = _get(ctl["req"], "owner: latency request (subscriber first)")
+        debug.trace_take()
         t_pub.append(time.perf_counter())
         c.dev_publish([f"lat/{i}"], [[src]])
+    trace = [(t, f"owner {th}", step) for t, th, step in debug.trace_take()]
     for _ in range(lat_iters):  # publisher first
         i = _get(ctl["req"], "owner: latency request (publisher first)")
         c.dev_publish([f"latp/{i}"], [[src]])
@@ -281,7 +284,7 @@ def kv_owner(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters
         raise RuntimeError(f"owner: the reader did not finish within {WAIT:g} s")
     torch.cuda.synchronize()
     c.close()
-    return {"t_pub": t_pub}
+    return {"t_pub": t_pub, "trace": trace}
 
 
 def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters: int, ctl: dict) -> dict:
@@ -291,6 +294,7 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
     if not ctl["ready"].wait(WAIT):
         raise RuntimeError(f"reader: the owner did not register its keys within {WAIT:g} s")
     out: dict[str, Any] = {"mget": {}, "subscribe": {}}
+    traces: dict[str, list] = {}
     for size in sizes:
         k = keys_per_call(size, quick)
         dst = torch.full((k, size), 7, dtype=torch.uint8, device=1)
@@ -302,11 +306,13 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
                 keys = [f"m{size}/{j}" for j in range(k)] if op == "mget" else [f"s{size}/{i}/{j}" for j in range(k)]
                 dst.fill_(7)
                 torch.cuda.synchronize()
+                debug.trace_take()
                 t0 = time.perf_counter()
                 futs = getattr(c, f"dev_{op}")(keys, views, timeout=WAIT)
                 for f in futs:
                     _wait(f, f"reader: dev_{op} of {k} x {fmt_size(size)} keys, round {i}")
                 times.append(time.perf_counter() - t0)
+                traces[f"dev_{op} {k} x {fmt_size(size)}"] = debug.trace_take()
                 if i == 0 and not torch.equal(dst, expected):
                     raise AssertionError(f"dev_{op} of {size} B keys delivered wrong bytes")
             out[op][size] = statistics.median(times[2:])
@@ -316,23 +322,30 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
     t_done = []
     for i in range(lat_iters):
         (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=WAIT)
+        debug.trace_take()
         ctl["req"].put(i)
         _wait(f, f"reader: latency subscribe lat/{i} (subscriber first)")
         t_done.append(time.perf_counter())
+    traces["4 KiB hand-off, subscriber first (reader side)"] = [
+        (t, f"reader {th}", step) for t, th, step in debug.trace_take()
+    ] + [(t_done[-1], "reader main", "future done")]
     pub_first = []
     for i in range(lat_iters):
         ctl["req"].put(i)
         _get(ctl["pub"], "reader: owner's publish (publisher first)")
         time.sleep(0.002)  # let the publish land in the broker
+        debug.trace_take()
         t0 = time.perf_counter()
         _wait(c.dev_subscribe([f"latp/{i}"], [[d]], timeout=WAIT)[0], f"reader: latency subscribe latp/{i}")
         pub_first.append(time.perf_counter() - t0)
+    traces["4 KiB subscribe, publisher first"] = [*debug.trace_take(), (t0 + pub_first[-1], "main", "future done")]
     if not torch.equal(d, _pattern(4 * KiB, 1)):
         raise AssertionError("4 KiB hand-off delivered wrong bytes")
     ctl["done"].set()
     c.close()
     out["t_done"] = t_done
     out["pub_first"] = pub_first
+    out["traces"] = traces
     return out
 
 
@@ -448,6 +461,13 @@ def run(args: argparse.Namespace) -> int:
     bcast_mode = min(bcast_times, key=bcast_times.get)
     bcast_time = bcast_times[bcast_mode]
 
+    if debug.TRACING:
+        traces = dict(reader["traces"])
+        hand = "4 KiB hand-off, subscriber first (reader side)"
+        traces[hand] = sorted(owner["trace"] + traces[hand])  # one monotonic clock for the node
+        for name, stamps in traces.items():
+            if stamps:
+                print(f"--- trace: {name}\n{debug.trace_format(stamps)}", flush=True)
     latency = [d - p for d, p in zip(reader["t_done"], owner["t_pub"])]
     lat_us = statistics.median(latency) * 1e6
     lat_pub_first_us = statistics.median(reader["pub_first"]) * 1e6

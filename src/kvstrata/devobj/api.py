@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvstrata import errors
-from kvstrata.devobj.debug import configure_from_env, wait_event
+from kvstrata.devobj.debug import configure_from_env, trace, wait_event
 from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet, export_tensor, flat_bytes, spec
 from kvstrata.devobj.link import (
     BrokerLink,
@@ -372,8 +372,11 @@ class DeviceObjects:
         return item, _Owned(key, mode, tensors, events, token, Future(), shared)
 
     def _register(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], **extra: Any) -> list[Future]:
+        trace(f"{op} {len(keys)} keys: call")
         ready = self._ready_event()
+        trace(f"{op}: stream reached the publish point")
         exported = [self._export(k, ts, op, ready) for k, ts in zip(keys, lists)]
+        trace(f"{op}: exported")
         try:
             if op == "broadcast":
                 item = dict(exported[0][0], **extra)
@@ -384,6 +387,7 @@ class DeviceObjects:
             for _, owned in exported:
                 self._free(owned)
             raise
+        trace(f"{op}: broker replied")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("devobj: %s %s -> %s", op, keys[:8], results[:8])
         futures = []
@@ -422,12 +426,14 @@ class DeviceObjects:
     def _receive(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], timeout: float | None):
         if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
+        trace(f"{op} {len(keys)} keys: call")
         after = None
         if self._cuda:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
         specs = [[spec(t) for t in ts] for ts in lists]
         results = self._call(op, {"keys": keys, "specs": specs, "timeout": timeout})["results"]
+        trace(f"{op}: broker replied")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("devobj: %s %s -> %s", op, keys[:8], [_brief(r) for r in results[:8]])
         futures, batch = [], []
@@ -454,6 +460,7 @@ class DeviceObjects:
                 _settle(want.future, error_from(r.get("error"), r.get("message", "")))
         if batch:
             self._run_in_pool(self._copy_batch, batch)
+        trace(f"{op}: returns futures")
         return futures
 
     def _on_cancel(self, f: Future, wid: int) -> None:
@@ -478,6 +485,7 @@ class DeviceObjects:
             except Exception as exc:
                 log.debug("devobj decline: %s", exc)
             return
+        trace(f"matched {t['key']!r}")
         want.tid = t["tid"]
         want.transfer = t
         with self._lock:
@@ -547,6 +555,7 @@ class DeviceObjects:
         rec = t["record"]
         log.debug("devobj: importing %r from %s (transfer %s, %s)", rec["key"], rec["owner"], t["tid"], t["path"])
         src, events = self._sources(rec, rec["owner"], reuse=t["kind"] == "get")
+        trace(f"imported {rec['key']!r}")
         if t["kind"] == "get":
             with self._lock:
                 self._read[rec["obj"]] = (rec["owner"], rec["handles"], rec["key"])
@@ -556,17 +565,21 @@ class DeviceObjects:
             return None
         self._streams.get(self.device.index).wait_event(want.after)
         ready = events[0] if events else None
-        return pull(want.tensors, src, [ready] * len(src), self._streams)
+        done = pull(want.tensors, src, [ready] * len(src), self._streams)
+        trace(f"copy queued {rec['key']!r}")
+        return done
 
     def _copy(self, t: dict[str, Any], want: _Want) -> None:
         done = self._enqueue_copy(t, want)
         if done is not None:
             wait_event(done, self.config.copy_timeout, f"copy of {t['key']!r} (transfer {t['tid']})")
+        trace(f"copied {t['key']!r}")
         log.debug("devobj: copied %r (transfer %s)", t["key"], t["tid"])
         self._complete(t, want)
 
     def _copy_batch(self, items: list[tuple[dict[str, Any], _Want]]) -> None:
         """Copies of one call's keys: all queued, one wait, one completion request (per-key results)."""
+        trace(f"copy batch of {len(items)}: start")
         queued, last = [], None
         for t, want in items:
             try:
@@ -580,8 +593,10 @@ class DeviceObjects:
         try:
             if last is not None:  # one stream: the last copy's end covers all
                 wait_event(last, self.config.copy_timeout, _what(queued))
+            trace("copy batch: copies done")
             log.debug("devobj: copied %d keys (%r, ...)", len(queued), queued[0][0]["key"])
             done = self._call("complete_many", {"items": [{"tid": t["tid"], "ok": True} for t, _ in queued]})
+            trace("copy batch: completed at the broker")
         except BaseException as exc:  # never leave a caller's future hanging
             for t, want in queued:
                 self._fail_transfer(t, want, exc)
@@ -591,6 +606,7 @@ class DeviceObjects:
 
     def _complete(self, t: dict[str, Any], want: _Want) -> None:
         r = self._call("complete", {"tid": t["tid"], "ok": True})
+        trace(f"completed {t['key']!r} at the broker")
         log.debug("devobj: complete %r (transfer %s) -> %s", t["key"], t["tid"], r)
         if t["kind"] == "bcast":
             return  # settled by transfer_done, once every receiver has it
@@ -749,6 +765,7 @@ class DeviceObjects:
                 self._fail_all(errors.ClosedError("the broker forgot this client"))
                 return
             for ev in r["events"]:
+                trace(f"event {ev.get('type')}")
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("devobj: event %s", _brief(ev))
                 try:

@@ -8,15 +8,47 @@ run shows each side's steps interleaved.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 from kvstrata import errors
 
 _configured = False
+
+# ``KVSTRATA_DEVOBJ_TRACE=1``: the client's steps stamped with the monotonic clock in a bounded ring, so
+# a benchmark can print where one call's time went (which thread, which step) without a profiler.
+TRACING = os.environ.get("KVSTRATA_DEVOBJ_TRACE", "") not in ("", "0")
+_trace: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=4096)
+
+
+def trace(step: str) -> None:
+    """Stamp ``step`` (no-op unless tracing); cheap enough for the data path."""
+    if TRACING:
+        _trace.append((time.perf_counter(), threading.current_thread().name, step))
+
+
+def trace_take() -> list[tuple[float, str, str]]:
+    """The stamps since the last take, oldest first, and forget them."""
+    out = list(_trace)
+    _trace.clear()
+    return out
+
+
+def trace_format(stamps: list[tuple[float, str, str]]) -> str:
+    """One line per stamp: microseconds since the first, since the previous, thread, step."""
+    if not stamps:
+        return "(no trace: set KVSTRATA_DEVOBJ_TRACE=1)"
+    t0 = prev = stamps[0][0]
+    lines = []
+    for t, thread, step in stamps:
+        lines.append(f"{(t - t0) * 1e6:9.1f} us {(t - prev) * 1e6:+8.1f}  {thread[-18:]:>18}  {step}")
+        prev = t
+    return "\n".join(lines)
 
 
 def configure_from_env() -> None:
@@ -58,4 +90,4 @@ def wait_event(event: Any, timeout: float, what: str, *, clock=time.monotonic, s
         pause = min(1e-3, pause * 2 if pause else 2e-5) if now - start > 1e-4 else 0.0
 
 
-__all__ = ["configure_from_env", "wait_event"]
+__all__ = ["configure_from_env", "trace", "trace_format", "trace_take", "wait_event"]

@@ -37,6 +37,18 @@ def new_unique_id() -> list[int]:
     return list(_nccl().get_unique_id())
 
 
+def _communicator(nccl: Any, uid: list[int], rank: int) -> Any:
+    """A 2-rank communicator from a unique id that crossed msgpack as a list of ints.
+
+    CuPy 14 takes the id as ``bytes`` (what its ``get_unique_id`` returns), older CuPy as a tuple
+    of (signed) chars; the list carries either form's values, so try bytes first.
+    """
+    try:
+        return nccl.NcclCommunicator(2, bytes(x & 0xFF for x in uid), rank)
+    except TypeError:
+        return nccl.NcclCommunicator(2, tuple(uid), rank)
+
+
 class Channel:
     """One side of one (source -> destination) pair: a communicator, a stream and an ordered op queue."""
 
@@ -92,7 +104,7 @@ class Channel:
             if self._uid is None:
                 raise RuntimeError("NCCL pair has no unique id yet")
             with cupy.cuda.Device(self.device):
-                self._comm = nccl.NcclCommunicator(2, tuple(self._uid), self.rank)
+                self._comm = _communicator(nccl, self._uid, self.rank)
             self._stream = torch.cuda.Stream(self.device)
         return self._comm
 
