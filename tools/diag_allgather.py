@@ -75,6 +75,7 @@ def _worker(rank: int, store: str, mib: int) -> None:
     report("after host path use", True)
     report("after host path use", False)
     ag.close()
+    load.close()
     dist.barrier()
     dist.destroy_process_group()
 
