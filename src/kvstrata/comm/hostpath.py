@@ -24,6 +24,7 @@ has a deadline and checks that the peer process is alive, so a lost rank surface
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ import torch
 
 from kvstrata.comm.segment import NodeSegment, pid_alive
 from kvstrata.errors import ConnectionLost, Timeout
+from kvstrata.memory import device_ptr
+from kvstrata.ops.stream_ops import stream_writes_supported, write_value64
 
 CHUNK_BYTES = 4 << 20  # pipelining grain: a peer's H2D of chunk k overlaps the D2H of chunk k + 1
 MAX_CHUNKS = 16
@@ -115,6 +118,10 @@ class HostPath:
             self._h2d = torch.cuda.Stream(device)
             self._flag_src = torch.zeros(MAX_CHUNKS, dtype=torch.int64, device=device)
             self._arange = torch.arange(MAX_CHUNKS, dtype=torch.int64, device=device)
+            # Flags by stream memory operation: no SM, so a GEMM filling the GPU cannot delay them.
+            self._flag_writes = os.environ.get("KVSTRATA_AG_FLAG_KERNEL", "") in ("", "0") and (
+                stream_writes_supported(device.index if device.index is not None else torch.cuda.current_device())
+            )
             self._prev_done: torch.cuda.Event | None = None
 
     @property
@@ -200,6 +207,13 @@ class HostPath:
         if self._prev_done is not None:  # our flags for this call must imply our previous reads are done
             d2h.wait_event(self._prev_done)
         flag = seg.flags_tensor[self.rank : self.rank + 1]
+        if self._flag_writes:
+            flag_address = device_ptr(flag.data_ptr())
+            with torch.cuda.stream(d2h):
+                for k, (lo, hi) in enumerate(bounds):
+                    mine[lo:hi].copy_(call.inp_tail[lo:hi], non_blocking=True)
+                    write_value64(d2h, flag_address, base + k + 1)
+            return
         with torch.cuda.stream(d2h):
             torch.add(self._arange[: len(bounds)], base + 1, out=self._flag_src[: len(bounds)])
             for k, (lo, hi) in enumerate(bounds):
