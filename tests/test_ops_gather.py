@@ -9,6 +9,7 @@ from kvstrata.ops._common import SUPPORTED_DTYPES
 from kvstrata.ops.gather import gather_reference
 
 gather_mod = importlib.import_module("kvstrata.ops.gather")  # the attribute `gather` is the function
+plan_mod = importlib.import_module("kvstrata.ops._gather_plan")
 HAS_CUDA = torch.cuda.is_available()
 POISON = 0xA5
 
@@ -66,7 +67,8 @@ def test_gather_empty_ids_writes_nothing(seeded):
 
 
 def test_gather_cpu_implementation(monkeypatch, seeded):
-    monkeypatch.setattr(gather_mod, "runs_triton", lambda *t: False)
+    monkeypatch.setattr(plan_mod, "runs_triton", lambda *t: False)
+    gather_mod.clear_plans()
     table = _random((20, 33), torch.float8_e4m3fn, seeded)
     ids = torch.tensor([19, 0, 5], dtype=torch.int32)
     out = _poisoned((3, 33), torch.float8_e4m3fn)
