@@ -14,6 +14,14 @@ HAS_CUDA = torch.cuda.is_available()
 POISON = 0xA5
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test starts and ends without cached launch plans (a patched CPU path must not leak)."""
+    gather_mod.clear_plans()
+    yield
+    gather_mod.clear_plans()
+
+
 def _random(shape, dtype, gen):
     """Random bytes of any dtype (fp8 included); exact comparisons go through bytes."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize

@@ -247,9 +247,16 @@ def build_plan(
     return plan
 
 
-def kernel_arg_names(kernel: Any) -> list[str]:
+def kernel_arg_names(kernel: Any) -> tuple[str, ...]:
     """Parameter names of a ``triton.jit`` function (JIT or interpreted), in order."""
-    return list(inspect.signature(kernel.fn).parameters)
+    fn = kernel.fn
+    names = _ARG_NAMES.get(fn)
+    if names is None:
+        names = _ARG_NAMES[fn] = tuple(inspect.signature(fn).parameters)
+    return names
+
+
+_ARG_NAMES: dict[Any, tuple[str, ...]] = {}
 
 
 __all__ = ["MAX_PLANS", "GatherPlan", "build_plan", "kernel_arg_names", "plan_key"]
