@@ -41,9 +41,9 @@ def test_tune_gather_sweeps_every_schedule_within_its_budget():
 
     configs = _tune_tool()._sweep(quick=False)
     assert {c[0] for c in configs} == set(SCHEDULES)
-    assert len(configs) == len(set(configs)) <= 48  # x 3 row counts: timing stays a few seconds
+    assert len(configs) == len(set(configs)) <= 56  # x 3 row counts: timing stays a few seconds
     compiled = {(tile, warps, schedule == "prefetch") for schedule, tile, warps, _ in configs}
-    assert len(compiled) <= 12  # kernel variants to compile: most of the tool's run time
+    assert len(compiled) <= 16  # kernel variants to compile: much of the tool's run time
 
 
 @pytest.mark.gpu

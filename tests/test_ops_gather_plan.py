@@ -179,6 +179,7 @@ def test_tuning_changes_take_effect_without_clearing(monkeypatch, builds, seeded
         gather(table, out, ids)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors take the CPU implementation where CUDA exists")
 def test_direct_launch_passes_every_parameter_in_signature_order(monkeypatch, seeded):
     """The GPU path launches Triton's compiled kernel with raw addresses; check its argument list here."""
     table = _random((40, 64), torch.int8, seeded)
@@ -236,6 +237,20 @@ def test_gpu_direct_launch_engages_and_stays_exact(seeded):
     plans = [p for p in gather_mod._PLANS.values() if p.kind == "triton"]
     assert plans and all(p.runners for p in plans), "the direct launch never engaged"
     assert plan_mod._state["fast"]
+
+
+@pytest.mark.gpu
+def test_gpu_torch_pinned_table_and_host_out(seeded):
+    table = torch.randn(300, 96, generator=seeded).half().pin_memory()  # pinned by torch: not in the registry
+    ids = torch.randint(0, 300, (77,), device="cuda")
+    out = torch.zeros(77, 96, dtype=torch.float16, device="cuda")
+    host_out = torch.zeros(77, 96, dtype=torch.float16).pin_memory()  # written in place over PCIe
+    for _ in range(3):
+        gather(table, out, ids, check=False)
+        gather(out, host_out, torch.arange(77, device="cuda"), check=False)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), table[ids.cpu()]) and torch.equal(host_out, table[ids.cpu()])
+    assert any(p.recheck_table for p in gather_mod._PLANS.values())
 
 
 @pytest.mark.gpu
