@@ -23,3 +23,33 @@ def test_bench_gather_quick_on_gpu(tmp_path):
     record = json.loads((tmp_path / "gather_quick.json").read_text())
     methods = {r["method"] for r in record["rows"]}
     assert {"kvstrata", "to_cuda", "dma_ceiling", "index_select_uva", "cpu_gather_pinned"} <= methods
+
+
+def _tune_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "tune_gather.py"
+    spec = importlib.util.spec_from_file_location("tune_gather", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_gather_sweeps_every_schedule_within_its_budget():
+    from kvstrata.ops.gather import SCHEDULES
+
+    configs = _tune_tool()._sweep(quick=False)
+    assert {c[0] for c in configs} == set(SCHEDULES)
+    assert len(configs) == len(set(configs)) <= 56  # x 3 row counts: timing stays a few seconds
+    compiled = {(tile, warps, schedule == "prefetch") for schedule, tile, warps, _ in configs}
+    assert len(compiled) <= 16  # kernel variants to compile: much of the tool's run time
+
+
+@pytest.mark.gpu
+def test_tune_gather_quick_on_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["tune_gather.py", "--quick", "--rows", "1024", "--out", str(tmp_path)])
+    assert _tune_tool().main() == 0
+    record = json.loads((tmp_path / "tune_gather.json").read_text())
+    assert all(r["correct"] for r in record["results"])
+    assert record["host_us_per_call_1024_rows"]["kvstrata_plan_hit_device_ids"] > 0

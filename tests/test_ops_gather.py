@@ -9,8 +9,17 @@ from kvstrata.ops._common import SUPPORTED_DTYPES
 from kvstrata.ops.gather import gather_reference
 
 gather_mod = importlib.import_module("kvstrata.ops.gather")  # the attribute `gather` is the function
+plan_mod = importlib.import_module("kvstrata.ops._gather_plan")
 HAS_CUDA = torch.cuda.is_available()
 POISON = 0xA5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test starts and ends without cached launch plans (a patched CPU path must not leak)."""
+    gather_mod.clear_plans()
+    yield
+    gather_mod.clear_plans()
 
 
 def _random(shape, dtype, gen):
@@ -66,7 +75,8 @@ def test_gather_empty_ids_writes_nothing(seeded):
 
 
 def test_gather_cpu_implementation(monkeypatch, seeded):
-    monkeypatch.setattr(gather_mod, "runs_triton", lambda *t: False)
+    monkeypatch.setattr(plan_mod, "runs_triton", lambda *t: False)
+    gather_mod.clear_plans()
     table = _random((20, 33), torch.float8_e4m3fn, seeded)
     ids = torch.tensor([19, 0, 5], dtype=torch.int32)
     out = _poisoned((3, 33), torch.float8_e4m3fn)

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warps", type=int, default=None, help="override the gather kernel's warps")
     parser.add_argument("--ctas-per-sm", type=int, default=None, help="override the default grid (SMs x this)")
     parser.add_argument("--num-ctas", type=int, default=None, help="cap the gather kernel's programs")
+    parser.add_argument("--schedule", default=None, help="override the gather kernel's schedule (see SCHEDULES)")
 
 
 def _ints(text: str) -> list[int]:
@@ -60,8 +61,13 @@ def _apply_tile_overrides(args: argparse.Namespace) -> dict[str, int]:
         from dataclasses import replace
 
         gather_mod.TILE = replace(tile, **changes)
+    if args.schedule is not None:
+        if args.schedule not in gather_mod.SCHEDULES:
+            raise SystemExit(f"--schedule: expected one of {gather_mod.SCHEDULES}, got {args.schedule!r}")
+        gather_mod.SCHEDULE = args.schedule
     return {"tile_bytes": gather_mod.TILE.tile_bytes, "num_warps": gather_mod.TILE.num_warps,
-            "ctas_per_sm": gather_mod.TILE.ctas_per_sm, "max_row_bytes": gather_mod.TILE.max_row_bytes}  # fmt: skip
+            "ctas_per_sm": gather_mod.TILE.ctas_per_sm, "max_row_bytes": gather_mod.TILE.max_row_bytes,
+            "schedule": gather_mod.SCHEDULE}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

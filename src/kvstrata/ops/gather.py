@@ -4,6 +4,11 @@ Reads of host memory over PCIe by SMs need many bytes in flight, far more than w
 program copies 2-D tiles of several rows at once (``TileConfig``), each thread issuing 16-byte loads
 where alignment allows, and the default grid covers every SM several times.
 
+A call's host work is most of its cost at small sizes (1,024 rows of 1 KiB move in ~20 us), so the
+first call with a given table/out/ids signature builds a *launch plan* (all checks that depend only
+on that signature, word sizes, grid, the compiled kernel) and later calls look it up and launch the
+compiled kernel with raw addresses (see ``_gather_plan``).
+
 Example::
 
     table = kvstrata.memory.alloc_pinned(n * 1024).view(torch.float16).view(n, 512)
@@ -15,24 +20,25 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.memory.pinned import device_alias
 from kvstrata.ops._common import (
     INDEX_DTYPES,
     TileConfig,
-    as_words,
     check_dtype,
     check_ndim,
-    check_no_overlap,
     check_optional_positive_int,
     check_tensor,
-    launch_config,
-    pinned_copy_to,
-    runs_triton,
-    vec_words,
-    word_bytes_for,
 )
+from kvstrata.ops._gather_plan import MAX_PLANS, GatherPlan, build_plan, plan_key
 
 TILE = TileConfig(tile_bytes=16384, max_row_bytes=4096, num_warps=4, ctas_per_sm=4)
+
+# How programs walk the tiles (tools/tune_gather.py sweeps them on a GPU):
+#   persistent: a grid of SMs x ctas_per_sm programs, each looping over tiles;
+#   prefetch:   the same, loading the next tile's ids before the current tile's rows, so the
+#               dependent ids load (device or host memory) overlaps the PCIe row reads;
+#   flat:       one program per tile (the hardware scheduler refills SMs as programs finish).
+SCHEDULES = ("persistent", "prefetch", "flat")
+SCHEDULE = "persistent"
 
 
 @triton.jit
@@ -49,17 +55,27 @@ def _gather_kernel(
     BLOCK_WORDS: tl.constexpr,
     VEC: tl.constexpr,
     EVEN_COLS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     col_tiles = tl.cdiv(row_words, BLOCK_WORDS)
     tiles = tl.cdiv(n_ids, BLOCK_ROWS) * col_tiles
+    lanes = tl.arange(0, BLOCK_ROWS)
+    if PREFETCH:
+        first = (pid // col_tiles) * BLOCK_ROWS + lanes
+        idx_next = tl.load(ids_ptr + first, mask=first < n_ids, other=0)
     for tile in range(pid, tiles, nprog):
         row_tile = tile // col_tiles
         col_tile = tile - row_tile * col_tiles
-        rows = row_tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        rows = row_tile * BLOCK_ROWS + lanes
         row_ok = rows < n_ids
-        idx = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        if PREFETCH:
+            idx = idx_next.to(tl.int64)
+            ahead = ((tile + nprog) // col_tiles) * BLOCK_ROWS + lanes  # past the end: all masked
+            idx_next = tl.load(ids_ptr + ahead, mask=ahead < n_ids, other=0)
+        else:
+            idx = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         # Out-of-range ids (possible only with check=False) leave their row of ``out`` untouched.
         row_ok = row_ok & (idx >= 0) & (idx < n_table_rows)
         cols = col_tile * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
@@ -73,33 +89,6 @@ def _gather_kernel(
         tl.store(out_ptr + dst_rows[:, None] + cols[None, :], values, mask=mask)
 
 
-def _launch(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None) -> None:
-    """Run ``_gather_kernel``; all three tensors are on one device (or CPU under the interpreter)."""
-    elt = table.element_size()
-    row_bytes = table.shape[1] * elt
-    word = word_bytes_for(row_bytes, table.stride(0) * elt, out.stride(0) * elt, table.data_ptr(), out.data_ptr())
-    table_w, out_w = as_words(table, word), as_words(out, word)
-    row_words = row_bytes // word
-    addrs = (table.data_ptr() // word, out.data_ptr() // word)
-    vec = vec_words(word, row_words, table_w.stride(0), out_w.stride(0), *addrs)
-    cfg = launch_config(ids.numel(), row_words, word, device=out.device, tile=TILE, num_ctas=num_ctas)
-    _gather_kernel[(cfg.grid,)](
-        table_w,
-        out_w,
-        ids,
-        ids.numel(),
-        table.shape[0],
-        row_words,
-        table_w.stride(0),
-        out_w.stride(0),
-        BLOCK_ROWS=cfg.block_rows,
-        BLOCK_WORDS=cfg.block_words,
-        VEC=vec,
-        EVEN_COLS=row_words % cfg.block_words == 0,
-        num_warps=cfg.num_warps,
-    )
-
-
 def gather_reference(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Plain-torch ``table[ids]`` for every supported dtype (bytes, so fp8 works on CPU too)."""
     rows = table.view(torch.uint8) if table.dtype != torch.uint8 else table
@@ -110,6 +99,8 @@ def _check_meta(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_c
     """Everything checkable from shapes and dtypes (also runs on fake tensors under torch.compile)."""
     for name, t in (("table", table), ("out", out), ("ids", ids)):
         check_tensor(t, name)
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     check_ndim(table, "table", 2)
     check_ndim(out, "out", 2)
     check_ndim(ids, "ids", 1)
@@ -139,35 +130,42 @@ def _check_ids_range(ids: torch.Tensor, n_rows: int) -> None:
         raise ValueError(f"ids: values must lie in [0, {n_rows}), got min {lo} and max {hi}")
 
 
-def _reachable(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
-    if t.device.type == "cuda":
-        return t
+_PLANS: dict[tuple, GatherPlan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (tests; after changing ``TILE`` or ``SCHEDULE`` it is not needed)."""
+    _PLANS.clear()
+
+
+def _plan(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None) -> GatherPlan:
+    """The cached plan of this call's signature, or a new one after every check (raising on bad input)."""
     try:
-        return device_alias(t, device)
-    except ValueError as exc:
-        raise ValueError(f"{name}: a host tensor must be in registered or pinned memory ({exc})") from exc
+        key = plan_key(table, out, ids, num_ctas)
+    except RuntimeError:  # no data pointer (a sparse tensor, say): let the checks name the argument
+        _check_meta(table, out, ids, num_ctas)
+        raise
+    plan = _PLANS.get(key)
+    if plan is not None and plan.usable(table, out, TILE, SCHEDULE):
+        return plan
+    _check_meta(table, out, ids, num_ctas)
+    if SCHEDULE not in SCHEDULES:
+        raise ValueError(f"SCHEDULE: expected one of {SCHEDULES}, got {SCHEDULE!r}")
+    plan = build_plan(_gather_kernel, table, out, ids, num_ctas, TILE, SCHEDULE)
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def _gather_impl(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: int | None, check: bool) -> None:
-    _check_meta(table, out, ids, num_ctas)
+    plan = _plan(table, out, ids, num_ctas)
     if check:
         _check_ids_range(ids, table.shape[0])
-    if ids.numel() == 0 or table.shape[1] == 0:
-        return
-    if out.device.type == "cpu" and table.device.type == "cpu":
-        check_no_overlap(table, out, "out")
-        if runs_triton(table, out, ids):
-            _launch(table, out, ids.contiguous(), num_ctas)
-        else:
-            out.copy_(gather_reference(table, ids))
-        return
-    device = out.device if out.device.type == "cuda" else table.device
-    table_d = _reachable(table, "table", device)
-    out_d = _reachable(out, "out", device)
-    check_no_overlap(table_d, out_d, "out")
-    ids_d = pinned_copy_to(ids.contiguous(), device)
-    with torch.cuda.device(device):
-        _launch(table_d, out_d, ids_d, num_ctas)
+    if plan.kind == "triton":
+        plan.launch(_gather_kernel, table, out, ids)
+    elif plan.kind == "reference":
+        out.copy_(gather_reference(table, ids))
 
 
 @torch.library.custom_op(
@@ -198,13 +196,16 @@ def gather(
         table: ``[rows, width]``, on the GPU or in registered/pinned host memory (read in place).
             bf16, fp16, fp32, int8, uint8, fp8 (e4m3fn, e5m2); any width; rows contiguous.
         out: ``[len(ids), width]``, same dtype, on the GPU (or registered host memory).
-        ids: int32 or int64, on the GPU or the host (host ids are copied without blocking).
+        ids: int32 or int64, on the GPU or the host (pinned host ids are read in place by the kernel,
+            pageable ones staged through pinned memory without blocking).
         num_ctas: cap on the programs (SMs) the kernel occupies; default: every SM a few times.
         check: verify ``ids`` lie in range first (for GPU ids this costs a host sync; pass False
             for CUDA-graph capture; out-of-range ids then leave their rows of ``out`` untouched).
 
     All-CPU arguments run a CPU implementation (the Triton interpreter under ``TRITON_INTERPRET=1``).
-    Raises TypeError/ValueError naming the argument before anything is written.
+    Raises TypeError/ValueError naming the argument before anything is written. Repeated calls with
+    the same table/out (same memory, shape, strides, dtype) and ids dtype/length reuse a cached
+    launch plan and cost a few microseconds of host time.
     """
     for name, t in (("table", table), ("out", out), ("ids", ids)):
         check_tensor(t, name)  # before the dispatcher, which would reject it with a less helpful message
@@ -218,4 +219,4 @@ def gather(
     return out
 
 
-__all__ = ["TILE", "gather", "gather_reference"]
+__all__ = ["SCHEDULE", "SCHEDULES", "TILE", "clear_plans", "gather", "gather_reference"]
