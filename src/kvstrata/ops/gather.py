@@ -30,7 +30,9 @@ from kvstrata.ops._common import (
 )
 from kvstrata.ops._gather_plan import MAX_PLANS, GatherPlan, build_plan, plan_key
 
-TILE = TileConfig(tile_bytes=16384, max_row_bytes=4096, num_warps=4, ctas_per_sm=4)
+# From tools/tune_gather.py on the H200 (bench/results/tune_gather_h200.json): the best worst-case
+# fraction of the best configuration over 1K/16K/128K rows of 1 KiB.
+TILE = TileConfig(tile_bytes=16384, max_row_bytes=4096, num_warps=8, ctas_per_sm=8)
 
 # How programs walk the tiles (tools/tune_gather.py sweeps them on a GPU):
 #   persistent: a grid of SMs x ctas_per_sm programs, each looping over tiles;
@@ -165,7 +167,12 @@ def _gather_impl(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_
     if plan.kind == "triton":
         plan.launch(_gather_kernel, table, out, ids)
     elif plan.kind == "reference":
-        out.copy_(gather_reference(table, ids))
+        if check:
+            out.copy_(gather_reference(table, ids))
+        else:  # unchecked ids out of range leave their rows untouched, as the kernel does
+            ok = (ids >= 0) & (ids < table.shape[0])
+            rows = ok.nonzero().squeeze(1)
+            out.index_copy_(0, rows.to(out.device), gather_reference(table, ids[rows]))
 
 
 @torch.library.custom_op(
