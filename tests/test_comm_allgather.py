@@ -293,6 +293,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert allgather.run(args) == 0
     record = json.loads((tmp_path / "allgather_smoke.json").read_text())
     methods = {r["method"] for r in record["rows"]}
-    assert {"nccl", "host", "hybrid r=2", "hybrid r=16", "hybrid auto"} <= methods
-    assert all(r["correct"] and r["busbw_gbs"] > 0 for r in record["rows"]), record["rows"]
+    assert {"nccl", "host", "hybrid r=2", "hybrid r=16", "hybrid auto", "paired"} <= methods
+    timed = [r for r in record["rows"] if r["method"] != "paired"]
+    assert all(r["correct"] and r["busbw_gbs"] > 0 for r in timed), record["rows"]
+    paired = [r for r in record["rows"] if r["method"] == "paired"]
+    assert all(r["nccl_ms"] > 0 and r["auto_ms"] > 0 for r in paired), paired
     assert record["environment"]["command"]

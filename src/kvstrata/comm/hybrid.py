@@ -40,7 +40,7 @@ from kvstrata.errors import ClosedError
 
 log = logging.getLogger(__name__)
 
-AUTO_CANDIDATES = (0, 32, 16, 8, 4, 2)  # 0: the device collective only
+AUTO_CANDIDATES = (0, 32, 16, 8, 4, 2, 1)  # 0: the device collective only; 1: the host path only
 HEADS = ("p2p", "gather")
 AUTO_MIN_BYTES = 1 << 20  # below this per rank the host leg's fixed latency never pays off
 AUTO_MARGIN = 0.98  # a split must beat the collective alone by 2% to be chosen (noise guard)
@@ -445,7 +445,9 @@ class HybridAllGather:
         """Collective: time every candidate split on these tensors; all ranks pick the same one."""
         heads = HEADS if self.head == "auto" else (self.head,)
         candidates = [(0, self.default_head)]
-        candidates += [(r, h) for r in AUTO_CANDIDATES if r and inp.numel() // r > 0 for h in heads]
+        for r in AUTO_CANDIDATES:  # ratio 1 leaves no head: one candidate, whatever the head
+            if r and inp.numel() // r > 0:
+                candidates += [(r, h) for h in (heads if inp.numel() // r < inp.numel() else heads[:1])]
         try:
             self._ensure_capacity(max((inp.numel() // r for r, _ in candidates if r), default=0) * inp.element_size())
         except RuntimeError as exc:  # raised on every rank alike (setup agrees collectively)
