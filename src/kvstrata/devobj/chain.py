@@ -9,7 +9,9 @@ once, one chunk apart, and N receivers finish in about one copy plus ``N-1`` chu
 
 Polling: the loop spins (``sleep(0)``, which releases the GIL) while things move, and backs off to
 sleeps of up to 1 ms once nothing moved for :data:`SPIN_SECONDS`, so an idle wait costs no core.
-Host cost per chunk is one ``copy_`` call, one event record and a few event queries.
+Host cost per chunk is one ``copy_`` call, one event record and a few event queries; chunks are
+enqueued one per round, with completed ones published in between, so a receiver whose predecessor is
+far ahead (the first one: the sender is complete at once) still tells its successor early.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def pump(
         avail = available()
         if avail < 0:
             raise errors.ServerError(f"{what}: the predecessor's copy failed (broadcast aborted)")
-        while enqueued < min(avail, n_chunks):
+        if enqueued < min(avail, n_chunks):  # one at a time: completions are published between enqueues
             pending.append(enqueue(enqueued))
             enqueued += 1
             moved = True
