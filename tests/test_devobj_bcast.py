@@ -324,3 +324,49 @@ def test_receiver_gone_before_its_step_starts(make):
     for f in [*futs, sf]:
         f.result(WAIT)
     assert all(torch.equal(a, b) for d in dsts[1:] for a, b in zip(d, src))
+
+
+# -- GPU-side waits ("stream"): what can be checked without a GPU ---------------------------------------
+def test_broadcast_wait_validated_and_cpu_falls_back_to_host(make):
+    with pytest.raises(ValueError, match="broadcast_wait"):
+        DeviceObjectConfig(broadcast_wait="gpu")
+    _, _, src, dsts, futs, sf = broadcast(make, 3, broadcast_wait="stream")  # CPU tensors: host waits
+    for f in [*futs, sf]:
+        f.result(WAIT)
+    assert all(torch.equal(a, b) for d in dsts for a, b in zip(d, src))
+
+
+def test_progress_device_ptr_registered_once_and_unregistered_on_close(tmp_path):
+    from kvstrata.memory import is_registered
+
+    w = Progress.create(tmp_path)
+    ptr = w.device_ptr()
+    assert w.device_ptr() == ptr and is_registered(ptr, 8)  # without CUDA: the host address, recorded
+    w.release_waiters()
+    assert w.value() == (1 << 30) - 1
+    w.close()
+    assert not is_registered(ptr, 8)
+
+
+def test_gpu_wait_and_write_call_the_driver_with_geq_and_barrier(monkeypatch):
+    from kvstrata.devobj import progress
+
+    calls = []
+
+    class FakeDriver:
+        def cuStreamWaitValue32(self, *a):
+            calls.append(("wait", *a))
+            return (0,)
+
+        def cuStreamWriteValue32(self, *a):
+            calls.append(("write", *a))
+            return (0,)
+
+    monkeypatch.setattr(progress, "_driver", lambda: FakeDriver())
+    stream = type("S", (), {"cuda_stream": 1234})()
+    progress.gpu_wait(stream, 0x1000, 3)
+    progress.gpu_write(stream, 0x2000, 4)
+    assert calls == [("wait", 1234, 0x1000, 3, 0), ("write", 1234, 0x2000, 4, 0)]
+    monkeypatch.setattr(FakeDriver, "cuStreamWaitValue32", lambda self, *a: (7,))
+    with pytest.raises(RuntimeError, match="cuStreamWaitValue32 failed"):
+        progress.gpu_wait(stream, 0x1000, 3)

@@ -212,8 +212,8 @@ def broadcaster(address: str, device: int, receivers: int, nbytes: int) -> str:
     return "sent"
 
 
-def receiver(address: str, device: int, nbytes: int, mode: str = "memcpy") -> str:
-    c = _client(address, device, same_gpu_copy=mode)
+def receiver(address: str, device: int, nbytes: int, mode: str = "memcpy", bwait: str = "host") -> str:
+    c = _client(address, device, same_gpu_copy=mode, broadcast_wait=bwait)
     specs = [((nbytes,), torch.uint8), ((333, 17), torch.float32)]
     dst = poisoned(device, specs)
     wait(c.dev_subscribe(["weights"], [dst], timeout=WAIT)[0], f"receiver on GPU{device}: subscribe 'weights'")
@@ -231,8 +231,8 @@ def bcast_failing_sender(address: str, device: int, nbytes: int) -> str:
     return "broadcast failed as expected"
 
 
-def bcast_abandoned_receiver(address: str, device: int, nbytes: int) -> str:
-    c = _client(address, device)
+def bcast_abandoned_receiver(address: str, device: int, nbytes: int, bwait: str) -> str:
+    c = _client(address, device, broadcast_wait=bwait)
     (f,) = c.dev_subscribe(["doomed-bcast"], [poisoned(device, [((nbytes,), torch.uint8)])], timeout=WAIT)
     with pytest.raises(errors.KvstrataError):  # the predecessor died mid-copy: an error, never a hang or "done"
         f.result(WAIT)
@@ -331,18 +331,27 @@ def test_many_pairs_both_directions_no_deadlock(worker):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize(
-    ("nbytes", "mode"),
-    [((1 << 20) + 4099, "memcpy"), ((1 << 20) + 4096, "kernel"), (1000, "memcpy"), ((64 << 20) + 12345, "kernel")],
+    ("nbytes", "mode", "bwait"),
+    [
+        ((1 << 20) + 4099, "memcpy", "host"),
+        ((1 << 20) + 4096, "kernel", "host"),
+        (1000, "memcpy", "host"),
+        ((64 << 20) + 12345, "kernel", "host"),
+        ((1 << 20) + 4099, "memcpy", "stream"),
+        ((64 << 20) + 12345, "kernel", "stream"),
+    ],
 )
-def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode):
+def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode, bwait):
+    """Every receiver gets exact bytes; chunks of 64 KiB, so the chain pipelines across processes."""
     a = worker.address
-    receivers = [(receiver, a, d, nbytes, mode) for d in (1, 0, 1)]
+    receivers = [(receiver, a, d, nbytes, mode, bwait) for d in (1, 0, 1)]
     run_procs([*receivers, (broadcaster, a, 0, 3, nbytes)], broker=broker_of(worker))
     assert worker.devobj_broker.snapshot()["objects"] == {}
 
 
 @pytest.mark.multigpu
-def test_broadcast_receiver_dying_mid_copy_fails_everyone(worker):
+@pytest.mark.parametrize("bwait", ["host", "stream"])
+def test_broadcast_receiver_dying_mid_copy_fails_everyone(worker, bwait):
     import torch.multiprocessing as mp
 
     from kvstrata.devobj.progress import PREFIX, SHM_DIR, sweep_stale
@@ -353,7 +362,7 @@ def test_broadcast_receiver_dying_mid_copy_fails_everyone(worker):
     try:
         a = worker.address
         run_procs(
-            [*[(bcast_abandoned_receiver, a, 1, nbytes)] * 2, (bcast_failing_sender, a, 0, nbytes)],
+            [*[(bcast_abandoned_receiver, a, 1, nbytes, bwait)] * 2, (bcast_failing_sender, a, 0, nbytes)],
             broker=broker_of(worker),
         )
         dying.join(WAIT)
@@ -366,12 +375,13 @@ def test_broadcast_receiver_dying_mid_copy_fails_everyone(worker):
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}p{dying.pid}-")]
 
 
-def test_broadcast_between_clients_of_one_process():
+@pytest.mark.parametrize("bwait", ["host", "stream"])
+def test_broadcast_between_clients_of_one_process(bwait):
     """The in-process path with CUDA tensors: _LOCAL exports, progress counters, chunk events."""
     from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink
 
     broker = DeviceBroker()
-    cfg = DeviceObjectConfig(chunk_bytes=64 << 10)
+    cfg = DeviceObjectConfig(chunk_bytes=64 << 10, broadcast_wait=bwait)
     devices = [0, 1, 0] if torch.cuda.device_count() > 1 else [0, 0, 0]
     sender = DeviceObjects(InprocBrokerLink(broker), device=0, config=cfg)
     receivers = [DeviceObjects(InprocBrokerLink(broker), device=d, config=cfg) for d in devices]

@@ -44,7 +44,7 @@ from kvstrata.devobj.link import (
     check_tensor_lists,
     error_from,
 )
-from kvstrata.devobj.progress import Progress
+from kvstrata.devobj.progress import Progress, gpu_ops_available, gpu_wait, gpu_write
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,20 @@ class _ChainLink:
             if p is not None:
                 p.close()
         self.progress = self.pred_progress = None
+
+    def abandon(self) -> None:
+        """Like :meth:`release`, but the counters stay mapped and registered for good: a stream that
+        did not drain may still wait on or write them (unmapping would fault the GPU)."""
+        for p in (self.progress, self.pred_progress):
+            if p is not None:
+                p.unlink()
+                _ABANDONED.append(p)
+        self.progress = self.pred_progress = None
+        self.release()
+
+
+# Counters of broadcast steps whose GPU work never drained (see _ChainLink.abandon): one page each.
+_ABANDONED: list[Progress] = []
 
 
 @dataclass
@@ -657,6 +671,11 @@ class DeviceObjects:
         plan = plan_chunks(rec["tensors"], int(rec.get("chunk_bytes") or self.config.chunk_bytes))
         link = _ChainLink()
         started = time.perf_counter()
+        gpu_waits = self._cuda and self.config.broadcast_wait == "stream"
+        if gpu_waits and not gpu_ops_available():
+            log.warning("devobj: broadcast_wait='stream' needs cuda-bindings; %s waits on the host", what)
+            gpu_waits = False
+        wait_ptr = None
         try:
             if want.future.done():  # aborted before it started
                 raise _aborted(want, what)
@@ -684,12 +703,17 @@ class DeviceObjects:
                     "progress": link.progress.name,
                 }
                 self._call("chain_ready", {"tid": t["tid"], "export": export})
-            enqueue, recycle = self._chunk_copier(want, src, plan)
+            pred_p, mine_p = link.pred_progress, link.progress
+            # "stream": the GPU waits for the predecessor's count and advances ours; the host only
+            # queues the chunks (all at once) and watches for their end, an abort or a stall.
+            wait_ptr = pred_p.device_ptr() if gpu_waits and pred_p is not None else None
+            write_ptr = mine_p.device_ptr() if gpu_waits and mine_p is not None else None
+            enqueue, recycle = self._chunk_copier(want, src, plan, wait_ptr=wait_ptr, write_ptr=write_ptr)
             pump(
                 len(plan),
                 enqueue,
-                available=link.pred_progress.value if link.pred_progress is not None else lambda: len(plan),
-                publish=link.progress.advance if link.progress is not None else None,
+                available=pred_p.value if pred_p is not None and wait_ptr is None else lambda: len(plan),
+                publish=mine_p.advance if mine_p is not None and write_ptr is None else None,
                 aborted=lambda: _aborted(want, what) if want.future.done() else None,
                 recycle=recycle,
                 timeout=self.config.copy_timeout,
@@ -698,8 +722,12 @@ class DeviceObjects:
         except BaseException:
             if link.progress is not None:
                 link.progress.fail()  # the successor stops now, before the broker's abort reaches it
-            self._drain(want, what)
-            link.release()
+            if wait_ptr is not None:
+                link.pred_progress.release_waiters()  # our stream's pending GPU waits end (the copies are moot)
+            if self._drain(want, what) or not gpu_waits:
+                link.release()
+            else:
+                link.abandon()
             raise
         copied = time.perf_counter()
         with self._lock:
@@ -728,8 +756,20 @@ class DeviceObjects:
                 link.release()
             raise
 
-    def _chunk_copier(self, want: _Want, src: list[torch.Tensor], plan: list[tuple[int, int, int]]):
-        """``(enqueue(c) -> event | None, recycle(event))`` for chunk copies from ``src`` into ``want.tensors``."""
+    def _chunk_copier(
+        self,
+        want: _Want,
+        src: list[torch.Tensor],
+        plan: list[tuple[int, int, int]],
+        *,
+        wait_ptr: int | None = None,
+        write_ptr: int | None = None,
+    ):
+        """``(enqueue(c) -> event | None, recycle(event))`` for chunk copies from ``src`` into ``want.tensors``.
+
+        ``wait_ptr`` / ``write_ptr``: GPU-side progress (broadcast_wait="stream"): each chunk's copy
+        waits on the stream for the predecessor's count to pass it, then advances ours.
+        """
         dst_b = [flat_bytes(x) for x in want.tensors]
         src_b = [flat_bytes(x) for x in src]
         if not self._cuda:
@@ -751,8 +791,12 @@ class DeviceObjects:
             ss = self._streams.get(src[j].device.index)
             # Cross-device: torch copies on the source device's current stream and orders it with the
             # destination's both ways, so the event on ``sd`` marks the chunk's end.
+            if wait_ptr is not None:  # before the copy on sd; torch orders ss after sd's work so far
+                gpu_wait(sd, wait_ptr, c + 1)
             with torch.cuda.stream(ss), torch.cuda.stream(sd):
                 _copy_bytes(dst_b[j][off : off + n], src_b[j][off : off + n], kernel=kernel and ss is sd)
+            if write_ptr is not None:  # after the copy's end on sd (the write orders it before the count)
+                gpu_write(sd, write_ptr, c + 1)
             ev = self._events.get(dev)
             ev.record(sd)
             pending.append(ev)
@@ -764,18 +808,20 @@ class DeviceObjects:
 
         return enqueue, recycle
 
-    def _drain(self, want: _Want, what: str) -> None:
-        """A failed step: let its queued chunk copies end before the caller gets its buffers back (bounded)."""
+    def _drain(self, want: _Want, what: str) -> bool:
+        """A failed step: let its queued chunk copies end before the caller gets its buffers back
+        (bounded); False when they did not."""
         pending = want.chain_events
         if not pending:
-            return
+            return True
         try:  # queued chunks take milliseconds; a copy stuck for longer is not waited for again
             wait_event(pending[-1], min(self.config.copy_timeout, 2.0), f"{what}: draining queued copies")
         except Exception as exc:
             log.warning("devobj: %s", exc)
-            return
+            return False
         self._events.put(list(pending), self.device.index)
         pending.clear()
+        return True
 
     def _bcast_done(self, want: _Want, exc: BaseException | None) -> None:
         _settle(want.future, exc)

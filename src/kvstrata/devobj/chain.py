@@ -97,7 +97,8 @@ def pump(
         elif now - last_move > timeout:
             if pending:
                 raise errors.Timeout(
-                    f"{what}: the copy of chunk {complete} of {n_chunks} did not finish within {timeout:g} s"
+                    f"{what}: the copy of chunk {complete} of {n_chunks} did not finish within {timeout:g} s "
+                    "(a stuck copy or, with GPU-side waits, a predecessor that stopped)"
                 )
             raise errors.Timeout(
                 f"{what}: the predecessor has {max(avail, 0)} of {n_chunks} chunks and made no progress "

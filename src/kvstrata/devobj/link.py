@@ -56,6 +56,10 @@ class DeviceObjectConfig:
     # Broadcast hops within one GPU: "memcpy" (copy engine) or "kernel" (SMs), which can overlap with
     # another process's copy-engine work on that GPU where copy engines are time-sliced between contexts.
     same_gpu_copy: str = "memcpy"
+    # How a broadcast receiver waits for its predecessor's chunks: "host" (its copy thread polls the
+    # predecessor's shared-memory counter, then queues the chunk) or "stream" (it queues every chunk at
+    # once behind a GPU-side wait on that counter, cuStreamWaitValue32; needs cuda-bindings, else "host").
+    broadcast_wait: str = "host"
     # Longest wait for a matched copy's GPU work; past it the receive fails (Timeout) and the object
     # goes back to the broker, instead of the receiver's thread hanging on a ready event that never fires.
     copy_timeout: float = 120.0
@@ -69,6 +73,8 @@ class DeviceObjectConfig:
             raise ValueError(f"copy_threads: at least 1, got {self.copy_threads}")
         if self.same_gpu_copy not in ("memcpy", "kernel"):
             raise ValueError(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
+        if self.broadcast_wait not in ("host", "stream"):
+            raise ValueError(f"broadcast_wait: expected 'host' or 'stream', got {self.broadcast_wait!r}")
         if self.poll_seconds <= 0:
             raise ValueError(f"poll_seconds: must be > 0, got {self.poll_seconds}")
         if self.copy_timeout <= 0:

@@ -19,6 +19,13 @@ microseconds. Names carry the creator's pid: a file left by a creator that died 
 removed by the next :meth:`Progress.create` on the node (:func:`sweep_stale`). A negative value
 means the writer failed: readers stop at once instead of waiting for the broker's error.
 
+GPU-side waits (``DeviceObjectConfig.broadcast_wait="stream"``, optional): the counter page is
+registered with CUDA (:meth:`Progress.device_ptr`) and streams wait on it (:func:`gpu_wait`,
+``cuStreamWaitValue32`` on the low word, cyclic ``>=``) or advance it (:func:`gpu_write`,
+``cuStreamWriteValue32``, which orders the stream's earlier writes before it), through cuda-bindings'
+driver API. Counts stay below 2**30, so the low word is the count; a reader that gives up writes
+:data:`RELEASE` into its predecessor's counter so its own stream's pending waits end.
+
 Example::
 
     w = Progress.create()
@@ -31,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import re
@@ -43,6 +51,8 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "kvstrata-bcast-"
 _NAME = re.compile(rf"{PREFIX}p(\d+)-[0-9a-f]{{32}}")
 FAILED = -1
+#: written by a reader into its predecessor's counter to end its own stream's GPU waits (see gpu_wait)
+RELEASE = (1 << 30) - 1
 
 
 def _pid_alive(pid: int) -> bool:
@@ -81,7 +91,7 @@ def sweep_stale(directory: Path = SHM_DIR) -> int:
 class Progress:
     """One shared int64 counter: :meth:`create` (the writer) or :meth:`open` (a reader, by name)."""
 
-    __slots__ = ("_mm", "_view", "creator", "name", "path")
+    __slots__ = ("_dptr", "_mm", "_view", "creator", "name", "path")
 
     def __init__(self, path: Path, mm: mmap.mmap, *, creator: bool) -> None:
         self.path = path
@@ -89,6 +99,7 @@ class Progress:
         self.creator = creator
         self._mm: mmap.mmap | None = mm
         self._view = np.frombuffer(mm, dtype=np.int64, count=1)
+        self._dptr: int | None = None
 
     @classmethod
     def create(cls, directory: Path = SHM_DIR) -> Progress:
@@ -134,11 +145,34 @@ class Progress:
         """Tell readers to stop: the writer's copy failed."""
         self._view[0] = FAILED
 
+    def release_waiters(self) -> None:
+        """Satisfy every GPU wait on this counter (a reader giving up on its predecessor)."""
+        self._view[0] = RELEASE
+
+    def device_ptr(self) -> int:
+        """The counter's address for GPU streams: the page registered with CUDA (mapped, portable) once."""
+        if self._dptr is None:
+            from kvstrata.memory import register
+
+            self._dptr = register(int(self._view.ctypes.data), mmap.PAGESIZE)
+        return self._dptr
+
+    def unlink(self) -> None:
+        """Remove the name only (the mapping stays: a GPU may still touch it)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
     def close(self) -> None:
-        """Unmap; the creator also removes the name if the reader has not. Idempotent."""
+        """Unregister and unmap; the creator also removes the name if the reader has not. Idempotent.
+        Only once no stream can still wait on or write the counter."""
         mm, self._mm = self._mm, None
         if mm is None:
             return
+        if self._dptr is not None:
+            from kvstrata.memory import unregister
+
+            unregister(int(self._view.ctypes.data))
+            self._dptr = None
         self._view = None
         mm.close()
         if self.creator:
@@ -146,4 +180,49 @@ class Progress:
                 os.unlink(self.path)
 
 
-__all__ = ["FAILED", "PREFIX", "Progress", "sweep_stale"]
+@functools.cache
+def _driver():
+    """cuda-bindings' driver module with stream memory operations, or None."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # cuda-python < 12.6 layout
+        except ImportError:
+            return None
+    return driver if hasattr(driver, "cuStreamWaitValue32") and hasattr(driver, "cuStreamWriteValue32") else None
+
+
+def gpu_ops_available() -> bool:
+    """Whether :func:`gpu_wait` / :func:`gpu_write` can run here (cuda-bindings installed)."""
+    return _driver() is not None
+
+
+def _check(result: object, call: str) -> None:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"{call} failed: {err!r}")
+
+
+def gpu_wait(stream: object, ptr: int, count: int) -> None:
+    """Work queued on ``stream`` after this waits until the counter at ``ptr`` reached ``count``."""
+    drv = _driver()
+    _check(drv.cuStreamWaitValue32(stream.cuda_stream, ptr, count, 0), "cuStreamWaitValue32")  # 0: GEQ (cyclic)
+
+
+def gpu_write(stream: object, ptr: int, count: int) -> None:
+    """Set the counter at ``ptr`` to ``count`` once ``stream``'s earlier work is done (and visible)."""
+    drv = _driver()
+    _check(drv.cuStreamWriteValue32(stream.cuda_stream, ptr, count, 0), "cuStreamWriteValue32")  # 0: with barrier
+
+
+__all__ = [
+    "FAILED",
+    "PREFIX",
+    "RELEASE",
+    "Progress",
+    "gpu_ops_available",
+    "gpu_wait",
+    "gpu_write",
+    "sweep_stale",
+]
