@@ -354,6 +354,12 @@ def test_gpu_wait_and_write_call_the_driver_with_geq_and_barrier(monkeypatch):
     calls = []
 
     class FakeDriver:
+        def CUstream(self, h):
+            return ("stream", h)
+
+        def CUdeviceptr(self, p):
+            return p
+
         def cuStreamWaitValue32(self, *a):
             calls.append(("wait", *a))
             return (0,)
@@ -366,7 +372,7 @@ def test_gpu_wait_and_write_call_the_driver_with_geq_and_barrier(monkeypatch):
     stream = type("S", (), {"cuda_stream": 1234})()
     progress.gpu_wait(stream, 0x1000, 3)
     progress.gpu_write(stream, 0x2000, 4)
-    assert calls == [("wait", 1234, 0x1000, 3, 0), ("write", 1234, 0x2000, 4, 0)]
+    assert calls == [("wait", ("stream", 1234), 0x1000, 3, 0), ("write", ("stream", 1234), 0x2000, 4, 0)]
     monkeypatch.setattr(FakeDriver, "cuStreamWaitValue32", lambda self, *a: (7,))
     with pytest.raises(RuntimeError, match="cuStreamWaitValue32 failed"):
         progress.gpu_wait(stream, 0x1000, 3)

@@ -9,7 +9,11 @@ One run measures, on the same machine and in this order:
    (up to 256); wall time per call, warm; and the 4 KiB hand-off latency end to end (the publish call
    in one process to the subscriber's future done in the other; clocks are the node's monotonic clock);
 4. ``dev_broadcast`` of 8 GiB (``--broadcast-gib``; ``--quick``: 2 GiB) from GPU0 to 3 receiver
-   processes (GPU1, GPU0, GPU1) against a single peer copy of the same bytes.
+   processes (GPU1, GPU0, GPU1) against a single peer copy of the same bytes (measured in step 1 of
+   this run), for each variant: same-GPU hops by copy engine (``memcpy``) or kernel, and with
+   ``--broadcast-wait stream|both`` GPU-side waits on the chain's progress counters; plus when each
+   chain position's last chunk landed (ms after the broadcast call). Chunk: ``--chunk-mib``
+   (default: ``DeviceObjectConfig.chunk_bytes``, 32 MiB).
 
 ``--quick`` fewer sizes and rounds (< 90 s); ``--smoke`` needs no GPU: broker and client-logic
 timings through an in-process broker with CPU tensors (so a CPU test can run it).
@@ -41,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broadcast-gib", type=float, default=None, help="broadcast size (default 8, quick 2)")
     parser.add_argument(
         "--chunk-mib", type=int, default=None, help="broadcast pipeline chunk (MiB; default DeviceObjectConfig's, 32)"
+    )
+    parser.add_argument(
+        "--broadcast-wait",
+        choices=("host", "stream", "both"),
+        default="host",
+        help="how broadcast receivers wait for their predecessor's chunks (DeviceObjectConfig.broadcast_wait)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size (default 10, quick 4)")
     parser.add_argument("--wait", type=float, default=None, help="seconds any one step may take before failing (300)")
@@ -342,7 +352,20 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
 BCAST_MODES = ("memcpy", "kernel")  # how hops within one GPU copy (DeviceObjectConfig.same_gpu_copy)
 
 
-def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) -> dict[str, dict[str, list[float]]]:
+def bcast_modes(waits: str) -> list[tuple[str, dict[str, str]]]:
+    """``(label, receiver config)`` per broadcast variant: each same_gpu_copy mode, per broadcast_wait
+    (``--broadcast-wait host|stream|both``); host waits keep the bare mode name as the label."""
+    chosen = ("host", "stream") if waits == "both" else (waits,)
+    return [
+        (m if w == "host" else f"{m}+stream-wait", {"same_gpu_copy": m, "broadcast_wait": w})
+        for w in chosen
+        for m in BCAST_MODES
+    ]
+
+
+def bcast_sender(
+    address: str, nbytes: int, chunk: int, rounds: int, ctl: dict, modes: list
+) -> dict[str, dict[str, list[float]]]:
     """``{"seconds": {mode: [per round]}, "t0": {mode: [perf_counter at each dev_broadcast call]}}``."""
     import torch
 
@@ -351,7 +374,7 @@ def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) 
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
-    for mode in BCAST_MODES:
+    for mode, _ in modes:
         for i in range(rounds):
             for _ in range(3):
                 _get(ctl["ready"], f"broadcaster: receivers' subscribes ({mode}, round {i})")
@@ -364,7 +387,7 @@ def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) 
     return {"seconds": times, "t0": starts}
 
 
-def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dict) -> dict[str, Any]:
+def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dict, modes: list) -> dict[str, Any]:
     """Per mode and round: this receiver's chain position and when its last chunk landed (perf_counter,
     the node's monotonic clock, comparable with the sender's ``t0``)."""
     import torch
@@ -372,8 +395,8 @@ def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dic
     dst = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
     torch.cuda.synchronize()
     landed: dict[str, list[dict[str, float]]] = {}
-    for mode in BCAST_MODES:
-        c = _client(address, device, same_gpu_copy=mode)
+    for mode, cfg in modes:
+        c = _client(address, device, **cfg)
         for i in range(rounds):
             dst.fill_(7)
             torch.cuda.synchronize()
@@ -439,6 +462,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         chunk = args.chunk_mib * MiB
     bcast_rounds = 2 if quick else 3
+    modes = bcast_modes(args.broadcast_wait)
     t_start = time.perf_counter()
 
     peer = torch.cuda.can_device_access_peer(0, 1)
@@ -467,8 +491,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"[4/4] broadcast {fmt_size(bcast_bytes)} GPU0 -> 3 receivers (GPU1, GPU0, GPU1)", flush=True)
             ctl = {"ready": ctx.Queue()}
             bc = _spawn(
-                [(bcast_sender, worker.address, bcast_bytes, chunk, bcast_rounds, ctl)]
-                + [(bcast_receiver, worker.address, d, bcast_bytes, bcast_rounds, ctl) for d in (1, 0, 1)]
+                [(bcast_sender, worker.address, bcast_bytes, chunk, bcast_rounds, ctl, modes)]
+                + [(bcast_receiver, worker.address, d, bcast_bytes, bcast_rounds, ctl, modes) for d in (1, 0, 1)]
             )
         except BaseException:
             snap = getattr(worker, "devobj_broker", None)
@@ -553,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(
         [
             {
-                "same-GPU hops": m,
+                "broadcast variant": m,
                 "broadcast ms": round(bcast_times[m] * 1e3, 2),
                 "x one peer copy": result["broadcast"]["ratio_by_same_gpu_copy"][m],
                 "receivers done at ms (chain order)": ", ".join(f"GPU{r['device']} {r['ms']}" for r in finish[m]),

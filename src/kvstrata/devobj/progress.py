@@ -207,13 +207,15 @@ def _check(result: object, call: str) -> None:
 def gpu_wait(stream: object, ptr: int, count: int) -> None:
     """Work queued on ``stream`` after this waits until the counter at ``ptr`` reached ``count``."""
     drv = _driver()
-    _check(drv.cuStreamWaitValue32(stream.cuda_stream, ptr, count, 0), "cuStreamWaitValue32")  # 0: GEQ (cyclic)
+    res = drv.cuStreamWaitValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), count, 0)  # 0: GEQ, cyclic
+    _check(res, "cuStreamWaitValue32")
 
 
 def gpu_write(stream: object, ptr: int, count: int) -> None:
     """Set the counter at ``ptr`` to ``count`` once ``stream``'s earlier work is done (and visible)."""
     drv = _driver()
-    _check(drv.cuStreamWriteValue32(stream.cuda_stream, ptr, count, 0), "cuStreamWriteValue32")  # 0: with barrier
+    res = drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), count, 0)  # 0: barrier
+    _check(res, "cuStreamWriteValue32")
 
 
 __all__ = [
