@@ -655,8 +655,8 @@ class DeviceObjects:
         orders between two clients, deadlock) other copies."""
 
         def run() -> None:
-            self._thread_init()
             try:
+                self._thread_init()
                 self._bcast_step(t, want, pred)
             except BaseException as exc:  # report, never leave the broker or the caller waiting
                 self._fail_transfer(t, want, exc)
