@@ -376,3 +376,23 @@ def test_gpu_wait_and_write_call_the_driver_with_geq_and_barrier(monkeypatch):
     monkeypatch.setattr(FakeDriver, "cuStreamWaitValue32", lambda self, *a: (7,))
     with pytest.raises(RuntimeError, match="cuStreamWaitValue32 failed"):
         progress.gpu_wait(stream, 0x1000, 3)
+
+
+def test_waiting_chain_step_does_not_hold_back_other_copies(make, monkeypatch):
+    """A chain step waits on its predecessor for the whole broadcast: it runs on a thread of its own,
+    so the client's copy pool (one thread here) still serves other receives meanwhile."""
+    cap_publish(monkeypatch, position=0, cap=1)  # position 1 waits (copy_timeout: 120 s)
+    s, r0, r1 = make("s"), make("r0"), make("r1", copy_threads=1)
+    src = tensors(5)
+    futs = [r.dev_subscribe(["b"], [[torch.full_like(t, 7) for t in src]], timeout=WAIT)[0] for r in (r0, r1)]
+    sf = s.dev_broadcast("b", src, receivers=2)
+    big = [torch.arange(1 << 19, dtype=torch.int32)]  # 2 MiB: copied on the pool, not inline
+    dst = [torch.zeros_like(big[0])]
+    s.dev_publish(["other"], [big])
+    r1.dev_subscribe(["other"], [dst], timeout=WAIT)[0].result(WAIT)
+    assert torch.equal(dst[0], big[0])
+    assert not any(f.done() for f in [*futs, sf])  # the broadcast is still waiting
+    s.close()
+    for f in futs:
+        with pytest.raises(errors.KvstrataError):
+            f.result(WAIT)

@@ -651,8 +651,9 @@ class DeviceObjects:
     # -- broadcast receiver -----------------------------------------------------------------------
     def _start_bcast_step(self, t: dict[str, Any], want: _Want, pred: dict[str, Any]) -> None:
         """Run this receiver's chain step on a thread of its own: it waits on its predecessor's progress
-        for the whole broadcast, so on the copy pool it could starve (or, with chains in opposite
-        orders between two clients, deadlock) other copies."""
+        for the whole broadcast, so on the copy pool it would hold back this client's other copies.
+        (No cycle can form between steps: a successor learns of its predecessor only once that one's
+        step runs, and the first position's source is complete.)"""
 
         def run() -> None:
             try:
