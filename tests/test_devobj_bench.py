@@ -22,3 +22,14 @@ def test_keys_per_call_fills_about_2GiB():
     assert device.keys_per_call(64 << 20, quick=False) == 32
     assert device.keys_per_call(1 << 30, quick=True) == 2
     assert device.keys_per_call(4096, quick=True) == 64
+
+
+def test_broadcast_finish_times_by_chain_position():
+    sender = {"t0": {"memcpy": [0.0, 10.0, 20.0]}}
+    receivers = [  # which process holds a position may change between rounds; the first round is warm-up
+        {"device": 1, "landed": {"memcpy": [{"position": 1, "copied": c} for c in (0.5, 10.006, 20.006)]}},
+        {"device": 0, "landed": {"memcpy": [{"position": 0, "copied": c} for c in (0.5, 10.005, 20.007)]}},
+    ]
+    out = device.bcast_finish_ms(sender, receivers)["memcpy"]
+    assert [(r["position"], r["device"]) for r in out] == [(0, 0), (1, 1)]
+    assert out[0]["ms"] == 6.0 and out[1]["ms"] == 6.0

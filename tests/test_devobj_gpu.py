@@ -212,14 +212,53 @@ def broadcaster(address: str, device: int, receivers: int, nbytes: int) -> str:
     return "sent"
 
 
-def receiver(address: str, device: int, nbytes: int, mode: str = "memcpy") -> str:
-    c = _client(address, device, same_gpu_copy=mode)
+def receiver(address: str, device: int, nbytes: int, mode: str = "memcpy", bwait: str = "host") -> str:
+    c = _client(address, device, same_gpu_copy=mode, broadcast_wait=bwait)
     specs = [((nbytes,), torch.uint8), ((333, 17), torch.float32)]
     dst = poisoned(device, specs)
     wait(c.dev_subscribe(["weights"], [dst], timeout=WAIT)[0], f"receiver on GPU{device}: subscribe 'weights'")
     assert same(dst, make(11, "cpu", specs)), "broadcast copy differs"
     c.close()
     return "received"
+
+
+def bcast_failing_sender(address: str, device: int, nbytes: int) -> str:
+    c = _client(address, device, chunk_bytes=64 << 10)
+    f = c.dev_broadcast("doomed-bcast", [make(12, device, [((nbytes,), torch.uint8)])[0]], receivers=3)
+    with pytest.raises(errors.ServerError, match="failed"):
+        f.result(WAIT)
+    c.close()
+    return "broadcast failed as expected"
+
+
+def bcast_abandoned_receiver(address: str, device: int, nbytes: int, bwait: str) -> str:
+    c = _client(address, device, broadcast_wait=bwait)
+    (f,) = c.dev_subscribe(["doomed-bcast"], [poisoned(device, [((nbytes,), torch.uint8)])], timeout=WAIT)
+    with pytest.raises(errors.ServerError):  # the predecessor died mid-copy: an abort, never a hang or "done"
+        f.result(WAIT)
+    c.close()
+    return "receive failed as expected"
+
+
+def bcast_dying_receiver(address: str, device: int, nbytes: int) -> None:
+    """Chain position 0 (the only receiver on the sender's GPU): dies after queuing its 4th chunk copy."""
+    from kvstrata.devobj import api
+
+    real = api.pump
+
+    def die_midway(n, enqueue, **kw):
+        def enq(c: int):
+            if c == 3:
+                os._exit(0)  # no goodbye: the worker sees the connection drop, its successors' counters stop
+            return enqueue(c)
+
+        return real(n, enq, **kw)
+
+    api.pump = die_midway
+    c = _client(address, device)
+    c.dev_subscribe(["doomed-bcast"], [poisoned(device, [((nbytes,), torch.uint8)])], timeout=WAIT)
+    time.sleep(3 * WAIT)
+    os._exit(3)  # never reached when the broadcast started
 
 
 def nccl_owner(address: str, device: int) -> str:
@@ -292,13 +331,74 @@ def test_many_pairs_both_directions_no_deadlock(worker):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize(
-    ("nbytes", "mode"), [((1 << 20) + 4099, "memcpy"), ((1 << 20) + 4096, "kernel"), (1000, "memcpy")]
+    ("nbytes", "mode", "bwait"),
+    [
+        ((1 << 20) + 4099, "memcpy", "host"),
+        ((1 << 20) + 4096, "kernel", "host"),
+        (1000, "memcpy", "host"),
+        ((64 << 20) + 12345, "kernel", "host"),
+        ((1 << 20) + 4099, "memcpy", "stream"),
+        ((64 << 20) + 12345, "kernel", "stream"),
+    ],
 )
-def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode):
+def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode, bwait):
+    """Every receiver gets exact bytes; chunks of 64 KiB, so the chain pipelines across processes."""
     a = worker.address
-    receivers = [(receiver, a, d, nbytes, mode) for d in (1, 0, 1)]
+    receivers = [(receiver, a, d, nbytes, mode, bwait) for d in (1, 0, 1)]
     run_procs([*receivers, (broadcaster, a, 0, 3, nbytes)], broker=broker_of(worker))
     assert worker.devobj_broker.snapshot()["objects"] == {}
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("bwait", ["host", "stream"])
+def test_broadcast_receiver_dying_mid_copy_fails_everyone(worker, bwait):
+    import torch.multiprocessing as mp
+
+    from kvstrata.devobj.progress import PREFIX, SHM_DIR, sweep_stale
+
+    nbytes = 4 << 20  # 64 chunks of 64 KiB
+    dying = mp.get_context("spawn").Process(target=bcast_dying_receiver, args=(worker.address, 0, nbytes))
+    dying.start()
+    try:
+        a = worker.address
+        run_procs(
+            [*[(bcast_abandoned_receiver, a, 1, nbytes, bwait)] * 2, (bcast_failing_sender, a, 0, nbytes)],
+            broker=broker_of(worker),
+        )
+        dying.join(WAIT)
+        assert dying.exitcode == 0, "the dying receiver did not die inside its broadcast step"
+    finally:
+        if dying.is_alive():
+            dying.kill()
+    assert worker.devobj_broker.snapshot()["objects"] == {}
+    sweep_stale()
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}p{dying.pid}-")]
+
+
+@pytest.mark.parametrize("bwait", ["host", "stream"])
+def test_broadcast_between_clients_of_one_process(bwait):
+    """The in-process path with CUDA tensors: _LOCAL exports, progress counters, chunk events."""
+    from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink
+
+    broker = DeviceBroker()
+    cfg = DeviceObjectConfig(chunk_bytes=64 << 10, broadcast_wait=bwait)
+    devices = [0, 1, 0] if torch.cuda.device_count() > 1 else [0, 0, 0]
+    sender = DeviceObjects(InprocBrokerLink(broker), device=0, config=cfg)
+    receivers = [DeviceObjects(InprocBrokerLink(broker), device=d, config=cfg) for d in devices]
+    specs = [(((3 << 20) + 77,), torch.uint8), ((333, 17), torch.float32)]
+    try:
+        dsts = [poisoned(d, specs) for d in devices]
+        futs = [r.dev_subscribe(["w"], [x], timeout=WAIT)[0] for r, x in zip(receivers, dsts)]
+        sf = sender.dev_broadcast("w", make(13, 0, specs), receivers=len(receivers))
+        for i, f in enumerate([*futs, sf]):
+            wait(f, f"one process: broadcast future {i}")
+        for d in dsts:
+            assert same(d, make(13, "cpu", specs)), "broadcast copy differs"
+        assert sorted(e["position"] for r in receivers for e in r.broadcast_log()) == [0, 1, 2]
+        assert broker.snapshot()["objects"] == {}
+    finally:
+        for c in [sender, *receivers]:
+            c.close()
 
 
 @pytest.mark.multigpu

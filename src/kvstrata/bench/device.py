@@ -9,7 +9,11 @@ One run measures, on the same machine and in this order:
    (up to 256); wall time per call, warm; and the 4 KiB hand-off latency end to end (the publish call
    in one process to the subscriber's future done in the other; clocks are the node's monotonic clock);
 4. ``dev_broadcast`` of 8 GiB (``--broadcast-gib``; ``--quick``: 2 GiB) from GPU0 to 3 receiver
-   processes (GPU1, GPU0, GPU1) against a single peer copy of the same bytes.
+   processes (GPU1, GPU0, GPU1) against a single peer copy of the same bytes (measured in step 1 of
+   this run), for each variant: same-GPU hops by copy engine (``memcpy``) or kernel, and with
+   ``--broadcast-wait stream|both`` GPU-side waits on the chain's progress counters; plus when each
+   chain position's last chunk landed (ms after the broadcast call). Chunk: ``--chunk-mib``
+   (default: ``DeviceObjectConfig.chunk_bytes``, 32 MiB).
 
 ``--quick`` fewer sizes and rounds (< 90 s); ``--smoke`` needs no GPU: broker and client-logic
 timings through an in-process broker with CPU tensors (so a CPU test can run it).
@@ -40,7 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (< 90 s)")
     parser.add_argument("--smoke", action="store_true", help="no GPU: broker/client timings with CPU tensors")
     parser.add_argument("--broadcast-gib", type=float, default=None, help="broadcast size (default 8, quick 2)")
-    parser.add_argument("--chunk-mib", type=int, default=64, help="broadcast pipeline chunk (MiB)")
+    parser.add_argument(
+        "--chunk-mib", type=int, default=None, help="broadcast pipeline chunk (MiB; default DeviceObjectConfig's, 32)"
+    )
+    parser.add_argument(
+        "--broadcast-wait",
+        choices=("host", "stream", "both"),
+        default="host",
+        help="how broadcast receivers wait for their predecessor's chunks (DeviceObjectConfig.broadcast_wait)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size (default 10, quick 4)")
     parser.add_argument("--wait", type=float, default=None, help="seconds any one step may take before failing (300)")
 
@@ -353,14 +365,29 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
 BCAST_MODES = ("memcpy", "kernel")  # how hops within one GPU copy (DeviceObjectConfig.same_gpu_copy)
 
 
-def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) -> dict[str, list[float]]:
+def bcast_modes(waits: str) -> list[tuple[str, dict[str, str]]]:
+    """``(label, receiver config)`` per broadcast variant: each same_gpu_copy mode, per broadcast_wait
+    (``--broadcast-wait host|stream|both``); host waits keep the bare mode name as the label."""
+    chosen = ("host", "stream") if waits == "both" else (waits,)
+    return [
+        (m if w == "host" else f"{m}+stream-wait", {"same_gpu_copy": m, "broadcast_wait": w})
+        for w in chosen
+        for m in BCAST_MODES
+    ]
+
+
+def bcast_sender(
+    address: str, nbytes: int, chunk: int, rounds: int, ctl: dict, modes: list
+) -> dict[str, dict[str, list[float]]]:
+    """``{"seconds": {mode: [per round]}, "t0": {mode: [perf_counter at each dev_broadcast call]}}``."""
     import torch
 
     c = _client(address, 0, chunk_bytes=chunk)
     src = _pattern(nbytes, 0)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {}
-    for mode in BCAST_MODES:
+    starts: dict[str, list[float]] = {}
+    for mode, _ in modes:
         for i in range(rounds):
             for _ in range(3):
                 _get(ctl["ready"], f"broadcaster: receivers' subscribes ({mode}, round {i})")
@@ -368,27 +395,50 @@ def bcast_sender(address: str, nbytes: int, chunk: int, rounds: int, ctl: dict) 
             t0 = time.perf_counter()
             _wait(c.dev_broadcast(f"b-{mode}-{i}", [src], receivers=3), f"broadcaster: broadcast ({mode}, round {i})")
             times.setdefault(mode, []).append(time.perf_counter() - t0)
+            starts.setdefault(mode, []).append(t0)
     c.close()
-    return times
+    return {"seconds": times, "t0": starts}
 
 
-def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dict) -> bool:
+def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dict, modes: list) -> dict[str, Any]:
+    """Per mode and round: this receiver's chain position and when its last chunk landed (perf_counter,
+    the node's monotonic clock, comparable with the sender's ``t0``)."""
     import torch
 
     dst = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
     torch.cuda.synchronize()
-    for mode in BCAST_MODES:
-        c = _client(address, device, same_gpu_copy=mode)
+    landed: dict[str, list[dict[str, float]]] = {}
+    for mode, cfg in modes:
+        c = _client(address, device, **cfg)
         for i in range(rounds):
             dst.fill_(7)
             torch.cuda.synchronize()
             (f,) = c.dev_subscribe([f"b-{mode}-{i}"], [[dst]], timeout=WAIT)
             ctl["ready"].put(device)
             _wait(f, f"receiver on GPU{device}: broadcast ({mode}, round {i})")
+            entry = next(e for e in reversed(c.device_objects().broadcast_log()) if e["key"] == f"b-{mode}-{i}")
+            landed.setdefault(mode, []).append({"position": entry["position"], "copied": entry["copied"]})
             if i == 0 and not torch.equal(dst, _pattern(nbytes, device)):
                 raise AssertionError(f"broadcast ({mode} hops) receiver on GPU{device} got wrong bytes")
         c.close()
-    return True
+    return {"device": device, "landed": landed}
+
+
+def bcast_finish_ms(sender: dict, receivers: list[dict]) -> dict[str, list[dict[str, Any]]]:
+    """Per mode, per chain position: when that receiver's last chunk landed, ms after the broadcast call
+    (median over the rounds after the first; which process holds a position may change between rounds)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for mode, t0s in sender["t0"].items():
+        by_pos: dict[int, list[float]] = {}
+        device: dict[int, int] = {}
+        for r in receivers:
+            for rnd, (mark, t0) in enumerate(zip(r["landed"][mode], t0s)):
+                if rnd or len(t0s) == 1:
+                    by_pos.setdefault(mark["position"], []).append((mark["copied"] - t0) * 1e3)
+                    device[mark["position"]] = r["device"]
+        rows = sorted(by_pos.items())
+        out[mode] = [{"position": p, "device": device[p], "ms": round(statistics.median(v), 2)} for p, v in rows]
+    return out
 
 
 # -- driver ------------------------------------------------------------------------------------------
@@ -418,8 +468,14 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (4 if quick else 10)
     lat_iters = 50 if quick else 200
     bcast_bytes = int((args.broadcast_gib or (2 if quick else 8)) * GiB)
-    chunk = args.chunk_mib * MiB
+    if args.chunk_mib is None:
+        from kvstrata.devobj import DeviceObjectConfig
+
+        chunk = DeviceObjectConfig.chunk_bytes  # the default the library ships with
+    else:
+        chunk = args.chunk_mib * MiB
     bcast_rounds = 2 if quick else 3
+    modes = bcast_modes(args.broadcast_wait)
     t_start = time.perf_counter()
 
     peer = torch.cuda.can_device_access_peer(0, 1)
@@ -448,8 +504,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"[4/4] broadcast {fmt_size(bcast_bytes)} GPU0 -> 3 receivers (GPU1, GPU0, GPU1)", flush=True)
             ctl = {"ready": ctx.Queue()}
             bc = _spawn(
-                [(bcast_sender, worker.address, bcast_bytes, chunk, bcast_rounds, ctl)]
-                + [(bcast_receiver, worker.address, d, bcast_bytes, bcast_rounds, ctl) for d in (1, 0, 1)]
+                [(bcast_sender, worker.address, bcast_bytes, chunk, bcast_rounds, ctl, modes)]
+                + [(bcast_receiver, worker.address, d, bcast_bytes, bcast_rounds, ctl, modes) for d in (1, 0, 1)]
             )
         except BaseException:
             snap = getattr(worker, "devobj_broker", None)
@@ -457,7 +513,9 @@ def run(args: argparse.Namespace) -> int:
             raise
         finally:
             worker.stop()
-    bcast_times = {m: statistics.median(ts[1:]) for m, ts in bc["bcast_sender"][0].items()}
+    sender = bc["bcast_sender"][0]
+    bcast_times = {m: statistics.median(ts[1:]) for m, ts in sender["seconds"].items()}
+    finish = bcast_finish_ms(sender, bc["bcast_receiver"])
     bcast_mode = min(bcast_times, key=bcast_times.get)
     bcast_time = bcast_times[bcast_mode]
 
@@ -514,7 +572,8 @@ def run(args: argparse.Namespace) -> int:
             "ratio_to_single_copy": round(bcast_time / single, 3),
             "best_same_gpu_copy": bcast_mode,
             "ratio_by_same_gpu_copy": {m: round(t / single, 3) for m, t in bcast_times.items()},
-            "all_rounds_seconds": bc["bcast_sender"][0],
+            "all_rounds_seconds": sender["seconds"],
+            "receiver_finish_ms_by_same_gpu_copy": finish,
         },
         "targets": {
             "mget_and_subscribe_>=64MiB_>=0.9_of_ceiling": all(
@@ -535,6 +594,17 @@ def run(args: argparse.Namespace) -> int:
         f"ratios {result['broadcast']['ratio_by_same_gpu_copy']}); targets {result['targets']}"
     )
     print_table(rows)
+    print_table(
+        [
+            {
+                "broadcast variant": m,
+                "broadcast ms": round(bcast_times[m] * 1e3, 2),
+                "x one peer copy": result["broadcast"]["ratio_by_same_gpu_copy"][m],
+                "receivers done at ms (chain order)": ", ".join(f"GPU{r['device']} {r['ms']}" for r in finish[m]),
+            }
+            for m in bcast_times
+        ]
+    )
     return 0
 
 

@@ -22,15 +22,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvstrata import errors
+from kvstrata.devobj.chain import plan_chunks, pump
 from kvstrata.devobj.debug import configure_from_env, trace, wait_event
 from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet, export_tensor, flat_bytes, spec
 from kvstrata.devobj.link import (
@@ -41,6 +44,7 @@ from kvstrata.devobj.link import (
     check_tensor_lists,
     error_from,
 )
+from kvstrata.devobj.progress import Progress, gpu_ops_available, gpu_wait, gpu_write
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,12 @@ def _what(queued: list[tuple[dict[str, Any], Any]]) -> str:
     return f"copy of {keys} from {queued[0][0]['record']['owner']}"
 
 
+def _aborted(want: _Want, what: str) -> BaseException:
+    """A fresh error for a broadcast step whose future was settled under it (the broker aborted it)."""
+    exc = want.future.exception() if not want.future.cancelled() else None
+    return errors.ServerError(f"{what}: aborted ({type(exc).__name__}: {exc})" if exc else f"{what}: aborted")
+
+
 def _settle(f: Future, exc: BaseException | None = None) -> None:
     try:
         if exc is None:
@@ -100,8 +110,40 @@ class _Want:
     after: Any  # event on the caller's stream at call time (the buffers are free to write after it)
     tid: int | None = None
     transfer: dict[str, Any] | None = None
-    chunk_events: list[Any] = field(default_factory=list)
+    chain: _ChainLink | None = None  # broadcast: what the successor reads, kept until the broadcast ends
+    chain_events: list[Any] | None = None  # broadcast: chunk-end events not yet seen complete
+
+
+@dataclass
+class _ChainLink:
+    """A broadcast receiver's export to its successor: its buffers (``_LOCAL`` token) and progress counter."""
+
     token: str | None = None
+    progress: Progress | None = None
+    pred_progress: Progress | None = None
+
+    def release(self) -> None:
+        if self.token:
+            _LOCAL.pop(self.token, None)
+            self.token = None
+        for p in (self.progress, self.pred_progress):
+            if p is not None:
+                p.close()
+        self.progress = self.pred_progress = None
+
+    def abandon(self) -> None:
+        """Like :meth:`release`, but the counters stay mapped and registered for good: a stream that
+        did not drain may still wait on or write them (unmapping would fault the GPU)."""
+        for p in (self.progress, self.pred_progress):
+            if p is not None:
+                p.unlink()
+                _ABANDONED.append(p)
+        self.progress = self.pred_progress = None
+        self.release()
+
+
+# Counters of broadcast steps whose GPU work never drained (see _ChainLink.abandon): one page each.
+_ABANDONED: list[Progress] = []
 
 
 @dataclass
@@ -148,6 +190,7 @@ class DeviceObjects:
         self._early: dict[tuple[str, int], list[dict[str, Any]]] = {}
         self._cancelled: set[int] = set()  # wids withdrawn by their caller
         self._read: dict[int, tuple[str, list[dict[str, Any]], str]] = {}  # obj -> (owner, handles, key) read
+        self._bcast_log: deque[dict[str, Any]] = deque(maxlen=64)  # see broadcast_log()
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
         self._pool = ThreadPoolExecutor(
@@ -212,10 +255,11 @@ class DeviceObjects:
         """Send one key to ``receivers`` subscribers, pipelined in chunks along a chain.
 
         Receivers call :meth:`dev_subscribe` as usual. Once all have subscribed, receiver ``i`` copies
-        from receiver ``i-1`` once ``i-1`` has the whole object (a hop at a time: no interprocess
-        events, see ``_ready_event``); receivers on the sender's GPU come first so each GPU link is
-        crossed once. Every receiver's future, and this one, completes when all receivers have
-        everything.
+        chunk ``c`` from receiver ``i-1`` as soon as ``i-1`` has it (shared-memory progress counters,
+        see :mod:`kvstrata.devobj.chain`), so N receivers finish in about one copy plus N-1 chunks;
+        receivers on the sender's GPU come first so each GPU link is crossed once. Every receiver's
+        future, and this one, completes when all receivers have everything; if any receiver fails
+        or goes away, all of them fail (none reports a partial object as received).
         """
         if not isinstance(receivers, int) or isinstance(receivers, bool) or receivers < 1:
             raise ValueError(f"receivers: expected a positive int, got {receivers!r}")
@@ -496,7 +540,7 @@ class DeviceObjects:
         elif t["kind"] == "bcast":
             if t["position"] == 0:
                 rec = t["record"]
-                self._submit(t, want, self._bcast_step, dict(rec, client=rec["owner"]))
+                self._start_bcast_step(t, want, dict(rec, client=rec["owner"]))
         elif threading.current_thread() is self._poller and _nbytes(t) <= INLINE_COPY_BYTES:
             # A small copy costs less than a hand-off to the pool: do it here (the 4 KiB latency path).
             try:
@@ -621,76 +665,193 @@ class DeviceObjects:
             _settle(want.future, error_from(r.get("error"), r.get("message", "")))
 
     # -- broadcast receiver -----------------------------------------------------------------------
-    def _bcast_step(self, t: dict[str, Any], want: _Want, pred: dict[str, Any]) -> None:
-        rec = t["record"]
-        chunk = int(rec.get("chunk_bytes") or self.config.chunk_bytes)
-        src, src_events = self._sources(pred, pred["client"])
-        plan = [
-            (j, off, min(chunk, sp["nbytes"] - off))
-            for j, sp in enumerate(rec["tensors"])
-            for off in range(0, max(sp["nbytes"], 1), chunk)
-        ]
-        last = t["position"] == t["receivers"] - 1
-        mine: list[Any] = []
-        if self._cuda:
-            from kvstrata.devobj.ipc import flat_bytes as fb
+    def _start_bcast_step(self, t: dict[str, Any], want: _Want, pred: dict[str, Any]) -> None:
+        """Run this receiver's chain step on a thread of its own: it waits on its predecessor's progress
+        for the whole broadcast, so on the copy pool it would hold back this client's other copies.
+        (No cycle can form between steps: a successor learns of its predecessor only once that one's
+        step runs, and the first position's source is complete.)"""
 
-            dev = self.device.index
-            kernel = self.config.same_gpu_copy == "kernel"
-            sd = self._streams.get(dev)
-            sd.wait_event(want.after)
-            mine = [] if last else [self._events.get(dev) for _ in plan]
-            waited: set[int] = set()
-            dst_b = [fb(x) for x in want.tensors]
-            src_b = [fb(x) for x in src]
-            for c, (j, off, n) in enumerate(plan):
-                ev = src_events[c] if len(src_events) > 1 else (src_events[0] if src_events else None)
-                ss = self._streams.get(src[j].device.index)
-                if ev is not None and (len(src_events) > 1 or id(ev) not in waited):
-                    waited.add(id(ev))
-                    sd.wait_event(ev)
-                    if ss is not sd:
-                        ss.wait_event(ev)
-                with torch.cuda.stream(ss), torch.cuda.stream(sd):
-                    _copy_bytes(dst_b[j][off : off + n], src_b[j][off : off + n], kernel=kernel and ss is sd)
-                if mine:
-                    mine[c].record(sd)
-            done = torch.cuda.Event()
-            done.record(sd)
-        else:
-            for j, off, n in plan:
-                flat_bytes(want.tensors[j])[off : off + n].copy_(flat_bytes(src[j])[off : off + n])
-        want.chunk_events = mine
-        if self._cuda and not last:
-            # The next receiver pulls from us only once our copy is whole (no interprocess events:
-            # see _ready_event), so the chain moves hop by hop instead of chunk by chunk.
-            wait_event(done, self.config.copy_timeout, f"broadcast step of {rec['key']!r} (position {t['position']})")
-        if not last:
-            token = uuid.uuid4().hex
-            _LOCAL[token] = (want.tensors, mine)
-            want.token = token
-            export = {
-                "key": rec["key"],
-                "tensors": rec["tensors"],
-                "device": self._device_info(),
-                "node_id": self.config.node_id,
-                "pid": os.getpid(),
-                "local": token,
-                "handles": [export_tensor(x) for x in want.tensors] if self._cuda else [],
-                "events": [],
-            }
-            self._call("chain_ready", {"tid": t["tid"], "export": export})
-        if self._cuda:
-            wait_event(done, self.config.copy_timeout, f"broadcast step of {rec['key']!r} (position {t['position']})")
-        self._complete(t, want)
+        def run() -> None:
+            try:
+                self._thread_init()
+                self._bcast_step(t, want, pred)
+            except BaseException as exc:  # report, never leave the broker or the caller waiting
+                self._fail_transfer(t, want, exc)
+
+        threading.Thread(target=run, name=f"kvstrata-bcast-{t['tid']}", daemon=True).start()
+
+    def _bcast_step(self, t: dict[str, Any], want: _Want, pred: dict[str, Any]) -> None:
+        """Copy chunk by chunk from the predecessor ``pred`` while exporting to the successor at once."""
+        rec = t["record"]
+        pos, last = t["position"], t["position"] == t["receivers"] - 1
+        what = f"broadcast of {rec['key']!r} at position {pos} of {t['receivers']}"
+        plan = plan_chunks(rec["tensors"], int(rec.get("chunk_bytes") or self.config.chunk_bytes))
+        link = _ChainLink()
+        started = time.perf_counter()
+        gpu_waits = self._cuda and self.config.broadcast_wait == "stream"
+        if gpu_waits and not gpu_ops_available():
+            log.warning("devobj: broadcast_wait='stream' needs cuda-bindings; %s waits on the host", what)
+            gpu_waits = False
+        wait_ptr = None
+        try:
+            if want.future.done():  # aborted before it started
+                raise _aborted(want, what)
+            src, _ = self._sources(pred, pred["client"])
+            if pred.get("progress"):  # a receiver; the sender's data is complete at publish
+                try:
+                    link.pred_progress = Progress.open(pred["progress"])
+                except FileNotFoundError:
+                    raise errors.ServerError(
+                        f"{what}: the predecessor's progress counter is gone (it failed or went away)"
+                    ) from None
+            if not last:
+                link.progress = Progress.create()
+                link.token = uuid.uuid4().hex
+                _LOCAL[link.token] = (want.tensors, [])
+                export = {
+                    "key": rec["key"],
+                    "tensors": rec["tensors"],
+                    "device": self._device_info(),
+                    "node_id": self.config.node_id,
+                    "pid": os.getpid(),
+                    "local": link.token,
+                    "handles": [export_tensor(x) for x in want.tensors] if self._cuda else [],
+                    "events": [],
+                    "progress": link.progress.name,
+                }
+                self._call("chain_ready", {"tid": t["tid"], "export": export})
+            pred_p, mine_p = link.pred_progress, link.progress
+            # "stream": the GPU waits for the predecessor's count and advances ours; the host only
+            # queues the chunks (all at once) and watches for their end, an abort or a stall.
+            wait_ptr = pred_p.device_ptr() if gpu_waits and pred_p is not None else None
+            write_ptr = mine_p.device_ptr() if gpu_waits and mine_p is not None else None
+            enqueue, recycle = self._chunk_copier(want, src, plan, wait_ptr=wait_ptr, write_ptr=write_ptr)
+            pump(
+                len(plan),
+                enqueue,
+                available=pred_p.value if pred_p is not None and wait_ptr is None else lambda: len(plan),
+                publish=mine_p.advance if mine_p is not None and write_ptr is None else None,
+                aborted=lambda: _aborted(want, what) if want.future.done() else None,
+                recycle=recycle,
+                timeout=self.config.copy_timeout,
+                what=what,
+            )
+        except BaseException:
+            if link.progress is not None:
+                link.progress.fail()  # the successor stops now, before the broker's abort reaches it
+            if wait_ptr is not None:
+                link.pred_progress.release_waiters()  # our stream's pending GPU waits end (the copies are moot)
+            if self._drain(want, what) or not gpu_waits:
+                link.release()
+            else:
+                link.abandon()
+            raise
+        copied = time.perf_counter()
+        with self._lock:
+            self._bcast_log.append(
+                {
+                    "key": rec["key"],
+                    "position": pos,
+                    "device": str(self.device),
+                    "chunks": len(plan),
+                    "started": started,
+                    "copied": copied,
+                }
+            )
+            settled = want.future.done()
+            if not settled:  # released by _bcast_done once every receiver has it (the successor reads ours)
+                want.chain = link
+        if settled:
+            link.release()
+        log.debug("devobj: %s copied %d chunks in %.2f ms", what, len(plan), (copied - started) * 1e3)
+        try:
+            self._complete(t, want)
+        except BaseException:  # the caller (_start_bcast_step) fails the transfer; the export goes now
+            with self._lock:
+                link, want.chain = want.chain, None
+            if link is not None:
+                link.release()
+            raise
+
+    def _chunk_copier(
+        self,
+        want: _Want,
+        src: list[torch.Tensor],
+        plan: list[tuple[int, int, int]],
+        *,
+        wait_ptr: int | None = None,
+        write_ptr: int | None = None,
+    ):
+        """``(enqueue(c) -> event | None, recycle(event))`` for chunk copies from ``src`` into ``want.tensors``.
+
+        ``wait_ptr`` / ``write_ptr``: GPU-side progress (broadcast_wait="stream"): each chunk's copy
+        waits on the stream for the predecessor's count to pass it, then advances ours.
+        """
+        dst_b = [flat_bytes(x) for x in want.tensors]
+        src_b = [flat_bytes(x) for x in src]
+        if not self._cuda:
+
+            def copy_now(c: int) -> None:
+                j, off, n = plan[c]
+                dst_b[j][off : off + n].copy_(src_b[j][off : off + n])
+
+            return copy_now, None
+        dev = self.device.index
+        kernel = self.config.same_gpu_copy == "kernel"
+        sd = self._streams.get(dev)
+        sd.wait_event(want.after)
+        pending: list[Any] = []  # events handed out and not yet seen complete (see _drain)
+        want.chain_events = pending
+
+        def enqueue(c: int) -> Any:
+            j, off, n = plan[c]
+            ss = self._streams.get(src[j].device.index)
+            # Cross-device: torch copies on the source device's current stream and orders it with the
+            # destination's both ways, so the event on ``sd`` marks the chunk's end.
+            if wait_ptr is not None:  # before the copy on sd; torch orders ss after sd's work so far
+                gpu_wait(sd, wait_ptr, c + 1)
+            with torch.cuda.stream(ss), torch.cuda.stream(sd):
+                _copy_bytes(dst_b[j][off : off + n], src_b[j][off : off + n], kernel=kernel and ss is sd)
+            if write_ptr is not None:  # after the copy's end on sd (the write orders it before the count)
+                gpu_write(sd, write_ptr, c + 1)
+            ev = self._events.get(dev)
+            ev.record(sd)
+            pending.append(ev)
+            return ev
+
+        def recycle(ev: Any) -> None:
+            pending.remove(ev)  # the oldest: O(1) in practice
+            self._events.put([ev], dev)
+
+        return enqueue, recycle
+
+    def _drain(self, want: _Want, what: str) -> bool:
+        """A failed step: let its queued chunk copies end before the caller gets its buffers back
+        (bounded); False when they did not."""
+        pending = want.chain_events
+        if not pending:
+            return True
+        try:  # queued chunks take milliseconds; a copy stuck for longer is not waited for again
+            wait_event(pending[-1], min(self.config.copy_timeout, 2.0), f"{what}: draining queued copies")
+        except Exception as exc:
+            log.warning("devobj: %s", exc)
+            return False
+        self._events.put(list(pending), self.device.index)
+        pending.clear()
+        return True
 
     def _bcast_done(self, want: _Want, exc: BaseException | None) -> None:
-        if want.token:
-            _LOCAL.pop(want.token, None)
-        if want.chunk_events and self._events is not None:
-            self._events.put(want.chunk_events, self.device.index)
-            want.chunk_events = []
         _settle(want.future, exc)
+        with self._lock:  # after settling: a step that finishes now sees the future done and releases itself
+            link, want.chain = want.chain, None
+        if link is not None:
+            link.release()
+
+    def broadcast_log(self) -> list[dict[str, Any]]:
+        """This client's recent broadcast receives: key, chain position, chunks, and ``time.perf_counter()``
+        when its step started and when its last chunk landed (for benchmarks; the last 64)."""
+        with self._lock:
+            return list(self._bcast_log)
 
     # -- NCCL -------------------------------------------------------------------------------------
     def _channels(self):
@@ -807,7 +968,7 @@ class DeviceObjects:
             if kind == "transfer_done":
                 self._bcast_done(want, None)
             else:
-                self._submit(want.transfer, want, self._bcast_step, ev["pred"])
+                self._start_bcast_step(want.transfer, want, ev["pred"])
         elif kind in ("released", "failed"):
             with self._lock:
                 if ev["obj"] not in self._owned:
@@ -841,7 +1002,7 @@ class DeviceObjects:
             self._inflight.clear()
             self._owned.clear()
         for w in wants:
-            _settle(w.future, exc)
+            self._bcast_done(w, exc)  # settles; a broadcast receiver's export is released too
         for o in owned:
             self._free(o)
             if o.future is not None and o.mode != "mset":

@@ -23,8 +23,11 @@ Lifecycles
   next subscriber: a half-received object is never done and never lost.
 * registered (``mset``): ``ready`` for any number of ``mget`` reads; ``delete`` by the owner stops new
   reads and ``released`` is sent once in-flight reads complete.
-* broadcast: like one-shot, for exactly ``receivers`` subscribers, which copy hop by hop along a
-  chain (see :mod:`kvstrata.devobj.api`). The chain is planned once all receivers have subscribed.
+* broadcast: like one-shot, for exactly ``receivers`` subscribers, which copy along a chain, all at
+  once, chunk by chunk: each receiver exports its buffers and a shared-memory progress counter to
+  its successor as it starts (``chain_ready``; see :mod:`kvstrata.devobj.chain`). The chain is
+  planned once all receivers have subscribed; it completes for everyone once every position reported
+  ``complete``, and any failure or departure aborts every position.
 * an owner that goes away (:meth:`owner_gone`) makes its keys vanish; receivers with a transfer in
   flight from it get an ``error`` event (``OwnerGone``), never a hang.
 
@@ -276,7 +279,8 @@ class DeviceBroker:
         return {"results": [self.op_complete(client, item) for item in args["items"]]}
 
     def op_chain_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Broadcast receiver at ``position`` exported its buffers and enqueued its copies."""
+        """Broadcast receiver at ``position`` exported its buffers and progress counter (as it starts
+        copying): pass them to the receiver at ``position + 1`` as its predecessor."""
         t = self._transfers.get(args["tid"])
         if t is None or t["dst"] != client:
             return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")

@@ -44,7 +44,11 @@ class DeviceObjectConfig:
     """Client settings. ``transport``: ``auto`` (CUDA IPC on one node, NCCL across) or ``nccl``."""
 
     transport: str = "auto"
-    chunk_bytes: int = 64 << 20  # broadcast pipeline chunk
+    # Broadcast pipeline chunk. A chain of N receivers ends about (N-1) chunk times (+ a poll each)
+    # after one copy: 32 MiB is ~86 us over NVLink (~390 GB/s), so 3 receivers add ~0.2 ms, 1% of an
+    # 8 GiB copy. The host spends ~20-30 us per chunk (copy_ with its cross-device ordering, an event,
+    # polls); smaller chunks would bring that close to the chunk's GPU time and let the host fall behind.
+    chunk_bytes: int = 32 << 20
     copy_threads: int = 4
     poll_seconds: float = 1.0
     node_id: str = field(default_factory=socket.gethostname)
@@ -52,6 +56,10 @@ class DeviceObjectConfig:
     # Broadcast hops within one GPU: "memcpy" (copy engine) or "kernel" (SMs), which can overlap with
     # another process's copy-engine work on that GPU where copy engines are time-sliced between contexts.
     same_gpu_copy: str = "memcpy"
+    # How a broadcast receiver waits for its predecessor's chunks: "host" (its copy thread polls the
+    # predecessor's shared-memory counter, then queues the chunk) or "stream" (it queues every chunk at
+    # once behind a GPU-side wait on that counter, cuStreamWaitValue32; needs cuda-bindings, else "host").
+    broadcast_wait: str = "host"
     # Longest wait for a matched copy's GPU work; past it the receive fails (Timeout) and the object
     # goes back to the broker, instead of the receiver's thread hanging on a ready event that never fires.
     copy_timeout: float = 120.0
@@ -65,6 +73,8 @@ class DeviceObjectConfig:
             raise ValueError(f"copy_threads: at least 1, got {self.copy_threads}")
         if self.same_gpu_copy not in ("memcpy", "kernel"):
             raise ValueError(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
+        if self.broadcast_wait not in ("host", "stream"):
+            raise ValueError(f"broadcast_wait: expected 'host' or 'stream', got {self.broadcast_wait!r}")
         if self.poll_seconds <= 0:
             raise ValueError(f"poll_seconds: must be > 0, got {self.poll_seconds}")
         if self.copy_timeout <= 0:
