@@ -188,24 +188,21 @@ def import_tensor(blob: dict[str, Any], dtype: torch.dtype, device: int) -> torc
 
 def import_storage(blob: dict[str, Any], device: int) -> torch.Tensor:
     """Open the whole allocation (storage) of an export as a flat uint8 tensor on local GPU ``device``."""
+
+    with torch.cuda.device(device):  # the source GPU current while its memory is mapped here
+        return _import_storage(blob, device)
+
+
+def _import_storage(blob: dict[str, Any], device: int) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     n = int(blob["storage_bytes"])
-    args = (blob["handle"], n, blob["storage_offset"], False, blob["rc_handle"], blob["rc_offset"], blob["ev_handle"])
     try:
         t = rebuild_cuda_tensor(
-            torch.Tensor,
-            torch.Size([n]),
-            (1,),
-            0,
-            torch.storage.TypedStorage,
-            torch.uint8,
-            device,
-            *args[:3],
-            False,
-            *args[4:],
+            torch.Tensor, torch.Size([n]), (1,), 0, torch.storage.TypedStorage, torch.uint8, device,
+            blob["handle"], n, blob["storage_offset"], False, blob["rc_handle"], blob["rc_offset"], blob["ev_handle"],
             False,  # never wait on the interprocess event (see _reduce_storage)
-        )
+        )  # fmt: skip
     except RuntimeError:
         # torch's own cache (by handle and offset) returned an older, smaller storage at that offset:
         # open it directly (the mapping itself is shared per handle inside torch).
@@ -301,8 +298,7 @@ class ImportCache:
             if hit is None or hit[1] != size:  # a block at a reused offset may have another size: reopen
                 if device is None:
                     device = local_index(record["device"]["uuid"])
-                with torch.cuda.device(device):  # the source GPU current while its memory is mapped here
-                    base = self._open(blob, device)
+                base = self._open(blob, device)
                 with self._lock:
                     self.opened += 1
                     old = self._allocs.pop(k, None)

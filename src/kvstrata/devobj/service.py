@@ -83,9 +83,7 @@ class WorkerBrokerLink:
 
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         hello = {"shm": False, "name": f"devobj {self.client_id}"}
-        self._conns = [
-            connect(address, timeout=timeout, hello=dict(hello, devobj_generation=i == 0)) for i in range(2)
-        ]
+        self._conns = [connect(address, timeout=timeout, hello=dict(hello, devobj_generation=i == 0)) for i in range(2)]
         self._locks = [threading.Lock(), threading.Lock()]
         #: the broker's generation (``.value``), mapped from the page the worker sent; None where it sent none
         self.generation_counter: ctypes.c_uint64 | None = None
