@@ -404,13 +404,13 @@ def test_stuck_copy_fails_the_receive_and_returns_the_object(make, broker, monke
         InprocBrokerLink(broker), device="cpu", config=DeviceObjectConfig(**{**vars(CFG), "copy_timeout": 0.2})
     )
     try:
-        real = api.DeviceObjects._enqueue_copy
+        real = api.DeviceObjects._enqueue_batch
 
-        def never(self, t, want):
-            real(self, t, want)
-            return _NeverDone() if self is stuck else None
+        def never(self, items, fail):
+            queued, done = real(self, items, fail)
+            return queued, (_NeverDone() if self is stuck else done)
 
-        monkeypatch.setattr(api.DeviceObjects, "_enqueue_copy", never)
+        monkeypatch.setattr(api.DeviceObjects, "_enqueue_batch", never)
         src = [rand(5)]
         (pf,) = a.dev_publish(["k"], [src])
         with pytest.raises(errors.Timeout, match="copy of 'k'"):

@@ -189,6 +189,7 @@ def subscriber(address: str, device: int, peer_device: int) -> str:
         dst_w = poisoned(device)
         wait(c.dev_mget(["w"], [dst_w], timeout=WAIT)[0], "subscriber: mget 'w'")
         assert same(dst_w, make(3, "cpu")), "w differs"
+    assert c.device_objects().cached_reads == 2, "reads after the first should skip the broker (generation page)"
     bad = poisoned(device)
     bad[0] = torch.full((1000, 38), 7, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match="tensor 0"):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstrata._proc import pid_alive
 from kvstrata.memory import numa, register, unregister
 
 log = logging.getLogger(__name__)
@@ -79,22 +80,6 @@ def sweep_stale(directory: Path = SHM_DIR) -> int:
             os.unlink(directory / name)
             removed += 1
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0).
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return True
 
 
 def cuda_host_register(ptr: int, nbytes: int) -> None:

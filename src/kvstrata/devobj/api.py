@@ -33,9 +33,20 @@ from typing import Any
 import torch
 
 from kvstrata import errors
+from kvstrata._proc import pid_alive
+from kvstrata.devobj import broker as B
 from kvstrata.devobj.chain import plan_chunks, pump
 from kvstrata.devobj.debug import configure_from_env, trace, wait_event
-from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet, export_tensor, flat_bytes, spec
+from kvstrata.devobj.ipc import (
+    EventPool,
+    ImportCache,
+    StreamSet,
+    copy_into,
+    dtype_name,
+    export_tensor,
+    flat_bytes,
+    spec,
+)
 from kvstrata.devobj.link import (
     BrokerLink,
     DeviceObjectConfig,
@@ -54,6 +65,10 @@ _LOCAL: dict[str, tuple[list[torch.Tensor], list[Any]]] = {}
 
 #: transfers up to this size are copied on the event thread itself instead of the copy pool
 INLINE_COPY_BYTES = 1 << 20
+#: rate used to guess how long a copy takes (sleep most of it, then poll): about an NVLink peer copy
+EXPECTED_BYTES_PER_S = 300e9
+#: records of keys read before, kept for reads with no broker round trip (see _receive)
+MAX_CACHED_RECORDS = 1 << 16
 
 
 def _nbytes(t: dict[str, Any]) -> int:
@@ -78,10 +93,11 @@ def _brief(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _what(queued: list[tuple[dict[str, Any], Any]]) -> str:
-    keys = ", ".join(repr(t["key"]) for t, _ in queued[:4]) + (
+    """``queued``: (record, want) pairs."""
+    keys = ", ".join(repr(r["key"]) for r, _ in queued[:4]) + (
         f" and {len(queued) - 4} more" if len(queued) > 4 else ""
     )
-    return f"copy of {keys} from {queued[0][0]['record']['owner']}"
+    return f"copy of {keys} from {queued[0][0]['owner']}"
 
 
 def _aborted(want: _Want, what: str) -> BaseException:
@@ -100,7 +116,13 @@ def _settle(f: Future, exc: BaseException | None = None) -> None:
         pass
 
 
-@dataclass
+def _same_specs(have: list[dict[str, Any]], tensors: list[torch.Tensor]) -> bool:
+    if len(have) != len(tensors):
+        return False
+    return all(sp["shape"] == list(t.shape) and sp["dtype"] == dtype_name(t.dtype) for sp, t in zip(have, tensors))
+
+
+@dataclass(slots=True)
 class _Want:
     """A receive in progress: the caller's tensors and future."""
 
@@ -191,6 +213,16 @@ class DeviceObjects:
         self._cancelled: set[int] = set()  # wids withdrawn by their caller
         self._read: dict[int, tuple[str, list[dict[str, Any]], str]] = {}  # obj -> (owner, handles, key) read
         self._bcast_log: deque[dict[str, Any]] = deque(maxlen=64)  # see broadcast_log()
+        # Reads with no broker round trip: the broker's generation (None: not offered) and, per key read
+        # before, (generation read before the request that returned it, record). See _receive.
+        self._gen = getattr(link, "generation_counter", None)
+        self._records: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.cached_reads = 0  # keys read without asking the broker (for tests and benchmarks)
+        # Completions of finished receives, sent to the broker off the caller's path, in order.
+        self._done_items: list[dict[str, Any]] = []
+        self._done_cv = threading.Condition(self._lock)
+        self._flush_lock = threading.Lock()
+        self._completer: threading.Thread | None = None
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
         self._pool = ThreadPoolExecutor(
@@ -287,6 +319,8 @@ class DeviceObjects:
         """Drop this process's cached imports of ``keys`` (closing the IPC mappings that pin the owners' memory)."""
         keys = self._check_keys(keys)
         with self._lock:
+            for k in keys:
+                self._records.pop(k, None)
             gone = [o for o, (_, _, k) in self._read.items() if k in keys]
             entries = [(o, self._read.pop(o)) for o in gone]
         for obj, (owner, handles, _) in entries:
@@ -300,6 +334,8 @@ class DeviceObjects:
             if self._closed:
                 return
             self._closed = True
+            self._done_cv.notify_all()
+        self._flush_done()  # the broker hears of every finished receive before this client leaves
         try:
             self.link.call("goodbye", {})
         except Exception as exc:  # the worker may be gone already
@@ -468,6 +504,18 @@ class DeviceObjects:
 
     # -- readers ----------------------------------------------------------------------------------
     def _receive(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], timeout: float | None):
+        """Reads with no broker round trip (a seqlock on the broker's generation page).
+
+        A key read before is copied straight from the record kept from that read when the page still
+        shows the generation read *before* the request that returned the record; after the copy
+        has finished, the page must still show it and the owner's process must still live, else the
+        key is read again through the broker (which answers the truth: the new object, or an error).
+        Safe because an owner writes or frees a registered object's memory only after ``dev_delete``
+        answered, and the broker bumps the generation before answering (see
+        :mod:`kvstrata.devobj.broker`): a copy overlapping such a write or free ends after the bump
+        and sees it; a dead owner is seen by the pid check. A read that overlaps a delete may thus
+        fail where, through the broker, it would have held up the delete instead.
+        """
         if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         trace(f"{op} {len(keys)} keys: call")
@@ -475,25 +523,69 @@ class DeviceObjects:
         if self._cuda:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
-        specs = [[spec(t) for t in ts] for ts in lists]
-        results = self._call(op, {"keys": keys, "specs": specs, "timeout": timeout})["results"]
+        wants = [_Want(k, ts, Future(), after) for k, ts in zip(keys, lists)]
+        hits: list[tuple[dict[str, Any], _Want]] = []
+        rest = wants
+        if op == "mget" and self._gen is not None:
+            gen = self._gen.value
+            with self._lock:
+                entries = [self._records.get(k) for k in keys]
+            rest = []
+            for want, e in zip(wants, entries):
+                if e is not None and e[0] == gen and _same_specs(e[1]["tensors"], want.tensors):
+                    hits.append((e[1], want))
+                else:
+                    rest.append(want)
+        if rest:
+            self._request(op, rest, timeout)
+        if hits:
+            for _, want in hits:
+                want.future.set_running_or_notify_cancel()
+            self._read_cached(hits, gen, timeout)
+        trace(f"{op}: returns futures")
+        return [w.future for w in wants]
+
+    def _request(self, op: str, wants: list[_Want], timeout: float | None) -> None:
+        """Ask the broker for ``wants``; matches are copied in one batch, the others wait for events."""
+        keys = [w.key for w in wants]
+        args: dict[str, Any] = {
+            "keys": keys,
+            "specs": [[spec(t) for t in w.tensors] for w in wants],
+            "timeout": timeout,
+        }
+        known: list[dict[str, Any] | None] = []
+        gen0 = None
+        if op == "mget" and self._gen is not None:
+            gen0 = self._gen.value  # before the request: records it returns are good while the page says this
+            with self._lock:
+                known = [(e[1] if e is not None else None) for e in map(self._records.get, keys)]
+            args["known"] = [r["obj"] if r is not None else None for r in known]
+        results = self._call(op, args)["results"]
         trace(f"{op}: broker replied")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("devobj: %s %s -> %s", op, keys[:8], [_brief(r) for r in results[:8]])
-        futures, batch = [], []
-        for key, ts, r in zip(keys, lists, results):
-            want = _Want(key, ts, Future(), after)
-            futures.append(want.future)
-            if r["status"] == "matched" and r["transfer"]["path"] != "nccl" and r["transfer"]["kind"] != "bcast":
+        batch = []
+        for i, (want, r) in enumerate(zip(wants, results)):
+            status = r["status"]
+            if status == "matched":
                 t = r["transfer"]
-                want.tid, want.transfer = t["tid"], t
-                want.future.set_running_or_notify_cancel()  # from here on, cancel() is refused
-                with self._lock:
-                    self._inflight[t["tid"]] = want
-                batch.append((t, want))
-            elif r["status"] == "matched":
-                self._start(r["transfer"], want)
-            elif r["status"] == "waiting":
+                if "record" not in t:  # the broker left out what we told it we hold
+                    t["record"] = known[i]
+                if t["path"] != "nccl" and t["kind"] != "bcast":
+                    if gen0 is not None:
+                        with self._lock:
+                            if len(self._records) >= MAX_CACHED_RECORDS:
+                                self._records.pop(next(iter(self._records)))
+                            self._records[want.key] = (gen0, t["record"])
+                    want.tid, want.transfer = t["tid"], t
+                    if not want.future.running():
+                        want.future.set_running_or_notify_cancel()  # from here on, cancel() is refused
+                    with self._lock:
+                        self._inflight[t["tid"]] = want
+                    batch.append((t, want))
+                else:
+                    self._start(t, want)
+            elif status == "waiting":
                 with self._lock:
                     self._wants[r["wid"]] = want
                     early = self._early.pop(("wid", r["wid"]), [])
@@ -503,9 +595,54 @@ class DeviceObjects:
             else:
                 _settle(want.future, error_from(r.get("error"), r.get("message", "")))
         if batch:
-            self._run_in_pool(self._copy_batch, batch)
-        trace(f"{op}: returns futures")
-        return futures
+            if len(batch) == 1 and self._inline_ok(batch):
+                self._copy_batch(batch)
+            else:
+                self._run_in_pool(self._copy_batch, batch)
+
+    def _inline_ok(self, items: list[tuple[Any, _Want]]) -> bool:
+        """Whether to copy on this thread: small, and the caller's stream already reached the call."""
+        if sum(t.numel() * t.element_size() for _, w in items for t in w.tensors) > INLINE_COPY_BYTES:
+            return False
+        after = items[0][1].after
+        return after is None or after.query()
+
+    def _read_cached(self, items: list[tuple[dict[str, Any], _Want]], gen: int, timeout: float | None) -> None:
+        if self._inline_ok(items):
+            self._copy_cached(items, gen, timeout)
+        else:
+            self._run_in_pool(self._copy_cached, items, gen, timeout)
+
+    def _copy_cached(self, items: list[tuple[dict[str, Any], _Want]], gen: int, timeout: float | None) -> None:
+        """Copy keys from kept records; settle those still valid after the copy, re-read the others."""
+        redo: list[_Want] = []
+        try:
+            failed: list[_Want] = []
+            queued, done = self._enqueue_batch(items, lambda rec, want, exc: failed.append(want))
+            redo += failed
+            if done is not None:
+                wait_event(done, self.config.copy_timeout, _what(queued), expected=self._expected(queued))
+            trace("cached read: copies done")
+            still = self._gen.value == gen
+            lost = self._lost_owners([rec for rec, _ in queued])
+            for rec, want in queued:
+                if still and rec["owner"] not in lost:
+                    _settle(want.future)
+                else:
+                    redo.append(want)
+            self.cached_reads += len(queued) - len(redo) + len(failed)
+        except BaseException as exc:  # e.g. a stuck copy: let the broker path decide each key
+            log.debug("devobj: cached read failed (%s: %s); asking the broker", type(exc).__name__, exc)
+            redo = [w for _, w in items if not w.future.done()]
+        if redo:
+            with self._lock:
+                for w in redo:
+                    self._records.pop(w.key, None)
+            try:
+                self._request("mget", redo, timeout)
+            except BaseException as exc:
+                for w in redo:
+                    _settle(w.future, exc)
 
     def _on_cancel(self, f: Future, wid: int) -> None:
         """A waiting receive was cancelled by its caller: withdraw it from the broker."""
@@ -522,7 +659,7 @@ class DeviceObjects:
                 log.debug("devobj cancel: %s", exc)
 
     def _start(self, t: dict[str, Any], want: _Want) -> None:
-        if not want.future.set_running_or_notify_cancel():
+        if not (want.future.running() or want.future.set_running_or_notify_cancel()):
             # Cancelled just as it matched: hand the object back untouched (a broadcast aborts).
             try:
                 self._call("complete", {"tid": t["tid"], "ok": False, "error": "receive cancelled"})
@@ -592,61 +729,144 @@ class DeviceObjects:
         # Exports are complete when registered (see _ready_event): nothing to wait for on the device.
         return self._imports.tensors(peer, src, reuse=reuse), []
 
-    def _enqueue_copy(self, t: dict[str, Any], want: _Want) -> Any:
-        """Queue the copy of one matched key on this client's transfer stream; return its end event."""
-        from kvstrata.devobj.ipc import pull
-
-        rec = t["record"]
-        log.debug("devobj: importing %r from %s (transfer %s, %s)", rec["key"], rec["owner"], t["tid"], t["path"])
-        src, events = self._sources(rec, rec["owner"], reuse=t["kind"] == "get")
-        trace(f"imported {rec['key']!r}")
-        if t["kind"] == "get":
-            with self._lock:
-                self._read[rec["obj"]] = (rec["owner"], rec["handles"], rec["key"])
+    def _enqueue_batch(self, items: list[tuple[dict[str, Any], _Want]], fail) -> tuple[list, Any]:
+        """Queue the copies of ``(record, want)`` items as one batch on this client's transfer stream,
+        after the callers' streams reached their calls; returns the queued items and an end event
+        (None on CPU, copied already). An item that cannot be queued goes to ``fail(record, want, exc)``."""
+        queued, dsts, srcs = [], [], []
+        for rec, want in items:
+            try:
+                src, _ = self._sources(rec, rec["owner"], reuse=True) if rec["mode"] == "mset" else (None, None)
+                if src is None:
+                    src, _ = self._sources(rec, rec["owner"])
+                if len(src) != len(want.tensors) or any(
+                    d.numel() * d.element_size() != x.numel() * x.element_size() for d, x in zip(want.tensors, src)
+                ):
+                    raise ValueError(f"tensor_lists: sizes of {rec['key']!r} differ from the source's")
+                if rec["mode"] == "mset":
+                    with self._lock:
+                        self._read[rec["obj"]] = (rec["owner"], rec["handles"], rec["key"])
+            except BaseException as exc:
+                fail(rec, want, exc)
+                continue
+            queued.append((rec, want))
+            dsts += want.tensors
+            srcs += src
+        if not queued:
+            return queued, None
         if not self._cuda:
-            for d, s in zip(want.tensors, src):
-                d.copy_(s)
-            return None
-        self._streams.get(self.device.index).wait_event(want.after)
-        ready = events[0] if events else None
-        done = pull(want.tensors, src, [ready] * len(src), self._streams)
-        trace(f"copy queued {rec['key']!r}")
-        return done
+            for d, x in zip(dsts, srcs):
+                d.copy_(x)
+            return queued, None
+        sd = self._streams.get(self.device.index)
+        seen: set[int] = set()
+        for _, want in queued:
+            if want.after is not None and id(want.after) not in seen:
+                seen.add(id(want.after))
+                sd.wait_event(want.after)
+        copy_into(dsts, srcs, self._streams, self.device.index)
+        done = torch.cuda.Event()
+        done.record(sd)
+        trace(f"copies queued ({len(queued)} keys)")
+        return queued, done
+
+    def _expected(self, queued: list[tuple[Any, _Want]]) -> float:
+        return sum(t.numel() * t.element_size() for _, w in queued for t in w.tensors) / EXPECTED_BYTES_PER_S
+
+    def _lost_owners(self, records: list[dict[str, Any]]) -> set[str]:
+        """Owners (client ids) among ``records`` whose memory may be gone: their process died, or (in
+        this process) their client released the object; checked once each, after a copy ended."""
+        lost: set[str] = set()
+        checked: set[str] = set()
+        me = os.getpid()
+        for rec in records:
+            owner = rec["owner"]
+            if rec.get("pid") == me and rec.get("node_id") == self.config.node_id:
+                if rec.get("local") not in _LOCAL:
+                    lost.add(owner)
+            elif owner not in checked:
+                checked.add(owner)
+                if rec.get("pid") is not None and not pid_alive(int(rec["pid"])):
+                    lost.add(owner)
+        return lost
 
     def _copy(self, t: dict[str, Any], want: _Want) -> None:
-        done = self._enqueue_copy(t, want)
-        if done is not None:
-            wait_event(done, self.config.copy_timeout, f"copy of {t['key']!r} (transfer {t['tid']})")
-        trace(f"copied {t['key']!r}")
-        log.debug("devobj: copied %r (transfer %s)", t["key"], t["tid"])
-        self._complete(t, want)
+        self._copy_batch([(t, want)])
 
     def _copy_batch(self, items: list[tuple[dict[str, Any], _Want]]) -> None:
-        """Copies of one call's keys: all queued, one wait, one completion request (per-key results)."""
+        """Matched keys of one call: one batched copy, one wait; each future settles once its bytes are in
+        and its source stayed valid (no broker round trip first); the broker hears of it off this path."""
         trace(f"copy batch of {len(items)}: start")
-        queued, last = [], None
-        for t, want in items:
-            try:
-                ev = self._enqueue_copy(t, want)
-                last = ev if ev is not None else last
-                queued.append((t, want))
-            except BaseException as exc:
-                self._fail_transfer(t, want, exc)
+        by_rec = {id(t["record"]): t for t, _ in items}
+        queued, done = self._enqueue_batch(
+            [(t["record"], w) for t, w in items], lambda rec, want, exc: self._fail_transfer(by_rec[id(rec)], want, exc)
+        )
         if not queued:
             return
         try:
-            if last is not None:  # one stream: the last copy's end covers all
-                wait_event(last, self.config.copy_timeout, _what(queued))
+            if done is not None:
+                wait_event(done, self.config.copy_timeout, _what(queued), expected=self._expected(queued))
             trace("copy batch: copies done")
-            log.debug("devobj: copied %d keys (%r, ...)", len(queued), queued[0][0]["key"])
-            done = self._call("complete_many", {"items": [{"tid": t["tid"], "ok": True} for t, _ in queued]})
-            trace("copy batch: completed at the broker")
+            lost = self._lost_owners([rec for rec, _ in queued])
         except BaseException as exc:  # never leave a caller's future hanging
-            for t, want in queued:
-                self._fail_transfer(t, want, exc)
+            for rec, want in queued:
+                self._fail_transfer(by_rec[id(rec)], want, exc)
             return
-        for (t, want), r in zip(queued, done["results"]):
-            self._settle_completed(t, want, r)
+        log.debug("devobj: copied %d keys (%r, ...)", len(queued), queued[0][0]["key"])
+        good = []
+        for rec, want in queued:
+            t = by_rec[id(rec)]
+            if rec["owner"] in lost:  # its memory may have gone mid-copy: never report it done
+                self._fail_transfer(t, want, error_from(B.E_OWNER_GONE, f"owner of {rec['key']!r} went away"))
+                continue
+            with self._lock:
+                self._inflight.pop(t["tid"], None)
+            good.append((t["tid"], want))
+        # Queued before any future settles: a callback that closes this client still reports them.
+        self._report_done([tid for tid, _ in good])
+        for _, want in good:
+            _settle(want.future)
+        trace("copy batch: settled")
+
+    def _report_done(self, tids: list[int]) -> None:
+        """Queue ``complete`` for finished transfers; the completion thread (or this client's next request,
+        whichever comes first) sends them in order, so the broker learns each before anything later."""
+        if not tids:
+            return
+        with self._lock:
+            self._done_items.extend({"tid": tid, "ok": True} for tid in tids)
+            if self._completer is None and not self._closed:
+                self._completer = threading.Thread(
+                    target=self._completer_main, name="kvstrata-devobj-done", daemon=True
+                )
+                self._completer.start()
+            self._done_cv.notify()
+
+    def _completer_main(self) -> None:
+        while True:
+            with self._lock:
+                while not self._done_items and not self._closed:
+                    self._done_cv.wait()
+                if self._closed and not self._done_items:
+                    return
+            self._flush_done()
+
+    def _flush_done(self) -> None:
+        """Send the queued completions (one request); the broker's answers only get logged: each of those
+        receives was settled already because its bytes were in and its source was valid to the end."""
+        with self._flush_lock:
+            with self._lock:
+                items, self._done_items = self._done_items, []
+            if not items:
+                return
+            try:
+                results = self.link.call("complete_many", {"items": items})["results"]
+            except Exception as exc:
+                log.warning("devobj: could not report %d finished receives to the broker: %s", len(items), exc)
+                return
+            for item, r in zip(items, results):
+                if not r.get("ok", True):
+                    log.info("devobj: broker on finished transfer %s: %s", item["tid"], r.get("message"))
 
     def _complete(self, t: dict[str, Any], want: _Want) -> None:
         r = self._call("complete", {"tid": t["tid"], "ok": True})
@@ -902,6 +1122,8 @@ class DeviceObjects:
 
     # -- events -----------------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if self._done_items:  # completions first: a later request must see every receive reported done
+            self._flush_done()
         return self.link.call(op, args, timeout)
 
     def _poll_main(self) -> None:
@@ -985,10 +1207,16 @@ class DeviceObjects:
             self._nccl_send(ev)
         elif kind == "invalidate":
             with self._lock:
+                kept = self._records.get(ev["key"])
+                if kept is not None and kept[1]["obj"] == ev["obj"]:
+                    del self._records[ev["key"]]
                 entry = self._read.pop(ev["obj"], None)
             if entry is not None and self._imports is not None:
                 self._imports.drop_handles(entry[0], entry[1], obj=ev["obj"])
         elif kind == "peer_gone":
+            with self._lock:
+                for k in [k for k, e in self._records.items() if e[1]["owner"] == ev["client"]]:
+                    del self._records[k]
             if self._nccl is not None:
                 self._nccl.peer_gone(ev["client"])
             if self._imports is not None:

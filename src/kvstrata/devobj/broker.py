@@ -33,14 +33,31 @@ Lifecycles
 
 Records and events are plain msgpack-able dicts keyed by client id, so a cluster mode can carry the
 same meeting through a metadata service.
+
+Generation page (reads with no round trip)
+------------------------------------------
+The broker keeps one 64-bit **generation** in a shared page (a memfd the worker hands to clients in
+the handshake). It is bumped, under the broker's lock and *before* the reply, whenever a registered
+(``mset``) object stops being readable: ``delete`` of it, and its owner going away. A reader that
+learned a record while the page said G may copy from it again without asking the broker, as long as
+the page still says G *after* its copy has finished (a seqlock, see
+``kvstrata.devobj.api.DeviceObjects._receive``). This is safe because an owner only writes or frees
+registered memory after ``delete`` has answered (write-once objects), i.e. after the bump; a copy
+that overlapped such a write or free therefore reads a different generation when it ends, and is
+redone through the broker, which answers the truth. An owner that *dies* frees its memory before
+the broker knows: the reader also checks, after its copy, that the owner's process still lives.
 """
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import itertools
+import mmap
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +122,21 @@ class DeviceBroker:
         self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
         self._peers: dict[str, set[str]] = {}  # client -> clients it exchanged data with
         self._ids = itertools.count(1)
+        self._gen_fd, self._gen_map, self._gen = _generation_page()
+        weakref.finalize(self, os.close, self._gen_fd)
+
+    @property
+    def generation_fd(self) -> int:
+        """The memfd of the generation page (8 bytes at offset 0), for the worker to hand to clients."""
+        return self._gen_fd
+
+    @property
+    def generation_counter(self) -> ctypes.c_uint64:
+        """The generation itself, for clients in this process (``.value``; one aligned 8-byte load)."""
+        return self._gen
+
+    def _bump_locked(self) -> None:
+        self._gen.value += 1
 
     # -- dispatch ---------------------------------------------------------------------------------
     def handle(self, client: str, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
@@ -131,6 +163,8 @@ class DeviceBroker:
         """Forget ``client`` (its connection dropped or it died): its keys vanish, its peers get errors."""
         with self._lock:
             self._clients.pop(client, None)
+            if any(o.record["owner"] == client and o.record["mode"] == "mset" for o in self._objects.values()):
+                self._bump_locked()  # cached readers of its keys stop trusting them (see the module doc)
             for key, obj in list(self._objects.items()):
                 if obj.record["owner"] != client:
                     continue
@@ -199,9 +233,13 @@ class DeviceBroker:
             obj = self._objects.get(key)
             if obj is None or obj.state == "deleting":
                 results.append(_err(E_NOT_FOUND, f"device object {key!r} not found"))
-            elif obj.record["owner"] != client:
+                continue
+            if obj.record["owner"] != client:
                 results.append(_err(E_NOT_OWNER, f"device object {key!r} belongs to another client"))
-            elif obj.transfers:
+                continue
+            if obj.record["mode"] == "mset":
+                self._bump_locked()  # before the owner hears back, so before it may reuse the memory
+            if obj.transfers:
                 obj.state = "deleting"  # released once the reads in flight complete
                 results.append({"ok": True, "obj": obj.record["obj"], "pending": True})
             else:  # the owner learns it from this answer, not from an event
@@ -227,8 +265,14 @@ class DeviceBroker:
     def _add_waiters(self, client: str, args: dict[str, Any], kind: str) -> list[dict[str, Any]]:
         timeout = args.get("timeout")
         specs = args.get("specs") or [None] * len(args["keys"])
+        known = args.get("known") or ()  # per key: the object id whose record the reader already holds
         out = []
-        for key, spec in zip(args["keys"], specs, strict=True):
+        for i, (key, spec) in enumerate(zip(args["keys"], specs, strict=True)):
+            obj = self._objects.get(key)
+            if kind == "get" and obj is not None and obj.state == "ready" and obj.record["mode"] == "mset":
+                # The common read: no waiter to queue (nothing else can be waiting for a ready mset key).
+                out.append(self._read_now(client, key, obj, spec, known[i] if i < len(known) else None))
+                continue
             deadline = None if timeout is None else self._clock() + max(0.0, float(timeout))
             w = _Waiter(next(self._ids), client, key, kind, spec, deadline)
             self._waiters.setdefault(key, deque()).append(w)
@@ -239,6 +283,19 @@ class DeviceBroker:
             immediate = self._match_locked(key, only=w.wid)
             out.append(immediate if immediate is not None else {"status": "waiting", "wid": w.wid})
         return out
+
+    def _read_now(
+        self, client: str, key: str, obj: _Object, spec: list[dict[str, Any]] | None, known: int | None
+    ) -> dict[str, Any]:
+        wid = next(self._ids)
+        mismatch = _mismatch(obj.record["tensors"], spec)
+        if mismatch:
+            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
+        t = self._start_transfer(obj, _Waiter(wid, client, key, "get", spec, None))
+        if known == obj.record["obj"]:  # the reader holds this record: send only what it lacks
+            t = {k: v for k, v in t.items() if k != "record"}
+            t["obj"] = obj.record["obj"]
+        return {"status": "matched", "wid": wid, "key": key, "transfer": t}
 
     def op_cancel(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         for wid in args["wids"]:
@@ -537,6 +594,20 @@ class DeviceBroker:
             else:
                 self._push(client, dict(result, type="matched"))
         return answer
+
+
+def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:
+    """A one-page memfd holding the generation (starts at 1; 0 never means "valid")."""
+    fd = os.memfd_create("kvstrata-devobj-generation", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        mm = mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    gen = ctypes.c_uint64.from_buffer(mm)  # one aligned 8-byte store/load: never torn
+    gen.value = 1
+    return fd, mm, gen
 
 
 def _err(code: str, message: str) -> dict[str, Any]:

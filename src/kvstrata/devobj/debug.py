@@ -67,17 +67,26 @@ def configure_from_env() -> None:
     logger.propagate = False  # one line per record even where the root logger has a handler too
 
 
-def wait_event(event: Any, timeout: float, what: str, *, clock=time.monotonic, sleep=time.sleep) -> None:
+#: longest sleep between polls of a CUDA event: a copy that ends mid-sleep is noticed this late at most
+MAX_POLL_SLEEP = 50e-6
+
+
+def wait_event(
+    event: Any, timeout: float, what: str, *, expected: float = 0.0, clock=time.monotonic, sleep=time.sleep
+) -> None:
     """Wait for a CUDA event with a deadline; :class:`~kvstrata.errors.Timeout` naming ``what`` past it.
 
     ``event.synchronize()`` cannot be bounded: a copy or a publishing stream that never finishes (a
     hung kernel, a peer gone mid-copy) would hang its thread (and the caller's future) forever.
-    Spins briefly (small copies finish in microseconds), then polls with growing sleeps (at most
-    1 ms), releasing the GIL in between.
+    ``expected``: seconds the work should take (e.g. bytes / link bandwidth): most of it is slept
+    in one go, then the event is polled with short sleeps (at most ``MAX_POLL_SLEEP``), releasing
+    the GIL in between, so the end of a long copy is noticed within ~50 us, not a millisecond.
     """
     if event.query():
         return
     start = clock()
+    if expected > 2e-4:
+        sleep(expected * 0.9)
     pause = 0.0
     while not event.query():
         now = clock()
@@ -87,7 +96,7 @@ def wait_event(event: Any, timeout: float, what: str, *, clock=time.monotonic, s
                 "or a stuck copy)"
             )
         sleep(pause)
-        pause = min(1e-3, pause * 2 if pause else 2e-5) if now - start > 1e-4 else 0.0
+        pause = min(MAX_POLL_SLEEP, pause * 2 if pause else 5e-6) if now - start > 2e-5 else 0.0
 
 
 __all__ = ["configure_from_env", "trace", "trace_format", "trace_take", "wait_event"]

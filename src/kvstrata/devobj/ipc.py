@@ -16,11 +16,14 @@ the H200 machine (see ``DeviceObjects._ready_event``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -83,32 +86,14 @@ def local_index(uuid: str) -> int:
         ) from None
 
 
-def export_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """CUDA IPC export of one CUDA tensor (msgpack-able)."""
+def _reduce_storage(t: torch.Tensor) -> dict[str, Any]:
+    """The per-allocation part of a CUDA IPC export (torch's ``reduce_tensor``: an IPC memory handle,
+    a cross-process reference counter and an interprocess event, all made anew on every call)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, a = reduce_tensor(t.detach())
-    (
-        _cls,
-        size,
-        stride,
-        offset,
-        _scls,
-        _dtype,
-        _dev,
-        handle,
-        storage_bytes,
-        storage_offset,
-        _rg,
-        rc_handle,
-        rc_offset,
-        ev_handle,
-        _ev_sync,
-    ) = a
+    (_c, _sz, _st, _off, _sc, _dt, _dev, handle, storage_bytes, storage_offset, _rg, rc_handle, rc_offset, ev, _s) = a
     return {
-        "size": list(size),
-        "stride": list(stride),
-        "offset": int(offset),
         "handle": bytes(handle),
         "storage_bytes": int(storage_bytes),
         "storage_offset": int(storage_offset),
@@ -118,8 +103,64 @@ def export_tensor(t: torch.Tensor) -> dict[str, Any]:
         # is imported with ev_sync=False, never waited on. A reader's cudaStreamWaitEvent on an opened
         # IPC event crashed readers on the H200 machine; the exporter host-waited for its data before
         # exporting (api._ready_event), so there is nothing to wait for.
-        "ev_handle": bytes(ev_handle) if ev_handle is not None else bytes(64),
+        "ev_handle": bytes(ev) if ev is not None else bytes(64),
     }
+
+
+class ExportCache:
+    """One IPC export per storage of this process, reused by every later export of any view of it.
+
+    Keyed by the storage's identity (its StorageImpl, held by a weak reference so that address cannot
+    be taken by another storage while the entry lives) plus its data pointer and size: a block the
+    caching allocator hands to a *new* tensor at a reused address is a new storage, hence a new export,
+    never a stale handle. Torch's cross-process reference counter of a reused export is not relied on
+    (several importers share one): the broker's protocol keeps an owner from reusing memory that a
+    transfer may still read (see :mod:`kvstrata.devobj.broker`).
+    """
+
+    def __init__(self, reduce=_reduce_storage, max_entries: int = 4096) -> None:
+        self._reduce = reduce
+        self._entries: OrderedDict[int, tuple[Any, int, int, dict[str, Any]]] = OrderedDict()
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def export(self, t: torch.Tensor) -> dict[str, Any]:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storage = t.untyped_storage()
+        key, ptr, nbytes = storage._cdata, storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and (hit[0].expired() or hit[1] != ptr or hit[2] != nbytes):
+                del self._entries[key]
+                hit = None
+            if hit is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+        if hit is None:
+            base = self._reduce(t)
+            with self._lock:
+                self._entries[key] = (StorageWeakRef(storage), ptr, nbytes, base)
+                if len(self._entries) > self._max:
+                    for k in [k for k, e in self._entries.items() if e[0].expired()]:
+                        del self._entries[k]
+                    while len(self._entries) > self._max:
+                        self._entries.popitem(last=False)
+        else:
+            base = hit[3]
+        return {"size": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset(), **base}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_exports = ExportCache()
+
+
+def export_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """CUDA IPC export of one CUDA tensor (msgpack-able); one torch export per storage (:class:`ExportCache`)."""
+    return _exports.export(t)
 
 
 def import_tensor(blob: dict[str, Any], dtype: torch.dtype, device: int) -> torch.Tensor:
@@ -145,6 +186,50 @@ def import_tensor(blob: dict[str, Any], dtype: torch.dtype, device: int) -> torc
     )
 
 
+def import_storage(blob: dict[str, Any], device: int) -> torch.Tensor:
+    """Open the whole allocation (storage) of an export as a flat uint8 tensor on local GPU ``device``."""
+
+    with torch.cuda.device(device):  # the source GPU current while its memory is mapped here
+        return _import_storage(blob, device)
+
+
+def _import_storage(blob: dict[str, Any], device: int) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    n = int(blob["storage_bytes"])
+    try:
+        t = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size([n]), (1,), 0, torch.storage.TypedStorage, torch.uint8, device,
+            blob["handle"], n, blob["storage_offset"], False, blob["rc_handle"], blob["rc_offset"], blob["ev_handle"],
+            False,  # never wait on the interprocess event (see _reduce_storage)
+        )  # fmt: skip
+    except RuntimeError:
+        # torch's own cache (by handle and offset) returned an older, smaller storage at that offset:
+        # open it directly (the mapping itself is shared per handle inside torch).
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device,
+            blob["handle"],
+            n,
+            blob["storage_offset"],
+            blob["rc_handle"],
+            blob["rc_offset"],
+            blob["ev_handle"],
+            False,
+        )
+        t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage, 0, (n,), (1,))
+    return t
+
+
+def view_of(base: torch.Tensor, blob: dict[str, Any], sp: dict[str, Any]) -> torch.Tensor:
+    """The exported tensor ``blob`` (contiguous, ``sp``'s dtype) as a view of its allocation ``base``."""
+    dtype = dtype_of(sp["dtype"])
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    start, n = int(blob["offset"]) * itemsize, int(sp["nbytes"])
+    if start + n > base.numel():
+        raise ValueError(f"export of {n} bytes at {start} lies outside its {base.numel()}-byte allocation")
+    return base[start : start + n].view(dtype).view(blob["size"])
+
+
 class EventPool:
     """CUDA events of this process (publish points, copy ends), reused once nothing waits on them."""
 
@@ -166,9 +251,14 @@ class EventPool:
 
 
 class ImportCache:
-    """Imported allocations per (peer, handle), bounded LRU."""
+    """Imported allocations per (peer, handle, offset) as whole storages, bounded LRU; records are views.
 
-    def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 30) -> None:
+    One import serves every later export of the same allocation (a re-published buffer, another key in
+    it): opening a handle costs tens of microseconds, a view one. ``open_storage(blob, device)`` is
+    :func:`import_storage`; tests pass their own.
+    """
+
+    def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 30, *, open_storage=None) -> None:
         # A cached import pins the exporter's block (torch keeps it out of reuse while mapped), so the
         # cache is bounded by count and by bytes.
         self._allocs: OrderedDict[tuple[str, bytes, int], tuple[torch.Tensor, int]] = OrderedDict()
@@ -176,7 +266,9 @@ class ImportCache:
         self._max_bytes = max_bytes
         self._objects: dict[tuple[str, int], list[torch.Tensor]] = {}
         self._max_allocs = max_allocations
+        self._open = open_storage or import_storage
         self._lock = threading.Lock()
+        self.opened = 0
 
     def tensors(self, peer: str, record: dict[str, Any], *, reuse: bool = False) -> list[torch.Tensor]:
         """Views of the source tensors of ``record`` (exported by ``peer``) in this process.
@@ -194,21 +286,29 @@ class ImportCache:
                 f"record of {record.get('key')!r}: {len(record['handles'])} exports for "
                 f"{len(record['tensors'])} tensors"
             )
-        device = local_index(record["device"]["uuid"])
+        device = None
         out = []
         for blob, sp in zip(record["handles"], record["tensors"]):
-            with torch.cuda.device(device):  # the source GPU current while its memory is mapped here
-                t = import_tensor(blob, dtype_of(sp["dtype"]), device)
+            k = (peer, blob["handle"], blob["storage_offset"])
+            size = int(blob["storage_bytes"])
             with self._lock:
-                # Holding one view per allocation keeps torch's shared_cache entry (and the mapping) open.
-                k = (peer, blob["handle"], blob["storage_offset"])
-                old = self._allocs.pop(k, None)
-                self._bytes -= old[1] if old else 0
-                self._allocs[k] = (t, int(blob["storage_bytes"]))
-                self._bytes += int(blob["storage_bytes"])
-                while self._allocs and (len(self._allocs) > self._max_allocs or self._bytes > self._max_bytes):
-                    self._bytes -= self._allocs.popitem(last=False)[1][1]
-            out.append(t)
+                hit = self._allocs.get(k)
+                if hit is not None and hit[1] == size:
+                    self._allocs.move_to_end(k)
+            if hit is None or hit[1] != size:  # a block at a reused offset may have another size: reopen
+                if device is None:
+                    device = local_index(record["device"]["uuid"])
+                base = self._open(blob, device)
+                with self._lock:
+                    self.opened += 1
+                    old = self._allocs.pop(k, None)
+                    self._bytes -= old[1] if old else 0
+                    self._allocs[k] = (base, size)
+                    self._bytes += size
+                    while self._allocs and (len(self._allocs) > self._max_allocs or self._bytes > self._max_bytes):
+                        self._bytes -= self._allocs.popitem(last=False)[1][1]
+                hit = (base, size)
+            out.append(view_of(hit[0], blob, sp))
         if reuse:
             with self._lock:
                 self._objects[(peer, record["obj"])] = out
@@ -257,6 +357,58 @@ def pull(dst: list[torch.Tensor], src: list[torch.Tensor], ready: list[Any], str
     return last
 
 
+_peer_enabled: set[tuple[int, int]] = set()
+_batch_ok: list[bool] = []
+
+
+def _enable_peer(rt: Any, a: int, b: int) -> None:
+    """Let device ``a``'s copies reach device ``b``'s memory directly (NVLink/PCIe peer access), once."""
+    if a == b or (a, b) in _peer_enabled:
+        return
+    err, can = rt.cudaDeviceCanAccessPeer(a, b)
+    if int(err) == 0 and can:
+        with torch.cuda.device(a):
+            rt.cudaDeviceEnablePeerAccess(b, 0)  # "already enabled" (torch did it) is fine too
+            rt.cudaGetLastError()  # never leave that error for torch's next launch check to find
+    _peer_enabled.add((a, b))
+
+
+def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor], streams: StreamSet, device: int) -> None:
+    """Queue ``dst[i] <- src[i]`` (contiguous, equal byte sizes, any devices) on the transfer stream of
+    ``device`` (``streams.get(device)``), after what that stream already waits for.
+
+    One ``cudaMemcpyBatchAsync`` for all of them (copy engines, no SMs, one host call; a single pair
+    is one ``cudaMemcpyAsync``) where cuda-bindings has it; else torch's ``copy_`` per tensor, with
+    ``stream`` current on both devices. Sources need no wait: exports are complete when registered.
+    """
+    from kvstrata.ops import copy_engine
+
+    if not _batch_ok:
+        _batch_ok.append(copy_engine.has_batch_api())
+    dev = device
+    stream = streams.get(device)
+    if _batch_ok[0]:
+        rt = copy_engine._runtime()
+        for s in src:
+            if s.device.index != dev:
+                _enable_peer(rt, dev, s.device.index)
+                _enable_peer(rt, s.device.index, dev)
+        sizes = [d.numel() * d.element_size() for d in dst]
+        try:
+            with torch.cuda.stream(stream):
+                copy_engine.memcpy_batch(
+                    [d.data_ptr() for d in dst], [s.data_ptr() for s in src], sizes, device=stream.device
+                )
+            return
+        except copy_engine.CopyEngineError as exc:
+            log.warning("devobj: batched copy unavailable (%s); copying tensor by tensor", exc)
+            _batch_ok[0] = False
+    for d, s in zip(dst, src):
+        # torch runs a cross-device copy on the source device's current stream, synced with the destination's.
+        with torch.cuda.stream(streams.get(s.device.index)), torch.cuda.stream(stream):
+            d.copy_(s, non_blocking=True)
+
+
 class StreamSet:
     """One transfer stream per device for this client (created lazily)."""
 
@@ -274,15 +426,19 @@ class StreamSet:
 
 __all__ = [
     "EventPool",
+    "ExportCache",
     "ImportCache",
     "StreamSet",
+    "copy_into",
     "device_uuid",
     "dtype_name",
     "dtype_of",
     "export_tensor",
     "flat_bytes",
+    "import_storage",
     "import_tensor",
     "local_index",
     "pull",
     "spec",
+    "view_of",
 ]

@@ -34,6 +34,8 @@ class InprocBrokerLink:
     def __init__(self, broker: B.DeviceBroker, client_id: str | None = None) -> None:
         self.broker = broker
         self.client_id = client_id or f"inproc-{uuid.uuid4().hex[:12]}"
+        #: the broker's generation (see :mod:`kvstrata.devobj.broker`): reads of known keys skip the broker
+        self.generation_counter = broker.generation_counter
 
     def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         return self.broker.handle(self.client_id, op, args, timeout)

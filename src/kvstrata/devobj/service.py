@@ -12,7 +12,9 @@ started on first use (embedded clients share one in-process broker).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import threading
 import uuid
@@ -81,8 +83,23 @@ class WorkerBrokerLink:
 
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         hello = {"shm": False, "name": f"devobj {self.client_id}"}
-        self._conns = [connect(address, timeout=timeout, hello=hello) for _ in range(2)]
+        self._conns = [connect(address, timeout=timeout, hello=dict(hello, devobj_generation=i == 0)) for i in range(2)]
         self._locks = [threading.Lock(), threading.Lock()]
+        #: the broker's generation (``.value``), mapped from the page the worker sent; None where it sent none
+        self.generation_counter: ctypes.c_uint64 | None = None
+        self._page: mmap.mmap | None = None
+        conn = self._conns[0]
+        at = conn.peer_info.get("devobj_generation")
+        fds = list(getattr(conn, "handshake_fds", ()) or ())
+        if isinstance(at, int) and 0 <= at < len(fds):
+            try:
+                # Mapped for as long as this link lives (never unmapped under a reader: close() leaves it).
+                self._page = mmap.mmap(fds[at], mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+                self.generation_counter = ctypes.c_uint64.from_buffer(self._page)
+            except (OSError, ValueError) as exc:
+                log.info("device objects: no generation page (%s); every read asks the worker", exc)
+        for fd in fds:
+            os.close(fd)
 
     def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         from kvstrata.server import protocol as P

@@ -169,6 +169,9 @@ class Worker:
             reply["cache_bytes"] = self.config.memory // CACHE_SHARE
             fds = [self.validity.fd] + [seg.fd for seg in segs]
             session.sent_segments.update(range(len(segs)))
+        if hello.get("devobj_generation"):  # a device-object link: its broker's generation page
+            reply["devobj_generation"] = len(fds)
+            fds.append(devobj_service.broker_of(self).generation_fd)
         return reply, fds
 
     def _serve(self, conn: Connection) -> None:
