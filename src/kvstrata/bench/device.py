@@ -387,17 +387,21 @@ def bcast_sender(
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
+    traces: dict[str, list] = {}  # the last round's steps (KVSTRATA_DEVOBJ_TRACE=1)
     for mode, _ in modes:
         for i in range(rounds):
             for _ in range(3):
                 _get(ctl["ready"], f"broadcaster: receivers' subscribes ({mode}, round {i})")
             time.sleep(0.005)  # the receivers' subscribes are registered before they said so
+            debug.trace_take()
             t0 = time.perf_counter()
             _wait(c.dev_broadcast(f"b-{mode}-{i}", [src], receivers=3), f"broadcaster: broadcast ({mode}, round {i})")
             times.setdefault(mode, []).append(time.perf_counter() - t0)
             starts.setdefault(mode, []).append(t0)
+            traces[mode] = [(t, f"sender {th}", step) for t, th, step in debug.trace_take()]
+            traces[mode] += [(t0, "sender main", "dev_broadcast call"), (t0 + times[mode][-1], "sender main", "done")]
     c.close()
-    return {"seconds": times, "t0": starts}
+    return {"seconds": times, "t0": starts, "traces": traces}
 
 
 def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dict, modes: list) -> dict[str, Any]:
@@ -408,20 +412,23 @@ def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dic
     dst = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
     torch.cuda.synchronize()
     landed: dict[str, list[dict[str, float]]] = {}
+    traces: dict[str, list] = {}
     for mode, cfg in modes:
         c = _client(address, device, **cfg)
         for i in range(rounds):
             dst.fill_(7)
             torch.cuda.synchronize()
             (f,) = c.dev_subscribe([f"b-{mode}-{i}"], [[dst]], timeout=WAIT)
+            debug.trace_take()
             ctl["ready"].put(device)
             _wait(f, f"receiver on GPU{device}: broadcast ({mode}, round {i})")
+            traces[mode] = [(t, f"GPU{device} {th}", step) for t, th, step in debug.trace_take()]
             entry = next(e for e in reversed(c.device_objects().broadcast_log()) if e["key"] == f"b-{mode}-{i}")
             landed.setdefault(mode, []).append({"position": entry["position"], "copied": entry["copied"]})
             if i == 0 and not torch.equal(dst, _pattern(nbytes, device)):
                 raise AssertionError(f"broadcast ({mode} hops) receiver on GPU{device} got wrong bytes")
         c.close()
-    return {"device": device, "landed": landed}
+    return {"device": device, "landed": landed, "traces": traces}
 
 
 def bcast_finish_ms(sender: dict, receivers: list[dict]) -> dict[str, list[dict[str, Any]]]:
@@ -523,6 +530,9 @@ def run(args: argparse.Namespace) -> int:
         traces = dict(reader["traces"])
         hand = "4 KiB hand-off, subscriber first (reader side)"
         traces[hand] = sorted(owner["trace"] + traces[hand])  # one monotonic clock for the node
+        for mode, stamps in sender.get("traces", {}).items():
+            merged = stamps + [x for r in bc["bcast_receiver"] for x in r.get("traces", {}).get(mode, [])]
+            traces[f"broadcast ({mode}), last round"] = sorted(merged)
         for name, stamps in traces.items():
             if stamps:
                 print(f"--- trace: {name}\n{debug.trace_format(stamps)}", flush=True)

@@ -916,7 +916,15 @@ class DeviceObjects:
         try:
             if want.future.done():  # aborted before it started
                 raise _aborted(want, what)
-            src, _ = self._sources(pred, pred["client"])
+            trace(f"{what}: step starts")
+            try:
+                src, _ = self._sources(pred, pred["client"])
+            except (RuntimeError, OSError) as exc:  # e.g. CUDA "invalid resource handle": its exporter died
+                raise errors.ServerError(
+                    f"{what}: could not open the predecessor's buffers ({type(exc).__name__}: {exc}); "
+                    "it probably went away"
+                ) from exc
+            trace(f"{what}: source opened")
             if pred.get("progress"):  # a receiver; the sender's data is complete at publish
                 try:
                     link.pred_progress = Progress.open(pred["progress"])
@@ -940,6 +948,7 @@ class DeviceObjects:
                     "progress": link.progress.name,
                 }
                 self._call("chain_ready", {"tid": t["tid"], "export": export})
+                trace(f"{what}: exported to the successor")
             pred_p, mine_p = link.pred_progress, link.progress
             # "stream": the GPU waits for the predecessor's count and advances ours; the host only
             # queues the chunks (all at once) and watches for their end, an abort or a stall.
@@ -967,6 +976,7 @@ class DeviceObjects:
                 link.abandon()
             raise
         copied = time.perf_counter()
+        trace(f"{what}: all chunks copied")
         with self._lock:
             self._bcast_log.append(
                 {

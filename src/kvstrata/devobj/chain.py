@@ -22,11 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstrata import errors
+from kvstrata.devobj.debug import trace
 
 #: keep spinning this long after the last progress before backing off to sleeps
 SPIN_SECONDS = 2e-3
 #: longest sleep between polls once backed off
 MAX_PAUSE = 1e-3
+#: chunk copies queued ahead of the last one seen complete: enough to keep the copy engine busy
+#: between polls, few enough that progress is still published a chunk or so after it happens
+WINDOW = 4
 
 
 def plan_chunks(tensors: list[dict[str, Any]], chunk: int) -> list[tuple[int, int, int]]:
@@ -70,7 +74,9 @@ def pump(
         avail = available()
         if avail < 0:
             raise errors.ServerError(f"{what}: the predecessor's copy failed (broadcast aborted)")
-        if enqueued < min(avail, n_chunks):  # one at a time: completions are published between enqueues
+        while enqueued < min(avail, n_chunks, complete + WINDOW):
+            if enqueued in (0, n_chunks - 1):
+                trace(f"{what}: chunk {enqueued} of {n_chunks} queued")
             pending.append(enqueue(enqueued))
             enqueued += 1
             moved = True
@@ -86,6 +92,8 @@ def pump(
             if publish is not None:
                 # After the events completed: a reader that sees k finds chunks < k in our buffers.
                 publish(complete)
+            if complete in (1, n_chunks):
+                trace(f"{what}: {complete} of {n_chunks} chunks complete")
         if complete >= n_chunks:
             break
         exc = aborted()
@@ -109,4 +117,4 @@ def pump(
         sleep(pause)
 
 
-__all__ = ["MAX_PAUSE", "SPIN_SECONDS", "plan_chunks", "pump"]
+__all__ = ["MAX_PAUSE", "SPIN_SECONDS", "WINDOW", "plan_chunks", "pump"]
