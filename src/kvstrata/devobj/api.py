@@ -754,17 +754,29 @@ class DeviceObjects:
             srcs += src
         if not queued:
             return queued, None
+        trace("sources ready")
         if not self._cuda:
             for d, x in zip(dsts, srcs):
                 d.copy_(x)
             return queued, None
         sd = self._streams.get(self.device.index)
-        seen: set[int] = set()
-        for _, want in queued:
-            if want.after is not None and id(want.after) not in seen:
-                seen.add(id(want.after))
-                sd.wait_event(want.after)
-        copy_into(dsts, srcs, self._streams, self.device.index)
+        afters = list({id(w.after): w.after for _, w in queued if w.after is not None}.values())
+        # Push: each source GPU's copy engine writes into ours (NVLink writes beat reads: a pull of
+        # 2 x 1 GiB ran at 328 GB/s on the H200 pair where torch's push copy ran at 392).
+        by_src: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for d, x in zip(dsts, srcs):
+            group = by_src.setdefault(x.device.index, ([], []))
+            group[0].append(d)
+            group[1].append(x)
+        for src_dev, (group_dst, group_src) in by_src.items():
+            ss = self._streams.get(src_dev)
+            for ev in afters:
+                ss.wait_event(ev)
+            copy_into(group_dst, group_src, self._streams, src_dev)
+            if ss is not sd:
+                end = torch.cuda.Event()
+                end.record(ss)
+                sd.wait_event(end)
         done = torch.cuda.Event()
         done.record(sd)
         trace(f"copies queued ({len(queued)} keys)")
@@ -822,19 +834,29 @@ class DeviceObjects:
             with self._lock:
                 self._inflight.pop(t["tid"], None)
             good.append((t["tid"], want))
-        # Queued before any future settles: a callback that closes this client still reports them.
-        self._report_done([tid for tid, _ in good])
+        # Queued before any future settles (a callback that closes this client still reports them), sent
+        # after: the completion thread would otherwise take the GIL from the caller's wake-up.
+        self._report_done([tid for tid, _ in good], notify=False)
         for _, want in good:
             _settle(want.future)
         trace("copy batch: settled")
+        self._notify_done()
 
-    def _report_done(self, tids: list[int]) -> None:
+    def _report_done(self, tids: list[int], *, notify: bool = True) -> None:
         """Queue ``complete`` for finished transfers; the completion thread (or this client's next request,
-        whichever comes first) sends them in order, so the broker learns each before anything later."""
+        whichever comes first) sends them in order, so the broker learns each before anything later.
+        ``notify=False``: the caller calls :meth:`_notify_done` once it settled its futures."""
         if not tids:
             return
         with self._lock:
             self._done_items.extend({"tid": tid, "ok": True} for tid in tids)
+        if notify:
+            self._notify_done()
+
+    def _notify_done(self) -> None:
+        with self._lock:
+            if not self._done_items:
+                return
             if self._completer is None and not self._closed:
                 self._completer = threading.Thread(
                     target=self._completer_main, name="kvstrata-devobj-done", daemon=True
@@ -917,21 +939,9 @@ class DeviceObjects:
             if want.future.done():  # aborted before it started
                 raise _aborted(want, what)
             trace(f"{what}: step starts")
-            try:
-                src, _ = self._sources(pred, pred["client"])
-            except (RuntimeError, OSError) as exc:  # e.g. CUDA "invalid resource handle": its exporter died
-                raise errors.ServerError(
-                    f"{what}: could not open the predecessor's buffers ({type(exc).__name__}: {exc}); "
-                    "it probably went away"
-                ) from exc
-            trace(f"{what}: source opened")
-            if pred.get("progress"):  # a receiver; the sender's data is complete at publish
-                try:
-                    link.pred_progress = Progress.open(pred["progress"])
-                except FileNotFoundError:
-                    raise errors.ServerError(
-                        f"{what}: the predecessor's progress counter is gone (it failed or went away)"
-                    ) from None
+            # Export first: the successor opens our buffers while we open our predecessor's (the
+            # opens of large buffers take ~1 ms each and ran one after another down the chain). Our
+            # counter is 0 until our first chunk lands, so an early export exposes nothing unfinished.
             if not last:
                 link.progress = Progress.create()
                 link.token = uuid.uuid4().hex
@@ -949,6 +959,21 @@ class DeviceObjects:
                 }
                 self._call("chain_ready", {"tid": t["tid"], "export": export})
                 trace(f"{what}: exported to the successor")
+            try:
+                src, _ = self._sources(pred, pred["client"])
+            except (RuntimeError, OSError) as exc:  # e.g. CUDA "invalid resource handle": its exporter died
+                raise errors.ServerError(
+                    f"{what}: could not open the predecessor's buffers ({type(exc).__name__}: {exc}); "
+                    "it probably went away"
+                ) from exc
+            trace(f"{what}: source opened")
+            if pred.get("progress"):  # a receiver; the sender's data is complete at publish
+                try:
+                    link.pred_progress = Progress.open(pred["progress"])
+                except FileNotFoundError:
+                    raise errors.ServerError(
+                        f"{what}: the predecessor's progress counter is gone (it failed or went away)"
+                    ) from None
             pred_p, mine_p = link.pred_progress, link.progress
             # "stream": the GPU waits for the predecessor's count and advances ours; the host only
             # queues the chunks (all at once) and watches for their end, an abort or a stall.
@@ -1028,30 +1053,45 @@ class DeviceObjects:
             return copy_now, None
         dev = self.device.index
         kernel = self.config.same_gpu_copy == "kernel"
-        sd = self._streams.get(dev)
-        sd.wait_event(want.after)
         pending: list[Any] = []  # events handed out and not yet seen complete (see _drain)
         want.chain_events = pending
+        event_device: dict[int, int] = {}
+        ready_streams: set[int] = set()
+
+        def copy_stream(src_dev: int) -> torch.cuda.Stream:
+            # A chunk from another GPU is pushed by that GPU's copy engine, on this client's stream
+            # there, with no work at all queued on our GPU: another process's copies into our GPU
+            # (the next receiver of the chain) would otherwise wait out our context's time slices
+            # (on the H200 pair a same-GPU successor's first chunk waited 10 ms behind our stream waits).
+            cs = self._streams.get(src_dev)
+            if src_dev not in ready_streams:
+                ready_streams.add(src_dev)
+                cs.wait_event(want.after)
+            return cs
 
         def enqueue(c: int) -> Any:
             j, off, n = plan[c]
-            ss = self._streams.get(src[j].device.index)
-            # Cross-device: torch copies on the source device's current stream and orders it with the
-            # destination's both ways, so the event on ``sd`` marks the chunk's end.
-            if wait_ptr is not None:  # before the copy on sd; torch orders ss after sd's work so far
-                gpu_wait(sd, wait_ptr, c + 1)
-            with torch.cuda.stream(ss), torch.cuda.stream(sd):
-                _copy_bytes(dst_b[j][off : off + n], src_b[j][off : off + n], kernel=kernel and ss is sd)
-            if write_ptr is not None:  # after the copy's end on sd (the write orders it before the count)
-                gpu_write(sd, write_ptr, c + 1)
-            ev = self._events.get(dev)
-            ev.record(sd)
+            src_dev = src[j].device.index
+            cs = copy_stream(src_dev)
+            if wait_ptr is not None:  # GPU-side: the copy waits for the predecessor's count
+                gpu_wait(cs, wait_ptr, c + 1)
+            d, x = dst_b[j][off : off + n], src_b[j][off : off + n]
+            if src_dev == dev:
+                with torch.cuda.stream(cs):
+                    _copy_bytes(d, x, kernel=kernel)
+            else:
+                copy_into([d], [x], self._streams, src_dev)
+            if write_ptr is not None:  # after the copy's end (the write orders it before the count)
+                gpu_write(cs, write_ptr, c + 1)
+            ev = self._events.get(src_dev)
+            ev.record(cs)
+            event_device[id(ev)] = src_dev
             pending.append(ev)
             return ev
 
         def recycle(ev: Any) -> None:
             pending.remove(ev)  # the oldest: O(1) in practice
-            self._events.put([ev], dev)
+            self._events.put([ev], event_device.pop(id(ev), dev))
 
         return enqueue, recycle
 

@@ -258,7 +258,7 @@ class ImportCache:
     :func:`import_storage`; tests pass their own.
     """
 
-    def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 30, *, open_storage=None) -> None:
+    def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 40, *, open_storage=None) -> None:
         # A cached import pins the exporter's block (torch keeps it out of reuse while mapped), so the
         # cache is bounded by count and by bytes.
         self._allocs: OrderedDict[tuple[str, bytes, int], tuple[torch.Tensor, int]] = OrderedDict()
@@ -305,7 +305,11 @@ class ImportCache:
                     self._bytes -= old[1] if old else 0
                     self._allocs[k] = (base, size)
                     self._bytes += size
-                    while self._allocs and (len(self._allocs) > self._max_allocs or self._bytes > self._max_bytes):
+                    # Never the one just opened (a single block larger than the bound is still cached:
+                    # a 1 GiB bound once made every read of a 2 GiB buffer re-open it, ~80 us a key).
+                    while len(self._allocs) > 1 and (
+                        len(self._allocs) > self._max_allocs or self._bytes > self._max_bytes
+                    ):
                         self._bytes -= self._allocs.popitem(last=False)[1][1]
                 hit = (base, size)
             out.append(view_of(hit[0], blob, sp))
@@ -389,10 +393,9 @@ def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor], streams: StreamS
     stream = streams.get(device)
     if _batch_ok[0]:
         rt = copy_engine._runtime()
-        for s in src:
-            if s.device.index != dev:
-                _enable_peer(rt, dev, s.device.index)
-                _enable_peer(rt, s.device.index, dev)
+        for other in {t.device.index for t in (*src, *dst)} - {dev}:
+            _enable_peer(rt, dev, other)
+            _enable_peer(rt, other, dev)
         sizes = [d.numel() * d.element_size() for d in dst]
         try:
             with torch.cuda.stream(stream):
