@@ -176,6 +176,14 @@ class RemoteBackend:
             t = self._tensors[index] = _segment_tensor(self._segment(index))
         return t
 
+    def segment_address(self, index: int) -> int:
+        """Where segment ``index`` is mapped in this process."""
+        seg = self._segments.get(index)
+        return (seg if seg is not None else self._segment(index)).address
+
+    def segment_nbytes(self, index: int) -> int:
+        return self._segment(index).nbytes
+
     def release(self, ids: list[int]) -> None:
         with self._lock:
             if self._closed or self._conn.closed:
@@ -248,9 +256,9 @@ class RemoteBackend:
             self.release(drop)
         return data
 
-    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int) -> list[int]:
+    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int, evict: bool = True) -> list[int]:
         """Offer a lease to the local-read cache (under the lock); returns leases the cache let go of."""
-        drop = self._local.add(key, lease_id, loc, generation)
+        drop = self._local.add(key, lease_id, loc, generation, evict=evict)
         if lease_id not in drop:
             self._hold(lease_id)  # the cache's hold
         return drop
@@ -267,10 +275,11 @@ class RemoteBackend:
         finally:
             self.release([item["lease"]])
 
-    def acquire(self, keys: list[str], timeout: float, *, cache: bool = False) -> list[Any]:
+    def acquire(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> list[Any]:
         """Leases for zero-copy views. A key the local-read cache holds current needs no round trip:
         the view shares the cache's lease (see ``_holders``), so its bytes stay pinned until released.
-        ``cache``: also keep the leases of cacheable objects fetched now, for later calls."""
+        ``cache``: also keep the leases of cacheable objects fetched now, for later calls (``"fit"``:
+        only where they fit beside the entries already kept, pushing none out)."""
         local = self._local
         out: list[Any] = [None] * len(keys)
         if local is not None:
@@ -299,7 +308,9 @@ class RemoteBackend:
             if r.get("cache") and local is not None:
                 with self._lock:
                     if not self._closed:
-                        let_go = self._cache_add(keys[i], lease.lease_id, lease.location, generation)
+                        let_go = self._cache_add(
+                            keys[i], lease.lease_id, lease.location, generation, evict=cache != "fit"
+                        )
                         if lease.lease_id in let_go:  # refused (something changed meanwhile): the view's alone
                             let_go.remove(lease.lease_id)
                         else:
@@ -385,6 +396,12 @@ class EmbeddedBackend:
             t = self._tensors[index] = _segment_tensor(self._check().segments[index])
         return t
 
+    def segment_address(self, index: int) -> int:
+        return self._check().segments[index].address
+
+    def segment_nbytes(self, index: int) -> int:
+        return self._check().segments[index].nbytes
+
     def release(self, ids: list[int]) -> None:
         if self._closed:
             return
@@ -430,7 +447,7 @@ class EmbeddedBackend:
                 self.store.release(r.lease_id)
         return out
 
-    def acquire(self, keys: list[str], timeout: float, *, cache: bool = False) -> list[Any]:
+    def acquire(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> list[Any]:
         results = self._check().acquire_many(keys, owner=self.owner, timeout=timeout)
         return [r if isinstance(r, BaseException) else Lease(r.lease_id, r.location, r.mutable) for r in results]
 

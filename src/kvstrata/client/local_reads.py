@@ -71,10 +71,19 @@ class LocalReads:
             return []
         return self.clear()
 
-    def add(self, key: str, lease_id: int, location: Any, generation: int) -> list[int]:
-        """Keep a lease taken after reading ``generation``; returns lease ids to give back."""
+    def add(self, key: str, lease_id: int, location: Any, generation: int, *, evict: bool = True) -> list[int]:
+        """Keep a lease taken after reading ``generation``; returns lease ids to give back.
+
+        ``evict=False`` keeps it only where it fits beside the current entries (a batch larger than the
+        budget then keeps its first keys instead of pushing out its own entries, call after call)."""
         drop = self.stale()
         if generation != self._gen.value:  # something changed during the request: not trustworthy
+            return [*drop, lease_id]
+        if (
+            not evict
+            and key not in self._entries
+            and (len(self._entries) >= self.max_entries or self._bytes + location.size > self.max_bytes)
+        ):
             return [*drop, lease_id]
         self._entries_gen = generation
         old = self._entries.pop(key, None)
