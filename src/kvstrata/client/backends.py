@@ -285,16 +285,17 @@ class RemoteBackend:
         if local is not None:
             generation = local.generation()  # read before the request: see kvstrata.server.validity
             with self._lock:
-                if len(local) and not self._closed and self._pid == os.getpid():
-                    alive = not select.select([self._conn.fileno()], [], [], 0)[0]  # a dead worker reads EOF
-                    for i, key in enumerate(keys):
-                        entry = local.entry(key) if alive else None
+                usable = len(local) and not self._closed and self._pid == os.getpid()
+                if usable and not select.select([self._conn.fileno()], [], [], 0)[0]:  # a dead worker reads EOF
+                    holders = self._holders
+                    for i, entry in enumerate(local.entries(keys)):
                         if entry is not None:
-                            self._hold(entry[0])  # the view's hold
-                            out[i] = Lease(entry[0], entry[1], False)
-        missing = [i for i, lease in enumerate(out) if lease is None]
-        if not missing:
+                            lease_id = entry[0]
+                            holders[lease_id] = holders.get(lease_id, 0) + 1  # the view's hold
+                            out[i] = Lease(lease_id, entry[1], False)
+        if None not in out:
             return out
+        missing = [i for i, lease in enumerate(out) if lease is None]
         msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 log = logging.getLogger(__name__)
 
 _memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies
+_TORCH_COPY_BYTES = 4 << 20  # host runs this large are copied by torch, which uses several threads
 
 
 class Piece(NamedTuple):
@@ -39,14 +40,14 @@ class Runs(NamedTuple):
 
     host: list[tuple[int, int, int]]
     device: list[tuple[int, int, int]]
-    pieces: list[tuple[Piece, int, bool]]  # (piece, host address, to_host): the fallback without cuda-bindings
+    pieces: list[tuple[tuple, int, bool]]  # (piece, host address, to_host): the fallback without cuda-bindings
 
 
-def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[Piece]], list[int], Any]:
+def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[tuple]], list[int], Any]:
     """Validate ``tensor_lists`` (one list of tensors per key) before anything is read or written.
 
-    Returns each key's pieces, each key's total bytes, and the first CUDA device met (None: all on the
-    CPU). ValueError/TypeError naming ``tensor_lists[i][j]``.
+    Returns each key's pieces (tuples laid out as :class:`Piece`), each key's total bytes, and the first
+    CUDA device met (None: all on the CPU). ValueError/TypeError naming ``tensor_lists[i][j]``.
     """
     import torch
 
@@ -56,7 +57,7 @@ def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[Piece]
         raise ValueError(f"tensor_lists: need one list of tensors per key ({n_keys} keys, got {len(tensor_lists)})")
     tensor_type, strided = torch.Tensor, torch.strided
     device = None
-    out: list[list[Piece]] = []
+    out: list[list[tuple]] = []
     totals: list[int] = []
     for i, ts in enumerate(tensor_lists):
         if not isinstance(ts, list | tuple):
@@ -74,24 +75,24 @@ def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[Piece]
             if on_cuda:
                 if device is None:
                     device = t.device
-            elif t.device.type != "cpu":
+            elif not t.is_cpu:
                 raise TypeError(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
             n = t.nbytes
-            pieces.append(Piece(t.data_ptr(), n, on_cuda, t))
+            pieces.append((t.data_ptr(), n, on_cuda, t))  # a Piece's fields (a plain tuple is cheaper to build)
             total += n
         out.append(pieces)
         totals.append(total)
     return out, totals, device
 
 
-def plan(pieces: list[Piece], host: int, to_host: bool, runs: Runs) -> None:
+def plan(pieces: list[tuple], host: int, to_host: bool, runs: Runs) -> None:
     """Add the copies between one object's bytes at address ``host`` and its ``pieces`` (in order) to
     ``runs``, merged with the previous run where both sides continue it."""
     for p in pieces:
-        n = p.nbytes
+        ptr, n, cuda = p[0], p[1], p[2]
         if n:
-            dst, src = (host, p.ptr) if to_host else (p.ptr, host)
-            if p.cuda:
+            dst, src = (host, ptr) if to_host else (ptr, host)
+            if cuda:
                 bucket = runs.device
                 runs.pieces.append((p, host, to_host))
             else:
@@ -114,7 +115,10 @@ def run(runs: Runs, device: Any, *, stream: Any = None) -> Any:
     completes when the device runs have landed (None without device runs); the caller keeps both sides'
     memory alive until then."""
     for dst, src, n in runs.host:
-        _memmove(dst, src, n)
+        if n < _TORCH_COPY_BYTES:
+            _memmove(dst, src, n)
+        else:
+            _raw_bytes(dst, n).copy_(_raw_bytes(src, n))  # torch spreads a large copy over its threads
     if not runs.device:
         return None
     import torch
@@ -145,15 +149,20 @@ def _copy_engine(device_runs: list[tuple[int, int, int]], device: Any) -> bool:
     return True
 
 
+def _raw_bytes(addr: int, n: int) -> Any:
+    """A uint8 CPU tensor over ``n`` bytes at ``addr`` (memory kept alive by its owner)."""
+    import torch
+
+    return torch.frombuffer((ctypes.c_ubyte * n).from_address(addr), dtype=torch.uint8)
+
+
 def _torch_copies(runs: Runs, device: Any) -> None:
     """Without cuda-bindings: one ``copy_`` per tensor, between its bytes and a view of the host bytes."""
     import torch
 
     for piece, host, to_host in runs.pieces:
-        n = piece.nbytes
-        buf = (ctypes.c_ubyte * n).from_address(host)
-        host_view = torch.frombuffer(buf, dtype=torch.uint8)
-        dev_view = piece.tensor.detach().reshape(-1).view(torch.uint8)
+        host_view = _raw_bytes(host, piece[1])
+        dev_view = piece[3].detach().reshape(-1).view(torch.uint8)
         if to_host:
             host_view.copy_(dev_view, non_blocking=True)
         else:

@@ -65,6 +65,20 @@ class LocalReads:
         self.hits += 1
         return entry
 
+    def entries(self, keys: list[str]) -> list[tuple[int, Any] | None]:
+        """:meth:`entry` of every key, the generation checked once (a batch of keys seen at one moment)."""
+        if self._entries_gen != self._gen.value:
+            return [None] * len(keys)
+        get, touch = self._entries.get, self._entries.move_to_end
+        out = []
+        for key in keys:
+            entry = get(key)
+            if entry is not None:
+                touch(key)
+            out.append(entry)
+        self.hits += len(out) - out.count(None)
+        return out
+
     def stale(self) -> list[int]:
         """Lease ids of every entry, dropped, if the generation moved since they were taken."""
         if not self._entries or self._entries_gen == self._gen.value:
