@@ -4,9 +4,12 @@
 
 Starts a ``kvstrata worker`` process, then times ``mget_h2d`` and ``mset_d2h`` of ``--keys`` keys in
 this process (median of ``--iters`` calls after warm-up). With CUDA the tensors are on the GPU; without
-it they are CPU tensors and the copy is a memcpy, so what is left is the call's own overhead (round
-trips, Python, leases). The same bytes copied by one ``torch._foreach_copy_`` (CPU) or one pinned
-``copy_`` (CUDA) are timed in the same run as the floor; ``overhead_us`` is call minus floor.
+it they are CPU tensors and the copy is a memcpy. ``mget_h2d`` is timed twice: keys read before and
+unchanged since (their leases kept by the client: no round trip) and right after a write elsewhere
+(one round trip). On the CPU the copies' own time is measured inside each call (``copy_us``, the
+time in ``kvstrata.client.device.run``) and ``overhead_us`` is the rest: round trips, Python,
+leases. With CUDA the copies are asynchronous: ``floor_us`` is one pinned ``copy_`` of the same
+bytes, timed in the same run, and ``overhead_us`` is the call minus that floor.
 ``--profile`` prints a cProfile of the mget_h2d loop at the last size.
 """
 
@@ -26,18 +29,41 @@ import torch
 
 import kvstrata
 from kvstrata.bench._common import print_table, write_result
+from kvstrata.client import device as client_device
 from kvstrata.units import parse_size
+
+_in_copies = [0.0]
+_run = client_device.run
+
+
+def _timed_run(*args, **kwargs):
+    t0 = time.perf_counter()
+    try:
+        return _run(*args, **kwargs)
+    finally:
+        _in_copies[0] += time.perf_counter() - t0
+
+
+client_device.run = _timed_run  # kvstrata.client.client calls it through the module
 
 
 def _median_us(fn, iters: int, warmup: int = 5) -> float:
+    """Median microseconds per call (its time inside the copies is left in ``_last_copy_us``)."""
+    global _last_copy_us
     for _ in range(warmup):
         fn()
-    times = []
+    times, copies = [], []
     for _ in range(iters):
+        _in_copies[0] = 0.0
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        copies.append(_in_copies[0])
+    _last_copy_us = statistics.median(copies) * 1e6
     return statistics.median(times) * 1e6
+
+
+_last_copy_us = 0.0
 
 
 def _floor(lists_src, lists_dst, device: str) -> callable:
@@ -64,8 +90,19 @@ def measure(address: str, n: int, size: int, iters: int, device: str, profile: b
         assert kv.mset_d2h(keys, src) == [None] * n
         dst = [[torch.empty_like(t[0])] for t in src]
         get = _median_us(lambda: kv.mget_h2d(keys, dst), iters)
+        get_copy = _last_copy_us
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         floor = _median_us(_floor(src, dst, device), iters)
+        # After any change on the worker the client's cached leases are void: one round trip.
+        times, copies = [], []
+        for _ in range(iters + 5):
+            kv.set("calls/bump", b"x")
+            _in_copies[0] = 0.0
+            t0 = time.perf_counter()
+            kv.mget_h2d(keys, dst)
+            times.append(time.perf_counter() - t0)
+            copies.append(_in_copies[0])
+        get_rt, get_rt_copy = statistics.median(times[5:]) * 1e6, statistics.median(copies[5:]) * 1e6
         counter = iter(range(10**9))
 
         def put() -> None:
@@ -77,7 +114,12 @@ def measure(address: str, n: int, size: int, iters: int, device: str, profile: b
         # mset_d2h needs fresh keys each call (write-once): time it with the delete and subtract the delete
         delete_only = _median_us(lambda: kv.delete([f"calls/none/{i}" for i in range(n)]), iters)
         put_del = _median_us(put, iters)
-        for op, t in (("mget_h2d", get), ("mset_d2h", put_del - delete_only)):
+        calls = (
+            ("mget_h2d", get, get_copy),
+            ("mget_h2d after a change", get_rt, get_rt_copy),
+            ("mset_d2h", put_del - delete_only, _last_copy_us),
+        )
+        for op, t, copy_us in calls:
             rows.append(
                 {
                     "op": op,
@@ -85,8 +127,9 @@ def measure(address: str, n: int, size: int, iters: int, device: str, profile: b
                     "size": size,
                     "device": device,
                     "call_us": round(t, 1),
+                    "copy_us": round(copy_us, 1) if device == "cpu" else None,
                     "floor_us": round(floor, 1),
-                    "overhead_us": round(t - floor, 1),
+                    "overhead_us": round(t - (copy_us if device == "cpu" else floor), 1),
                 }
             )
         if profile:
@@ -112,7 +155,7 @@ def main() -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvstrata-calls-"))
     sock = tmp / "w.sock"
-    memory = max(sizes) * args.keys * 4 + (256 << 20)
+    memory = max(max(sizes) * args.keys * 16 * 2, 256 << 20)  # room for the client's cache (memory / 16)
     cmd = [sys.executable, "-m", "kvstrata.cli.main", "worker", "--socket", str(sock), "--memory", str(memory)]
     worker = subprocess.Popen([*cmd, "--disk-dir", "", "--log-level", "warning"])
     try:
@@ -125,7 +168,7 @@ def main() -> int:
         worker.wait(30)
     path = write_result("store_client_calls", {"rows": rows}, args.out)
     print(f"results: {path}")
-    print_table(rows, ["op", "keys", "size", "device", "call_us", "floor_us", "overhead_us"])
+    print_table(rows, ["op", "keys", "size", "device", "call_us", "copy_us", "floor_us", "overhead_us"])
     return 0
 
 

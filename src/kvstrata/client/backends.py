@@ -300,18 +300,22 @@ class RemoteBackend:
         if cache and local is not None:
             msg["cache"] = True
         items = self.request(msg)["items"]
-        drop: list[int] = []
-        for i, r in zip(missing, map(self._item, items)):
-            if isinstance(r, BaseException):
-                out[i] = r
+        offered = []
+        for i, r in zip(missing, items):
+            if "err" in r:
+                out[i] = P.error_from_record(r["err"])
                 continue
-            lease = out[i] = Lease(r["lease"], self._loc(r["loc"]), r["mutable"])
-            if r.get("cache") and local is not None:
-                with self._lock:
-                    if not self._closed:
-                        let_go = self._cache_add(
-                            keys[i], lease.lease_id, lease.location, generation, evict=cache != "fit"
-                        )
+            out[i] = Lease(r["lease"], Loc(*r["loc"]), r["mutable"])
+            if "cache" in r:
+                offered.append(i)
+        drop: list[int] = []
+        if offered and local is not None:
+            evict = cache != "fit"
+            with self._lock:
+                if not self._closed:
+                    for i in offered:
+                        lease = out[i]
+                        let_go = self._cache_add(keys[i], lease.lease_id, lease.location, generation, evict)
                         if lease.lease_id in let_go:  # refused (something changed meanwhile): the view's alone
                             let_go.remove(lease.lease_id)
                         else:

@@ -157,9 +157,12 @@ def _acquire(s: Session, msg: dict) -> dict:
 
 
 def release(s: Session, msg: dict) -> dict:
-    for lease_id in msg.get("ids", []):
-        if lease_id in s.leases:  # only what this client was given
-            s.leases.discard(lease_id)
+    mine = [i for i in msg.get("ids", []) if i in s.leases]  # only what this client was given
+    s.leases.difference_update(mine)
+    if hasattr(s.store, "release_many"):
+        s.store.release_many(mine)
+    else:
+        for lease_id in mine:
             s.store.release(lease_id)
     return {}
 
