@@ -178,6 +178,64 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             self._announce_segments()
         return e.loc
 
+    def create_many(
+        self,
+        items: Iterable[tuple[str, int]],
+        *,
+        owner: object,
+        ttl: float | None = None,
+        write_mode: WriteMode | str = WriteMode.MEMORY,
+        nx: bool = False,
+    ) -> list[Location | KvstrataError | ValueError | TypeError]:
+        """:meth:`create` per ``(key, size)``, in one critical section; a refused key yields its exception."""
+        out: list = []
+        with self._lock:
+            for key, size in items:
+                try:
+                    mode, ttl_s = self._check_write(key, size, ttl, write_mode)
+                    e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    out.append(exc)
+                    continue
+                old = self._pending.pop((key, owner), None)
+                if old is not None:
+                    self._abort_locked(old)
+                self._pending[(key, owner)] = e
+                self._owner_creates.setdefault(owner, set()).add(key)
+                out.append(e.loc)
+        if self._announced < len(self._mem.segments):
+            self._announce_segments()
+        return out
+
+    def seal_many(self, keys: Iterable[str], *, owner: object) -> list[KvstrataError | ValueError | TypeError | None]:
+        """:meth:`seal` per key (None where sealed, the exception where refused); creates that need no SSD
+        write are sealed in one critical section."""
+        out: list = []
+        slow: list[tuple[int, Entry]] = []
+        with self._lock:
+            for key in keys:
+                try:
+                    check_key(key)
+                    e = self._pending.pop((key, owner), None)
+                    if e is None:
+                        raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    out.append(exc)
+                    continue
+                self._forget_create(key, owner)
+                out.append(None)
+                if e.mode is WriteMode.WRITE_THROUGH or self._closed:
+                    slow.append((len(out) - 1, e))
+                    continue
+                self._uncreate(key)
+                self._seal_locked(e, None, mutable=False)
+        for i, e in slow:  # the SSD write happens outside the lock, as in seal
+            try:
+                self._finish(e, mutable=False)
+            except (KvstrataError, ValueError, TypeError) as exc:
+                out[i] = exc
+        return out
+
     def seal(self, key: str, *, owner: object) -> None:
         """Make ``owner``'s create of ``key`` visible and immutable; waiters wake."""
         self._finish(self._take_pending(key, owner), mutable=False)
