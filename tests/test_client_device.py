@@ -55,11 +55,25 @@ def test_plan_merges_runs_that_continue_on_both_sides():
     runs = device.new_runs()
     device.plan(pieces[0], 1000, False, runs)
     device.plan(pieces[1], 1040, False, runs)  # the next object continues the first one: one run
-    assert runs.host == [(a.data_ptr(), 1000, 64)] and runs.device == []
+    assert runs.host == [(a.data_ptr(), 1000, 64, None)] and runs.device == []
     runs = device.new_runs()
     device.plan(pieces[0], 1000, True, runs)
     device.plan(pieces[1], 5000, True, runs)  # the host side jumps: two runs
-    assert runs.host == [(1000, a.data_ptr(), 40), (5000, a.data_ptr() + 40, 24)]
+    assert runs.host == [(1000, a.data_ptr(), 40, None), (5000, a.data_ptr() + 40, 24, None)]
+
+
+def test_device_runs_never_span_two_allocations():
+    """Adjacent device pieces merge only within one tensor storage and one shared segment."""
+    runs = device.new_runs()
+    # (ptr, nbytes, on_cuda, tensor, storage address): two storages that happen to touch at 0x1100
+    a1, a2 = (0x1000, 0x100, True, None, 0x1000), (0x1100, 0x100, True, None, 0x1000)
+    b1 = (0x1200, 0x80, True, None, 0x1200)
+    device.plan([a1, a2, b1], 0x9000, True, runs, segment=0)
+    assert [(d, s, n) for d, s, n, _ in runs.device] == [(0x9000, 0x1000, 0x200), (0x9200, 0x1200, 0x80)]
+    runs = device.new_runs()
+    device.plan([a1], 0x9000, False, runs, segment=0)
+    device.plan([a2], 0x9100, False, runs, segment=1)  # the next object lies in another segment
+    assert len(runs.device) == 2 and len(runs.pieces) == 2
 
 
 def test_plan_skips_empty_tensors():
@@ -67,7 +81,7 @@ def test_plan_skips_empty_tensors():
     pieces, sizes, _ = device.check_tensor_lists(1, [[a[:0], a, torch.empty(0)]])
     runs = device.new_runs()
     device.plan(pieces[0], 4096, False, runs)
-    assert sizes == [8] and runs.host == [(a.data_ptr(), 4096, 8)]
+    assert sizes == [8] and runs.host == [(a.data_ptr(), 4096, 8, None)]
 
 
 @pytest.mark.parametrize(
@@ -237,8 +251,8 @@ def test_registration_is_tried_once_per_segment(kv, monkeypatch):
 def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
     keys = [f"gpu-rt/{i}" for i in range(64)]
     kv.delete(keys)
-    flat = torch.randint(0, 255, (64 * 70001,), dtype=torch.uint8, device="cuda")
-    src = [[flat[i * 70001 : (i + 1) * 70001]] for i in range(64)]  # adjacent on the device
+    flat = torch.randint(0, 255, (64 * 70016,), dtype=torch.uint8, device="cuda")
+    src = [[flat[i * 70016 : (i + 1) * 70016]] for i in range(64)]  # adjacent on the device
     registered = []
     real = device.register_segment
     monkeypatch.setattr(device, "register_segment", lambda a, n: registered.append(a) or real(a, n))
@@ -254,7 +268,7 @@ def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
     monkeypatch.setattr(copy_engine, "memcpy_batch", counting)
     assert kv.mset_d2h(keys, src) == [None] * 64
     out = torch.full_like(flat, 7)
-    dst = [[out[i * 70001 : (i + 1) * 70001]] for i in range(64)]
+    dst = [[out[i * 70016 : (i + 1) * 70016]] for i in range(64)]
     for _ in range(3):
         out.fill_(7)
         assert kv.mget_h2d(keys, dst) == [None] * 64
@@ -262,7 +276,7 @@ def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
         assert torch.equal(out, flat)
     assert len(registered) == len(set(registered))  # each segment once, not per call
     assert len(batches) == 4 and all(n < 64 for n in batches)  # one batch per call, adjacent keys merged
-    assert kv.get(keys[5]) == flat[5 * 70001 : 6 * 70001].cpu().numpy().tobytes()
+    assert kv.get(keys[5]) == flat[5 * 70016 : 6 * 70016].cpu().numpy().tobytes()
     kv.delete(keys)
 
 

@@ -357,7 +357,7 @@ class Client(DeviceObjectsMixin):
             base = bases.get(loc.segment)
             if base is None:
                 base = bases[loc.segment] = backend.segment_address(loc.segment)
-            _device.plan(pieces[i], base + loc.offset, to_host, runs)
+            _device.plan(pieces[i], base + loc.offset, to_host, runs, loc.segment)
         if runs.device:
             self._registrations.ensure(bases, backend.segment_address, backend.segment_nbytes)
         return runs

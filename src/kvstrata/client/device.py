@@ -27,19 +27,21 @@ _TORCH_COPY_BYTES = 4 << 20  # host runs this large are copied by torch, which u
 
 
 class Piece(NamedTuple):
-    """One user tensor's bytes: where they are, how many, on a GPU or not (the tensor keeps them alive)."""
+    """One user tensor's bytes: where they are, how many, on a GPU or not (the tensor keeps them alive),
+    and for a GPU tensor its storage's address (the allocation a device run must stay inside)."""
 
     ptr: int
     nbytes: int
     cuda: bool
     tensor: Any
+    alloc: int
 
 
 class Runs(NamedTuple):
-    """Copies as ``(dst, src, nbytes)`` address triples, split by who moves them."""
+    """Copies as ``(dst, src, nbytes, merge key)`` address runs, split by who moves them."""
 
-    host: list[tuple[int, int, int]]
-    device: list[tuple[int, int, int]]
+    host: list[tuple[int, int, int, Any]]
+    device: list[tuple[int, int, int, Any]]
     pieces: list[tuple[tuple, int, bool]]  # (piece, host address, to_host): the fallback without cuda-bindings
 
 
@@ -78,16 +80,22 @@ def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[tuple]
             elif not t.is_cpu:
                 raise TypeError(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
             n = t.nbytes
-            pieces.append((t.data_ptr(), n, on_cuda, t))  # a Piece's fields (a plain tuple is cheaper to build)
+            # a Piece's fields (a plain tuple is cheaper to build); a device piece also names its allocation
+            alloc = t.untyped_storage().data_ptr() if on_cuda else 0
+            pieces.append((t.data_ptr(), n, on_cuda, t, alloc))
             total += n
         out.append(pieces)
         totals.append(total)
     return out, totals, device
 
 
-def plan(pieces: list[tuple], host: int, to_host: bool, runs: Runs) -> None:
-    """Add the copies between one object's bytes at address ``host`` and its ``pieces`` (in order) to
-    ``runs``, merged with the previous run where both sides continue it."""
+def plan(pieces: list[tuple], host: int, to_host: bool, runs: Runs, segment: int = 0) -> None:
+    """Add the copies between one object's bytes at address ``host`` (in shared segment ``segment``) and
+    its ``pieces`` (in order) to ``runs``, merged with the previous run where both sides continue it.
+
+    A device run never spans two allocations on either side (one segment, one tensor storage): a DMA
+    copy across separately registered or allocated ranges is not allowed, however adjacent they are.
+    """
     for p in pieces:
         ptr, n, cuda = p[0], p[1], p[2]
         if n:
@@ -95,13 +103,14 @@ def plan(pieces: list[tuple], host: int, to_host: bool, runs: Runs) -> None:
             if cuda:
                 bucket = runs.device
                 runs.pieces.append((p, host, to_host))
+                key = (segment, p[4])
             else:
-                bucket = runs.host
+                bucket, key = runs.host, None  # memmove: any two valid ranges may be joined
             last = bucket[-1] if bucket else None
-            if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src:
-                bucket[-1] = (last[0], last[1], last[2] + n)
+            if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src and last[3] == key:
+                bucket[-1] = (last[0], last[1], last[2] + n, key)
             else:
-                bucket.append((dst, src, n))
+                bucket.append((dst, src, n, key))
         host += n
 
 
@@ -114,7 +123,7 @@ def run(runs: Runs, device: Any, *, stream: Any = None) -> Any:
     it waits for the current stream, so they see the caller's pending work. Returns a CUDA event that
     completes when the device runs have landed (None without device runs); the caller keeps both sides'
     memory alive until then."""
-    for dst, src, n in runs.host:
+    for dst, src, n, _ in runs.host:
         if n < _TORCH_COPY_BYTES:
             _memmove(dst, src, n)
         else:
@@ -135,12 +144,12 @@ def run(runs: Runs, device: Any, *, stream: Any = None) -> Any:
     return event
 
 
-def _copy_engine(device_runs: list[tuple[int, int, int]], device: Any) -> bool:
+def _copy_engine(device_runs: list[tuple[int, int, int, Any]], device: Any) -> bool:
     """All runs in one ``cudaMemcpyBatchAsync`` on the current stream (zero SMs, one host call); False
     where cuda-bindings is missing, so the caller falls back to torch copies."""
     from kvstrata.ops import copy_engine
 
-    dsts, srcs, sizes = zip(*device_runs)
+    dsts, srcs, sizes, _ = zip(*device_runs)
     try:
         copy_engine.memcpy_batch(dsts, srcs, sizes, device=device)
     except copy_engine.CopyEngineError as exc:  # no cuda-bindings, or the call refused: copy again by torch
