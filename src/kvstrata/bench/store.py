@@ -12,7 +12,8 @@ view, timed until the view is in hand; its release, a one-way message, follows u
 ``set`` is ``upsert`` (its ``put`` leaves an existing key unchanged), ``get`` is ``get`` (bytes) and
 its ``get_buffers`` row is ``get_buffer`` (a handle on the value copied into the client's buffer).
 With CUDA, ``mget_h2d`` / ``mset_d2h`` of 64 keys x 1 MiB are measured against the pinned-memory
-DMA ceiling (one 64 MiB ``copy_``) in the same run.
+DMA ceiling (one 64 MiB ``copy_``) in the same run, and beside the same copy from the worker's
+shared segment (see ``_device_rows``).
 """
 
 from __future__ import annotations
@@ -169,17 +170,22 @@ def _start_worker(tmp: Path, memory: int) -> tuple[subprocess.Popen, str]:
 
 # ------------------------------------------------------------------------------------- device rows
 def _device_rows(address: str) -> list[dict[str, Any]]:
+    """``mget_h2d`` / ``mset_d2h`` of 64 x 1 MiB beside two DMA ceilings measured here: one pinned
+    ``copy_`` of 64 MiB (``ceiling``) and the same copy from the worker's shared segment as this client
+    registered it (``seg_ceiling``: what DMA from that memory allows). ``mget_h2d`` twice: keys read
+    before and unchanged since (leases kept by the client: no round trip), and right after a write
+    by anyone (one round trip)."""
     import torch
 
     import kvstrata
     from kvstrata.bench._common import device_time, host_time
 
     n, size = 64, 1 << 20
-    rows = []
     host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n * size, dtype=torch.uint8, device="cuda")
     h2d_ceiling = device_time(lambda: dev.copy_(host, non_blocking=True))
     d2h_ceiling = device_time(lambda: host.copy_(dev, non_blocking=True))
+    seg_h2d = seg_d2h = None
     with kvstrata.connect(address) as kv:
         src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
         keys = [f"h2d/{i}" for i in range(n)]
@@ -188,6 +194,13 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
         t_get = host_time(lambda: kv.mget_h2d(keys, dst), warmup=3, iters=20)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         times = []
+        for _ in range(23):
+            kv.set("h2d/changed", b"x")  # any change voids the client's kept leases
+            t0 = time.perf_counter()
+            kv.mget_h2d(keys, dst)
+            times.append(time.perf_counter() - t0)
+        t_get_rt = statistics.median(times[3:])
+        times = []
         for it in range(23):  # write-once keys: fresh ones every time, deleted outside the timing
             ks = [f"d2h/{it}/{i}" for i in range(n)]
             t0 = time.perf_counter()
@@ -195,19 +208,50 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
             times.append(time.perf_counter() - t0)
             kv.delete(ks)
         t_put = statistics.median(times[3:])
-    for op, t, ceiling in (("mget_h2d", t_get, h2d_ceiling), ("mset_d2h", t_put, d2h_ceiling)):
+        seg_h2d, seg_d2h = _segment_ceilings(kv, keys[0], n * size, dev)
+        kv.delete(keys)
+    rows = []
+    for op, t, ceiling, seg in (
+        ("mget_h2d 64x1MiB", t_get, h2d_ceiling, seg_h2d),
+        ("mget_h2d 64x1MiB after a change", t_get_rt, h2d_ceiling, seg_h2d),
+        ("mset_d2h 64x1MiB", t_put, d2h_ceiling, seg_d2h),
+    ):
         rows.append(
             {
                 "system": "kvstrata",
-                "op": f"{op} 64x1MiB",
+                "op": op,
                 "size": n * size,
                 "clients": 1,
                 "GB/s": gbps(n * size, t),
                 "ceiling_GB/s": gbps(n * size, ceiling),
                 "of_ceiling": round(ceiling / t, 3),
+                "seg_ceiling_GB/s": None if seg is None else gbps(n * size, seg),
             }
         )
     return rows
+
+
+def _segment_ceilings(kv: Any, key: str, nbytes: int, dev: Any) -> tuple[float | None, float | None]:
+    """Seconds of one ``nbytes`` H2D and D2H ``copy_`` between ``dev`` and the worker's segment holding
+    ``key`` (registered with CUDA by the client's device calls), or None where the segment is too small.
+    The D2H overwrites that stretch of the segment: ``key`` and its neighbours are garbage afterwards."""
+    from kvstrata.bench._common import device_time
+
+    backend = kv._backend
+    lease = backend.acquire([key], 0.0)[0]
+    try:
+        loc = lease.location
+        seg = backend.segment_tensor(loc.segment)
+        start = min(loc.offset, seg.numel() - nbytes)
+        if start < 0:
+            return None, None
+        view = seg[start : start + nbytes]
+        return (
+            device_time(lambda: dev.copy_(view, non_blocking=True)),
+            device_time(lambda: view.copy_(dev, non_blocking=True)),
+        )
+    finally:
+        backend.release([lease.lease_id])
 
 
 # ------------------------------------------------------------------------------------- main
@@ -216,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     client_counts = [int(c) for c in args.clients.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-"))
     memory = max(client_counts) * KEYS_PER_CLIENT * max(sizes) * 3 + (256 << 20)
+    if _cuda():  # one client may keep leases on memory / 16 (the device rows' 64 MiB read without round trips)
+        memory = max(memory, 2 << 30)
     worker, kv_address = _start_worker(tmp, memory)
     redis_srv = None
     mooncake = None
@@ -243,13 +289,8 @@ def run(args: argparse.Namespace) -> int:
                             rows.append(row)
                             print(f"  mooncake {op:11} {size:>9} B x{clients}: {row['ops_per_s']} ops/s", flush=True)
         _add_ratios(rows)
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                rows += _device_rows(kv_address)
-        except ImportError:
-            pass
+        if _cuda():
+            rows += _device_rows(kv_address)
         finished = True
     finally:
         try:  # Mooncake first: its namespace must go even if another server hangs on the way down
@@ -280,9 +321,18 @@ def run(args: argparse.Namespace) -> int:
         "x_mooncake",
         "ceiling_GB/s",
         "of_ceiling",
+        "seg_ceiling_GB/s",
     ]
     print_table(rows, columns)
     return 0
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _interrupted(signum: int, frame: object) -> None:

@@ -176,6 +176,14 @@ class RemoteBackend:
             t = self._tensors[index] = _segment_tensor(self._segment(index))
         return t
 
+    def segment_address(self, index: int) -> int:
+        """Where segment ``index`` is mapped in this process."""
+        seg = self._segments.get(index)
+        return (seg if seg is not None else self._segment(index)).address
+
+    def segment_nbytes(self, index: int) -> int:
+        return self._segment(index).nbytes
+
     def release(self, ids: list[int]) -> None:
         with self._lock:
             if self._closed or self._conn.closed:
@@ -248,9 +256,9 @@ class RemoteBackend:
             self.release(drop)
         return data
 
-    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int) -> list[int]:
+    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int, evict: bool = True) -> list[int]:
         """Offer a lease to the local-read cache (under the lock); returns leases the cache let go of."""
-        drop = self._local.add(key, lease_id, loc, generation)
+        drop = self._local.add(key, lease_id, loc, generation, evict=evict)
         if lease_id not in drop:
             self._hold(lease_id)  # the cache's hold
         return drop
@@ -267,39 +275,47 @@ class RemoteBackend:
         finally:
             self.release([item["lease"]])
 
-    def acquire(self, keys: list[str], timeout: float, *, cache: bool = False) -> list[Any]:
+    def acquire(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> list[Any]:
         """Leases for zero-copy views. A key the local-read cache holds current needs no round trip:
         the view shares the cache's lease (see ``_holders``), so its bytes stay pinned until released.
-        ``cache``: also keep the leases of cacheable objects fetched now, for later calls."""
+        ``cache``: also keep the leases of cacheable objects fetched now, for later calls (``"fit"``:
+        only where they fit beside the entries already kept, pushing none out)."""
         local = self._local
         out: list[Any] = [None] * len(keys)
         if local is not None:
             generation = local.generation()  # read before the request: see kvstrata.server.validity
             with self._lock:
-                if len(local) and not self._closed and self._pid == os.getpid():
-                    alive = not select.select([self._conn.fileno()], [], [], 0)[0]  # a dead worker reads EOF
-                    for i, key in enumerate(keys):
-                        entry = local.entry(key) if alive else None
+                usable = len(local) and not self._closed and self._pid == os.getpid()
+                if usable and not select.select([self._conn.fileno()], [], [], 0)[0]:  # a dead worker reads EOF
+                    holders = self._holders
+                    for i, entry in enumerate(local.entries(keys)):
                         if entry is not None:
-                            self._hold(entry[0])  # the view's hold
-                            out[i] = Lease(entry[0], entry[1], False)
-        missing = [i for i, lease in enumerate(out) if lease is None]
-        if not missing:
+                            lease_id = entry[0]
+                            holders[lease_id] = holders.get(lease_id, 0) + 1  # the view's hold
+                            out[i] = Lease(lease_id, entry[1], False)
+        if None not in out:
             return out
+        missing = [i for i, lease in enumerate(out) if lease is None]
         msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
         items = self.request(msg)["items"]
-        drop: list[int] = []
-        for i, r in zip(missing, map(self._item, items)):
-            if isinstance(r, BaseException):
-                out[i] = r
+        offered = []
+        for i, r in zip(missing, items):
+            if "err" in r:
+                out[i] = P.error_from_record(r["err"])
                 continue
-            lease = out[i] = Lease(r["lease"], self._loc(r["loc"]), r["mutable"])
-            if r.get("cache") and local is not None:
-                with self._lock:
-                    if not self._closed:
-                        let_go = self._cache_add(keys[i], lease.lease_id, lease.location, generation)
+            out[i] = Lease(r["lease"], Loc(*r["loc"]), r["mutable"])
+            if "cache" in r:
+                offered.append(i)
+        drop: list[int] = []
+        if offered and local is not None:
+            evict = cache != "fit"
+            with self._lock:
+                if not self._closed:
+                    for i in offered:
+                        lease = out[i]
+                        let_go = self._cache_add(keys[i], lease.lease_id, lease.location, generation, evict)
                         if lease.lease_id in let_go:  # refused (something changed meanwhile): the view's alone
                             let_go.remove(lease.lease_id)
                         else:
@@ -385,6 +401,12 @@ class EmbeddedBackend:
             t = self._tensors[index] = _segment_tensor(self._check().segments[index])
         return t
 
+    def segment_address(self, index: int) -> int:
+        return self._check().segments[index].address
+
+    def segment_nbytes(self, index: int) -> int:
+        return self._check().segments[index].nbytes
+
     def release(self, ids: list[int]) -> None:
         if self._closed:
             return
@@ -430,7 +452,7 @@ class EmbeddedBackend:
                 self.store.release(r.lease_id)
         return out
 
-    def acquire(self, keys: list[str], timeout: float, *, cache: bool = False) -> list[Any]:
+    def acquire(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> list[Any]:
         results = self._check().acquire_many(keys, owner=self.owner, timeout=timeout)
         return [r if isinstance(r, BaseException) else Lease(r.lease_id, r.location, r.mutable) for r in results]
 

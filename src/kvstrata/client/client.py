@@ -24,7 +24,7 @@ from typing import Any
 from kvstrata.client import device as _device
 from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
 from kvstrata.client.buffers import ReadBuffer, WritableBuffer
-from kvstrata.client.values import byte_view, tensor_bytes
+from kvstrata.client.values import byte_view
 from kvstrata.devobj.service import DeviceObjectsMixin
 from kvstrata.errors import ClosedError, KvstrataError
 from kvstrata.server import protocol as P
@@ -50,7 +50,7 @@ class Client(DeviceObjectsMixin):
         self._closed = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
-        self._registered: set[int] = set()
+        self._registrations = _device.Registrations()
         self._counter = itertools.count()
 
     # lifecycle -----------------------------------------------------------------------------------
@@ -77,9 +77,7 @@ class Client(DeviceObjectsMixin):
         self._close_device_objects()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        for index in self._registered:  # before the segments are unmapped
-            _device.unregister_segment(self._backend.segment_tensor(index))
-        self._registered.clear()
+        self._registrations.undo()  # before the segments are unmapped
         self._backend.close()
 
     def __enter__(self) -> Client:
@@ -284,20 +282,20 @@ class Client(DeviceObjectsMixin):
         """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
 
         A key that already exists is left as it is and reported as KeyExists in its slot. Returns
-        None per stored key. Copies for all keys run as one batch on ``stream`` (default: current).
+        None per stored key. One request allocates every object, the copies for all keys run as one
+        batch on ``stream`` (default: current), one request seals them.
         """
-        keys, flat = self._check_tensor_lists(keys, tensor_lists)
+        keys = P.check_keys(keys)
+        pieces, sizes, device = _device.check_tensor_lists(len(keys), tensor_lists)
+        if not keys:
+            return []
         backend = self._b()
-        sizes = [sum(t.numel() for t in ts) for ts in flat]
-        opts = {"ttl": None, "nx": True, "mode": "memory"}
-        locs = backend.mcreate(list(zip(keys, sizes)), opts)
+        locs = backend.mcreate(list(zip(keys, sizes)), {"ttl": None, "nx": True, "mode": "memory"})
         results: list[Result] = [loc if isinstance(loc, BaseException) else None for loc in locs]
         created = [i for i, loc in enumerate(locs) if not isinstance(loc, BaseException)]
         try:
-            pairs = []
-            for i in created:
-                pairs.extend(zip(self._host_slices(locs[i], flat[i]), flat[i]))
-            event = _device.copy_batch(pairs, stream=stream)
+            runs = self._plan(created, [locs[i] for i in created], pieces, device, to_host=True)
+            event = _device.run(runs, device, stream=stream)
             if event is not None:
                 event.synchronize()  # the bytes must be in host memory before the object is sealed
         except BaseException:
@@ -314,35 +312,55 @@ class Client(DeviceObjectsMixin):
 
         The tensors' sizes must add up to the object's size (ValueError in that key's slot
         otherwise). Waits up to ``timeout`` for missing keys. All copies run as one batch on
-        ``stream``; the call returns once they have landed.
+        ``stream``; the call returns once they have landed. Leases on the objects pin their bytes
+        until then; keys read before and unchanged since cost no round trip to the worker.
         """
-        keys, flat = self._check_tensor_lists(keys, tensor_lists)
+        keys = P.check_keys(keys)
+        pieces, sizes, device = _device.check_tensor_lists(len(keys), tensor_lists)
+        timeout = P.check_timeout(timeout)
+        if not keys:
+            return []
         backend = self._b()
-        leases = backend.acquire(keys, P.check_timeout(timeout)) if keys else []
-        results: list[Result] = []
-        pairs = []
-        held = []
+        leases = backend.acquire(keys, timeout, cache="fit")
+        results: list[Result] = [None] * len(keys)
+        held, filled, locs = [], [], []
         for i, lease in enumerate(leases):
             if isinstance(lease, BaseException):
-                results.append(lease)
+                results[i] = lease
                 continue
             held.append(lease.lease_id)
-            want = sum(t.numel() for t in flat[i])
-            if want != lease.location.size:
-                results.append(
-                    ValueError(f"tensor_lists[{i}]: {want} bytes for {keys[i]!r}, which holds {lease.location.size}")
-                )
+            loc = lease.location
+            if sizes[i] != loc.size:
+                results[i] = ValueError(f"tensor_lists[{i}]: {sizes[i]} bytes for {keys[i]!r}, which holds {loc.size}")
                 continue
-            pairs.extend(zip(flat[i], self._host_slices(lease.location, flat[i])))
-            results.append(None)
+            filled.append(i)
+            locs.append(loc)
         try:
-            event = _device.copy_batch(pairs, stream=stream)
+            runs = self._plan(filled, locs, pieces, device, to_host=False)
+            event = _device.run(runs, device, stream=stream)
             if event is not None:
                 event.synchronize()  # the leases pin the source bytes until the copies are done
         finally:
             if held:
-                backend.release(held)
+                self._release_leases(held)
         return results
+
+    def _plan(self, which: list[int], locs: list[Any], pieces: list[Any], device: Any, *, to_host: bool) -> Any:
+        """The copies between keys ``which`` (their objects at ``locs``) and their tensors, as address runs.
+        Segments the device copies touch are registered with CUDA first (once per client)."""
+        backend = self._backend
+        runs = _device.new_runs()
+        bases: dict[int, int] = {}
+        for i, loc in zip(which, locs):
+            if not loc.size:
+                continue
+            base = bases.get(loc.segment)
+            if base is None:
+                base = bases[loc.segment] = backend.segment_address(loc.segment)
+            _device.plan(pieces[i], base + loc.offset, to_host, runs, loc.segment)
+        if runs.device:
+            self._registrations.ensure(bases, backend.segment_address, backend.segment_nbytes)
+        return runs
 
     def async_mset_d2h(
         self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
@@ -376,34 +394,6 @@ class Client(DeviceObjectsMixin):
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvstrata-client")
         return self._executor.submit(fn, *args, **kwargs)
-
-    def _check_tensor_lists(self, keys: Any, tensor_lists: Any) -> tuple[list[str], list[list[Any]]]:
-        keys = P.check_keys(keys)
-        if isinstance(tensor_lists, str | bytes) or len(tensor_lists) != len(keys):
-            raise ValueError(f"tensor_lists: need one list of tensors per key ({len(keys)} keys)")
-        flat = []
-        for i, ts in enumerate(tensor_lists):
-            if not isinstance(ts, list | tuple):
-                raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
-            flat.append([tensor_bytes(t, f"tensor_lists[{i}][{j}]", device_ok=True) for j, t in enumerate(ts)])
-        return keys, flat
-
-    def _host_slices(self, loc: Any, tensors: list[Any]) -> list[Any]:
-        """Views of the object's bytes in shared memory, one per tensor, in order."""
-        sizes = [t.numel() for t in tensors]
-        import torch
-
-        if loc.size == 0:
-            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
-        seg = self._backend.segment_tensor(loc.segment)
-        needs_dma = loc.segment not in self._registered and _device.cuda_in_use(tensors)
-        if needs_dma and _device.register_segment(seg):
-            self._registered.add(loc.segment)
-        out, offset = [], loc.offset
-        for n in sizes:
-            out.append(seg[offset : offset + n])
-            offset += n
-        return out
 
     # operations ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

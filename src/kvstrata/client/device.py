@@ -1,25 +1,213 @@
-"""Host <-> device copies between user tensors and objects in shared memory.
+"""Host <-> device copies between user tensors and objects in shared memory, planned as raw address runs.
 
-Everything that moves bytes between a device and the shared segments goes through :func:`copy_batch`,
-so a batched kernel (``kvstrata.ops``) can replace the per-pair copies in one place. The segments
-are registered with CUDA once per client (:func:`register_segment`), which makes them pinned memory
-for the copy engines: ``non_blocking`` copies run as DMA straight from and to the worker's memory.
+``mget_h2d`` / ``mset_d2h`` move many keys' bytes at once. Their per-call cost is kept flat and small:
+
+* :func:`check_tensor_lists` validates every tensor once and keeps only ``(address, nbytes, on_cuda)``
+  per tensor (no views, no per-tensor torch ops);
+* :func:`plan` lays those pieces along each object's bytes in a segment and merges pieces that continue
+  each other on both sides (objects written by one ``mset_d2h`` into one batch of tensors often do);
+* :func:`run` issues every device run as one ``cudaMemcpyBatchAsync`` (``kvstrata.ops.copy_engine``)
+  on the copy engines and every host run as a ``memmove`` (the GIL released);
+* :class:`Registrations` registers each shared segment with CUDA once per client (pinned for the
+  copy engines: DMA straight from and to the worker's memory) and remembers a refusal, so neither
+  costs anything on later calls.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
-from typing import Any
+import threading
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
+_memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies
+_TORCH_COPY_BYTES = 4 << 20  # host runs this large are copied by torch, which uses several threads
 
-def cuda_in_use(tensors: list[Any]) -> bool:
-    return any(t.device.type == "cuda" for t in tensors)
+
+class Piece(NamedTuple):
+    """One user tensor's bytes: where they are, how many, on a GPU or not (the tensor keeps them alive),
+    and for a GPU tensor its storage's address (the allocation a device run must stay inside)."""
+
+    ptr: int
+    nbytes: int
+    cuda: bool
+    tensor: Any
+    alloc: int
 
 
-def register_segment(tensor: Any) -> bool:
-    """Register a segment's CPU tensor view with CUDA (one use in :mod:`kvstrata.memory`'s registry).
+class Runs(NamedTuple):
+    """Copies as ``(dst, src, nbytes, merge key)`` address runs, split by who moves them."""
+
+    host: list[tuple[int, int, int, Any]]
+    device: list[tuple[int, int, int, Any]]
+    pieces: list[tuple[tuple, int, bool]]  # (piece, host address, to_host): the fallback without cuda-bindings
+
+
+def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[tuple]], list[int], Any]:
+    """Validate ``tensor_lists`` (one list of tensors per key) before anything is read or written.
+
+    Returns each key's pieces (tuples laid out as :class:`Piece`), each key's total bytes, and the first
+    CUDA device met (None: all on the CPU). ValueError/TypeError naming ``tensor_lists[i][j]``.
+    """
+    import torch
+
+    if isinstance(tensor_lists, str | bytes) or not hasattr(tensor_lists, "__len__"):
+        raise TypeError(f"tensor_lists: need one list of tensors per key, got {type(tensor_lists).__name__}")
+    if len(tensor_lists) != n_keys:
+        raise ValueError(f"tensor_lists: need one list of tensors per key ({n_keys} keys, got {len(tensor_lists)})")
+    tensor_type, strided = torch.Tensor, torch.strided
+    device = None
+    out: list[list[tuple]] = []
+    totals: list[int] = []
+    for i, ts in enumerate(tensor_lists):
+        if not isinstance(ts, list | tuple):
+            raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
+        pieces = []
+        total = 0
+        for j, t in enumerate(ts):
+            if not isinstance(t, tensor_type):
+                raise TypeError(f"tensor_lists[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout is not strided or t.is_quantized:
+                raise TypeError(f"tensor_lists[{i}][{j}]: sparse and quantized tensors have no flat raw bytes")
+            if not t.is_contiguous():
+                raise ValueError(f"tensor_lists[{i}][{j}]: tensor must be contiguous (call .contiguous() first)")
+            on_cuda = t.is_cuda
+            if on_cuda:
+                if device is None:
+                    device = t.device
+            elif not t.is_cpu:
+                raise TypeError(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
+            n = t.nbytes
+            # a Piece's fields (a plain tuple is cheaper to build); a device piece also names its allocation
+            alloc = t.untyped_storage().data_ptr() if on_cuda else 0
+            pieces.append((t.data_ptr(), n, on_cuda, t, alloc))
+            total += n
+        out.append(pieces)
+        totals.append(total)
+    return out, totals, device
+
+
+def plan(pieces: list[tuple], host: int, to_host: bool, runs: Runs, segment: int = 0) -> None:
+    """Add the copies between one object's bytes at address ``host`` (in shared segment ``segment``) and
+    its ``pieces`` (in order) to ``runs``, merged with the previous run where both sides continue it.
+
+    A device run never spans two allocations on either side (one segment, one tensor storage): a DMA
+    copy across separately registered or allocated ranges is not allowed, however adjacent they are.
+    """
+    for p in pieces:
+        ptr, n, cuda = p[0], p[1], p[2]
+        if n:
+            dst, src = (host, ptr) if to_host else (ptr, host)
+            if cuda:
+                bucket = runs.device
+                runs.pieces.append((p, host, to_host))
+                key = (segment, p[4])
+            else:
+                bucket, key = runs.host, None  # memmove: any two valid ranges may be joined
+            last = bucket[-1] if bucket else None
+            if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src and last[3] == key:
+                bucket[-1] = (last[0], last[1], last[2] + n, key)
+            else:
+                bucket.append((dst, src, n, key))
+        host += n
+
+
+def new_runs() -> Runs:
+    return Runs([], [], [])
+
+
+def run(runs: Runs, device: Any, *, stream: Any = None) -> Any:
+    """Do ``runs``: host runs now; device runs enqueued on ``stream`` (default: the current stream) after
+    it waits for the current stream, so they see the caller's pending work. Returns a CUDA event that
+    completes when the device runs have landed (None without device runs); the caller keeps both sides'
+    memory alive until then."""
+    for dst, src, n, _ in runs.host:
+        if n < _TORCH_COPY_BYTES:
+            _memmove(dst, src, n)
+        else:
+            _raw_bytes(dst, n).copy_(_raw_bytes(src, n))  # torch spreads a large copy over its threads
+    if not runs.device:
+        return None
+    import torch
+
+    current = torch.cuda.current_stream(device)
+    stream = stream or current
+    if stream != current:
+        stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        if not _copy_engine(runs.device, device):
+            _torch_copies(runs, device)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+def _copy_engine(device_runs: list[tuple[int, int, int, Any]], device: Any) -> bool:
+    """All runs in one ``cudaMemcpyBatchAsync`` on the current stream (zero SMs, one host call); False
+    where cuda-bindings is missing, so the caller falls back to torch copies."""
+    from kvstrata.ops import copy_engine
+
+    dsts, srcs, sizes, _ = zip(*device_runs)
+    try:
+        copy_engine.memcpy_batch(dsts, srcs, sizes, device=device)
+    except copy_engine.CopyEngineError as exc:  # no cuda-bindings, or the call refused: copy again by torch
+        log.debug("copy engine batch unavailable (%s): torch copies", exc)
+        return False
+    return True
+
+
+def _raw_bytes(addr: int, n: int) -> Any:
+    """A uint8 CPU tensor over ``n`` bytes at ``addr`` (memory kept alive by its owner)."""
+    import torch
+
+    return torch.frombuffer((ctypes.c_ubyte * n).from_address(addr), dtype=torch.uint8)
+
+
+def _torch_copies(runs: Runs, device: Any) -> None:
+    """Without cuda-bindings: one ``copy_`` per tensor, between its bytes and a view of the host bytes."""
+    import torch
+
+    for piece, host, to_host in runs.pieces:
+        host_view = _raw_bytes(host, piece[1])
+        dev_view = piece[3].detach().reshape(-1).view(torch.uint8)
+        if to_host:
+            host_view.copy_(dev_view, non_blocking=True)
+        else:
+            dev_view.copy_(host_view, non_blocking=True)
+    # the host views are pinned memory (registered segments): the copies are asynchronous DMA
+
+
+class Registrations:
+    """Which shared segments this client registered with CUDA (once each, cached; refusals too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: dict[int, tuple[int, bool]] = {}  # segment index -> (address, registered)
+
+    def ensure(self, segments: Any, address_of: Any, nbytes_of: Any) -> None:
+        """Register the segments of ``segments`` (indices) not seen yet; a no-op for the others."""
+        state = self._state
+        for index in segments:
+            if index in state:
+                continue
+            with self._lock:
+                if index not in state:
+                    addr = address_of(index)
+                    state[index] = (addr, register_segment(addr, nbytes_of(index)))
+
+    def undo(self) -> None:
+        """Unregister every segment this client registered (before the segments are unmapped)."""
+        with self._lock:
+            for addr, registered in self._state.values():
+                if registered:
+                    unregister_segment(addr)
+            self._state.clear()
+
+
+def register_segment(addr: int, nbytes: int) -> bool:
+    """Register a mapped segment with CUDA (one use in :mod:`kvstrata.memory`'s registry).
 
     Returns False, with a warning, where CUDA refuses (pinnable memory exhausted): copies stay correct
     at pageable speed, and the caller must not :func:`unregister_segment` it. No-op (False) without CUDA.
@@ -32,69 +220,15 @@ def register_segment(tensor: Any) -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        register(tensor.data_ptr(), tensor.numel())
+        register(addr, nbytes)
     except CapacityError as exc:
         log.warning("shared segment not registered with CUDA (%s): copies run at pageable speed", exc)
         return False
     return True
 
 
-def unregister_segment(tensor: Any) -> None:
+def unregister_segment(addr: int) -> None:
     """Undo one successful :func:`register_segment`, before the mapping goes away."""
     from kvstrata.memory import unregister
 
-    unregister(tensor.data_ptr())
-
-
-def copy_batch(pairs: list[tuple[Any, Any]], *, stream: Any = None) -> Any:
-    """``dst.copy_(src)`` for every ``(dst, src)`` pair of flat uint8 tensors, as one batch.
-
-    Device copies are enqueued on ``stream`` (default: the current stream) after it waits for the
-    current stream, so they see the caller's pending work; the returned CUDA event (None when no
-    device was involved) completes when the bytes have landed. The caller must keep the source and
-    destination memory alive until then.
-    """
-    import torch
-
-    if not pairs:
-        return None
-    on_device = [p for p in pairs if p[0].device.type == "cuda" or p[1].device.type == "cuda"]
-    host_only = [p for p in pairs if not (p[0].device.type == "cuda" or p[1].device.type == "cuda")]
-    if host_only:
-        dsts, srcs = zip(*host_only)
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(list(dsts), list(srcs))
-        else:
-            for dst, src in host_only:
-                dst.copy_(src)
-    if not on_device:
-        return None
-    device = next(t.device for p in on_device for t in p if t.device.type == "cuda")
-    current = torch.cuda.current_stream(device)
-    stream = stream or current
-    if stream != current:
-        stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        if not _copy_engine_batch(on_device, device):
-            for dst, src in on_device:
-                dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
-
-
-def _copy_engine_batch(pairs: list[tuple[Any, Any]], device: Any) -> bool:
-    """All pairs in one ``cudaMemcpyBatchAsync`` on the current stream (no SMs, one host call for many
-    keys); False where the batch call is unavailable, so the caller copies pair by pair."""
-    from kvstrata.ops import copy_engine
-
-    if len(pairs) < 2 or not copy_engine.has_batch_api():
-        return False
-    dsts = [dst.data_ptr() for dst, _ in pairs]
-    srcs = [src.data_ptr() for _, src in pairs]
-    sizes = [dst.numel() * dst.element_size() for dst, _ in pairs]
-    try:
-        copy_engine.memcpy_batch(dsts, srcs, sizes, device=device)
-    except copy_engine.CopyEngineError:
-        return False
-    return True
+    unregister(addr)

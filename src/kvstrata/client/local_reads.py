@@ -65,16 +65,39 @@ class LocalReads:
         self.hits += 1
         return entry
 
+    def entries(self, keys: list[str]) -> list[tuple[int, Any] | None]:
+        """:meth:`entry` of every key, the generation checked once (a batch of keys seen at one moment)."""
+        if self._entries_gen != self._gen.value:
+            return [None] * len(keys)
+        get, touch = self._entries.get, self._entries.move_to_end
+        out = []
+        for key in keys:
+            entry = get(key)
+            if entry is not None:
+                touch(key)
+            out.append(entry)
+        self.hits += len(out) - out.count(None)
+        return out
+
     def stale(self) -> list[int]:
         """Lease ids of every entry, dropped, if the generation moved since they were taken."""
         if not self._entries or self._entries_gen == self._gen.value:
             return []
         return self.clear()
 
-    def add(self, key: str, lease_id: int, location: Any, generation: int) -> list[int]:
-        """Keep a lease taken after reading ``generation``; returns lease ids to give back."""
+    def add(self, key: str, lease_id: int, location: Any, generation: int, *, evict: bool = True) -> list[int]:
+        """Keep a lease taken after reading ``generation``; returns lease ids to give back.
+
+        ``evict=False`` keeps it only where it fits beside the current entries (a batch larger than the
+        budget then keeps its first keys instead of pushing out its own entries, call after call)."""
         drop = self.stale()
         if generation != self._gen.value:  # something changed during the request: not trustworthy
+            return [*drop, lease_id]
+        if (
+            not evict
+            and key not in self._entries
+            and (len(self._entries) >= self.max_entries or self._bytes + location.size > self.max_bytes)
+        ):
             return [*drop, lease_id]
         self._entries_gen = generation
         old = self._entries.pop(key, None)

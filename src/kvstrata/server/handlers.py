@@ -66,15 +66,28 @@ def _mcreate(s: Session, msg: dict) -> dict:
     opts = s.write_options(msg)
     reply: dict = {}
     items = []
-    for key, size in msg.get("items", []):
-        try:
-            location = s.store.create(P.check_key(key), P.check_size(size), owner=s.owner, **opts)
+    pairs = msg.get("items", [])
+    if not isinstance(pairs, list) or not all(isinstance(p, list | tuple) and len(p) == 2 for p in pairs):
+        raise TypeError("items: expected a list of [key, size] pairs")
+    if hasattr(s.store, "create_many"):
+        results = s.store.create_many(pairs, owner=s.owner, **opts)
+    else:
+        results = [_result(lambda k=k, n=n: s.store.create(k, n, owner=s.owner, **opts)) for k, n in pairs]
+    for (key, _), result in zip(pairs, results):
+        if isinstance(result, BaseException):
+            items.append(P.error_record(result))
+        else:
             s.writes[key] = opts["ttl"]
-            items.append({"loc": s.loc(location, reply)})
-        except (KvstrataError, ValueError, TypeError) as exc:
-            items.append(P.error_record(exc))
+            items.append({"loc": s.loc(result, reply)})
     reply["items"] = items
     return reply
+
+
+def _result(fn: Any) -> Any:
+    try:
+        return fn()
+    except (KvstrataError, ValueError, TypeError) as exc:
+        return exc
 
 
 def _finish_one(s: Session, action: str, key: str) -> None:
@@ -101,15 +114,31 @@ def _finish(action: str):
 
 
 def _mseal(s: Session, msg: dict) -> dict:
-    items = []
-    with s.validity.change():
-        for key in P.check_keys(msg.get("keys", [])):
-            try:
-                _finish_one(s, "seal", key)
-                items.append({})
-            except (KvstrataError, ValueError, TypeError) as exc:
-                items.append(P.error_record(exc))
-    return {"items": items}
+    keys = P.check_keys(msg.get("keys", []))
+    if not hasattr(s.store, "seal_many"):
+        items = []
+        with s.validity.change():
+            for key in keys:
+                try:
+                    _finish_one(s, "seal", key)
+                    items.append({})
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    items.append(P.error_record(exc))
+        return {"items": items}
+    validity = s.validity
+    locks = sorted({id(lock): lock for lock in map(validity.key_lock, keys)}.items())  # one order: no deadlock
+    with validity.change():
+        for _, lock in locks:  # the no-TTL set must change with the versions, as in _finish_one
+            lock.acquire()
+        try:
+            results = s.store.seal_many(keys, owner=s.owner)
+            for key, r in zip(keys, results):
+                if r is None:
+                    validity.written(key, s.writes.pop(key, 0.0))  # an unknown TTL counts as one
+        finally:
+            for _, lock in locks:
+                lock.release()
+    return {"items": [{} if r is None else P.error_record(r) for r in results]}
 
 
 def _get(s: Session, msg: dict) -> dict:
@@ -157,9 +186,12 @@ def _acquire(s: Session, msg: dict) -> dict:
 
 
 def release(s: Session, msg: dict) -> dict:
-    for lease_id in msg.get("ids", []):
-        if lease_id in s.leases:  # only what this client was given
-            s.leases.discard(lease_id)
+    mine = [i for i in msg.get("ids", []) if i in s.leases]  # only what this client was given
+    s.leases.difference_update(mine)
+    if hasattr(s.store, "release_many"):
+        s.store.release_many(mine)
+    else:
+        for lease_id in mine:
             s.store.release(lease_id)
     return {}
 

@@ -56,6 +56,8 @@ def check_key(key: Any, name: str = "key") -> str:
         raise TypeError(f"{name}: must be a str, got {type(key).__name__}")
     if not key:
         raise ValueError(f"{name}: must not be empty")
+    if len(key) <= MAX_KEY_BYTES // 4:  # no code point takes more than 4 bytes: no need to encode
+        return key
     n = len(key.encode("utf-8", "surrogatepass"))
     if n > MAX_KEY_BYTES:
         raise ValueError(f"{name}: {n} bytes long, over the {MAX_KEY_BYTES}-byte limit")

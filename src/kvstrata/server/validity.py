@@ -16,11 +16,9 @@ the engine call and the set update.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +27,21 @@ _STRIPES = 64
 SPIN_HINT_OFFSET = 8
 MAX_TRACKED_KEYS = 1_000_000  # beyond this many, new keys are just not cacheable (bounded memory)
 PAGE_BYTES = 4096
+
+
+class _Change:
+    """``with validity.change():`` bumps the generation on the way in and on the way out."""
+
+    __slots__ = ("_bump",)
+
+    def __init__(self, bump) -> None:
+        self._bump = bump
+
+    def __enter__(self) -> None:
+        self._bump()
+
+    def __exit__(self, *exc: object) -> None:
+        self._bump()
 
 
 class Validity:
@@ -44,6 +57,7 @@ class Validity:
         self._gen_lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self._no_ttl: set[str] = set()
+        self._change = _Change(self.bump)
         self._warned = False
 
     @property
@@ -54,14 +68,11 @@ class Validity:
         with self._gen_lock:
             self._gen.value += 1
 
-    @contextlib.contextmanager
-    def change(self) -> Iterator[None]:
-        """Around any change to visible objects: readers holding the old generation stop trusting it."""
-        self.bump()
-        try:
-            yield
-        finally:
-            self.bump()
+    def change(self) -> _Change:
+        """Around any change to visible objects: readers holding the old generation stop trusting it.
+
+        A plain context-manager object, not a generator: it runs around every write request."""
+        return self._change
 
     def set_spin_hint(self, microseconds: float) -> None:
         """Tell clients how long to busy-poll for a reply (0: sleep at once); see kvstrata.server.worker."""

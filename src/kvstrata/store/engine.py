@@ -178,6 +178,64 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             self._announce_segments()
         return e.loc
 
+    def create_many(
+        self,
+        items: Iterable[tuple[str, int]],
+        *,
+        owner: object,
+        ttl: float | None = None,
+        write_mode: WriteMode | str = WriteMode.MEMORY,
+        nx: bool = False,
+    ) -> list[Location | KvstrataError | ValueError | TypeError]:
+        """:meth:`create` per ``(key, size)``, in one critical section; a refused key yields its exception."""
+        out: list = []
+        with self._lock:
+            for key, size in items:
+                try:
+                    mode, ttl_s = self._check_write(key, size, ttl, write_mode)
+                    e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    out.append(exc)
+                    continue
+                old = self._pending.pop((key, owner), None)
+                if old is not None:
+                    self._abort_locked(old)
+                self._pending[(key, owner)] = e
+                self._owner_creates.setdefault(owner, set()).add(key)
+                out.append(e.loc)
+        if self._announced < len(self._mem.segments):
+            self._announce_segments()
+        return out
+
+    def seal_many(self, keys: Iterable[str], *, owner: object) -> list[KvstrataError | ValueError | TypeError | None]:
+        """:meth:`seal` per key (None where sealed, the exception where refused); creates that need no SSD
+        write are sealed in one critical section."""
+        out: list = []
+        slow: list[tuple[int, Entry]] = []
+        with self._lock:
+            for key in keys:
+                try:
+                    check_key(key)
+                    e = self._pending.pop((key, owner), None)
+                    if e is None:
+                        raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    out.append(exc)
+                    continue
+                self._forget_create(key, owner)
+                out.append(None)
+                if e.mode is WriteMode.WRITE_THROUGH or self._closed:
+                    slow.append((len(out) - 1, e))
+                    continue
+                self._uncreate(key)
+                self._seal_locked(e, None, mutable=False)
+        for i, e in slow:  # the SSD write happens outside the lock, as in seal
+            try:
+                self._finish(e, mutable=False)
+            except (KvstrataError, ValueError, TypeError) as exc:
+                out[i] = exc
+        return out
+
     def seal(self, key: str, *, owner: object) -> None:
         """Make ``owner``'s create of ``key`` visible and immutable; waiters wake."""
         self._finish(self._take_pending(key, owner), mutable=False)
@@ -465,35 +523,69 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         keys = check_keys(keys)
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        out: list[Lease | KvstrataError] = []
-        for k in keys:
+        out: list[Lease | KvstrataError | None] = [None] * len(keys)
+        # Keys resident in DRAM and unexpired are leased in one critical section; the rest (missing,
+        # expired, on SSD only) go one by one through acquire, which waits, promotes and counts misses.
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the object store is closed")
+            get, leases, now = self._objects.get, self._leases, time.monotonic()
+            owned = self._owner_leases.get(owner)
+            for i, k in enumerate(keys):
+                e = get(k)
+                if e is None or e.loc is None or (e.expires and e.expires <= now):
+                    continue
+                if owned is None:
+                    owned = self._owner_leases[owner] = set()
+                e.referenced = True
+                e.leases += 1
+                lid = next(self._lease_ids)
+                leases[lid] = (e, owner)
+                owned.add(lid)
+                out[i] = Lease(lid, k, e.loc, e.size, e.mutable)
+            self._counts["hits"] += len(keys) - out.count(None)
+        for i, k in enumerate(keys):
+            if out[i] is not None:
+                continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                out.append(self.acquire(k, owner=owner, timeout=left))
+                out[i] = self.acquire(k, owner=owner, timeout=left)
             except KvstrataError as exc:
-                out.append(exc)
-        return out
+                out[i] = exc
+        if self._announced < len(self._mem.segments):
+            self._announce_segments()
+        return out  # type: ignore[return-value]
+
+    def release_many(self, lease_ids: Iterable[int]) -> None:
+        """:meth:`release` of each lease, in one critical section."""
+        with self._lock:
+            for lease_id in lease_ids:
+                self._release_locked(lease_id)
 
     def release(self, lease_id: int) -> None:
         """Give a lease back (idempotent)."""
         with self._lock:
-            item = self._leases.pop(lease_id, None)
-            if item is None:
-                return
-            e, owner = item
-            leases = self._owner_leases.get(owner)
-            if leases is not None:
-                leases.discard(lease_id)
-                if not leases:
-                    del self._owner_leases[owner]
-            if type(e) is GpuCopy:
-                self._gpu_release(e)
-                return
-            e.leases -= 1
-            if e.leases == 0:
-                self._evict_blocked = False
-                if e.dead:
-                    self._free_locked(e)
+            self._release_locked(lease_id)
+
+    def _release_locked(self, lease_id: int) -> None:
+        """The body of :meth:`release`; call under the lock."""
+        item = self._leases.pop(lease_id, None)
+        if item is None:
+            return
+        e, owner = item
+        leases = self._owner_leases.get(owner)
+        if leases is not None:
+            leases.discard(lease_id)
+            if not leases:
+                del self._owner_leases[owner]
+        if type(e) is GpuCopy:
+            self._gpu_release(e)
+            return
+        e.leases -= 1
+        if e.leases == 0:
+            self._evict_blocked = False
+            if e.dead:
+                self._free_locked(e)
 
     def _copy_out(self, key: str, offset: int, size: int | None, timeout: float | None) -> bytes:
         with self._lock:

@@ -1,0 +1,64 @@
+"""The engine's batch paths (one critical section for many keys) answer exactly like their per-key twins."""
+
+from __future__ import annotations
+
+import time
+
+from kvstrata.errors import CapacityError, KeyExists, KeyNotFound, Timeout
+from kvstrata.store import WriteMode
+
+
+def test_create_many_then_seal_many(store):
+    store.put("exists", b"old")
+    locs = store.create_many(
+        [("a", 10), ("exists", 4), ("", 3), ("b", 0), ("huge", 1 << 40), ("a2", 7)], owner=1, nx=True
+    )
+    assert isinstance(locs[1], KeyExists) and isinstance(locs[2], ValueError) and isinstance(locs[4], CapacityError)
+    for i, n in ((0, 10), (3, 0), (5, 7)):
+        assert locs[i].size == n
+    store.buffer(locs[0])[:] = b"0123456789"
+    res = store.seal_many(["a", "never-created", "b", "a2"], owner=1)
+    assert res[0] is None and isinstance(res[1], KeyNotFound) and res[2] is None and res[3] is None
+    assert store.get_bytes("a") == b"0123456789" and store.get_bytes("b") == b"" and store.get_bytes("exists") == b"old"
+    assert isinstance(store.seal_many(["a"], owner=1)[0], KeyNotFound)  # sealed once only
+    assert store.stats()["creates_in_progress"] == 0
+
+
+def test_seal_many_of_another_owner_is_refused(store):
+    (_loc,) = store.create_many([("mine", 3)], owner=1)
+    assert isinstance(store.seal_many(["mine"], owner=2)[0], KeyNotFound)
+    assert store.exists(["mine"]) == [False]
+    store.release_owner(1)
+    assert store.stats()["creates_in_progress"] == 0
+
+
+def test_seal_many_write_through_reaches_the_disk(dstore):
+    dstore.create_many([("wt", 5)], owner=1, write_mode=WriteMode.WRITE_THROUGH)
+    assert dstore.seal_many(["wt"], owner=1) == [None]
+    assert dstore.get_bytes("wt") == b"\0" * 5
+    assert dstore.stats()["tiers"]["disk"]["used"] > 0
+
+
+def test_acquire_many_mixes_resident_missing_and_expired(store):
+    store.put("r1", b"one")
+    store.put("r2", b"two")
+    store.put("short", b"ttl", ttl=0.05)
+    time.sleep(0.1)
+    out = store.acquire_many(["r1", "missing", "short", "r2", "r1"], owner=7)
+    assert out[0].key == "r1" and out[3].key == "r2" and out[4].key == "r1"
+    assert isinstance(out[1], KeyNotFound) and isinstance(out[2], KeyNotFound)
+    assert out[0].lease_id != out[4].lease_id and store.stats()["leases"] == 3
+    store.delete(["r1"])  # leased: the bytes stay until both leases go
+    assert bytes(store.buffer(out[0].location)) == b"one"
+    store.release_many([out[0].lease_id, out[3].lease_id, out[4].lease_id, out[4].lease_id, 12345])
+    assert store.stats()["leases"] == 0
+
+
+def test_acquire_many_waits_for_missing_keys_within_the_timeout(store):
+    store.put("here", b"x")
+    t0 = time.monotonic()
+    out = store.acquire_many(["here", "late"], owner=1, timeout=0.1)
+    assert out[0].key == "here" and isinstance(out[1], Timeout)
+    assert time.monotonic() - t0 >= 0.09
+    store.release_owner(1)
+    assert store.stats()["leases"] == 0

@@ -1,0 +1,323 @@
+"""mget_h2d / mset_d2h: address runs, cached leases, one batched copy, leases held across it, bad input.
+
+CPU tensors exercise the same planning, leases and round trips as CUDA ones (the copy is a memmove);
+the ``gpu`` tests check the copy-engine path and the once-per-segment CUDA registration.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvstrata
+from kvstrata.client import device
+from kvstrata.errors import KeyExists, KeyNotFound
+from kvstrata.server import Worker, WorkerConfig
+
+MEMORY = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dev-worker")
+    config = WorkerConfig.load(
+        {"socket": str(d / "w.sock"), "memory": MEMORY, "segment_size": 16 << 20, "disk_dir": "", "numa_node": "none"},
+        environ={},
+    )
+    with Worker(config).start() as w:
+        yield w
+
+
+@pytest.fixture(params=["embedded", "unix"])
+def kv(request, worker):
+    if request.param == "embedded":
+        client = kvstrata.connect(embedded=True, memory_bytes=MEMORY, segment_bytes=16 << 20, numa_node=None)
+    else:
+        client = kvstrata.connect(worker.address, timeout=5)
+    yield client
+    client.close()
+
+
+def _lists(n, sizes=(1000, 24, 3), seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 255, (s,), generator=g, dtype=torch.uint8).to(device) for s in sizes] for _ in range(n)]
+
+
+def _poisoned(lists):
+    return [[torch.full_like(t, 0xAB) for t in ts] for ts in lists]
+
+
+# ------------------------------------------------------------------------------------ planning
+def test_plan_merges_runs_that_continue_on_both_sides():
+    a = torch.zeros(64, dtype=torch.uint8)
+    pieces, sizes, dev = device.check_tensor_lists(2, [[a[:16], a[16:40]], [a[40:64]]])
+    assert sizes == [40, 24] and dev is None
+    runs = device.new_runs()
+    device.plan(pieces[0], 1000, False, runs)
+    device.plan(pieces[1], 1040, False, runs)  # the next object continues the first one: one run
+    assert runs.host == [(a.data_ptr(), 1000, 64, None)] and runs.device == []
+    runs = device.new_runs()
+    device.plan(pieces[0], 1000, True, runs)
+    device.plan(pieces[1], 5000, True, runs)  # the host side jumps: two runs
+    assert runs.host == [(1000, a.data_ptr(), 40, None), (5000, a.data_ptr() + 40, 24, None)]
+
+
+def test_device_runs_never_span_two_allocations():
+    """Adjacent device pieces merge only within one tensor storage and one shared segment."""
+    runs = device.new_runs()
+    # (ptr, nbytes, on_cuda, tensor, storage address): two storages that happen to touch at 0x1100
+    a1, a2 = (0x1000, 0x100, True, None, 0x1000), (0x1100, 0x100, True, None, 0x1000)
+    b1 = (0x1200, 0x80, True, None, 0x1200)
+    device.plan([a1, a2, b1], 0x9000, True, runs, segment=0)
+    assert [(d, s, n) for d, s, n, _ in runs.device] == [(0x9000, 0x1000, 0x200), (0x9200, 0x1200, 0x80)]
+    runs = device.new_runs()
+    device.plan([a1], 0x9000, False, runs, segment=0)
+    device.plan([a2], 0x9100, False, runs, segment=1)  # the next object lies in another segment
+    assert len(runs.device) == 2 and len(runs.pieces) == 2
+
+
+def test_plan_skips_empty_tensors():
+    a = torch.zeros(8, dtype=torch.uint8)
+    pieces, sizes, _ = device.check_tensor_lists(1, [[a[:0], a, torch.empty(0)]])
+    runs = device.new_runs()
+    device.plan(pieces[0], 4096, False, runs)
+    assert sizes == [8] and runs.host == [(a.data_ptr(), 4096, 8, None)]
+
+
+@pytest.mark.parametrize(
+    "lists, exc, match",
+    [
+        ([[torch.zeros(2)]], ValueError, "one list of tensors per key"),
+        ("ab", TypeError, "tensor_lists"),
+        ([torch.zeros(2), [torch.zeros(2)]], TypeError, r"tensor_lists\[0\]"),
+        ([[b"bytes"], [torch.zeros(2)]], TypeError, r"tensor_lists\[0\]\[0\]"),
+        ([[torch.zeros(2)], [torch.zeros(4, 4).t()]], ValueError, r"tensor_lists\[1\]\[0\].*contiguous"),
+        ([[torch.zeros(2)], [torch.zeros(4).to_sparse()]], TypeError, r"tensor_lists\[1\]\[0\].*sparse"),
+        ([[torch.zeros(2)], [torch.zeros(4, device="meta")]], TypeError, r"tensor_lists\[1\]\[0\].*meta"),
+    ],
+    ids=["count", "str", "not-a-list", "not-a-tensor", "strided", "sparse", "meta"],
+)
+def test_bad_tensor_lists_raise_before_anything_is_written(kv, lists, exc, match):
+    keys = ["bad/a", "bad/b"]
+    kv.delete(keys)
+    with pytest.raises(exc, match=match):
+        kv.mset_d2h(keys, lists)
+    with pytest.raises(exc, match=match):
+        kv.mget_h2d(keys, lists)
+    assert kv.exists(keys) == [False, False]
+    kv.set("bad/a", b"still serving")
+    assert kv.get("bad/a") == b"still serving"
+
+
+def test_bad_keys_and_timeout(kv):
+    with pytest.raises(TypeError, match=r"keys\[1\]"):
+        kv.mget_h2d(["a", 3], [[torch.zeros(1)], [torch.zeros(1)]])
+    with pytest.raises(ValueError, match="timeout"):
+        kv.mget_h2d(["a"], [[torch.zeros(1)]], timeout=-1)
+    assert kv.mget_h2d([], []) == [] and kv.mset_d2h([], []) == []
+
+
+# ------------------------------------------------------------------------------------ round trips and results
+def test_roundtrip_many_keys_exact_and_write_once(kv):
+    keys = [f"rt/{i}" for i in range(40)]
+    kv.delete(keys)
+    src = _lists(40, sizes=(4096, 5, 70000))  # inline-sized and shared-memory-sized pieces
+    assert kv.mset_d2h(keys, src) == [None] * 40
+    again = kv.mset_d2h(keys[:2], _lists(2, sizes=(4096, 5, 70000), seed=9))
+    assert all(isinstance(r, KeyExists) for r in again)  # write-once: the first version stays
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 40
+    assert all(torch.equal(a, b) for sa, sb in zip(src, dst) for a, b in zip(sa, sb))
+    assert kv.get(keys[3]) == b"".join(t.numpy().tobytes() for t in src[3])
+
+
+def test_a_failed_key_never_hides_the_others(kv):
+    kv.delete(["mix/a", "mix/b", "mix/missing"])
+    src = _lists(2)
+    assert kv.mset_d2h(["mix/a", "mix/b"], src) == [None, None]
+    dst = [_poisoned(src)[0], [torch.zeros(3, dtype=torch.uint8)], [torch.zeros(1)]]
+    untouched = dst[1][0].clone()
+    res = kv.mget_h2d(["mix/a", "mix/b", "mix/missing"], dst)
+    assert res[0] is None and isinstance(res[1], ValueError) and isinstance(res[2], KeyNotFound)
+    assert "tensor_lists[1]" in str(res[1])
+    assert all(torch.equal(a, b) for a, b in zip(src[0], dst[0]))
+    assert torch.equal(dst[1][0], untouched)  # a refused key's tensors are not written
+    kv.set("bump", b"x")
+    assert kv.stats()["leases"] == 0  # every lease went back, the failed key's included
+
+
+def test_cached_keys_cost_no_round_trip(worker):
+    with kvstrata.connect(worker.address) as kv:
+        keys = [f"hot/{i}" for i in range(16)]
+        kv.delete(keys)
+        src = _lists(16, sizes=(100000,))
+        assert kv.mset_d2h(keys, src) == [None] * 16
+        dst = _poisoned(src)
+        assert kv.mget_h2d(keys, dst) == [None] * 16  # leases taken and kept
+        before = worker.counters["requests"]
+        for _ in range(20):
+            dst = _poisoned(src)
+            assert kv.mget_h2d(keys, dst) == [None] * 16
+            assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+        assert worker.counters["requests"] == before
+        with kvstrata.connect(worker.address) as other:  # a change elsewhere: seen at once
+            other.delete(keys[0])
+            other.mset_d2h([keys[0]], [[torch.ones(100000, dtype=torch.uint8)]])
+        dst = _poisoned(src)
+        before = worker.counters["requests"]
+        assert kv.mget_h2d(keys, dst) == [None] * 16
+        assert torch.equal(dst[0][0], torch.ones(100000, dtype=torch.uint8))
+        assert worker.counters["requests"] == before + 1  # one round trip for the whole batch
+
+
+def test_a_batch_larger_than_the_cache_keeps_its_first_keys(worker, monkeypatch):
+    with kvstrata.connect(worker.address) as kv:
+        local = kv._backend._local
+        monkeypatch.setattr(local, "max_bytes", 4 * 100000)
+        keys = [f"big-batch/{i}" for i in range(10)]
+        kv.delete(keys)
+        src = _lists(10, sizes=(100000,))
+        kv.mset_d2h(keys, src)
+        for _ in range(3):
+            assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 10
+        assert [k for k in keys if k in local._entries] == keys[:4]  # no churn, call after call
+
+
+def test_the_lease_holds_the_bytes_across_the_batched_copy(kv, monkeypatch):
+    """While the copies run, another writer deletes and rewrites every key and fills memory: the
+    reader still gets the version it leased, untorn, and every lease goes back afterwards."""
+    keys = [f"held/{i}" for i in range(8)]
+    kv.delete(keys)
+    src = _lists(8, sizes=(200000,))
+    assert kv.mset_d2h(keys, src) == [None] * 8
+    writer = kv if kv.embedded else kvstrata.connect(kv.address)
+    real_run = device.run
+    fired = []
+
+    def run_with_writer(runs, dev, *, stream=None):
+        if not fired:
+            fired.append(True)
+            writer.delete(keys)  # the bytes are leased: they must not be freed or reused yet
+            for i, k in enumerate(keys):
+                writer.set(k, bytes([i]) * 200000)
+            writer.mset({f"filler/{i}": b"\xff" * 200000 for i in range(40)})
+        return real_run(runs, dev, stream=stream)
+
+    monkeypatch.setattr(device, "run", run_with_writer)
+    kv.set("held/bump", b"x")  # drop any cached lease: this read leases through the worker
+    dst = _poisoned(src)
+    try:
+        assert kv.mget_h2d(keys, dst) == [None] * 8
+    finally:
+        if writer is not kv:
+            writer.close()
+    assert fired and all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+    monkeypatch.undo()
+    assert kv.mget_h2d(keys[:1], dst[:1]) == [None]
+    assert torch.equal(dst[0][0], torch.zeros(200000, dtype=torch.uint8))  # the new version now
+    kv.delete([f"filler/{i}" for i in range(40)])
+    kv.set("held/bump", b"y")
+    assert kv.stats()["leases"] == 0
+
+
+def test_a_failed_copy_aborts_every_create(kv, monkeypatch):
+    keys = ["abort/a", "abort/b"]
+    kv.delete(keys)
+
+    def broken(runs, dev, *, stream=None):
+        raise RuntimeError("simulated copy failure")
+
+    monkeypatch.setattr(device, "run", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        kv.mset_d2h(keys, _lists(2))
+    monkeypatch.undo()
+    assert kv.exists(keys) == [False, False]
+    assert kv.stats()["creates_in_progress"] == 0
+    assert kv.mset_d2h(keys, _lists(2)) == [None, None]  # writable again at once
+
+
+def test_registration_is_tried_once_per_segment(kv, monkeypatch):
+    calls = []
+    monkeypatch.setattr(device, "register_segment", lambda addr, n: calls.append(addr) or False)
+    regs = device.Registrations()
+    for _ in range(3):
+        regs.ensure({0: 0, 1: 0}, lambda i: 4096 * (i + 1), lambda i: 4096)
+    assert calls == [4096, 8192]  # refusals are remembered too: no retry per call
+    regs.undo()
+
+
+# ------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
+    keys = [f"gpu-rt/{i}" for i in range(64)]
+    kv.delete(keys)
+    flat = torch.randint(0, 255, (64 * 70016,), dtype=torch.uint8, device="cuda")
+    src = [[flat[i * 70016 : (i + 1) * 70016]] for i in range(64)]  # adjacent on the device
+    registered = []
+    real = device.register_segment
+    monkeypatch.setattr(device, "register_segment", lambda a, n: registered.append(a) or real(a, n))
+    batches = []
+    from kvstrata.ops import copy_engine
+
+    real_batch = copy_engine.memcpy_batch
+
+    def counting(dsts, srcs, sizes, **kw):
+        batches.append(len(sizes))
+        return real_batch(dsts, srcs, sizes, **kw)
+
+    monkeypatch.setattr(copy_engine, "memcpy_batch", counting)
+    assert kv.mset_d2h(keys, src) == [None] * 64
+    out = torch.full_like(flat, 7)
+    dst = [[out[i * 70016 : (i + 1) * 70016]] for i in range(64)]
+    for _ in range(3):
+        out.fill_(7)
+        assert kv.mget_h2d(keys, dst) == [None] * 64
+        torch.cuda.synchronize()
+        assert torch.equal(out, flat)
+    assert len(registered) == len(set(registered))  # each segment once, not per call
+    assert len(batches) == 4 and all(n < 64 for n in batches)  # one batch per call, adjacent keys merged
+    assert kv.get(keys[5]) == flat[5 * 70016 : 6 * 70016].cpu().numpy().tobytes()
+    kv.delete(keys)
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_with_cpu_tensors_and_a_side_stream(kv):
+    keys = ["gpu-mix/a", "gpu-mix/b"]
+    kv.delete(keys)
+    src = [[torch.randn(1000, device="cuda"), torch.arange(7, dtype=torch.int64)], [torch.randn(3, 5).half().cuda()]]
+    assert kv.mset_d2h(keys, src) == [None, None]
+    dst = [[torch.full_like(t, 3) for t in ts] for ts in src]
+    stream = torch.cuda.Stream()
+    torch.cuda.current_stream().synchronize()
+    assert kv.mget_h2d(keys, dst, stream=stream) == [None, None]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for sa, sb in zip(src, dst) for a, b in zip(sa, sb))
+    kv.delete(keys)
+
+
+@pytest.mark.gpu
+def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
+    keys = [f"gpu-held/{i}" for i in range(4)]
+    kv.delete(keys)
+    src = [[torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")] for _ in keys]
+    assert kv.mset_d2h(keys, src) == [None] * 4
+    writer = kv if kv.embedded else kvstrata.connect(kv.address)
+    real_run = device.run
+
+    def run_then_overwrite(runs, dev, *, stream=None):
+        event = real_run(runs, dev, stream=stream)  # copies enqueued, maybe still running
+        writer.delete(keys)
+        for k in keys:
+            writer.set(k, b"\x00" * (1 << 20))
+        return event
+
+    monkeypatch.setattr(device, "run", run_then_overwrite)
+    kv.set("gpu-held/bump", b"x")
+    dst = [[torch.empty_like(t[0])] for t in src]
+    try:
+        assert kv.mget_h2d(keys, dst) == [None] * 4
+    finally:
+        if writer is not kv:
+            writer.close()
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+    kv.delete(keys)
