@@ -126,6 +126,9 @@ class _Registry:
         self._starts: list[int] = []
         self._regions: list[Region] = []
         self._uses: dict[int, int] = {}  # region start -> registrations not yet undone
+        # Bumped whenever a region appears or disappears, so callers that cache "this address is
+        # registered" (the ops' launch plans) know when to look again.
+        self.generation = 0
 
     def find(self, addr: int, nbytes: int = 1) -> Region | None:
         with self._lock:
@@ -161,6 +164,7 @@ class _Registry:
             self._starts.insert(k, start)
             self._regions.insert(k, region)
             self._uses[start] = 1
+            self.generation += 1
             return region, True
 
     def remove(self, start: int) -> Region:
@@ -177,6 +181,7 @@ class _Registry:
             del self._uses[region.start]
             self._starts.pop(k)
             self._regions.pop(k)
+            self.generation += 1
         if region.cuda_registered:
             _cuda_unregister(region.start)
         return region
@@ -241,6 +246,11 @@ def device_ptr(host_ptr: int) -> int:
     if region is None:
         raise ValueError(f"host_ptr: {int(host_ptr):#x} is not in any registered host region")
     return region.device_ptr + (int(host_ptr) - region.start)
+
+
+def registry_generation() -> int:
+    """A counter that changes whenever a registered region is added or removed (for caches of lookups)."""
+    return _REGISTRY.generation
 
 
 def registered_regions() -> list[Region]:
@@ -494,5 +504,6 @@ __all__ = [
     "is_registered",
     "register",
     "registered_regions",
+    "registry_generation",
     "unregister",
 ]
