@@ -174,11 +174,20 @@ def _check_ids(layout: KVLayout, pool: HostPool, dev_ids, host_ids, direction: s
         )
     d, h = _host_np(dev_ids), _host_np(host_ids)
     for name, v, n in (("device_block_ids", d, layout.num_blocks), ("host_block_ids", h, pool.num_blocks)):
-        if v.size and (v.min() < 0 or v.max() >= n):
-            raise ValueError(f"{name}: ids must be in [0, {n}), got range [{v.min()}, {v.max()}]")
+        if v.size:
+            lo, hi = _span(v)
+            if lo < 0 or hi >= n:
+                raise ValueError(f"{name}: ids must be in [0, {n}), got range [{lo}, {hi}]")
     dst_name, dst = ("host_block_ids", h) if direction == "d2h" else ("device_block_ids", d)
-    if dst.size > 1 and np.unique(dst).size != dst.size:
+    if dst.size > 1 and (len(set(dst.tolist())) if dst.size <= 64 else np.unique(dst).size) != dst.size:
         raise ValueError(f"{dst_name}: duplicate destination ids")
+
+
+def _span(v: np.ndarray) -> tuple[int, int]:
+    if v.size <= 64:  # one request's ids: Python's min/max beat numpy's reductions' call overhead
+        values = v.tolist()
+        return min(values), max(values)
+    return int(v.min()), int(v.max())
 
 
 def _check_signature(layout: KVLayout, pool: HostPool, method: str) -> None:
