@@ -120,14 +120,14 @@ class TransferPlan:
         }
         return [values[name] for name in _arg_names()]
 
-    def launch(self, dev_ids: torch.Tensor | int, host_ids: torch.Tensor | int, seg_table: torch.Tensor) -> None:
-        """Enqueue the in-place kernel. Ids are tensors (first launch of a specialization, the
-        interpreter) or raw device addresses (the direct launch of a compiled kernel)."""
+    def launch(self, dev_ids: Any, host_ids: Any, seg_table: torch.Tensor) -> None:
+        """Enqueue the in-place kernel. Ids are tensors (the Triton interpreter on CPU) or, on CUDA,
+        ``(device address, thunk giving a CUDA tensor)`` pairs: the address feeds the direct launch of a
+        compiled kernel, the tensor the first (compiling) launch of each specialization."""
         if self.device_index is None:  # Triton interpreter on CPU tensors
             _copy_chunks_kernel[(self.nprog,)](*self.kernel_args(dev_ids, host_ids, seg_table), num_warps=_warps())
             return
-        dptr = dev_ids if isinstance(dev_ids, int) else dev_ids.data_ptr()
-        hptr = host_ids if isinstance(host_ids, int) else host_ids.data_ptr()
+        (dptr, dev_tensor), (hptr, host_tensor) = dev_ids, host_ids
         spec = (dptr % 16 == 0, hptr % 16 == 0)  # Triton specializes pointers on 16-byte alignment
         runner = self.runners.get(spec)
         if runner is not None and _state["fast"]:
@@ -137,9 +137,7 @@ class TransferPlan:
             except Exception as exc:  # an incompatible Triton: Triton's own launch path from now on
                 _state["fast"] = False
                 log.warning("transfer_blocks: direct kernel launch failed (%r); using Triton's launch path", exc)
-        if isinstance(dev_ids, int) or isinstance(host_ids, int):
-            raise RuntimeError("transfer_blocks: a raw-address launch needs a compiled runner")  # caller passes tensors
-        args = self.kernel_args(dev_ids, host_ids, seg_table)
+        args = self.kernel_args(dev_tensor(), host_tensor(), seg_table)
         compiled = _copy_chunks_kernel[(self.nprog,)](*args, num_warps=_warps())
         if compiled is not None and _state["fast"]:
             try:
@@ -151,9 +149,6 @@ class TransferPlan:
     def usable(self, pool_tensor: torch.Tensor, generation: int) -> bool:
         """Still describes the memory it was built for (see the module docstring)."""
         return self.generation == generation and (not self.recheck_pinned or pool_tensor.is_pinned())
-
-    def has_runner(self, dptr: int, hptr: int) -> bool:
-        return _state["fast"] and (dptr % 16 == 0, hptr % 16 == 0) in self.runners
 
     # ---------------------------------------------------------------------------- copy_engine
     def runs(self, dev_ids: np.ndarray, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -293,12 +293,9 @@ def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
     lane = None if capturing else _plan.lane(device, plan.direction)
     k = None if lane is None else lane.acquire()
     if m == "zero_copy":
-        d, dt = _kernel_ids(dev_ids, "device_block_ids", lane, k, 0, device, capturing)
-        h, ht = _kernel_ids(host_ids, "host_block_ids", lane, k, 1, device, capturing)
-        if plan.has_runner(d, h):
-            plan.launch(d, h, layout.seg_ptr_table)
-        else:
-            plan.launch(dt(), ht(), layout.seg_ptr_table)
+        d = _kernel_ids(dev_ids, "device_block_ids", lane, k, 0, device, capturing)
+        h = _kernel_ids(host_ids, "host_block_ids", lane, k, 1, device, capturing)
+        plan.launch(d, h, layout.seg_ptr_table)
     elif m == "copy_engine":
         da, ha, sizes = plan.runs(_host_np(dev_ids), _host_np(host_ids))
         src, dst = (da, ha) if plan.to_host else (ha, da)
