@@ -39,6 +39,8 @@ PREFERENCE = ("copy_engine", "staging", "zero_copy")  # fewest SMs taken first
 TOLERANCE = 0.08  # an SM-free method within 8% of the fastest wins: the model keeps its SMs
 SMALL_BYTES = 4 << 20  # at most this much in one call: the latency regime ("small")
 BULK_BYTES = 256 << 20  # several staging pieces, as in real offload batches
+PAIR_SHORTLIST = 0.7  # two-direction pairs are timed for methods within 70% of the best alone
+FORMAT = 2  # bumped when the measured points change shape (2: "both" pairs); older files are re-measured
 
 Points = dict[str, dict[str, dict[str, list[list[float]]]]]  # direction -> method -> regime -> [[chunk, GB/s]]
 
@@ -60,6 +62,7 @@ def device_key(device: torch.device | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
+        "format": FORMAT,
     }
 
 
@@ -106,6 +109,22 @@ class Calibration:
             if x0 <= x <= x1:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         return None
+
+    def best_pair(self, chunk_bytes: int, methods: Collection[str] = PREFERENCE) -> tuple[str, str] | None:
+        """(d2h method, h2d method) with the highest two-direction rate at this chunk size, preferring the
+        pair that takes fewer SMs when it is within ``TOLERANCE`` of the best; None when not measured."""
+        rates = {}
+        for name in self.points.get("both", {}):
+            d2h, _, h2d = name.partition("+")
+            if d2h in methods and h2d in methods:
+                rate = self.gbps("both", name, chunk_bytes, 1 << 30)
+                if rate is not None:
+                    rates[(d2h, h2d)] = rate
+        if not rates:
+            return None
+        top = max(rates.values())
+        ok = [p for p, r in rates.items() if r >= (1 - TOLERANCE) * top]
+        return min(ok, key=lambda p: (PREFERENCE.index(p[0]) + PREFERENCE.index(p[1]), -rates[p]))
 
     def best(
         self, direction: str, chunk_bytes: int, n_chunks: int, methods: Collection[str] = PREFERENCE
@@ -178,11 +197,16 @@ def choose_method(
     *,
     device: torch.device | int | None = None,
     methods: Collection[str] | None = None,
+    concurrent: bool = False,
 ) -> str:
     """The method ``auto`` uses for ``n_chunks`` chunks of ``chunk_bytes`` in ``direction`` ("d2h"/"h2d").
 
     ``"torch"`` off CUDA. ``methods`` restricts the candidates (e.g. ``{"zero_copy", "staging"}`` for an
-    op without a copy-engine path). Example: ``choose_method("h2d", 32768, 64 * 1024)``.
+    op without a copy-engine path). ``concurrent=True``: a transfer in the other direction runs at the
+    same time, so a bulk transfer takes its side of the pair of methods measured fastest *together*
+    (the copy engines of the two directions are independent, but SM kernels reading or writing host
+    memory share the PCIe link and the host's issue time with them). Example:
+    ``choose_method("h2d", 32768, 64 * 1024)``.
     """
     if direction not in ("d2h", "h2d"):
         raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
@@ -196,7 +220,12 @@ def choose_method(
     if idx not in _memo and not torch.cuda.is_current_stream_capturing():
         _memo[idx] = _load_or_calibrate(idx)
     cal = _memo.get(idx)
-    choice = cal.best(direction, chunk_bytes, n_chunks, candidates) if cal is not None else None
+    choice = None
+    if cal is not None and concurrent and chunk_bytes * n_chunks > SMALL_BYTES:
+        pair = cal.best_pair(chunk_bytes, candidates)
+        choice = None if pair is None else pair[0 if direction == "d2h" else 1]
+    if cal is not None and choice is None:
+        choice = cal.best(direction, chunk_bytes, n_chunks, candidates)
     if choice is None:
         choice = static_rule(direction, chunk_bytes, n_chunks)
         if choice not in candidates:
@@ -232,30 +261,70 @@ def _index(device: torch.device | int | str | None) -> int:
 
 
 def _measure(device: torch.device) -> Points:
-    """Time each method on a 32-layer (64-segment) cache; scattered device blocks, consecutive host blocks."""
+    """Time each method on a 32-layer (64-segment) cache; scattered device blocks, consecutive host blocks.
+
+    For bulk transfers also a store and a load at once (two streams) for each pair of shortlisted
+    methods: ``points["both"]["<d2h method>+<h2d method>"]["bulk"]``, GB/s of both directions together.
+    """
     from kvstrata.ops.kv_layout import HostPool, KVLayout
     from kvstrata.ops.transfer_blocks import transfer_blocks
 
     nseg = 64
     points: Points = {d: {m: {"bulk": [], "small": []} for m in PREFERENCE} for d in ("d2h", "h2d")}
+    points["both"] = {}
+
+    def setup(n: int):
+        caches = [torch.zeros(2 * n, 1, chunk, dtype=torch.uint8, device=device) for _ in range(nseg)]
+        layout = KVLayout.from_mla(caches)
+        return layout, HostPool.allocate(layout, n), torch.randperm(2 * n)[:n].sort().values, torch.arange(n)
+
     with torch.cuda.device(device):
         for chunk in CHUNK_SIZES:
             for regime, n in (("small", 1), ("bulk", max(1, BULK_BYTES // (nseg * chunk)))):
-                caches = [torch.zeros(2 * n, 1, chunk, dtype=torch.uint8, device=device) for _ in range(nseg)]
-                layout = KVLayout.from_mla(caches)
-                pool = HostPool.allocate(layout, n)
-                dev_ids = torch.randperm(2 * n)[:n].sort().values
-                host_ids = torch.arange(n)
+                args = setup(n)
                 for direction in ("d2h", "h2d"):
                     for method in _available():
-                        args = (layout, pool, dev_ids, host_ids)
                         t = _time(
                             lambda a=args, d=direction, m=method: transfer_blocks(
                                 *a, direction=d, method=m, check=False
                             )
                         )
                         points[direction][method][regime].append([chunk, round(nseg * n * chunk / t / 1e9, 2)])
+            other = setup(n)  # bulk: a second cache and pool for the load beside the store
+            shortlist = {}
+            for direction in ("d2h", "h2d"):
+                rates = {m: points[direction][m]["bulk"][-1][1] for m in _available()}
+                shortlist[direction] = [m for m, r in rates.items() if r >= PAIR_SHORTLIST * max(rates.values())]
+            for d2h in shortlist["d2h"]:
+                for h2d in shortlist["h2d"]:
+                    t = _time(lambda a=args, b=other, x=d2h, y=h2d: store_and_load(a, b, x, y))
+                    rate = round(2 * nseg * n * chunk / t / 1e9, 2)
+                    points["both"].setdefault(f"{d2h}+{h2d}", {"bulk": [], "small": []})["bulk"].append([chunk, rate])
+            del args, other
     return points
+
+
+_pair_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def store_and_load(store_args: tuple, load_args: tuple, store_method: str, load_method: str) -> None:
+    """A d2h ``transfer_blocks(*store_args)`` and an h2d ``transfer_blocks(*load_args)`` at once, on two
+    streams forked from and joined to the current one (what calibration and the benchmark time)."""
+    from kvstrata.ops.transfer_blocks import transfer_blocks
+
+    cur = torch.cuda.current_stream()
+    idx = cur.device.index
+    if idx not in _pair_streams:
+        _pair_streams[idx] = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
+    s1, s2 = _pair_streams[idx]
+    s1.wait_stream(cur)
+    s2.wait_stream(cur)
+    with torch.cuda.stream(s1):
+        transfer_blocks(*store_args, direction="d2h", method=store_method, check=False, concurrent=True)
+    with torch.cuda.stream(s2):
+        transfer_blocks(*load_args, direction="h2d", method=load_method, check=False, concurrent=True)
+    cur.wait_stream(s1)
+    cur.wait_stream(s2)
 
 
 def _time(fn: Callable[[], None], iters: int = 3) -> float:
@@ -272,4 +341,13 @@ def _time(fn: Callable[[], None], iters: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-__all__ = ["Calibration", "cache_dir", "cache_path", "calibrate", "choose_method", "device_key", "static_rule"]
+__all__ = [
+    "Calibration",
+    "cache_dir",
+    "cache_path",
+    "calibrate",
+    "choose_method",
+    "device_key",
+    "static_rule",
+    "store_and_load",
+]

@@ -97,6 +97,21 @@ def default_ctas(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def copy_chunks_shape(
+    *, n_blocks: int, nseg: int, chunk_bytes: int, align: int, num_ctas: int, tile_bytes: int | None = None
+) -> tuple[int, int, dict]:
+    """(programs, chunk words, constexprs) of one launch: the shape, decided once per launch plan."""
+    word = min(align, 4)
+    chunk_words = chunk_bytes // word
+    cap = max(1, (tile_bytes or TILE_BYTES) // word)
+    tile = min(triton.next_power_of_2(chunk_words), cap)
+    rows = max(1, min(cap // tile, triton.next_power_of_2(n_blocks * nseg)))
+    n_groups = triton.cdiv(n_blocks * nseg, rows)
+    nprog = max(1, min(num_ctas, n_groups))
+    constexprs = {"TILE": tile, "ROWS": rows, "EVEN": chunk_words % tile == 0, "WORD": _WORDS[word], "ALIGN": align}
+    return nprog, chunk_words, constexprs
+
+
 def launch_copy_chunks(
     seg_table: torch.Tensor,
     dev_ids: torch.Tensor,
@@ -114,18 +129,15 @@ def launch_copy_chunks(
     num_ctas: int,
     seg_lo: int = 0,
     tile_bytes: int | None = None,
-) -> None:
-    """Enqueue the chunk copy on the current stream (no host synchronisation)."""
+):
+    """Enqueue the chunk copy on the current stream (no host synchronisation); returns Triton's compiled
+    kernel where it gives one (launch plans reuse it)."""
     if n_blocks == 0 or nseg == 0:
-        return
-    word = min(align, 4)
-    chunk_words = chunk_bytes // word
-    cap = max(1, (tile_bytes or TILE_BYTES) // word)
-    tile = min(triton.next_power_of_2(chunk_words), cap)
-    rows = max(1, min(cap // tile, triton.next_power_of_2(n_blocks * nseg)))
-    n_groups = triton.cdiv(n_blocks * nseg, rows)
-    nprog = max(1, min(num_ctas, n_groups))
-    _copy_chunks_kernel[(nprog,)](
+        return None
+    nprog, chunk_words, constexprs = copy_chunks_shape(
+        n_blocks=n_blocks, nseg=nseg, chunk_bytes=chunk_bytes, align=align, num_ctas=num_ctas, tile_bytes=tile_bytes
+    )
+    return _copy_chunks_kernel[(nprog,)](
         seg_table,
         dev_ids,
         other_ids,
@@ -138,14 +150,10 @@ def launch_copy_chunks(
         nprog,
         nseg,
         chunk_words,
-        TILE=tile,
-        ROWS=rows,
-        EVEN=chunk_words % tile == 0,
         TO_OTHER=to_other,
-        WORD=_WORDS[word],
-        ALIGN=align,
         num_warps=NUM_WARPS,
+        **constexprs,
     )
 
 
-__all__ = ["NUM_WARPS", "TILE_BYTES", "alignment", "default_ctas", "launch_copy_chunks"]
+__all__ = ["NUM_WARPS", "TILE_BYTES", "alignment", "copy_chunks_shape", "default_ctas", "launch_copy_chunks"]

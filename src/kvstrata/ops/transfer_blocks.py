@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvstrata.memory.pinned import registry_generation
+from kvstrata.ops import _transfer_plan as _plan
 from kvstrata.ops import copy_engine
 from kvstrata.ops._common import interpreting
 from kvstrata.ops.chunk_copy import alignment, default_ctas, launch_copy_chunks
@@ -50,6 +52,7 @@ def transfer_blocks(
     method: str = "auto",
     num_ctas: int | None = None,
     check: bool = True,
+    concurrent: bool | None = None,
 ) -> None:
     """Copy blocks ``device_block_ids[i] <-> host_block_ids[i]`` for all layers (and K/V) in one call.
 
@@ -57,6 +60,11 @@ def transfer_blocks(
     int32/int64 tensors (host or device). ``num_ctas`` caps the SMs of the kernels. With ``check=True``
     (default) bad input raises ``ValueError``/``TypeError`` before anything is written; device-resident
     ids are then copied to the host (a sync). ``staging``/``copy_engine`` need the ids on the host.
+
+    ``concurrent`` (``method="auto"`` only): whether a transfer in the other direction runs at the same
+    time, so ``auto`` picks from the two-direction calibration. ``None`` (default) asks the device
+    whether this process's last transfer the other way is still in flight; pass ``True``/``False``
+    when the caller knows better (e.g. a store and a load issued back to back from one thread).
     """
     if not isinstance(device_layout, KVLayout):
         raise TypeError(f"device_layout must be a KVLayout, got {type(device_layout).__name__}")
@@ -66,33 +74,49 @@ def transfer_blocks(
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if num_ctas is not None and (not isinstance(num_ctas, int) or num_ctas < 1):
+    if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1):
         raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
+    if concurrent is not None and not isinstance(concurrent, bool):
+        raise TypeError(f"concurrent must be None or a bool, got {type(concurrent).__name__}")
+    if torch.compiler.is_compiling():
+        _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check)
+        return
+    # Eager calls skip the dispatcher and run a cached launch plan (see kvstrata.ops._transfer_plan).
+    dev_ids = _eager_ids(device_block_ids, "device_block_ids")
+    host_ids = _eager_ids(host_block_ids, "host_block_ids")
+    n = int(dev_ids.shape[0])
+    if n != int(host_ids.shape[0]):
+        raise ValueError(f"host_block_ids: {int(host_ids.shape[0])} ids, device_block_ids has {n}")
+    if check:
+        _check_ids(device_layout, host_pool, dev_ids, host_ids, direction)
+    if n == 0:
+        return
+    _run_plan(device_layout, host_pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent)
+
+
+def _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check):
+    """Under torch.compile: the registered op (traced), arguments in its schema's form."""
     dev_ids = _as_ids(device_block_ids, "device_block_ids")
     host_ids = _as_ids(host_block_ids, "host_block_ids")
     if check:
         _validate(device_layout, host_pool, dev_ids, host_ids, direction, method)
     if dev_ids.numel() == 0:
         return
-    # Eager calls skip the dispatcher (tens of us with one tensor per layer); torch.compile sees the op.
-    op = torch.ops.kvstrata.transfer_blocks if torch.compiler.is_compiling() else _transfer_blocks_impl
-    op(
+    torch.ops.kvstrata.transfer_blocks(
         *device_layout.op_args(),
         host_pool.tensor,
         dev_ids,
         host_ids,
-        [
-            device_layout.chunk_bytes,
-            device_layout.block_stride,
-            host_pool.block_stride,
-            host_pool.seg_stride,
-            int(host_pool.layout == "block_first"),
-            device_layout.align,
-        ],
+        _geom_list(device_layout, host_pool),
         direction,
         method,
         num_ctas or 0,
     )
+
+
+def _geom_list(layout: KVLayout, pool: HostPool) -> list[int]:
+    return [layout.chunk_bytes, layout.block_stride, pool.block_stride, pool.seg_stride,
+            int(pool.layout == "block_first"), layout.align]  # fmt: skip
 
 
 def _as_ids(ids: Ids, name: str) -> torch.Tensor:
@@ -109,6 +133,207 @@ def _as_ids(ids: Ids, name: str) -> torch.Tensor:
     if not isinstance(ids, Sequence) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TypeError(f"{name} must be a list of ints or an int tensor")
     return torch.tensor(list(ids), dtype=torch.int64)
+
+
+def _eager_ids(ids: Ids, name: str) -> np.ndarray | torch.Tensor:
+    """Ids as a 1-D numpy array (host) or a CUDA tensor, checked for type and shape; no copy where avoidable."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must hold int32 or int64, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+        return ids.numpy() if ids.device.type == "cpu" else ids
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got {ids.dtype}")
+        return ids.reshape(-1)
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+        raise TypeError(f"{name} must be a list of ints or an int tensor")
+    if len(ids) == 0:
+        return np.zeros(0, dtype=np.int64)
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:  # floats, bools, strings, nested lists
+        raise TypeError(f"{name} must be a list of ints or an int tensor")
+    return arr
+
+
+def _host_np(ids: np.ndarray | torch.Tensor) -> np.ndarray:
+    return ids if isinstance(ids, np.ndarray) else ids.cpu().numpy()  # a sync for device ids
+
+
+def _as_tensor(ids: np.ndarray | torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(ids)) if isinstance(ids, np.ndarray) else ids
+
+
+def _check_ids(layout: KVLayout, pool: HostPool, dev_ids, host_ids, direction: str) -> None:
+    """Per-call checks of the id values (never cached): ranges and duplicate destinations."""
+    if not pool.matches(layout):
+        raise ValueError(
+            f"host_pool: {pool.num_segments} segments of {pool.chunk_bytes} B, the device layout has "
+            f"{layout.num_segments} of {layout.chunk_bytes} B"
+        )
+    d, h = _host_np(dev_ids), _host_np(host_ids)
+    for name, v, n in (("device_block_ids", d, layout.num_blocks), ("host_block_ids", h, pool.num_blocks)):
+        if v.size:
+            lo, hi = _span(v)
+            if lo < 0 or hi >= n:
+                raise ValueError(f"{name}: ids must be in [0, {n}), got range [{lo}, {hi}]")
+    dst_name, dst = ("host_block_ids", h) if direction == "d2h" else ("device_block_ids", d)
+    if dst.size > 1 and (len(set(dst.tolist())) if dst.size <= 64 else np.unique(dst).size) != dst.size:
+        raise ValueError(f"{dst_name}: duplicate destination ids")
+
+
+def _span(v: np.ndarray) -> tuple[int, int]:
+    if v.size <= 64:  # one request's ids: Python's min/max beat numpy's reductions' call overhead
+        values = v.tolist()
+        return min(values), max(values)
+    return int(v.min()), int(v.max())
+
+
+def _check_signature(layout: KVLayout, pool: HostPool, method: str) -> None:
+    """Checks that depend only on the call's signature (run once per launch plan)."""
+    on_cuda = layout.device.type == "cuda"
+    if method in ("zero_copy", "staging") and not on_cuda and not interpreting():
+        raise ValueError(f"method={method!r} needs a CUDA device layout (or TRITON_INTERPRET=1)")
+    if method == "copy_engine" and on_cuda and copy_engine._runtime() is None:
+        raise ValueError("method='copy_engine' needs cuda-bindings (pip install cuda-bindings)")
+    if method == "zero_copy" and on_cuda and not _host_mapped(pool.tensor):
+        raise ValueError("host_pool: zero_copy needs pinned/registered host memory (kvstrata.memory.alloc_pinned)")
+    lo, hi = pool.data_ptr, pool.data_ptr + pool.flat.numel()
+    for t in layout.tensors:
+        if t.device.type == "cpu":
+            s = t.untyped_storage()
+            if s.data_ptr() < hi and lo < s.data_ptr() + s.nbytes():
+                raise ValueError("host_pool overlaps the device layout's tensors")
+
+
+def _ids_kind(ids) -> object:
+    return ids.dtype if isinstance(ids, torch.Tensor) else None  # device tensors specialise the kernel
+
+
+def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent) -> None:
+    device = layout.device
+    busy = False
+    if method == "auto" and device.type == "cuda":
+        busy = concurrent if concurrent is not None else _plan.other_direction_busy(device, direction)
+    key = (layout.seg_ptr_table.data_ptr(), layout.seg_ptrs, layout.chunk_bytes, layout.block_stride,
+           layout.num_blocks, layout.align, pool.data_ptr, pool.num_blocks, pool.layout, pool.num_segments,
+           pool.chunk_bytes, n, direction, method, num_ctas, check, busy, _ids_kind(dev_ids),
+           _ids_kind(host_ids))  # fmt: skip
+    plan = _plan.get_plan(key)
+    if plan is None or not plan.usable(pool.tensor, registry_generation()):
+        plan = _build_plan(layout, pool, n, direction, method, num_ctas, check, busy)
+        _plan.put_plan(key, plan)
+    if plan.device_index is None:
+        _execute_cpu(plan, layout, pool, dev_ids, host_ids)
+    elif torch.cuda.current_device() == plan.device_index:
+        _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+    else:
+        with torch.cuda.device(plan.device_index):
+            _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+
+
+def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy) -> _plan.TransferPlan:
+    generation = registry_generation()  # read before the lookups: a change meanwhile invalidates the plan
+    if check:
+        _check_signature(layout, pool, method)
+    device = layout.device
+    cuda = device.type == "cuda"
+    if method == "auto":
+        from kvstrata.ops.calibration import choose_method
+
+        method = choose_method(direction, layout.chunk_bytes, n * layout.num_segments, device=device, concurrent=busy)
+    mapped = not cuda or _host_mapped(pool.tensor)
+    if method == "zero_copy" and not mapped:
+        # A pageable pool (auto's choice or check=False): the kernel cannot address it, DMA can.
+        method = "staging"
+    host = pool.tensor
+    g = Geometry(
+        seg_ptrs=layout.seg_ptrs,
+        chunk=layout.chunk_bytes,
+        dev_block_stride=layout.block_stride,
+        host_base=host.data_ptr(),
+        host_block_stride=pool.block_stride,
+        host_seg_stride=pool.seg_stride,
+        block_first=pool.layout == "block_first",
+        align=alignment(layout.align, pool.block_stride, pool.seg_stride, host.data_ptr()),
+    )
+    plan = _plan.TransferPlan(method, direction, n, g, device, generation)
+    if cuda and mapped:
+        from kvstrata.memory import is_registered
+
+        plan.recheck_pinned = not is_registered(host.data_ptr(), max(1, pool.flat.numel()))
+    if method in ("zero_copy", "staging"):
+        plan.ctas = num_ctas or (ZERO_COPY_CTAS[direction] if method == "zero_copy" else default_ctas(device))
+    if method == "zero_copy":
+        base = _host_device_ptr(host) if cuda else host.data_ptr()
+        plan.set_kernel_shape(plan.ctas, layout.seg_ptr_table.data_ptr(), base)
+    return plan
+
+
+def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> None:
+    """Off CUDA: the torch implementation, or the same kernels under the Triton interpreter."""
+    m, device = plan.method, layout.device
+    if m == "torch":
+        _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
+    elif m == "copy_engine":
+        _copy_engine_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids),
+                          plan.to_host, device)  # fmt: skip
+    elif m == "zero_copy":
+        plan.launch(_as_tensor(dev_ids), _as_tensor(host_ids), layout.seg_ptr_table)
+    else:
+        staging_transfer(plan.g, layout.seg_ptr_table, _as_tensor(dev_ids), _host_np(host_ids), pool.flat,
+                         to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+
+
+def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
+    """On the plan's (current) device: enqueue the copy on the current stream, then mark the lane."""
+    device, m = layout.device, plan.method
+    capturing = torch.cuda.is_current_stream_capturing()
+    lane = None if capturing else _plan.lane(device, plan.direction)
+    k = None if lane is None else lane.acquire()
+    if m == "zero_copy":
+        d = _kernel_ids(dev_ids, "device_block_ids", lane, k, 0, device, capturing)
+        h = _kernel_ids(host_ids, "host_block_ids", lane, k, 1, device, capturing)
+        plan.launch(d, h, layout.seg_ptr_table)
+    elif m == "copy_engine":
+        da, ha, sizes = plan.runs(_host_np(dev_ids), _host_np(host_ids))
+        src, dst = (da, ha) if plan.to_host else (ha, da)
+        copy_engine.memcpy_batch(dst, src, sizes, device=device)
+    elif m == "staging":
+        d_ids = _on_device(_as_tensor(dev_ids), device, "device_block_ids")
+        staging_transfer(plan.g, layout.seg_ptr_table, d_ids, _host_np(host_ids), pool.flat, to_host=plan.to_host,
+                         num_ctas=plan.ctas)  # fmt: skip
+    else:  # torch
+        _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
+    if lane is not None:
+        lane.mark(k, torch.cuda.current_stream(device))
+
+
+def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.device, capturing: bool):
+    """(device address, thunk giving a CUDA tensor) of one id list for the in-place kernel.
+
+    Device tensors are used as they are; host ids are written into the lane's slot ``k`` (pinned,
+    device-mapped, read by the kernel in place), or uploaded when no slot is free or the list is long.
+    """
+    if isinstance(ids, torch.Tensor):
+        t = _on_device(ids, device, name).contiguous()
+        return t.data_ptr(), lambda: t
+    if capturing:
+        raise ValueError(f"{name}: pass device-resident ids under CUDA graph capture (a host buffer is not replayable)")
+    n = ids.size
+    if k is not None and n <= _plan.LANE_IDS:
+        off = k * 2 * _plan.LANE_IDS + which * _plan.LANE_IDS
+        lane.ids_np[off : off + n] = ids
+        return lane.base + off * 8, lambda: _alias(lane.ids[off : off + n], device)
+    t = _on_device(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), device, name)
+    return t.data_ptr(), lambda: t
+
+
+def _alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    from kvstrata.memory.pinned import device_alias
+
+    return device_alias(host, device)
 
 
 def _validate(layout: KVLayout, pool: HostPool, dev_ids: torch.Tensor, host_ids: torch.Tensor, direction: str,
