@@ -21,7 +21,7 @@ if [ "${PART:-a}" = a ]; then
   tail -15 "$OUT/gpu_tests.log"
   bench 60 gather --quick
   bench 100 device --quick --broadcast-wait both --wait 30
-  bench 60 store --no-redis --sizes 1MiB --clients 1
+  bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
 else
   bench 330 transfer
   bench 200 allgather
