@@ -182,8 +182,11 @@ def test_gpu_freed_pinned_pool_replaced_at_new_address(seeded):
 def test_gpu_auto_sees_the_other_direction_in_flight(seeded):
     _, layout, pool = _setup("cuda", blocks=64, host_blocks=64)
     side = torch.cuda.Stream()
+    # Warm first: the first call compiles the kernel and builds the plan, longer than the sleep below.
+    transfer_blocks(layout, pool, list(range(32)), list(range(32)), direction="d2h", method="zero_copy")
+    torch.cuda.synchronize()
     with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)  # keep the store's stream busy
+        torch.cuda._sleep(500_000_000)  # keep the store's stream busy (~0.25 s)
         transfer_blocks(layout, pool, list(range(32)), list(range(32)), direction="d2h", method="zero_copy")
     assert plans.other_direction_busy(layout.device, "h2d")
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The session's closing device calls (nvidia-h200-x2), in two parts to stay under 10 minutes each:
 #   PART=a: every GPU test, then bench gather --quick, bench device --quick, bench store (device rows)
-#   PART=b: the full bench transfer and bench allgather sweeps
+#   PART=b: the transfer-plan GPU tests again, bench device --quick, the full transfer and all-gather sweeps
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
 set -uo pipefail
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -23,8 +23,10 @@ if [ "${PART:-a}" = a ]; then
   bench 100 device --quick --broadcast-wait both --wait 30
   bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
 else
-  bench 330 transfer
-  bench 200 allgather
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
+  bench 80 device --quick --broadcast-wait both --wait 30
+  bench 270 transfer
+  bench 150 allgather
 fi
 grep -E "^===|^rc=|target|results:" "$LOG" | tail -40
 ls "$OUT"

@@ -305,8 +305,7 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
     c = _client(address, 1)
     if not ctl["ready"].wait(WAIT):
         raise RuntimeError(f"reader: the owner did not register its keys within {WAIT:g} s")
-    out: dict[str, Any] = {"mget": {}, "subscribe": {}, "mget_sms": {}}
-    sms = _client(address, 1, cross_gpu_copy="sms")
+    out: dict[str, Any] = {"mget": {}, "subscribe": {}}
     traces: dict[str, list] = {}
     for size in sizes:
         k = keys_per_call(size, quick)
@@ -329,19 +328,6 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
                 if i == 0 and not torch.equal(dst, expected):
                     raise AssertionError(f"dev_{op} of {size} B keys delivered wrong bytes")
             out[op][size] = statistics.median(times[2:])
-        if size >= 64 * MiB:  # the SM-pull variant (DeviceObjectConfig(cross_gpu_copy="sms")) beside it
-            keys = [f"m{size}/{j}" for j in range(k)]
-            times = []
-            for i in range(rounds + 2):
-                dst.fill_(7)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for f in sms.dev_mget(keys, views, timeout=WAIT):
-                    _wait(f, f"reader: dev_mget (sms) of {k} x {fmt_size(size)} keys, round {i}")
-                times.append(time.perf_counter() - t0)
-                if i == 0 and not torch.equal(dst, expected):
-                    raise AssertionError(f"dev_mget (sms) of {size} B keys delivered wrong bytes")
-            out["mget_sms"][size] = statistics.median(times[2:])
         del dst, views, expected
         torch.cuda.empty_cache()
     d = torch.zeros(4 * KiB, dtype=torch.uint8, device=1)
@@ -566,9 +552,6 @@ def run(args: argparse.Namespace) -> int:
         }
         entry["mget_of_ceiling"] = round(ceiling[size] / reader["mget"][size], 3)
         entry["subscribe_of_ceiling"] = round(ceiling[size] / reader["subscribe"][size], 3)
-        if size in reader.get("mget_sms", {}):
-            entry["dev_mget_sms_GBps"] = gbps(n, reader["mget_sms"][size])
-            entry["mget_sms_of_ceiling"] = round(ceiling[size] / reader["mget_sms"][size], 3)
         per_size[size] = entry
         rows.append(
             {
@@ -580,7 +563,6 @@ def run(args: argparse.Namespace) -> int:
                 "mget/ceiling": entry["mget_of_ceiling"],
                 "dev_subscribe GB/s": entry["dev_subscribe_GBps"],
                 "sub/ceiling": entry["subscribe_of_ceiling"],
-                "mget sms/ceiling": entry.get("mget_sms_of_ceiling", "-"),
             }
         )
     big = [s for s in sizes if s >= 64 * MiB]

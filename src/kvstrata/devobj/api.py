@@ -75,9 +75,6 @@ def _nbytes(t: dict[str, Any]) -> int:
     return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
 
 
-SMS_MIN_BYTES = 1 << 20  # cross_gpu_copy="sms": smaller tensors stay with the copy engines
-
-
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, *, kernel: bool) -> None:
     """Copy one byte range: a copy-engine memcpy, or (``kernel``, 8-byte aligned) an elementwise kernel."""
     if kernel and dst.numel() % 8 == 0 and dst.storage_offset() % 8 == 0 and src.storage_offset() % 8 == 0:
@@ -771,8 +768,6 @@ class DeviceObjects:
             group = by_src.setdefault(x.device.index, ([], []))
             group[0].append(d)
             group[1].append(x)
-        if self.config.cross_gpu_copy == "sms":
-            self._pull_by_sms(by_src, afters, sd)
         for src_dev, (group_dst, group_src) in by_src.items():
             ss = self._streams.get(src_dev)
             for ev in afters:
@@ -786,32 +781,6 @@ class DeviceObjects:
         done.record(sd)
         trace(f"copies queued ({len(queued)} keys)")
         return queued, done
-
-    def _pull_by_sms(self, by_src: dict, afters: list, sd: torch.cuda.Stream) -> None:
-        """cross_gpu_copy="sms": take the other GPUs' groups out of ``by_src`` and copy them with this
-        GPU's SMs on ``sd`` (small tensors stay with the copy engines: a launch costs more than they do)."""
-        from kvstrata.devobj.ipc import _enable_peer
-        from kvstrata.ops.copy_engine import _runtime
-        from kvstrata.ops.peer_copy import sm_copy
-
-        dev = self.device.index
-        for src_dev in [d for d in by_src if d != dev]:
-            pairs = list(zip(*by_src[src_dev]))
-            big = [(d, x) for d, x in pairs if d.numel() * d.element_size() >= SMS_MIN_BYTES]
-            if not big:
-                continue
-            if _runtime() is not None:
-                _enable_peer(_runtime(), dev, src_dev)
-            for ev in afters:
-                sd.wait_event(ev)
-            with torch.cuda.device(dev), torch.cuda.stream(sd):
-                for d, x in big:
-                    sm_copy(flat_bytes(d), flat_bytes(x))
-            rest = [(d, x) for d, x in pairs if d.numel() * d.element_size() < SMS_MIN_BYTES]
-            if rest:
-                by_src[src_dev] = ([d for d, _ in rest], [x for _, x in rest])
-            else:
-                del by_src[src_dev]
 
     def _expected(self, queued: list[tuple[Any, _Want]]) -> float:
         return sum(t.numel() * t.element_size() for _, w in queued for t in w.tensors) / EXPECTED_BYTES_PER_S

@@ -62,10 +62,6 @@ class DeviceObjectConfig:
     # predecessor's shared-memory counter, then queues the chunk) or "stream" (it queues every chunk at
     # once behind a GPU-side wait on that counter, cuStreamWaitValue32; needs cuda-bindings, else "host").
     broadcast_wait: str = "host"
-    # dev_mget/dev_subscribe copies from another GPU: "engine" (copy engines pushed by the source GPU,
-    # no SMs) or "sms" (this GPU's SMs pull, as NCCL's kernels do: the copy engines reached ~330 GB/s
-    # on IPC-opened memory of the H200 pair against ~390 for a copy inside one process).
-    cross_gpu_copy: str = "engine"
     # Longest wait for a matched copy's GPU work; past it the receive fails (Timeout) and the object
     # goes back to the broker, instead of the receiver's thread hanging on a ready event that never fires.
     copy_timeout: float = 120.0
@@ -79,8 +75,6 @@ class DeviceObjectConfig:
             raise ValueError(f"copy_threads: at least 1, got {self.copy_threads}")
         if self.same_gpu_copy not in ("memcpy", "kernel"):
             raise ValueError(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
-        if self.cross_gpu_copy not in ("engine", "sms"):
-            raise ValueError(f"cross_gpu_copy: expected 'engine' or 'sms', got {self.cross_gpu_copy!r}")
         if self.broadcast_wait not in ("host", "stream"):
             raise ValueError(f"broadcast_wait: expected 'host' or 'stream', got {self.broadcast_wait!r}")
         if self.poll_seconds <= 0:
