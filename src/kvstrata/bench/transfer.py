@@ -172,12 +172,16 @@ def ceilings(nbytes: int) -> dict[str, float]:
         cur.wait_stream(s1)
         cur.wait_stream(s2)
 
-    out = {
-        "h2d": gbps(nbytes, device_time(lambda: dev.copy_(host, non_blocking=True), iters=5, calls=STREAM_CALLS)),
-        "d2h": gbps(nbytes, device_time(lambda: host.copy_(dev, non_blocking=True), iters=5, calls=STREAM_CALLS)),
-        "both": gbps(2 * nbytes, device_time(both, iters=5, calls=STREAM_CALLS)),
+    def best(fn, n: int) -> float:
+        # A ceiling is the best the link gives: the fastest of three medians (one run on the H200 pair
+        # measured both ways at once at 73.5 GB/s, below a store+load pair of methods in the same run).
+        return max(gbps(n, device_time(fn, iters=5, calls=STREAM_CALLS)) for _ in range(3))
+
+    return {
+        "h2d": best(lambda: dev.copy_(host, non_blocking=True), nbytes),
+        "d2h": best(lambda: host.copy_(dev, non_blocking=True), nbytes),
+        "both": best(both, 2 * nbytes),
     }
-    return out
 
 
 class Setup:
