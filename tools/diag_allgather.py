@@ -45,7 +45,7 @@ def _worker(rank: int, store: str, mib: int) -> None:
             if loaded:
                 load.start()
             try:
-                res[name] = _time(fn, iters=20, cuda=True, device=dev) * 1e3
+                res[name] = _time(fn, iters=20, device=dev) * 1e3
             finally:
                 if loaded:
                     load.stop()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+from pathlib import Path
 
 
 def pid_alive(pid: int) -> bool:
@@ -27,4 +30,22 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-__all__ = ["pid_alive"]
+def sweep_dead_owner_files(directory: Path, pattern: re.Pattern[str]) -> int:
+    """Unlink the files of ``directory`` whose whole name matches ``pattern`` and whose creator, the pid
+    in the pattern's first group, is gone (it died before unlinking them); returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or pid_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(Path(directory) / name)
+            removed += 1
+    return removed
+
+
+__all__ = ["pid_alive", "sweep_dead_owner_files"]

@@ -129,7 +129,7 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
                     ok = torch.tensor([int(torch.equal(out, ref))], device=device)
                     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
                     row["correct"] = bool(ok.item())
-                    seconds = _time(fn, iters=config["iters"], cuda=cuda, device=device)
+                    seconds = _time(fn, iters=config["iters"], device=device)
                 except RuntimeError as exc:  # the same on every rank (setup failures agree collectively)
                     row["error"] = str(exc)[:200]
                     seconds = None
@@ -181,38 +181,19 @@ def _sync(cuda: bool) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def _time(fn, *, iters: int, cuda: bool, device) -> float:
-    """Slowest rank's mean seconds per call over a batch, median of three batches (after warm-up)."""
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(2):
-        fn()
-    batches = []
-    for _ in range(3):
-        _sync(cuda)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        _sync(cuda)
-        batches.append((time.perf_counter() - t0) / iters)
-    slowest = torch.tensor(batches, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
-
-
-def _paired(base, other, *, iters: int, device, batches: int = 7) -> tuple[float, float]:
-    """Median seconds per call of ``base`` and ``other`` timed in alternating batches (slowest rank)."""
+def _batch_medians(fns: list, *, iters: int, device, batches: int) -> list[float]:
+    """Per function: the median over ``batches`` of its mean seconds per call, each batch timed on the
+    slowest rank, the functions' batches alternating (drift in a background load hits each alike)."""
     import torch
     import torch.distributed as dist
 
     cuda = device.type == "cuda"
-    times: list[list[float]] = [[], []]
-    for fn in (base, other):
-        fn()
+    for fn in fns:
+        for _ in range(2):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(batches):
-        for i, fn in enumerate((base, other)):
+        for i, fn in enumerate(fns):
             _sync(cuda)
             dist.barrier()
             t0 = time.perf_counter()
@@ -222,8 +203,18 @@ def _paired(base, other, *, iters: int, device, batches: int = 7) -> tuple[float
             times[i].append((time.perf_counter() - t0) / iters)
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    a, b = t.tolist()
-    return statistics.median(a), statistics.median(b)
+    return [statistics.median(row) for row in t.tolist()]
+
+
+def _time(fn, *, iters: int, device) -> float:
+    """Slowest rank's mean seconds per call over a batch, median of three batches (after warm-up)."""
+    return _batch_medians([fn], iters=iters, device=device, batches=3)[0]
+
+
+def _paired(base, other, *, iters: int, device, batches: int = 7) -> tuple[float, float]:
+    """Median seconds per call of ``base`` and ``other`` timed in alternating batches (slowest rank)."""
+    a, b = _batch_medians([base, other], iters=iters, device=device, batches=batches)
+    return a, b
 
 
 class _MatmulLoad:

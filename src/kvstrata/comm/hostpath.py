@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.comm.segment import NodeSegment, pid_alive
+from kvstrata._proc import pid_alive
+from kvstrata.comm.segment import NodeSegment
 from kvstrata.errors import ConnectionLost, Timeout
 from kvstrata.memory import device_ptr
 from kvstrata.ops.stream_ops import stream_writes_supported, write_value64

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstrata._proc import pid_alive
+from kvstrata._proc import sweep_dead_owner_files
 from kvstrata.memory import numa, register, unregister
 
 log = logging.getLogger(__name__)
@@ -65,21 +65,12 @@ def hugepages_free_bytes() -> int:
     return _meminfo("HugePages_Free") * huge_page_size()
 
 
+_SEGMENT_NAME = re.compile(rf"{PREFIX}[0-9a-f]+-n\d+-g\d+-p(\d+)")
+
+
 def sweep_stale(directory: Path = SHM_DIR) -> int:
     """Unlink segment files whose creator process is gone (it died before unlinking); returns how many."""
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        match = re.fullmatch(rf"{PREFIX}[0-9a-f]+-n\d+-g\d+-p(\d+)", name)
-        if not match or pid_alive(int(match.group(1))):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(directory / name)
-            removed += 1
-    return removed
+    return sweep_dead_owner_files(directory, _SEGMENT_NAME)
 
 
 def cuda_host_register(ptr: int, nbytes: int) -> None:

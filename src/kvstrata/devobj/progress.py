@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import mmap
 import os
 import re
@@ -46,6 +45,9 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+
+from kvstrata._proc import sweep_dead_owner_files
+from kvstrata.ops.stream_ops import driver as stream_driver
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvstrata-bcast-"
@@ -55,37 +57,9 @@ FAILED = -1
 RELEASE = (1 << 30) - 1
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (zombies count as gone). The same test as ``kvstrata.comm.segment.pid_alive``,
-    which this layer cannot import (comm sits above devobj)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return True
-
-
 def sweep_stale(directory: Path = SHM_DIR) -> int:
     """Unlink progress files whose creator process is gone; returns how many."""
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        m = _NAME.fullmatch(name)
-        if m is None or _pid_alive(int(m.group(1))):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(directory / name)
-            removed += 1
-    return removed
+    return sweep_dead_owner_files(directory, _NAME)
 
 
 class Progress:
@@ -180,17 +154,11 @@ class Progress:
                 os.unlink(self.path)
 
 
-@functools.cache
 def _driver():
     """cuda-bindings' driver module with stream memory operations, or None."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        try:
-            from cuda import cuda as driver  # cuda-python < 12.6 layout
-        except ImportError:
-            return None
-    return driver if hasattr(driver, "cuStreamWaitValue32") and hasattr(driver, "cuStreamWriteValue32") else None
+    drv = stream_driver()
+    ok = drv is not None and hasattr(drv, "cuStreamWaitValue32") and hasattr(drv, "cuStreamWriteValue32")
+    return drv if ok else None
 
 
 def gpu_ops_available() -> bool:

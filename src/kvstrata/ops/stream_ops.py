@@ -25,21 +25,22 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _driver():
+def driver():
+    """cuda-bindings' driver module (``cuda.bindings.driver``), or None where it is not installed."""
     try:
-        from cuda.bindings import driver
+        from cuda.bindings import driver as module
     except ImportError:
         try:
-            from cuda import cuda as driver  # cuda-python < 12.6 layout
+            from cuda import cuda as module  # cuda-python < 12.6 layout
         except ImportError:
             return None
-    return driver
+    return module
 
 
 @functools.cache
 def stream_writes_supported(device_index: int) -> bool:
     """True when ``cuStreamWriteValue64`` can run on GPU ``device_index`` here."""
-    drv = _driver()
+    drv = driver()
     if drv is None or not torch.cuda.is_available() or not hasattr(drv, "cuStreamWriteValue64"):
         return False
     attr_enum = drv.CUdevice_attribute
@@ -60,7 +61,7 @@ def stream_writes_supported(device_index: int) -> bool:
 
 def write_value64(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Write ``value`` (uint64) at device-visible ``address`` once ``stream``'s earlier work is done."""
-    drv = _driver()
+    drv = driver()
     (err,) = drv.cuStreamWriteValue64(
         drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(int(address)), drv.cuuint64_t(int(value)), 0
     )
@@ -68,4 +69,4 @@ def write_value64(stream: torch.cuda.Stream, address: int, value: int) -> None:
         raise RuntimeError(f"cuStreamWriteValue64 failed: {err!r}")
 
 
-__all__ = ["stream_writes_supported", "write_value64"]
+__all__ = ["driver", "stream_writes_supported", "write_value64"]
