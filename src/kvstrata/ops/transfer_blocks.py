@@ -352,19 +352,7 @@ def _validate(layout: KVLayout, pool: HostPool, dev_ids: torch.Tensor, host_ids:
     dst_name, dst = ("host_block_ids", h) if direction == "d2h" else ("device_block_ids", d)
     if np.unique(dst).size != dst.size:
         raise ValueError(f"{dst_name}: duplicate destination ids")
-    on_cuda = layout.device.type == "cuda"
-    if method in ("zero_copy", "staging") and not on_cuda and not interpreting():
-        raise ValueError(f"method={method!r} needs a CUDA device layout (or TRITON_INTERPRET=1)")
-    if method == "copy_engine" and on_cuda and copy_engine._runtime() is None:
-        raise ValueError("method='copy_engine' needs cuda-bindings (pip install cuda-bindings)")
-    if method == "zero_copy" and on_cuda and not _host_mapped(pool.tensor):
-        raise ValueError("host_pool: zero_copy needs pinned/registered host memory (kvstrata.memory.alloc_pinned)")
-    lo, hi = pool.data_ptr, pool.data_ptr + pool.flat.numel()
-    for t in layout.tensors:
-        if t.device.type == "cpu":
-            s = t.untyped_storage()
-            if s.data_ptr() < hi and lo < s.data_ptr() + s.nbytes():
-                raise ValueError("host_pool overlaps the device layout's tensors")
+    _check_signature(layout, pool, method)
 
 
 def _host_mapped(t: torch.Tensor) -> bool:
