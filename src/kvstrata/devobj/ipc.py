@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.devobj.debug import trace
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -298,6 +300,7 @@ class ImportCache:
             if hit is None or hit[1] != size:  # a block at a reused offset may have another size: reopen
                 if device is None:
                     device = local_index(record["device"]["uuid"])
+                trace(f"opening an IPC handle of {size} B")
                 base = self._open(blob, device)
                 with self._lock:
                     self.opened += 1
