@@ -326,7 +326,7 @@ def test_publish_subscribe_through_worker_and_client_death(worker):
 
 @pytest.mark.parametrize(("start", "n"), [(16, 4096), (3, 8), (8, 13), (0, 0)])
 def test_copy_bytes_kernel_and_memcpy_exact(start, n):
-    from kvstrata.devobj.api import _copy_bytes
+    from kvstrata.devobj.broadcast import _copy_bytes
 
     src = torch.randint(0, 255, (4200,), dtype=torch.uint8)
     for kernel in (True, False):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kvstrata import errors
-from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink, api
+from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink
+from kvstrata.devobj import broadcast as bcast_mod
 from kvstrata.devobj.chain import plan_chunks, pump
 from kvstrata.devobj.progress import FAILED, PREFIX, SHM_DIR, Progress, sweep_stale
 
@@ -241,7 +242,7 @@ def test_broadcast_many_receivers_exact(make, n):
 def test_chain_overlaps_chunk_by_chunk(make, monkeypatch):
     """Position 1 copies its first chunk while position 0 is still copying (not hop by hop)."""
     order: list[tuple[int, int]] = []
-    real = api.pump
+    real = bcast_mod.pump
 
     def slow_first(n, enqueue, **kw):
         pos = int(kw["what"].split("at position ")[1].split()[0])
@@ -254,7 +255,7 @@ def test_chain_overlaps_chunk_by_chunk(make, monkeypatch):
 
         return real(n, enq, **kw)
 
-    monkeypatch.setattr(api, "pump", slow_first)
+    monkeypatch.setattr(bcast_mod, "pump", slow_first)
     _, _, src, dsts, futs, sf = broadcast(make, 2)
     for f in [*futs, sf]:
         f.result(WAIT)
@@ -266,7 +267,7 @@ def test_chain_overlaps_chunk_by_chunk(make, monkeypatch):
 
 def cap_publish(monkeypatch, position: int, cap: int) -> None:
     """The receiver at ``position`` copies everything but tells its successor only ``cap`` chunks."""
-    real = api.pump
+    real = bcast_mod.pump
 
     def capped(n, enqueue, **kw):
         if f"at position {position} " in kw["what"] and kw["publish"] is not None:
@@ -274,7 +275,7 @@ def cap_publish(monkeypatch, position: int, cap: int) -> None:
             kw["publish"] = lambda k: pub(min(k, cap))
         return real(n, enqueue, **kw)
 
-    monkeypatch.setattr(api, "pump", capped)
+    monkeypatch.setattr(bcast_mod, "pump", capped)
 
 
 def test_stalled_predecessor_times_out_and_fails_everyone(make, monkeypatch):

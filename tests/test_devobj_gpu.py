@@ -243,9 +243,9 @@ def bcast_abandoned_receiver(address: str, device: int, nbytes: int, bwait: str)
 
 def bcast_dying_receiver(address: str, device: int, nbytes: int) -> None:
     """Chain position 0 (the only receiver on the sender's GPU): dies after queuing its 4th chunk copy."""
-    from kvstrata.devobj import api
+    from kvstrata.devobj import broadcast
 
-    real = api.pump
+    real = broadcast.pump
 
     def die_midway(n, enqueue, **kw):
         def enq(c: int):
@@ -255,7 +255,7 @@ def bcast_dying_receiver(address: str, device: int, nbytes: int) -> None:
 
         return real(n, enq, **kw)
 
-    api.pump = die_midway
+    broadcast.pump = die_midway
     c = _client(address, device)
     c.dev_subscribe(["doomed-bcast"], [poisoned(device, [((nbytes,), torch.uint8)])], timeout=WAIT)
     time.sleep(3 * WAIT)
