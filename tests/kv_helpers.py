@@ -73,3 +73,20 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def clone_all(cache: dict) -> list[torch.Tensor]:
     return [t.clone() for t in tensors_of(cache)]
+
+
+def worker_config(directory, *, memory: int, segment: int):
+    """A test worker's config: a socket in ``directory``, DRAM only, no NUMA binding, no environment."""
+    from kvstrata.server import WorkerConfig
+
+    settings = {"socket": str(directory / "w.sock"), "memory": memory, "segment_size": segment}
+    return WorkerConfig.load(dict(settings, disk_dir="", numa_node="none"), environ={})
+
+
+def client_for(mode: str, worker, *, memory: int, segment: int):
+    """A client of ``worker`` (``mode="unix"``) or an embedded store of the same size (``"embedded"``)."""
+    import kvstrata
+
+    if mode == "embedded":
+        return kvstrata.connect(embedded=True, memory_bytes=memory, segment_bytes=segment, numa_node=None)
+    return kvstrata.connect(worker.address, timeout=5)

@@ -10,30 +10,24 @@ import pytest
 import torch
 
 import kvstrata
+from kv_helpers import client_for, worker_config
 from kvstrata.client import device
 from kvstrata.errors import KeyExists, KeyNotFound
-from kvstrata.server import Worker, WorkerConfig
+from kvstrata.server import Worker
 
 MEMORY = 64 << 20
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dev-worker")
-    config = WorkerConfig.load(
-        {"socket": str(d / "w.sock"), "memory": MEMORY, "segment_size": 16 << 20, "disk_dir": "", "numa_node": "none"},
-        environ={},
-    )
+    config = worker_config(tmp_path_factory.mktemp("dev-worker"), memory=MEMORY, segment=16 << 20)
     with Worker(config).start() as w:
         yield w
 
 
 @pytest.fixture(params=["embedded", "unix"])
 def kv(request, worker):
-    if request.param == "embedded":
-        client = kvstrata.connect(embedded=True, memory_bytes=MEMORY, segment_bytes=16 << 20, numa_node=None)
-    else:
-        client = kvstrata.connect(worker.address, timeout=5)
+    client = client_for(request.param, worker, memory=MEMORY, segment=16 << 20)
     yield client
     client.close()
 
