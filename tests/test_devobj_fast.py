@@ -329,3 +329,18 @@ def test_concurrent_cached_reads_stay_exact(make):
     for t in ts:
         t.join(WAIT * 3)
     assert not bad and all(c.cached_reads > 0 for c in readers)
+
+
+def test_copy_rates_guess_nothing_until_seen_then_the_fastest_with_margin():
+    from kvstrata.devobj.debug import CopyRates
+
+    rates = CopyRates(margin=0.8)
+    path = (("gpu-a",), 1)
+    assert rates.expected(path, 1 << 30) == 0.0  # unknown path: poll only, never oversleep
+    rates.observe(path, 1 << 30, 0.004)
+    rates.observe(path, 1 << 30, 0.002)  # the fastest seen wins
+    rates.observe(path, 1 << 30, 0.003)
+    assert rates.expected(path, 1 << 30) == pytest.approx(0.0016)
+    rates.observe(path, 4096, 1e-9)  # a small copy measures latency, not the link: ignored
+    assert rates.expected(path, 1 << 30) == pytest.approx(0.0016)
+    assert rates.expected((("gpu-b",), 1), 1 << 30) == 0.0

@@ -39,7 +39,7 @@ from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.broadcast import BroadcastReceiver
-from kvstrata.devobj.debug import configure_from_env, trace, wait_event
+from kvstrata.devobj.debug import CopyRates, configure_from_env, trace, wait_event
 from kvstrata.devobj.ipc import (
     EventPool,
     ImportCache,
@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 
 #: transfers up to this size are copied on the event thread itself instead of the copy pool
 INLINE_COPY_BYTES = 1 << 20
-#: rate used to guess how long a copy takes (sleep most of it, then poll): about an NVLink peer copy
-EXPECTED_BYTES_PER_S = 300e9
+#: copy rates seen per path in this process: how long to sleep before polling a copy's end
+_RATES = CopyRates()
 #: records of keys read before, kept for reads with no broker round trip (see _receive)
 MAX_CACHED_RECORDS = 1 << 16
 
@@ -552,7 +552,7 @@ class DeviceObjects(BroadcastReceiver):
             queued, done = self._enqueue_batch(items, lambda rec, want, exc: failed.append(want))
             redo += failed
             if done is not None:
-                wait_event(done, self.config.copy_timeout, _what(queued), expected=self._expected(queued))
+                self._wait_copies(done, queued)
             trace("cached read: copies done")
             still = self._gen.value == gen
             lost = self._lost_owners([rec for rec, _ in queued])
@@ -713,8 +713,14 @@ class DeviceObjects(BroadcastReceiver):
         trace(f"copies queued ({len(queued)} keys)")
         return queued, done
 
-    def _expected(self, queued: list[tuple[Any, _Want]]) -> float:
-        return sum(t.numel() * t.element_size() for _, w in queued for t in w.tensors) / EXPECTED_BYTES_PER_S
+    def _wait_copies(self, done: Any, queued: list[tuple[dict[str, Any], _Want]]) -> None:
+        """Wait (bounded) for the batch's end event ``done``, sleeping through most of the time the copy
+        should take on its path as seen so far (:class:`~kvstrata.devobj.debug.CopyRates`)."""
+        nbytes = sum(t.numel() * t.element_size() for _, w in queued for t in w.tensors)
+        path = (tuple(sorted({(rec.get("device") or {}).get("uuid") or "" for rec, _ in queued})), self.device.index)
+        start = time.perf_counter()
+        wait_event(done, self.config.copy_timeout, _what(queued), expected=_RATES.expected(path, nbytes))
+        _RATES.observe(path, nbytes, time.perf_counter() - start)
 
     def _lost_owners(self, records: list[dict[str, Any]]) -> set[str]:
         """Owners (client ids) among ``records`` whose memory may be gone: their process died, or (in
@@ -748,7 +754,7 @@ class DeviceObjects(BroadcastReceiver):
             return
         try:
             if done is not None:
-                wait_event(done, self.config.copy_timeout, _what(queued), expected=self._expected(queued))
+                self._wait_copies(done, queued)
             trace("copy batch: copies done")
             lost = self._lost_owners([rec for rec, _ in queued])
         except BaseException as exc:  # never leave a caller's future hanging
