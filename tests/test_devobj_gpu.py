@@ -5,18 +5,14 @@ regenerated from the same seed; receivers' buffers are poisoned beforehand."""
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import queue
-import signal
-import sys
 import time
-import traceback
 
 import pytest
 import torch
 
 from kvstrata import errors
+from kvstrata.bench._procs import ProcessFailure, device_client, run_spawned, wait_future
 
 pytestmark = pytest.mark.gpu
 WAIT = float(os.environ.get("KVSTRATA_TEST_WAIT", "30"))  # per step; a hang fails with the step's name
@@ -51,90 +47,22 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _client(address: str, device: int, **cfg):
-    import kvstrata
-    from kvstrata.devobj import DeviceObjectConfig
-
-    torch.cuda.set_device(device)
-    c = kvstrata.connect(address)
-    c.device_objects(device=device, config=DeviceObjectConfig(**cfg))
-    _CLIENTS.append(c)
-    return c
-
-
-_CLIENTS: list = []  # this child's clients, for the state printed when a step times out
+    return device_client(address, device, **cfg)
 
 
 def wait(f, step: str):
     """``f.result(WAIT)``, failing with the step, this process and its clients' pending state."""
-    try:
-        return f.result(WAIT)
-    except BaseException as exc:
-        states = [c.device_objects().debug_state() for c in _CLIENTS if c._devobj is not None]
-        what = "no result" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-        raise AssertionError(f"pid {os.getpid()} step {step!r}: {what} (within {WAIT} s); clients: {states}") from exc
-
-
-def _entry(fn, q, *args):
-    faulthandler.enable(all_threads=True)  # a crash prints every thread's stack instead of vanishing
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
-    try:
-        q.put(("ok", fn.__name__, fn(*args)))
-    except BaseException:
-        q.put(("err", fn.__name__, traceback.format_exc()))
-
-
-def _dump_stacks(procs) -> None:
-    """Have every child still running print all its threads' stacks to stderr (faulthandler)."""
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        os.kill(p.pid, signal.SIGUSR1)
-    if alive:
-        time.sleep(1.0)
-        sys.stderr.flush()
+    return wait_future(f, step, WAIT, AssertionError)
 
 
 def run_procs(targets: list[tuple], timeout: float = PROC_TIMEOUT, broker=None) -> list:
-    """Run ``(fn, *args)`` in spawned processes; fail on an error, a crash or a hang, saying which and where.
-
-    A child that exits without reporting is a crash (exit code / signal named); on an error or a hang the
-    children still running dump their threads' stacks and the broker's state is printed.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_entry, args=(t[0], q, *t[1:]), name=f"{t[0].__name__}#{i}") for i, t in enumerate(targets)
-    ]
-    for p in procs:
-        p.start()
-    results, reported, failure = [], 0, None
-    deadline = time.monotonic() + timeout
+    """Run ``(fn, *args)`` in spawned processes; fail on an error, a crash or a hang, saying which and where
+    (with the broker's state; the children's stacks are in the captured stderr)."""
     try:
-        while reported < len(procs) and failure is None:
-            try:
-                status, name, value = q.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    failure = "crashed: " + ", ".join(f"{p.name} (pid {p.pid}) exit code {p.exitcode}" for p in dead)
-                elif time.monotonic() > deadline:
-                    failure = f"hang: {len(procs) - reported} of {len(procs)} children silent after {timeout} s"
-                continue
-            reported += 1
-            if status != "ok":
-                failure = f"{name} failed:\n{value}"
-            results.append(value)
-        if failure is not None:
-            _dump_stacks(procs)
-            state = broker.snapshot() if broker is not None else None
-            pytest.fail(f"{failure}\nbroker: {state}\n(children's stacks, if any, are in the captured stderr)")
-    finally:
-        for p in procs:
-            p.join(10 if failure is None else 1)
-            if p.is_alive():
-                p.kill()
-    return results
+        return [value for _, value in run_spawned(targets, timeout)]
+    except ProcessFailure as exc:
+        state = broker.snapshot() if broker is not None else None
+        pytest.fail(f"{exc}\nbroker: {state}")
 
 
 def broker_of(worker):

@@ -27,11 +27,11 @@ import socket
 import statistics
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from kvstrata.bench._common import gbps, print_table, write_result
+from kvstrata.bench._procs import device_client, get_queued, run_spawned, wait_future
 from kvstrata.devobj import debug
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -80,99 +80,22 @@ def _pattern(n: int, device: int):
 
 
 def _client(address: str, device: int, **cfg: Any):
-    import torch
-
-    import kvstrata
-    from kvstrata.devobj import DeviceObjectConfig
-
-    torch.cuda.set_device(device)
-    c = kvstrata.connect(address)
-    c.device_objects(device=device, config=DeviceObjectConfig(**cfg))
-    _CLIENTS.append(c)
-    return c
-
-
-_CLIENTS: list = []  # this process's clients, for the state printed when a step times out
+    return device_client(address, device, **cfg)
 
 
 def _wait(f, step: str):
-    """``f.result(WAIT)`` failing with the step, the process and its clients' pending state."""
-    try:
-        return f.result(WAIT)
-    except BaseException as exc:
-        states = [c.device_objects().debug_state() for c in _CLIENTS if c._devobj is not None]
-        what = "no result" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-        raise RuntimeError(f"pid {os.getpid()} step {step!r}: {what} (within {WAIT:g} s); clients: {states}") from exc
+    return wait_future(f, step, WAIT)
 
 
 def _get(q, step: str):
-    """A control-queue get with the step named on a timeout."""
-    import queue
-
-    try:
-        return q.get(timeout=WAIT)
-    except queue.Empty:
-        raise RuntimeError(f"pid {os.getpid()} step {step!r}: the other side sent nothing within {WAIT:g} s") from None
-
-
-def _entry(fn, q, *args) -> None:
-    import faulthandler
-    import signal
-
-    faulthandler.enable(all_threads=True)  # a crash prints every thread's stack instead of vanishing
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
-    try:
-        q.put(("ok", fn.__name__, fn(*args)))
-    except BaseException:
-        q.put(("err", fn.__name__, traceback.format_exc()))
+    return get_queued(q, step, WAIT)
 
 
 def _spawn(targets: list[tuple], timeout: float | None = None) -> dict[str, Any]:
-    """Run ``(fn, *args)`` in spawned processes; a crash, an error or a hang raises, naming who and where.
-
-    On a failure the children still running print all their threads' stacks to stderr (SIGUSR1).
-    """
-    import queue
-    import signal
-
-    import torch.multiprocessing as mp
-
-    timeout = 2 * WAIT if timeout is None else timeout
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(t[0], q, *t[1:]), name=t[0].__name__) for t in targets]
-    for p in procs:
-        p.start()
+    """Run ``(fn, *args)`` in spawned processes (:func:`~kvstrata.bench._procs.run_spawned`); results by name."""
     out: dict[str, Any] = {}
-    failure, reported = None, 0
-    deadline = time.monotonic() + timeout
-    try:
-        while reported < len(procs) and failure is None:
-            try:
-                status, name, value = q.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    failure = "crashed: " + ", ".join(f"{p.name} (pid {p.pid}) exit code {p.exitcode}" for p in dead)
-                elif time.monotonic() > deadline:
-                    failure = f"hang: {len(procs) - reported} of {len(procs)} processes silent after {timeout:g} s"
-                continue
-            reported += 1
-            if status != "ok":
-                failure = f"{name} failed:\n{value}"
-            out.setdefault(name, []).append(value)
-        if failure is not None:
-            alive = [p for p in procs if p.is_alive()]
-            for p in alive:
-                os.kill(p.pid, signal.SIGUSR1)
-            if alive:
-                time.sleep(1.0)
-            raise RuntimeError(failure + "\n(stacks of the processes still running are above, on stderr)")
-    finally:
-        for p in procs:
-            p.join(30 if failure is None else 1)
-            if p.is_alive():
-                p.kill()
+    for name, value in run_spawned(targets, 2 * WAIT if timeout is None else timeout):
+        out.setdefault(name, []).append(value)
     return out
 
 
