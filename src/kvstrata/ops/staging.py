@@ -119,14 +119,25 @@ def staging_transfer(
     num_ctas: int,
     slot_bytes: int | None = None,
     num_slots: int | None = None,
+    ring: torch.Tensor | None = None,
 ) -> None:
-    """Run the pipelined staging copy for ``len(host_ids)`` blocks (``dev_ids`` on the device)."""
+    """Run the pipelined staging copy for ``len(host_ids)`` blocks (``dev_ids`` on the device).
+
+    ``ring``: the caller's device buffer (contiguous, at least one chunk) to stage through instead of one
+    from torch's caching allocator; split into up to ``num_slots`` slots. The caller's stream is joined
+    after the last use, so the caller may reuse it in stream order."""
     n_blocks = int(host_ids.size)
     if n_blocks == 0:
         return
     device = seg_table.device
-    slot_bytes = max(slot_bytes or SLOT_BYTES, g.chunk)
     nslots = max(1, num_slots or NUM_SLOTS)
+    if ring is not None:
+        ring = ring.reshape(-1).view(torch.uint8)
+        if ring.numel() < g.chunk:
+            raise ValueError(f"staging: {ring.numel()} bytes, smaller than one {g.chunk}-byte chunk")
+        nslots = min(nslots, ring.numel() // g.chunk)
+        slot_bytes = ring.numel() // nslots
+    slot_bytes = max(slot_bytes or SLOT_BYTES, g.chunk)
     pieces = _pieces(n_blocks, g, slot_bytes)
     biggest = max((p[1] - p[0]) * (p[3] - p[2]) for p in pieces) * g.chunk
     nslots = min(nslots, len(pieces))
@@ -138,11 +149,13 @@ def staging_transfer(
         ks.wait_stream(cur)
         cs.wait_stream(cur)
         with torch.cuda.stream(ks):
-            ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
+            if ring is None:
+                ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
+                ring.record_stream(cs)
             slot_ids = _arange(max_nb, device)
-        ring.record_stream(cs)
     else:
-        ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
+        if ring is None:
+            ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
         slot_ids = torch.arange(max_nb, dtype=torch.int32, device=device)
     free: list[torch.cuda.Event | None] = [None] * nslots
     host_dev_base = host_flat.data_ptr()  # DMA uses the host address (copy engines, UVA)
