@@ -204,6 +204,17 @@ def test_gpu_block_transfer_host_ptrs_and_staging_ring(direction, seeded):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("method", ["staging", "auto"])
+def test_gpu_block_transfer_many_pieces(monkeypatch, direction, method, seeded):
+    # 1 MiB slots: a 12 MiB block in 12+ pieces through a reused 3-slot ring, heads > 1, pointers on the device.
+    from kvstrata.ops import staging
+
+    monkeypatch.setattr(staging, "SLOT_BYTES", 1 << 20)
+    _run_and_check((2, 6, 4, 384, 128), torch.bfloat16, direction, method, seeded, device="cuda", pinned=True)
+
+
+@pytest.mark.gpu
 def test_gpu_block_transfer_unregistered_host_refused(seeded):
     _, _, ptrs = _setup((1, 2, 2, 4, 64), torch.float16, seeded, "cuda")
     host = torch.zeros(4, 2, 2, 64, dtype=torch.float16)

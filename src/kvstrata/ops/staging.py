@@ -26,7 +26,8 @@ from kvstrata.ops.chunk_copy import launch_copy_chunks
 # Ring geometry. Pieces must be large: each costs ~150-300 us of host time (planning, a kernel launch,
 # a DMA, events) on the H200 machine, so 8 MiB pieces (150 us of DMA) left the copy engine idle half
 # the time at 32 KiB chunks (28 GB/s), while 32 MiB x 3 reached 47-50 GB/s at 2 KiB-2 MiB chunks
-# (tools/tune_transfer.py, 2026-11-29). The ring is taken from torch's caching allocator per call.
+# (tools/tune_transfer.py, 2026-11-29). The ring is taken from torch's caching allocator per call
+# (or is the caller's buffer).
 SLOT_BYTES = int(os.environ.get("KVSTRATA_STAGING_SLOT_MB", "32")) << 20
 NUM_SLOTS = int(os.environ.get("KVSTRATA_STAGING_SLOTS", "3"))
 BATCH_RUNS = 8  # above this many DMA runs per piece, use one cudaMemcpyBatchAsync
@@ -148,10 +149,11 @@ def staging_transfer(
         ks, cs = side_streams(device, to_host)
         ks.wait_stream(cur)
         cs.wait_stream(cur)
+        if ring is None:
+            # On the caller's stream, which joins both side streams before any later allocation there can
+            # reuse the memory: no record_stream needed (and none inside CUDA graph capture).
+            ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
         with torch.cuda.stream(ks):
-            if ring is None:
-                ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
-                ring.record_stream(cs)
             slot_ids = _arange(max_nb, device)
     else:
         if ring is None:
