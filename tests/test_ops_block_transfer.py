@@ -207,7 +207,7 @@ def test_gpu_block_transfer_host_ptrs_and_staging_ring(direction, seeded):
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 @pytest.mark.parametrize("method", ["staging", "auto"])
 def test_gpu_block_transfer_many_pieces(monkeypatch, direction, method, seeded):
-    # 1 MiB slots: a 12 MiB block in 12+ pieces through a reused 3-slot ring, heads > 1, pointers on the device.
+    # 1 MiB slots: a 2.25 MiB block in 3 pieces through the ring, heads > 1, pointers on the device.
     from kvstrata.ops import staging
 
     monkeypatch.setattr(staging, "SLOT_BYTES", 1 << 20)

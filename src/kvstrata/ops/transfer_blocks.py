@@ -431,7 +431,9 @@ def _transfer_blocks_impl(
     if method == "auto":
         from kvstrata.ops.calibration import choose_method
 
-        method = choose_method(direction, chunk, n * len(seg_ptrs), device=device)
+        on_device = host_ids.device.type == "cuda"  # only zero_copy reads them there without a sync
+        method = choose_method(direction, chunk, n * len(seg_ptrs), device=device,
+                               methods=("zero_copy",) if on_device else None)  # fmt: skip
     if method == "zero_copy" and device.type == "cuda" and not _host_mapped(host):
         # A pageable pool (auto's choice, check=False, or a compile-time clone): the kernel cannot address it,
         # DMA can. Never launch a kernel on an unmapped host address.
