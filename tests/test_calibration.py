@@ -160,3 +160,17 @@ def test_gpu_store_and_load_auto_pair(cache_dir):
     expect_store = choose_method("d2h", chunk, n)
     assert store_m == expect_store
     assert load_m == choose_method("h2d", chunk, n, concurrent=True, other=expect_store)
+
+
+def test_measure_setup_views_move_the_right_bytes():
+    """The calibration's caches and pools are views of shared buffers: each view pair moves its own blocks."""
+    from kvstrata.ops.transfer_blocks import transfer_blocks
+
+    dev, host = torch.randint(0, 255, (3000,), dtype=torch.uint8), torch.zeros(1024, dtype=torch.uint8)
+    layout, pool, dev_ids, host_ids = calibration._setup(dev, host, 16, 5, 6)
+    assert pool.flat.numel() == 5 * 6 * 16 and layout.num_segments == 6 and dev_ids.numel() == 5
+    transfer_blocks(layout, pool, dev_ids, host_ids, direction="d2h", method="torch")
+    for b, d in enumerate(dev_ids.tolist()):
+        for s, view in enumerate(layout.seg_views):
+            assert torch.equal(pool.flat[(b * 6 + s) * 16 : (b * 6 + s + 1) * 16], view[d])
+    assert int(host[5 * 6 * 16 :].count_nonzero()) == 0

@@ -192,5 +192,6 @@ def test_gpu_auto_sees_the_other_direction_in_flight(seeded):
         torch.cuda._sleep(500_000_000)  # keep the store's stream busy (~0.25 s)
         transfer_blocks(layout, pool, list(range(32)), list(range(32)), direction="d2h", method="zero_copy")
     assert plans.other_direction_busy(layout.device, "h2d")
+    assert plans.other_direction_method(layout.device, "h2d") == "zero_copy"  # what auto the other way pairs with
     torch.cuda.synchronize()
     assert not plans.other_direction_busy(layout.device, "h2d")
