@@ -98,10 +98,79 @@ def test_choose_method_off_cuda_is_torch():
 
 @pytest.mark.gpu
 def test_gpu_calibrate_real_device(cache_dir):
+    import time
+
+    t0 = time.perf_counter()
     cal = calibrate(force=True)
+    took = time.perf_counter() - t0
+    assert took < 40, f"calibration took {took:.1f} s"  # it runs on a user's first auto call
     for d in ("d2h", "h2d"):
-        for m in calibration.PREFERENCE:
-            assert len(cal.points[d][m]["bulk"]) == len(calibration.CHUNK_SIZES)
-            assert all(r > 0 for _, r in cal.points[d][m]["bulk"])
+        for m in calibration._available():
+            for regime in ("bulk", "small"):
+                assert len(cal.points[d][m][regime]) == len(calibration.CHUNK_SIZES)
+                assert all(r > 0 for _, r in cal.points[d][m][regime])
+    assert cal.points["both"] and cal.key["format"] == calibration.FORMAT
     assert choose_method("d2h", 32768, 65536) in calibration.PREFERENCE
     assert calibration.cache_path(calibration.device_key()).exists()
+
+
+@pytest.mark.gpu
+def test_gpu_bulk_auto_is_sm_frugal(cache_dir):
+    """Bulk auto never picks zero_copy unless the measured rates say it wins by far."""
+    from kvstrata.ops.auto_policy import BULK_SM_FREE_SHARE
+
+    cal = calibrate()
+    for d in ("d2h", "h2d"):
+        for chunk in calibration.CHUNK_SIZES:
+            n = (256 << 20) // chunk
+            if choose_method(d, chunk, n) == "zero_copy":
+                rates = cal.rates(d, chunk, n)
+                assert max(r for m, r in rates.items() if m != "zero_copy") < BULK_SM_FREE_SHARE * rates["zero_copy"]
+
+
+@pytest.mark.gpu
+def test_gpu_store_and_load_auto_pair(cache_dir):
+    """A bulk store, then a bulk load issued while it runs: both auto, the pair the policy names, data exact."""
+    from kvstrata.bench.transfer import Setup
+    from kvstrata.ops import _transfer_plan, transfer_blocks
+
+    calibrate()
+    chunk = 32768
+    a, b = Setup(32, chunk, 256 << 20, seed=1), Setup(32, chunk, 256 << 20, seed=2)
+    exp_a, exp_b = a.expected(), b.expected()
+    a.pool.flat.fill_(0xA5)
+    b.pool.flat.copy_(exp_b.cpu())
+    for v in b.layout.seg_views:
+        v[b.dev_ids_gpu] = 0x5A
+    torch.cuda.synchronize()
+    cur = torch.cuda.current_stream()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    s1.wait_stream(cur)
+    s2.wait_stream(cur)
+    with torch.cuda.stream(s1):
+        transfer_blocks(a.layout, a.pool, a.dev_ids, a.host_ids, direction="d2h")
+    with torch.cuda.stream(s2):
+        transfer_blocks(b.layout, b.pool, b.dev_ids, b.host_ids, direction="h2d")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    store_m, load_m = _transfer_plan.lane(dev, "d2h").method, _transfer_plan.lane(dev, "h2d").method
+    torch.cuda.synchronize()
+    assert torch.equal(a.pool.flat.to(exp_a.device), exp_a)
+    assert torch.equal(b.expected(), exp_b)
+    n = a.n * a.nseg
+    expect_store = choose_method("d2h", chunk, n)
+    assert store_m == expect_store
+    assert load_m == choose_method("h2d", chunk, n, concurrent=True, other=expect_store)
+
+
+def test_measure_setup_views_move_the_right_bytes():
+    """The calibration's caches and pools are views of shared buffers: each view pair moves its own blocks."""
+    from kvstrata.ops.transfer_blocks import transfer_blocks
+
+    dev, host = torch.randint(0, 255, (3000,), dtype=torch.uint8), torch.zeros(1024, dtype=torch.uint8)
+    layout, pool, dev_ids, host_ids = calibration._setup(dev, host, 16, 5, 6)
+    assert pool.flat.numel() == 5 * 6 * 16 and layout.num_segments == 6 and dev_ids.numel() == 5
+    transfer_blocks(layout, pool, dev_ids, host_ids, direction="d2h", method="torch")
+    for b, d in enumerate(dev_ids.tolist()):
+        for s, view in enumerate(layout.seg_views):
+            assert torch.equal(pool.flat[(b * 6 + s) * 16 : (b * 6 + s + 1) * 16], view[d])
+    assert int(host[5 * 6 * 16 :].count_nonzero()) == 0

@@ -6,7 +6,7 @@ import torch
 from kvstrata.memory import alloc_pinned
 from kvstrata.ops import fused_memcpy_multi_layer_block_transfer, multi_layer_block_transfer
 from kvstrata.ops._common import SUPPORTED_DTYPES
-from kvstrata.ops.block_transfer import choose_method, plan_pieces
+from kvstrata.ops.block_transfer import choose_method
 
 bt = importlib.import_module("kvstrata.ops.block_transfer")
 POISON = 0x5A
@@ -97,15 +97,38 @@ def test_block_transfer_cpu_implementation(monkeypatch, direction, seeded):
     _run_and_check((2, 7, 2, 9, 80), torch.float8_e5m2, direction, "auto", seeded)
 
 
-def test_plan_pieces_and_choice():
-    piece, slots = plan_pieces(1024, 64 << 10)  # 64 MiB block: 8 pieces capped at 4 MiB each
-    assert piece * (64 << 10) <= bt.PIECE_MAX_BYTES and slots == bt.RING_SLOTS
-    assert plan_pieces(9, 100) == (9, 1)  # tiny: one piece
-    assert plan_pieces(9, 100, staging_tokens=2) == (1, 2)
-    assert plan_pieces(9, 100, staging_tokens=9) == (9, 1)  # HFK's full-size staging: one piece
-    assert plan_pieces(9, 100, staging_tokens=5) == (2, 2)
+def test_choice_without_calibration():
     assert choose_method(1024, "h2d") == "zero_copy"
     assert choose_method(64 << 20, "d2h") == "staging"
+    assert choose_method(64 << 20, "d2h", row_bytes=2048, device=torch.device("cpu")) == "staging"
+
+
+def test_auto_uses_the_calibration_with_a_row_as_the_chunk(monkeypatch):
+    """On CUDA, auto asks the calibration (zero_copy/staging only, row bytes as the chunk size)."""
+    from kvstrata.ops import calibration
+
+    seen = []
+
+    def fake(direction, chunk, n_chunks, *, device=None, methods=None, concurrent=False, other=None):
+        seen.append((direction, chunk, n_chunks, tuple(sorted(methods))))
+        return "zero_copy" if chunk < 4096 else "staging"
+
+    monkeypatch.setattr(calibration, "choose_method", fake)
+    cuda = torch.device("cuda", 0)
+    assert choose_method(64 << 20, "d2h", row_bytes=2048, device=cuda) == "zero_copy"  # no fixed threshold
+    assert choose_method(1024, "h2d", row_bytes=8192, device=cuda) == "staging"
+    assert seen == [("d2h", 2048, 32768, ("staging", "zero_copy")), ("h2d", 8192, 1, ("staging", "zero_copy"))]
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_block_transfer_staging_many_pieces(monkeypatch, direction, seeded):
+    # Small slots: tokens in several pieces through a reused ring, and a token split across pieces.
+    from kvstrata.ops import staging
+
+    monkeypatch.setattr(staging, "SLOT_BYTES", 3 * 2 * 80 * 2)
+    _run_and_check((2, 5, 2, 9, 80), torch.bfloat16, direction, "staging", seeded)
+    monkeypatch.setattr(staging, "SLOT_BYTES", 80 * 2)  # one row per slot
+    _run_and_check((1, 3, 2, 4, 80), torch.bfloat16, direction, "staging", seeded)
 
 
 def _args(gen):
@@ -178,6 +201,17 @@ def test_gpu_block_transfer_host_ptrs_and_staging_ring(direction, seeded):
         ptrs_on="cpu",
     )
     _run_and_check((2, 32, 8, 64, 128), torch.bfloat16, direction, "staging", seeded, device="cuda", pinned=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("method", ["staging", "auto"])
+def test_gpu_block_transfer_many_pieces(monkeypatch, direction, method, seeded):
+    # 1 MiB slots: a 2.25 MiB block in 3 pieces through the ring, heads > 1, pointers on the device.
+    from kvstrata.ops import staging
+
+    monkeypatch.setattr(staging, "SLOT_BYTES", 1 << 20)
+    _run_and_check((2, 6, 4, 384, 128), torch.bfloat16, direction, method, seeded, device="cuda", pinned=True)
 
 
 @pytest.mark.gpu

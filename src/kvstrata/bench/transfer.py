@@ -81,6 +81,8 @@ def _run(quick: bool, layers: list[int], chunks: list[int], total: int, args: ar
                 for name, rate in point[direction].items():
                     row[name] = rate if isinstance(rate, str) else f"{rate:.1f}"
                 row["auto/ceil"] = f"{point[direction]['auto'] / ceil:.2f}" if "auto" in point[direction] else "-"
+                row["auto_is"] = point["auto_chooses"][direction]
+                row["mlbt_auto_is"] = point.get("mlbt_auto_chooses", {}).get(direction, "-")
                 rows.append(row)
             print(f"L={n_layers} chunk={_size(chunk)}: {point}", flush=True)
     result["points"] = points
@@ -115,6 +117,10 @@ def _verdicts(result: dict) -> list[dict]:
             rate = p[d].get("auto")
             ratio = rate / result["ceiling"][d] if isinstance(rate, float) else 0.0
             out.append({"target": f"auto {d} L={p['layers']} {_size(p['chunk'])} >= 0.95 ceiling",
+                        "measured": f"{ratio:.3f}", "ok": ratio >= 0.95})  # fmt: skip
+            rate = p.get(f"mlbt_auto_{d}")
+            ratio = rate / result["ceiling"][d] if isinstance(rate, float) else 0.0
+            out.append({"target": f"mlbt auto {d} L={p['layers']} {_size(p['chunk'])} >= 0.95 ceiling",
                         "measured": f"{ratio:.3f}", "ok": ratio >= 0.95})  # fmt: skip
     sl = result["store_and_load"]["vs_both_ceiling"]
     out.append({"target": "store+load >= 0.90 both-ways ceiling", "measured": f"{sl:.3f}", "ok": sl >= 0.90})
@@ -238,6 +244,9 @@ def measure_point(n_layers: int, chunk: int, total: int, *, quick: bool) -> dict
     s = Setup(n_layers, chunk, total)
     point: dict = {"layers": n_layers, "chunk": chunk, "bytes": s.bytes, "n_chunks": s.n * s.nseg, "correct": {}}
     point["d2h"], point["h2d"] = {}, {}
+    from kvstrata.ops.calibration import choose_method
+
+    point["auto_chooses"] = {d: choose_method(d, chunk, s.n * s.nseg) for d in ("d2h", "h2d")}
     for method in METHODS:
 
         def call(direction: str, m: str = method) -> None:
@@ -309,7 +318,10 @@ def _mlbt(n_layers: int, chunk: int, total: int) -> dict:
     host = alloc_pinned(nbytes).view(torch.bfloat16).view(t, n_layers, 1, d)
     layers = [torch.randn(1, t, d, dtype=torch.bfloat16, device="cuda") for _ in range(n_layers)]
     ptrs = torch.tensor([x.data_ptr() for x in layers], dtype=torch.int64, device="cuda")
-    out: dict = {}
+    from kvstrata.ops.block_transfer import choose_method
+
+    out: dict = {"mlbt_auto_chooses": {dr: choose_method(nbytes, dr, row_bytes=chunk, device=ptrs.device)
+                                       for dr in ("d2h", "h2d")}}  # fmt: skip
     for method in ("auto", "zero_copy", "staging"):
         for direction in ("d2h", "h2d"):
             try:

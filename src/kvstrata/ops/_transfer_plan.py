@@ -225,6 +225,7 @@ class Lane:
         self.recorded = [False] * LANE_SLOTS
         self.next = 0
         self.last: torch.cuda.Event | None = None
+        self.method: str | None = None  # of the newest transfer (what ``auto`` the other way pairs with)
         self.lock = threading.Lock()
 
     def acquire(self) -> int | None:
@@ -237,8 +238,9 @@ class Lane:
             self.recorded[k] = False
             return k
 
-    def mark(self, k: int | None, stream: torch.cuda.Stream) -> None:
+    def mark(self, k: int | None, stream: torch.cuda.Stream, method: str | None = None) -> None:
         """After the call's work is enqueued on ``stream``: its slot's event (or a fresh one) records it."""
+        self.method = method
         if k is None:
             ev = torch.cuda.Event()
             ev.record(stream)
@@ -272,8 +274,19 @@ def other_direction_busy(device: torch.device, direction: str) -> bool:
     """Whether a transfer in the opposite direction is in flight on ``device`` (False off CUDA)."""
     if device.type != "cuda":
         return False
+    return other_direction_method(device, direction) is not None
+
+
+def other_direction_method(device: torch.device, direction: str) -> str | None:
+    """The method of the transfer in the opposite direction in flight on ``device``, None when there is none
+    ("unknown" for a transfer marked without one)."""
+    if device.type != "cuda":
+        return None
     got = _lanes.get((device.index, "h2d" if direction == "d2h" else "d2h"))
-    return got is not None and got.busy()
+    if got is None or not got.busy():
+        return None
+    return got.method or "unknown"
 
 
-__all__ = ["LANE_IDS", "LANE_SLOTS", "MAX_PLANS", "Lane", "TransferPlan", "clear_plans", "lane", "plan_count"]
+__all__ = ["LANE_IDS", "LANE_SLOTS", "MAX_PLANS", "Lane", "TransferPlan", "clear_plans", "lane", "other_direction_busy",
+           "other_direction_method", "plan_count"]  # fmt: skip

@@ -8,11 +8,14 @@ layer ``l``, a device slice ``[H, T, D]`` at address ``layer_ptrs[l]``::
 Methods:
 
 * ``"zero_copy"``: one Triton kernel reads (h2d) or writes (d2h) host memory in place over PCIe.
-* ``"staging"``: a token range of the host block is contiguous, so the block moves in pieces: one
-  DMA per piece into a ring of device staging slots on a side stream, and a device transpose kernel
-  per piece on the caller's stream; the DMA of piece ``i+1`` overlaps the transpose of piece ``i``
-  (reversed for d2h). Streams are forked and joined with events: no host synchronisation.
-* ``"auto"``: :func:`choose_method` (staging once DMA wins, zero_copy for tiny blocks).
+* ``"staging"``: :mod:`kvstrata.ops.staging`, the engine of ``transfer_blocks``' staging method: a
+  token is a block and each (layer, head) row a segment, so a token range of the host block is one
+  contiguous piece; per 32 MiB piece a gather kernel (high-priority stream) packs the rows into a ring
+  slot and one DMA moves it (reversed for h2d), the kernel of piece ``i+1`` overlapping the DMA of
+  piece ``i``. Streams are forked and joined with events: no host synchronisation.
+* ``"auto"``: :func:`choose_method`: the device's calibration (:mod:`kvstrata.ops.calibration`, the
+  same measured rates and SM-frugal policy as ``transfer_blocks``, with a row as the chunk), or a
+  size threshold without one.
 
 Layer pointers must be aligned like the rows they address (any slice of a torch allocation at a row
 boundary is). Rows of any size work: the kernel loops over ``D`` in tiles.
@@ -25,9 +28,9 @@ Example (oracle of the tests)::
     assert torch.equal(pool[b].permute(2, 0, 1, 3).cpu(), host_block)
 """
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -48,15 +51,13 @@ from kvstrata.ops._common import (
     vec_words,
     word_bytes_for,
 )
+from kvstrata.ops.chunk_copy import alignment, default_ctas
+from kvstrata.ops.staging import Geometry, _arange, staging_transfer
 
 TILE = TileConfig(tile_bytes=16384, max_row_bytes=4096, num_warps=4, ctas_per_sm=4)
 DIRECTIONS = ("h2d", "d2h")
 METHODS = ("auto", "zero_copy", "staging")
-STAGING_MIN_BYTES = 256 << 10  # auto: below this a single in-place kernel beats DMA + transpose
-PIECE_MIN_BYTES = 256 << 10
-PIECE_MAX_BYTES = 4 << 20
-MAX_PIECES = 8
-RING_SLOTS = 3
+STAGING_MIN_BYTES = 256 << 10  # auto without a calibration: below this one in-place kernel beats DMA + gather
 
 
 @triton.jit
@@ -141,25 +142,23 @@ def _launch(
     )
 
 
-def choose_method(nbytes: int, direction: str) -> str:
-    """``method="auto"``: staging once the block is big enough for DMA to win, else zero_copy.
+def choose_method(
+    nbytes: int, direction: str, *, row_bytes: int | None = None, device: torch.device | None = None
+) -> str:
+    """``method="auto"`` for a block of ``nbytes`` made of ``row_bytes`` rows, moved on ``device``.
 
-    The one place the choice is made; ``kvstrata.ops.calibration`` refines it per device.
+    On a CUDA device with a row size: the calibration's choice among ``zero_copy`` and ``staging`` with a
+    row as the chunk (what was slow before: a fixed threshold chose staging for every block >= 256 KiB,
+    whatever the device measured). Otherwise: staging from ``STAGING_MIN_BYTES``, else zero_copy.
     """
-    del direction  # same threshold both ways until calibration measures them apart
+    if row_bytes and device is not None and device.type == "cuda":
+        from kvstrata.ops import calibration
+
+        m = calibration.choose_method(direction, row_bytes, max(1, nbytes // row_bytes), device=device,
+                                      methods=("zero_copy", "staging"))  # fmt: skip
+        if m in ("zero_copy", "staging"):
+            return m
     return "staging" if nbytes >= STAGING_MIN_BYTES else "zero_copy"
-
-
-def plan_pieces(n_tokens: int, token_bytes: int, staging_tokens: int | None = None) -> tuple[int, int]:
-    """(tokens per piece, ring slots) for the staging pipeline."""
-    total = n_tokens * token_bytes
-    pieces = max(1, min(MAX_PIECES, total // PIECE_MIN_BYTES))
-    piece = max(1, min(math.ceil(n_tokens / pieces), PIECE_MAX_BYTES // max(token_bytes, 1)))
-    if staging_tokens is not None:
-        if staging_tokens < min(2 * piece, n_tokens):  # room for two slots, unless it holds the whole block
-            piece = max(1, staging_tokens // 2)
-        return piece, max(1, staging_tokens // piece)
-    return piece, min(RING_SLOTS, math.ceil(n_tokens / piece))
 
 
 def block_transfer_reference(layer_ptrs: torch.Tensor, host_block: torch.Tensor, direction: str) -> None:
@@ -235,9 +234,11 @@ def _impl(
     if host_block.numel() == 0:
         return
     to_device = direction == "h2d"
-    if method == "auto":
-        method = choose_method(host_block.numel() * host_block.element_size(), direction)
     cuda = torch.cuda.is_available()
+    if method == "auto":
+        nbytes = host_block.numel() * host_block.element_size()
+        device = _device_of(layer_ptrs, staging) if cuda else None
+        method = choose_method(nbytes, direction, row_bytes=D * host_block.element_size(), device=device)
     if not cuda and not runs_triton(host_block, layer_ptrs):
         block_transfer_reference(layer_ptrs, host_block, direction)
         return
@@ -249,7 +250,7 @@ def _impl(
         if method == "zero_copy":
             _launch(as_words(host_block, word), ptrs, 0, geo, to_device, num_ctas)
         else:
-            _staged(host_block, ptrs, staging, geo, to_device, num_ctas, host_block.device)
+            _staged(host_block, ptrs, staging, geo, to_device, num_ctas)
         return
     device = _device_of(layer_ptrs, staging)
     if staging is not None and staging.device != device:
@@ -265,7 +266,7 @@ def _impl(
         else:
             if not (host_block.is_pinned() or is_registered(host_block.data_ptr(), host_block.numel())):
                 raise ValueError("host_block: staging needs registered or pinned host memory (pageable DMA blocks)")
-            _staged(host_block, ptrs, staging, geo, to_device, num_ctas, device)
+            _staged(host_block, ptrs, staging, geo, to_device, num_ctas)
 
 
 def _device_of(layer_ptrs: torch.Tensor, staging: torch.Tensor | None) -> torch.device:
@@ -276,16 +277,6 @@ def _device_of(layer_ptrs: torch.Tensor, staging: torch.Tensor | None) -> torch.
     return torch.device("cuda", torch.cuda.current_device())
 
 
-_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def _staged(
     host_block: torch.Tensor,
     ptrs: torch.Tensor,
@@ -293,59 +284,33 @@ def _staged(
     geo: _Geometry,
     to_device: bool,
     num_ctas: int | None,
-    device: torch.device,
 ) -> None:
-    """DMA token pieces through a staging ring; transposes on the current stream, DMA on a side stream."""
-    token_bytes = geo.L * geo.H * geo.row_words * geo.word
-    piece, slots = plan_pieces(geo.T, token_bytes, None if staging is None else staging.shape[0])
-    if staging is None:
-        staging = torch.empty((piece * slots, geo.L, geo.H, geo.row_words * geo.word), dtype=torch.uint8, device=device)
-    staging_w = as_words(staging, geo.word)
-    starts = list(range(0, geo.T, piece))
-    host_bytes = host_block.view(torch.uint8)  # [T, L, H, row bytes]: a token range is contiguous
-    staging_bytes = staging_w.view(torch.uint8)
-    if device.type == "cpu":  # the interpreter: same plan, run in order
-        for i, t0 in enumerate(starts):
-            n = min(piece, geo.T - t0)
-            s0 = (i % slots) * piece
-            if to_device:
-                staging_bytes[s0 : s0 + n].copy_(host_bytes[t0 : t0 + n])
-                _launch(staging_w[s0 : s0 + n], ptrs, t0, geo, True, num_ctas)
-            else:
-                _launch(staging_w[s0 : s0 + n], ptrs, t0, geo, False, num_ctas)
-                host_bytes[t0 : t0 + n].copy_(staging_bytes[s0 : s0 + n])
-        return
-    main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    done = [torch.cuda.Event() for _ in starts]  # h2d: piece DMA'd in; d2h: piece DMA'd out
-    freed = [torch.cuda.Event() for _ in starts]  # h2d: slot read by the transpose
-    fork = torch.cuda.Event()
-    fork.record(main)
-    side.wait_event(fork)  # earlier work on the caller's stream (writers of host_block/staging) first
-    for i, t0 in enumerate(starts):
-        n = min(piece, geo.T - t0)
-        s0 = (i % slots) * piece
-        slot_bytes = staging_bytes[s0 : s0 + n]
-        if to_device:
-            with torch.cuda.stream(side):
-                if i >= slots:
-                    side.wait_event(freed[i - slots])
-                slot_bytes.copy_(host_bytes[t0 : t0 + n], non_blocking=True)
-                done[i].record(side)
-            main.wait_event(done[i])
-            _launch(staging_w[s0 : s0 + n], ptrs, t0, geo, True, num_ctas)
-            freed[i].record(main)
-        else:
-            if i >= slots:
-                main.wait_event(done[i - slots])
-            _launch(staging_w[s0 : s0 + n], ptrs, t0, geo, False, num_ctas)
-            freed[i].record(main)
-            with torch.cuda.stream(side):
-                side.wait_event(freed[i])
-                host_bytes[t0 : t0 + n].copy_(slot_bytes, non_blocking=True)
-                done[i].record(side)
-    if not to_device:
-        main.wait_event(done[-1])  # the side stream ran the DMAs in order: the last implies all
+    """The staging method through :func:`kvstrata.ops.staging.staging_transfer` (see the module docstring).
+
+    Token ``t`` is block ``t`` on both sides; segment ``l*H + h`` starts at ``layer_ptrs[l] + h*T*row`` on
+    the device (rows of a head are consecutive tokens) and at ``(l*H + h)*row`` within a host token."""
+    T, L, H, _ = host_block.shape
+    row = geo.row_words * geo.word
+    device = ptrs.device
+    if H == 1:
+        seg_table = ptrs
+    else:  # computed on the device: reading device-resident layer pointers on the host would sync
+        offsets = torch.arange(H, dtype=torch.int64, device=device) * (T * row)
+        seg_table = (ptrs[:, None] + offsets[None, :]).reshape(-1)
+    g = Geometry(
+        seg_ptrs=(0,) * (L * H),  # the addresses live in seg_table (on the device); staging needs their count
+        chunk=row,
+        dev_block_stride=row,
+        host_base=host_block.data_ptr(),
+        host_block_stride=L * H * row,
+        host_seg_stride=row,
+        block_first=True,
+        align=alignment(geo.word, row, host_block.data_ptr()),
+    )
+    dev_ids = _arange(T, device) if device.type == "cuda" else torch.arange(T, dtype=torch.int32)
+    ctas = num_ctas or default_ctas(device)
+    staging_transfer(g, seg_table, dev_ids, np.arange(T, dtype=np.int64), host_block.view(torch.uint8).reshape(-1),
+                     to_host=not to_device, num_ctas=ctas, ring=staging)  # fmt: skip
 
 
 # Registered ops. ``layer_ptrs`` stands for the device memory it addresses: h2d declares it mutated
@@ -456,5 +421,4 @@ __all__ = [
     "choose_method",
     "fused_memcpy_multi_layer_block_transfer",
     "multi_layer_block_transfer",
-    "plan_pieces",
 ]

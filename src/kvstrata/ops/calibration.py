@@ -1,16 +1,23 @@
 """``method="auto"``: which transfer method to use, measured once per device and cached on disk.
 
 :func:`calibrate` times every method (``copy_engine``, ``staging``, ``zero_copy``) in each direction over
-chunk sizes 2 KiB..2 MiB, for bulk transfers (~256 MiB) and for one request's blocks (64 chunks), and
-writes ``calibration-<key>.json`` under ``$KVSTRATA_CACHE_DIR`` (default ``~/.cache/kvstrata``). The key
-is the device name, capability, SM count, driver and torch/triton/CUDA versions: a new GPU, driver or
-library version is measured again. The first ``auto`` call on a GPU calibrates when no file exists
-(a few seconds; set ``KVSTRATA_AUTO_CALIBRATE=0`` to use the static rule instead), never while a CUDA
-graph is being captured.
+chunk sizes 2 KiB..2 MiB, for bulk transfers (256 MiB of scattered blocks, 64 segments) and for one
+request's blocks (one block, at most ``SMALL_BYTES``), plus a store and a load at once for the pairs of
+methods that could win, and writes ``calibration-<key>.json`` under ``$KVSTRATA_CACHE_DIR`` (default
+``~/.cache/kvstrata``). The key is the device name, capability, SM count, driver, torch/triton/CUDA
+versions and ``FORMAT``: a new GPU, driver, library or measuring method is measured again. The first
+``auto`` call on a GPU calibrates when no file exists (~10 s; ``KVSTRATA_AUTO_CALIBRATE=0`` uses the
+static rule instead), never while a CUDA graph is being captured.
 
-:func:`choose_method` picks the fastest method at that chunk size (log-interpolated), preferring the
-one that takes fewest SMs from the model (``copy_engine``, then ``staging``, then ``zero_copy``) when
-it is within ``TOLERANCE`` of the fastest.
+How it measures (why the rates agree with ``kvstrata bench transfer``): on a stream of its own; bulk
+rates *streamed*, ``STREAM_CALLS`` calls back to back per sample, as an engine issues them (one call
+timed alone pays the staging pipeline's fill and drain: FORMAT 2 measured staging 13% low at 2 KiB);
+``SAMPLES`` samples per method, the methods interleaved, the median kept; a method below
+``HOPELESS`` of the best after one call is not sampled further (copy_engine at 2 KiB chunks).
+
+:func:`choose_method` applies :mod:`kvstrata.ops.auto_policy` (SM-frugal: ``copy_engine``, then
+``staging``, and ``zero_copy`` for bulk only where it wins by far) to these rates, log-interpolated in
+chunk size.
 
 Static rule (no calibration): <= 4 MiB in all -> ``zero_copy`` (one kernel, lowest latency); chunks
 >= 1 MiB -> ``copy_engine``; otherwise ``staging``.
@@ -22,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import tempfile
 import threading
 import warnings
@@ -33,14 +41,18 @@ from typing import Any
 import torch
 
 from kvstrata.errors import KvstrataError
+from kvstrata.ops import auto_policy
+from kvstrata.ops.auto_policy import PREFERENCE, SMALL_BYTES, TOLERANCE
 
 CHUNK_SIZES = (2048, 8192, 32768, 131072, 524288, 2097152)
-PREFERENCE = ("copy_engine", "staging", "zero_copy")  # fewest SMs taken first
-TOLERANCE = 0.08  # an SM-free method within 8% of the fastest wins: the model keeps its SMs
-SMALL_BYTES = 4 << 20  # at most this much in one call: the latency regime ("small")
-BULK_BYTES = 256 << 20  # several staging pieces, as in real offload batches
+BULK_BYTES = 256 << 20  # eight 32 MiB staging pieces per call, as in real offload batches
+NSEG = 64  # segments of the measured cache: 32 layers x K/V
 PAIR_SHORTLIST = 0.7  # two-direction pairs are timed for methods within 70% of the best alone
-FORMAT = 2  # bumped when the measured points change shape (2: "both" pairs); older files are re-measured
+STREAM_CALLS = 3  # calls back to back per bulk sample (see the module docstring)
+SAMPLES = 3  # bulk samples per method (median); small points take SMALL_SAMPLES isolated calls
+SMALL_SAMPLES = 7
+HOPELESS = 0.5  # below half the best rate after one call: not sampled further
+FORMAT = 3  # bumped when what is measured or how changes (3: streamed, repeated, small at <= 4 MiB)
 
 Points = dict[str, dict[str, dict[str, list[list[float]]]]]  # direction -> method -> regime -> [[chunk, GB/s]]
 
@@ -110,35 +122,86 @@ class Calibration:
                 return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         return None
 
-    def best_pair(self, chunk_bytes: int, methods: Collection[str] = PREFERENCE) -> tuple[str, str] | None:
-        """(d2h method, h2d method) with the highest two-direction rate at this chunk size, preferring the
-        pair that takes fewer SMs when it is within ``TOLERANCE`` of the best; None when not measured."""
-        rates = {}
+    def rates(
+        self, direction: str, chunk_bytes: int, n_chunks: int, methods: Collection[str] = PREFERENCE
+    ) -> dict[str, float]:
+        """``{method: GB/s}`` measured (interpolated) for this call's shape; methods never measured are left out."""
+        got = {m: self.gbps(direction, m, chunk_bytes, n_chunks) for m in PREFERENCE if m in methods}
+        return {m: r for m, r in got.items() if r is not None}
+
+    def pair_rates(self, chunk_bytes: int) -> dict[tuple[str, str], float]:
+        """``{(d2h method, h2d method): GB/s of both directions together}`` at this chunk size (bulk)."""
+        out = {}
         for name in self.points.get("both", {}):
             d2h, _, h2d = name.partition("+")
-            if d2h in methods and h2d in methods:
-                rate = self.gbps("both", name, chunk_bytes, 1 << 30)
-                if rate is not None:
-                    rates[(d2h, h2d)] = rate
-        if not rates:
-            return None
-        top = max(rates.values())
-        ok = [p for p, r in rates.items() if r >= (1 - TOLERANCE) * top]
-        return min(ok, key=lambda p: (PREFERENCE.index(p[0]) + PREFERENCE.index(p[1]), -rates[p]))
+            rate = self.gbps("both", name, chunk_bytes, 1 << 30)
+            if rate is not None:
+                out[(d2h, h2d)] = rate
+        return out
 
     def best(
         self, direction: str, chunk_bytes: int, n_chunks: int, methods: Collection[str] = PREFERENCE
     ) -> str | None:
-        rates = {m: self.gbps(direction, m, chunk_bytes, n_chunks) for m in PREFERENCE if m in methods}
-        rates = {m: r for m, r in rates.items() if r is not None}
-        if not rates:
-            return None
-        top = max(rates.values())
-        return next(m for m in PREFERENCE if m in rates and rates[m] >= (1 - TOLERANCE) * top)
+        """The policy's choice for one direction alone (:func:`kvstrata.ops.auto_policy.pick`); None: no data."""
+        return auto_policy.pick(self.rates(direction, chunk_bytes, n_chunks, methods),
+                                bulk=chunk_bytes * n_chunks > SMALL_BYTES)  # fmt: skip
+
+    def best_pair(self, chunk_bytes: int, methods: Collection[str] = PREFERENCE) -> tuple[str, str] | None:
+        """(d2h method, h2d method) for a store and a load at once (:func:`kvstrata.ops.auto_policy.pick_pair`)."""
+        pairs = {p: r for p, r in self.pair_rates(chunk_bytes).items() if p[0] in methods and p[1] in methods}
+        return auto_policy.pick_pair(pairs)
+
+    def choose(
+        self,
+        direction: str,
+        chunk_bytes: int,
+        n_chunks: int,
+        methods: Collection[str] = PREFERENCE,
+        *,
+        concurrent: bool = False,
+        other: str | None = None,
+    ) -> str | None:
+        """The full policy for one call; None where nothing was measured for it.
+
+        * small (<= ``SMALL_BYTES``): :meth:`best`.
+        * bulk, ``other`` (the method of a transfer the other way now in flight): the method that does
+          best *beside it* (two-direction points), when those were measured.
+        * bulk, ``concurrent``: this direction's side of :meth:`best_pair`.
+        * bulk alone: the side of :meth:`best_pair` when it is within ``TOLERANCE`` of the best alone
+          (so a load that starts later finds the store on the method of the best pair, whoever
+          started first), else :meth:`best`.
+        """
+        bulk = chunk_bytes * n_chunks > SMALL_BYTES
+        rates = self.rates(direction, chunk_bytes, n_chunks, methods)
+        single = auto_policy.pick(rates, bulk=bulk)
+        if single is None or not bulk:
+            return single
+        side = 0 if direction == "d2h" else 1
+        if other is not None:
+            beside = {}
+            for (d2h, h2d), rate in self.pair_rates(chunk_bytes).items():
+                mine, theirs = (d2h, h2d) if side == 0 else (h2d, d2h)
+                if theirs == other and mine in methods:
+                    beside[mine] = rate
+            got = auto_policy.pick(beside, bulk=True)
+            if got is not None:
+                return got
+        pairs = {p: r for p, r in self.pair_rates(chunk_bytes).items() if p[side] in methods}
+        pair = auto_policy.pick_pair(pairs)
+        if pair is None:
+            return single
+        if concurrent:
+            return pair[side]
+        ok = auto_policy.eligible(rates, bulk=True)
+        if pair[side] in ok and ok[pair[side]] >= TOLERANCE * max(ok.values()):
+            return pair[side]
+        return single
 
 
 _lock = threading.RLock()
 _memo: dict[int, Calibration | None] = {}  # device index -> calibration (None: use the static rule)
+_choices: dict[tuple, str] = {}  # choose_method's answers (multi_layer_block_transfer has no launch plans)
+MAX_CHOICES = 4096
 
 
 def calibrate(
@@ -162,6 +225,7 @@ def calibrate(
             _save(path, cal)
         if dev.type == "cuda":
             _memo[dev.index] = cal
+            _choices.clear()
         return cal
 
 
@@ -198,38 +262,46 @@ def choose_method(
     device: torch.device | int | None = None,
     methods: Collection[str] | None = None,
     concurrent: bool = False,
+    other: str | None = None,
 ) -> str:
     """The method ``auto`` uses for ``n_chunks`` chunks of ``chunk_bytes`` in ``direction`` ("d2h"/"h2d").
 
     ``"torch"`` off CUDA. ``methods`` restricts the candidates (e.g. ``{"zero_copy", "staging"}`` for an
     op without a copy-engine path). ``concurrent=True``: a transfer in the other direction runs at the
-    same time, so a bulk transfer takes its side of the pair of methods measured fastest *together*
-    (the copy engines of the two directions are independent, but SM kernels reading or writing host
-    memory share the PCIe link and the host's issue time with them). Example:
-    ``choose_method("h2d", 32768, 64 * 1024)``.
+    same time, so a bulk transfer takes its side of the pair of methods measured best *together*;
+    ``other`` names that transfer's method when known (the choice is then the best beside it). The
+    policy (:mod:`kvstrata.ops.auto_policy`) is SM-frugal: ``copy_engine``, then ``staging``, whenever
+    within 5% of the fastest; ``zero_copy`` for one request's blocks, and for bulk only where it wins by
+    far. Example: ``choose_method("h2d", 32768, 64 * 1024)``.
     """
     if direction not in ("d2h", "h2d"):
         raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
     dev = torch.device(device) if isinstance(device, (str, torch.device)) else None
     if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
         return "torch"
+    idx = _index(device)
+    memo_key = (idx, direction, chunk_bytes, n_chunks, None if methods is None else frozenset(methods),
+                concurrent, other)  # fmt: skip
+    got = _choices.get(memo_key)
+    if got is not None:
+        return got
     candidates = tuple(m for m in _available() if methods is None or m in methods)
     if not candidates:
         raise ValueError(f"methods: none of {PREFERENCE} in {methods!r}")
-    idx = _index(device)
     if idx not in _memo and not torch.cuda.is_current_stream_capturing():
         _memo[idx] = _load_or_calibrate(idx)
     cal = _memo.get(idx)
     choice = None
-    if cal is not None and concurrent and chunk_bytes * n_chunks > SMALL_BYTES:
-        pair = cal.best_pair(chunk_bytes, candidates)
-        choice = None if pair is None else pair[0 if direction == "d2h" else 1]
-    if cal is not None and choice is None:
-        choice = cal.best(direction, chunk_bytes, n_chunks, candidates)
+    if cal is not None:
+        choice = cal.choose(direction, chunk_bytes, n_chunks, candidates, concurrent=concurrent, other=other)
     if choice is None:
         choice = static_rule(direction, chunk_bytes, n_chunks)
         if choice not in candidates:
-            choice = candidates[-1] if "staging" not in candidates else "staging"
+            choice = "staging" if "staging" in candidates else candidates[-1]
+    if idx in _memo:  # a static choice made before the calibration loaded is not remembered
+        if len(_choices) >= MAX_CHOICES:
+            _choices.clear()
+        _choices[memo_key] = choice
     return choice
 
 
@@ -261,47 +333,90 @@ def _index(device: torch.device | int | str | None) -> int:
 
 
 def _measure(device: torch.device) -> Points:
-    """Time each method on a 32-layer (64-segment) cache; scattered device blocks, consecutive host blocks.
+    """Time each method (see the module docstring) on a cache of ``NSEG`` segments, on a stream of its own.
 
-    For bulk transfers also a store and a load at once (two streams) for each pair of shortlisted
-    methods: ``points["both"]["<d2h method>+<h2d method>"]["bulk"]``, GB/s of both directions together.
+    Bulk: ``BULK_BYTES`` of scattered device blocks <-> consecutive host blocks (block_first). Small: one
+    block of ``min(NSEG, SMALL_BYTES // chunk)`` segments, isolated calls. Both directions at once:
+    ``points["both"]["<d2h method>+<h2d method>"]["bulk"]``, GB/s of the two together.
     """
-    from kvstrata.ops.kv_layout import HostPool, KVLayout
-    from kvstrata.ops.transfer_blocks import transfer_blocks
+    from kvstrata.memory import alloc_pinned
 
-    nseg = 64
     points: Points = {d: {m: {"bulk": [], "small": []} for m in PREFERENCE} for d in ("d2h", "h2d")}
     points["both"] = {}
-
-    def setup(n: int):
-        caches = [torch.zeros(2 * n, 1, chunk, dtype=torch.uint8, device=device) for _ in range(nseg)]
-        layout = KVLayout.from_mla(caches)
-        return layout, HostPool.allocate(layout, n), torch.randperm(2 * n)[:n].sort().values, torch.arange(n)
-
-    with torch.cuda.device(device):
+    methods = _available()
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        # One set of buffers for every chunk size (views of them): a load beside a store needs two.
+        dev_bytes = BULK_BYTES + BULK_BYTES // 4 + NSEG * CHUNK_SIZES[-1]
+        bufs = [(torch.zeros(dev_bytes, dtype=torch.uint8, device=device), alloc_pinned(BULK_BYTES)) for _ in range(2)]
         for chunk in CHUNK_SIZES:
-            for regime, n in (("small", 1), ("bulk", max(1, BULK_BYTES // (nseg * chunk)))):
-                args = setup(n)
-                for direction in ("d2h", "h2d"):
-                    for method in _available():
-                        t = _time(
-                            lambda a=args, d=direction, m=method: transfer_blocks(
-                                *a, direction=d, method=m, check=False
-                            )
-                        )
-                        points[direction][method][regime].append([chunk, round(nseg * n * chunk / t / 1e9, 2)])
-            other = setup(n)  # bulk: a second cache and pool for the load beside the store
+            nseg_small = max(1, min(NSEG, SMALL_BYTES // chunk))
+            small = _setup(*bufs[0], chunk, 1, nseg_small)
+            for direction in ("d2h", "h2d"):
+                for method, rate in _rates(small, direction, methods, streamed=False).items():
+                    points[direction][method]["small"].append([chunk, rate])
+            n = max(1, BULK_BYTES // (NSEG * chunk))
+            store, load = _setup(*bufs[0], chunk, n, NSEG), _setup(*bufs[1], chunk, n, NSEG)
             shortlist = {}
             for direction in ("d2h", "h2d"):
-                rates = {m: points[direction][m]["bulk"][-1][1] for m in _available()}
+                rates = _rates(store, direction, methods, streamed=True)
+                for method, rate in rates.items():
+                    points[direction][method]["bulk"].append([chunk, rate])
                 shortlist[direction] = [m for m, r in rates.items() if r >= PAIR_SHORTLIST * max(rates.values())]
-            for d2h in shortlist["d2h"]:
-                for h2d in shortlist["h2d"]:
-                    t = _time(lambda a=args, b=other, x=d2h, y=h2d: store_and_load(a, b, x, y))
-                    rate = round(2 * nseg * n * chunk / t / 1e9, 2)
-                    points["both"].setdefault(f"{d2h}+{h2d}", {"bulk": [], "small": []})["bulk"].append([chunk, rate])
-            del args, other
+            pairs = {
+                f"{x}+{y}": lambda x=x, y=y, a=store, b=load: store_and_load(a, b, x, y)
+                for x in shortlist["d2h"]
+                for y in shortlist["h2d"]
+            }
+            for name, rate in _sampled(pairs, 2 * NSEG * n * chunk, streamed=True).items():
+                points["both"].setdefault(name, {"bulk": [], "small": []})["bulk"].append([chunk, rate])
     return points
+
+
+def _setup(dev_buf: torch.Tensor, host_buf: torch.Tensor, chunk: int, n: int, nseg: int) -> tuple:
+    """``transfer_blocks`` arguments over views of the buffers: ``nseg`` segments of ``n + n/4`` device blocks
+    (``n`` scattered ones moved, in random order, as an engine's block lists come) and ``n`` host blocks."""
+    from kvstrata.ops.kv_layout import HostPool, KVLayout
+
+    blocks = n + max(1, n // 4)
+    caches = [dev_buf[i * blocks * chunk : (i + 1) * blocks * chunk].view(blocks, 1, chunk) for i in range(nseg)]
+    layout = KVLayout.from_mla(caches)
+    pool = HostPool(host_buf[: n * nseg * chunk], "block_first", nseg, chunk, n)
+    return layout, pool, torch.randperm(blocks)[:n], torch.arange(n)
+
+
+def _rates(args: tuple, direction: str, methods: Collection[str], *, streamed: bool) -> dict[str, float]:
+    from kvstrata.ops.transfer_blocks import transfer_blocks
+
+    nbytes = args[1].flat.numel()
+    fns = {m: lambda m=m: transfer_blocks(*args, direction=direction, method=m, check=False) for m in methods}
+    return _sampled(fns, nbytes, streamed=streamed)
+
+
+def _sampled(fns: dict[str, Callable[[], None]], nbytes: int, *, streamed: bool) -> dict[str, float]:
+    """GB/s of each function: one warm-up call each, one timed call each (those below ``HOPELESS`` of the
+    best stop there), then samples interleaved across functions, the median kept."""
+    for fn in fns.values():
+        fn()  # compile, plan
+    first = {name: nbytes / _sample(fn, 1) for name, fn in fns.items()}
+    top = max(first.values(), default=0.0)
+    samples = {name: [] for name, r in first.items() if r >= HOPELESS * top}
+    for _ in range(SAMPLES if streamed else SMALL_SAMPLES):
+        for name in samples:
+            samples[name].append(nbytes / _sample(fns[name], STREAM_CALLS if streamed else 1))
+    return {name: round((statistics.median(samples[name]) if name in samples else r) / 1e9, 2)
+            for name, r in first.items()}  # fmt: skip
+
+
+def _sample(fn: Callable[[], None], calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls on the current stream, started on an idle device."""
+    torch.cuda.current_stream().synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 _pair_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
@@ -327,21 +442,9 @@ def store_and_load(store_args: tuple, load_args: tuple, store_method: str, load_
     cur.wait_stream(s2)
 
 
-def _time(fn: Callable[[], None], iters: int = 3) -> float:
-    """Median seconds of ``fn`` on the current stream (CUDA events), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 __all__ = [
+    "PREFERENCE",
+    "TOLERANCE",
     "Calibration",
     "cache_dir",
     "cache_path",

@@ -26,7 +26,8 @@ from kvstrata.ops.chunk_copy import launch_copy_chunks
 # Ring geometry. Pieces must be large: each costs ~150-300 us of host time (planning, a kernel launch,
 # a DMA, events) on the H200 machine, so 8 MiB pieces (150 us of DMA) left the copy engine idle half
 # the time at 32 KiB chunks (28 GB/s), while 32 MiB x 3 reached 47-50 GB/s at 2 KiB-2 MiB chunks
-# (tools/tune_transfer.py, 2026-11-29). The ring is taken from torch's caching allocator per call.
+# (tools/tune_transfer.py, 2026-11-29). The ring is taken from torch's caching allocator per call
+# (or is the caller's buffer).
 SLOT_BYTES = int(os.environ.get("KVSTRATA_STAGING_SLOT_MB", "32")) << 20
 NUM_SLOTS = int(os.environ.get("KVSTRATA_STAGING_SLOTS", "3"))
 BATCH_RUNS = 8  # above this many DMA runs per piece, use one cudaMemcpyBatchAsync
@@ -119,14 +120,25 @@ def staging_transfer(
     num_ctas: int,
     slot_bytes: int | None = None,
     num_slots: int | None = None,
+    ring: torch.Tensor | None = None,
 ) -> None:
-    """Run the pipelined staging copy for ``len(host_ids)`` blocks (``dev_ids`` on the device)."""
+    """Run the pipelined staging copy for ``len(host_ids)`` blocks (``dev_ids`` on the device).
+
+    ``ring``: the caller's device buffer (contiguous, at least one chunk) to stage through instead of one
+    from torch's caching allocator; split into up to ``num_slots`` slots. The caller's stream is joined
+    after the last use, so the caller may reuse it in stream order."""
     n_blocks = int(host_ids.size)
     if n_blocks == 0:
         return
     device = seg_table.device
-    slot_bytes = max(slot_bytes or SLOT_BYTES, g.chunk)
     nslots = max(1, num_slots or NUM_SLOTS)
+    if ring is not None:
+        ring = ring.reshape(-1).view(torch.uint8)
+        if ring.numel() < g.chunk:
+            raise ValueError(f"staging: {ring.numel()} bytes, smaller than one {g.chunk}-byte chunk")
+        nslots = min(nslots, ring.numel() // g.chunk)
+        slot_bytes = ring.numel() // nslots
+    slot_bytes = max(slot_bytes or SLOT_BYTES, g.chunk)
     pieces = _pieces(n_blocks, g, slot_bytes)
     biggest = max((p[1] - p[0]) * (p[3] - p[2]) for p in pieces) * g.chunk
     nslots = min(nslots, len(pieces))
@@ -137,12 +149,15 @@ def staging_transfer(
         ks, cs = side_streams(device, to_host)
         ks.wait_stream(cur)
         cs.wait_stream(cur)
-        with torch.cuda.stream(ks):
+        if ring is None:
+            # On the caller's stream, which joins both side streams before any later allocation there can
+            # reuse the memory: no record_stream needed (and none inside CUDA graph capture).
             ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
+        with torch.cuda.stream(ks):
             slot_ids = _arange(max_nb, device)
-        ring.record_stream(cs)
     else:
-        ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
+        if ring is None:
+            ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
         slot_ids = torch.arange(max_nb, dtype=torch.int32, device=device)
     free: list[torch.cuda.Event | None] = [None] * nslots
     host_dev_base = host_flat.data_ptr()  # DMA uses the host address (copy engines, UVA)

@@ -61,10 +61,20 @@ def transfer_blocks(
     (default) bad input raises ``ValueError``/``TypeError`` before anything is written; device-resident
     ids are then copied to the host (a sync). ``staging``/``copy_engine`` need the ids on the host.
 
+    ``method="auto"`` picks per call signature from the device's calibration, SM-frugal (details in
+    :mod:`kvstrata.ops.auto_policy`): ``copy_engine`` (no SMs), then ``staging`` (a short gather, then
+    DMA), whenever within 5% of the fastest measured method; ``zero_copy`` (SMs held for the whole
+    transfer) for one request's blocks (<= 4 MiB, lowest latency), and for bulk transfers only where it
+    beats both others by more than 25%, or when ``host_block_ids`` live on the device (the only method
+    that reads them there without a sync). The choice is cached with the call's launch plan.
+
     ``concurrent`` (``method="auto"`` only): whether a transfer in the other direction runs at the same
-    time, so ``auto`` picks from the two-direction calibration. ``None`` (default) asks the device
-    whether this process's last transfer the other way is still in flight; pass ``True``/``False``
-    when the caller knows better (e.g. a store and a load issued back to back from one thread).
+    time, so ``auto`` picks from the two-direction calibration (the method that does best beside the
+    one in flight, or the best pair). ``None`` (default) asks the device whether this process's last
+    transfer the other way is still in flight; pass ``True``/``False`` when the caller knows better
+    (e.g. a store and a load issued back to back from one thread). A bulk transfer alone also takes its
+    side of the best pair when that costs it at most 5%, so a store and a load pair well whichever
+    starts first.
     """
     if not isinstance(device_layout, KVLayout):
         raise TypeError(f"device_layout must be a KVLayout, got {type(device_layout).__name__}")
@@ -213,16 +223,18 @@ def _ids_kind(ids) -> object:
 
 def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent) -> None:
     device = layout.device
-    busy = False
+    busy, other = False, None
     if method == "auto" and device.type == "cuda":
-        busy = concurrent if concurrent is not None else _plan.other_direction_busy(device, direction)
+        other = None if concurrent is False else _plan.other_direction_method(device, direction)
+        busy = concurrent if concurrent is not None else other is not None
     key = (layout.seg_ptr_table.data_ptr(), layout.seg_ptrs, layout.chunk_bytes, layout.block_stride,
            layout.num_blocks, layout.align, pool.data_ptr, pool.num_blocks, pool.layout, pool.num_segments,
-           pool.chunk_bytes, n, direction, method, num_ctas, check, busy, _ids_kind(dev_ids),
+           pool.chunk_bytes, n, direction, method, num_ctas, check, busy, other, _ids_kind(dev_ids),
            _ids_kind(host_ids))  # fmt: skip
     plan = _plan.get_plan(key)
     if plan is None or not plan.usable(pool.tensor, registry_generation()):
-        plan = _build_plan(layout, pool, n, direction, method, num_ctas, check, busy)
+        host_ids_on_device = isinstance(host_ids, torch.Tensor)
+        plan = _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other, host_ids_on_device)
         _plan.put_plan(key, plan)
     if plan.device_index is None:
         _execute_cpu(plan, layout, pool, dev_ids, host_ids)
@@ -233,7 +245,8 @@ def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, c
             _execute_cuda(plan, layout, pool, dev_ids, host_ids)
 
 
-def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy) -> _plan.TransferPlan:
+def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other=None,
+                host_ids_on_device=False) -> _plan.TransferPlan:  # fmt: skip
     generation = registry_generation()  # read before the lookups: a change meanwhile invalidates the plan
     if check:
         _check_signature(layout, pool, method)
@@ -242,7 +255,11 @@ def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy) -> _p
     if method == "auto":
         from kvstrata.ops.calibration import choose_method
 
-        method = choose_method(direction, layout.chunk_bytes, n * layout.num_segments, device=device, concurrent=busy)
+        # Host block ids on the device: only the in-place kernel reads them without a sync (and under
+        # graph capture), so the caller who put them there gets it; staging/copy_engine plan DMA on the host.
+        methods = ("zero_copy",) if host_ids_on_device else None
+        method = choose_method(direction, layout.chunk_bytes, n * layout.num_segments, device=device,
+                               methods=methods, concurrent=busy, other=other)  # fmt: skip
     mapped = not cuda or _host_mapped(pool.tensor)
     if method == "zero_copy" and not mapped:
         # A pageable pool (auto's choice or check=False): the kernel cannot address it, DMA can.
@@ -307,7 +324,7 @@ def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
     else:  # torch
         _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
     if lane is not None:
-        lane.mark(k, torch.cuda.current_stream(device))
+        lane.mark(k, torch.cuda.current_stream(device), m)
 
 
 def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.device, capturing: bool):
@@ -414,7 +431,9 @@ def _transfer_blocks_impl(
     if method == "auto":
         from kvstrata.ops.calibration import choose_method
 
-        method = choose_method(direction, chunk, n * len(seg_ptrs), device=device)
+        on_device = host_ids.device.type == "cuda"  # only zero_copy reads them there without a sync
+        method = choose_method(direction, chunk, n * len(seg_ptrs), device=device,
+                               methods=("zero_copy",) if on_device else None)  # fmt: skip
     if method == "zero_copy" and device.type == "cuda" and not _host_mapped(host):
         # A pageable pool (auto's choice, check=False, or a compile-time clone): the kernel cannot address it,
         # DMA can. Never launch a kernel on an unmapped host address.
