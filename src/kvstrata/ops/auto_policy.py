@@ -31,10 +31,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 PREFERENCE = ("copy_engine", "staging", "zero_copy")  # fewest SMs taken first
-# An SM-frugal method within 5% of the fastest wins: 5% is about the run-to-run spread of the measured
-# rates (and the bandwidth target is 95% of the DMA ceiling), so a smaller gap is noise, while the SMs
-# a kernel method holds are a certain cost to the model running beside the transfer.
-TOLERANCE = 0.95
+# An SM-frugal method within 2% of the fastest wins. Not more: the bandwidth target is 95% of the DMA
+# ceiling and the fastest methods reach 96-98% of it, so a wider tolerance stacks onto that margin (at
+# 5%, copy_engine at 128 KiB chunks was chosen at 0.952 of staging's calibrated rate and ran at 0.86 of
+# the ceiling in the bench). Between copy_engine and staging the GEMM beside keeps 100% either way.
+TOLERANCE = 0.98
 # Bulk transfers: zero_copy is considered only when every SM-frugal method is below 80% of its rate.
 # Beside zero_copy a GEMM kept ~72% of its throughput (H200, 32 CTAs reading host memory): a 20% faster
 # transfer is the most that could pay for that, and only for a transfer that is itself the bottleneck.
