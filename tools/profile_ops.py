@@ -31,8 +31,8 @@ def profile(name, fn, n=200):
     pr.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
-    print("\n".join(s.getvalue().splitlines()[6:24]))
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+    print("\n".join(s.getvalue().splitlines()[6:32]))
 
 
 def main():
@@ -53,6 +53,16 @@ def main():
                     transfer_blocks(s.layout, s.pool, *s.ids(m), direction=d, method=m, check=False)
 
                 profile(f"transfer_blocks {m} {d} 64x16KiB", call)
+    # One request's blocks (the bench's request latency): 1 block id, 32 layers x K/V of 16 KiB
+    for m in ("auto", "zero_copy", "staging", "copy_engine"):
+        if f"request-{m}" in which or "request" in which:
+            ids = tuple(x[:1] for x in s.ids("zero_copy" if m == "auto" else m))
+            for d in ("d2h", "h2d"):
+
+                def call(m=m, d=d, ids=ids):
+                    transfer_blocks(s.layout, s.pool, *ids, direction=d, method=m, check=False)
+
+                profile(f"transfer_blocks request {m} {d} 1 block x 64 x 16KiB", call)
 
 
 if __name__ == "__main__":

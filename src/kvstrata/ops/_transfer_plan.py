@@ -55,6 +55,7 @@ class TransferPlan:
         "ctas",
         "dev_base",
         "device",
+        "fast_args",
         "device_index",
         "direction",
         "g",
@@ -90,6 +91,7 @@ class TransferPlan:
         self.constexprs: dict[str, Any] = {}
         self.seg_table_ptr = 0
         self.host_dev_base = 0
+        self.fast_args: list[Any] | None = None
 
     def set_kernel_shape(self, num_ctas: int, seg_table_ptr: int, host_dev_base: int) -> None:
         self.nprog, self.chunk_words, self.constexprs = copy_chunks_shape(
@@ -132,7 +134,11 @@ class TransferPlan:
         runner = self.runners.get(spec)
         if runner is not None and _state["fast"]:
             try:
-                runner(*self.kernel_args(dptr, hptr, self.seg_table_ptr), stream=_raw_stream(self.device_index))
+                if self.fast_args is None:  # every argument but the two id addresses is fixed for the plan
+                    self.fast_args = self.kernel_args(0, 0, self.seg_table_ptr)
+                args = self.fast_args.copy()
+                args[_ARG_IDS[0]], args[_ARG_IDS[1]] = dptr, hptr
+                runner(*args, stream=_raw_stream(self.device_index))
                 return
             except Exception as exc:  # an incompatible Triton: Triton's own launch path from now on
                 _state["fast"] = False
@@ -177,12 +183,15 @@ def _warps() -> int:
     return chunk_copy.NUM_WARPS
 
 
+_ARG_IDS: list[int] = []  # positions of dev_ids and other_ids in _arg_names()
 _ARG_NAMES: list[tuple[str, ...]] = []
 
 
 def _arg_names() -> tuple[str, ...]:
     if not _ARG_NAMES:
-        _ARG_NAMES.append(tuple(inspect.signature(_copy_chunks_kernel.fn).parameters))
+        names = tuple(inspect.signature(_copy_chunks_kernel.fn).parameters)
+        _ARG_IDS.extend((names.index("dev_ids"), names.index("other_ids")))
+        _ARG_NAMES.append(names)
     return _ARG_NAMES[0]
 
 
