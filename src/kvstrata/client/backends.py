@@ -14,14 +14,19 @@ import logging
 import os
 import select
 import threading
+import time
 from typing import Any, NamedTuple
 
 from kvstrata.client.local_reads import MAX_BYTES, LocalReads
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
+from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
+from kvstrata.transport.stream import pack, unpack
 
 log = logging.getLogger(__name__)
 _embedded_owners = itertools.count(1)
+#: seconds a lane request is polled for before the worker is asked over the socket, at least
+_LANE_MIN_POLL = 50e-6
 
 
 class Loc(NamedTuple):
@@ -45,7 +50,7 @@ class RemoteBackend:
     def __init__(self, address: str, *, timeout: float = 10.0, name: str | None = None) -> None:
         from kvstrata.transport import connect
 
-        hello = {"shm": True}
+        hello = {"shm": True, "lane": _lane.supported()}
         if name:
             hello["name"] = name
         self.address = address
@@ -61,6 +66,12 @@ class RemoteBackend:
         self._broken = ""
         self._closed = False
         fds = list(self._conn.handshake_fds)
+        self._lane: _lane.Lane | None = None
+        at = self._conn.peer_info.get("lane")
+        if isinstance(at, int) and 0 < at < len(fds):
+            from kvstrata.memory.shm import SharedSegment
+
+            self._lane = _lane.Lane(SharedSegment.attach(fds.pop(at), _lane.LANE_BYTES))
         self._local: LocalReads | None = None
         if "generation_page" in self._conn.peer_info and fds:
             from kvstrata.memory.shm import SharedSegment
@@ -100,8 +111,16 @@ class RemoteBackend:
                     msg["rel"] = rel
             if self._deferred_aborts:
                 msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
-            self._conn.send(msg)
             spin = self._local.spin() if self._local is not None else 0.0
+            lane = self._lane
+            if lane is not None and msg["op"] in _lane.LANE_OPS and lane.polling():
+                payload = pack(msg)
+                if len(payload) <= _lane.REQUEST_BYTES:
+                    reply = self._lane_request(lane, payload, spin)
+                    if "err" in reply:
+                        raise P.error_from_record(reply["err"])
+                    return reply
+            self._conn.send(msg)
             try:
                 wait = msg.get("timeout", 0)  # None: the worker waits until the key exists, and so do we
                 reply, fds = self._conn.recv(timeout=None if wait is None else self.request_timeout + wait, spin=spin)
@@ -117,6 +136,33 @@ class RemoteBackend:
         if "err" in reply:
             raise P.error_from_record(reply["err"])
         return reply
+
+    def _lane_request(self, lane: _lane.Lane, payload: bytes, spin: float) -> dict:
+        """One request through the lane (under the lock): poll for the answer while the worker polls, else
+        tell the worker over the socket and wait for its word there (see :mod:`kvstrata.server.lane`)."""
+        seq = lane.submit(payload)
+        clock, yield_cpu = time.perf_counter, os.sched_yield
+        end = clock() + max(spin, _LANE_MIN_POLL)
+        while not lane.answered(seq):
+            if clock() >= end or not lane.polling():
+                self._conn.send({"op": "lane", "seq": seq})
+                try:
+                    reply, fds = self._conn.recv(timeout=self.request_timeout)
+                except Timeout:
+                    self._broken = "the worker stopped answering"
+                    self._conn.close()
+                    raise ConnectionLost(
+                        f"worker at {self.address} did not answer within {self.request_timeout} s"
+                    ) from None
+                for fd in fds:
+                    os.close(fd)
+                if "err" in reply:
+                    raise P.error_from_record(reply["err"])
+                if not lane.answered(seq):
+                    raise ProtocolError(f"worker answered lane request {seq} with {reply.get('seq')!r}")
+                break
+            yield_cpu()
+        return unpack(lane.reply())
 
     def _drain_deferred(self) -> list[int]:
         """Deferred releases that are due (call under the lock): shared leases only when their last holder lets go."""
@@ -352,6 +398,9 @@ class RemoteBackend:
                     pass
             self._conn.close()  # the worker releases our leases and aborts our unfinished writes
         self._tensors.clear()
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         if self._local is not None:
             self._local.close()
         for seg in self._segments.values():

@@ -21,21 +21,25 @@ import signal
 import threading
 import time
 from collections import Counter
+from select import select as _select
 from typing import Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, TransportError
+from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, Timeout, TransportError
+from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.server.handlers import HANDLERS, release
 from kvstrata.server.validity import SPIN_HINT_OFFSET, Validity
 from kvstrata.transport import Connection, Listener, listen
-from kvstrata.transport.stream import MAX_FDS
+from kvstrata.transport.stream import MAX_FDS, pack, unpack
 
 log = logging.getLogger("kvstrata.worker")
 _owner_ids = itertools.count(1)
 #: one client's local-read cache may pin 1/CACHE_SHARE of the memory tier (kvstrata.client.local_reads)
 CACHE_SHARE = 16
+#: lane checks per socket check while a connection thread polls both
+_LANE_TURNS = 4
 
 
 class Worker:
@@ -161,7 +165,7 @@ class Worker:
         reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
-            segs = list(self._store.segments)[: MAX_FDS - 1]
+            segs = list(self._store.segments)[: MAX_FDS - 3]  # room for the page, the lane, devobj's page
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
             reply["spin_hint"] = SPIN_HINT_OFFSET  # where in that page the polling advice is
@@ -169,6 +173,10 @@ class Worker:
             reply["cache_bytes"] = self.config.memory // CACHE_SHARE
             fds = [self.validity.fd] + [seg.fd for seg in segs]
             session.sent_segments.update(range(len(segs)))
+            if hello.get("lane") and _lane.supported():
+                session.open_lane()
+                reply["lane"] = len(fds)
+                fds.append(session.lane.segment.fd)
         if hello.get("devobj_generation"):  # a device-object link: its broker's generation page
             reply["devobj_generation"] = len(fds)
             fds.append(devobj_service.broker_of(self).generation_fd)
@@ -234,46 +242,127 @@ class Session:
         self.leases: set[int] = set()
         self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
         self.validity = worker.validity
+        self.lane: _lane.Lane | None = None
+
+    def open_lane(self) -> None:
+        from kvstrata.memory.shm import SharedSegment
+
+        seg = SharedSegment.create(_lane.LANE_BYTES, name="kvstrata-lane", hugepages="off", numa_node=None)
+        self.lane = _lane.Lane(seg)
 
     def run(self) -> None:
-        worker = self.worker
         while True:
-            msg, fds = self.conn.recv(spin=worker.spin)
-            for fd in fds:  # clients have no reason to send descriptors
-                _close(fd)
+            msg, from_lane = self._next()
             op = msg.get("op")
             if op == "bye":  # a clean close, as opposed to a crash
                 return
-            self.worker.counters["requests"] += 1
-            handler = HANDLERS.get(op) if isinstance(op, str) else None
-            try:
-                if handler is None:
-                    raise ServerError(f"unknown request {op!r:.100}")
-                if msg.get("rel"):  # releases deferred by the client's garbage collector
-                    release(self, {"ids": msg["rel"]})
-                for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
-                    try:
-                        self.store.abort(key, owner=self.owner)
-                        self.writes.pop(key, None)
-                    except (KvstrataError, ValueError, TypeError):
-                        pass
-                reply = handler(self, msg)
-            except (KvstrataError, ValueError, TypeError, KeyError) as exc:
-                self.worker.counters["errors"] += 1
-                reply = P.error_record(exc)
-            except Exception as exc:  # a bug: say so, keep serving
-                self.worker.counters["errors"] += 1
-                log.exception("request %r from client %s failed", op, self.name)
-                reply = P.error_record(ServerError(f"internal error in {op!r}: {type(exc).__name__}: {exc}"))
-            if handler is not None and op in P.ONE_WAY_OPS:
-                if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
-                    log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
+            if op == "lane":  # the client stopped waiting on the lane: answer its request, then say so here
+                lane = self.lane
+                if lane is not None and lane.pending():
+                    self._answer_lane(lane)
+                self.send({"seq": lane.last_answered() if lane is not None else 0})
+                continue
+            if from_lane and op not in _lane.LANE_OPS:  # its reply could need descriptors, or not fit
+                self._lane_reply(P.error_record(ServerError(f"request {op!r:.100} cannot travel through the lane")))
+                continue
+            reply = self.handle(msg)
+            if reply is None:
+                continue
+            if from_lane:
+                self._lane_reply(reply)
                 continue
             try:
                 self.send(reply)
             except TypeError as exc:  # an unencodable reply is a bug: report it, keep the connection
                 log.exception("reply to %r for client %s could not be encoded", op, self.name)
                 self.send(P.error_record(ServerError(f"internal error in {op!r}: {exc}")))
+
+    def _next(self) -> tuple[dict, bool]:
+        """The next request: ``(message, came through the lane)``.
+
+        With a lane and a worker that busy-polls, both the lane and the socket are polled for
+        ``worker.spin`` seconds (the lane advertised as polled meanwhile), then the socket is waited on.
+        """
+        spin, lane = self.worker.spin, self.lane
+        if lane is None or spin <= 0.0:
+            if lane is not None:
+                lane.set_polling(False)
+            return self._recv(self.conn.recv(spin=spin)), False
+        # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
+        lane.set_polling(True)
+        conn = self.conn
+        try:  # frames already read into the connection's buffer show only here, not to select
+            return self._recv(conn.recv(timeout=0)), False
+        except Timeout:
+            pass
+        clock, yield_cpu, pending, select, fd = time.perf_counter, os.sched_yield, lane.pending, _select, conn.fileno()
+        end = clock() + spin
+        while True:
+            # the lane is checked every turn (a memory load), the socket every few (a system call)
+            for _ in range(_LANE_TURNS):
+                if pending():
+                    return unpack(lane.take()), True
+                yield_cpu()
+            if select([fd], (), (), 0)[0]:
+                return self._recv(conn.recv()), False
+            if clock() >= end:
+                break
+        lane.set_polling(False)
+        if lane.pending():  # handed over while the flag went down
+            return unpack(lane.take()), True
+        return self._recv(conn.recv()), False
+
+    @staticmethod
+    def _recv(got: tuple[dict, list[int]]) -> dict:
+        msg, fds = got
+        for fd in fds:  # clients have no reason to send descriptors
+            _close(fd)
+        return msg
+
+    def _answer_lane(self, lane: _lane.Lane) -> None:
+        reply = self.handle(unpack(lane.take()))
+        self._lane_reply(reply if reply is not None else {})
+
+    def _lane_reply(self, reply: dict) -> None:
+        reply.pop("_segs", None)  # lane ops point into no segment
+        try:
+            payload = pack(reply)
+        except TypeError as exc:
+            log.exception("lane reply for client %s could not be encoded", self.name)
+            payload = pack(P.error_record(ServerError(f"internal error: {exc}")))
+        if len(payload) > _lane.REPLY_BYTES:
+            payload = pack(P.error_record(ServerError(f"reply of {len(payload)} bytes too large for the lane")))
+        self.lane.answer(payload)  # type: ignore[union-attr]
+
+    def handle(self, msg: dict) -> dict | None:
+        """Run one request; its reply (an error record for a refused one), None for a one-way op."""
+        op = msg.get("op")
+        self.worker.counters["requests"] += 1
+        handler = HANDLERS.get(op) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise ServerError(f"unknown request {op!r:.100}")
+            if msg.get("rel"):  # releases deferred by the client's garbage collector
+                release(self, {"ids": msg["rel"]})
+            for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
+                try:
+                    self.store.abort(key, owner=self.owner)
+                    self.writes.pop(key, None)
+                except (KvstrataError, ValueError, TypeError):
+                    pass
+            reply = handler(self, msg)
+        except (KvstrataError, ValueError, TypeError, KeyError) as exc:
+            self.worker.counters["errors"] += 1
+            reply = P.error_record(exc)
+        except Exception as exc:  # a bug: say so, keep serving
+            self.worker.counters["errors"] += 1
+            log.exception("request %r from client %s failed", op, self.name)
+            reply = P.error_record(ServerError(f"internal error in {op!r}: {type(exc).__name__}: {exc}"))
+        if handler is not None and op in P.ONE_WAY_OPS:
+            if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
+                log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
+            return None
+        return reply
 
     def send(self, reply: dict) -> None:
         new = reply.pop("_segs", None)
@@ -297,6 +386,9 @@ class Session:
             return ""
         self.leases.clear()
         self.writes.clear()
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
         parts = []
         if leases:
             parts.append(f"{leases} read lease{'s' * (leases != 1)}")

@@ -1,0 +1,132 @@
+"""The shared-memory request lane (kvstrata.server.lane): the page protocol, and small requests through a
+real worker process, including the socket wake-up when the worker is not polling."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvstrata
+from kvstrata.errors import KeyExists, ProtocolError
+from kvstrata.memory.shm import SharedSegment
+from kvstrata.server import lane as L
+from kvstrata.transport.stream import pack, unpack
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_worker_e2e import start_worker, stop
+
+pytestmark = pytest.mark.skipif(not L.supported(), reason="the lane is offered on x86-64 only")
+
+
+def _pair():
+    seg = SharedSegment.create(L.LANE_BYTES, name="t-lane", hugepages="off", numa_node=None)
+    other = SharedSegment.attach(os.dup(seg.fd), L.LANE_BYTES)
+    return L.Lane(seg), L.Lane(other)
+
+
+def test_page_protocol_round_trip():
+    client, worker = _pair()
+    try:
+        assert not worker.pending() and not client.polling()
+        worker.set_polling(True)
+        assert client.polling()
+        for i in range(3):
+            payload = bytes([i]) * (100 + i)
+            seq = client.submit(payload)
+            assert seq == i + 1 and worker.pending() and not client.answered(seq)
+            assert worker.take() == payload
+            assert not worker.pending()
+            worker.answer(b"reply %d" % i)
+            assert client.answered(seq) and client.reply() == b"reply %d" % i
+            assert worker.last_answered() == seq
+        big = b"x" * L.REQUEST_BYTES  # the largest request fits exactly
+        client.submit(big)
+        assert worker.take() == big
+    finally:
+        client.close()
+        worker.close()
+
+
+def test_lengths_beyond_the_areas_are_protocol_errors():
+    client, worker = _pair()
+    try:
+        client.submit(b"ok")
+        client._req_len.value = L.REQUEST_BYTES + 1  # a hostile or broken client
+        with pytest.raises(ProtocolError):
+            worker.take()
+        worker._rep_len.value = L.REPLY_BYTES + 1
+        with pytest.raises(ProtocolError):
+            client.reply()
+    finally:
+        client.close()
+        worker.close()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    proc, address = start_worker(tmp_path_factory.mktemp("lane"), "--log-level", "info")
+    yield address
+    log = stop(proc)
+    assert proc.returncode == 0, log
+
+
+def test_small_sets_travel_through_the_lane(worker):
+    with kvstrata.connect(worker) as kv:
+        lane = kv._backend._lane
+        assert lane is not None
+        before = lane.seq
+        sent = []
+        real_send = kv._backend._conn.send
+        kv._backend._conn.send = lambda msg, fds=(): (sent.append(msg["op"]), real_send(msg, fds))[1]
+        values = {f"lane/{i}": os.urandom(i * 37) for i in range(50)}  # empty values included
+        for key, value in values.items():  # back to back: the worker polls between them (its only client)
+            kv.set(key, value)
+        # the first after an idle spell goes over the socket; on a loaded machine a few more may
+        assert lane.seq - before >= 10 and lane.seq - before + sent.count("put") == len(values)
+        for key, value in values.items():
+            assert kv.get(key) == value
+        lane._polling.value = 1  # through the lane for sure (the worker is woken over the socket if idle)
+        seq = lane.seq
+        with pytest.raises(KeyExists):  # errors come back through the lane as the same exceptions
+            kv.set("lane/1", b"again", nx=True)
+        assert lane.seq == seq + 1
+        assert kv.get("lane/1") == values["lane/1"]
+        big = os.urandom(200 << 10)  # over the inline limit: create/seal through shared memory
+        kv.set("lane/big", big)
+        assert kv.get("lane/big") == big
+
+
+def test_lane_requests_wake_a_worker_that_does_not_poll(worker):
+    # Two clients: the worker stops polling. A client that still believes it polls (the flag forced up)
+    # hands the request over, waits a little, then wakes the worker over the socket.
+    with kvstrata.connect(worker) as a, kvstrata.connect(worker) as b:
+        lane = a._backend._lane
+        lane._polling.value = 1
+        a.set("wake/1", b"one")
+        assert lane.answered(lane.seq)
+        assert b.get("wake/1") == b"one"
+
+
+def test_the_worker_refuses_other_ops_on_the_lane(worker):
+    with kvstrata.connect(worker) as kv:
+        backend = kv._backend
+        lane = backend._lane
+        with backend._lock:  # hand over an op whose reply could need descriptors, then wake the worker
+            seq = lane.submit(pack({"op": "acquire", "keys": ["x"], "timeout": 0}))
+            backend._conn.send({"op": "lane", "seq": seq})
+            reply, _ = backend._conn.recv(timeout=10)
+        assert reply["seq"] == seq
+        assert "cannot travel through the lane" in unpack(lane.reply())["err"][1]
+        kv.set("after", b"fine")  # the connection is still good
+        assert kv.get("after") == b"fine"
+
+
+def test_no_lane_when_the_client_does_not_ask(worker, monkeypatch):
+    monkeypatch.setattr(L, "supported", lambda: False)
+    with kvstrata.connect(worker) as kv:
+        assert kv._backend._lane is None
+        kv.set("plain", b"socket")
+        assert kv.get("plain") == b"socket"
