@@ -185,19 +185,19 @@ def test_the_lease_holds_the_bytes_across_the_batched_copy(kv, monkeypatch):
     src = _lists(8, sizes=(200000,))
     assert kv.mset_d2h(keys, src) == [None] * 8
     writer = kv if kv.embedded else kvstrata.connect(kv.address)
-    real_run = device.run
+    real_enqueue = device.enqueue
     fired = []
 
-    def run_with_writer(runs, dev, *, stream=None):
+    def enqueue_with_writer(runs, dev, stream):
         if not fired:
             fired.append(True)
             writer.delete(keys)  # the bytes are leased: they must not be freed or reused yet
             for i, k in enumerate(keys):
                 writer.set(k, bytes([i]) * 200000)
             writer.mset({f"filler/{i}": b"\xff" * 200000 for i in range(40)})
-        return real_run(runs, dev, stream=stream)
+        return real_enqueue(runs, dev, stream)
 
-    monkeypatch.setattr(device, "run", run_with_writer)
+    monkeypatch.setattr(device, "enqueue", enqueue_with_writer)
     kv.set("held/bump", b"x")  # drop any cached lease: this read leases through the worker
     dst = _poisoned(src)
     try:
@@ -218,10 +218,10 @@ def test_a_failed_copy_aborts_every_create(kv, monkeypatch):
     keys = ["abort/a", "abort/b"]
     kv.delete(keys)
 
-    def broken(runs, dev, *, stream=None):
+    def broken(runs, dev, stream):
         raise RuntimeError("simulated copy failure")
 
-    monkeypatch.setattr(device, "run", broken)
+    monkeypatch.setattr(device, "enqueue", broken)
     with pytest.raises(RuntimeError, match="simulated"):
         kv.mset_d2h(keys, _lists(2))
     monkeypatch.undo()
@@ -296,16 +296,15 @@ def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
     src = [[torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")] for _ in keys]
     assert kv.mset_d2h(keys, src) == [None] * 4
     writer = kv if kv.embedded else kvstrata.connect(kv.address)
-    real_run = device.run
+    real_enqueue = device.enqueue
 
-    def run_then_overwrite(runs, dev, *, stream=None):
-        event = real_run(runs, dev, stream=stream)  # copies enqueued, maybe still running
+    def enqueue_then_overwrite(runs, dev, stream):
+        real_enqueue(runs, dev, stream)  # copies enqueued, maybe still running
         writer.delete(keys)
         for k in keys:
             writer.set(k, b"\x00" * (1 << 20))
-        return event
 
-    monkeypatch.setattr(device, "run", run_then_overwrite)
+    monkeypatch.setattr(device, "enqueue", enqueue_then_overwrite)
     kv.set("gpu-held/bump", b"x")
     dst = [[torch.empty_like(t[0])] for t in src]
     try:
@@ -315,3 +314,40 @@ def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
             writer.close()
     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
     kv.delete(keys)
+
+
+def test_key_groups_cut_device_calls_by_bytes_and_keep_cpu_calls_whole():
+    mib = 1 << 20
+    assert device.key_groups([mib] * 20, None) == [list(range(20))]
+    groups = device.key_groups([mib] * 20, "cuda")
+    assert [i for g in groups for i in g] == list(range(20))  # every key once, in order
+    assert [len(g) for g in groups] == [8, 8, 4]
+    assert device.key_groups([], "cuda") == [[]]
+    assert device.key_groups([64 * mib, 1, 1], "cuda") == [[0], [1, 2]]  # a big key is a group of its own
+
+
+def test_a_pipelined_mset_reports_each_group_and_aborts_unsealed_ones(kv, monkeypatch):
+    keys = [f"pipe/{i}" for i in range(6)]
+    kv.delete(keys)
+    kv.set(keys[4], b"old")  # write-once: left as it is, reported in its slot
+    monkeypatch.setattr(device, "key_groups", lambda sizes, dev: [[0, 1], [2, 3], [4, 5]])
+    res = kv.mset_d2h(keys, _lists(6))
+    assert res[:4] == [None] * 4 and isinstance(res[4], KeyExists) and res[5] is None
+    assert kv.get(keys[4]) == b"old"
+    calls = []
+    real = device.enqueue
+
+    def fail_second(runs, dev, stream):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated copy failure in group 2")
+        real(runs, dev, stream)
+
+    monkeypatch.setattr(device, "enqueue", fail_second)
+    more = [f"pipe2/{i}" for i in range(6)]
+    kv.delete(more)
+    with pytest.raises(RuntimeError, match="group 2"):
+        kv.mset_d2h(more, _lists(6))
+    # the first group was sealed before the failure (its bytes had landed); the second was aborted
+    assert kv.exists(more) == [True, True, False, False, False, False]
+    assert kv.stats()["creates_in_progress"] == 0

@@ -282,27 +282,55 @@ class Client(DeviceObjectsMixin):
         """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
 
         A key that already exists is left as it is and reported as KeyExists in its slot. Returns
-        None per stored key. One request allocates every object, the copies for all keys run as one
-        batch on ``stream`` (default: current), one request seals them.
+        None per stored key. The copies run on ``stream`` (default: current) as batches of the copy
+        engines; with device tensors the keys go in groups of ~8 MiB, each created by one request,
+        copied while the next is created, and sealed by one request once its bytes are in host memory.
         """
         keys = P.check_keys(keys)
         pieces, sizes, device = _device.check_tensor_lists(len(keys), tensor_lists)
         if not keys:
             return []
         backend = self._b()
-        locs = backend.mcreate(list(zip(keys, sizes)), {"ttl": None, "nx": True, "mode": "memory"})
-        results: list[Result] = [loc if isinstance(loc, BaseException) else None for loc in locs]
-        created = [i for i, loc in enumerate(locs) if not isinstance(loc, BaseException)]
+        opts = {"ttl": None, "nx": True, "mode": "memory"}
+        results: list[Result] = [None] * len(keys)
+        unsealed: list[tuple[list[int], Any]] = []  # created groups, oldest first, with their copies' end events
+
+        def seal(group: list[int]) -> None:
+            for i, r in zip(group, backend.mseal([keys[i] for i in group])):
+                results[i] = r
+
+        # Pipelined by groups of keys: group k+1 is created in the worker and queued while group k's DMA
+        # runs, and a group is sealed once its bytes are in host memory (never before).
+        s = _device.start(device, stream)
         try:
-            runs = self._plan(created, [locs[i] for i in created], pieces, device, to_host=True)
-            event = _device.run(runs, device, stream=stream)
-            if event is not None:
-                event.synchronize()  # the bytes must be in host memory before the object is sealed
+            for group in _device.key_groups(sizes, device):
+                locs = backend.mcreate([(keys[i], sizes[i]) for i in group], opts)
+                created = []
+                for i, loc in zip(group, locs):
+                    if isinstance(loc, BaseException):
+                        results[i] = loc
+                    else:
+                        created.append((i, loc))
+                if not created:
+                    continue
+                which = [i for i, _ in created]
+                unsealed.append((which, None))
+                runs = self._plan(which, [loc for _, loc in created], pieces, device, to_host=True)
+                _device.enqueue(runs, device, s)
+                unsealed[-1] = (which, _device.mark(s))
+                while unsealed and (unsealed[0][1] is None or unsealed[0][1].query()):
+                    seal(unsealed.pop(0)[0])
+            while unsealed:
+                event = unsealed[0][1]
+                if event is not None:
+                    event.synchronize()
+                seal(unsealed.pop(0)[0])
         except BaseException:
-            self._abort_quietly(backend, [keys[i] for i in created])
+            if unsealed:
+                if s is not None:
+                    s.synchronize()  # no copy may still write into an object being aborted
+                self._abort_quietly(backend, [keys[i] for which, _ in unsealed for i in which])
             raise
-        for i, r in zip(created, backend.mseal([keys[i] for i in created]) if created else []):
-            results[i] = r
         return results
 
     def mget_h2d(
@@ -336,8 +364,12 @@ class Client(DeviceObjectsMixin):
             filled.append(i)
             locs.append(loc)
         try:
-            runs = self._plan(filled, locs, pieces, device, to_host=False)
-            event = _device.run(runs, device, stream=stream)
+            # Group by group: the DMA starts once the first group is planned, the rest is planned beside it.
+            s = _device.start(device, stream)
+            for group in _device.key_groups([sizes[i] for i in filled], device):
+                runs = self._plan([filled[j] for j in group], [locs[j] for j in group], pieces, device, to_host=False)
+                _device.enqueue(runs, device, s)
+            event = _device.mark(s)
             if event is not None:
                 event.synchronize()  # the leases pin the source bytes until the copies are done
         finally:
