@@ -1,0 +1,183 @@
+"""The 4 KiB device-object hand-off between two processes, on CPU: where the protocol's time goes.
+
+Same shape as ``kvstrata bench device``'s latency step, with no GPU: this process hosts a real worker
+(as the benchmark does), an owner and a reader process each run a :class:`DeviceObjects` client with
+CPU tensors. Only the CUDA IPC import is replaced (CPU tensors cannot be mapped across processes):
+the reader's ``_sources`` returns a tensor it holds for the owner's key, so the broker, the matching,
+the event thread, settling and completions all run as on the GPU machine.
+
+* subscriber first: the reader subscribes, asks the owner to publish; time from the owner's publish
+  call to the reader's future done (the clock is the node's monotonic clock, shared by processes);
+  also the owner's own future (the broker released its tensors).
+* publisher first: the owner publishes, the reader subscribes 2 ms later; time of the subscribe call
+  to its future done.
+
+Run: ``PYTHONPATH=src python tools/devobj_latency_cpu.py [--iters 300] [--trace]``
+(``--trace`` sets ``KVSTRATA_DEVOBJ_TRACE=1`` and prints both processes' steps of the last round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NBYTES = 4096
+
+
+def _pattern():
+    import torch
+
+    return (torch.arange(NBYTES, dtype=torch.int64) % 251).to(torch.uint8)
+
+
+def _client(address: str):
+    import kvstrata
+    from kvstrata.devobj import DeviceObjectConfig, api
+
+    src = _pattern()
+
+    def sources(self, rec, peer, reuse=False):  # stands in for the (cached) CUDA IPC import
+        if rec.get("pid") == os.getpid():
+            return api._LOCAL[rec["local"]][0], []
+        return [src], []
+
+    api.DeviceObjects._sources = sources
+    c = kvstrata.connect(address)
+    c.device_objects(device="cpu", config=DeviceObjectConfig(allow_cpu=True))
+    return c
+
+
+def owner(address: str, iters: int, ctl, res) -> None:
+    from kvstrata.devobj import debug
+
+    c = _client(address)
+    src = _pattern()
+    t_pub, t_rel = [], []
+    for _ in range(iters):  # subscriber first
+        i = ctl.recv()
+        debug.trace_take()
+        t0 = time.perf_counter()
+        (f,) = c.dev_publish([f"lat/{i}"], [[src]])
+        t_pub.append(t0)
+        f.result(30)
+        t_rel.append(time.perf_counter() - t0)
+    trace = [(t, f"owner {th}", s) for t, th, s in debug.trace_take()]
+    for _ in range(iters):  # publisher first
+        i = ctl.recv()
+        (f,) = c.dev_publish([f"latp/{i}"], [[src]])
+        ctl.send(i)
+        f.result(30)
+    res.send({"t_pub": t_pub, "t_rel": t_rel, "trace": trace})
+    res.recv()  # the reader is done too
+    c.close()
+
+
+def reader(address: str, iters: int, ctl, res) -> None:
+    import torch
+
+    from kvstrata.devobj import debug
+
+    c = _client(address)
+    want = _pattern()
+    d = torch.zeros(NBYTES, dtype=torch.uint8)
+    t_done = []
+    for i in range(iters):
+        (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=30)
+        debug.trace_take()
+        ctl.send(i)
+        f.result(30)
+        t_done.append(time.perf_counter())
+    trace1 = [(t, f"reader {th}", s) for t, th, s in debug.trace_take()] + [(t_done[-1], "reader main", "future done")]
+    pub_first = []
+    for i in range(iters):
+        d.zero_()
+        ctl.send(i)
+        ctl.recv()
+        time.sleep(0.002)  # let the publish land in the broker
+        debug.trace_take()
+        t0 = time.perf_counter()
+        c.dev_subscribe([f"latp/{i}"], [[d]], timeout=30)[0].result(30)
+        pub_first.append(time.perf_counter() - t0)
+    trace2 = [*debug.trace_take(), (t0 + pub_first[-1], "main", "future done")]
+    if not torch.equal(d, want):
+        raise AssertionError("the hand-off delivered wrong bytes")
+    res.send({"t_done": t_done, "pub_first": pub_first, "trace1": trace1, "trace2": trace2})
+    res.recv()
+    c.close()
+
+
+def _run(fn, address, iters, ctl, res) -> None:
+    try:
+        fn(address, iters, ctl, res)
+    except BaseException as exc:
+        res.send({"error": f"{fn.__name__}: {type(exc).__name__}: {exc}"})
+        raise
+
+
+def _pct(xs: list[float]) -> str:
+    xs = sorted(xs)
+    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e6  # noqa: E731
+    return f"median {statistics.median(xs) * 1e6:7.1f} us   p10 {q(0.1):7.1f}   p90 {q(0.9):7.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--trace", action="store_true", help="KVSTRATA_DEVOBJ_TRACE=1: print the last round's steps")
+    args = ap.parse_args(argv)
+    if args.trace:
+        os.environ["KVSTRATA_DEVOBJ_TRACE"] = "1"  # before the children start: they inherit it
+    from kvstrata.devobj import debug
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = Worker(WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="")).start()
+        ctl_o, ctl_r = ctx.Pipe()  # owner <-> reader
+        res = [ctx.Pipe() for _ in range(2)]  # child -> this process
+        procs = [
+            ctx.Process(target=_run, args=(fn, worker.address, args.iters, ctl, res[i][1]))
+            for i, (fn, ctl) in enumerate(((owner, ctl_o), (reader, ctl_r)))
+        ]
+        for p in procs:
+            p.start()
+        try:
+            results = []
+            for here, _ in res:
+                if not here.poll(600):
+                    raise RuntimeError("a child process hung")
+                results.append(here.recv())
+                if "error" in results[-1]:
+                    raise RuntimeError(results[-1]["error"])
+            for here, _ in res:
+                here.send("bye")
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+            worker.stop()
+    o, r = results
+    sub_first = [d - p for d, p in zip(r["t_done"], o["t_pub"])]
+    skip = min(10, args.iters // 5)
+    print(f"4 KiB hand-off on CPU, {args.iters} rounds (first {skip} dropped), worker in the parent process")
+    print(f"  subscriber first, publish call -> reader's future done:  {_pct(sub_first[skip:])}")
+    print(f"  subscriber first, publish call -> owner's future done:   {_pct(o['t_rel'][skip:])}")
+    print(f"  publisher first, subscribe call -> future done:          {_pct(r['pub_first'][skip:])}")
+    if args.trace:
+        print("--- trace: subscriber first (both processes), last round")
+        print(debug.trace_format(sorted(o["trace"] + r["trace1"])))
+        print("--- trace: publisher first (reader), last round")
+        print(debug.trace_format(r["trace2"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
