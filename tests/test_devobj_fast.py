@@ -51,7 +51,7 @@ def test_second_mget_skips_the_broker_and_is_exact(make, broker, monkeypatch):
     assert a.dev_mset(["x", "y"], src) == [None, None]
     got, dst = _get(b, ["x", "y"], [(5,), (3,)])
     assert got == [None, None] and b.cached_reads == 0
-    b._flush_done()  # the first read's completions go out on a background thread: not this read's
+    b._flush_done()  # the first read's completions (sent by the thread that settled them): not this read's
     calls = []
     real = broker.handle
     monkeypatch.setattr(broker, "handle", lambda c, op, *a, **k: (calls.append(op), real(c, op, *a, **k))[1])
@@ -178,7 +178,7 @@ def test_completion_reaches_the_broker_before_the_next_request(make, broker):
 
 def test_close_reports_finished_receives(make, broker, monkeypatch):
     a, b = make(), make()
-    monkeypatch.setattr(api.DeviceObjects, "_completer_main", lambda self: None)  # nothing sends on its own
+    monkeypatch.setattr(api.DeviceObjects, "_notify_done", lambda self: None)  # nothing sends on its own
     (pf,) = a.dev_publish(["k"], [[torch.ones(2)]])
     b.dev_subscribe(["k"], [[torch.zeros(2)]], timeout=WAIT)[0].result(WAIT)
     assert not pf.done()

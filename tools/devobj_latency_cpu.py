@@ -122,7 +122,7 @@ def _run(fn, address, iters, ctl, res) -> None:
 
 def _pct(xs: list[float]) -> str:
     xs = sorted(xs)
-    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e6  # noqa: E731
+    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e6
     return f"median {statistics.median(xs) * 1e6:7.1f} us   p10 {q(0.1):7.1f}   p90 {q(0.9):7.1f}"
 
 
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.join(10)
                 if p.is_alive():
                     p.kill()
+            wtrace = debug.trace_take()
             worker.stop()
     o, r = results
     sub_first = [d - p for d, p in zip(r["t_done"], o["t_pub"])]
@@ -173,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  publisher first, subscribe call -> future done:          {_pct(r['pub_first'][skip:])}")
     if args.trace:
         print("--- trace: subscriber first (both processes), last round")
-        print(debug.trace_format(sorted(o["trace"] + r["trace1"])))
+        t0, t1 = o["trace"][0][0] - 1e-3, r["trace1"][-1][0] + 2e-3
+        worker_side = [x for x in wtrace if t0 <= x[0] <= t1]  # stamps the worker's own code may add
+        print(debug.trace_format(sorted(o["trace"] + r["trace1"] + worker_side)))
         print("--- trace: publisher first (reader), last round")
         print(debug.trace_format(r["trace2"]))
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -33,9 +32,9 @@ from typing import Any
 import torch
 
 from kvstrata import errors
-from kvstrata._proc import pid_alive
 from kvstrata.devobj import broker as B
 from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
+from kvstrata.devobj._core import PidWatch
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.broadcast import BroadcastReceiver
@@ -71,9 +70,6 @@ MAX_CACHED_RECORDS = 1 << 16
 
 def _nbytes(t: dict[str, Any]) -> int:
     return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
-
-
-COMPLETION_DELAY = 200e-6  # seconds the completion thread waits before reporting finished receives
 
 
 def _brief(d: dict[str, Any]) -> dict[str, Any]:
@@ -149,11 +145,10 @@ class DeviceObjects(BroadcastReceiver):
         self._gen = getattr(link, "generation_counter", None)
         self._records: dict[str, tuple[int, dict[str, Any]]] = {}
         self.cached_reads = 0  # keys read without asking the broker (for tests and benchmarks)
-        # Completions of finished receives, sent to the broker off the caller's path, in order.
+        self._pids = PidWatch()  # owners' processes, checked after each copy from them
+        # Completions of finished receives, sent by the thread that settled them (see _flush_done).
         self._done_items: list[dict[str, Any]] = []
-        self._done_cv = threading.Condition(self._lock)
         self._flush_lock = threading.Lock()
-        self._completer: threading.Thread | None = None
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
         self._pool = ThreadPoolExecutor(
@@ -265,7 +260,6 @@ class DeviceObjects(BroadcastReceiver):
             if self._closed:
                 return
             self._closed = True
-            self._done_cv.notify_all()
         self._flush_done()  # the broker hears of every finished receive before this client leaves
         try:
             self.link.call("goodbye", {})
@@ -277,6 +271,7 @@ class DeviceObjects(BroadcastReceiver):
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._nccl is not None:
             self._nccl.close()
+        self._pids.close()
 
     def __enter__(self) -> DeviceObjects:
         return self
@@ -729,7 +724,7 @@ class DeviceObjects(BroadcastReceiver):
                     lost.add(owner)
             elif owner not in checked:
                 checked.add(owner)
-                if rec.get("pid") is not None and not pid_alive(int(rec["pid"])):
+                if rec.get("pid") is not None and not self._pids.alive(int(rec["pid"])):
                     lost.add(owner)
         return lost
 
@@ -774,9 +769,9 @@ class DeviceObjects(BroadcastReceiver):
         self._notify_done()
 
     def _report_done(self, tids: list[int], *, notify: bool = True) -> None:
-        """Queue ``complete`` for finished transfers; the completion thread (or this client's next request,
-        whichever comes first) sends them in order, so the broker learns each before anything later.
-        ``notify=False``: the caller calls :meth:`_notify_done` once it settled its futures."""
+        """Queue ``complete`` for finished transfers and send them (one one-way message; see
+        :meth:`_flush_done`). ``notify=False``: the caller sends them with :meth:`_notify_done` once it
+        settled its futures (their waiters wake first; the broker hears a few microseconds later)."""
         if not tids:
             return
         with self._lock:
@@ -785,38 +780,23 @@ class DeviceObjects(BroadcastReceiver):
             self._notify_done()
 
     def _notify_done(self) -> None:
-        with self._lock:
-            if not self._done_items:
-                return
-            if self._completer is None and not self._closed:
-                self._completer = threading.Thread(
-                    target=self._completer_main, name="kvstrata-devobj-done", daemon=True
-                )
-                self._completer.start()
-            self._done_cv.notify()
-
-    def _completer_main(self) -> None:
-        while True:
-            with self._lock:
-                while not self._done_items and not self._closed:
-                    self._done_cv.wait()
-                if self._closed and not self._done_items:
-                    return
-            # Let the callers whose futures just settled take the GIL first (their wake-up is the
-            # latency users see); the broker hears a fraction of a millisecond later, with any
-            # completions that came meanwhile in the same message.
-            time.sleep(COMPLETION_DELAY)
-            self._flush_done()
+        self._flush_done()
 
     def _flush_done(self) -> None:
-        """Send the queued completions (one request); the broker's answers only get logged: each of those
-        receives was settled already because its bytes were in and its source was valid to the end."""
+        """Send the queued completions, on this thread: one-way (nothing waits for an answer) where the
+        link offers it, on the request connection, so the broker learns each before any later request
+        of this client (:meth:`_call` waits for a send in progress). Each of those receives was settled
+        already: its bytes were in and its source stayed valid to the end."""
         with self._flush_lock:
             with self._lock:
                 items, self._done_items = self._done_items, []
             if not items:
                 return
+            notify = getattr(self.link, "notify", None)
             try:
+                if notify is not None:
+                    notify("complete_many", {"items": items})
+                    return
                 results = self.link.call("complete_many", {"items": items})["results"]
             except Exception as exc:
                 log.warning("devobj: could not report %d finished receives to the broker: %s", len(items), exc)
@@ -890,8 +870,8 @@ class DeviceObjects(BroadcastReceiver):
 
     # -- events -----------------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self._done_items:  # completions first: a later request must see every receive reported done
-            self._flush_done()
+        if self._done_items or self._flush_lock.locked():  # completions first (or their send in progress):
+            self._flush_done()  # a later request must see every receive reported done
         return self.link.call(op, args, timeout)
 
     def _poll_main(self) -> None:

@@ -45,8 +45,40 @@ def broker_of(worker: Any) -> DeviceBroker:
         return broker
 
 
+#: what :func:`handle` returns when the worker must not reply now: a parked poll (answered later by
+#: the thread that pushes the client's next event) or a one-way request (``"ow": true``, no reply at all)
+DEFERRED: dict = {}
+
+
 def handle(session: Any, msg: dict) -> dict:
-    """Worker handler for ``{"op": "dev", "dop": op, "cid": client id, "a": args, "t": timeout}``."""
+    """Worker handler for ``{"op": "dev", "dop": op, "cid": client id, "a": args, "t": timeout, "ow": one-way}``.
+
+    ``wait_events`` is parked in the broker (the session's thread goes back to reading its connection;
+    see :meth:`DeviceBroker.park_poll`); a one-way request gets no reply, its errors are logged.
+    """
+    if msg.get("ow"):
+        try:
+            _handle(session, msg)
+        except Exception as exc:  # nobody waits for an answer: a reply would desynchronize the client
+            log.warning("device objects: one-way %r request failed: %s: %s", msg.get("dop"), type(exc).__name__, exc)
+        return DEFERRED
+    if msg.get("dop") == "wait_events" and isinstance(msg.get("cid"), str):
+        conn = session.conn
+        cids = session.__dict__.setdefault("devobj_clients", set())
+        cids.add(msg["cid"])
+
+        def deliver(r: dict) -> None:
+            try:
+                conn.send({"r": r})
+            except Exception as exc:  # the client went away meanwhile: its session cleanup forgets it
+                log.debug("device objects: event delivery to %s failed: %s", msg["cid"], exc)
+
+        r = broker_of(session.worker).park_poll(msg["cid"], msg.get("t"), deliver)
+        return DEFERRED if r is None else {"r": r}
+    return _handle(session, msg)
+
+
+def _handle(session: Any, msg: dict) -> dict:
     cid, op = msg.get("cid"), msg.get("dop")
     if not isinstance(cid, str) or not cid:
         raise ValueError("cid: a device-object client id (str) is required")
@@ -100,6 +132,13 @@ class WorkerBrokerLink:
                 log.info("device objects: no generation page (%s); every read asks the worker", exc)
         for fd in fds:
             os.close(fd)
+
+    def notify(self, op: str, args: dict[str, Any]) -> None:
+        """A one-way request (no reply, no wait): after every request sent before it, before every later
+        one (one connection, one worker thread, in order). Errors are the worker's to log."""
+        msg = {"op": "dev", "dop": op, "cid": self.client_id, "a": args, "ow": True}
+        self._conns[0].send(msg)  # frames are whole (the connection's send lock); a reply-less frame may
+        # go out while another thread waits for its reply on this connection
 
     def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         from kvstrata.server import protocol as P
