@@ -345,8 +345,11 @@ class DeviceObjects(BroadcastReceiver):
         """
         if not self._cuda:
             return None, []
+        stream = torch.cuda.current_stream(self.device)
+        if stream.query():  # cudaStreamQuery: all its work is complete already; no event to record or wait for
+            return _SharedEvent(None), []
         ev = self._events.get(self.device.index)
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(stream)
         try:
             wait_event(ev, self.config.copy_timeout, "publish: the caller's stream reaching the publish point")
         except BaseException:
@@ -359,7 +362,7 @@ class DeviceObjects(BroadcastReceiver):
         events, handles = [], []
         if shared is not None:
             shared.refs += 1
-            events = [shared.event]
+            events = [shared.event] if shared.event is not None else []
             if self.config.transport != "nccl" or mode == "broadcast":  # chains always pull over IPC
                 handles = [export_tensor(t) for t in tensors]
         token = uuid.uuid4().hex
@@ -417,7 +420,7 @@ class DeviceObjects(BroadcastReceiver):
             with self._lock:
                 shared.refs -= 1
                 last = shared.refs == 0
-            if last:  # every key of its call is released: the event can serve another call
+            if last and shared.event is not None:  # every key of its call is released: the event can serve another
                 self._events.put([shared.event], self.device.index)
 
     def _release(self, obj: int, exc: BaseException | None = None) -> None:
@@ -548,6 +551,7 @@ class DeviceObjects(BroadcastReceiver):
             redo += failed
             if done is not None:
                 wait_event(done, self.config.copy_timeout, _what(queued), expected=self._expected(queued))
+                self._events.put([done], self.device.index)
             trace("cached read: copies done")
             still = self._gen.value == gen
             lost = self._lost_owners([rec for rec, _ in queued])
@@ -703,7 +707,7 @@ class DeviceObjects(BroadcastReceiver):
                 end = torch.cuda.Event()
                 end.record(ss)
                 sd.wait_event(end)
-        done = torch.cuda.Event()
+        done = self._events.get(self.device.index)  # back to the pool once seen complete (not on a timeout)
         done.record(sd)
         trace(f"copies queued ({len(queued)} keys)")
         return queued, done
@@ -744,6 +748,7 @@ class DeviceObjects(BroadcastReceiver):
         try:
             if done is not None:
                 wait_event(done, self.config.copy_timeout, _what(queued), expected=self._expected(queued))
+                self._events.put([done], self.device.index)
             trace("copy batch: copies done")
             lost = self._lost_owners([rec for rec, _ in queued])
         except BaseException as exc:  # never leave a caller's future hanging

@@ -225,7 +225,7 @@ def _import_storage(blob: dict[str, Any], device: int) -> torch.Tensor:
 def view_of(base: torch.Tensor, blob: dict[str, Any], sp: dict[str, Any]) -> torch.Tensor:
     """The exported tensor ``blob`` (contiguous, ``sp``'s dtype) as a view of its allocation ``base``."""
     dtype = dtype_of(sp["dtype"])
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize  # no tensor made per call (this runs on every receive)
     start, n = int(blob["offset"]) * itemsize, int(sp["nbytes"])
     if start + n > base.numel():
         raise ValueError(f"export of {n} bytes at {start} lies outside its {base.numel()}-byte allocation")
