@@ -145,3 +145,34 @@ def test_pid_watch_tells_live_dead_and_zombie_processes():
         w.close()
     assert w.alive(os.getpid())  # after close: the slow way, or a new pidfd
     w.close()
+
+
+def test_worker_link_parks_polls_and_one_way_errors_keep_the_connection_in_step(tmp_path):
+    from kvstrata.devobj.service import WorkerBrokerLink
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
+    links = []
+    try:
+        pub, sub = (WorkerBrokerLink(w.address) for _ in range(2))
+        links += [pub, sub]
+        info = {"pid": os.getpid(), "node_id": "n1", "device": {"uuid": "GPU-a", "index": 0}}
+        for link in links:
+            link.call("hello", {"info": info})
+        sub.call("subscribe", {"keys": ["k"], "specs": [spec()], "timeout": 10})
+        got: list[dict] = []
+        poller = threading.Thread(target=lambda: got.append(sub.call("wait_events", {"timeout": 10}, 30)))
+        poller.start()
+        deadline = time.monotonic() + WAIT
+        while sub.client_id not in w.devobj_broker._parked and time.monotonic() < deadline:
+            time.sleep(0.005)
+        pub.notify("complete_many", {"items": [{"tid": 12345, "ok": True}]})  # unknown transfer: logged only
+        pub.notify("no_such_op", {})  # a bad one-way request: logged, never answered
+        assert pub.call("publish", {"items": [item("k")]})["results"][0]["ok"]  # this reply is publish's
+        poller.join(WAIT)
+        assert [e["type"] for e in got[0]["events"]] == ["matched"]
+    finally:
+        for link in links:
+            link.close()
+        w.stop()
