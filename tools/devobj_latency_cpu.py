@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def owner(address: str, iters: int, ctl, res) -> None:
 
     c = _client(address)
     src = _pattern()
-    t_pub, t_rel = [], []
+    t_pub, t_rel, traces = [], [], []
     for _ in range(iters):  # subscriber first
         i = ctl.recv()
         debug.trace_take()
@@ -67,13 +68,14 @@ def owner(address: str, iters: int, ctl, res) -> None:
         t_pub.append(t0)
         f.result(30)
         t_rel.append(time.perf_counter() - t0)
-    trace = [(t, f"owner {th}", s) for t, th, s in debug.trace_take()]
+        traces.append([(t, f"owner {th}", s) for t, th, s in debug.trace_take()])
+    trace = traces[-1]
     for _ in range(iters):  # publisher first
         i = ctl.recv()
         (f,) = c.dev_publish([f"latp/{i}"], [[src]])
         ctl.send(i)
         f.result(30)
-    res.send({"t_pub": t_pub, "t_rel": t_rel, "trace": trace})
+    res.send({"t_pub": t_pub, "t_rel": t_rel, "trace": trace, "traces": traces})
     res.recv()  # the reader is done too
     c.close()
 
@@ -86,15 +88,18 @@ def reader(address: str, iters: int, ctl, res) -> None:
     c = _client(address)
     want = _pattern()
     d = torch.zeros(NBYTES, dtype=torch.uint8)
-    t_done = []
+    t_done, traces = [], []
     for i in range(iters):
         (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=30)
         debug.trace_take()
         ctl.send(i)
         f.result(30)
         t_done.append(time.perf_counter())
-    trace1 = [(t, f"reader {th}", s) for t, th, s in debug.trace_take()] + [(t_done[-1], "reader main", "future done")]
-    pub_first = []
+        traces.append([(t, f"reader {th}", s) for t, th, s in debug.trace_take()])
+    for tr, t in zip(traces, t_done):
+        tr.append((t, "reader main", "future done"))
+    trace1 = traces[-1]
+    pub_first, traces2 = [], []
     for i in range(iters):
         d.zero_()
         ctl.send(i)
@@ -104,10 +109,20 @@ def reader(address: str, iters: int, ctl, res) -> None:
         t0 = time.perf_counter()
         c.dev_subscribe([f"latp/{i}"], [[d]], timeout=30)[0].result(30)
         pub_first.append(time.perf_counter() - t0)
-    trace2 = [*debug.trace_take(), (t0 + pub_first[-1], "main", "future done")]
+        traces2.append([*debug.trace_take(), (t0 + pub_first[-1], "main", "future done")])
+    trace2 = traces2[-1]
     if not torch.equal(d, want):
         raise AssertionError("the hand-off delivered wrong bytes")
-    res.send({"t_done": t_done, "pub_first": pub_first, "trace1": trace1, "trace2": trace2})
+    res.send(
+        {
+            "t_done": t_done,
+            "pub_first": pub_first,
+            "trace1": trace1,
+            "trace2": trace2,
+            "traces": traces,
+            "traces2": traces2,
+        }
+    )
     res.recv()
     c.close()
 
@@ -118,6 +133,17 @@ def _run(fn, address, iters, ctl, res) -> None:
     except BaseException as exc:
         res.send({"error": f"{fn.__name__}: {type(exc).__name__}: {exc}"})
         raise
+
+
+def _median_steps(rounds: list[list[tuple[float, str, str]]]) -> str:
+    """Per step (in the order of the last round): median microseconds since the round's first stamp."""
+    at: dict[tuple[str, str], list[float]] = {}
+    for stamps in rounds:
+        stamps = sorted(stamps)
+        for t, th, step in stamps:
+            at.setdefault((th, re.sub(r"'[^']*'", "'k'", step)), []).append((t - stamps[0][0]) * 1e6)
+    order = sorted(at, key=lambda k: statistics.median(at[k]))
+    return "\n".join(f"{statistics.median(at[k]):9.1f} us  {k[0][-22:]:>22}  {k[1]}" for k in order)
 
 
 def _pct(xs: list[float]) -> str:
@@ -179,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         print(debug.trace_format(sorted(o["trace"] + r["trace1"] + worker_side)))
         print("--- trace: publisher first (reader), last round")
         print(debug.trace_format(r["trace2"]))
+        skip = min(10, args.iters // 5)
+        print("--- median per step, subscriber first (from the publish call)")
+        print(_median_steps([a + b for a, b in zip(o["traces"][skip:], r["traces"][skip:])]))
+        print("--- median per step, publisher first (from the subscribe call)")
+        print(_median_steps(r["traces2"][skip:]))
     return 0
 
 
