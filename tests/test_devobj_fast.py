@@ -176,9 +176,18 @@ def test_completion_reaches_the_broker_before_the_next_request(make, broker):
     assert broker.snapshot()["transfers"] == 0
 
 
-def test_close_reports_finished_receives(make, broker, monkeypatch):
+@pytest.mark.parametrize("where", ["queued", "sent with a poll the broker has not read"])
+def test_close_reports_finished_receives(make, broker, monkeypatch, where):
     a, b = make(), make()
     monkeypatch.setattr(api.DeviceObjects, "_notify_done", lambda self: None)  # nothing sends on its own
+    real_take = api.DeviceObjects._take_done
+
+    def take_nothing(self):  # polls carry nothing; "sent": taken as if a poll carried them, never read
+        if where != "queued":
+            real_take(self)
+        return []
+
+    monkeypatch.setattr(api.DeviceObjects, "_take_done", take_nothing)
     (pf,) = a.dev_publish(["k"], [[torch.ones(2)]])
     b.dev_subscribe(["k"], [[torch.zeros(2)]], timeout=WAIT)[0].result(WAIT)
     assert not pf.done()

@@ -176,3 +176,22 @@ def test_worker_link_parks_polls_and_one_way_errors_keep_the_connection_in_step(
         for link in links:
             link.close()
         w.stop()
+
+
+def test_requests_carry_completions_ahead_of_themselves_and_repeats_are_ignored():
+    b = _broker()
+    b.handle("pub", "publish", {"items": [item("k")]})
+    t = b.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec()], "timeout": 1})["results"][0]["transfer"]
+    done = [{"tid": t["tid"], "ok": True}]
+    # the receiver re-publishes the key it just received, in a request that carries the completion
+    r = b.handle("sub", "publish", {"items": [item("k")], "done": done})["results"][0]
+    assert r["ok"], r  # the old object was forgotten first: no KeyExists
+    assert [e["type"] for e in b.handle("pub", "wait_events", {"timeout": 0})["events"]] == ["released"]
+    # the same completion again (a poll that carried it is read later): nothing happens
+    assert b.handle("sub", "wait_events", {"timeout": 0, "done": done}) == {"events": []}
+    inbox = Inbox()
+    assert b.park_poll("pub", 10.0, inbox) is None
+    b.completed("sub", done)
+    b.handle("sub", "goodbye", {"done": done})
+    assert b.snapshot()["objects"] == {} and b.snapshot()["transfers"] == 0
+    assert [e["type"] for e in inbox.replies[0]["events"]] == ["peer_gone"]

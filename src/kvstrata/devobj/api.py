@@ -146,8 +146,10 @@ class DeviceObjects(BroadcastReceiver):
         self._records: dict[str, tuple[int, dict[str, Any]]] = {}
         self.cached_reads = 0  # keys read without asking the broker (for tests and benchmarks)
         self._pids = PidWatch()  # owners' processes, checked after each copy from them
-        # Completions of finished receives, sent by the thread that settled them (see _flush_done).
+        # Completions of finished receives (see _report_done): queued, and sent with a poll but not yet
+        # known read by the broker (by tid; repeated with every request until then, see _call).
         self._done_items: list[dict[str, Any]] = []
+        self._unacked: dict[int, dict[str, Any]] = {}
         self._flush_lock = threading.Lock()
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
@@ -261,8 +263,10 @@ class DeviceObjects(BroadcastReceiver):
                 return
             self._closed = True
         self._flush_done()  # the broker hears of every finished receive before this client leaves
+        with self._lock:  # and of those sent with a poll it may not have read yet (it ignores repeats)
+            unacked = list(self._unacked.values())
         try:
-            self.link.call("goodbye", {})
+            self.link.call("goodbye", {"done": unacked} if unacked else {})
         except Exception as exc:  # the worker may be gone already
             log.debug("devobj goodbye: %s", exc)
         self._fail_all(errors.ClosedError("device-object client closed"))
@@ -774,9 +778,10 @@ class DeviceObjects(BroadcastReceiver):
         self._notify_done()
 
     def _report_done(self, tids: list[int], *, notify: bool = True) -> None:
-        """Queue ``complete`` for finished transfers and send them (one one-way message; see
-        :meth:`_flush_done`). ``notify=False``: the caller sends them with :meth:`_notify_done` once it
-        settled its futures (their waiters wake first; the broker hears a few microseconds later)."""
+        """Queue ``complete`` for finished transfers. The event thread sends them with its next poll (no
+        message of their own); any other thread sends them at once, one-way (:meth:`_flush_done`).
+        ``notify=False``: the caller calls :meth:`_notify_done` once it settled its futures (their
+        waiters wake first)."""
         if not tids:
             return
         with self._lock:
@@ -785,7 +790,24 @@ class DeviceObjects(BroadcastReceiver):
             self._notify_done()
 
     def _notify_done(self) -> None:
-        self._flush_done()
+        if threading.current_thread() is not self._poller:  # the event thread's next poll carries them
+            self._flush_done()
+
+    def _take_done(self) -> list[dict[str, Any]]:
+        """Queued completions and those the broker may not have read yet, for a request to carry: the broker
+        completes each transfer once and ignores repeats, so every request after a receive sees it done."""
+        with self._lock:
+            items, self._done_items = self._done_items, []
+            for it in items:
+                self._unacked[it["tid"]] = it
+            return list(self._unacked.values()) if self._unacked else []
+
+    def _acked(self, items: list[dict[str, Any]]) -> None:
+        """The broker answered a request that carried ``items``: it has read them."""
+        if items:
+            with self._lock:
+                for it in items:
+                    self._unacked.pop(it["tid"], None)
 
     def _flush_done(self) -> None:
         """Send the queued completions, on this thread: one-way (nothing waits for an answer) where the
@@ -875,9 +897,15 @@ class DeviceObjects(BroadcastReceiver):
 
     # -- events -----------------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self._done_items or self._flush_lock.locked():  # completions first (or their send in progress):
-            self._flush_done()  # a later request must see every receive reported done
-        return self.link.call(op, args, timeout)
+        if self._flush_lock.locked():  # a one-way send of completions in progress: this request goes after it
+            with self._flush_lock:
+                pass
+        done = self._take_done() if (self._done_items or self._unacked) else []
+        if done:  # a later request must see every receive reported done: it carries those not yet known read
+            args = dict(args, done=done)
+        r = self.link.call(op, args, timeout)
+        self._acked(done)
+        return r
 
     def _poll_main(self) -> None:
         """The event thread: whatever ends it unexpectedly fails every pending future (and is logged)."""
@@ -890,13 +918,18 @@ class DeviceObjects(BroadcastReceiver):
 
     def _poll(self) -> None:
         while not self._closed:
+            args: dict[str, Any] = {"timeout": self.config.poll_seconds}
+            done = self._take_done() if (self._done_items or self._unacked) else []
+            if done:  # the receives this thread just finished: no message of their own
+                args["done"] = done
             try:
-                r = self.link.call("wait_events", {"timeout": self.config.poll_seconds}, self.config.poll_seconds + 30)
+                r = self.link.call("wait_events", args, self.config.poll_seconds + 30)
             except Exception as exc:
                 if not self._closed:
                     log.error("devobj: lost the broker: %s", exc)
                     self._fail_all(errors.ConnectionLost(f"device-object broker unreachable: {exc}"))
                 return
+            self._acked(done)
             if r.get("closed"):
                 self._fail_all(errors.ClosedError("the broker forgot this client"))
                 return

@@ -152,6 +152,8 @@ class DeviceBroker:
         fn = getattr(self, f"op_{op}", None)
         if fn is None and op != "goodbye":
             raise ValueError(f"op: unknown device-object operation {op!r}")
+        if op in ("wait_events", "goodbye"):
+            self.completed(client, args.get("done"))
         if op == "wait_events":
             return fn(client, args, timeout)
         if op == "goodbye":
@@ -159,10 +161,27 @@ class DeviceBroker:
             return {"ok": True}
         with self._lock:
             self._expire_locked()
+            self._completed_locked(client, args.get("done"))
             r = fn(client, args)
             out = self._take_due_locked()
         _deliver(out)  # before the caller replies: a subscriber's match goes out ahead of the publisher's answer
         return r
+
+    def completed(self, client: str, items: list[dict[str, Any]] | None) -> None:
+        """Receives ``client`` finished (``complete`` items, ``{"tid", "ok": True}``), carried by any of its
+        requests ahead of the request itself; a transfer completed before is skipped (clients repeat
+        items until a reply shows they were read)."""
+        if not items:
+            return
+        with self._lock:
+            self._completed_locked(client, items)
+            out = self._take_due_locked()
+        _deliver(out)
+
+    def _completed_locked(self, client: str, items: list[dict[str, Any]] | None) -> None:
+        for item in items or ():
+            if isinstance(item, dict) and item.get("ok") and item.get("tid") in self._transfers:
+                self.op_complete(client, item)
 
     def park_poll(self, client: str, timeout: float | None, deliver) -> dict[str, Any] | None:
         """``wait_events`` for a host that can answer later: the events at once if there are any (the

@@ -73,7 +73,11 @@ def handle(session: Any, msg: dict) -> dict:
             except Exception as exc:  # the client went away meanwhile: its session cleanup forgets it
                 log.debug("device objects: event delivery to %s failed: %s", msg["cid"], exc)
 
-        r = broker_of(session.worker).park_poll(msg["cid"], msg.get("t"), deliver)
+        broker = broker_of(session.worker)
+        args = msg.get("a")
+        if isinstance(args, dict) and args.get("done"):
+            broker.completed(msg["cid"], args["done"])
+        r = broker.park_poll(msg["cid"], msg.get("t"), deliver)
         return DEFERRED if r is None else {"r": r}
     return _handle(session, msg)
 
