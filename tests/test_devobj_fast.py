@@ -285,7 +285,8 @@ def test_import_cache_opens_each_allocation_once_and_views_records(monkeypatch):
 
     (v1,) = cache.tensors("p", rec(1, 2, 4))
     (v2,) = cache.tensors("p", rec(2, 0, 3))
-    assert len(opened) == 1
+    (again,) = cache.tensors("p", rec(6, 2, 4))  # the same buffer published again: the same view, made once
+    assert len(opened) == 1 and again is v1
     assert torch.equal(v1, backing[b"H"][8:24].view(torch.int32)) and torch.equal(
         v2, backing[b"H"][:12].view(torch.int32)
     )
