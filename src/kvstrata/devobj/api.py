@@ -19,10 +19,10 @@ Example (two processes on one node, through a worker)::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
-import uuid
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +58,7 @@ from kvstrata.devobj.link import (
 )
 
 log = logging.getLogger(__name__)
+_TOKENS = itertools.count(1)
 
 
 #: transfers up to this size are copied on the event thread itself instead of the copy pool
@@ -369,7 +370,7 @@ class DeviceObjects(BroadcastReceiver):
             events = [shared.event] if shared.event is not None else []
             if self.config.transport != "nccl" or mode == "broadcast":  # chains always pull over IPC
                 handles = [export_tensor(t) for t in tensors]
-        token = uuid.uuid4().hex
+        token = f"t{next(_TOKENS)}"  # names the export in this process only (LOCAL_EXPORTS; records carry the pid)
         _LOCAL[token] = (tensors, events)
         item = {
             "key": key,

@@ -49,8 +49,12 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
         _DTYPES[_name] = getattr(torch, _name)
 
 
+_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def dtype_of(name: str) -> torch.dtype:
