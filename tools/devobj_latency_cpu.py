@@ -22,6 +22,7 @@ import argparse
 import multiprocessing as mp
 import os
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -29,6 +30,12 @@ import time
 from pathlib import Path
 
 NBYTES = 4096
+
+
+def _usage() -> tuple[float, int]:
+    """This process's CPU seconds (user + system, all threads) and context switches so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_nvcsw + r.ru_nivcsw
 
 
 def _pattern():
@@ -60,6 +67,7 @@ def owner(address: str, iters: int, ctl, res) -> None:
     c = _client(address)
     src = _pattern()
     t_pub, t_rel, traces = [], [], []
+    u0 = _usage()
     for _ in range(iters):  # subscriber first
         i = ctl.recv()
         debug.trace_take()
@@ -70,12 +78,14 @@ def owner(address: str, iters: int, ctl, res) -> None:
         t_rel.append(time.perf_counter() - t0)
         traces.append([(t, f"owner {th}", s) for t, th, s in debug.trace_take()])
     trace = traces[-1]
+    u1 = _usage()
     for _ in range(iters):  # publisher first
         i = ctl.recv()
         (f,) = c.dev_publish([f"latp/{i}"], [[src]])
         ctl.send(i)
         f.result(30)
-    res.send({"t_pub": t_pub, "t_rel": t_rel, "trace": trace, "traces": traces})
+    u2 = _usage()
+    res.send({"usage": [u0, u1, u2], "t_pub": t_pub, "t_rel": t_rel, "trace": trace, "traces": traces})
     res.recv()  # the reader is done too
     c.close()
 
@@ -89,6 +99,7 @@ def reader(address: str, iters: int, ctl, res) -> None:
     want = _pattern()
     d = torch.zeros(NBYTES, dtype=torch.uint8)
     t_done, traces = [], []
+    u0 = _usage()
     for i in range(iters):
         (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=30)
         debug.trace_take()
@@ -99,6 +110,7 @@ def reader(address: str, iters: int, ctl, res) -> None:
     for tr, t in zip(traces, t_done):
         tr.append((t, "reader main", "future done"))
     trace1 = traces[-1]
+    u1 = _usage()
     pub_first, traces2 = [], []
     for i in range(iters):
         d.zero_()
@@ -111,10 +123,12 @@ def reader(address: str, iters: int, ctl, res) -> None:
         pub_first.append(time.perf_counter() - t0)
         traces2.append([*debug.trace_take(), (t0 + pub_first[-1], "main", "future done")])
     trace2 = traces2[-1]
+    u2 = _usage()
     if not torch.equal(d, want):
         raise AssertionError("the hand-off delivered wrong bytes")
     res.send(
         {
+            "usage": [u0, u1, u2],
             "t_done": t_done,
             "pub_first": pub_first,
             "trace1": trace1,
@@ -174,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for p in procs:
             p.start()
+        w0 = _usage()
         try:
             results = []
             for here, _ in res:
@@ -189,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.join(10)
                 if p.is_alive():
                     p.kill()
+            w1 = _usage()
             wtrace = debug.trace_take()
             worker.stop()
     o, r = results
@@ -198,6 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  subscriber first, publish call -> reader's future done:  {_pct(sub_first[skip:])}")
     print(f"  subscriber first, publish call -> owner's future done:   {_pct(o['t_rel'][skip:])}")
     print(f"  publisher first, subscribe call -> future done:          {_pct(r['pub_first'][skip:])}")
+    n = args.iters
+    for name, res in (("owner", o), ("reader", r)):
+        (c0, s0), (c1, s1), (c2, s2) = res["usage"]
+        print(
+            f"  {name:6s} process per round: subscriber first {(c1 - c0) / n * 1e6:6.1f} us CPU, "
+            f"{(s1 - s0) / n:4.1f} context switches; publisher first {(c2 - c1) / n * 1e6:6.1f} us, "
+            f"{(s2 - s1) / n:4.1f}"
+        )
+    print(
+        f"  worker process per round (both parts, with startup): {(w1[0] - w0[0]) / (2 * n) * 1e6:6.1f} us CPU, "
+        f"{(w1[1] - w0[1]) / (2 * n):4.1f} context switches"
+    )
     if args.trace:
         print("--- trace: subscriber first (both processes), last round")
         t0, t1 = o["trace"][0][0] - 1e-3, r["trace1"][-1][0] + 2e-3
