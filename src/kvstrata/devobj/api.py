@@ -771,7 +771,7 @@ class DeviceObjects(BroadcastReceiver):
                 self._inflight.pop(t["tid"], None)
             good.append((t["tid"], want))
         # Queued before any future settles (a callback that closes this client still reports them), sent
-        # after: the completion thread would otherwise take the GIL from the caller's wake-up.
+        # after (the callers wake first): by the event thread's next poll, or one-way from any other thread.
         self._report_done([tid for tid, _ in good], notify=False)
         for _, want in good:
             _settle(want.future)

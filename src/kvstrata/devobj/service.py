@@ -1,13 +1,17 @@
 """Where device objects plug into the worker and the client SDK.
 
-Worker side (two lines in :mod:`kvstrata.server.worker`): the ``dev`` request is routed to
+Worker side (three lines in :mod:`kvstrata.server.worker`): the ``dev`` request is routed to
 :func:`handle`, and :func:`session_closed` runs when a connection ends, so a client that dies makes
 its keys vanish and its peers get errors. Each worker hosts one :class:`DeviceBroker`.
 
 Client side: :class:`WorkerBrokerLink` speaks ``{"op": "dev", "dop": op, "cid": id, "a": args}`` to the
 worker over two connections of its own (requests, and the long poll of events, so a poll never delays
-a request); :class:`DeviceObjectsMixin` gives :class:`kvstrata.client.Client` its ``dev_*`` methods,
-started on first use (embedded clients share one in-process broker).
+a request). The worker parks a poll in the broker instead of blocking a thread on it: the thread that
+pushes the client's next event (e.g. the publisher's request thread, for a match) sends it at once,
+before its own reply, so no worker thread wakes up to carry an event. ``"ow": true`` marks a one-way
+request (no reply; finished receives sent by a client's copy threads). :class:`DeviceObjectsMixin`
+gives :class:`kvstrata.client.Client` its ``dev_*`` methods, started on first use (embedded clients
+share one in-process broker).
 """
 
 from __future__ import annotations
