@@ -51,7 +51,7 @@ def test_second_mget_skips_the_broker_and_is_exact(make, broker, monkeypatch):
     assert a.dev_mset(["x", "y"], src) == [None, None]
     got, dst = _get(b, ["x", "y"], [(5,), (3,)])
     assert got == [None, None] and b.cached_reads == 0
-    b._flush_done()  # the first read's completions go out on a background thread: not this read's
+    b._flush_done()  # the first read's completions (sent by the thread that settled them): not this read's
     calls = []
     real = broker.handle
     monkeypatch.setattr(broker, "handle", lambda c, op, *a, **k: (calls.append(op), real(c, op, *a, **k))[1])
@@ -176,9 +176,18 @@ def test_completion_reaches_the_broker_before_the_next_request(make, broker):
     assert broker.snapshot()["transfers"] == 0
 
 
-def test_close_reports_finished_receives(make, broker, monkeypatch):
+@pytest.mark.parametrize("where", ["queued", "sent with a poll the broker has not read"])
+def test_close_reports_finished_receives(make, broker, monkeypatch, where):
     a, b = make(), make()
-    monkeypatch.setattr(api.DeviceObjects, "_completer_main", lambda self: None)  # nothing sends on its own
+    monkeypatch.setattr(api.DeviceObjects, "_notify_done", lambda self: None)  # nothing sends on its own
+    real_take = api.DeviceObjects._take_done
+
+    def take_nothing(self):  # polls carry nothing; "sent": taken as if a poll carried them, never read
+        if where != "queued":
+            real_take(self)
+        return []
+
+    monkeypatch.setattr(api.DeviceObjects, "_take_done", take_nothing)
     (pf,) = a.dev_publish(["k"], [[torch.ones(2)]])
     b.dev_subscribe(["k"], [[torch.zeros(2)]], timeout=WAIT)[0].result(WAIT)
     assert not pf.done()
@@ -276,7 +285,8 @@ def test_import_cache_opens_each_allocation_once_and_views_records(monkeypatch):
 
     (v1,) = cache.tensors("p", rec(1, 2, 4))
     (v2,) = cache.tensors("p", rec(2, 0, 3))
-    assert len(opened) == 1
+    (again,) = cache.tensors("p", rec(6, 2, 4))  # the same buffer published again: the same view, made once
+    assert len(opened) == 1 and again is v1
     assert torch.equal(v1, backing[b"H"][8:24].view(torch.int32)) and torch.equal(
         v2, backing[b"H"][:12].view(torch.int32)
     )

@@ -19,11 +19,11 @@ Example (two processes on one node, through a worker)::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from kvstrata import errors
-from kvstrata._proc import pid_alive
 from kvstrata.devobj import broker as B
 from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
+from kvstrata.devobj._core import PidWatch
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.broadcast import BroadcastReceiver
@@ -59,6 +59,7 @@ from kvstrata.devobj.link import (
 )
 
 log = logging.getLogger(__name__)
+_TOKENS = itertools.count(1)
 
 
 #: transfers up to this size are copied on the event thread itself instead of the copy pool
@@ -71,9 +72,6 @@ MAX_CACHED_RECORDS = 1 << 16
 
 def _nbytes(t: dict[str, Any]) -> int:
     return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
-
-
-COMPLETION_DELAY = 200e-6  # seconds the completion thread waits before reporting finished receives
 
 
 def _brief(d: dict[str, Any]) -> dict[str, Any]:
@@ -149,11 +147,12 @@ class DeviceObjects(BroadcastReceiver):
         self._gen = getattr(link, "generation_counter", None)
         self._records: dict[str, tuple[int, dict[str, Any]]] = {}
         self.cached_reads = 0  # keys read without asking the broker (for tests and benchmarks)
-        # Completions of finished receives, sent to the broker off the caller's path, in order.
+        self._pids = PidWatch()  # owners' processes, checked after each copy from them
+        # Completions of finished receives (see _report_done): queued, and sent with a poll but not yet
+        # known read by the broker (by tid; repeated with every request until then, see _call).
         self._done_items: list[dict[str, Any]] = []
-        self._done_cv = threading.Condition(self._lock)
+        self._unacked: dict[int, dict[str, Any]] = {}
         self._flush_lock = threading.Lock()
-        self._completer: threading.Thread | None = None
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
         self._pool = ThreadPoolExecutor(
@@ -265,10 +264,11 @@ class DeviceObjects(BroadcastReceiver):
             if self._closed:
                 return
             self._closed = True
-            self._done_cv.notify_all()
         self._flush_done()  # the broker hears of every finished receive before this client leaves
+        with self._lock:  # and of those sent with a poll it may not have read yet (it ignores repeats)
+            unacked = list(self._unacked.values())
         try:
-            self.link.call("goodbye", {})
+            self.link.call("goodbye", {"done": unacked} if unacked else {})
         except Exception as exc:  # the worker may be gone already
             log.debug("devobj goodbye: %s", exc)
         self._fail_all(errors.ClosedError("device-object client closed"))
@@ -277,6 +277,7 @@ class DeviceObjects(BroadcastReceiver):
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._nccl is not None:
             self._nccl.close()
+        self._pids.close()
 
     def __enter__(self) -> DeviceObjects:
         return self
@@ -350,8 +351,11 @@ class DeviceObjects(BroadcastReceiver):
         """
         if not self._cuda:
             return None, []
+        stream = torch.cuda.current_stream(self.device)
+        if stream.query():  # cudaStreamQuery: all its work is complete already; no event to record or wait for
+            return _SharedEvent(None), []
         ev = self._events.get(self.device.index)
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(stream)
         try:
             wait_event(ev, self.config.copy_timeout, "publish: the caller's stream reaching the publish point")
         except BaseException:
@@ -364,10 +368,10 @@ class DeviceObjects(BroadcastReceiver):
         events, handles = [], []
         if shared is not None:
             shared.refs += 1
-            events = [shared.event]
+            events = [shared.event] if shared.event is not None else []
             if self.config.transport != "nccl" or mode == "broadcast":  # chains always pull over IPC
                 handles = [export_tensor(t) for t in tensors]
-        token = uuid.uuid4().hex
+        token = f"t{next(_TOKENS)}"  # names the export in this process only (LOCAL_EXPORTS; records carry the pid)
         _LOCAL[token] = (tensors, events)
         item = {
             "key": key,
@@ -422,7 +426,7 @@ class DeviceObjects(BroadcastReceiver):
             with self._lock:
                 shared.refs -= 1
                 last = shared.refs == 0
-            if last:  # every key of its call is released: the event can serve another call
+            if last and shared.event is not None:  # every key of its call is released: the event can serve another
                 self._events.put([shared.event], self.device.index)
 
     def _release(self, obj: int, exc: BaseException | None = None) -> None:
@@ -553,6 +557,7 @@ class DeviceObjects(BroadcastReceiver):
             redo += failed
             if done is not None:
                 self._wait_copies(done, queued)
+                self._events.put([done], self.device.index)
             trace("cached read: copies done")
             still = self._gen.value == gen
             lost = self._lost_owners([rec for rec, _ in queued])
@@ -708,7 +713,7 @@ class DeviceObjects(BroadcastReceiver):
                 end = torch.cuda.Event()
                 end.record(ss)
                 sd.wait_event(end)
-        done = torch.cuda.Event()
+        done = self._events.get(self.device.index)  # back to the pool once seen complete (not on a timeout)
         done.record(sd)
         trace(f"copies queued ({len(queued)} keys)")
         return queued, done
@@ -735,7 +740,7 @@ class DeviceObjects(BroadcastReceiver):
                     lost.add(owner)
             elif owner not in checked:
                 checked.add(owner)
-                if rec.get("pid") is not None and not pid_alive(int(rec["pid"])):
+                if rec.get("pid") is not None and not self._pids.alive(int(rec["pid"])):
                     lost.add(owner)
         return lost
 
@@ -755,6 +760,7 @@ class DeviceObjects(BroadcastReceiver):
         try:
             if done is not None:
                 self._wait_copies(done, queued)
+                self._events.put([done], self.device.index)
             trace("copy batch: copies done")
             lost = self._lost_owners([rec for rec, _ in queued])
         except BaseException as exc:  # never leave a caller's future hanging
@@ -772,7 +778,7 @@ class DeviceObjects(BroadcastReceiver):
                 self._inflight.pop(t["tid"], None)
             good.append((t["tid"], want))
         # Queued before any future settles (a callback that closes this client still reports them), sent
-        # after: the completion thread would otherwise take the GIL from the caller's wake-up.
+        # after (the callers wake first): by the event thread's next poll, or one-way from any other thread.
         self._report_done([tid for tid, _ in good], notify=False)
         for _, want in good:
             _settle(want.future)
@@ -780,9 +786,10 @@ class DeviceObjects(BroadcastReceiver):
         self._notify_done()
 
     def _report_done(self, tids: list[int], *, notify: bool = True) -> None:
-        """Queue ``complete`` for finished transfers; the completion thread (or this client's next request,
-        whichever comes first) sends them in order, so the broker learns each before anything later.
-        ``notify=False``: the caller calls :meth:`_notify_done` once it settled its futures."""
+        """Queue ``complete`` for finished transfers. The event thread sends them with its next poll (no
+        message of their own); any other thread sends them at once, one-way (:meth:`_flush_done`).
+        ``notify=False``: the caller calls :meth:`_notify_done` once it settled its futures (their
+        waiters wake first)."""
         if not tids:
             return
         with self._lock:
@@ -791,38 +798,40 @@ class DeviceObjects(BroadcastReceiver):
             self._notify_done()
 
     def _notify_done(self) -> None:
-        with self._lock:
-            if not self._done_items:
-                return
-            if self._completer is None and not self._closed:
-                self._completer = threading.Thread(
-                    target=self._completer_main, name="kvstrata-devobj-done", daemon=True
-                )
-                self._completer.start()
-            self._done_cv.notify()
-
-    def _completer_main(self) -> None:
-        while True:
-            with self._lock:
-                while not self._done_items and not self._closed:
-                    self._done_cv.wait()
-                if self._closed and not self._done_items:
-                    return
-            # Let the callers whose futures just settled take the GIL first (their wake-up is the
-            # latency users see); the broker hears a fraction of a millisecond later, with any
-            # completions that came meanwhile in the same message.
-            time.sleep(COMPLETION_DELAY)
+        if threading.current_thread() is not self._poller:  # the event thread's next poll carries them
             self._flush_done()
 
+    def _take_done(self) -> list[dict[str, Any]]:
+        """Queued completions and those the broker may not have read yet, for a request to carry: the broker
+        completes each transfer once and ignores repeats, so every request after a receive sees it done."""
+        with self._lock:
+            items, self._done_items = self._done_items, []
+            for it in items:
+                self._unacked[it["tid"]] = it
+            return list(self._unacked.values()) if self._unacked else []
+
+    def _acked(self, items: list[dict[str, Any]]) -> None:
+        """The broker answered a request that carried ``items``: it has read them."""
+        if items:
+            with self._lock:
+                for it in items:
+                    self._unacked.pop(it["tid"], None)
+
     def _flush_done(self) -> None:
-        """Send the queued completions (one request); the broker's answers only get logged: each of those
-        receives was settled already because its bytes were in and its source was valid to the end."""
+        """Send the queued completions, on this thread: one-way (nothing waits for an answer) where the
+        link offers it, on the request connection, so the broker learns each before any later request
+        of this client (:meth:`_call` waits for a send in progress). Each of those receives was settled
+        already: its bytes were in and its source stayed valid to the end."""
         with self._flush_lock:
             with self._lock:
                 items, self._done_items = self._done_items, []
             if not items:
                 return
+            notify = getattr(self.link, "notify", None)
             try:
+                if notify is not None:
+                    notify("complete_many", {"items": items})
+                    return
                 results = self.link.call("complete_many", {"items": items})["results"]
             except Exception as exc:
                 log.warning("devobj: could not report %d finished receives to the broker: %s", len(items), exc)
@@ -896,9 +905,15 @@ class DeviceObjects(BroadcastReceiver):
 
     # -- events -----------------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self._done_items:  # completions first: a later request must see every receive reported done
-            self._flush_done()
-        return self.link.call(op, args, timeout)
+        if self._flush_lock.locked():  # a one-way send of completions in progress: this request goes after it
+            with self._flush_lock:
+                pass
+        done = self._take_done() if (self._done_items or self._unacked) else []
+        if done:  # a later request must see every receive reported done: it carries those not yet known read
+            args = dict(args, done=done)
+        r = self.link.call(op, args, timeout)
+        self._acked(done)
+        return r
 
     def _poll_main(self) -> None:
         """The event thread: whatever ends it unexpectedly fails every pending future (and is logged)."""
@@ -911,13 +926,18 @@ class DeviceObjects(BroadcastReceiver):
 
     def _poll(self) -> None:
         while not self._closed:
+            args: dict[str, Any] = {"timeout": self.config.poll_seconds}
+            done = self._take_done() if (self._done_items or self._unacked) else []
+            if done:  # the receives this thread just finished: no message of their own
+                args["done"] = done
             try:
-                r = self.link.call("wait_events", {"timeout": self.config.poll_seconds}, self.config.poll_seconds + 30)
+                r = self.link.call("wait_events", args, self.config.poll_seconds + 30)
             except Exception as exc:
                 if not self._closed:
                     log.error("devobj: lost the broker: %s", exc)
                     self._fail_all(errors.ConnectionLost(f"device-object broker unreachable: {exc}"))
                 return
+            self._acked(done)
             if r.get("closed"):
                 self._fail_all(errors.ClosedError("the broker forgot this client"))
                 return

@@ -6,7 +6,8 @@ It lives in the worker process (one per node) and is pure Python, thread-safe an
 Why cycles cannot form
 ----------------------
 Nothing in the broker blocks except :meth:`DeviceBroker.wait_events`, a long poll on the caller's
-*own* event queue, taken without holding anything another client needs. Every other operation
+*own* event queue, taken without holding anything another client needs (a worker parks it instead,
+:meth:`DeviceBroker.park_poll`, and the thread that pushes an event answers it). Every other operation
 returns at once: a subscriber that comes first registers a *waiter* and later receives a
 ``matched`` event; a publisher only registers a record. Data then moves by *pull*: the receiver
 copies from memory the publisher exported, and reports completion. The publisher never waits on a
@@ -99,7 +100,8 @@ class DeviceBroker:
     """Registry of device objects and the meeting point of their readers (thread-safe).
 
     The worker calls :meth:`handle` for every ``dev.*`` request and :meth:`owner_gone` when a client's
-    connection drops. ``wait_events`` blocks (up to its timeout) and should run on a thread of its own.
+    connection drops. ``wait_events`` blocks (up to its timeout) and should run on a thread of its own;
+    a host that can answer a request later parks it instead (:meth:`park_poll`).
 
     Example::
 
@@ -122,6 +124,12 @@ class DeviceBroker:
         self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
         self._peers: dict[str, set[str]] = {}  # client -> clients it exchanged data with
         self._ids = itertools.count(1)
+        # Parked long polls (see park_poll): client -> (deliver, deadline); clients with events to deliver.
+        self._parked: dict[str, tuple[Any, float | None]] = {}
+        self._due: set[str] = set()
+        self._timer: threading.Thread | None = None
+        self._timer_cond = threading.Condition(self._lock)
+        self._timer_wake: float | None = None  # when the timer thread plans to wake (None: not sleeping)
         self._gen_fd, self._gen_map, self._gen = _generation_page()
         weakref.finalize(self, os.close, self._gen_fd)
 
@@ -144,6 +152,8 @@ class DeviceBroker:
         fn = getattr(self, f"op_{op}", None)
         if fn is None and op != "goodbye":
             raise ValueError(f"op: unknown device-object operation {op!r}")
+        if op in ("wait_events", "goodbye"):
+            self.completed(client, args.get("done"))
         if op == "wait_events":
             return fn(client, args, timeout)
         if op == "goodbye":
@@ -151,7 +161,54 @@ class DeviceBroker:
             return {"ok": True}
         with self._lock:
             self._expire_locked()
-            return fn(client, args)
+            self._completed_locked(client, args.get("done"))
+            r = fn(client, args)
+            out = self._take_due_locked()
+        _deliver(out)  # before the caller replies: a subscriber's match goes out ahead of the publisher's answer
+        return r
+
+    def completed(self, client: str, items: list[dict[str, Any]] | None) -> None:
+        """Receives ``client`` finished (``complete`` items, ``{"tid", "ok": True}``), carried by any of its
+        requests ahead of the request itself; a transfer completed before is skipped (clients repeat
+        items until a reply shows they were read)."""
+        if not items:
+            return
+        with self._lock:
+            self._completed_locked(client, items)
+            out = self._take_due_locked()
+        _deliver(out)
+
+    def _completed_locked(self, client: str, items: list[dict[str, Any]] | None) -> None:
+        for item in items or ():
+            if isinstance(item, dict) and item.get("ok") and item.get("tid") in self._transfers:
+                self.op_complete(client, item)
+
+    def park_poll(self, client: str, timeout: float | None, deliver) -> dict[str, Any] | None:
+        """``wait_events`` for a host that can answer later: the events at once if there are any (the
+        reply), else ``None``, and ``deliver(reply)`` is called exactly once later: by the thread that
+        pushes the client's next event (no thread wakes up to carry it), with ``{"events": []}`` at
+        ``timeout``, or ``{"events": [], "closed": True}`` when the client goes away. ``deliver`` runs
+        outside the broker's lock and must not raise.
+        """
+        reply = None
+        with self._lock:
+            self._expire_locked()
+            out = self._take_due_locked()  # others' timeouts just pushed
+            q = self._events.get(client)
+            if q is None:
+                reply = {"events": [], "closed": True}
+            elif q or (timeout is not None and timeout <= 0):
+                reply = {"events": list(q)}
+                q.clear()
+            else:
+                old = self._parked.pop(client, None)
+                if old is not None:  # a client polls once at a time; a second poll ends the first (empty)
+                    out.append((old[0], {"events": []}))
+                end = None if timeout is None else self._clock() + float(timeout)
+                self._parked[client] = (deliver, end)
+                self._plan_timer_locked(end)
+        _deliver(out)
+        return reply
 
     # -- client lifetime --------------------------------------------------------------------------
     def op_hello(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +258,13 @@ class DeviceBroker:
                 self._peers.get(other, set()).discard(client)
                 self._push(other, {"type": "peer_gone", "client": client})
             self._events.pop(client, None)
+            self._due.discard(client)
+            parked = self._parked.pop(client, None)
+            out = self._take_due_locked()
             self._cond.notify_all()
+        if parked is not None:
+            out.append((parked[0], {"events": [], "closed": True}))
+        _deliver(out)
 
     # -- writers ----------------------------------------------------------------------------------
     def op_publish(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -279,6 +342,8 @@ class DeviceBroker:
             self._waiter_by_id[w.wid] = w
             if deadline is not None:
                 heapq.heappush(self._deadlines, (deadline, w.wid))
+                if self._parked:
+                    self._plan_timer_locked(deadline)
             # Answer at once when the object is there: the common case costs no event round trip.
             immediate = self._match_locked(key, only=w.wid)
             out.append(immediate if immediate is not None else {"status": "waiting", "wid": w.wid})
@@ -368,6 +433,8 @@ class DeviceBroker:
         with self._lock:
             while True:
                 self._expire_locked()
+                if self._due:  # timeouts for parked polls: the timer thread answers them
+                    self._timer_cond.notify()
                 q = self._events.get(client)
                 if q is None:
                     return {"events": [], "closed": True}
@@ -404,7 +471,54 @@ class DeviceBroker:
         q = self._events.get(client)
         if q is not None:
             q.append(event)
-            self._cond.notify_all()
+            if client in self._parked:
+                self._due.add(client)  # answered by _take_due_locked at the end of this locked section
+            else:
+                self._cond.notify_all()  # an in-process wait_events
+
+    def _take_due_locked(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Answers for parked polls whose clients have events: (deliver, reply), to call outside the lock."""
+        out = []
+        for client in self._due:
+            parked = self._parked.pop(client, None)
+            q = self._events.get(client)
+            if parked is not None and q:
+                out.append((parked[0], {"events": list(q)}))
+                q.clear()
+        self._due.clear()
+        return out
+
+    def _plan_timer_locked(self, when: float | None) -> None:
+        """Make the timer thread (parked polls' and waiters' deadlines) wake by ``when`` at the latest."""
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._timer_main, name="kvstrata-devobj-timer", daemon=True)
+            self._timer_wake = when
+            self._timer.start()
+        elif when is not None and (self._timer_wake is None or when < self._timer_wake):
+            self._timer_cond.notify()
+
+    def _timer_main(self) -> None:
+        """Answers parked polls at their deadline and times out waiters while polls are parked."""
+        while True:
+            with self._lock:
+                if not self._parked:
+                    self._timer = None
+                    return
+                now = self._clock()
+                self._expire_locked()
+                out = self._take_due_locked()
+                for client, (deliver, end) in list(self._parked.items()):
+                    if end is not None and end <= now:
+                        del self._parked[client]
+                        out.append((deliver, {"events": []}))
+                if not out:
+                    ends = [e for _, e in self._parked.values() if e is not None]
+                    if self._deadlines:
+                        ends.append(self._deadlines[0][0])
+                    self._timer_wake = min(ends) if ends else None
+                    self._timer_cond.wait(None if self._timer_wake is None else max(0.0, self._timer_wake - now))
+                    self._timer_wake = None
+            _deliver(out)
 
     def _drop_waiter(self, w: _Waiter) -> None:
         self._waiter_by_id.pop(w.wid, None)
@@ -608,6 +722,11 @@ def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:
     gen = ctypes.c_uint64.from_buffer(mm)  # one aligned 8-byte store/load: never torn
     gen.value = 1
     return fd, mm, gen
+
+
+def _deliver(out: list[tuple[Any, dict[str, Any]]]) -> None:
+    for deliver, reply in out:
+        deliver(reply)
 
 
 def _err(code: str, message: str) -> dict[str, Any]:

@@ -49,8 +49,12 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
         _DTYPES[_name] = getattr(torch, _name)
 
 
+_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -225,7 +229,7 @@ def _import_storage(blob: dict[str, Any], device: int) -> torch.Tensor:
 def view_of(base: torch.Tensor, blob: dict[str, Any], sp: dict[str, Any]) -> torch.Tensor:
     """The exported tensor ``blob`` (contiguous, ``sp``'s dtype) as a view of its allocation ``base``."""
     dtype = dtype_of(sp["dtype"])
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize  # no tensor made per call (this runs on every receive)
     start, n = int(blob["offset"]) * itemsize, int(sp["nbytes"])
     if start + n > base.numel():
         raise ValueError(f"export of {n} bytes at {start} lies outside its {base.numel()}-byte allocation")
@@ -252,6 +256,10 @@ class EventPool:
             self._free.setdefault(device, []).extend(events)
 
 
+#: views kept per imported allocation (see ImportCache.tensors)
+MAX_VIEWS = 64
+
+
 class ImportCache:
     """Imported allocations per (peer, handle, offset) as whole storages, bounded LRU; records are views.
 
@@ -263,7 +271,8 @@ class ImportCache:
     def __init__(self, max_allocations: int = 256, max_bytes: int = 1 << 40, *, open_storage=None) -> None:
         # A cached import pins the exporter's block (torch keeps it out of reuse while mapped), so the
         # cache is bounded by count and by bytes.
-        self._allocs: OrderedDict[tuple[str, bytes, int], tuple[torch.Tensor, int]] = OrderedDict()
+        # (peer, handle, offset) -> (whole allocation, its size, views of it made so far by (offset, shape, dtype))
+        self._allocs: OrderedDict[tuple[str, bytes, int], tuple[torch.Tensor, int, dict]] = OrderedDict()
         self._bytes = 0
         self._max_bytes = max_bytes
         self._objects: dict[tuple[str, int], list[torch.Tensor]] = {}
@@ -306,7 +315,7 @@ class ImportCache:
                     self.opened += 1
                     old = self._allocs.pop(k, None)
                     self._bytes -= old[1] if old else 0
-                    self._allocs[k] = (base, size)
+                    hit = self._allocs[k] = (base, size, {})
                     self._bytes += size
                     # Never the one just opened (a single block larger than the bound is still cached:
                     # a 1 GiB bound once made every read of a 2 GiB buffer re-open it, ~80 us a key).
@@ -314,8 +323,15 @@ class ImportCache:
                         len(self._allocs) > self._max_allocs or self._bytes > self._max_bytes
                     ):
                         self._bytes -= self._allocs.popitem(last=False)[1][1]
-                hit = (base, size)
-            out.append(view_of(hit[0], blob, sp))
+            # A buffer published again and again is the same view each time: made once (3 tensor ops).
+            vk = (blob["offset"], tuple(blob["size"]), sp["dtype"], sp["nbytes"])
+            view = hit[2].get(vk)
+            if view is None:
+                view = view_of(hit[0], blob, sp)
+                if len(hit[2]) >= MAX_VIEWS:
+                    hit[2].clear()
+                hit[2][vk] = view
+            out.append(view)
         if reuse:
             with self._lock:
                 self._objects[(peer, record["obj"])] = out

@@ -21,7 +21,8 @@ from kvstrata.devobj import broker as B
 
 
 class BrokerLink(Protocol):
-    """How a client reaches the broker: one request/response call per operation."""
+    """How a client reaches the broker: one request/response call per operation. A link may also offer
+    ``notify(op, args)``: the request with no answer (sent in order with ``call``'s, nothing waits)."""
 
     client_id: str
 
@@ -39,6 +40,10 @@ class InprocBrokerLink:
 
     def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         return self.broker.handle(self.client_id, op, args, timeout)
+
+    def notify(self, op: str, args: dict[str, Any]) -> None:
+        """A request whose answer nobody needs (the worker link sends it one-way)."""
+        self.broker.handle(self.client_id, op, args)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,17 @@
 """Where device objects plug into the worker and the client SDK.
 
-Worker side (two lines in :mod:`kvstrata.server.worker`): the ``dev`` request is routed to
+Worker side (three lines in :mod:`kvstrata.server.worker`): the ``dev`` request is routed to
 :func:`handle`, and :func:`session_closed` runs when a connection ends, so a client that dies makes
 its keys vanish and its peers get errors. Each worker hosts one :class:`DeviceBroker`.
 
 Client side: :class:`WorkerBrokerLink` speaks ``{"op": "dev", "dop": op, "cid": id, "a": args}`` to the
 worker over two connections of its own (requests, and the long poll of events, so a poll never delays
-a request); :class:`DeviceObjectsMixin` gives :class:`kvstrata.client.Client` its ``dev_*`` methods,
-started on first use (embedded clients share one in-process broker).
+a request). The worker parks a poll in the broker instead of blocking a thread on it: the thread that
+pushes the client's next event (e.g. the publisher's request thread, for a match) sends it at once,
+before its own reply, so no worker thread wakes up to carry an event. ``"ow": true`` marks a one-way
+request (no reply; finished receives sent by a client's copy threads). :class:`DeviceObjectsMixin`
+gives :class:`kvstrata.client.Client` its ``dev_*`` methods, started on first use (embedded clients
+share one in-process broker).
 """
 
 from __future__ import annotations
@@ -45,8 +49,44 @@ def broker_of(worker: Any) -> DeviceBroker:
         return broker
 
 
+#: what :func:`handle` returns when the worker must not reply now: a parked poll (answered later by
+#: the thread that pushes the client's next event) or a one-way request (``"ow": true``, no reply at all)
+DEFERRED: dict = {}
+
+
 def handle(session: Any, msg: dict) -> dict:
-    """Worker handler for ``{"op": "dev", "dop": op, "cid": client id, "a": args, "t": timeout}``."""
+    """Worker handler for ``{"op": "dev", "dop": op, "cid": client id, "a": args, "t": timeout, "ow": one-way}``.
+
+    ``wait_events`` is parked in the broker (the session's thread goes back to reading its connection;
+    see :meth:`DeviceBroker.park_poll`); a one-way request gets no reply, its errors are logged.
+    """
+    if msg.get("ow"):
+        try:
+            _handle(session, msg)
+        except Exception as exc:  # nobody waits for an answer: a reply would desynchronize the client
+            log.warning("device objects: one-way %r request failed: %s: %s", msg.get("dop"), type(exc).__name__, exc)
+        return DEFERRED
+    if msg.get("dop") == "wait_events" and isinstance(msg.get("cid"), str):
+        conn = session.conn
+        cids = session.__dict__.setdefault("devobj_clients", set())
+        cids.add(msg["cid"])
+
+        def deliver(r: dict) -> None:
+            try:
+                conn.send({"r": r})
+            except Exception as exc:  # the client went away meanwhile: its session cleanup forgets it
+                log.debug("device objects: event delivery to %s failed: %s", msg["cid"], exc)
+
+        broker = broker_of(session.worker)
+        args = msg.get("a")
+        if isinstance(args, dict) and args.get("done"):
+            broker.completed(msg["cid"], args["done"])
+        r = broker.park_poll(msg["cid"], msg.get("t"), deliver)
+        return DEFERRED if r is None else {"r": r}
+    return _handle(session, msg)
+
+
+def _handle(session: Any, msg: dict) -> dict:
     cid, op = msg.get("cid"), msg.get("dop")
     if not isinstance(cid, str) or not cid:
         raise ValueError("cid: a device-object client id (str) is required")
@@ -100,6 +140,13 @@ class WorkerBrokerLink:
                 log.info("device objects: no generation page (%s); every read asks the worker", exc)
         for fd in fds:
             os.close(fd)
+
+    def notify(self, op: str, args: dict[str, Any]) -> None:
+        """A one-way request (no reply, no wait): after every request sent before it, before every later
+        one (one connection, one worker thread, in order). Errors are the worker's to log."""
+        msg = {"op": "dev", "dop": op, "cid": self.client_id, "a": args, "ow": True}
+        self._conns[0].send(msg)  # frames are whole (the connection's send lock); a reply-less frame may
+        # go out while another thread waits for its reply on this connection
 
     def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         from kvstrata.server import protocol as P

@@ -358,6 +358,8 @@ class Session:
             self.worker.counters["errors"] += 1
             log.exception("request %r from client %s failed", op, self.name)
             reply = P.error_record(ServerError(f"internal error in {op!r}: {type(exc).__name__}: {exc}"))
+        if reply is devobj_service.DEFERRED:  # a parked device-object poll or a one-way request
+            return None
         if handler is not None and op in P.ONE_WAY_OPS:
             if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
                 log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
