@@ -606,9 +606,7 @@ class DeviceObjects(BroadcastReceiver):
         if t["path"] == "nccl":
             self._start_nccl_recv(t, want)
         elif t["kind"] == "bcast":
-            if t["position"] == 0:
-                rec = t["record"]
-                self._start_bcast_step(t, want, dict(rec, client=rec["owner"]))
+            self._start_bcast(t, want)
         elif threading.current_thread() is self._poller and _nbytes(t) <= INLINE_COPY_BYTES:
             # A small copy costs less than a hand-off to the pool: do it here (the 4 KiB latency path).
             try:
@@ -953,7 +951,7 @@ class DeviceObjects(BroadcastReceiver):
                 want = self._inflight.pop(ev["tid"], None)
             if want is not None:
                 self._bcast_done(want, error_from(ev.get("error"), ev.get("message", "")))
-        elif kind in ("chain_pred", "transfer_done"):
+        elif kind in ("chain_pred", "member_ready", "transfer_done"):
             with self._lock:
                 want = self._inflight.get(ev["tid"])
                 if want is None:
@@ -964,7 +962,7 @@ class DeviceObjects(BroadcastReceiver):
             if kind == "transfer_done":
                 self._bcast_done(want, None)
             else:
-                self._start_bcast_step(want.transfer, want, ev["pred"])
+                self._on_chain_event(want, ev)
         elif kind in ("released", "failed"):
             with self._lock:
                 if ev["obj"] not in self._owned:
