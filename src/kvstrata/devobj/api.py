@@ -215,12 +215,14 @@ class DeviceObjects(BroadcastReceiver):
     def dev_broadcast(
         self, key: str, tensor_list: Sequence[torch.Tensor], receivers: int, chunk_bytes: int | None = None
     ) -> Future:
-        """Send one key to ``receivers`` subscribers, pipelined in chunks along a chain.
+        """Send one key to ``receivers`` subscribers, pipelined in chunks, one copying process per GPU.
 
-        Receivers call :meth:`dev_subscribe` as usual. Once all have subscribed, receiver ``i`` copies
-        chunk ``c`` from receiver ``i-1`` as soon as ``i-1`` has it (shared-memory progress counters,
-        see :mod:`kvstrata.devobj.chain`), so N receivers finish in about one copy plus N-1 chunks;
-        receivers on the sender's GPU come first so each GPU link is crossed once. Every receiver's
+        Receivers call :meth:`dev_subscribe` as usual. Once all have subscribed, one receiver per GPU
+        (its leader) pulls chunk ``c`` from the sender, or from the previous GPU's leader as soon as
+        that one has it, and copies it on to the other receivers of its GPU (shared-memory progress
+        counters, see :mod:`kvstrata.devobj.chain`), so N receivers finish in about one copy plus a
+        chunk or two; each GPU link is crossed once. ``chunk_bytes`` is the least chunk (big objects
+        get larger ones, :func:`kvstrata.devobj.chain.chunk_size`). Every receiver's
         future, and this one, completes when all receivers have everything; if any receiver fails
         or goes away, all of them fail (none reports a partial object as received).
         """
