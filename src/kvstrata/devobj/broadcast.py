@@ -118,9 +118,9 @@ class BroadcastReceiver:
         """A broadcast matched: a member exports to its leader; a leader whose source is the sender
         starts now, one that pulls from another leader when that one's export arrives (``chain_pred``)."""
         role = t.get("role", "leader")
-        step = _Step(role, running=role == "member")
-        with self._lock:
-            self._bcast_steps()[t["tid"]] = step
+        with self._lock:  # a member's export may have reached a leader's inbox already (_on_chain_event)
+            step = self._bcast_steps().setdefault(t["tid"], _Step(role))
+            step.role, step.running = role, role == "member"
         if role == "member":
             self._spawn_step(t, want, self._member_step, step)
         elif t.get("pred", "sender" if t["position"] == 0 else "chain") == "sender":
@@ -131,11 +131,10 @@ class BroadcastReceiver:
         """``chain_pred`` (our predecessor's export: start) or ``member_ready`` (a member's export)."""
         if ev["type"] == "chain_pred":
             self._start_bcast_step(want.transfer, want, ev["pred"])
-        elif ev["type"] == "member_ready":
-            with self._lock:
-                step = self._bcast_steps().get(want.tid)
-            if step is not None:
-                step.inbox.put(ev["member"])
+        elif ev["type"] == "member_ready" and not want.future.done():
+            with self._lock:  # may come before _start_bcast registered the step (the poller runs meanwhile)
+                step = self._bcast_steps().setdefault(want.tid, _Step("leader"))
+            step.inbox.put(ev["member"])
 
     def _start_bcast_step(self, t: dict[str, Any], want: _Want, pred: dict[str, Any]) -> None:
         """Run this leader's step on a thread of its own: it waits on its predecessor and its members for
@@ -244,13 +243,15 @@ class BroadcastReceiver:
                 timeout=self.config.copy_timeout,
                 what=what,
             )
-        except BaseException:
+        except BaseException as exc:
             if link.progress is not None:
                 link.progress.fail()  # the next leader stops now, before the broker's abort reaches it
             if wait_ptr is not None:
                 link.pred_progress.release_waiters()  # our stream's pending GPU waits end (the copies are moot)
             drained = self._drain([pulls, fan.events() if fan is not None else []], what)
             if fan is not None:
+                if fan.members:  # the broker first, so that everyone's error names this failure
+                    self._report_failed(t, exc)
                 fan.stop()  # after the drain: the members' buffers are theirs again
                 fan.close()
             self._refuse_members(step)
@@ -278,6 +279,13 @@ class BroadcastReceiver:
             if link is not None:
                 link.release()
             raise
+
+    def _report_failed(self, t: dict[str, Any], exc: BaseException) -> None:
+        """Tell the broker this step failed (it aborts the broadcast); the later report finds it done."""
+        try:
+            self._call("complete", {"tid": t["tid"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        except Exception as exc2:
+            log.debug("devobj complete(ok=False): %s", exc2)
 
     def _puller(
         self,
@@ -450,6 +458,7 @@ class BroadcastReceiver:
         n = len(self._plan(rec))
         link = ChainLink()
         leader_pid = None
+        refused = False
         started = time.perf_counter()
         try:
             if want.future.done():
@@ -458,7 +467,8 @@ class BroadcastReceiver:
             if self._cuda and want.after is not None:  # the leader writes our buffers: not before this
                 wait_event(want.after, self.config.copy_timeout, f"{what}: the caller's stream reaching the call")
             r = self._call("member_ready", {"tid": t["tid"], "export": self._my_export(rec, want, link)})
-            if not r.get("ok", True):
+            if not r.get("ok", True):  # the broadcast was aborted meanwhile
+                refused = True
                 raise errors.ServerError(f"{what}: {r.get('message')}")
             leader_pid = r.get("leader_pid")
             trace(f"{what}: exported to the leader")
@@ -473,7 +483,12 @@ class BroadcastReceiver:
                 what=what,
             )
         except BaseException as exc:
-            self._member_stopped(link, n, leader_pid, what)
+            if self._member_stopped(link, n, leader_pid, what) or refused:
+                # The broker knows the cause already (a failed leader tells it before its members): its
+                # abort, naming the cause, is on its way.
+                deadline = time.monotonic() + 0.5
+                while step.abort is None and time.monotonic() < deadline:
+                    time.sleep(1e-3)
             with self._lock:
                 step.running = False
                 err = step.abort or exc
@@ -492,18 +507,20 @@ class BroadcastReceiver:
             return
         self._complete(t, want)
 
-    def _member_stopped(self, link: ChainLink, n: int, leader_pid: int | None, what: str) -> None:
-        """An aborted member: return once the leader writes no more into our buffers (bounded)."""
+    def _member_stopped(self, link: ChainLink, n: int, leader_pid: int | None, what: str) -> bool:
+        """An aborted member: return once the leader writes no more into our buffers (bounded); True when
+        the leader said it failed."""
         p = link.progress
         if p is None or p.claim():
-            return  # the leader never opened our counter, and now cannot: it never copies into us
+            return False  # the leader never opened our counter, and now cannot: it never copies into us
         deadline = time.monotonic() + MEMBER_STOP_WAIT
         while time.monotonic() < deadline:
             v = p.value()
             if v == FAILED or v >= n or (leader_pid is not None and not pid_alive(leader_pid)):
-                return
+                return v == FAILED
             time.sleep(1e-3)
         log.warning("devobj: %s: the leader did not confirm it stopped within %g s", what, MEMBER_STOP_WAIT)
+        return False
 
     # -- both -------------------------------------------------------------------------------------
     def _log_receive(self, rec: dict[str, Any], pos: int, chunks: int, started: float, copied: float, **kw) -> None:
@@ -526,6 +543,8 @@ class BroadcastReceiver:
             if exc is not None and step is not None and step.running:
                 step.abort = exc  # a member: it settles once its leader stopped writing into its buffers
                 return
+            if step is not None and want.tid is not None:  # a leader's thread keeps its own reference
+                self._bcast_steps().pop(want.tid, None)
         _settle(want.future, exc)
         with self._lock:  # after settling: a step that finishes now sees the future done and releases itself
             link, want.chain = want.chain, None
