@@ -1,54 +1,19 @@
-"""Pipelined broadcast chains without a GPU: the shared-memory progress counter, the chunk pump (with
-fake events and a fake clock), and whole broadcasts between CPU clients of one process: several
-receivers, chunk boundaries, a chain that really overlaps, a stalled predecessor (Timeout naming the
-key and position), aborts (the sender or a receiver goes away) failing every receiver, and no
-progress files left in /dev/shm."""
+"""The parts of pipelined broadcasts, without a GPU: the shared-memory progress counter (and a member
+taking its name back), the chunk pump and a leader's fan-out to its members (fake events, a fake
+clock), chunk sizes and spans, and the counters' GPU-side operations against a fake driver. Whole
+broadcasts between CPU clients: tests/test_devobj_bcast_e2e.py."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import threading
-import time
+from collections import deque
 
 import pytest
-import torch
 
 from kvstrata import errors
-from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink
-from kvstrata.devobj import broadcast as bcast_mod
-from kvstrata.devobj.chain import plan_chunks, pump
-from kvstrata.devobj.progress import FAILED, PREFIX, SHM_DIR, Progress, sweep_stale
-
-WAIT = 10
-CHUNK = 4096
-CFG = DeviceObjectConfig(allow_cpu=True, poll_seconds=0.05, chunk_bytes=CHUNK)
-
-
-def my_progress_files() -> list[str]:
-    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}p{os.getpid()}-")]
-
-
-@pytest.fixture
-def make():
-    broker = DeviceBroker()
-    made = []
-
-    def _make(name: str, **cfg) -> DeviceObjects:
-        c = DeviceObjects(
-            InprocBrokerLink(broker, name), device="cpu", config=DeviceObjectConfig(**{**vars(CFG), **cfg})
-        )
-        made.append(c)
-        return c
-
-    _make.broker = broker
-    yield _make
-    for c in made:
-        c.close()
-    deadline = time.monotonic() + WAIT  # step threads end and release their counters
-    while my_progress_files() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert my_progress_files() == []
+from kvstrata.devobj.chain import MAX_AUTO_CHUNK, FanOut, Member, chunk_size, plan_chunks, pump, spans
+from kvstrata.devobj.progress import FAILED, PREFIX, Progress, sweep_stale
 
 
 # -- progress counter ---------------------------------------------------------------------------------
@@ -203,197 +168,125 @@ def test_plan_chunks_boundaries():
     assert plan_chunks(specs, 4) == [(0, 0, 4), (0, 4, 4), (0, 8, 2), (1, 0, 0), (2, 0, 4), (2, 4, 4), (3, 0, 3)]
 
 
-# -- whole broadcasts between CPU clients ---------------------------------------------------------------
-def tensors(seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, 255, (3 * CHUNK + 5,), generator=g, dtype=torch.uint8),  # odd tail
-        torch.randn(7, 3, generator=g),  # smaller than a chunk
-        torch.randn(CHUNK // 2, generator=g).to(torch.bfloat16),  # exactly one chunk
-        torch.zeros(0, dtype=torch.int32),  # empty
-        *[torch.arange(i + 1, dtype=torch.int64) for i in range(12)],  # many small tensors
-    ]
+def test_chunk_size_grows_for_big_objects_and_all_receivers_agree():
+    def specs(*sizes):
+        return [{"nbytes": n} for n in sizes]
+
+    assert chunk_size(specs(3 << 20), 32 << 20) == 32 << 20  # small: the requested size
+    assert chunk_size(specs(2 << 30), 32 << 20) == 64 << 20  # 2 GiB: 32 chunks
+    assert chunk_size(specs(8 << 30), 32 << 20) == MAX_AUTO_CHUNK  # capped: the chain still pipelines
+    assert chunk_size(specs(1 << 30, 1 << 30), 32 << 20) == 64 << 20  # the whole object counts
+    assert chunk_size(specs(8 << 30), 256 << 20) == 256 << 20  # a larger request is kept
+    assert chunk_size(specs(0), 4096) == 4096 and chunk_size(specs(12345), 4096) == 4096
 
 
-def broadcast(make, n: int, key: str = "w", seed: int = 1, **cfg):
-    sender = make("sender", **cfg)
-    receivers = [make(f"r{i}", **cfg) for i in range(n)]
-    src = tensors(seed)
-    dsts = [[torch.full_like(t, 7) for t in src] for _ in receivers]
-    futs = [r.dev_subscribe([key], [d], timeout=WAIT)[0] for r, d in zip(receivers, dsts)]
-    return sender, receivers, src, dsts, futs, sender.dev_broadcast(key, src, receivers=n)
+def test_spans_merge_contiguous_chunks_per_tensor():
+    plan = plan_chunks([{"nbytes": 10}, {"nbytes": 0}, {"nbytes": 8}], 4)
+    assert spans(plan, 0, len(plan)) == [(0, 0, 10), (2, 0, 8)]  # the empty tensor needs no copy
+    assert spans(plan, 1, 5) == [(0, 4, 6), (2, 0, 4)]
+    assert spans(plan, 2, 2) == []
 
 
-@pytest.mark.parametrize("n", [1, 2, 5])
-def test_broadcast_many_receivers_exact(make, n):
-    _, receivers, src, dsts, futs, sf = broadcast(make, n)
-    keep = [t.clone() for t in src]
-    for f in futs:
-        f.result(WAIT)
-    sf.result(WAIT)
-    for d in dsts:
-        assert all(torch.equal(a, b) for a, b in zip(d, keep))
-    assert all(torch.equal(a, b) for a, b in zip(src, keep))  # the source is untouched
-    positions = sorted(e["position"] for r in receivers for e in r.broadcast_log())
-    assert positions == list(range(n))
-    assert make.broker.snapshot()["objects"] == {}
+def test_progress_claim_only_before_a_reader_opened_it(tmp_path):
+    a = Progress.create(tmp_path)
+    assert a.claim() is True  # nobody opened it: now nobody can
+    with pytest.raises(FileNotFoundError):
+        Progress.open(a.name, tmp_path)
+    b = Progress.create(tmp_path)
+    r = Progress.open(b.name, tmp_path)
+    assert b.claim() is False  # a reader has it
+    for p in (a, b, r):
+        p.close()
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_chain_overlaps_chunk_by_chunk(make, monkeypatch):
-    """Position 1 copies its first chunk while position 0 is still copying (not hop by hop)."""
-    order: list[tuple[int, int]] = []
-    real = bcast_mod.pump
+# -- a leader's fan-out to its members, with fake events ---------------------------------------------------
+class Ev:
+    def __init__(self) -> None:
+        self.done = False
 
-    def slow_first(n, enqueue, **kw):
-        pos = int(kw["what"].split("at position ")[1].split()[0])
-
-        def enq(c: int):
-            order.append((pos, c))
-            if pos == 0:
-                time.sleep(0.01)  # position 0's copies are slow: its successor must not wait for all
-            return enqueue(c)
-
-        return real(n, enq, **kw)
-
-    monkeypatch.setattr(bcast_mod, "pump", slow_first)
-    _, _, src, dsts, futs, sf = broadcast(make, 2)
-    for f in [*futs, sf]:
-        f.result(WAIT)
-    first_of_1 = order.index((1, 0))
-    last_of_0 = max(i for i, (p, _) in enumerate(order) if p == 0)
-    assert first_of_1 < last_of_0, order
-    assert all(torch.equal(a, b) for a, b in zip(dsts[1], src))
+    def query(self) -> bool:
+        return self.done
 
 
-def cap_publish(monkeypatch, position: int, cap: int) -> None:
-    """The receiver at ``position`` copies everything but tells its successor only ``cap`` chunks."""
-    real = bcast_mod.pump
+def fan_world(n_members: int, arrive_after: dict[int, int]):
+    """A leader pulling 6 chunks (fake events) whose members arrive after some chunks were queued."""
+    log: list = []
+    pulls: list[Ev] = []
+    fans: list[Ev] = []
+    got: dict[int, list[int]] = {m: [] for m in range(n_members)}
+    inbox: list[Member] = []
 
-    def capped(n, enqueue, **kw):
-        if f"at position {position} " in kw["what"] and kw["publish"] is not None:
-            pub = kw["publish"]
-            kw["publish"] = lambda k: pub(min(k, cap))
-        return real(n, enqueue, **kw)
+    def member(i: int) -> Member:
+        def publish(k: int) -> None:
+            assert all(e.done for e in fans), "a member heard of chunks whose copies had not completed"
+            got[i].append(k)
 
-    monkeypatch.setattr(bcast_mod, "pump", capped)
+        return Member(i, None, publish, lambda: log.append(("fail", i)))
 
+    def attach() -> list[Member]:
+        out = list(inbox)
+        inbox.clear()
+        return out
 
-def test_stalled_predecessor_times_out_and_fails_everyone(make, monkeypatch):
-    cap_publish(monkeypatch, position=1, cap=1)
-    _, _, _, _, futs, sf = broadcast(make, 3, copy_timeout=0.3)
-    with pytest.raises(errors.Timeout, match=r"broadcast of 'w' at position 2 of 3: the predecessor has 1 of"):
-        futs[2].result(WAIT)
-    for f in futs[:2]:  # they have all the bytes, but the broadcast failed: not reported as done
-        with pytest.raises(errors.ServerError, match="Aborted"):
-            f.result(WAIT)
-    with pytest.raises(errors.ServerError, match="failed"):
-        sf.result(WAIT)
-    assert make.broker.snapshot()["objects"] == {}
+    def copy(members, start, stop, after):
+        assert after is None or after is pulls[-1], "the fan-out must wait for the newest pull"
+        log.append(("fan", tuple(m.position for m in members), start, stop))
+        ev = Ev()
+        fans.append(ev)
+        return ev
 
+    def enqueue(c: int) -> Ev:
+        for i, when in arrive_after.items():
+            if when == c:
+                inbox.append(member(i))
+        ev = Ev()
+        pulls.append(ev)
+        return ev
 
-@pytest.mark.parametrize("who", ["sender", "r0", "r2"])
-def test_abort_mid_broadcast_fails_every_receiver(make, monkeypatch, who):
-    cap_publish(monkeypatch, position=0, cap=1)  # the chain stalls after chunk 0 (long copy_timeout)
-    sender, receivers, _, _, futs, sf = broadcast(make, 3)
-    time.sleep(0.1)  # every step is polling
-    assert not any(f.done() for f in futs)
-    t0 = time.monotonic()
-    {"sender": sender, "r0": receivers[0], "r2": receivers[2]}[who].close()
-    for f in [*futs, sf]:
-        with pytest.raises(errors.KvstrataError):
-            f.result(WAIT)
-    assert time.monotonic() - t0 < 5  # the poll loops saw the abort; nobody waited for copy_timeout
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline and any(t.name.startswith("kvstrata-bcast-") for t in threading.enumerate()):
-        time.sleep(0.01)
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvstrata-bcast-")]
-    assert make.broker.snapshot()["objects"] == {}
+    def tick(_: float) -> None:  # the GPU completes everything queued between polls
+        for e in pulls + fans:
+            e.done = True
+
+    return log, got, attach, copy, enqueue, tick
 
 
-def test_receiver_gone_before_its_step_starts(make):
-    """A receiver that leaves after subscribing (before all joined) never breaks the others' later broadcast."""
-    sender = make("s")
-    r = [make(f"r{i}") for i in range(3)]
-    src = tensors(3)
-    dsts = [[torch.full_like(t, 7) for t in src] for _ in r]
-    f0 = r[0].dev_subscribe(["k"], [dsts[0]], timeout=WAIT)[0]
-    r[0].close()
-    with pytest.raises(errors.ClosedError):
-        f0.result(WAIT)
-    futs = [x.dev_subscribe(["k"], [d], timeout=WAIT)[0] for x, d in zip(r[1:], dsts[1:])]
-    sf = sender.dev_broadcast("k", src, receivers=2)
-    for f in [*futs, sf]:
-        f.result(WAIT)
-    assert all(torch.equal(a, b) for d in dsts[1:] for a, b in zip(d, src))
+def test_fanout_catches_late_members_up_in_one_copy_and_publishes_after_completion():
+    log, got, attach, copy, enqueue, tick = fan_world(2, {0: 0, 1: 3})
+    fan = FanOut(2, attach=attach, copy=copy)
+    pump(6, enqueue, available=lambda: 6, publish=None, aborted=lambda: None, fanout=fan, timeout=1, what="w",
+         sleep=tick)  # fmt: skip
+    fans = [x for x in log if x[0] == "fan"]
+    late = [x for x in fans if 1 in x[1]]
+    assert late[0][2] == 0 and late[0][3] >= 4, "the late member's backlog is one copy from chunk 0"
+    covered = {m: sorted(c for _, ms, a, b in fans if m in ms for c in range(a, b)) for m in (0, 1)}
+    assert covered == {0: list(range(6)), 1: list(range(6))}  # every chunk exactly once per member
+    assert all(g == sorted(g) and g[-1] == 6 for g in got.values())
+    assert fan.finished(6) and fan.pending == deque()
 
 
-# -- GPU-side waits ("stream"): what can be checked without a GPU ---------------------------------------
-def test_broadcast_wait_validated_and_cpu_falls_back_to_host(make):
-    with pytest.raises(ValueError, match="broadcast_wait"):
-        DeviceObjectConfig(broadcast_wait="gpu")
-    _, _, src, dsts, futs, sf = broadcast(make, 3, broadcast_wait="stream")  # CPU tensors: host waits
-    for f in [*futs, sf]:
-        f.result(WAIT)
-    assert all(torch.equal(a, b) for d in dsts for a, b in zip(d, src))
+def test_fanout_leader_waits_for_missing_members_then_times_out():
+    log, got, attach, copy, enqueue, tick = fan_world(2, {0: 0})  # member 1 never arrives
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        tick(s)
+        now[0] += max(s, 1e-3)
+
+    fan = FanOut(2, attach=attach, copy=copy)
+    with pytest.raises(errors.Timeout, match=r"w: 1 group member\(s\) did not send their buffers"):
+        pump(3, enqueue, available=lambda: 3, publish=None, aborted=lambda: None, fanout=fan, timeout=0.5,
+             what="w", clock=lambda: now[0], sleep=sleep)  # fmt: skip
+    assert got[0][-1] == 3  # the member that came has everything meanwhile
+    fan.stop()
+    assert log[-1] == ("fail", 0)
 
 
-def test_progress_device_ptr_registered_once_and_unregistered_on_close(tmp_path):
-    from kvstrata.memory import is_registered
+def test_fanout_attach_error_fails_the_leader():
+    def attach():
+        raise errors.ServerError("member went away")
 
-    w = Progress.create(tmp_path)
-    ptr = w.device_ptr()
-    assert w.device_ptr() == ptr and is_registered(ptr, 8)  # without CUDA: the host address, recorded
-    w.release_waiters()
-    assert w.value() == (1 << 30) - 1
-    w.close()
-    assert not is_registered(ptr, 8)
-
-
-def test_gpu_wait_and_write_call_the_driver_with_geq_and_barrier(monkeypatch):
-    from kvstrata.devobj import progress
-
-    calls = []
-
-    class FakeDriver:
-        def CUstream(self, h):
-            return ("stream", h)
-
-        def CUdeviceptr(self, p):
-            return p
-
-        def cuStreamWaitValue32(self, *a):
-            calls.append(("wait", *a))
-            return (0,)
-
-        def cuStreamWriteValue32(self, *a):
-            calls.append(("write", *a))
-            return (0,)
-
-    monkeypatch.setattr(progress, "_driver", lambda: FakeDriver())
-    stream = type("S", (), {"cuda_stream": 1234})()
-    progress.gpu_wait(stream, 0x1000, 3)
-    progress.gpu_write(stream, 0x2000, 4)
-    assert calls == [("wait", ("stream", 1234), 0x1000, 3, 0), ("write", ("stream", 1234), 0x2000, 4, 0)]
-    monkeypatch.setattr(FakeDriver, "cuStreamWaitValue32", lambda self, *a: (7,))
-    with pytest.raises(RuntimeError, match="cuStreamWaitValue32 failed"):
-        progress.gpu_wait(stream, 0x1000, 3)
-
-
-def test_waiting_chain_step_does_not_hold_back_other_copies(make, monkeypatch):
-    """A chain step waits on its predecessor for the whole broadcast: it runs on a thread of its own,
-    so the client's copy pool (one thread here) still serves other receives meanwhile."""
-    cap_publish(monkeypatch, position=0, cap=1)  # position 1 waits (copy_timeout: 120 s)
-    s, r0, r1 = make("s"), make("r0"), make("r1", copy_threads=1)
-    src = tensors(5)
-    futs = [r.dev_subscribe(["b"], [[torch.full_like(t, 7) for t in src]], timeout=WAIT)[0] for r in (r0, r1)]
-    sf = s.dev_broadcast("b", src, receivers=2)
-    big = [torch.arange(1 << 19, dtype=torch.int32)]  # 2 MiB: copied on the pool, not inline
-    dst = [torch.zeros_like(big[0])]
-    s.dev_publish(["other"], [big])
-    r1.dev_subscribe(["other"], [dst], timeout=WAIT)[0].result(WAIT)
-    assert torch.equal(dst[0], big[0])
-    assert not any(f.done() for f in [*futs, sf])  # the broadcast is still waiting
-    s.close()
-    for f in futs:
-        with pytest.raises(errors.KvstrataError):
-            f.result(WAIT)
+    fan = FanOut(1, attach=attach, copy=lambda *a: None)
+    with pytest.raises(errors.ServerError, match="member went away"):
+        pump(2, lambda c: None, available=lambda: 2, publish=None, aborted=lambda: None, fanout=fan, timeout=1,
+             what="w")  # fmt: skip

@@ -186,30 +186,73 @@ def test_owner_gone_errors_transfers_and_keys_vanish(broker):
     assert r["error"] == B.E_NOT_FOUND  # a late completion cannot make it "done"
 
 
-def test_broadcast_waits_for_all_and_orders_chain_by_gpu(broker):
+def test_broadcast_waits_for_all_and_plans_one_leader_per_gpu(broker):
     broker.handle("pub", "broadcast", {"item": item("b", receivers=3, chunk_bytes=4096)})
     got = {}
     for c in ("sub", "sub3", "sub2"):  # sub, sub3 on GPU-b; sub2 on the sender's GPU-a
         got[c] = broker.handle(c, "subscribe", {"keys": ["b"], "timeout": 5})["results"][0]
     assert got["sub"]["status"] == got["sub3"]["status"] == "waiting"
     assert got["sub2"]["status"] == "matched"  # the last one in gets its answer at once
-    pos = {"sub2": got["sub2"]["transfer"]["position"]}
+    t = {"sub2": got["sub2"]["transfer"]}
     for c in ("sub", "sub3"):
         (ev,) = events(broker, c)
-        pos[c] = ev["transfer"]["position"]
-        got[c] = ev
-    assert pos == {"sub2": 0, "sub": 1, "sub3": 2}  # same GPU first, then one crossing, arrival order kept
-    t0 = got["sub2"]["transfer"]
-    broker.handle("sub2", "chain_ready", {"tid": t0["tid"], "export": {"handles": [1], "events": [b"e"]}})
+        t[c] = ev["transfer"]
+    plan = {c: (x["position"], x["group"], x["role"], x.get("pred"), x.get("successor")) for c, x in t.items()}
+    # The sender's GPU first; on GPU-b the first to arrive leads and pulls from the sender itself (GPU-a's
+    # copy is the same bytes over the same link), so GPU-a's leader exports to nobody.
+    assert plan == {
+        "sub2": (0, 0, "leader", "sender", False),
+        "sub": (1, 1, "leader", "sender", False),
+        "sub3": (2, 1, "member", None, None),
+    }
+    assert (t["sub"]["members"], t["sub2"]["members"], t["sub3"]["leader"]) == (1, 0, 1)
+    r = broker.handle("sub3", "member_ready", {"tid": t["sub3"]["tid"], "export": {"progress": "p", "handles": [1]}})
+    assert r == {"ok": True, "leader_pid": 2}
     (ev,) = events(broker, "sub")
-    assert ev["type"] == "chain_pred" and ev["pred"]["client"] == "sub2"
-    for c, tid in (("sub2", t0["tid"]), ("sub", got["sub"]["transfer"]["tid"])):
-        assert broker.handle(c, "complete", {"tid": tid, "ok": True})["pending"]
+    assert ev["type"] == "member_ready" and ev["tid"] == t["sub"]["tid"]
+    assert ev["member"] == {"progress": "p", "handles": [1], "client": "sub3", "position": 2}
+    assert broker.handle("sub", "member_ready", {"tid": t["sub"]["tid"], "export": {}})["error"] == B.E_NOT_FOUND
+    for c in ("sub2", "sub"):
+        assert broker.handle(c, "complete", {"tid": t[c]["tid"], "ok": True})["pending"]
     assert events(broker, "pub") == []  # not done until the last receiver is
-    broker.handle("sub3", "complete", {"tid": got["sub3"]["transfer"]["tid"], "ok": True})
+    broker.handle("sub3", "complete", {"tid": t["sub3"]["tid"], "ok": True})
     assert [e["type"] for e in events(broker, "pub")] == ["released"]
     for c in ("sub", "sub2", "sub3"):
         assert [e["type"] for e in events(broker, c)] == ["transfer_done"]
+
+
+def test_broadcast_chain_of_leaders_when_the_sender_gpu_has_no_receiver():
+    b = DeviceBroker()
+    layout = {"pub": "GPU-a", "x1": "GPU-c", "x2": "GPU-b", "x3": "GPU-c", "x4": "GPU-d"}
+    for i, (c, uuid) in enumerate(layout.items()):
+        b.handle(c, "hello", {"info": {"pid": 10 + i, "node_id": "n1", "device": {"uuid": uuid, "index": 0}}})
+    b.handle("pub", "broadcast", {"item": item("b", receivers=4)})
+    t = {}
+    for c in ("x1", "x2", "x3", "x4"):
+        r = b.handle(c, "subscribe", {"keys": ["b"]})["results"][0]
+        t[c] = r["transfer"] if r["status"] == "matched" else None
+    for c in ("x1", "x2", "x3"):
+        (ev,) = events(b, c)
+        t[c] = ev["transfer"]
+    plan = {c: (x["position"], x["group"], x["role"], x.get("pred"), x.get("successor")) for c, x in t.items()}
+    assert plan == {  # GPU uuid order after the sender's; each later leader pulls from the one before
+        "x2": (0, 0, "leader", "sender", True),
+        "x1": (1, 1, "leader", "chain", True),
+        "x3": (2, 1, "member", None, None),
+        "x4": (3, 2, "leader", "chain", False),
+    }
+    b.handle("x2", "chain_ready", {"tid": t["x2"]["tid"], "export": {"progress": "q"}})
+    (ev,) = events(b, "x1")
+    assert (ev["type"], ev["tid"], ev["pred"]["client"]) == ("chain_pred", t["x1"]["tid"], "x2")
+    assert events(b, "x4") == [] and events(b, "x3") == []
+    b.handle("x1", "chain_ready", {"tid": t["x1"]["tid"], "export": {"progress": "r"}})
+    assert [e["pred"]["client"] for e in events(b, "x4")] == ["x1"]
+    assert b.handle("x3", "member_ready", {"tid": t["x3"]["tid"], "export": {}})["leader_pid"] == 11
+    assert [e["type"] for e in events(b, "x1")] == ["member_ready"]
+    b.owner_gone("x3")  # a member goes: everyone is aborted; its leader hears it is gone
+    assert [e["type"] for e in events(b, "x1")] == ["error", "peer_gone"]
+    assert [e["type"] for e in events(b, "pub")] == ["failed", "peer_gone"]
+    assert b.snapshot()["objects"] == {} and b.snapshot()["transfers"] == 0
 
 
 def test_broadcast_receiver_failure_aborts_everyone(broker):

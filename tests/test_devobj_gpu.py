@@ -170,7 +170,8 @@ def bcast_abandoned_receiver(address: str, device: int, nbytes: int, bwait: str)
 
 
 def bcast_dying_receiver(address: str, device: int, nbytes: int) -> None:
-    """Chain position 0 (the only receiver on the sender's GPU): dies after queuing its 4th chunk copy."""
+    """Dies inside its broadcast step: a leader after queuing its 4th chunk pull, a member once its 4th
+    chunk landed (its leader is still copying into it)."""
     from kvstrata.devobj import broadcast
 
     real = broadcast.pump
@@ -279,14 +280,17 @@ def test_broadcast_to_three_receivers_over_two_gpus(worker, nbytes, mode, bwait)
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("bwait", ["host", "stream"])
-def test_broadcast_receiver_dying_mid_copy_fails_everyone(worker, bwait):
+@pytest.mark.parametrize(("bwait", "dying_gpu"), [("host", 0), ("stream", 0), ("host", 1), ("stream", 1)])
+def test_broadcast_receiver_dying_mid_copy_fails_everyone(worker, bwait, dying_gpu):
+    """GPU0: the dying receiver is GPU0's only one, so its leader; GPU1's leader pulls from the sender.
+    GPU1: all three receivers on GPU1; the dying one is their leader or a member (arrival order), so
+    either a leader dies while copying into its members or a member dies while its leader copies into it."""
     import torch.multiprocessing as mp
 
     from kvstrata.devobj.progress import PREFIX, SHM_DIR, sweep_stale
 
-    nbytes = 4 << 20  # 64 chunks of 64 KiB
-    dying = mp.get_context("spawn").Process(target=bcast_dying_receiver, args=(worker.address, 0, nbytes))
+    nbytes = 4 << 20  # 32 chunks of 128 KiB
+    dying = mp.get_context("spawn").Process(target=bcast_dying_receiver, args=(worker.address, dying_gpu, nbytes))
     dying.start()
     try:
         a = worker.address
@@ -324,6 +328,8 @@ def test_broadcast_between_clients_of_one_process(bwait):
         for d in dsts:
             assert same(d, make(13, "cpu", specs)), "broadcast copy differs"
         assert sorted(e["position"] for r in receivers for e in r.broadcast_log()) == [0, 1, 2]
+        leaders = [e for r in receivers for e in r.broadcast_log() if e["role"] == "leader"]
+        assert len(leaders) == len(set(devices))  # one copying client per GPU
         assert broker.snapshot()["objects"] == {}
     finally:
         for c in [sender, *receivers]:

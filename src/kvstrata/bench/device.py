@@ -10,10 +10,12 @@ One run measures, on the same machine and in this order:
    in one process to the subscriber's future done in the other; clocks are the node's monotonic clock);
 4. ``dev_broadcast`` of 8 GiB (``--broadcast-gib``; ``--quick``: 2 GiB) from GPU0 to 3 receiver
    processes (GPU1, GPU0, GPU1) against a single peer copy of the same bytes (measured in step 1 of
-   this run), for each variant: same-GPU hops by copy engine (``memcpy``) or kernel, and with
-   ``--broadcast-wait stream|both`` GPU-side waits on the chain's progress counters; plus when each
-   chain position's last chunk landed (ms after the broadcast call). Chunk: ``--chunk-mib``
-   (default: ``DeviceObjectConfig.chunk_bytes``, 32 MiB).
+   this run), for each variant: same-GPU copies (a GPU's leader pulling from the sender's GPU memory,
+   and copying on to its group's members) by copy engine (``memcpy``) or kernel, and with
+   ``--broadcast-wait stream|both`` GPU-side waits on the leaders' progress counters; plus when each
+   receiver's last chunk landed (ms after the broadcast call; ``l`` leader, ``m`` member). Chunk:
+   ``--chunk-mib`` (default: ``DeviceObjectConfig.chunk_bytes``, 32 MiB), the least: big objects
+   get larger chunks (:func:`kvstrata.devobj.chain.chunk_size`).
 
 ``--quick`` fewer sizes and rounds (< 90 s); ``--smoke`` needs no GPU: broker and client-logic
 timings through an in-process broker with CPU tensors (so a CPU test can run it).
@@ -33,6 +35,7 @@ from typing import Any
 from kvstrata.bench._common import gbps, print_table, write_result
 from kvstrata.bench._procs import device_client, get_queued, run_spawned, wait_future
 from kvstrata.devobj import debug
+from kvstrata.devobj.chain import chunk_size
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
@@ -347,7 +350,8 @@ def bcast_receiver(address: str, device: int, nbytes: int, rounds: int, ctl: dic
             _wait(f, f"receiver on GPU{device}: broadcast ({mode}, round {i})")
             traces[mode] = [(t, f"GPU{device} {th}", step) for t, th, step in debug.trace_take()]
             entry = next(e for e in reversed(c.device_objects().broadcast_log()) if e["key"] == f"b-{mode}-{i}")
-            landed.setdefault(mode, []).append({"position": entry["position"], "copied": entry["copied"]})
+            mark = {"position": entry["position"], "copied": entry["copied"], "role": entry.get("role", "")}
+            landed.setdefault(mode, []).append(mark)
             if i == 0 and not torch.equal(dst, _pattern(nbytes, device)):
                 raise AssertionError(f"broadcast ({mode} hops) receiver on GPU{device} got wrong bytes")
         c.close()
@@ -365,9 +369,12 @@ def bcast_finish_ms(sender: dict, receivers: list[dict]) -> dict[str, list[dict[
             for rnd, (mark, t0) in enumerate(zip(r["landed"][mode], t0s)):
                 if rnd or len(t0s) == 1:
                     by_pos.setdefault(mark["position"], []).append((mark["copied"] - t0) * 1e3)
-                    device[mark["position"]] = r["device"]
+                    device[mark["position"]] = (r["device"], mark.get("role", ""))
         rows = sorted(by_pos.items())
-        out[mode] = [{"position": p, "device": device[p], "ms": round(statistics.median(v), 2)} for p, v in rows]
+        out[mode] = [
+            {"position": p, "device": device[p][0], "role": device[p][1], "ms": round(statistics.median(v), 2)}
+            for p, v in rows
+        ]
     return out
 
 
@@ -500,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
             "bytes": bcast_bytes,
             "receivers": 3,
             "chunk_bytes": chunk,
+            "chunk_bytes_used": chunk_size([{"nbytes": bcast_bytes}], chunk),
             "seconds": bcast_time,
             "single_peer_copy_seconds": single,
             "ratio_to_single_copy": round(bcast_time / single, 3),
@@ -533,7 +541,9 @@ def run(args: argparse.Namespace) -> int:
                 "broadcast variant": m,
                 "broadcast ms": round(bcast_times[m] * 1e3, 2),
                 "x one peer copy": result["broadcast"]["ratio_by_same_gpu_copy"][m],
-                "receivers done at ms (chain order)": ", ".join(f"GPU{r['device']} {r['ms']}" for r in finish[m]),
+                "receivers done at ms (chain order)": ", ".join(
+                    f"GPU{r['device']}{' ' + r['role'][0] if r.get('role') else ''} {r['ms']}" for r in finish[m]
+                ),
             }
             for m in bcast_times
         ]

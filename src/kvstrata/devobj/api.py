@@ -214,12 +214,14 @@ class DeviceObjects(BroadcastReceiver):
     def dev_broadcast(
         self, key: str, tensor_list: Sequence[torch.Tensor], receivers: int, chunk_bytes: int | None = None
     ) -> Future:
-        """Send one key to ``receivers`` subscribers, pipelined in chunks along a chain.
+        """Send one key to ``receivers`` subscribers, pipelined in chunks, one copying process per GPU.
 
-        Receivers call :meth:`dev_subscribe` as usual. Once all have subscribed, receiver ``i`` copies
-        chunk ``c`` from receiver ``i-1`` as soon as ``i-1`` has it (shared-memory progress counters,
-        see :mod:`kvstrata.devobj.chain`), so N receivers finish in about one copy plus N-1 chunks;
-        receivers on the sender's GPU come first so each GPU link is crossed once. Every receiver's
+        Receivers call :meth:`dev_subscribe` as usual. Once all have subscribed, one receiver per GPU
+        (its leader) pulls chunk ``c`` from the sender, or from the previous GPU's leader as soon as
+        that one has it, and copies it on to the other receivers of its GPU (shared-memory progress
+        counters, see :mod:`kvstrata.devobj.chain`), so N receivers finish in about one copy plus a
+        chunk or two; each GPU link is crossed once. ``chunk_bytes`` is the least chunk (big objects
+        get larger ones, :func:`kvstrata.devobj.chain.chunk_size`). Every receiver's
         future, and this one, completes when all receivers have everything; if any receiver fails
         or goes away, all of them fail (none reports a partial object as received).
         """
@@ -611,9 +613,7 @@ class DeviceObjects(BroadcastReceiver):
         if t["path"] == "nccl":
             self._start_nccl_recv(t, want)
         elif t["kind"] == "bcast":
-            if t["position"] == 0:
-                rec = t["record"]
-                self._start_bcast_step(t, want, dict(rec, client=rec["owner"]))
+            self._start_bcast(t, want)
         elif threading.current_thread() is self._poller and _nbytes(t) <= INLINE_COPY_BYTES:
             # A small copy costs less than a hand-off to the pool: do it here (the 4 KiB latency path).
             try:
@@ -973,7 +973,7 @@ class DeviceObjects(BroadcastReceiver):
                 want = self._inflight.pop(ev["tid"], None)
             if want is not None:
                 self._bcast_done(want, error_from(ev.get("error"), ev.get("message", "")))
-        elif kind in ("chain_pred", "transfer_done"):
+        elif kind in ("chain_pred", "member_ready", "transfer_done"):
             with self._lock:
                 want = self._inflight.get(ev["tid"])
                 if want is None:
@@ -984,7 +984,7 @@ class DeviceObjects(BroadcastReceiver):
             if kind == "transfer_done":
                 self._bcast_done(want, None)
             else:
-                self._start_bcast_step(want.transfer, want, ev["pred"])
+                self._on_chain_event(want, ev)
         elif kind in ("released", "failed"):
             with self._lock:
                 if ev["obj"] not in self._owned:

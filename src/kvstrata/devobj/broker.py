@@ -24,11 +24,13 @@ Lifecycles
   next subscriber: a half-received object is never done and never lost.
 * registered (``mset``): ``ready`` for any number of ``mget`` reads; ``delete`` by the owner stops new
   reads and ``released`` is sent once in-flight reads complete.
-* broadcast: like one-shot, for exactly ``receivers`` subscribers, which copy along a chain, all at
-  once, chunk by chunk: each receiver exports its buffers and a shared-memory progress counter to
-  its successor as it starts (``chain_ready``; see :mod:`kvstrata.devobj.chain`). The chain is
-  planned once all receivers have subscribed; it completes for everyone once every position reported
-  ``complete``, and any failure or departure aborts every position.
+* broadcast: like one-shot, for exactly ``receivers`` subscribers, with one copying process per GPU
+  (:meth:`DeviceBroker._plan_broadcast`): per GPU a leader pulls chunk by chunk from its predecessor
+  and copies each chunk on to the other receivers of its GPU, which export their buffers and a
+  progress counter to it (``member_ready``); a leader that another pulls from exports likewise to
+  it (``chain_ready``; see :mod:`kvstrata.devobj.chain`). The plan is made once all receivers have
+  subscribed; the broadcast completes for everyone once every position reported ``complete``, and
+  any failure or departure aborts every position.
 * an owner that goes away (:meth:`owner_gone`) makes its keys vanish; receivers with a transfer in
   flight from it get an ``error`` event (``OwnerGone``), never a hang.
 
@@ -401,19 +403,45 @@ class DeviceBroker:
         return {"results": [self.op_complete(client, item) for item in args["items"]]}
 
     def op_chain_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Broadcast receiver at ``position`` exported its buffers and progress counter (as it starts
-        copying): pass them to the receiver at ``position + 1`` as its predecessor."""
+        """A broadcast group's leader exported its buffers and progress counter (as it starts copying):
+        pass them to the next group's leader, which pulls from it (see :meth:`_plan_broadcast`)."""
         t = self._transfers.get(args["tid"])
-        if t is None or t["dst"] != client:
+        if t is None or t["dst"] != client or t.get("kind") != "bcast":
             return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")
-        obj = self._objects[t["key"]]
-        nxt = next(
-            (self._transfers[x] for x in obj.transfers if self._transfers[x]["position"] == t["position"] + 1), None
-        )
-        if nxt is not None:
+        nxt = self._bcast_peer_locked(t, lambda x: x.get("role") == "leader" and x["group"] == t["group"] + 1)
+        if nxt is not None and nxt.get("pred") == "chain":
+            self._link_peers_locked(client, nxt["dst"])
             pred = dict(args["export"], client=client)
             self._push(nxt["dst"], {"type": "chain_pred", "tid": nxt["tid"], "key": t["key"], "pred": pred})
         return {"ok": True}
+
+    def op_member_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A broadcast group's member exported its buffers and progress counter: pass them to its leader,
+        which copies every chunk into them. The answer names the leader's pid (a member that is aborted
+        waits for its leader to stop writing, or to be gone)."""
+        t = self._transfers.get(args["tid"])
+        if t is None or t["dst"] != client or t.get("role") != "member":
+            return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")
+        lead = self._bcast_peer_locked(t, lambda x: x["position"] == t["leader"])
+        if lead is None:
+            return _err(E_NOT_FOUND, f"the leader of transfer {args['tid']} is gone")
+        self._link_peers_locked(client, lead["dst"])
+        member = dict(args["export"], client=client, position=t["position"])
+        self._push(lead["dst"], {"type": "member_ready", "tid": lead["tid"], "key": t["key"], "member": member})
+        return {"ok": True, "leader_pid": self._clients.get(lead["dst"], {}).get("pid")}
+
+    def _bcast_peer_locked(self, t: dict[str, Any], pick) -> dict[str, Any] | None:
+        """The transfer of ``t``'s broadcast that ``pick`` selects (None: none, or the object is gone)."""
+        obj = self._objects.get(t["key"])
+        if obj is None:
+            return None
+        return next((x for x in map(self._transfers.get, obj.transfers) if x is not None and pick(x)), None)
+
+    def _link_peers_locked(self, a: str, b: str) -> None:
+        """``a`` and ``b`` import each other's memory: each hears ``peer_gone`` when the other goes."""
+        if a != b:
+            self._peers.setdefault(a, set()).add(b)
+            self._peers.setdefault(b, set()).add(a)
 
     def op_pair_uid(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         """The destination of an NCCL pair posts the communicator's unique id; queued sends go out."""
@@ -682,7 +710,18 @@ class DeviceBroker:
         return "ipc"
 
     def _plan_broadcast(self, key: str, obj: _Object, only: int | None) -> dict[str, Any] | None:
-        """All receivers are in: order the chain so each GPU link is crossed once (same GPU first)."""
+        """All receivers are in: one copying process per GPU.
+
+        Receivers are grouped by GPU, the sender's GPU first, then by GPU uuid; arrival order within a
+        group. A group's first receiver is its *leader* (``role``), the others its *members*. The leader
+        pulls the object chunk by chunk with its own GPU's copy engines and copies each chunk on to its
+        members (``members``: how many exports it waits for, see :meth:`op_member_ready`); members
+        issue no copies. A leader's source (``pred``) is the sender (``"sender"``) when it is the first
+        group's, or when the group before it is on the sender's GPU (the same bytes over the same link,
+        and no wait for that leader's export); else the previous group's leader (``"chain"``: it gets
+        ``chain_pred``), which then exports to it (``successor``). ``position`` numbers receivers in
+        that order.
+        """
         rec = obj.record
         src_uuid = (rec.get("device") or {}).get("uuid")
         arrivals = list(obj.pending)
@@ -692,21 +731,33 @@ class DeviceBroker:
             if w is not None:
                 self._drop_waiter(w)
 
-        def rank(item: tuple[int, tuple[str, int]]) -> tuple[int, str, int]:
-            uuid = (self._clients.get(item[1][0], {}).get("device") or {}).get("uuid") or ""
-            return (0 if uuid == src_uuid else 1, uuid, item[0])
-
-        order = sorted(enumerate(arrivals), key=rank)
+        by_gpu: dict[str, list[tuple[str, int]]] = {}
+        for client, wid in arrivals:
+            uuid = (self._clients.get(client, {}).get("device") or {}).get("uuid") or ""
+            by_gpu.setdefault(uuid, []).append((client, wid))
+        gpus = sorted(by_gpu, key=lambda u: (u != src_uuid, u))
+        preds = ["sender" if g == 0 or (g == 1 and gpus[0] == src_uuid) else "chain" for g in range(len(gpus))]
         obj.state = "claimed"
         answer = None
-        for pos, (_, (client, wid)) in enumerate(order):
-            w = _Waiter(wid, client, key, "sub", None, None)
-            t = self._start_transfer(obj, w, position=pos, receivers=len(order))
-            result = {"status": "matched", "wid": wid, "key": key, "transfer": t}
-            if wid == only:
-                answer = result
-            else:
-                self._push(client, dict(result, type="matched"))
+        pos = 0
+        for g, uuid in enumerate(gpus):
+            group = by_gpu[uuid]
+            leader = pos
+            for i, (client, wid) in enumerate(group):
+                extra: dict[str, Any] = {"group": g, "groups": len(gpus), "leader": leader}
+                if i == 0:
+                    successor = g + 1 < len(gpus) and preds[g + 1] == "chain"
+                    extra.update(role="leader", members=len(group) - 1, pred=preds[g], successor=successor)
+                else:
+                    extra.update(role="member")
+                w = _Waiter(wid, client, key, "sub", None, None)
+                t = self._start_transfer(obj, w, position=pos, receivers=len(arrivals), **extra)
+                pos += 1
+                result = {"status": "matched", "wid": wid, "key": key, "transfer": t}
+                if wid == only:
+                    answer = result
+                else:
+                    self._push(client, dict(result, type="matched"))
         return answer
 
 

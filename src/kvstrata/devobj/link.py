@@ -51,10 +51,10 @@ class DeviceObjectConfig:
     """Client settings. ``transport``: ``auto`` (CUDA IPC on one node, NCCL across) or ``nccl``."""
 
     transport: str = "auto"
-    # Broadcast pipeline chunk. A chain of N receivers ends about (N-1) chunk times (+ a poll each)
-    # after one copy: 32 MiB is ~86 us over NVLink (~390 GB/s), so 3 receivers add ~0.2 ms, 1% of an
-    # 8 GiB copy. The host spends ~20-30 us per chunk (copy_ with its cross-device ordering, an event,
-    # polls); smaller chunks would bring that close to the chunk's GPU time and let the host fall behind.
+    # Broadcast pipeline chunk, the least: objects over 32 chunks of it get larger ones (up to 128 MiB,
+    # kvstrata.devobj.chain.chunk_size). Each GPU hop of a chain of leaders ends a chunk time after the
+    # one before (32 MiB is ~86 us over NVLink, ~390 GB/s). The host spends ~20-30 us per chunk (a copy
+    # call, an event, polls); smaller chunks would bring that close to the chunk's GPU time.
     chunk_bytes: int = 32 << 20
     copy_threads: int = 4
     poll_seconds: float = 1.0

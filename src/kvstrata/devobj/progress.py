@@ -131,6 +131,15 @@ class Progress:
             self._dptr = register(int(self._view.ctypes.data), mmap.PAGESIZE)
         return self._dptr
 
+    def claim(self) -> bool:
+        """The creator takes its name back before anyone opened it: True when nobody did (and now nobody
+        can), False when a reader opened it already (its open unlinked the name)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            return False
+        return True
+
     def unlink(self) -> None:
         """Remove the name only (the mapping stays: a GPU may still touch it)."""
         with contextlib.suppress(OSError):
