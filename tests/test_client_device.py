@@ -324,30 +324,3 @@ def test_key_groups_cut_device_calls_by_bytes_and_keep_cpu_calls_whole():
     assert [len(g) for g in groups] == [8, 8, 4]
     assert device.key_groups([], "cuda") == [[]]
     assert device.key_groups([64 * mib, 1, 1], "cuda") == [[0], [1, 2]]  # a big key is a group of its own
-
-
-def test_a_pipelined_mset_reports_each_group_and_aborts_unsealed_ones(kv, monkeypatch):
-    keys = [f"pipe/{i}" for i in range(6)]
-    kv.delete(keys)
-    kv.set(keys[4], b"old")  # write-once: left as it is, reported in its slot
-    monkeypatch.setattr(device, "key_groups", lambda sizes, dev: [[0, 1], [2, 3], [4, 5]])
-    res = kv.mset_d2h(keys, _lists(6))
-    assert res[:4] == [None] * 4 and isinstance(res[4], KeyExists) and res[5] is None
-    assert kv.get(keys[4]) == b"old"
-    calls = []
-    real = device.enqueue
-
-    def fail_second(runs, dev, stream):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("simulated copy failure in group 2")
-        real(runs, dev, stream)
-
-    monkeypatch.setattr(device, "enqueue", fail_second)
-    more = [f"pipe2/{i}" for i in range(6)]
-    kv.delete(more)
-    with pytest.raises(RuntimeError, match="group 2"):
-        kv.mset_d2h(more, _lists(6))
-    # the first group was sealed before the failure (its bytes had landed); the second was aborted
-    assert kv.exists(more) == [True, True, False, False, False, False]
-    assert kv.stats()["creates_in_progress"] == 0

@@ -79,7 +79,9 @@ def fmt_size(n: int) -> str:
 def _pattern(n: int, device: int):
     import torch
 
-    return (torch.arange(n, device=device, dtype=torch.int64) % 251).to(torch.uint8)
+    # byte i is i % 251, built from one 251-byte period (an int64 arange would need 8 bytes per byte)
+    period = torch.arange(251, device=device, dtype=torch.uint8)
+    return period.repeat(-(-n // 251))[:n]
 
 
 def _client(address: str, device: int, **cfg: Any):

@@ -282,55 +282,33 @@ class Client(DeviceObjectsMixin):
         """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
 
         A key that already exists is left as it is and reported as KeyExists in its slot. Returns
-        None per stored key. The copies run on ``stream`` (default: current) as batches of the copy
-        engines; with device tensors the keys go in groups of ~8 MiB, each created by one request,
-        copied while the next is created, and sealed by one request once its bytes are in host memory.
+        None per stored key. One request allocates every object, the copies for all keys run as
+        copy-engine batches on ``stream`` (default: current), one request seals them.
         """
         keys = P.check_keys(keys)
         pieces, sizes, device = _device.check_tensor_lists(len(keys), tensor_lists)
         if not keys:
             return []
         backend = self._b()
-        opts = {"ttl": None, "nx": True, "mode": "memory"}
-        results: list[Result] = [None] * len(keys)
-        unsealed: list[tuple[list[int], Any]] = []  # created groups, oldest first, with their copies' end events
-
-        def seal(group: list[int]) -> None:
-            for i, r in zip(group, backend.mseal([keys[i] for i in group])):
-                results[i] = r
-
-        # Pipelined by groups of keys: group k+1 is created in the worker and queued while group k's DMA
-        # runs, and a group is sealed once its bytes are in host memory (never before).
+        locs = backend.mcreate(list(zip(keys, sizes)), {"ttl": None, "nx": True, "mode": "memory"})
+        results: list[Result] = [loc if isinstance(loc, BaseException) else None for loc in locs]
+        created = [i for i, loc in enumerate(locs) if not isinstance(loc, BaseException)]
+        # One create and one seal for all keys: pipelining groups of keys (create the next while the last
+        # copies) measured no faster on the H200 (0.41 vs 0.44 of the DMA ceiling) and halved the rate of
+        # async calls in flight (0.41 vs 0.69): each group's two round trips cost more than they overlap.
         s = _device.start(device, stream)
         try:
-            for group in _device.key_groups(sizes, device):
-                locs = backend.mcreate([(keys[i], sizes[i]) for i in group], opts)
-                created = []
-                for i, loc in zip(group, locs):
-                    if isinstance(loc, BaseException):
-                        results[i] = loc
-                    else:
-                        created.append((i, loc))
-                if not created:
-                    continue
-                which = [i for i, _ in created]
-                unsealed.append((which, None))
-                runs = self._plan(which, [loc for _, loc in created], pieces, device, to_host=True)
-                _device.enqueue(runs, device, s)
-                unsealed[-1] = (which, _device.mark(s))
-                while unsealed and (unsealed[0][1] is None or unsealed[0][1].query()):
-                    seal(unsealed.pop(0)[0])
-            while unsealed:
-                event = unsealed[0][1]
-                if event is not None:
-                    event.synchronize()
-                seal(unsealed.pop(0)[0])
+            _device.enqueue(self._plan(created, [locs[i] for i in created], pieces, device, to_host=True), device, s)
+            event = _device.mark(s)
+            if event is not None:
+                event.synchronize()  # the bytes must be in host memory before the object is sealed
         except BaseException:
-            if unsealed:
-                if s is not None:
-                    s.synchronize()  # no copy may still write into an object being aborted
-                self._abort_quietly(backend, [keys[i] for which, _ in unsealed for i in which])
+            if s is not None:
+                s.synchronize()  # no copy may still write into an object being aborted
+            self._abort_quietly(backend, [keys[i] for i in created])
             raise
+        for i, r in zip(created, backend.mseal([keys[i] for i in created]) if created else []):
+            results[i] = r
         return results
 
     def mget_h2d(
