@@ -2,6 +2,8 @@
 # The session's closing device calls (nvidia-h200-x2), in two parts to stay under 10 minutes each:
 #   PART=a: every GPU test, then bench gather --quick, bench device --quick, bench store (device rows)
 #   PART=b: the transfer-plan GPU tests again, bench device --quick, the full transfer and all-gather sweeps
+#   PART=c: every GPU test, bench device --quick with the 8 GiB broadcast (traced), bench store (device
+#           rows), and the transfer sweep's 80-layer points at 32/128/512 KiB (one call, ~6 minutes)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
 set -uo pipefail
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,6 +24,13 @@ if [ "${PART:-a}" = a ]; then
   bench 60 gather --quick
   bench 100 device --quick --broadcast-wait both --wait 30
   bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+elif [ "${PART}" = c ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -15 "$OUT/gpu_tests.log"
+  KVSTRATA_DEVOBJ_TRACE=1 bench 150 device --quick --broadcast-gib 8 --wait 30
+  bench 80 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  bench 120 transfer --layers 80 --chunks-kib 32,128,512
 else
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
   bench 80 device --quick --broadcast-wait both --wait 30
