@@ -408,7 +408,7 @@ def test_stuck_copy_fails_the_receive_and_returns_the_object(make, broker, monke
 
         def never(self, items, fail):
             queued, done = real(self, items, fail)
-            return queued, (_NeverDone() if self is stuck else done)
+            return queued, ((_NeverDone(), 0) if self is stuck else done)  # (end event, its device)
 
         monkeypatch.setattr(api.DeviceObjects, "_enqueue_batch", never)
         src = [rand(5)]

@@ -59,6 +59,21 @@ def test_publish_first_then_subscribe_matches_at_once(broker):
     assert broker.snapshot()["objects"] == {}  # one-shot: forgotten once received
 
 
+def test_publisher_first_subscribe_leaves_nothing_queued(broker):
+    """A ready one-shot key is claimed at once: no waiter, deadline or timer left behind; a second subscriber
+    waits; a size mismatch answers an error and leaves the object for a right-sized subscriber."""
+    broker.handle("pub", "publish", {"items": [item("k")]})
+    bad = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec((2, 2))], "timeout": 5})["results"][0]
+    assert bad["status"] == "error" and bad["error"] == B.E_MISMATCH
+    r = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec()], "timeout": 5})["results"][0]
+    assert r["status"] == "matched" and broker.snapshot()["waiters"] == 0 and not broker._deadlines
+    r2 = broker.handle("sub2", "subscribe", {"keys": ["k"], "specs": [spec()], "timeout": 5})["results"][0]
+    assert r2["status"] == "waiting"  # claimed by the first: the next waits for the next publish
+    broker.handle("sub", "complete", {"tid": r["transfer"]["tid"], "ok": False, "error": "x"})
+    ev = events(broker, "sub2")  # a failed receive hands the object to the waiting subscriber, whole
+    assert [e["type"] for e in ev] == ["matched"] and ev[0]["wid"] == r2["wid"]
+
+
 def test_subscribe_first_then_publish_gets_event(broker):
     r = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec()], "timeout": None})["results"][0]
     assert r["status"] == "waiting"

@@ -334,10 +334,16 @@ class DeviceBroker:
         out = []
         for i, (key, spec) in enumerate(zip(args["keys"], specs, strict=True)):
             obj = self._objects.get(key)
-            if kind == "get" and obj is not None and obj.state == "ready" and obj.record["mode"] == "mset":
-                # The common read: no waiter to queue (nothing else can be waiting for a ready mset key).
-                out.append(self._read_now(client, key, obj, spec, known[i] if i < len(known) else None))
-                continue
+            if obj is not None and obj.state == "ready" and not self._waiters.get(key):
+                mode = obj.record["mode"]
+                if kind == "get" and mode == "mset":
+                    # The common read: no waiter to queue (nothing else can be waiting for a ready mset key).
+                    out.append(self._read_now(client, key, obj, spec, known[i] if i < len(known) else None))
+                    continue
+                if kind == "sub" and mode == "oneshot":
+                    # Publisher first, nobody queued ahead: claim it now (no waiter, deadline or timer to undo).
+                    out.append(self._claim_now(client, key, obj, spec))
+                    continue
             deadline = None if timeout is None else self._clock() + max(0.0, float(timeout))
             w = _Waiter(next(self._ids), client, key, kind, spec, deadline)
             self._waiters.setdefault(key, deque()).append(w)
@@ -362,6 +368,17 @@ class DeviceBroker:
         if known == obj.record["obj"]:  # the reader holds this record: send only what it lacks
             t = {k: v for k, v in t.items() if k != "record"}
             t["obj"] = obj.record["obj"]
+        return {"status": "matched", "wid": wid, "key": key, "transfer": t}
+
+    def _claim_now(self, client: str, key: str, obj: _Object, spec: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """A subscribe of a ready one-shot object with no one queued for it: what :meth:`_match_locked` answers
+        for a waiter that matched at once, without queueing one."""
+        wid = next(self._ids)
+        mismatch = _mismatch(obj.record["tensors"], spec)
+        if mismatch:
+            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
+        t = self._start_transfer(obj, _Waiter(wid, client, key, "sub", spec, None))
+        obj.state = "claimed"
         return {"status": "matched", "wid": wid, "key": key, "transfer": t}
 
     def op_cancel(self, client: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 def spec(t: torch.Tensor) -> dict[str, Any]:
     """The msgpack-able description of one tensor in a record."""
-    return {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "nbytes": t.numel() * t.element_size()}
+    return {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "nbytes": t.nbytes}
 
 
 def device_uuid(index: int) -> str:
