@@ -150,3 +150,16 @@ def test_transfer_blocks_auto_passes_device_ids_and_the_other_direction(monkeypa
 def test_other_direction_method_off_cuda():
     assert _transfer_plan.other_direction_method(torch.device("cpu"), "d2h") is None
     assert _transfer_plan.other_direction_busy(torch.device("cpu"), "h2d") is False
+
+
+def test_pairs_are_never_extrapolated_far_below_their_measured_chunks():
+    # this session's H200 calibration: copy_engine pairs measured from 128 KiB only
+    both = {
+        "staging+staging": {"bulk": [[2048, 87.06], [32768, 87.65], [131072, 88.8], [2097152, 88.24]], "small": []},
+        "copy_engine+staging": {"bulk": [[131072, 88.51], [524288, 93.81], [2097152, 95.98]], "small": []},
+    }
+    cal = Calibration(KEY, {"both": both})
+    assert set(cal.pair_rates(32 << 10)) == {("staging", "staging")}
+    assert cal.best_pair(32 << 10) == ("staging", "staging")  # the bench measured copy_engine+staging at 58
+    assert ("copy_engine", "staging") in cal.pair_rates(64 << 10)  # within a factor of 2 of 128 KiB
+    assert cal.best_pair(2 << 20) == ("copy_engine", "staging")
