@@ -324,3 +324,27 @@ def test_key_groups_cut_device_calls_by_bytes_and_keep_cpu_calls_whole():
     assert [len(g) for g in groups] == [8, 8, 4]
     assert device.key_groups([], "cuda") == [[]]
     assert device.key_groups([64 * mib, 1, 1], "cuda") == [[0], [1, 2]]  # a big key is a group of its own
+
+
+def test_copy_engine_runs_go_in_batches_and_a_late_refusal_is_not_retried_by_torch(monkeypatch):
+    from kvstrata.ops import copy_engine
+
+    calls = []
+
+    def batch(dsts, srcs, sizes, device=None):
+        calls.append(len(sizes))
+        if fail_at is not None and len(calls) == fail_at:
+            raise copy_engine.CopyEngineError("refused")
+
+    monkeypatch.setattr(copy_engine, "memcpy_batch", batch)
+    runs = [(1000 + i, 2000 + i, 1, None) for i in range(device.BATCH_RUNS * 2 + 3)]
+    fail_at = None
+    assert device._copy_engine(runs, "cuda") is True
+    assert calls == [device.BATCH_RUNS, device.BATCH_RUNS, 3]
+    calls.clear()
+    fail_at = 1  # nothing queued yet: the caller may fall back to torch copies
+    assert device._copy_engine(runs, "cuda") is False
+    calls.clear()
+    fail_at = 2  # a batch is queued already: a torch re-copy of everything would race it
+    with pytest.raises(copy_engine.CopyEngineError):
+        device._copy_engine(runs, "cuda")
