@@ -324,6 +324,9 @@ class Session:
         self._lane_reply(reply if reply is not None else {})
 
     def _lane_reply(self, reply: dict) -> None:
+        if not reply:
+            self.lane.answer(_EMPTY_REPLY)  # type: ignore[union-attr]
+            return
         reply.pop("_segs", None)  # lane ops point into no segment
         try:
             payload = pack(reply)
@@ -406,11 +409,18 @@ class Session:
         return [location.segment, location.offset, location.size]
 
     def write_options(self, msg: dict) -> dict:
-        ttl = msg.get("ttl")
+        """The engine's write keywords from a request's fields. Callers must not change the dict."""
+        get = msg.get
+        ttl, mode, nx = get("ttl"), get("mode", "memory"), get("nx", False)
+        if ttl is None and nx is False and mode == "memory":  # what nearly every write asks for
+            plain = _PLAIN_WRITE.get("opts")
+            if plain is None:
+                plain = _PLAIN_WRITE["opts"] = {"ttl": None, "write_mode": _write_mode("memory"), "nx": False}
+            return plain
         return {
             "ttl": None if ttl is None else P.check_ttl(ttl),
-            "write_mode": _write_mode(msg.get("mode", "memory")),
-            "nx": bool(msg.get("nx", False)),
+            "write_mode": _write_mode(mode),
+            "nx": bool(nx),
         }
 
     def lease_item(self, lease: Any, reply: dict) -> dict:
@@ -425,6 +435,9 @@ class Session:
 
 
 _WRITE_MODES: dict[str, Any] = {}
+_PLAIN_WRITE: dict[str, dict] = {}  # the write options of a plain write, built once
+#: the reply of every successful write, encoded once
+_EMPTY_REPLY = pack({})
 
 
 def _write_mode(name: Any) -> Any:
