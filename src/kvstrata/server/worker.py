@@ -262,14 +262,11 @@ class Session:
                     self._answer_lane(lane)
                 self.send({"seq": lane.last_answered() if lane is not None else 0})
                 continue
-            if from_lane and op not in _lane.LANE_OPS:  # its reply could need descriptors, or not fit
-                self._lane_reply(P.error_record(ServerError(f"request {op!r:.100} cannot travel through the lane")))
+            if from_lane:
+                self._lane_reply(self._handle_lane(msg))
                 continue
             reply = self.handle(msg)
             if reply is None:
-                continue
-            if from_lane:
-                self._lane_reply(reply)
                 continue
             try:
                 self.send(reply)
@@ -320,8 +317,15 @@ class Session:
         return msg
 
     def _answer_lane(self, lane: _lane.Lane) -> None:
-        reply = self.handle(unpack(lane.take()))
-        self._lane_reply(reply if reply is not None else {})
+        self._lane_reply(self._handle_lane(unpack(lane.take())))
+
+    def _handle_lane(self, msg: dict) -> dict:
+        """The reply to a request that came through the lane, whether taken while polling or when woken."""
+        op = msg.get("op")
+        if op not in _lane.LANE_OPS:  # its reply could need descriptors, or not fit
+            return P.error_record(ServerError(f"request {op!r:.100} cannot travel through the lane"))
+        reply = self.handle(msg)
+        return reply if reply is not None else {}
 
     def _lane_reply(self, reply: dict) -> None:
         if not reply:
