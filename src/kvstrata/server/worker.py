@@ -243,6 +243,7 @@ class Session:
         self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
         self.validity = worker.validity
         self.lane: _lane.Lane | None = None
+        self._drained = False  # whether the connection's read buffer was found empty since its last read
 
     def open_lane(self) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -288,10 +289,11 @@ class Session:
         # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
         lane.set_polling(True)
         conn = self.conn
-        try:  # frames already read into the connection's buffer show only here, not to select
-            return self._recv(conn.recv(timeout=0)), False
-        except Timeout:
-            pass
+        if not self._drained:  # frames already read into the connection's buffer show only here, not to select
+            try:
+                return self._recv(conn.recv(timeout=0)), False
+            except Timeout:  # ~7 us: not repeated until a socket read could have buffered another frame
+                self._drained = True
         clock, yield_cpu, pending, select, fd = time.perf_counter, os.sched_yield, lane.pending, _select, conn.fileno()
         end = clock() + spin
         while True:
@@ -309,8 +311,8 @@ class Session:
             return unpack(lane.take()), True
         return self._recv(conn.recv()), False
 
-    @staticmethod
-    def _recv(got: tuple[dict, list[int]]) -> dict:
+    def _recv(self, got: tuple[dict, list[int]]) -> dict:
+        self._drained = False  # the read that brought this frame may have brought the next ones too
         msg, fds = got
         for fd in fds:  # clients have no reason to send descriptors
             _close(fd)

@@ -319,9 +319,10 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
 
     def _check_write(self, key, size, ttl, write_mode) -> tuple[WriteMode, float]:
         check_key(key)
-        check_size(size)
-        mode = check_mode(write_mode)
-        ttl_s = check_ttl(ttl)
+        if type(size) is not int or size < 0:  # the checks' common cases inline: this runs for every write
+            check_size(size)
+        mode = write_mode if type(write_mode) is WriteMode else check_mode(write_mode)
+        ttl_s = 0.0 if ttl is None else check_ttl(ttl)
         if mode in _PERSISTENT and self._disk is None:
             raise ValueError(f"write_mode: {mode.value} needs an SSD tier (StoreConfig.disk_dir)")
         if not self._mem.fits_ever(size):
@@ -422,9 +423,10 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             e.dirty = True
             self._dirty[key] = e
             self._wake.set()
-        w = self._waiters.get(key)
-        if w is not None:
-            w[0].notify_all()
+        if self._waiters:
+            w = self._waiters.get(key)
+            if w is not None:
+                w[0].notify_all()
         if self._mem.used > self._high:
             self._wake.set()
 
