@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,25 @@ def test_the_worker_refuses_other_ops_on_the_lane(worker):
         assert reply["seq"] == seq
         assert "cannot travel through the lane" in unpack(lane.reply())["err"][1]
         kv.set("after", b"fine")  # the connection is still good
+        assert kv.get("after") == b"fine"
+
+
+def test_a_worker_woken_for_the_lane_refuses_other_ops_too(worker):
+    # Two clients: the worker does not poll, so the lane request is found only when the socket wakes it.
+    with kvstrata.connect(worker) as kv, kvstrata.connect(worker):
+        backend = kv._backend
+        lane = backend._lane
+        deadline = time.monotonic() + 5
+        while lane.polling() and time.monotonic() < deadline:  # the spell begun while alone ends
+            time.sleep(0.01)
+        assert not lane.polling()
+        with backend._lock:
+            seq = lane.submit(pack({"op": "acquire", "keys": ["x"], "timeout": 0}))
+            backend._conn.send({"op": "lane", "seq": seq})
+            reply, _ = backend._conn.recv(timeout=10)
+        assert reply["seq"] == seq
+        assert "cannot travel through the lane" in unpack(lane.reply())["err"][1]
+        kv.set("after", b"fine")
         assert kv.get("after") == b"fine"
 
 

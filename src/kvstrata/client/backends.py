@@ -257,7 +257,10 @@ class RemoteBackend:
 
     # calls ---------------------------------------------------------------------------------------
     def put(self, key: str, data: memoryview, opts: dict) -> None:
-        self.request({"op": "put", "key": key, "v": data, **opts})
+        msg = {"op": "put", "key": key, "v": data}
+        if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
+            msg.update(opts)
+        self.request(msg)
 
     def mput(self, items: list[tuple[str, memoryview]], opts: dict) -> list[Any]:
         reply = self.request({"op": "mput", "items": items, **opts})

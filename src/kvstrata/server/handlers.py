@@ -32,9 +32,15 @@ def _put_one(s: Session, key: Any, value: Any, opts: dict) -> None:
 
 
 def _put(s: Session, msg: dict) -> dict:
+    # _put_one flattened: the single small put is the hot path (every call here is ~0.3 us of ~10)
     opts = s.write_options(msg)
-    with s.validity.change():
-        _put_one(s, msg.get("key"), msg.get("v"), opts)
+    key, value = P.check_key(msg.get("key")), msg.get("v")
+    if type(value) is not bytes:
+        value = _value(msg)
+    validity = s.validity
+    with validity.change(), validity.key_lock(key):
+        s.store.put(key, value, owner=s.owner, **opts)
+        validity.written(key, opts["ttl"])
     return {}
 
 

@@ -243,6 +243,7 @@ class Session:
         self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
         self.validity = worker.validity
         self.lane: _lane.Lane | None = None
+        self._drained = False  # whether the connection's read buffer was found empty since its last read
 
     def open_lane(self) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -262,14 +263,11 @@ class Session:
                     self._answer_lane(lane)
                 self.send({"seq": lane.last_answered() if lane is not None else 0})
                 continue
-            if from_lane and op not in _lane.LANE_OPS:  # its reply could need descriptors, or not fit
-                self._lane_reply(P.error_record(ServerError(f"request {op!r:.100} cannot travel through the lane")))
+            if from_lane:
+                self._lane_reply(self._handle_lane(msg))
                 continue
             reply = self.handle(msg)
             if reply is None:
-                continue
-            if from_lane:
-                self._lane_reply(reply)
                 continue
             try:
                 self.send(reply)
@@ -291,10 +289,11 @@ class Session:
         # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
         lane.set_polling(True)
         conn = self.conn
-        try:  # frames already read into the connection's buffer show only here, not to select
-            return self._recv(conn.recv(timeout=0)), False
-        except Timeout:
-            pass
+        if not self._drained:  # frames already read into the connection's buffer show only here, not to select
+            try:
+                return self._recv(conn.recv(timeout=0)), False
+            except Timeout:  # ~7 us: not repeated until a socket read could have buffered another frame
+                self._drained = True
         clock, yield_cpu, pending, select, fd = time.perf_counter, os.sched_yield, lane.pending, _select, conn.fileno()
         end = clock() + spin
         while True:
@@ -312,18 +311,28 @@ class Session:
             return unpack(lane.take()), True
         return self._recv(conn.recv()), False
 
-    @staticmethod
-    def _recv(got: tuple[dict, list[int]]) -> dict:
+    def _recv(self, got: tuple[dict, list[int]]) -> dict:
+        self._drained = False  # the read that brought this frame may have brought the next ones too
         msg, fds = got
         for fd in fds:  # clients have no reason to send descriptors
             _close(fd)
         return msg
 
     def _answer_lane(self, lane: _lane.Lane) -> None:
-        reply = self.handle(unpack(lane.take()))
-        self._lane_reply(reply if reply is not None else {})
+        self._lane_reply(self._handle_lane(unpack(lane.take())))
+
+    def _handle_lane(self, msg: dict) -> dict:
+        """The reply to a request that came through the lane, whether taken while polling or when woken."""
+        op = msg.get("op")
+        if op not in _lane.LANE_OPS:  # its reply could need descriptors, or not fit
+            return P.error_record(ServerError(f"request {op!r:.100} cannot travel through the lane"))
+        reply = self.handle(msg)
+        return reply if reply is not None else {}
 
     def _lane_reply(self, reply: dict) -> None:
+        if not reply:
+            self.lane.answer(_EMPTY_REPLY)  # type: ignore[union-attr]
+            return
         reply.pop("_segs", None)  # lane ops point into no segment
         try:
             payload = pack(reply)
@@ -406,11 +415,18 @@ class Session:
         return [location.segment, location.offset, location.size]
 
     def write_options(self, msg: dict) -> dict:
-        ttl = msg.get("ttl")
+        """The engine's write keywords from a request's fields. Callers must not change the dict."""
+        get = msg.get
+        ttl, mode, nx = get("ttl"), get("mode", "memory"), get("nx", False)
+        if ttl is None and nx is False and mode == "memory":  # what nearly every write asks for
+            plain = _PLAIN_WRITE.get("opts")
+            if plain is None:
+                plain = _PLAIN_WRITE["opts"] = {"ttl": None, "write_mode": _write_mode("memory"), "nx": False}
+            return plain
         return {
             "ttl": None if ttl is None else P.check_ttl(ttl),
-            "write_mode": _write_mode(msg.get("mode", "memory")),
-            "nx": bool(msg.get("nx", False)),
+            "write_mode": _write_mode(mode),
+            "nx": bool(nx),
         }
 
     def lease_item(self, lease: Any, reply: dict) -> dict:
@@ -425,6 +441,9 @@ class Session:
 
 
 _WRITE_MODES: dict[str, Any] = {}
+_PLAIN_WRITE: dict[str, dict] = {}  # the write options of a plain write, built once
+#: the reply of every successful write, encoded once
+_EMPTY_REPLY = pack({})
 
 
 def _write_mode(name: Any) -> Any:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
 from kvstrata.memory.shm import SharedSegment
+from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.batch import BatchMixin
 from kvstrata.store.config import STORE_COUNTERS, StoreConfig, WriteMode
 from kvstrata.store.device import DeviceCacheMixin, GpuCopy
@@ -50,6 +51,8 @@ from kvstrata.store.tiers.memory import MemoryTier
 log = logging.getLogger(__name__)
 
 _SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
+_ALIGN_MASK = ALIGNMENT - 1
+_ALIGN_SHIFT = ALIGNMENT.bit_length() - 1  # blocks are whole ALIGNMENT units: same units, same block
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
 
 
@@ -271,10 +274,33 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             # small values: reserve, copy and seal in one critical section (a copy of a few KiB
             # costs less than taking the lock twice)
             with self._lock:
-                e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
-                if size:
-                    self._mem.view(e.loc)[:] = view
-                self._uncreate(key)
+                old = self._objects.get(key)
+                if (
+                    old is not None
+                    and old.leases == 0
+                    and old.loc is not None
+                    and size
+                    and (old.size + _ALIGN_MASK) >> _ALIGN_SHIFT == (size + _ALIGN_MASK) >> _ALIGN_SHIFT
+                    and not nx
+                    and not self._closed
+                ):
+                    # Nobody holds the old version's bytes (readers, local-read caches, the flusher and
+                    # spills all pin with a lease) and its block is the size the new one needs: write
+                    # the new version there instead of allocating and freeing. Under the lock, so no
+                    # reader sees the bytes change; the new version is still a new Entry (version, TTL).
+                    loc = old.loc
+                    if loc.size != size:
+                        loc = Location(loc.segment, loc.offset, size)
+                    self._mem.view(loc)[:] = view
+                    old.loc = None  # the block is the new version's now: retiring the old one frees nothing
+                    e = Entry(key, size, loc, mode, next(self._versions), owner)
+                    if ttl_s:
+                        e.ttl = ttl_s
+                else:
+                    e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+                    if size:
+                        self._mem.view(e.loc)[:] = view
+                    self._uncreate(key)
                 self._seal_locked(e, None, mutable=False)
         else:
             with self._lock:
@@ -293,9 +319,10 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
 
     def _check_write(self, key, size, ttl, write_mode) -> tuple[WriteMode, float]:
         check_key(key)
-        check_size(size)
-        mode = check_mode(write_mode)
-        ttl_s = check_ttl(ttl)
+        if type(size) is not int or size < 0:  # the checks' common cases inline: this runs for every write
+            check_size(size)
+        mode = write_mode if type(write_mode) is WriteMode else check_mode(write_mode)
+        ttl_s = 0.0 if ttl is None else check_ttl(ttl)
         if mode in _PERSISTENT and self._disk is None:
             raise ValueError(f"write_mode: {mode.value} needs an SSD tier (StoreConfig.disk_dir)")
         if not self._mem.fits_ever(size):
@@ -396,9 +423,10 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             e.dirty = True
             self._dirty[key] = e
             self._wake.set()
-        w = self._waiters.get(key)
-        if w is not None:
-            w[0].notify_all()
+        if self._waiters:
+            w = self._waiters.get(key)
+            if w is not None:
+                w[0].notify_all()
         if self._mem.used > self._high:
             self._wake.set()
 
