@@ -417,21 +417,6 @@ def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor], streams: StreamS
             _enable_peer(rt, other, dev)
         sizes = [d.numel() * d.element_size() for d in dst]
         try:
-            if len(dst) == 1:
-                # One pair (the small hand-off's case): one cudaMemcpyAsync on the raw stream handle, without
-                # memcpy_batch's argument arrays and stream switches (a 4 KiB copy_into cost 46-57 us of host
-                # time warm on the H200 machine, torch's copy_ of the same bytes 22).
-                copy_engine._check(
-                    rt.cudaMemcpyAsync(
-                        dst[0].data_ptr(),
-                        src[0].data_ptr(),
-                        sizes[0],
-                        rt.cudaMemcpyKind.cudaMemcpyDefault,
-                        stream.cuda_stream,
-                    ),
-                    "cudaMemcpyAsync",
-                )
-                return
             with torch.cuda.stream(stream):
                 copy_engine.memcpy_batch(
                     [d.data_ptr() for d in dst], [s.data_ptr() for s in src], sizes, device=stream.device
