@@ -20,12 +20,12 @@ from collections.abc import Iterable
 
 from kvstrata.errors import KvstrataError
 from kvstrata.store.config import WriteMode
-from kvstrata.store.objects import as_bytes_view, check_key, check_keys, check_mode, check_size, check_ttl
-from kvstrata.store.tiers.base import Location
+from kvstrata.store.objects import as_bytes_view, check_key, check_mode, check_ttl
 
 
 class BatchMixin:
-    """``put_many`` / ``create_many`` / ``seal_many`` of the engine (see the module docstring)."""
+    """``put_many`` of the engine (see the module docstring; ``create_many`` / ``seal_many`` are the
+    engine's own, each one critical section)."""
 
     def put_many(
         self,
@@ -52,46 +52,10 @@ class BatchMixin:
                 out.append(exc)
         return out
 
-    def create_many(
-        self,
-        items: Iterable[tuple[str, int]],
-        *,
-        owner: object,
-        ttl: float | None = None,
-        write_mode: WriteMode | str = WriteMode.MEMORY,
-        nx: bool = False,
-    ) -> list[Location | KvstrataError]:
-        """:meth:`create` for each ``(key, size)``; per-key locations or errors."""
-        pairs = _pairs(items, "items")
-        for key, size in pairs:
-            check_key(key, "items")
-            check_size(size, "items")
-        self._check_batch_options(ttl, write_mode)
-        out: list[Location | KvstrataError] = []
-        for key, size in pairs:
-            try:
-                out.append(self.create(key, size, owner=owner, ttl=ttl, write_mode=write_mode, nx=nx))
-            except KvstrataError as exc:
-                out.append(exc)
-        return out
-
     def _check_batch_options(self, ttl: object, write_mode: object) -> None:
         check_ttl(ttl)
         if check_mode(write_mode) in (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK) and self._disk is None:
             raise ValueError(f"write_mode: {write_mode} needs an SSD tier (StoreConfig.disk_dir)")
-
-    def seal_many(self, keys: Iterable[str], *, owner: object, publish: bool = False) -> list[KvstrataError | None]:
-        """:meth:`seal` (or :meth:`publish`) each of ``owner``'s creates; per-key results."""
-        keys = check_keys(keys)
-        finish = self.publish if publish else self.seal
-        out: list[KvstrataError | None] = []
-        for key in keys:
-            try:
-                finish(key, owner=owner)
-                out.append(None)
-            except KvstrataError as exc:
-                out.append(exc)
-        return out
 
 
 def _pairs(items: object, name: str) -> list[tuple]:
