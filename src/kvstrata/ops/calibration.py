@@ -277,7 +277,7 @@ def choose_method(
     same time, so a bulk transfer takes its side of the pair of methods measured best *together*;
     ``other`` names that transfer's method when known (the choice is then the best beside it). The
     policy (:mod:`kvstrata.ops.auto_policy`) is SM-frugal: ``copy_engine``, then ``staging``, whenever
-    within 5% of the fastest; ``zero_copy`` for one request's blocks, and for bulk only where it wins by
+    within 2% of the fastest; ``zero_copy`` for one request's blocks, and for bulk only where it wins by
     far. Example: ``choose_method("h2d", 32768, 64 * 1024)``.
     """
     if direction not in ("d2h", "h2d"):

@@ -63,7 +63,7 @@ def transfer_blocks(
 
     ``method="auto"`` picks per call signature from the device's calibration, SM-frugal (details in
     :mod:`kvstrata.ops.auto_policy`): ``copy_engine`` (no SMs), then ``staging`` (a short gather, then
-    DMA), whenever within 5% of the fastest measured method; ``zero_copy`` (SMs held for the whole
+    DMA), whenever within 2% of the fastest measured method; ``zero_copy`` (SMs held for the whole
     transfer) for one request's blocks (<= 4 MiB, lowest latency), and for bulk transfers only where it
     beats both others by more than 25%, or when ``host_block_ids`` live on the device (the only method
     that reads them there without a sync). The choice is cached with the call's launch plan.
@@ -73,7 +73,7 @@ def transfer_blocks(
     one in flight, or the best pair). ``None`` (default) asks the device whether this process's last
     transfer the other way is still in flight; pass ``True``/``False`` when the caller knows better
     (e.g. a store and a load issued back to back from one thread). A bulk transfer alone also takes its
-    side of the best pair when that costs it at most 5%, so a store and a load pair well whichever
+    side of the best pair when that costs it at most 2%, so a store and a load pair well whichever
     starts first.
     """
     if not isinstance(device_layout, KVLayout):
