@@ -6,7 +6,10 @@ the GPU machine: each step timed alone over many calls (no profiler inflation), 
 
 from __future__ import annotations
 
+import cProfile
 import importlib
+import io
+import pstats
 import statistics
 import time
 
@@ -34,6 +37,28 @@ def timed(label: str, fn, iters: int = 3000) -> float:
     return us
 
 
+def host_per_call(label: str, fn, iters: int = 400) -> None:
+    """Host time of isolated calls (the device drained between them, outside the timing), then a cProfile
+    of the same loop: what one request's call costs, not a queue's throughput."""
+    ts = []
+    for i in range(iters + 50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if i >= 50:
+            ts.append(time.perf_counter() - t0)
+    print(f"{label:60s} {statistics.median(ts) * 1e6:7.2f} us per isolated call (host)")
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        prof.enable()
+        fn()
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+    print("\n".join(out.getvalue().splitlines()[6:24]))
+
+
 def main() -> None:
     dev = torch.device("cuda:0")
     s = Setup(32, 16 * 1024, 64 * 16 * 1024)
@@ -48,6 +73,11 @@ def main() -> None:
                 iters=1000,
             )
     d_ids, h_ids = (x[:1] for x in s.ids("zero_copy"))
+    for method in ("zero_copy", "auto"):
+        host_per_call(
+            f"{method} d2h",
+            lambda m=method: TB.transfer_blocks(s.layout, s.pool, d_ids, h_ids, direction="d2h", method=m, check=False),
+        )
     cpu_ids = [int(s.dev_ids[0])], [0]
     timed("transfer_blocks zero_copy d2h (host list ids)",
           lambda: TB.transfer_blocks(s.layout, s.pool, *cpu_ids, direction="d2h", method="zero_copy", check=False),

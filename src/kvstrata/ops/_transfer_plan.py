@@ -44,6 +44,22 @@ LANE_IDS = 1024  # ids per list in one slot (longer lists are uploaded the old w
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _state = {"fast": _raw_stream is not None}  # cleared for the process if a direct launch ever fails
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw handle) -> torch's object for it
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)``, looked up by the raw handle (0.2 us on the H200 machine, where
+    building the object cost 5.5 us per call). A raw handle names one stream for as long as it is
+    cached: torch's pooled streams are never destroyed, and an external stream's object is its handle."""
+    if _raw_stream is None:
+        return torch.cuda.current_stream(index)
+    key = (index, _raw_stream(index))
+    got = _streams.get(key)
+    if got is None:
+        if len(_streams) >= 256:
+            _streams.clear()
+        got = _streams[key] = torch.cuda.current_stream(index)
+    return got
 
 
 class TransferPlan:
@@ -138,7 +154,7 @@ class TransferPlan:
                     self.fast_args = self.kernel_args(0, 0, self.seg_table_ptr)
                 args = self.fast_args.copy()
                 args[_ARG_IDS[0]], args[_ARG_IDS[1]] = dptr, hptr
-                runner(*args, stream=_raw_stream(self.device_index))
+                runner(args, _raw_stream(self.device_index))
                 return
             except Exception as exc:  # an incompatible Triton: Triton's own launch path from now on
                 _state["fast"] = False
@@ -147,7 +163,7 @@ class TransferPlan:
         compiled = _copy_chunks_kernel[(self.nprog,)](*args, num_warps=_warps())
         if compiled is not None and _state["fast"]:
             try:
-                self.runners[spec] = compiled[(self.nprog, 1, 1)]
+                self.runners[spec] = _direct_launch(compiled, self.nprog)
             except Exception as exc:  # a Triton without the runner API
                 log.debug("transfer_blocks: no direct launch (%r)", exc)
                 _state["fast"] = False
@@ -175,6 +191,46 @@ class TransferPlan:
         if self.n == 1:  # one block: chunks of different segments never continue each other's keys
             return da.reshape(-1), ha.reshape(-1), np.full(g.nseg, g.chunk, dtype=np.int64)
         return merge_runs(da.reshape(-1), ha.reshape(-1), g.chunk, keys=keys.reshape(-1))
+
+
+def _direct_launch(compiled: Any, nprog: int) -> Any:
+    """``fire(args, stream)`` launching ``compiled`` on ``nprog`` programs with every kernel argument ``args``
+    (in signature order) on the raw stream handle ``stream``.
+
+    Triton's runner (``compiled[grid](*args, stream=...)``) passes through two Python frames that rebuild
+    the same launch each time (scratch allocation, hooks); where this Triton's launcher has the known
+    3.6 layout, needs no scratch memory and no launch hooks are set, the C launch is called directly
+    (~3 us less per call). Anything else uses the runner."""
+    runner = compiled[(nprog, 1, 1)]
+    try:
+        import inspect
+
+        from triton import knobs
+
+        launcher = compiled.run
+        params = list(inspect.signature(type(launcher).__call__).parameters)
+        known = params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+        plain = (
+            known
+            and launcher.global_scratch_size == 0
+            and launcher.profile_scratch_size == 0
+            and knobs.runtime.launch_enter_hook is None
+            and knobs.runtime.launch_exit_hook is None
+        )
+    except Exception:  # another Triton: its runner
+        plain = False
+    if not plain:
+        return lambda args, stream: runner(*args, stream=stream)
+    launch, function, meta = launcher.launch, compiled.function, compiled.packed_metadata
+    coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+
+    def fire(args: list[Any], stream: int) -> None:
+        if knobs.runtime.launch_enter_hook is not None:  # a profiler set a hook since: Triton's own path
+            runner(*args, stream=stream)
+            return
+        launch(nprog, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
+
+    return fire
 
 
 def _warps() -> int:
@@ -297,5 +353,5 @@ def other_direction_method(device: torch.device, direction: str) -> str | None:
     return got.method or "unknown"
 
 
-__all__ = ["LANE_IDS", "LANE_SLOTS", "MAX_PLANS", "Lane", "TransferPlan", "clear_plans", "lane", "other_direction_busy",
-           "other_direction_method", "plan_count"]  # fmt: skip
+__all__ = ["LANE_IDS", "LANE_SLOTS", "MAX_PLANS", "Lane", "TransferPlan", "clear_plans", "current_stream", "lane",
+           "other_direction_busy", "other_direction_method", "plan_count"]  # fmt: skip

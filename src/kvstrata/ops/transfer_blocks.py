@@ -30,6 +30,7 @@ from kvstrata.memory.pinned import registry_generation
 from kvstrata.ops import _transfer_plan as _plan
 from kvstrata.ops import copy_engine
 from kvstrata.ops._common import interpreting
+from kvstrata.ops.auto_policy import SMALL_BYTES
 from kvstrata.ops.chunk_copy import alignment, default_ctas, launch_copy_chunks
 from kvstrata.ops.kv_layout import HostPool, KVLayout
 from kvstrata.ops.staging import Geometry, staging_transfer
@@ -224,7 +225,10 @@ def _ids_kind(ids) -> object:
 def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent) -> None:
     device = layout.device
     busy, other = False, None
-    if method == "auto" and device.type == "cuda":
+    # The other direction's state decides only a bulk auto call with host ids (a small call, one request's
+    # blocks, or device-resident host ids have one answer whatever runs beside): skip its event query then.
+    if (method == "auto" and device.type == "cuda" and n * layout.num_segments * layout.chunk_bytes > SMALL_BYTES
+            and not isinstance(host_ids, torch.Tensor)):  # fmt: skip
         other = None if concurrent is False else _plan.other_direction_method(device, direction)
         busy = concurrent if concurrent is not None else other is not None
     key = (layout.seg_ptr_table.data_ptr(), layout.seg_ptrs, layout.chunk_bytes, layout.block_stride,
@@ -324,7 +328,7 @@ def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
     else:  # torch
         _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
     if lane is not None:
-        lane.mark(k, torch.cuda.current_stream(device), m)
+        lane.mark(k, _plan.current_stream(plan.device_index), m)
 
 
 def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.device, capturing: bool):
