@@ -189,7 +189,7 @@ def test_direct_launch_passes_every_parameter_in_signature_order(monkeypatch, se
     plan = next(iter(gather_mod._PLANS.values()))
     calls = []
 
-    def runner(*args, stream):
+    def runner(args, stream):
         calls.append((dict(zip(plan_mod.kernel_arg_names(gather_mod._gather_kernel), args, strict=True)), stream))
         out.copy_(gather_reference(table, ids))
 
@@ -205,6 +205,64 @@ def test_direct_launch_passes_every_parameter_in_signature_order(monkeypatch, se
     assert args["ids_ptr"] == ids.data_ptr() and args["n_ids"] == 6 and args["n_table_rows"] == 40
     assert args["row_words"] * plan.word == 64 and args["table_stride"] * plan.word == 64
     assert {k: args[k] for k in plan.constexprs} == plan.constexprs
+
+
+class _Launcher:
+    """Triton 3.6's CudaLauncher layout: what ``direct_launch`` calls past."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+        self.launch = lambda *a: self.calls.append(("launch", a))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        raise AssertionError("the direct path must not go through the Python launcher")
+
+
+class _Compiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, launcher):
+        self.run = launcher
+        self.runner_calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, stream: self.runner_calls.append((grid, args, stream))
+
+
+def test_direct_launch_calls_the_c_launch_with_triton_36s_argument_layout(monkeypatch):
+    from triton import knobs
+
+    from kvstrata.ops._common import direct_launch
+
+    for hook in ("launch_enter_hook", "launch_exit_hook"):  # unset in Triton 3.6 (newer ones chain hooks)
+        monkeypatch.setattr(knobs.runtime, hook, None)
+
+    launcher = _Launcher()
+    fire = direct_launch(_Compiled(launcher), 7)
+    fire([1, 2, 3], 99)
+    grid_stream_fn = (7, 1, 1, 99, "fn", False, True)
+    scratch_meta_hooks = (None, None, "meta", None, None, None)
+    assert launcher.calls == [("launch", (*grid_stream_fn, *scratch_meta_hooks, 1, 2, 3))]
+
+
+def test_direct_launch_uses_the_runner_for_another_launcher_layout():
+    from kvstrata.ops._common import direct_launch
+
+    class Other(_Launcher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):  # another Triton
+            raise AssertionError
+
+    compiled = _Compiled(Other())
+    direct_launch(compiled, 5)([4, 5], 11)
+    assert compiled.run.calls == [] and compiled.runner_calls == [((5, 1, 1), (4, 5), 11)]
+    scratch = _Launcher()
+    scratch.global_scratch_size = 64  # needs scratch memory: only Triton's own path allocates it
+    compiled = _Compiled(scratch)
+    direct_launch(compiled, 5)([4], 12)
+    assert scratch.calls == [] and compiled.runner_calls == [((5, 1, 1), (4,), 12)]
 
 
 def test_registry_generation_counts_regions_not_uses():

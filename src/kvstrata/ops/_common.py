@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -216,6 +217,46 @@ def pinned_copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def direct_launch(compiled: Any, nprog: int) -> Any:
+    """``fire(args, stream)`` launching ``compiled`` on ``nprog`` programs with every kernel argument ``args``
+    (in signature order) on the raw stream handle ``stream``.
+
+    Triton's runner (``compiled[grid](*args, stream=...)``) passes through two Python frames that rebuild
+    the same launch each time (scratch allocation, hooks); where this Triton's launcher has the known
+    3.6 layout, needs no scratch memory and no launch hooks are set, the C launch is called directly
+    (~3 us less per call). Anything else uses the runner."""
+    runner = compiled[(nprog, 1, 1)]
+    try:
+        import inspect
+
+        from triton import knobs
+
+        launcher = compiled.run
+        params = list(inspect.signature(type(launcher).__call__).parameters)
+        known = params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+        plain = (
+            known
+            and launcher.global_scratch_size == 0
+            and launcher.profile_scratch_size == 0
+            and knobs.runtime.launch_enter_hook is None
+            and knobs.runtime.launch_exit_hook is None
+        )
+    except Exception:  # another Triton: its runner
+        plain = False
+    if not plain:
+        return lambda args, stream: runner(*args, stream=stream)
+    launch, function, meta = launcher.launch, compiled.function, compiled.packed_metadata
+    coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+
+    def fire(args: list[Any], stream: int) -> None:
+        if knobs.runtime.launch_enter_hook is not None:  # a profiler set a hook since: Triton's own path
+            runner(*args, stream=stream)
+            return
+        launch(nprog, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
+
+    return fire
+
+
 __all__ = [
     "INDEX_DTYPES",
     "SUPPORTED_DTYPES",
@@ -229,6 +270,7 @@ __all__ = [
     "check_no_overlap",
     "check_optional_positive_int",
     "check_tensor",
+    "direct_launch",
     "interpreting",
     "launch_config",
     "next_pow2",

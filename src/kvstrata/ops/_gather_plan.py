@@ -35,6 +35,7 @@ from kvstrata.ops._common import (
     TileConfig,
     as_words,
     check_no_overlap,
+    direct_launch,
     launch_config,
     pinned_copy_to,
     runs_triton,
@@ -149,10 +150,10 @@ class GatherPlan:
             index = self.device_index
             try:
                 if torch.cuda.current_device() == index:
-                    runner(*self.head, ptr, *self.tail, stream=_raw_stream(index))
+                    runner((*self.head, ptr, *self.tail), _raw_stream(index))
                 else:
                     with torch.cuda.device(index):
-                        runner(*self.head, ptr, *self.tail, stream=_raw_stream(index))
+                        runner((*self.head, ptr, *self.tail), _raw_stream(index))
                 return
             except Exception as exc:  # any failure: fall back for good (a gather is safe to repeat)
                 _state["fast"] = False
@@ -178,7 +179,7 @@ class GatherPlan:
             )  # fmt: skip
             if compiled is not None and _raw_stream is not None and _state["fast"]:
                 try:
-                    self.runners[aligned] = compiled[(self.grid, 1, 1)]
+                    self.runners[aligned] = direct_launch(compiled, self.grid)
                 except Exception as exc:  # a Triton without the runner API
                     log.debug("gather: no direct launch (%r)", exc)
 

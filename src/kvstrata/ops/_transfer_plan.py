@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstrata.ops._common import direct_launch
 from kvstrata.ops.chunk_copy import _copy_chunks_kernel, copy_chunks_shape
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class TransferPlan:
         compiled = _copy_chunks_kernel[(self.nprog,)](*args, num_warps=_warps())
         if compiled is not None and _state["fast"]:
             try:
-                self.runners[spec] = _direct_launch(compiled, self.nprog)
+                self.runners[spec] = direct_launch(compiled, self.nprog)
             except Exception as exc:  # a Triton without the runner API
                 log.debug("transfer_blocks: no direct launch (%r)", exc)
                 _state["fast"] = False
@@ -191,46 +192,6 @@ class TransferPlan:
         if self.n == 1:  # one block: chunks of different segments never continue each other's keys
             return da.reshape(-1), ha.reshape(-1), np.full(g.nseg, g.chunk, dtype=np.int64)
         return merge_runs(da.reshape(-1), ha.reshape(-1), g.chunk, keys=keys.reshape(-1))
-
-
-def _direct_launch(compiled: Any, nprog: int) -> Any:
-    """``fire(args, stream)`` launching ``compiled`` on ``nprog`` programs with every kernel argument ``args``
-    (in signature order) on the raw stream handle ``stream``.
-
-    Triton's runner (``compiled[grid](*args, stream=...)``) passes through two Python frames that rebuild
-    the same launch each time (scratch allocation, hooks); where this Triton's launcher has the known
-    3.6 layout, needs no scratch memory and no launch hooks are set, the C launch is called directly
-    (~3 us less per call). Anything else uses the runner."""
-    runner = compiled[(nprog, 1, 1)]
-    try:
-        import inspect
-
-        from triton import knobs
-
-        launcher = compiled.run
-        params = list(inspect.signature(type(launcher).__call__).parameters)
-        known = params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
-        plain = (
-            known
-            and launcher.global_scratch_size == 0
-            and launcher.profile_scratch_size == 0
-            and knobs.runtime.launch_enter_hook is None
-            and knobs.runtime.launch_exit_hook is None
-        )
-    except Exception:  # another Triton: its runner
-        plain = False
-    if not plain:
-        return lambda args, stream: runner(*args, stream=stream)
-    launch, function, meta = launcher.launch, compiled.function, compiled.packed_metadata
-    coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
-
-    def fire(args: list[Any], stream: int) -> None:
-        if knobs.runtime.launch_enter_hook is not None:  # a profiler set a hook since: Triton's own path
-            runner(*args, stream=stream)
-            return
-        launch(nprog, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
-
-    return fire
 
 
 def _warps() -> int:
