@@ -270,17 +270,24 @@ class RemoteBackend:
         return self._loc(self.request({"op": "create", "key": key, "size": size, **opts})["loc"])
 
     def mcreate(self, items: list[tuple[str, int]], opts: dict) -> list[Any]:
-        reply = self.request({"op": "mcreate", "items": items, **opts})
-        return [r if isinstance(r, BaseException) else self._loc(r["loc"]) for r in map(self._item, reply["items"])]
+        msg = {"op": "mcreate", "items": items}
+        if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
+            msg.update(opts)
+        reply = self.request(msg)
+        flat = reply["locs"]
+        out: list[Any] = [Loc(*flat[k : k + 3]) for k in range(0, len(flat), 3)]
+        for i, name, message in reply.get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out
 
     def finish(self, action: str, key: str) -> None:
         self.request({"op": action, "key": key})
 
     def mseal(self, keys: list[str]) -> list[Any]:
-        return [
-            None if not isinstance(r, BaseException) else r
-            for r in map(self._item, self.request({"op": "mseal", "keys": keys})["items"])
-        ]
+        out: list[Any] = [None] * len(keys)
+        for i, name, message in self.request({"op": "mseal", "keys": keys}).get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out
 
     def get(self, key: str, timeout: float) -> bytes:
         local = self._local
@@ -348,15 +355,17 @@ class RemoteBackend:
         msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
-        items = self.request(msg)["items"]
+        reply = self.request(msg)
+        ids, flat, flags = reply["ids"], reply["locs"], reply["flags"]
         offered = []
-        for i, r in zip(missing, items):
-            if "err" in r:
-                out[i] = P.error_from_record(r["err"])
-                continue
-            out[i] = Lease(r["lease"], Loc(*r["loc"]), r["mutable"])
-            if "cache" in r:
+        k = 0
+        for i, lease_id, flag in zip(missing, ids, flags):
+            out[i] = Lease(lease_id, Loc(flat[k], flat[k + 1], flat[k + 2]), flag == 1)
+            k += 3
+            if flag == 2:
                 offered.append(i)
+        for j, name, message in reply.get("errs", ()):
+            out[missing[j]] = P.error_from_record((name, message))
         drop: list[int] = []
         if offered and local is not None:
             evict = cache != "fit"
