@@ -186,7 +186,8 @@ def _acquire(s: Session, msg: dict) -> dict:
     errs = []
     leases = s.leases
     no_ttl = s.validity.no_ttl if cache else ()
-    for i, (key, r) in enumerate(zip(keys, s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))))):
+    results = s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
+    for i, (key, r) in enumerate(zip(keys, results)):
         if isinstance(r, BaseException):
             errs.append([i, *P.error_record(r)["err"]])
             ids.append(0)
