@@ -368,17 +368,20 @@ class RemoteBackend:
             out[missing[j]] = P.error_from_record((name, message))
         drop: list[int] = []
         if offered and local is not None:
-            evict = cache != "fit"
             with self._lock:
                 if not self._closed:
-                    for i in offered:
-                        lease = out[i]
-                        let_go = self._cache_add(keys[i], lease.lease_id, lease.location, generation, evict)
-                        if lease.lease_id in let_go:  # refused (something changed meanwhile): the view's alone
-                            let_go.remove(lease.lease_id)
-                        else:
-                            self._hold(lease.lease_id)  # the view's hold, beside the cache's
-                        drop += let_go
+                    batch = [(keys[i], out[i][0], out[i][1]) for i in offered]
+                    drop = local.add_many(batch, generation, evict=cache != "fit")
+                    # A lease the cache kept has two holders (the cache, the view); one it refused or already
+                    # pushed out again is the view's alone (it is released directly, as an unheld lease).
+                    kept = {lease_id for _, lease_id, _ in batch}
+                    refused = kept.intersection(drop)
+                    if refused:
+                        kept -= refused
+                        drop = [d for d in drop if d not in refused]
+                    holders = self._holders
+                    for lease_id in kept:
+                        holders[lease_id] = holders.get(lease_id, 0) + 2
         if drop:
             self.release(drop)
         return out
