@@ -348,3 +348,101 @@ def test_copy_engine_runs_go_in_batches_and_a_late_refusal_is_not_retried_by_tor
     fail_at = 2  # a batch is queued already: a torch re-copy of everything would race it
     with pytest.raises(copy_engine.CopyEngineError):
         device._copy_engine(runs, "cuda")
+
+
+# ----------------------------------------------------------------------------- pipelined mset_d2h
+def _groups_of(n):
+    """key_groups cutting every call into groups of ``n`` keys, as a GPU call of large values is cut."""
+    return lambda sizes, dev: [list(range(i, min(i + n, len(sizes)))) for i in range(0, len(sizes), n)]
+
+
+def test_pipelined_mset_d2h_keeps_per_key_results_and_takes_four_round_trips(kv, monkeypatch):
+    keys = [f"pipe/{i}" for i in range(9)]
+    kv.delete(keys)
+    src = _lists(9, sizes=(70000, 5))
+    old = (1, 4, 8)  # already there, in the first, a middle and the last group: left as they are
+    assert kv.mset_d2h([keys[i] for i in old], [src[0]] * 3) == [None] * 3
+    monkeypatch.setattr(device, "key_groups", _groups_of(3))
+    backend = kv._backend
+    calls = []
+    for name in ("mcreate", "mseal"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, _r=real, _n=name: calls.append((_n, len(a[0]))) or _r(*a))
+    res = kv.mset_d2h(keys, src)
+    assert [i for i, r in enumerate(res) if isinstance(r, KeyExists)] == list(old)
+    assert all(r is None for i, r in enumerate(res) if i not in old)
+    # one create for the first group, one for the rest; one seal for all but the last group, one for it
+    assert calls == [("mcreate", 3), ("mcreate", 6), ("mseal", 4), ("mseal", 2)]
+    monkeypatch.undo()
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 9
+    for i in range(9):
+        want = src[0] if i in old else src[i]
+        assert all(torch.equal(a, b) for a, b in zip(want, dst[i]))
+    assert kv.stats()["creates_in_progress"] == 0
+
+
+def test_pipelined_mset_d2h_aborts_the_unsealed_when_the_last_seal_fails(kv, monkeypatch):
+    keys = [f"pipe-abort/{i}" for i in range(7)]
+    kv.delete(keys)
+    monkeypatch.setattr(device, "key_groups", _groups_of(3))
+    backend = kv._backend
+    real = backend.mseal
+    seals = []
+
+    def mseal(batch):
+        seals.append(batch)
+        if len(seals) == 2:
+            raise RuntimeError("simulated loss before the last seal")
+        return real(batch)
+
+    monkeypatch.setattr(backend, "mseal", mseal)
+    with pytest.raises(RuntimeError, match="simulated"):
+        kv.mset_d2h(keys, _lists(7))
+    monkeypatch.undo()
+    assert kv.exists(keys) == [True] * 6 + [False]  # sealed before the failure; the last group aborted
+    assert kv.stats()["creates_in_progress"] == 0
+    assert kv.mset_d2h(keys[6:], _lists(1)) == [None]  # writable again at once
+
+
+def test_a_batch_is_carved_side_by_side_and_copies_merge(worker):
+    """Objects created by one mcreate lie back to back: one memmove run per contiguous source."""
+    with kvstrata.connect(worker.address) as kv:
+        keys = [f"side/{i}" for i in range(8)]
+        kv.delete(keys)
+        buf = torch.arange(8 * 128, dtype=torch.int32)
+        src = [[buf[i * 128 : (i + 1) * 128]] for i in range(8)]  # 512 bytes each: whole 64-byte units
+        seen = []
+        real = device.enqueue
+        device_enqueue = lambda runs, dev, s: seen.append(len(runs.host)) or real(runs, dev, s)
+        try:
+            device.enqueue = device_enqueue
+            assert kv.mset_d2h(keys, src) == [None] * 8
+        finally:
+            device.enqueue = real
+        assert seen == [1]
+        dst = [[torch.zeros(128, dtype=torch.int32)] for _ in range(8)]
+        assert kv.mget_h2d(keys, dst) == [None] * 8
+        assert torch.equal(torch.cat([d[0] for d in dst]), buf)
+
+
+@pytest.mark.gpu
+def test_cuda_pipelined_mset_d2h_groups_exact_with_key_exists_in_the_tail(kv):
+    """64 x 256 KiB from the GPU: several groups (create head, create rest, seal two parts)."""
+    n = 64
+    keys = [f"gpu-pipe/{i}" for i in range(n)]
+    kv.delete(keys)
+    src = [[torch.randint(0, 255, (256 << 10,), dtype=torch.uint8, device="cuda")] for _ in range(n)]
+    assert len(device.key_groups([256 << 10] * n, src[0][0].device)) > 2
+    assert kv.mset_d2h([keys[3], keys[n - 2]], [src[0], src[0]]) == [None, None]
+    res = kv.mset_d2h(keys, src)
+    assert [i for i, r in enumerate(res) if isinstance(r, KeyExists)] == [3, n - 2]
+    assert all(r is None for i, r in enumerate(res) if i not in (3, n - 2))
+    dst = [[torch.full_like(t, 0xAB) for t in ts] for ts in src]
+    assert kv.mget_h2d(keys, dst) == [None] * n
+    torch.cuda.synchronize()
+    for i in range(n):
+        want = src[0] if i in (3, n - 2) else src[i]
+        assert torch.equal(want[0], dst[i][0])
+    assert kv.stats()["creates_in_progress"] == 0
+    kv.delete(keys)

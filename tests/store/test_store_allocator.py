@@ -78,3 +78,16 @@ def test_bad_input():
     a = OffsetAllocator(4096)
     with pytest.raises(ValueError, match="offset"):
         a.free(64)
+
+
+def test_allocate_run_is_consecutive_blocks_freed_one_by_one():
+    a = OffsetAllocator(4096)
+    offs = a.allocate_run([100, 64, 1])
+    assert offs == [0, 128, 192] and a.used_bytes == 256
+    assert [a.block_size(o) for o in offs] == [128, 64, 64]
+    a.free(128)
+    assert a.allocate(64) == 128  # the hole is reused alone
+    for o in offs:
+        a.free(o)
+    assert a.free_bytes == 4096 and a.stats()["free_blocks"] == 1  # coalesced back into one range
+    assert a.allocate_run([4000, 200]) is None and a.free_bytes == 4096  # nothing taken when it does not fit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from kvstrata.errors import CapacityError, KeyExists, KeyNotFound, Timeout
@@ -62,3 +63,34 @@ def test_acquire_many_waits_for_missing_keys_within_the_timeout(store):
     assert time.monotonic() - t0 >= 0.09
     store.release_owner(1)
     assert store.stats()["leases"] == 0
+
+
+def test_create_many_carves_a_batch_side_by_side_each_freed_on_its_own(store):
+    used = store.stats()["tiers"]["memory"]["used"]
+    locs = store.create_many([(f"run/{i}", 100 + i) for i in range(5)], owner=1)
+    assert len({loc.segment for loc in locs}) == 1
+    for a, b in itertools.pairwise(locs):
+        assert b.offset == a.offset + ((a.size + 63) // 64) * 64  # back to back, 64-byte aligned
+    assert store.seal_many([f"run/{i}" for i in range(5)], owner=1) == [None] * 5
+    assert store.delete(["run/1", "run/3"]) == [True, True]  # each object is its own allocation
+    assert store.get_bytes("run/2", timeout=0) == bytes(102)
+    store.delete(["run/0", "run/2", "run/4"])
+    assert store.stats()["tiers"]["memory"]["used"] == used
+
+
+def test_create_many_same_key_twice_nx_and_not(store):
+    locs = store.create_many([("dup", 8), ("dup", 8)], owner=1, nx=True)
+    assert not isinstance(locs[0], BaseException) and isinstance(locs[1], KeyExists)
+    assert store.seal_many(["dup"], owner=1) == [None]
+    locs = store.create_many([("twice", 8), ("twice", 16)], owner=1)  # the second create replaces the first
+    assert [loc.size for loc in locs] == [8, 16]
+    assert store.seal_many(["twice", "twice"], owner=1)[1].__class__ is KeyNotFound
+    assert store.sizes(["twice"]) == [16] and store.stats()["creates_in_progress"] == 0
+
+
+def test_create_many_owner_gone_aborts_all_and_frees(store):
+    used = store.stats()["tiers"]["memory"]["used"]
+    store.create_many([(f"gone/{i}", 1000) for i in range(4)], owner="dead")
+    store.release_owner("dead")
+    assert store.stats()["creates_in_progress"] == 0 and store.exists([f"gone/{i}" for i in range(4)]) == [False] * 4
+    assert store.stats()["tiers"]["memory"]["used"] == used

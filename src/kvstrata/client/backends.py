@@ -270,17 +270,24 @@ class RemoteBackend:
         return self._loc(self.request({"op": "create", "key": key, "size": size, **opts})["loc"])
 
     def mcreate(self, items: list[tuple[str, int]], opts: dict) -> list[Any]:
-        reply = self.request({"op": "mcreate", "items": items, **opts})
-        return [r if isinstance(r, BaseException) else self._loc(r["loc"]) for r in map(self._item, reply["items"])]
+        msg = {"op": "mcreate", "items": items}
+        if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
+            msg.update(opts)
+        reply = self.request(msg)
+        flat = reply["locs"]
+        out: list[Any] = [Loc(*flat[k : k + 3]) for k in range(0, len(flat), 3)]
+        for i, name, message in reply.get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out
 
     def finish(self, action: str, key: str) -> None:
         self.request({"op": action, "key": key})
 
     def mseal(self, keys: list[str]) -> list[Any]:
-        return [
-            None if not isinstance(r, BaseException) else r
-            for r in map(self._item, self.request({"op": "mseal", "keys": keys})["items"])
-        ]
+        out: list[Any] = [None] * len(keys)
+        for i, name, message in self.request({"op": "mseal", "keys": keys}).get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out
 
     def get(self, key: str, timeout: float) -> bytes:
         local = self._local
@@ -348,28 +355,33 @@ class RemoteBackend:
         msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
-        items = self.request(msg)["items"]
+        reply = self.request(msg)
+        ids, flat, flags = reply["ids"], reply["locs"], reply["flags"]
         offered = []
-        for i, r in zip(missing, items):
-            if "err" in r:
-                out[i] = P.error_from_record(r["err"])
-                continue
-            out[i] = Lease(r["lease"], Loc(*r["loc"]), r["mutable"])
-            if "cache" in r:
+        k = 0
+        for i, lease_id, flag in zip(missing, ids, flags):
+            out[i] = Lease(lease_id, Loc(flat[k], flat[k + 1], flat[k + 2]), flag == 1)
+            k += 3
+            if flag == 2:
                 offered.append(i)
+        for j, name, message in reply.get("errs", ()):
+            out[missing[j]] = P.error_from_record((name, message))
         drop: list[int] = []
         if offered and local is not None:
-            evict = cache != "fit"
             with self._lock:
                 if not self._closed:
-                    for i in offered:
-                        lease = out[i]
-                        let_go = self._cache_add(keys[i], lease.lease_id, lease.location, generation, evict)
-                        if lease.lease_id in let_go:  # refused (something changed meanwhile): the view's alone
-                            let_go.remove(lease.lease_id)
-                        else:
-                            self._hold(lease.lease_id)  # the view's hold, beside the cache's
-                        drop += let_go
+                    batch = [(keys[i], out[i][0], out[i][1]) for i in offered]
+                    drop = local.add_many(batch, generation, evict=cache != "fit")
+                    # A lease the cache kept has two holders (the cache, the view); one it refused or already
+                    # pushed out again is the view's alone (it is released directly, as an unheld lease).
+                    kept = {lease_id for _, lease_id, _ in batch}
+                    refused = kept.intersection(drop)
+                    if refused:
+                        kept -= refused
+                        drop = [d for d in drop if d not in refused]
+                    holders = self._holders
+                    for lease_id in kept:
+                        holders[lease_id] = holders.get(lease_id, 0) + 2
         if drop:
             self.release(drop)
         return out

@@ -112,6 +112,31 @@ class LocalReads:
             self._bytes -= loc.size
         return drop
 
+    def add_many(self, items: list[tuple[str, int, Any]], generation: int, *, evict: bool = True) -> list[int]:
+        """:meth:`add` of each ``(key, lease id, location)`` in order; the lease ids to give back (a refused
+        lease among them, as from :meth:`add`)."""
+        drop = self.stale()
+        if generation != self._gen.value:  # something changed during the request: not trustworthy
+            return drop + [lease_id for _, lease_id, _ in items]
+        entries, max_entries, max_bytes = self._entries, self.max_entries, self.max_bytes
+        self._entries_gen = generation
+        for key, lease_id, location in items:
+            size = location.size
+            if not evict and key not in entries and (len(entries) >= max_entries or self._bytes + size > max_bytes):
+                drop.append(lease_id)
+                continue
+            old = entries.pop(key, None)
+            if old is not None:
+                drop.append(old[0])
+                self._bytes -= old[1].size
+            entries[key] = (lease_id, location)
+            self._bytes += size
+            while len(entries) > max_entries or self._bytes > max_bytes:
+                lease, loc = entries.popitem(last=False)[1]
+                drop.append(lease)
+                self._bytes -= loc.size
+        return drop
+
     def clear(self) -> list[int]:
         ids = [lease_id for lease_id, _ in self._entries.values()]
         self._entries.clear()

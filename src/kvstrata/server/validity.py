@@ -100,6 +100,11 @@ class Validity:
         """Call under ``key_lock(key)`` after ``expire`` touched ``key``."""
         self._no_ttl.discard(key)
 
+    @property
+    def no_ttl(self) -> set[str]:
+        """Keys whose current version has no TTL (read-only use: batch handlers test membership inline)."""
+        return self._no_ttl
+
     def cacheable(self, key: str, lease: object) -> bool:
         return key in self._no_ttl and not getattr(lease, "mutable", True)
 

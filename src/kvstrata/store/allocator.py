@@ -82,6 +82,26 @@ class OffsetAllocator:
         self.used_bytes += size
         return offset
 
+    def allocate_run(self, sizes: list[int]) -> list[int] | None:
+        """Offsets of consecutive blocks of ``sizes`` (each > 0) carved from one free range, or None when no
+        free range holds them all. Each block is its own allocation afterwards (freed on its own); a batch
+        written together lies together, so its copies merge into few long runs."""
+        align = self._align
+        rounded = [(n + align) & ~align for n in sizes]
+        total = sum(rounded)
+        base = self.allocate(total) if total else None
+        if base is None:
+            return None
+        used = self._used
+        del used[base]
+        out = []
+        off = base
+        for n in rounded:
+            used[off] = n
+            out.append(off)
+            off += n
+        return out
+
     def free(self, offset: int) -> int:
         """Return the block at ``offset`` to the free list; returns its (rounded) size."""
         try:

@@ -190,22 +190,67 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         write_mode: WriteMode | str = WriteMode.MEMORY,
         nx: bool = False,
     ) -> list[Location | KvstrataError | ValueError | TypeError]:
-        """:meth:`create` per ``(key, size)``, in one critical section; a refused key yields its exception."""
-        out: list = []
+        """:meth:`create` per ``(key, size)``, in one critical section; a refused key yields its exception.
+
+        The batch's objects are carved side by side out of one free range where one holds them all (so
+        their copies merge into long runs); otherwise, or for what did not fit, one by one with eviction.
+        """
+        items = items if isinstance(items, list) else list(items)
+        out: list = [None] * len(items)
+        try:
+            mode, ttl_s = self._check_write("_", 0, ttl, write_mode)  # the batch's options, checked once
+        except (KvstrataError, ValueError, TypeError) as exc:
+            return [exc] * len(items)
+        fits = self._mem.fits_ever
+        todo: list[int] = []  # positions that passed the checks, counted in _creating, in order
         with self._lock:
-            for key, size in items:
+            if self._closed:
+                return [ClosedError("the object store is closed")] * len(items)
+            creating, objects = self._creating, self._objects
+            for i, (key, size) in enumerate(items):
                 try:
-                    mode, ttl_s = self._check_write(key, size, ttl, write_mode)
-                    e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+                    check_key(key)
+                    if type(size) is not int or size < 0:
+                        check_size(size)
+                    if not fits(size):
+                        self._check_write(key, size, ttl, write_mode)  # raises its CapacityError
+                    if nx and (key in creating or (key in objects and self._lookup(key) is not None)):
+                        raise KeyExists(f"key {key!r} already exists")
                 except (KvstrataError, ValueError, TypeError) as exc:
-                    out.append(exc)
+                    out[i] = exc
                     continue
-                old = self._pending.pop((key, owner), None)
+                creating[key] = creating.get(key, 0) + 1  # before allocating, as in _reserve_locked
+                todo.append(i)
+            sized = [i for i in todo if items[i][1]]
+            run = self._mem.allocate_run([items[i][1] for i in sized]) if len(sized) > 1 else None
+            if run is not None:
+                for i, loc in zip(sized, run):
+                    out[i] = loc
+                if self._mem.used > self._high:
+                    self._wake.set()
+            versions, pending = self._versions, self._pending
+            creates = self._owner_creates.get(owner)
+            if creates is None and todo:
+                creates = self._owner_creates[owner] = set()
+            for i in todo:
+                key, size = items[i]
+                loc = out[i]
+                if loc is None:
+                    try:
+                        loc = self._allocate(size)  # may release the lock to evict
+                    except (KvstrataError, ValueError, TypeError) as exc:
+                        self._uncreate(key)
+                        out[i] = exc
+                        continue
+                    out[i] = loc
+                e = Entry(key, size, loc, mode, next(versions), owner)
+                if ttl_s:
+                    e.ttl = ttl_s
+                old = pending.pop((key, owner), None)
                 if old is not None:
                     self._abort_locked(old)
-                self._pending[(key, owner)] = e
-                self._owner_creates.setdefault(owner, set()).add(key)
-                out.append(e.loc)
+                pending[(key, owner)] = e
+                creates.add(key)
         if self._announced < len(self._mem.segments):
             self._announce_segments()
         return out
@@ -216,22 +261,31 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         out: list = []
         slow: list[tuple[int, Entry]] = []
         with self._lock:
+            pending, creating, closed = self._pending, self._creating, self._closed
+            creates = self._owner_creates.get(owner)
             for key in keys:
                 try:
                     check_key(key)
-                    e = self._pending.pop((key, owner), None)
+                    e = pending.pop((key, owner), None)
                     if e is None:
                         raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
                 except (KvstrataError, ValueError, TypeError) as exc:
                     out.append(exc)
                     continue
-                self._forget_create(key, owner)
+                if creates is not None:
+                    creates.discard(key)
                 out.append(None)
-                if e.mode is WriteMode.WRITE_THROUGH or self._closed:
+                if e.mode is WriteMode.WRITE_THROUGH or closed:
                     slow.append((len(out) - 1, e))
                     continue
-                self._uncreate(key)
+                n = creating.get(key, 0) - 1  # _uncreate, inline
+                if n > 0:
+                    creating[key] = n
+                else:
+                    creating.pop(key, None)
                 self._seal_locked(e, None, mutable=False)
+            if creates is not None and not creates:
+                self._owner_creates.pop(owner, None)
         for i, e in slow:  # the SSD write happens outside the lock, as in seal
             try:
                 self._finish(e, mutable=False)

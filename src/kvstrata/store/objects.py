@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvstrata.store.config import WriteMode
 from kvstrata.store.tiers.base import Location
@@ -12,9 +12,9 @@ MAX_KEY_BYTES = 1024
 ZERO_LOCATION = Location(0, 0, 0)  # empty values own no bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """A reader's (or a mutable writer's) hold on one version of an object's bytes.
+class Lease(NamedTuple):
+    """A reader's (or a mutable writer's) hold on one version of an object's bytes (a NamedTuple: one
+    is built per key read, and a tuple builds in a third of a frozen dataclass's time).
 
     While a lease is held the bytes at ``location`` stay exactly where they are: the object is not
     evicted, spilled or freed, even if it is deleted or replaced meanwhile. Give it back with

@@ -110,6 +110,20 @@ class MemoryTier(BlockTier):
                 return Location(i, off, size)
         return None
 
+    def allocate_run(self, sizes: list[int]) -> list[Location] | None:
+        """Locations for ``sizes`` (each > 0) side by side in one segment already mapped, or None (then
+        allocate one by one: that path grows the tier and lets the engine evict)."""
+        allocs = self._allocators
+        last = self._last
+        order = [last] + [i for i in range(len(allocs)) if i != last]
+        for i in order:
+            offs = allocs[i].allocate_run(sizes)
+            if offs is not None:
+                self._last = i
+                self._used += sum((n + ALIGNMENT - 1) & -ALIGNMENT for n in sizes)
+                return [Location(i, off, n) for off, n in zip(offs, sizes)]
+        return None
+
     def free(self, location: Location) -> None:
         self._used -= self._allocators[location.segment].free(location.offset)
 
