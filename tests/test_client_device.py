@@ -188,14 +188,14 @@ def test_the_lease_holds_the_bytes_across_the_batched_copy(kv, monkeypatch):
     real_enqueue = device.enqueue
     fired = []
 
-    def enqueue_with_writer(runs, dev, stream):
+    def enqueue_with_writer(runs, dev, stream, **kw):
         if not fired:
             fired.append(True)
             writer.delete(keys)  # the bytes are leased: they must not be freed or reused yet
             for i, k in enumerate(keys):
                 writer.set(k, bytes([i]) * 200000)
             writer.mset({f"filler/{i}": b"\xff" * 200000 for i in range(40)})
-        return real_enqueue(runs, dev, stream)
+        return real_enqueue(runs, dev, stream, **kw)
 
     monkeypatch.setattr(device, "enqueue", enqueue_with_writer)
     kv.set("held/bump", b"x")  # drop any cached lease: this read leases through the worker
@@ -218,7 +218,7 @@ def test_a_failed_copy_aborts_every_create(kv, monkeypatch):
     keys = ["abort/a", "abort/b"]
     kv.delete(keys)
 
-    def broken(runs, dev, stream):
+    def broken(runs, dev, stream, **kw):
         raise RuntimeError("simulated copy failure")
 
     monkeypatch.setattr(device, "enqueue", broken)
@@ -298,8 +298,8 @@ def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
     writer = kv if kv.embedded else kvstrata.connect(kv.address)
     real_enqueue = device.enqueue
 
-    def enqueue_then_overwrite(runs, dev, stream):
-        real_enqueue(runs, dev, stream)  # copies enqueued, maybe still running
+    def enqueue_then_overwrite(runs, dev, stream, **kw):
+        real_enqueue(runs, dev, stream, **kw)  # copies enqueued, maybe still running
         writer.delete(keys)
         for k in keys:
             writer.set(k, b"\x00" * (1 << 20))
@@ -341,6 +341,10 @@ def test_copy_engine_runs_go_in_batches_and_a_late_refusal_is_not_retried_by_tor
     fail_at = None
     assert device._copy_engine(runs, "cuda") is True
     assert calls == [device.BATCH_RUNS, device.BATCH_RUNS, 3]
+    calls.clear()
+    assert device._copy_engine(runs, "cuda", device.FIRST_BATCH_RUNS) is True  # a call's first: short head
+    head = device.FIRST_BATCH_RUNS
+    assert calls == [head, device.BATCH_RUNS, device.BATCH_RUNS, 3 - head] and sum(calls) == len(runs)
     calls.clear()
     fail_at = 1  # nothing queued yet: the caller may fall back to torch copies
     assert device._copy_engine(runs, "cuda") is False
@@ -414,7 +418,7 @@ def test_a_batch_is_carved_side_by_side_and_copies_merge(worker):
         src = [[buf[i * 128 : (i + 1) * 128]] for i in range(8)]  # 512 bytes each: whole 64-byte units
         seen = []
         real = device.enqueue
-        device_enqueue = lambda runs, dev, s: seen.append(len(runs.host)) or real(runs, dev, s)
+        device_enqueue = lambda runs, dev, s, **kw: seen.append(len(runs.host)) or real(runs, dev, s, **kw)
         try:
             device.enqueue = device_enqueue
             assert kv.mset_d2h(keys, src) == [None] * 8

@@ -320,7 +320,7 @@ class Client(DeviceObjectsMixin):
                 for lo, hi in ((0, cut), (cut, len(created))):
                     if lo < hi:
                         runs = self._plan(created[lo:hi], where[lo:hi], pieces, device, to_host=True)
-                        _device.enqueue(runs, device, s)
+                        _device.enqueue(runs, device, s, first=not marks)
                         marks.append((created[lo:hi], _device.mark(s), lo == cut))
             # Seal what landed: all before the last group in one request, the last group in another. The
             # copies complete in stream order, so the last event of a batch covers all of its copies.
@@ -376,9 +376,9 @@ class Client(DeviceObjectsMixin):
         try:
             # Group by group: the DMA starts once the first group is planned, the rest is planned beside it.
             s = _device.start(device, stream)
-            for group in _device.key_groups([sizes[i] for i in filled], device):
+            for n, group in enumerate(_device.key_groups([sizes[i] for i in filled], device)):
                 runs = self._plan([filled[j] for j in group], [locs[j] for j in group], pieces, device, to_host=False)
-                _device.enqueue(runs, device, s)
+                _device.enqueue(runs, device, s, first=n == 0)
             event = _device.mark(s)
             if event is not None:
                 event.synchronize()  # the leases pin the source bytes until the copies are done

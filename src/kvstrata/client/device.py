@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import threading
 from typing import Any, NamedTuple
@@ -29,6 +30,9 @@ _TORCH_COPY_BYTES = 4 << 20  # host runs this large are copied by torch, which u
 # 64 x 1 MiB pinned<->device in one batch ran at 48 GB/s on the H200, the same in 2-8 batches at 52-53
 # (one 64 MiB copy: 55), as the later batches' encoding overlaps the earlier ones' DMA.
 BATCH_RUNS = 16
+# A call's first batch: short, as the copy engine starts on a batch once it is encoded (64 x 1 MiB from idle,
+# host issue included, H200: batches of 16 reached 0.959 of one 64 MiB copy, 2 then 14 then 16s 0.970).
+FIRST_BATCH_RUNS = 2
 # Bytes per group of keys in a pipelined mget_h2d: the next group is planned while this one's DMA runs;
 # 8 MiB is ~150 us of PCIe Gen5 DMA, several times a group's host work (64 x 1 MiB: 0.75 -> 0.86 of the
 # DMA ceiling on the H200, as the copies start after one group's planning instead of all 64 keys').
@@ -158,8 +162,9 @@ def start(device: Any, stream: Any = None) -> Any:
     return stream
 
 
-def enqueue(runs: Runs, device: Any, stream: Any) -> None:
-    """Do ``runs``: host runs now, device runs enqueued on ``stream`` (from :func:`start`)."""
+def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False) -> None:
+    """Do ``runs``: host runs now, device runs enqueued on ``stream`` (from :func:`start`). ``first``: the
+    call's first enqueue, whose first batch is cut short (:data:`FIRST_BATCH_RUNS`) so the DMA starts sooner."""
     for dst, src, n, _ in runs.host:
         if n < _TORCH_COPY_BYTES:
             _memmove(dst, src, n)
@@ -170,7 +175,7 @@ def enqueue(runs: Runs, device: Any, stream: Any) -> None:
     import torch
 
     with torch.cuda.stream(stream):
-        if not _copy_engine(runs.device, device):
+        if not _copy_engine(runs.device, device, FIRST_BATCH_RUNS if first else BATCH_RUNS):
             _torch_copies(runs, device)
 
 
@@ -197,14 +202,16 @@ def run(runs: Runs, device: Any, *, stream: Any = None) -> Any:
     return mark(s)
 
 
-def _copy_engine(device_runs: list[tuple[int, int, int, Any]], device: Any) -> bool:
-    """The runs as ``cudaMemcpyBatchAsync`` calls of at most :data:`BATCH_RUNS` each on the current stream
-    (zero SMs); False where cuda-bindings is missing, so the caller falls back to torch copies."""
+def _copy_engine(device_runs: list[tuple[int, int, int, Any]], device: Any, head: int = BATCH_RUNS) -> bool:
+    """The runs as ``cudaMemcpyBatchAsync`` calls on the current stream (zero SMs): ``head`` runs first, then
+    batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back to torch
+    copies."""
     from kvstrata.ops import copy_engine
 
+    cuts = [0, *range(min(head, len(device_runs)), len(device_runs), BATCH_RUNS), len(device_runs)]
     try:
-        for k in range(0, len(device_runs), BATCH_RUNS):
-            dsts, srcs, sizes, _ = zip(*device_runs[k : k + BATCH_RUNS])
+        for k, end in itertools.pairwise(cuts):
+            dsts, srcs, sizes, _ = zip(*device_runs[k:end])
             copy_engine.memcpy_batch(dsts, srcs, sizes, device=device)
     except copy_engine.CopyEngineError as exc:  # no cuda-bindings, or the call refused: copy again by torch
         if k:
