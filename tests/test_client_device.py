@@ -432,12 +432,12 @@ def test_a_batch_is_carved_side_by_side_and_copies_merge(worker):
 
 @pytest.mark.gpu
 def test_cuda_pipelined_mset_d2h_groups_exact_with_key_exists_in_the_tail(kv):
-    """64 x 256 KiB from the GPU: several groups (create head, create rest, seal two parts)."""
+    """64 x 512 KiB from the GPU: four groups (create head, create rest, seal two parts)."""
     n = 64
     keys = [f"gpu-pipe/{i}" for i in range(n)]
     kv.delete(keys)
-    src = [[torch.randint(0, 255, (256 << 10,), dtype=torch.uint8, device="cuda")] for _ in range(n)]
-    assert len(device.key_groups([256 << 10] * n, src[0][0].device)) > 2
+    src = [[torch.randint(0, 255, (512 << 10,), dtype=torch.uint8, device="cuda")] for _ in range(n)]
+    assert len(device.key_groups([512 << 10] * n, src[0][0].device)) > 2
     assert kv.mset_d2h([keys[3], keys[n - 2]], [src[0], src[0]]) == [None, None]
     res = kv.mset_d2h(keys, src)
     assert [i for i, r in enumerate(res) if isinstance(r, KeyExists)] == [3, n - 2]
