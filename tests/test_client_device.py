@@ -316,14 +316,29 @@ def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
     kv.delete(keys)
 
 
-def test_key_groups_cut_device_calls_by_bytes_and_keep_cpu_calls_whole():
+def test_stages_grow_on_a_gpu_call_and_keep_a_cpu_call_whole(monkeypatch):
     mib = 1 << 20
-    assert device.key_groups([mib] * 20, None) == [list(range(20))]
-    groups = device.key_groups([mib] * 20, "cuda")
-    assert [i for g in groups for i in g] == list(range(20))  # every key once, in order
-    assert [len(g) for g in groups] == [8, 8, 4]
-    assert device.key_groups([], "cuda") == [[]]
-    assert device.key_groups([64 * mib, 1, 1], "cuda") == [[0], [1, 2]]  # a big key is a group of its own
+    cpu = [[torch.zeros(4)] for _ in range(20)]
+    assert [(st.lo, st.hi) for st in device.stages(20, cpu)] == [(0, 20)]
+    assert list(device.stages(0, [])) == []
+    # a GPU call of 40 x 1 MiB (check_key stubbed: no GPU here): 4, 8, 16, then 16 MiB stages, every key once
+    monkeypatch.setattr(device, "check_key", lambda ts, i: ([], mib, "cuda"))
+    got = list(device.stages(40, [[]] * 40))
+    assert [st.hi - st.lo for st in got] == [4, 8, 16, 12]
+    assert [st.lo for st in got] == [0, 4, 12, 28] and all(st.device == "cuda" for st in got)
+    assert [len(st.sizes) for st in got] == [4, 8, 16, 12]
+    monkeypatch.setattr(device, "check_key", lambda ts, i: ([], 64 * mib if i == 0 else 1, "cuda"))
+    assert [(st.lo, st.hi) for st in device.stages(3, [[]] * 3)] == [(0, 1), (1, 3)]  # a big key: a stage alone
+
+
+def test_stages_check_each_key_only_when_reached():
+    good = [torch.zeros(4)]
+    lists = [good, good, [torch.zeros(4, 4).t()]]  # the last is not contiguous
+    it = device.stages(3, lists)
+    with pytest.raises(ValueError, match=r"tensor_lists\[2\]\[0\]"):
+        next(it)  # a CPU call is one stage: its check reaches every key
+    with pytest.raises(TypeError, match="one list of tensors per key"):
+        next(device.stages(1, "abc"))
 
 
 def test_copy_engine_runs_go_in_batches_and_a_late_refusal_is_not_retried_by_torch(monkeypatch):
@@ -355,18 +370,25 @@ def test_copy_engine_runs_go_in_batches_and_a_late_refusal_is_not_retried_by_tor
 
 
 # ----------------------------------------------------------------------------- pipelined mset_d2h
-def _groups_of(n):
-    """key_groups cutting every call into groups of ``n`` keys, as a GPU call of large values is cut."""
-    return lambda sizes, dev: [list(range(i, min(i + n, len(sizes)))) for i in range(0, len(sizes), n)]
+def _stages_of(n):
+    """stages of ``n`` keys each, as a GPU call of large values is cut (without a GPU here)."""
+
+    def stages(n_keys, tensor_lists):
+        device.check_outer(n_keys, tensor_lists)
+        for lo in range(0, n_keys, n):
+            checked = [device.check_key(tensor_lists[i], i) for i in range(lo, min(lo + n, n_keys))]
+            yield device.Stage(lo, lo + len(checked), [c[0] for c in checked], [c[1] for c in checked], None)
+
+    return stages
 
 
-def test_pipelined_mset_d2h_keeps_per_key_results_and_takes_four_round_trips(kv, monkeypatch):
+def test_pipelined_mset_d2h_keeps_per_key_results_and_seals_stage_by_stage(kv, monkeypatch):
     keys = [f"pipe/{i}" for i in range(9)]
     kv.delete(keys)
     src = _lists(9, sizes=(70000, 5))
     old = (1, 4, 8)  # already there, in the first, a middle and the last group: left as they are
     assert kv.mset_d2h([keys[i] for i in old], [src[0]] * 3) == [None] * 3
-    monkeypatch.setattr(device, "key_groups", _groups_of(3))
+    monkeypatch.setattr(device, "stages", _stages_of(3))
     backend = kv._backend
     calls = []
     for name in ("mcreate", "mseal"):
@@ -375,8 +397,8 @@ def test_pipelined_mset_d2h_keeps_per_key_results_and_takes_four_round_trips(kv,
     res = kv.mset_d2h(keys, src)
     assert [i for i, r in enumerate(res) if isinstance(r, KeyExists)] == list(old)
     assert all(r is None for i, r in enumerate(res) if i not in old)
-    # one create for the first group, one for the rest; one seal for all but the last group, one for it
-    assert calls == [("mcreate", 3), ("mcreate", 6), ("mseal", 4), ("mseal", 2)]
+    # one create per stage, then one seal per stage of the keys it created
+    assert calls == [("mcreate", 3)] * 3 + [("mseal", 2)] * 3
     monkeypatch.undo()
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 9
@@ -386,10 +408,10 @@ def test_pipelined_mset_d2h_keeps_per_key_results_and_takes_four_round_trips(kv,
     assert kv.stats()["creates_in_progress"] == 0
 
 
-def test_pipelined_mset_d2h_aborts_the_unsealed_when_the_last_seal_fails(kv, monkeypatch):
+def test_pipelined_mset_d2h_aborts_the_unsealed_when_a_seal_fails(kv, monkeypatch):
     keys = [f"pipe-abort/{i}" for i in range(7)]
     kv.delete(keys)
-    monkeypatch.setattr(device, "key_groups", _groups_of(3))
+    monkeypatch.setattr(device, "stages", _stages_of(3))
     backend = kv._backend
     real = backend.mseal
     seals = []
@@ -397,16 +419,36 @@ def test_pipelined_mset_d2h_aborts_the_unsealed_when_the_last_seal_fails(kv, mon
     def mseal(batch):
         seals.append(batch)
         if len(seals) == 2:
-            raise RuntimeError("simulated loss before the last seal")
+            raise RuntimeError("simulated loss at the second stage's seal")
         return real(batch)
 
     monkeypatch.setattr(backend, "mseal", mseal)
     with pytest.raises(RuntimeError, match="simulated"):
         kv.mset_d2h(keys, _lists(7))
     monkeypatch.undo()
-    assert kv.exists(keys) == [True] * 6 + [False]  # sealed before the failure; the last group aborted
+    assert kv.exists(keys) == [True] * 3 + [False] * 4  # the first stage sealed before the failure, the rest aborted
     assert kv.stats()["creates_in_progress"] == 0
-    assert kv.mset_d2h(keys[6:], _lists(1)) == [None]  # writable again at once
+    assert kv.mset_d2h(keys[3:], _lists(4)) == [None] * 4  # writable again at once
+
+
+def test_a_bad_tensor_in_a_later_stage_aborts_what_earlier_stages_created(kv, monkeypatch):
+    keys = [f"pipe-bad/{i}" for i in range(7)]
+    kv.delete(keys)
+    monkeypatch.setattr(device, "stages", _stages_of(3))
+    lists = _lists(7)
+    lists[5] = [torch.zeros(4, 4).t()]  # not contiguous: found when the second stage is reached
+    with pytest.raises(ValueError, match=r"tensor_lists\[5\]\[0\]"):
+        kv.mset_d2h(keys, lists)
+    assert kv.exists(keys) == [False] * 7 and kv.stats()["creates_in_progress"] == 0
+    dst = _poisoned(_lists(7))
+    bad = [list(d) for d in dst]
+    bad[4] = "not a list"
+    assert kv.mset_d2h(keys, _lists(7)) == [None] * 7
+    with pytest.raises(TypeError, match=r"tensor_lists\[4\]"):
+        kv.mget_h2d(keys, bad)
+    assert kv.mget_h2d(keys, dst) == [None] * 7  # the failed call left nothing in the way
+    assert all(torch.equal(a, b) for want, got in zip(_lists(7), dst) for a, b in zip(want, got))
+    kv.delete(keys)
 
 
 def test_a_batch_is_carved_side_by_side_and_copies_merge(worker):
@@ -432,12 +474,12 @@ def test_a_batch_is_carved_side_by_side_and_copies_merge(worker):
 
 @pytest.mark.gpu
 def test_cuda_pipelined_mset_d2h_groups_exact_with_key_exists_in_the_tail(kv):
-    """64 x 512 KiB from the GPU: four groups (create head, create rest, seal two parts)."""
+    """64 x 512 KiB from the GPU: four stages (created, copied and sealed stage by stage)."""
     n = 64
     keys = [f"gpu-pipe/{i}" for i in range(n)]
     kv.delete(keys)
     src = [[torch.randint(0, 255, (512 << 10,), dtype=torch.uint8, device="cuda")] for _ in range(n)]
-    assert len(device.key_groups([512 << 10] * n, src[0][0].device)) > 2
+    assert len(list(device.stages(n, src))) > 2
     assert kv.mset_d2h([keys[3], keys[n - 2]], [src[0], src[0]]) == [None, None]
     res = kv.mset_d2h(keys, src)
     assert [i for i, r in enumerate(res) if isinstance(r, KeyExists)] == [3, n - 2]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -282,64 +283,52 @@ class Client(DeviceObjectsMixin):
         """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
 
         A key that already exists is left as it is and reported as KeyExists in its slot. Returns
-        None per stored key. The copies for all keys run as copy-engine batches on ``stream`` (default:
-        current); objects are created and sealed in at most two requests each, overlapped with the copies.
+        None per stored key. The copies run as copy-engine batches on ``stream`` (default: current).
+        Pipelined in stages (:func:`kvstrata.client.device.stages`): a stage's objects are created and
+        its copies queued, then the next stage's, while the copy engines run; each stage is sealed once
+        its bytes landed, while later stages still copy. An error (a bad tensor in a later stage, a
+        failed copy) waits for the queued copies and aborts every object not sealed yet.
         """
         keys = P.check_keys(keys)
-        pieces, sizes, device = _device.check_tensor_lists(len(keys), tensor_lists)
         if not keys:
+            _device.check_outer(0, tensor_lists)
             return []
         backend = self._b()
         opts = {"ttl": None, "nx": True, "mode": "memory"}
         results: list[Result] = [None] * len(keys)
-        # Pipelined in at most four round trips (one create and one seal without a GPU or for a small batch):
-        # create the first group, start its copies, create the rest while they run; seal all but the last
-        # group once their copies landed, while the last group's copies run; then seal the last group.
-        # The DMA starts after one small create, and only one small seal follows the last copy.
-        groups = _device.key_groups(sizes, device)
-        head = groups[0]
-        rest = [i for g in groups[1:] for i in g]
-        tail = set(groups[-1]) if len(groups) > 1 else set()
-        unsealed: list[int] = []
-        s = _device.start(device, stream)
+        unsealed: list[str] = []
+        s = None
         try:
-            marks: list[tuple[list[int], Any, bool]] = []  # (created keys, event after their copies, in the tail)
-            for part in (head, rest):
-                if not part:
-                    continue
-                locs = backend.mcreate([(keys[i], sizes[i]) for i in part], opts)
+            marks: list[tuple[list[int], Any]] = []  # (keys created in a stage, event after its copies)
+            for st in _device.stages(len(keys), tensor_lists):
+                locs = backend.mcreate(list(zip(keys[st.lo : st.hi], st.sizes)), opts)
                 created, where = [], []
-                for i, loc in zip(part, locs):
+                for j, loc in enumerate(locs):
                     if isinstance(loc, BaseException):
-                        results[i] = loc  # KeyExists for a key already there, left as it is
+                        results[st.lo + j] = loc  # KeyExists for a key already there, left as it is
                     else:
-                        created.append(i)
+                        created.append(st.lo + j)
                         where.append(loc)
-                unsealed += created
-                cut = next((j for j, i in enumerate(created) if i in tail), len(created))  # part is in order
-                for lo, hi in ((0, cut), (cut, len(created))):
-                    if lo < hi:
-                        runs = self._plan(created[lo:hi], where[lo:hi], pieces, device, to_host=True)
-                        _device.enqueue(runs, device, s, first=not marks)
-                        marks.append((created[lo:hi], _device.mark(s), lo == cut))
-            # Seal what landed: all before the last group in one request, the last group in another. The
-            # copies complete in stream order, so the last event of a batch covers all of its copies.
-            batches = []
-            for in_tail in (False, True):
-                ms = [m for m in marks if m[2] is in_tail]
-                if ms:
-                    batches.append(([i for m in ms for i in m[0]], ms[-1][1]))
-            for which, event in batches:
+                unsealed += [keys[i] for i in created]
+                if s is None and st.device is not None:
+                    s = _device.start(st.device, stream)
+                runs = self._plan(created, where, st.pieces, st.lo, st.device, to_host=True)
+                _device.enqueue(runs, st.device, s, first=not marks)
+                marks.append((created, _device.mark(s)))
+            # Seal stage by stage as its copies land (stream order: a stage's event covers its copies): every
+            # seal but the last overlaps later stages' DMA.
+            for which, event in marks:
+                if not which:
+                    continue
                 if event is not None:
                     event.synchronize()  # the bytes must be in host memory before the objects are sealed
                 for i, r in zip(which, backend.mseal([keys[i] for i in which])):
                     results[i] = r
-                sealed = set(which)
-                unsealed = [i for i in unsealed if i not in sealed]
+                unsealed = unsealed[len(which) :]
         except BaseException:
             if s is not None:
                 s.synchronize()  # no copy may still write into an object being aborted
-            self._abort_quietly(backend, [keys[i] for i in unsealed])
+            self._abort_quietly(backend, unsealed)
             raise
         return results
 
@@ -349,47 +338,66 @@ class Client(DeviceObjectsMixin):
         """Fill each key's tensors (device or CPU) from its object, split in order. Returns None per key filled.
 
         The tensors' sizes must add up to the object's size (ValueError in that key's slot
-        otherwise). Waits up to ``timeout`` for missing keys. All copies run as one batch on
+        otherwise). Waits up to ``timeout`` for missing keys. The copies run as copy-engine batches on
         ``stream``; the call returns once they have landed. Leases on the objects pin their bytes
-        until then; keys read before and unchanged since cost no round trip to the worker.
+        until then; keys read before and unchanged since cost no round trip to the worker. Pipelined in
+        stages (:func:`kvstrata.client.device.stages`): the first stage's copies start before later
+        stages are leased and planned. A bad tensor raises when its stage is reached, after the copies
+        already queued landed (the tensors of earlier keys may then hold their data).
         """
         keys = P.check_keys(keys)
-        pieces, sizes, device = _device.check_tensor_lists(len(keys), tensor_lists)
         timeout = P.check_timeout(timeout)
         if not keys:
+            _device.check_outer(0, tensor_lists)
             return []
         backend = self._b()
-        leases = backend.acquire(keys, timeout, cache="fit")
         results: list[Result] = [None] * len(keys)
-        held, filled, locs = [], [], []
-        for i, lease in enumerate(leases):
-            if isinstance(lease, BaseException):
-                results[i] = lease
-                continue
-            held.append(lease.lease_id)
-            loc = lease.location
-            if sizes[i] != loc.size:
-                results[i] = ValueError(f"tensor_lists[{i}]: {sizes[i]} bytes for {keys[i]!r}, which holds {loc.size}")
-                continue
-            filled.append(i)
-            locs.append(loc)
+        held: list[int] = []
+        deadline = time.monotonic() + timeout
+        s = None
+        first = True
         try:
-            # Group by group: the DMA starts once the first group is planned, the rest is planned beside it.
-            s = _device.start(device, stream)
-            for n, group in enumerate(_device.key_groups([sizes[i] for i in filled], device)):
-                runs = self._plan([filled[j] for j in group], [locs[j] for j in group], pieces, device, to_host=False)
-                _device.enqueue(runs, device, s, first=n == 0)
+            for st in _device.stages(len(keys), tensor_lists):
+                left = max(0.0, deadline - time.monotonic()) if timeout else 0
+                leases = backend.acquire(keys[st.lo : st.hi], left, cache="fit")
+                filled, locs = [], []
+                for j, lease in enumerate(leases):
+                    i = st.lo + j
+                    if isinstance(lease, BaseException):
+                        results[i] = lease
+                        continue
+                    held.append(lease.lease_id)
+                    loc = lease.location
+                    if st.sizes[j] != loc.size:
+                        results[i] = ValueError(
+                            f"tensor_lists[{i}]: {st.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
+                        )
+                        continue
+                    filled.append(i)
+                    locs.append(loc)
+                if s is None and st.device is not None:
+                    s = _device.start(st.device, stream)
+                runs = self._plan(filled, locs, st.pieces, st.lo, st.device, to_host=False)
+                _device.enqueue(runs, st.device, s, first=first)
+                first = False
             event = _device.mark(s)
             if event is not None:
                 event.synchronize()  # the leases pin the source bytes until the copies are done
+        except BaseException:
+            if s is not None:
+                s.synchronize()  # the leases below must outlive every queued copy
+            raise
         finally:
             if held:
                 self._release_leases(held)
         return results
 
-    def _plan(self, which: list[int], locs: list[Any], pieces: list[Any], device: Any, *, to_host: bool) -> Any:
-        """The copies between keys ``which`` (their objects at ``locs``) and their tensors, as address runs.
-        Segments the device copies touch are registered with CUDA first (once per client)."""
+    def _plan(
+        self, which: list[int], locs: list[Any], pieces: list[Any], lo: int, device: Any, *, to_host: bool
+    ) -> Any:
+        """The copies between keys ``which`` (their objects at ``locs``) and their tensors (key ``i``'s pieces
+        at ``pieces[i - lo]``), as address runs. Segments the device copies touch are registered with CUDA
+        first (once per client)."""
         backend = self._backend
         runs = _device.new_runs()
         bases: dict[int, int] = {}
@@ -399,7 +407,7 @@ class Client(DeviceObjectsMixin):
             base = bases.get(loc.segment)
             if base is None:
                 base = bases[loc.segment] = backend.segment_address(loc.segment)
-            _device.plan(pieces[i], base + loc.offset, to_host, runs, loc.segment)
+            _device.plan(pieces[i - lo], base + loc.offset, to_host, runs, loc.segment)
         if runs.device:
             self._registrations.ensure(bases, backend.segment_address, backend.segment_nbytes)
         return runs

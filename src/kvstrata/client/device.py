@@ -7,8 +7,9 @@
 * :func:`plan` lays those pieces along each object's bytes in a segment and merges pieces that continue
   each other on both sides (objects written by one ``mset_d2h`` into one batch of tensors often do);
 * :func:`enqueue` issues device runs as ``cudaMemcpyBatchAsync`` calls (``kvstrata.ops.copy_engine``)
-  on the copy engines and host runs as ``memmove`` (the GIL released); ``mget_h2d`` cuts its keys into
-  :func:`key_groups` and enqueues group by group, so the DMA starts after the first group's planning;
+  on the copy engines and host runs as ``memmove`` (the GIL released); ``mget_h2d`` / ``mset_d2h`` go
+  through their keys in :func:`stages` (check, lease or create, plan, enqueue), so the DMA starts after
+  the first small stage's host work and the rest runs beside it;
 * :class:`Registrations` registers each shared segment with CUDA once per client (pinned for the
   copy engines: DMA straight from and to the worker's memory) and remembers a refusal, so neither
   costs anything on later calls.
@@ -33,10 +34,12 @@ BATCH_RUNS = 16
 # A call's first batch: short, as the copy engine starts on a batch once it is encoded (64 x 1 MiB from idle,
 # host issue included, H200: batches of 16 reached 0.959 of one 64 MiB copy, 2 then 14 then 16s 0.970).
 FIRST_BATCH_RUNS = 2
-# Bytes per group of keys in a pipelined mget_h2d: the next group is planned while this one's DMA runs;
-# 8 MiB is ~150 us of PCIe Gen5 DMA, several times a group's host work (64 x 1 MiB: 0.75 -> 0.86 of the
-# DMA ceiling on the H200, as the copies start after one group's planning instead of all 64 keys').
-GROUP_BYTES = 8 << 20
+# Stages of a pipelined device call (:func:`stages`): the first is small so the DMA starts early (4 MiB is
+# ~75 us of PCIe Gen5 DMA, longer than the next stage's host work), later ones double up to 16 MiB, so a
+# stage's DMA (300 us) covers the round trip that seals or leases the one before (mset_d2h seals stage
+# by stage, and only the last stage's seal follows the last copy).
+FIRST_STAGE_BYTES = 4 << 20
+MAX_STAGE_BYTES = 16 << 20
 
 
 class Piece(NamedTuple):
@@ -64,42 +67,102 @@ def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[tuple]
     Returns each key's pieces (tuples laid out as :class:`Piece`), each key's total bytes, and the first
     CUDA device met (None: all on the CPU). ValueError/TypeError naming ``tensor_lists[i][j]``.
     """
-    import torch
+    check_outer(n_keys, tensor_lists)
+    out: list[list[tuple]] = []
+    totals: list[int] = []
+    device = None
+    for i in range(n_keys):
+        pieces, total, dev = check_key(tensor_lists[i], i)
+        out.append(pieces)
+        totals.append(total)
+        if device is None:
+            device = dev
+    return out, totals, device
 
+
+def check_outer(n_keys: int, tensor_lists: Any) -> None:
+    """The container: one entry per key (each entry is checked by :func:`check_key`)."""
     if isinstance(tensor_lists, str | bytes) or not hasattr(tensor_lists, "__len__"):
         raise TypeError(f"tensor_lists: need one list of tensors per key, got {type(tensor_lists).__name__}")
     if len(tensor_lists) != n_keys:
         raise ValueError(f"tensor_lists: need one list of tensors per key ({n_keys} keys, got {len(tensor_lists)})")
+
+
+def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
+    """Key ``i``'s tensors: (pieces laid out as :class:`Piece`, total bytes, its first CUDA device or None).
+    ValueError/TypeError naming ``tensor_lists[i][j]``."""
+    import torch
+
+    if not isinstance(ts, list | tuple):
+        raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
     tensor_type, strided = torch.Tensor, torch.strided
     device = None
-    out: list[list[tuple]] = []
-    totals: list[int] = []
-    for i, ts in enumerate(tensor_lists):
-        if not isinstance(ts, list | tuple):
-            raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
-        pieces = []
-        total = 0
-        for j, t in enumerate(ts):
-            if not isinstance(t, tensor_type):
-                raise TypeError(f"tensor_lists[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
-            if t.layout is not strided or t.is_quantized:
-                raise TypeError(f"tensor_lists[{i}][{j}]: sparse and quantized tensors have no flat raw bytes")
-            if not t.is_contiguous():
-                raise ValueError(f"tensor_lists[{i}][{j}]: tensor must be contiguous (call .contiguous() first)")
-            on_cuda = t.is_cuda
-            if on_cuda:
-                if device is None:
-                    device = t.device
-            elif not t.is_cpu:
-                raise TypeError(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
-            n = t.nbytes
-            # a Piece's fields (a plain tuple is cheaper to build); a device piece also names its allocation
-            alloc = t.untyped_storage().data_ptr() if on_cuda else 0
-            pieces.append((t.data_ptr(), n, on_cuda, t, alloc))
-            total += n
-        out.append(pieces)
-        totals.append(total)
-    return out, totals, device
+    pieces = []
+    total = 0
+    for j, t in enumerate(ts):
+        if not isinstance(t, tensor_type):
+            raise TypeError(f"tensor_lists[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
+        if t.layout is not strided or t.is_quantized:
+            raise TypeError(f"tensor_lists[{i}][{j}]: sparse and quantized tensors have no flat raw bytes")
+        if not t.is_contiguous():
+            raise ValueError(f"tensor_lists[{i}][{j}]: tensor must be contiguous (call .contiguous() first)")
+        on_cuda = t.is_cuda
+        if on_cuda:
+            if device is None:
+                device = t.device
+        elif not t.is_cpu:
+            raise TypeError(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
+        n = t.nbytes
+        # a Piece's fields (a plain tuple is cheaper to build); a device piece also names its allocation
+        alloc = t.untyped_storage().data_ptr() if on_cuda else 0
+        pieces.append((t.data_ptr(), n, on_cuda, t, alloc))
+        total += n
+    return pieces, total, device
+
+
+class Stage(NamedTuple):
+    """Keys ``lo..hi-1`` of a device call, checked: their pieces and sizes (index ``i - lo``), and the call's
+    CUDA device as known so far (None while every tensor met was on the CPU)."""
+
+    lo: int
+    hi: int
+    pieces: list[list[tuple]]
+    sizes: list[int]
+    device: Any
+
+
+def stages(n_keys: int, tensor_lists: Any) -> Any:
+    """Yield a device call's keys as consecutive :class:`Stage` s, each checked only as it is reached.
+
+    A call pipelines stage by stage: it acquires or creates a stage's objects and queues its copies,
+    then goes on to the next stage while the copy engines move the previous ones, so its first DMA
+    starts after one small stage's host work, not after all keys' (64 x 1 MiB: ~100-250 us of checks,
+    leases and planning on the H200 host, ~10-20% of the DMA). Stages grow from
+    :data:`FIRST_STAGE_BYTES`, doubling up to :data:`MAX_STAGE_BYTES` (each stage's DMA outlasts the
+    next stage's host work), and are cut only once a CUDA tensor was met: an all-CPU call (memmoves,
+    no DMA to overlap) is one stage. A bad tensor raises when its stage is reached; the caller undoes
+    or waits out what earlier stages queued.
+    """
+    check_outer(n_keys, tensor_lists)
+    budget = FIRST_STAGE_BYTES
+    device = None
+    lo = 0
+    while lo < n_keys:
+        pieces: list[list[tuple]] = []
+        sizes: list[int] = []
+        acc = 0
+        hi = lo
+        while hi < n_keys and (device is None or acc < budget):
+            p, total, dev = check_key(tensor_lists[hi], hi)
+            if device is None:
+                device = dev
+            pieces.append(p)
+            sizes.append(total)
+            acc += total
+            hi += 1
+        yield Stage(lo, hi, pieces, sizes, device)
+        budget = min(2 * budget, MAX_STAGE_BYTES)
+        lo = hi
 
 
 def plan(pieces: list[tuple], host: int, to_host: bool, runs: Runs, segment: int = 0) -> None:
@@ -129,23 +192,6 @@ def plan(pieces: list[tuple], host: int, to_host: bool, runs: Runs, segment: int
 
 def new_runs() -> Runs:
     return Runs([], [], [])
-
-
-def key_groups(sizes: list[int], device: Any) -> list[list[int]]:
-    """Positions ``0..len(sizes)-1`` cut into consecutive groups of about :data:`GROUP_BYTES` each, for a
-    call that pipelines (plans the next group while the copy engines move the previous one); one group
-    where nothing goes to a GPU (host copies run in the caller's thread anyway)."""
-    if device is None:
-        return [list(range(len(sizes)))]
-    groups: list[list[int]] = [[]]
-    acc = 0
-    for i, n in enumerate(sizes):
-        if acc >= GROUP_BYTES:
-            groups.append([])
-            acc = 0
-        groups[-1].append(i)
-        acc += n
-    return groups
 
 
 def start(device: Any, stream: Any = None) -> Any:
