@@ -1,0 +1,83 @@
+"""Timeline of one mget_h2d / mset_d2h of 64 x 1 MiB through a real worker (GPU machine): for each stage,
+when the host queued its copies and when the device started and finished them, relative to the call's
+start, next to the call's total and the DMA ceiling. Shows whether the copy engines wait for the host.
+
+    PYTHONPATH=src python3 tools/trace_store_device.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvstrata
+from kvstrata.bench.store import _start_worker
+from kvstrata.client import device
+
+
+def main() -> None:
+    n, size = 64, 1 << 20
+    rows: list[tuple] = []
+    real = device.enqueue
+
+    def traced(runs, dev, stream, **kw):
+        t0 = time.perf_counter()
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        if stream is not None:
+            e0.record(stream)
+        real(runs, dev, stream, **kw)
+        if stream is not None:
+            e1.record(stream)
+        rows.append((t0, time.perf_counter(), e0, e1, len(runs.device)))
+
+    device.enqueue = traced
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = _start_worker(Path(tmp), 4 << 30)
+        try:
+            with kvstrata.connect(address) as kv:
+                src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
+                dst = [[torch.empty_like(t[0])] for t in src]
+                keys = [f"k/{i}" for i in range(n)]
+                kv.mset_d2h(keys, src)
+                host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
+                big = torch.empty(n * size, dtype=torch.uint8, device="cuda")
+                for label, fn in (
+                    ("mget_h2d cached", lambda it: kv.mget_h2d(keys, dst)),
+                    ("mget_h2d after change", lambda it: kv.mget_h2d(keys, dst)),
+                    ("mset_d2h", lambda it: kv.mset_d2h([f"p/{it}/{i}" for i in range(n)], src)),
+                    ("one 64 MiB copy_", lambda it: big.copy_(host, non_blocking=True)),
+                ):
+                    totals, last = [], None
+                    for it in range(12):
+                        if label.endswith("change"):
+                            kv.set("chg", b"x")
+                        torch.cuda.synchronize()
+                        rows.clear()
+                        start = torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        t0 = time.perf_counter()
+                        fn(it)
+                        if label.startswith("one"):
+                            torch.cuda.synchronize()
+                        totals.append(time.perf_counter() - t0)
+                        torch.cuda.synchronize()
+                        last = (t0, start, list(rows))
+                        if label == "mset_d2h":
+                            kv.delete([f"p/{it}/{i}" for i in range(n)])
+                    print(f"== {label}: median {statistics.median(totals[2:]) * 1e6:.0f} us "
+                          f"(64 MiB at 55 GB/s: 1220 us)")  # fmt: skip
+                    t0, start, rs = last
+                    for h0, h1, e0, e1, nruns in rs:
+                        print(f"   stage of {nruns:2d} runs: host queued {(h0 - t0) * 1e6:7.1f}..{(h1 - t0) * 1e6:7.1f} us"
+                              f"   device {start.elapsed_time(e0) * 1e3:7.1f}..{start.elapsed_time(e1) * 1e3:7.1f} us")  # fmt: skip
+        finally:
+            proc.terminate()
+
+
+if __name__ == "__main__":
+    main()
