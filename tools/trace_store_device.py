@@ -73,8 +73,9 @@ def main() -> None:
                           f"(64 MiB at 55 GB/s: 1220 us)")  # fmt: skip
                     t0, start, rs = last
                     for h0, h1, e0, e1, nruns in rs:
-                        print(f"   stage of {nruns:2d} runs: host queued {(h0 - t0) * 1e6:7.1f}..{(h1 - t0) * 1e6:7.1f} us"
-                              f"   device {start.elapsed_time(e0) * 1e3:7.1f}..{start.elapsed_time(e1) * 1e3:7.1f} us")  # fmt: skip
+                        q0, q1 = (h0 - t0) * 1e6, (h1 - t0) * 1e6
+                        d0, d1 = start.elapsed_time(e0) * 1e3, start.elapsed_time(e1) * 1e3
+                        print(f"  stage, {nruns:2d} runs: host {q0:7.1f}..{q1:7.1f} us, device {d0:7.1f}..{d1:7.1f} us")
         finally:
             proc.terminate()
 
