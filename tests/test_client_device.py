@@ -253,13 +253,13 @@ def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
     batches = []
     from kvstrata.ops import copy_engine
 
-    real_batch = copy_engine.memcpy_batch
+    real_batch = copy_engine.memcpy_raw
 
-    def counting(dsts, srcs, sizes, **kw):
+    def counting(dsts, srcs, sizes, handle):
         batches.append(len(sizes))
-        return real_batch(dsts, srcs, sizes, **kw)
+        return real_batch(dsts, srcs, sizes, handle)
 
-    monkeypatch.setattr(copy_engine, "memcpy_batch", counting)
+    monkeypatch.setattr(copy_engine, "memcpy_raw", counting)
     assert kv.mset_d2h(keys, src) == [None] * 64
     out = torch.full_like(flat, 7)
     dst = [[out[i * 70016 : (i + 1) * 70016]] for i in range(64)]
@@ -347,27 +347,32 @@ def test_copy_engine_runs_go_in_batches_and_a_late_refusal_is_not_retried_by_tor
 
     calls = []
 
-    def batch(dsts, srcs, sizes, device=None):
+    def batch(dsts, srcs, sizes, handle):
+        assert handle == 77 and len(dsts) == len(srcs) == len(sizes)
         calls.append(len(sizes))
         if fail_at is not None and len(calls) == fail_at:
             raise copy_engine.CopyEngineError("refused")
 
-    monkeypatch.setattr(copy_engine, "memcpy_batch", batch)
+    class Stream:  # the copy stream start() hands out: its raw handle and device
+        cuda_stream, device_index = 77, 0
+
+    monkeypatch.setattr(copy_engine, "memcpy_raw", batch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # no GPU here: the stream's device is current
     runs = [(1000 + i, 2000 + i, 1, None) for i in range(device.BATCH_RUNS * 2 + 3)]
     fail_at = None
-    assert device._copy_engine(runs, "cuda") is True
+    assert device._copy_engine(runs, Stream()) is True
     assert calls == [device.BATCH_RUNS, device.BATCH_RUNS, 3]
     calls.clear()
-    assert device._copy_engine(runs, "cuda", device.FIRST_BATCH_RUNS) is True  # a call's first: short head
+    assert device._copy_engine(runs, Stream(), device.FIRST_BATCH_RUNS) is True  # a call's first: short head
     head = device.FIRST_BATCH_RUNS
     assert calls == [head, device.BATCH_RUNS, device.BATCH_RUNS, 3 - head] and sum(calls) == len(runs)
     calls.clear()
     fail_at = 1  # nothing queued yet: the caller may fall back to torch copies
-    assert device._copy_engine(runs, "cuda") is False
+    assert device._copy_engine(runs, Stream()) is False
     calls.clear()
     fail_at = 2  # a batch is queued already: a torch re-copy of everything would race it
     with pytest.raises(copy_engine.CopyEngineError):
-        device._copy_engine(runs, "cuda")
+        device._copy_engine(runs, Stream())
 
 
 # ----------------------------------------------------------------------------- pipelined mset_d2h

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -195,17 +196,29 @@ def new_runs() -> Runs:
 
 
 def start(device: Any, stream: Any = None) -> Any:
-    """The stream device runs go on (``stream``, default the current one), after it waited for the current
-    stream so the copies see the caller's pending work; None without a device."""
+    """The stream a call's device runs go on: this client process's copy stream for ``device``, after it
+    waited for ``stream`` (default: the current one), so the copies see the caller's pending work; None
+    without a device.
+
+    A side stream of our own, never the caller's: the copy engine's batch call refuses the legacy default
+    stream (what most callers run on), and copies queued on the raw handle of a stream we own need no
+    stream switch per batch. Device calls wait for their copies on the host before they return, so
+    nothing the caller queues afterwards can run ahead of them."""
     if device is None:
         return None
     import torch
 
-    current = torch.cuda.current_stream(device)
-    stream = stream or current
-    if stream != current:
-        stream.wait_stream(current)
-    return stream
+    from kvstrata.ops._transfer_plan import current_stream
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _copy_streams.get(index)
+    if side is None:
+        side = _copy_streams.setdefault(index, torch.cuda.Stream(device=index))
+    side.wait_stream(stream or current_stream(index))
+    return side
+
+
+_copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls
 
 
 def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False) -> None:
@@ -218,10 +231,10 @@ def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False) -> Non
             _raw_bytes(dst, n).copy_(_raw_bytes(src, n))  # torch spreads a large copy over its threads
     if not runs.device:
         return
-    import torch
+    if not _copy_engine(runs.device, stream, FIRST_BATCH_RUNS if first else BATCH_RUNS):
+        import torch
 
-    with torch.cuda.stream(stream):
-        if not _copy_engine(runs.device, device, FIRST_BATCH_RUNS if first else BATCH_RUNS):
+        with torch.cuda.stream(stream):
             _torch_copies(runs, device)
 
 
@@ -248,17 +261,22 @@ def run(runs: Runs, device: Any, *, stream: Any = None) -> Any:
     return mark(s)
 
 
-def _copy_engine(device_runs: list[tuple[int, int, int, Any]], device: Any, head: int = BATCH_RUNS) -> bool:
-    """The runs as ``cudaMemcpyBatchAsync`` calls on the current stream (zero SMs): ``head`` runs first, then
-    batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back to torch
-    copies."""
+def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head: int = BATCH_RUNS) -> bool:
+    """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs): ``head`` runs first,
+    then batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back to
+    torch copies."""
     from kvstrata.ops import copy_engine
 
     cuts = [0, *range(min(head, len(device_runs)), len(device_runs), BATCH_RUNS), len(device_runs)]
+    handle, index = stream.cuda_stream, stream.device_index
+    k = 0
     try:
-        for k, end in itertools.pairwise(cuts):
-            dsts, srcs, sizes, _ = zip(*device_runs[k:end])
-            copy_engine.memcpy_batch(dsts, srcs, sizes, device=device)
+        import torch
+
+        with contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index):
+            for k, end in itertools.pairwise(cuts):
+                dsts, srcs, sizes, _ = zip(*device_runs[k:end])
+                copy_engine.memcpy_raw(list(dsts), list(srcs), list(sizes), handle)
     except copy_engine.CopyEngineError as exc:  # no cuda-bindings, or the call refused: copy again by torch
         if k:
             raise  # some runs are queued already: a torch re-copy of all would be a second, racing copy

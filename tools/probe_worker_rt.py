@@ -1,0 +1,64 @@
+"""Round trips to a real worker from one client process (GPU machine or any): ping, a 4 KiB set, leases
+of 4 and 64 keys right after a change, creating + sealing 4 and 64 keys; median and p90 of each, in us.
+
+    PYTHONPATH=src python3 tools/probe_worker_rt.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import kvstrata
+from kvstrata.bench.store import _start_worker
+
+
+def timed(label: str, fn, setup=None, iters: int = 300) -> None:
+    ts = []
+    for it in range(iters + 30):
+        if setup is not None:
+            setup(it)
+        t0 = time.perf_counter()
+        fn(it)
+        if it >= 30:
+            ts.append(time.perf_counter() - t0)
+    ts.sort()
+    print(f"{label:44s} p50 {statistics.median(ts) * 1e6:7.1f} us   p90 {ts[int(0.9 * len(ts))] * 1e6:7.1f} us")
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = _start_worker(Path(tmp), 1 << 30)
+        try:
+            with kvstrata.connect(address) as kv:
+                b = kv._backend
+                value = b"x" * 4096
+                keys = [f"rt/{i}" for i in range(64)]
+                kv.mset({k: b"y" * 1024 for k in keys})
+                timed("ping", lambda it: kv.ping())
+                timed("set 4 KiB", lambda it: kv.set("rt/v", value))
+                timed("exists 1 key (socket, no lane)", lambda it: kv.exists(["rt/v"]))
+                timed("stats (socket, no lane)", lambda it: kv.stats())
+                for n in (4, 64):
+                    ks = keys[:n]
+
+                    def lease(it, ks=ks):
+                        ls = b.acquire(ks, 0, cache="fit")
+                        kv._release_leases([x.lease_id for x in ls])
+
+                    timed(f"acquire+release {n} keys after a change", lease, setup=lambda it: kv.set("rt/chg", b"z"))
+                    timed(f"acquire+release {n} keys, cached", lease)
+                    opts = {"ttl": None, "nx": True, "mode": "memory"}
+                    timed(
+                        f"mcreate {n} keys of 1 KiB",
+                        lambda it, n=n: b.mcreate([(f"c/{it}/{i}", 1024) for i in range(n)], opts),
+                    )
+                    timed(f"mseal {n} keys", lambda it, n=n: b.mseal([f"c/{it}/{i}" for i in range(n)]))
+        finally:
+            proc.terminate()
+
+
+if __name__ == "__main__":
+    main()
