@@ -12,7 +12,7 @@ import torch
 import kvstrata
 from kv_helpers import client_for, worker_config
 from kvstrata.client import device
-from kvstrata.errors import KeyExists, KeyNotFound
+from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
 from kvstrata.server import Worker
 
 MEMORY = 64 << 20
@@ -398,8 +398,10 @@ def test_pipelined_mset_d2h_keeps_per_key_results_and_seals_stage_by_stage(kv, m
     backend = kv._backend
     calls = []
     for name in ("mcreate", "mseal"):
-        real = getattr(backend, name)
-        monkeypatch.setattr(backend, name, lambda *a, _r=real, _n=name: calls.append((_n, len(a[0]))) or _r(*a))
+        real = getattr(backend, f"{name}_start")
+        monkeypatch.setattr(
+            backend, f"{name}_start", lambda *a, _r=real, _n=name: calls.append((_n, len(a[0]))) or _r(*a)
+        )
     res = kv.mset_d2h(keys, src)
     assert [i for i, r in enumerate(res) if isinstance(r, KeyExists)] == list(old)
     assert all(r is None for i, r in enumerate(res) if i not in old)
@@ -419,16 +421,16 @@ def test_pipelined_mset_d2h_aborts_the_unsealed_when_a_seal_fails(kv, monkeypatc
     kv.delete(keys)
     monkeypatch.setattr(device, "stages", _stages_of(3))
     backend = kv._backend
-    real = backend.mseal
+    real = backend.mseal_start
     seals = []
 
-    def mseal(batch):
+    def mseal_start(batch):
         seals.append(batch)
         if len(seals) == 2:
             raise RuntimeError("simulated loss at the second stage's seal")
         return real(batch)
 
-    monkeypatch.setattr(backend, "mseal", mseal)
+    monkeypatch.setattr(backend, "mseal_start", mseal_start)
     with pytest.raises(RuntimeError, match="simulated"):
         kv.mset_d2h(keys, _lists(7))
     monkeypatch.undo()
@@ -498,3 +500,43 @@ def test_cuda_pipelined_mset_d2h_groups_exact_with_key_exists_in_the_tail(kv):
         assert torch.equal(want[0], dst[i][0])
     assert kv.stats()["creates_in_progress"] == 0
     kv.delete(keys)
+
+
+# ------------------------------------------------------------------------------------- pipelined requests
+def test_pipelined_requests_keep_their_replies_across_other_requests(worker):
+    """Tagged requests in flight while ordinary ones come and go: each reply reaches its own sender."""
+    with kvstrata.connect(worker.address) as kv:
+        b = kv._backend
+        keys = [f"tagged/{i}" for i in range(6)]
+        kv.delete(keys)
+        kv.set(keys[1], b"old")
+        opts = {"ttl": None, "nx": True, "mode": "memory"}
+        first = b.mcreate_start([(keys[0], 3), (keys[1], 3)], opts)
+        second = b.mcreate_start([(keys[2], 5)], opts)
+        assert kv.exists([keys[1], "tagged/none"]) == [True, False]  # read past both tagged replies
+        assert kv.get(keys[1]) == b"old"
+        locs = b.mcreate_finish(second)  # out of order: the stash has it
+        assert len(locs) == 1 and locs[0].size == 5
+        got = b.mcreate_finish(first)
+        assert got[0].size == 3 and isinstance(got[1], KeyExists)
+        seal = b.mseal_start([keys[0], keys[2], "tagged/never-created"])
+        lease = b.acquire_start([keys[1]], 0)
+        results = b.mseal_finish(seal)
+        assert results[:2] == [None, None] and isinstance(results[2], KvstrataError)
+        (one,) = b.acquire_finish(lease)
+        assert bytes(b.view(one.location)) == b"old"
+        kv._release_leases([one.lease_id])
+        assert kv.exists(keys[:3]) == [True] * 3 and b._stash == {}
+        kv.delete(keys)
+
+
+def test_a_refused_pipelined_request_raises_when_collected_and_leaves_the_connection_usable(worker):
+    with kvstrata.connect(worker.address) as kv:
+        b = kv._backend
+        tag = b.send_tagged({"op": "no-such-op"})
+        assert kv.exists(["tagged/x"]) == [False]
+        with pytest.raises(KvstrataError, match="unknown request"):
+            b.tagged_reply(tag)
+        kv.set("tagged/x", b"1")
+        assert kv.get("tagged/x") == b"1" and b._stash == {}
+        kv.delete(["tagged/x"])

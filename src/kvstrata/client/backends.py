@@ -92,25 +92,16 @@ class RemoteBackend:
         # of them hold each one. Such a lease goes back to the worker only when the last lets go, so
         # a view's bytes stay pinned even after the cache dropped its entry.
         self._holders: dict[int, int] = {}
+        # Pipelined requests (:meth:`send_tagged`): replies read by whoever reads the connection next and
+        # kept here by tag until their sender collects them (replies come in request order).
+        self._stash: dict[int, dict] = {}
+        self._tag = 0
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
 
     # plumbing ----------------------------------------------------------------------------------------
     def request(self, msg: dict) -> dict:
         with self._lock:
-            if self._closed:
-                raise ClosedError("client is closed")
-            if self._broken:
-                raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
-            if self._pid != os.getpid():
-                raise ClosedError("this client was connected in the parent process; connect again after fork()")
-            if self._local is not None and len(self._local):
-                self._deferred.extend(self._local.stale())
-            if self._deferred:
-                rel = self._drain_deferred()
-                if rel:
-                    msg["rel"] = rel
-            if self._deferred_aborts:
-                msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
+            self._prepare(msg)
             spin = self._local.spin() if self._local is not None else 0.0
             lane = self._lane
             if lane is not None and msg["op"] in _lane.LANE_OPS and lane.polling():
@@ -121,20 +112,78 @@ class RemoteBackend:
                         raise P.error_from_record(reply["err"])
                     return reply
             self._conn.send(msg)
-            try:
-                wait = msg.get("timeout", 0)  # None: the worker waits until the key exists, and so do we
-                reply, fds = self._conn.recv(timeout=None if wait is None else self.request_timeout + wait, spin=spin)
-            except Timeout:
-                # The reply may still come and would answer the next request: this connection is done.
-                self._broken = "the worker stopped answering"
-                self._conn.close()
-                raise ConnectionLost(
-                    f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
-                ) from None
-            if fds or "segs" in reply:
-                self._absorb_segments(reply.pop("segs", []), fds)
+            while True:  # replies of pipelined requests sent before this one come first: keep them
+                reply = self._read_reply(msg, spin)
+                tag = reply.get("tag")
+                if tag is None:
+                    break
+                self._stash[tag] = reply
         if "err" in reply:
             raise P.error_from_record(reply["err"])
+        return reply
+
+    def send_tagged(self, msg: dict) -> int:
+        """Send ``msg`` as a pipelined request and return its tag at once; :meth:`tagged_reply` collects
+        the reply. Lets a caller keep several requests in flight, so the worker handles one while the
+        caller prepares the next (requests still run in the order sent)."""
+        with self._lock:
+            self._prepare(msg)
+            self._tag += 1
+            msg["tag"] = tag = self._tag
+            self._conn.send(msg)
+            return tag
+
+    def tagged_reply(self, tag: int, wait: float | None = 0) -> dict:
+        """The reply to the pipelined request ``tag`` (raising its error), reading the connection as far
+        as needed; ``wait``: the seconds that request asked the worker to wait (None: no limit)."""
+        with self._lock:
+            spin = self._local.spin() if self._local is not None else 0.0
+            while tag not in self._stash:
+                if self._broken:
+                    raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken})")
+                reply = self._read_reply({"op": "pipelined request", "timeout": wait}, spin)
+                got = reply.get("tag")
+                if got is None:
+                    self._broken = "an unexpected reply"
+                    self._conn.close()
+                    raise ProtocolError(f"worker sent a reply nobody asked for while {tag} was awaited")
+                self._stash[got] = reply
+            reply = self._stash.pop(tag)
+        if "err" in reply:
+            raise P.error_from_record(reply["err"])
+        return reply
+
+    def _prepare(self, msg: dict) -> None:
+        """Checks before a request is sent, and what rides along with it (call under the lock)."""
+        if self._closed:
+            raise ClosedError("client is closed")
+        if self._broken:
+            raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
+        if self._pid != os.getpid():
+            raise ClosedError("this client was connected in the parent process; connect again after fork()")
+        if self._local is not None and len(self._local):
+            self._deferred.extend(self._local.stale())
+        if self._deferred:
+            rel = self._drain_deferred()
+            if rel:
+                msg["rel"] = rel
+        if self._deferred_aborts:
+            msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
+
+    def _read_reply(self, msg: dict, spin: float) -> dict:
+        """The next reply on the connection, its new segments mapped (call under the lock)."""
+        try:
+            wait = msg.get("timeout", 0)  # None: the worker waits until the key exists, and so do we
+            reply, fds = self._conn.recv(timeout=None if wait is None else self.request_timeout + wait, spin=spin)
+        except Timeout:
+            # The reply may still come and would answer the next request: this connection is done.
+            self._broken = "the worker stopped answering"
+            self._conn.close()
+            raise ConnectionLost(
+                f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
+            ) from None
+        if fds or "segs" in reply:
+            self._absorb_segments(reply.pop("segs", []), fds)
         return reply
 
     def _lane_request(self, lane: _lane.Lane, payload: bytes, spin: float) -> dict:
@@ -146,16 +195,12 @@ class RemoteBackend:
         while not lane.answered(seq):
             if clock() >= end or not lane.polling():
                 self._conn.send({"op": "lane", "seq": seq})
-                try:
-                    reply, fds = self._conn.recv(timeout=self.request_timeout)
-                except Timeout:
-                    self._broken = "the worker stopped answering"
-                    self._conn.close()
-                    raise ConnectionLost(
-                        f"worker at {self.address} did not answer within {self.request_timeout} s"
-                    ) from None
-                for fd in fds:
-                    os.close(fd)
+                while True:  # pipelined requests' replies sent before this one come first: keep them
+                    reply = self._read_reply({"op": "lane"}, 0.0)
+                    tag = reply.get("tag")
+                    if tag is None:
+                        break
+                    self._stash[tag] = reply
                 if "err" in reply:
                     raise P.error_from_record(reply["err"])
                 if not lane.answered(seq):
@@ -270,10 +315,17 @@ class RemoteBackend:
         return self._loc(self.request({"op": "create", "key": key, "size": size, **opts})["loc"])
 
     def mcreate(self, items: list[tuple[str, int]], opts: dict) -> list[Any]:
+        return self.mcreate_finish(self.mcreate_start(items, opts))
+
+    def mcreate_start(self, items: list[tuple[str, int]], opts: dict) -> Any:
+        """:meth:`mcreate`, sent and not waited for (pipelined); :meth:`mcreate_finish` takes its result."""
         msg = {"op": "mcreate", "items": items}
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
-        reply = self.request(msg)
+        return self.send_tagged(msg)
+
+    def mcreate_finish(self, token: Any) -> list[Any]:
+        reply = self.tagged_reply(token)
         flat = reply["locs"]
         out: list[Any] = [Loc(*flat[k : k + 3]) for k in range(0, len(flat), 3)]
         for i, name, message in reply.get("errs", ()):
@@ -284,8 +336,16 @@ class RemoteBackend:
         self.request({"op": action, "key": key})
 
     def mseal(self, keys: list[str]) -> list[Any]:
-        out: list[Any] = [None] * len(keys)
-        for i, name, message in self.request({"op": "mseal", "keys": keys}).get("errs", ()):
+        return self.mseal_finish(self.mseal_start(keys))
+
+    def mseal_start(self, keys: list[str]) -> Any:
+        """:meth:`mseal`, sent and not waited for (pipelined); :meth:`mseal_finish` takes its result."""
+        return self.send_tagged({"op": "mseal", "keys": keys}), len(keys)
+
+    def mseal_finish(self, token: Any) -> list[Any]:
+        tag, n = token
+        out: list[Any] = [None] * n
+        for i, name, message in self.tagged_reply(tag).get("errs", ()):
             out[i] = P.error_from_record((name, message))
         return out
 
@@ -336,8 +396,14 @@ class RemoteBackend:
         the view shares the cache's lease (see ``_holders``), so its bytes stay pinned until released.
         ``cache``: also keep the leases of cacheable objects fetched now, for later calls (``"fit"``:
         only where they fit beside the entries already kept, pushing none out)."""
+        return self.acquire_finish(self.acquire_start(keys, timeout, cache=cache))
+
+    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> Any:
+        """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
+        (pipelined); :meth:`acquire_finish` completes it."""
         local = self._local
         out: list[Any] = [None] * len(keys)
+        generation = 0
         if local is not None:
             generation = local.generation()  # read before the request: see kvstrata.server.validity
             with self._lock:
@@ -350,12 +416,19 @@ class RemoteBackend:
                             holders[lease_id] = holders.get(lease_id, 0) + 1  # the view's hold
                             out[i] = Lease(lease_id, entry[1], False)
         if None not in out:
-            return out
+            return keys, out, None, None, generation, cache
         missing = [i for i, lease in enumerate(out) if lease is None]
         msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
-        reply = self.request(msg)
+        return keys, out, missing, (self.send_tagged(msg), timeout), generation, cache
+
+    def acquire_finish(self, token: Any) -> list[Any]:
+        keys, out, missing, sent, generation, cache = token
+        if sent is None:
+            return out
+        local = self._local
+        reply = self.tagged_reply(*sent)
         ids, flat, flags = reply["ids"], reply["locs"], reply["flags"]
         offered = []
         k = 0
@@ -494,6 +567,22 @@ class EmbeddedBackend:
 
     def mcreate(self, items: list[tuple[str, int]], opts: dict) -> list[Any]:
         return [_result(lambda k=k, n=n: self.create(k, n, opts)) for k, n in items]
+
+    # The pipelined forms (see RemoteBackend): in-process, "sent" is done at once.
+    def mcreate_start(self, items: list[tuple[str, int]], opts: dict) -> Any:
+        return self.mcreate(items, opts)
+
+    def mseal_start(self, keys: list[str]) -> Any:
+        return self.mseal(keys)
+
+    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> Any:
+        return self.acquire(keys, timeout, cache=cache)
+
+    @staticmethod
+    def mcreate_finish(token: Any) -> list[Any]:
+        return token
+
+    mseal_finish = acquire_finish = mcreate_finish
 
     def finish(self, action: str, key: str) -> None:
         getattr(self._check(), action)(key, owner=self.owner)

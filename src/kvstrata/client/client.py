@@ -14,8 +14,10 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -29,6 +31,8 @@ from kvstrata.client.values import byte_view
 from kvstrata.devobj.service import DeviceObjectsMixin
 from kvstrata.errors import ClosedError, KvstrataError
 from kvstrata.server import protocol as P
+
+log = logging.getLogger(__name__)
 
 Result = Any  # per-key: a value (or None) on success, the KvstrataError instance on failure
 
@@ -283,11 +287,12 @@ class Client(DeviceObjectsMixin):
         """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
 
         A key that already exists is left as it is and reported as KeyExists in its slot. Returns
-        None per stored key. The copies run as copy-engine batches on ``stream`` (default: current).
-        Pipelined in stages (:func:`kvstrata.client.device.stages`): a stage's objects are created and
-        its copies queued, then the next stage's, while the copy engines run; each stage is sealed once
-        its bytes landed, while later stages still copy. An error (a bad tensor in a later stage, a
-        failed copy) waits for the queued copies and aborts every object not sealed yet.
+        None per stored key. The copies run as copy-engine batches on a copy stream that waits for
+        ``stream`` (default: current). Pipelined in stages (:func:`kvstrata.client.device.stages`):
+        the worker creates the next stage's objects while this process queues the current stage's
+        copies; each stage is sealed once its bytes landed, the seals sent without waiting, so only
+        the last stage's seal follows the last copy. An error (a bad tensor in a later stage, a failed
+        copy) waits for the queued copies and aborts every object not sealed yet.
         """
         keys = P.check_keys(keys)
         if not keys:
@@ -296,39 +301,64 @@ class Client(DeviceObjectsMixin):
         backend = self._b()
         opts = {"ttl": None, "nx": True, "mode": "memory"}
         results: list[Result] = [None] * len(keys)
-        unsealed: list[str] = []
+        created_keys: list[str] = []
+        sealed: set[str] = set()
         s = None
+        in_flight: collections.deque = collections.deque()  # (stage, create token): one stage ahead
+        seals: collections.deque = collections.deque()  # (keys, seal token) sent, answers not read yet
+
+        def take(st: Any, token: Any) -> list[int]:
+            created, where = [], []
+            for j, loc in enumerate(backend.mcreate_finish(token)):
+                if isinstance(loc, BaseException):
+                    results[st.lo + j] = loc  # KeyExists for a key already there, left as it is
+                else:
+                    created.append(st.lo + j)
+                    where.append(loc)
+            created_keys.extend(keys[i] for i in created)
+            return created, where
+
         try:
             marks: list[tuple[list[int], Any]] = []  # (keys created in a stage, event after its copies)
-            for st in _device.stages(len(keys), tensor_lists):
-                locs = backend.mcreate(list(zip(keys[st.lo : st.hi], st.sizes)), opts)
-                created, where = [], []
-                for j, loc in enumerate(locs):
-                    if isinstance(loc, BaseException):
-                        results[st.lo + j] = loc  # KeyExists for a key already there, left as it is
-                    else:
-                        created.append(st.lo + j)
-                        where.append(loc)
-                unsealed += [keys[i] for i in created]
-                if s is None and st.device is not None:
-                    s = _device.start(st.device, stream)
-                runs = self._plan(created, where, st.pieces, st.lo, st.device, to_host=True)
-                _device.enqueue(runs, st.device, s, first=not marks)
+            stages = _device.stages(len(keys), tensor_lists)
+            for st in itertools.chain(stages, [None]):
+                if st is not None:
+                    in_flight.append((st, backend.mcreate_start(list(zip(keys[st.lo : st.hi], st.sizes)), opts)))
+                    if len(in_flight) < 2:
+                        continue  # check the next stage while the worker creates this one
+                prev, token = in_flight.popleft()
+                created, where = take(prev, token)
+                if s is None and prev.device is not None:
+                    s = _device.start(prev.device, stream)
+                runs = self._plan(created, where, prev.pieces, prev.lo, prev.device, to_host=True)
+                _device.enqueue(runs, prev.device, s, first=not marks)
                 marks.append((created, _device.mark(s)))
-            # Seal stage by stage as its copies land (stream order: a stage's event covers its copies): every
-            # seal but the last overlaps later stages' DMA.
+            # Seal stage by stage as its copies land (stream order: a stage's event covers its copies), each
+            # seal sent without waiting for the worker, whose answers are read at the end.
             for which, event in marks:
-                if not which:
-                    continue
-                if event is not None:
-                    event.synchronize()  # the bytes must be in host memory before the objects are sealed
-                for i, r in zip(which, backend.mseal([keys[i] for i in which])):
+                if which:
+                    if event is not None:
+                        event.synchronize()  # the bytes must be in host memory before the objects are sealed
+                    seals.append((which, backend.mseal_start([keys[i] for i in which])))
+            while seals:
+                which, token = seals.popleft()  # out first: a reply is read once, even one that raises
+                for i, r in zip(which, backend.mseal_finish(token)):
                     results[i] = r
-                unsealed = unsealed[len(which) :]
+                    sealed.add(keys[i])
         except BaseException:
             if s is not None:
                 s.synchronize()  # no copy may still write into an object being aborted
-            self._abort_quietly(backend, unsealed)
+            for st, token in in_flight:  # creates sent and not read yet: their objects must go too
+                try:
+                    take(st, token)
+                except Exception as exc:  # the connection may be what failed
+                    log.debug("mset_d2h: create reply lost while undoing (%s)", exc)
+            for which, token in seals:  # seals sent and not read yet: those that worked stay
+                try:
+                    sealed.update(keys[i] for i, r in zip(which, backend.mseal_finish(token)) if r is None)
+                except Exception as exc:
+                    log.debug("mset_d2h: seal reply lost while undoing (%s)", exc)
+            self._abort_quietly(backend, [k for k in created_keys if k not in sealed])
             raise
         return results
 
@@ -339,11 +369,12 @@ class Client(DeviceObjectsMixin):
 
         The tensors' sizes must add up to the object's size (ValueError in that key's slot
         otherwise). Waits up to ``timeout`` for missing keys. The copies run as copy-engine batches on
-        ``stream``; the call returns once they have landed. Leases on the objects pin their bytes
-        until then; keys read before and unchanged since cost no round trip to the worker. Pipelined in
-        stages (:func:`kvstrata.client.device.stages`): the first stage's copies start before later
-        stages are leased and planned. A bad tensor raises when its stage is reached, after the copies
-        already queued landed (the tensors of earlier keys may then hold their data).
+        a copy stream that waits for ``stream`` (default: current); the call returns once they have
+        landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
+        cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
+        the worker leases the next stage while this process queues the current stage's copies. A bad
+        tensor raises when its stage is reached, after the copies already queued landed (the tensors
+        of earlier keys may then hold their data).
         """
         keys = P.check_keys(keys)
         timeout = P.check_timeout(timeout)
@@ -356,29 +387,34 @@ class Client(DeviceObjectsMixin):
         deadline = time.monotonic() + timeout
         s = None
         first = True
+        in_flight: collections.deque = collections.deque()  # (stage, acquire token): one stage ahead
         try:
-            for st in _device.stages(len(keys), tensor_lists):
-                left = max(0.0, deadline - time.monotonic()) if timeout else 0
-                leases = backend.acquire(keys[st.lo : st.hi], left, cache="fit")
+            for st in itertools.chain(_device.stages(len(keys), tensor_lists), [None]):
+                if st is not None:
+                    left = max(0.0, deadline - time.monotonic()) if timeout else 0
+                    in_flight.append((st, backend.acquire_start(keys[st.lo : st.hi], left, cache="fit")))
+                    if len(in_flight) < 2:
+                        continue  # check the next stage while the worker leases this one
+                prev, token = in_flight.popleft()
                 filled, locs = [], []
-                for j, lease in enumerate(leases):
-                    i = st.lo + j
+                for j, lease in enumerate(backend.acquire_finish(token)):
+                    i = prev.lo + j
                     if isinstance(lease, BaseException):
                         results[i] = lease
                         continue
                     held.append(lease.lease_id)
                     loc = lease.location
-                    if st.sizes[j] != loc.size:
+                    if prev.sizes[j] != loc.size:
                         results[i] = ValueError(
-                            f"tensor_lists[{i}]: {st.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
+                            f"tensor_lists[{i}]: {prev.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
                         )
                         continue
                     filled.append(i)
                     locs.append(loc)
-                if s is None and st.device is not None:
-                    s = _device.start(st.device, stream)
-                runs = self._plan(filled, locs, st.pieces, st.lo, st.device, to_host=False)
-                _device.enqueue(runs, st.device, s, first=first)
+                if s is None and prev.device is not None:
+                    s = _device.start(prev.device, stream)
+                runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
+                _device.enqueue(runs, prev.device, s, first=first)
                 first = False
             event = _device.mark(s)
             if event is not None:
@@ -386,6 +422,11 @@ class Client(DeviceObjectsMixin):
         except BaseException:
             if s is not None:
                 s.synchronize()  # the leases below must outlive every queued copy
+            for _, token in in_flight:  # leases requested and not read yet go back too
+                try:
+                    held.extend(x.lease_id for x in backend.acquire_finish(token) if not isinstance(x, BaseException))
+                except Exception as exc:
+                    log.debug("mget_h2d: lease reply lost while undoing (%s)", exc)
             raise
         finally:
             if held:

@@ -374,6 +374,9 @@ class Session:
             if "err" in reply:  # nobody waits for an answer: a reply would desynchronize the client
                 log.warning("client %s: bad %s request: %s", self.name, op, reply["err"][1])
             return None
+        tag = msg.get("tag")
+        if tag is not None:  # a pipelined request: the client matches its reply by this
+            reply["tag"] = tag
         return reply
 
     def send(self, reply: dict) -> None:
