@@ -122,12 +122,13 @@ class RemoteBackend:
             raise P.error_from_record(reply["err"])
         return reply
 
-    def send_tagged(self, msg: dict) -> int:
+    def send_tagged(self, msg: dict, *, carry: bool = True) -> int:
         """Send ``msg`` as a pipelined request and return its tag at once; :meth:`tagged_reply` collects
         the reply. Lets a caller keep several requests in flight, so the worker handles one while the
-        caller prepares the next (requests still run in the order sent)."""
+        caller prepares the next (requests still run in the order sent). ``carry=False``: deferred lease
+        releases and aborts do not ride along (they would delay this reply; a later message takes them)."""
         with self._lock:
-            self._prepare(msg)
+            self._prepare(msg, carry=carry)
             self._tag += 1
             msg["tag"] = tag = self._tag
             self._conn.send(msg)
@@ -153,7 +154,7 @@ class RemoteBackend:
             raise P.error_from_record(reply["err"])
         return reply
 
-    def _prepare(self, msg: dict) -> None:
+    def _prepare(self, msg: dict, *, carry: bool = True) -> None:
         """Checks before a request is sent, and what rides along with it (call under the lock)."""
         if self._closed:
             raise ClosedError("client is closed")
@@ -163,6 +164,8 @@ class RemoteBackend:
             raise ClosedError("this client was connected in the parent process; connect again after fork()")
         if self._local is not None and len(self._local):
             self._deferred.extend(self._local.stale())
+        if not carry:
+            return
         if self._deferred:
             rel = self._drain_deferred()
             if rel:
@@ -398,9 +401,10 @@ class RemoteBackend:
         only where they fit beside the entries already kept, pushing none out)."""
         return self.acquire_finish(self.acquire_start(keys, timeout, cache=cache))
 
-    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> Any:
+    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False, carry: bool = True) -> Any:
         """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
-        (pipelined); :meth:`acquire_finish` completes it."""
+        (pipelined, ``carry`` as in :meth:`send_tagged`); :meth:`acquire_finish` completes it,
+        :meth:`acquire_ready` says whether that needs the worker's answer still."""
         local = self._local
         out: list[Any] = [None] * len(keys)
         generation = 0
@@ -421,7 +425,12 @@ class RemoteBackend:
         msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
-        return keys, out, missing, (self.send_tagged(msg), timeout), generation, cache
+        return keys, out, missing, (self.send_tagged(msg, carry=carry), timeout), generation, cache
+
+    @staticmethod
+    def acquire_ready(token: Any) -> bool:
+        """Whether an :meth:`acquire_start` was served by the local-read cache alone (nothing to wait for)."""
+        return token[3] is None
 
     def acquire_finish(self, token: Any) -> list[Any]:
         keys, out, missing, sent, generation, cache = token
@@ -575,8 +584,12 @@ class EmbeddedBackend:
     def mseal_start(self, keys: list[str]) -> Any:
         return self.mseal(keys)
 
-    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> Any:
+    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False, carry: bool = True) -> Any:
         return self.acquire(keys, timeout, cache=cache)
+
+    @staticmethod
+    def acquire_ready(token: Any) -> bool:
+        return True
 
     @staticmethod
     def mcreate_finish(token: Any) -> list[Any]:

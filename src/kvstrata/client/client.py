@@ -392,30 +392,34 @@ class Client(DeviceObjectsMixin):
             for st in itertools.chain(_device.stages(len(keys), tensor_lists), [None]):
                 if st is not None:
                     left = max(0.0, deadline - time.monotonic()) if timeout else 0
-                    in_flight.append((st, backend.acquire_start(keys[st.lo : st.hi], left, cache="fit")))
-                    if len(in_flight) < 2:
-                        continue  # check the next stage while the worker leases this one
-                prev, token = in_flight.popleft()
-                filled, locs = [], []
-                for j, lease in enumerate(backend.acquire_finish(token)):
-                    i = prev.lo + j
-                    if isinstance(lease, BaseException):
-                        results[i] = lease
-                        continue
-                    held.append(lease.lease_id)
-                    loc = lease.location
-                    if prev.sizes[j] != loc.size:
-                        results[i] = ValueError(
-                            f"tensor_lists[{i}]: {prev.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
-                        )
-                        continue
-                    filled.append(i)
-                    locs.append(loc)
-                if s is None and prev.device is not None:
-                    s = _device.start(prev.device, stream)
-                runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
-                _device.enqueue(runs, prev.device, s, first=first)
-                first = False
+                    # Lease releases due (e.g. stale local-read entries) go with the final release, not
+                    # ahead of these leases.
+                    token = backend.acquire_start(keys[st.lo : st.hi], left, cache="fit", carry=False)
+                    in_flight.append((st, token))
+                # Queue a stage's copies once its leases are in, checking the next stage while the worker
+                # leases this one (a stage served by the local-read cache alone goes at once).
+                while in_flight and (st is None or len(in_flight) > 1 or backend.acquire_ready(in_flight[0][1])):
+                    prev, token = in_flight.popleft()
+                    filled, locs = [], []
+                    for j, lease in enumerate(backend.acquire_finish(token)):
+                        i = prev.lo + j
+                        if isinstance(lease, BaseException):
+                            results[i] = lease
+                            continue
+                        held.append(lease.lease_id)
+                        loc = lease.location
+                        if prev.sizes[j] != loc.size:
+                            results[i] = ValueError(
+                                f"tensor_lists[{i}]: {prev.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
+                            )
+                            continue
+                        filled.append(i)
+                        locs.append(loc)
+                    if s is None and prev.device is not None:
+                        s = _device.start(prev.device, stream)
+                    runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
+                    _device.enqueue(runs, prev.device, s, first=first)
+                    first = False
             event = _device.mark(s)
             if event is not None:
                 event.synchronize()  # the leases pin the source bytes until the copies are done
