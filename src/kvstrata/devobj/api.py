@@ -73,6 +73,39 @@ def _brief(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def widen(
+    t: dict[str, Any], r: dict[str, Any], shared: list[dict[str, Any]], me: str, specs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A lean transfer of a subscribe/mget reply (see :meth:`kvstrata.devobj.broker.DeviceBroker._wire`)
+    made whole again, in place: the record gets back its shared fields, key and tensor specs (``specs``,
+    what the receiver sent; as a new dict: in process, the lean record is the broker's own), the transfer
+    its wid, key, src and dst."""
+    s = shared[t.pop("s")]
+    rec = t.get("record")
+    if rec is not None:
+        t["record"] = {**rec, **s, "key": r["key"], "tensors": specs}
+    t["wid"], t["key"], t["src"], t["dst"] = r["wid"], r["key"], s["owner"], me
+    return t
+
+
+_SPECS: dict[tuple[torch.Size, torch.dtype], list[dict[str, Any]]] = {}
+
+
+def specs_of(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The specs of a key's tensors; for one tensor, one list per (shape, dtype) kept for reuse (built once,
+    never changed: a many-key call allocates nothing here)."""
+    if len(tensors) != 1:
+        return [spec(t) for t in tensors]
+    t = tensors[0]
+    sig = (t.shape, t.dtype)
+    got = _SPECS.get(sig)
+    if got is None:
+        if len(_SPECS) >= 4096:  # many shapes: start over rather than grow without bound
+            _SPECS.clear()
+        got = _SPECS[sig] = [spec(t)]
+    return got
+
+
 def _same_specs(have: list[dict[str, Any]], tensors: list[torch.Tensor]) -> bool:
     if len(have) != len(tensors):
         return False
@@ -473,8 +506,9 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         keys = [w.key for w in wants]
         args: dict[str, Any] = {
             "keys": keys,
-            "specs": [[spec(t) for t in w.tensors] for w in wants],
+            "specs": [specs_of(w.tensors) for w in wants],
             "timeout": timeout,
+            "lean": True,
         }
         known: list[dict[str, Any] | None] = []
         gen0 = None
@@ -483,7 +517,9 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             with self._lock:
                 known = [(e[1] if e is not None else None) for e in map(self._records.get, keys)]
             args["known"] = [r["obj"] if r is not None else None for r in known]
-        results = self._call(op, args)["results"]
+        reply = self._call(op, args)
+        results, shared = reply["results"], reply.get("shared")
+        me = getattr(self.link, "client_id", "")
         trace(f"{op}: broker replied")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("devobj: %s %s -> %s", op, keys[:8], [_brief(r) for r in results[:8]])
@@ -492,6 +528,8 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             status = r["status"]
             if status == "matched":
                 t = r["transfer"]
+                if "s" in t:
+                    t = widen(t, r, shared, me, args["specs"][i])
                 if "record" not in t:  # the broker left out what we told it we hold
                     t["record"] = known[i]
                 if t["path"] != "nccl" and t["kind"] != "bcast":
