@@ -3,6 +3,8 @@ broker's path memo, spec reuse and the reply-spin setting; all on CPU."""
 
 from __future__ import annotations
 
+import threading
+
 import msgpack
 import pytest
 import torch
@@ -154,3 +156,31 @@ def test_reply_spin_setting(monkeypatch):
     monkeypatch.delenv("KVSTRATA_DEVOBJ_SPIN_US")
     monkeypatch.setattr(service.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert service.reply_spin_seconds() == pytest.approx(service.SPIN_US * 1e-6)
+
+
+def test_inline_receive_reports_done_off_the_callers_thread(monkeypatch):
+    """A small publisher-first receive is copied on the caller's thread; the broker hears of it from a copy
+    thread (not the caller's, not a poll: polls here wait 30 s), so the publisher's future completes."""
+    broker = DeviceBroker()
+    cfg = DeviceObjectConfig(allow_cpu=True, poll_seconds=30.0)
+    a = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=cfg)
+    b = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=cfg)
+    senders = []
+    real = b._flush_done
+
+    def flush():
+        senders.append(threading.current_thread().name)
+        real()
+
+    monkeypatch.setattr(b, "_flush_done", flush)
+    try:
+        src = torch.arange(16, dtype=torch.int32)
+        (pub,) = a.dev_publish(["k"], [[src]])
+        dst = torch.zeros(16, dtype=torch.int32)
+        (f,) = b.dev_subscribe(["k"], [[dst]], timeout=5)
+        assert f.done() and f.exception() is None and torch.equal(dst, src)  # copied inline, settled
+        assert pub.exception(5) is None  # released: the broker heard of the receive
+        assert senders and all(name.startswith("kvstrata-devobj_") for name in senders)
+    finally:
+        a.close()
+        b.close()

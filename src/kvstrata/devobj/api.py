@@ -168,6 +168,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         self._done_items: list[dict[str, Any]] = []
         self._unacked: dict[int, dict[str, Any]] = {}
         self._flush_lock = threading.Lock()
+        self._helper = threading.local()  # .on: this thread is one of this client's own
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
         self._pool = ThreadPoolExecutor(
@@ -318,6 +319,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             }
 
     def _thread_init(self) -> None:
+        self._helper.on = True  # this client's event or copy thread (see _notify_done)
         if self._cuda:
             torch.cuda.set_device(self.device)
 

@@ -325,7 +325,18 @@ class CopyReceiver:
             self._notify_done()
 
     def _notify_done(self) -> None:
-        if threading.current_thread() is not self._poller:  # the event thread's next poll carries them
+        if threading.current_thread() is self._poller:  # the event thread's next poll carries them
+            return
+        if getattr(self._helper, "on", False):  # a copy thread: nothing waits on it
+            self._flush_done()
+            return
+        # The caller's own thread (a small receive copied inline): its futures are settled, and the send
+        # (pack, system call: ~50 us on the 4 KiB path) would hold up the call's return. A copy thread
+        # sends them; a request of this client made meanwhile carries them itself (see _call), so the
+        # broker still learns of each before any later request.
+        try:
+            self._run_in_pool(self._flush_done)
+        except RuntimeError:  # the pool is shut down (closing): send them here
             self._flush_done()
 
     def _take_done(self) -> list[dict[str, Any]]:
