@@ -58,9 +58,9 @@ def test_lean_reply_widens_to_the_full_transfer(broker, op, mode):
     got = []
     for r in reply["results"]:
         lean = r["transfer"]
-        assert set(lean) == {"tid", "kind", "path", "s", "record"}
-        assert not set(lean["record"]) & {"key", "tensors", *B.SHARED_FIELDS}
-        got.append(api.widen(lean, r, reply["shared"], "sub", SPEC))
+        assert set(lean) == {"tid", "s", "record"}
+        assert not set(lean["record"]) & {"key", "tensors", "events", *B.SHARED_FIELDS}
+        got.append(api.widen(lean, r, reply, "sub" if op == "subscribe" else "get", "sub", SPEC))
     if op == "subscribe":  # one-shot objects were claimed: publish them again for the whole answer
         for t in got:
             broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})
@@ -73,6 +73,7 @@ def test_lean_reply_widens_to_the_full_transfer(broker, op, mode):
         assert {k: v for k, v in t.items() if k not in skip and k != "record"} == {
             k: v for k, v in want.items() if k not in skip and k != "record"
         }
+        assert want["record"].pop("events") == []  # empty: left out of lean records, read by no one
         assert {k: v for k, v in t["record"].items() if k != "obj"} == {
             k: v for k, v in want["record"].items() if k != "obj"
         }
@@ -88,7 +89,7 @@ def test_lean_reply_keeps_errors_waiting_and_known_records(broker):
         "sub", "mget", {"keys": ["m", "m2"], "specs": [SPEC, SPEC], "known": [obj], "timeout": 5, "lean": True}
     )
     known, waiting = r["results"]
-    assert "record" not in known["transfer"] and known["transfer"]["obj"] == obj and "s" in known["transfer"]
+    assert known["transfer"] == {"tid": known["transfer"]["tid"], "s": 0, "obj": obj} and r["paths"] == ["ipc"]
     assert waiting["status"] == "waiting"
     err = broker.handle("sub", "mget", {"keys": ["m"], "specs": [bad], "lean": True})["results"][0]
     assert err["status"] == "error" and err["error"] == B.E_MISMATCH
@@ -109,9 +110,9 @@ def test_path_memo_follows_a_client_that_says_hello_again(broker):
 def test_objects_of_one_client_with_other_fields_keep_their_own(broker):
     broker.handle("pub", "publish", {"items": [item("p"), item("q", transport="nccl")]})
     r = broker.handle("sub", "subscribe", {"keys": ["p", "q"], "specs": [SPEC, SPEC], "lean": True})
-    paths = [x["transfer"]["path"] for x in r["results"]]
-    assert paths == ["ipc", "nccl"]  # the nccl one is sent whole (the sender hears of it by event)
-    assert "s" in r["results"][0]["transfer"] and "s" not in r["results"][1]["transfer"]
+    lean, whole = (x["transfer"] for x in r["results"])
+    assert r["paths"][lean["s"]] == "ipc"
+    assert "s" not in whole and whole["path"] == "nccl"  # sent whole (the sender hears of it by event)
 
 
 def test_many_keys_move_exactly_through_lean_replies():

@@ -74,16 +74,18 @@ def _brief(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def widen(
-    t: dict[str, Any], r: dict[str, Any], shared: list[dict[str, Any]], me: str, specs: list[dict[str, Any]]
+    t: dict[str, Any], r: dict[str, Any], reply: dict[str, Any], kind: str, me: str, specs: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """A lean transfer of a subscribe/mget reply (see :meth:`kvstrata.devobj.broker.DeviceBroker._wire`)
+    """A lean transfer of a subscribe/mget ``reply`` (see :meth:`kvstrata.devobj.broker.DeviceBroker._wire`)
     made whole again, in place: the record gets back its shared fields, key and tensor specs (``specs``,
     what the receiver sent; as a new dict: in process, the lean record is the broker's own), the transfer
-    its wid, key, src and dst."""
-    s = shared[t.pop("s")]
+    its ``kind`` (the request's: ``sub`` or ``get``), path, wid, key, src and dst."""
+    i = t.pop("s")
+    s = reply["shared"][i]
     rec = t.get("record")
     if rec is not None:
         t["record"] = {**rec, **s, "key": r["key"], "tensors": specs}
+    t["kind"], t["path"] = kind, reply["paths"][i]
     t["wid"], t["key"], t["src"], t["dst"] = r["wid"], r["key"], s["owner"], me
     return t
 
@@ -520,7 +522,8 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
                 known = [(e[1] if e is not None else None) for e in map(self._records.get, keys)]
             args["known"] = [r["obj"] if r is not None else None for r in known]
         reply = self._call(op, args)
-        results, shared = reply["results"], reply.get("shared")
+        results = reply["results"]
+        kind = "sub" if op == "subscribe" else "get"
         me = getattr(self.link, "client_id", "")
         trace(f"{op}: broker replied")
         if log.isEnabledFor(logging.DEBUG):
@@ -531,7 +534,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             if status == "matched":
                 t = r["transfer"]
                 if "s" in t:
-                    t = widen(t, r, shared, me, args["specs"][i])
+                    t = widen(t, r, reply, kind, me, args["specs"][i])
                 if "record" not in t:  # the broker left out what we told it we hold
                     t["record"] = known[i]
                 if t["path"] != "nccl" and t["kind"] != "bcast":

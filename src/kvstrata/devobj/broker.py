@@ -89,7 +89,7 @@ _KNOWN_TO_RECEIVERS = frozenset(("key", "tensors"))
 @dataclass(slots=True)
 class _Object:
     record: dict[str, Any]
-    lean: dict[str, Any]  # the record less SHARED_FIELDS, "key" and "tensors" (the receiver knows them)
+    lean: dict[str, Any]  # the record less SHARED_FIELDS, "key", "tensors" (the receiver knows them), empty "events"
     shared: dict[str, Any]  # SHARED_FIELDS of the record, one dict for all objects of its client and mode
     state: str = "ready"  # ready | claimed | deleting
     transfers: set[int] = field(default_factory=set)  # tids in flight reading this object
@@ -312,6 +312,8 @@ class DeviceBroker:
         else:
             self._shared[(client, mode)] = shared
         lean = {k: v for k, v in record.items() if k not in shared and k not in _KNOWN_TO_RECEIVERS}
+        if not lean.get("events", True):  # none (always, today): nothing to send
+            del lean["events"]
         self._objects[key] = _Object(record, lean, shared)
         if key in self._waiters:
             self._match_locked(key)
@@ -347,25 +349,27 @@ class DeviceBroker:
 
     # -- readers ----------------------------------------------------------------------------------
     def op_subscribe(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return self._wire(self._add_waiters(client, args, "sub"), args)
+        return self._wire(self._add_waiters(client, args, "sub"), args, "sub")
 
     def op_mget(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return self._wire(self._add_waiters(client, args, "get"), args)
+        return self._wire(self._add_waiters(client, args, "get"), args, "get")
 
-    def _wire(self, results: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
-        """The reply to a subscribe or mget. With ``lean`` asked for, each matched one-shot or registered
-        transfer travels as ``{"tid", "kind", "path", "s", "record" or "obj"}``: its record less the
-        :data:`SHARED_FIELDS`, which come once per reply in ``shared[s]`` (encoding and decoding records
-        was most of a many-key call's cost); the receiver puts back ``wid``/``key`` (the result's), ``src``
-        (``shared[s]["owner"]``) and ``dst`` (itself), the record its ``key`` and ``tensors`` (the specs it
-        sent, equal to the record's: it matched). See :func:`kvstrata.devobj.api.widen`."""
+    def _wire(self, results: list[dict[str, Any]], args: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The reply to a subscribe (``kind`` ``sub``) or mget (``get``). With ``lean`` asked for, each matched
+        one-shot or registered transfer travels as ``{"tid", "s", "record" or "obj"}``: its record less
+        :data:`SHARED_FIELDS`, which come once per reply in ``shared[s]`` with the path in ``paths[s]``
+        (encoding and decoding records was most of a many-key call's cost). The receiver puts back the
+        transfer's ``kind`` (its request's), ``path``, ``wid``/``key`` (the result's), ``src``
+        (``shared[s]["owner"]``) and ``dst`` (itself), the record its ``key``, ``tensors`` (the specs it
+        sent, equal to the record's: it matched) and shared fields; see :func:`kvstrata.devobj.api.widen`."""
         if not args.get("lean") or not args.get("specs"):
             return {"results": results}
         shared: list[dict[str, Any]] = []
+        paths: list[str] = []
         index: dict[int, int] = {}
         for r in results:
             t = r.get("transfer")
-            if t is None or t["kind"] == "bcast" or "nccl" in t:
+            if t is None or t["kind"] != kind or "nccl" in t:
                 continue
             obj = self._objects.get(r["key"])
             if obj is None or obj.record["obj"] != (t["obj"] if "obj" in t else t["record"]["obj"]):
@@ -374,13 +378,14 @@ class DeviceBroker:
             if i is None:
                 i = index[id(obj.shared)] = len(shared)
                 shared.append(obj.shared)
-            lean = {"tid": t["tid"], "kind": t["kind"], "path": t["path"], "s": i}
+                paths.append(t["path"])
+            elif paths[i] != t["path"]:  # one path per (shared fields, receiver): never, but stay whole then
+                continue
             if "obj" in t:  # the reader holds the record already (mget "known")
-                lean["obj"] = t["obj"]
+                r["transfer"] = {"tid": t["tid"], "s": i, "obj": t["obj"]}
             else:
-                lean["record"] = obj.lean
-            r["transfer"] = lean
-        return {"results": results, "shared": shared}
+                r["transfer"] = {"tid": t["tid"], "s": i, "record": obj.lean}
+        return {"results": results, "shared": shared, "paths": paths}
 
     def _add_waiters(self, client: str, args: dict[str, Any], kind: str) -> list[dict[str, Any]]:
         timeout = args.get("timeout")
