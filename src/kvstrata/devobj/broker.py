@@ -57,6 +57,7 @@ import ctypes
 import heapq
 import itertools
 import mmap
+import operator
 import os
 import threading
 import time
@@ -83,7 +84,8 @@ MODES = ("oneshot", "mset", "broadcast")
 SHARED_FIELDS = ("owner", "mode", "pid", "node_id", "device", "transport")
 #: record fields a lean reply leaves out: the result's key, and the tensors' specs the receiver sent (a match
 #: means they are equal)
-_KNOWN_TO_RECEIVERS = frozenset(("key", "tensors"))
+_LEAN_DROP = (*SHARED_FIELDS, "key", "tensors")
+_shared_values = operator.itemgetter(*SHARED_FIELDS)
 
 
 @dataclass(slots=True)
@@ -142,7 +144,8 @@ class DeviceBroker:
         self._timer: threading.Thread | None = None
         self._timer_cond = threading.Condition(self._lock)
         self._timer_wake: float | None = None  # when the timer thread plans to wake (None: not sleeping)
-        self._shared: dict[tuple[str, str], dict[str, Any]] = {}  # (client, mode) -> its objects' shared fields
+        # (client, mode) -> (values, dict) of its objects' SHARED_FIELDS (the dict shared by all of them)
+        self._shared: dict[tuple[str, str], tuple[tuple, dict[str, Any]]] = {}
         self._paths: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}  # see _start_transfer
         self._gen_fd, self._gen_map, self._gen = _generation_page()
         weakref.finalize(self, os.close, self._gen_fd)
@@ -305,14 +308,20 @@ class DeviceBroker:
         record = dict(item, owner=client, mode=mode, obj=next(self._ids))
         if "node_id" not in record:
             record["node_id"] = self._clients.get(client, {}).get("node_id")
-        shared = {f: record.get(f) for f in SHARED_FIELDS}
+        try:
+            values = _shared_values(record)  # one C call; the dict is built only when the values change
+        except KeyError:  # a field missing (a test's record): the slow way
+            values = tuple(record.get(f) for f in SHARED_FIELDS)
         known = self._shared.get((client, mode))
-        if known == shared:  # the common case: one dict shared by all of the client's objects
-            shared = known
+        if known is not None and known[0] == values:  # the common case: all of a client's objects share one
+            shared = known[1]
         else:
-            self._shared[(client, mode)] = shared
-        lean = {k: v for k, v in record.items() if k not in shared and k not in _KNOWN_TO_RECEIVERS}
-        if not lean.get("events", True):  # none (always, today): nothing to send
+            shared = dict(zip(SHARED_FIELDS, values))
+            self._shared[(client, mode)] = (values, shared)
+        lean = record.copy()
+        for f in _LEAN_DROP:
+            lean.pop(f, None)
+        if "events" in lean and not lean["events"]:  # none (always, today): nothing to send
             del lean["events"]
         self._objects[key] = _Object(record, lean, shared)
         if key in self._waiters:
