@@ -500,6 +500,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             self._request(op, rest, timeout)
         if hits:
             for _, want in hits:
+                want.running = True  # a read redone through the broker (see _copy_cached) must not set it again
                 want.future.set_running_or_notify_cancel()
             self._read_cached(hits, gen, timeout)
         trace(f"{op}: returns futures")
@@ -539,7 +540,8 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
                     t["record"] = known[i]
                 if t["path"] != "nccl" and t["kind"] != "bcast":
                     want.tid, want.transfer = t["tid"], t
-                    if not want.future.running():
+                    if not want.running:
+                        want.running = True
                         want.future.set_running_or_notify_cancel()  # from here on, cancel() is refused
                     batch.append((t, want))
                 else:

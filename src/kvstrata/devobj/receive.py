@@ -176,9 +176,7 @@ class CopyReceiver:
                 src, _ = self._sources(rec, rec["owner"], reuse=True) if rec["mode"] == "mset" else (None, None)
                 if src is None:
                     src, _ = self._sources(rec, rec["owner"])
-                if len(src) != len(want.tensors) or any(
-                    d.numel() * d.element_size() != x.numel() * x.element_size() for d, x in zip(want.tensors, src)
-                ):
+                if len(src) != len(want.tensors) or any(d.nbytes != x.nbytes for d, x in zip(want.tensors, src)):
                     raise ValueError(f"tensor_lists: sizes of {rec['key']!r} differ from the source's")
                 if rec["mode"] == "mset":
                     with self._lock:
