@@ -376,9 +376,9 @@ class DeviceBroker:
         shared: list[dict[str, Any]] = []
         paths: list[str] = []
         index: dict[int, int] = {}
-        for r in results:
+        for r, spec in zip(results, args["specs"]):
             t = r.get("transfer")
-            if t is None or t["kind"] != kind or "nccl" in t:
+            if t is None or t["kind"] != kind or "nccl" in t or spec is None:  # no specs: the record says them
                 continue
             obj = self._objects.get(r["key"])
             if obj is None or obj.record["obj"] != (t["obj"] if "obj" in t else t["record"]["obj"]):
