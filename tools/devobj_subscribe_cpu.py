@@ -99,11 +99,12 @@ def subscriber(address: str, keys: list[int], rounds: int, ctl, res) -> None:
         api.DeviceObjects._copy_batch = copy_batch
     for k in keys:
         bufs = [[torch.zeros(NBYTES, dtype=torch.uint8)] for _ in range(k)]
-        times = []
+        times, cpu = [], []
         for r in range(rounds):
             ctl.recv()
             time.sleep(0.002)
             names = [f"s{k}/{r}/{i}" for i in range(k)]
+            c0 = time.process_time()  # all of this process's threads: less moved by the machine's load than wall time
             t0 = time.perf_counter()
             if profs is not None:
                 profs["call"].enable()
@@ -113,8 +114,10 @@ def subscriber(address: str, keys: list[int], rounds: int, ctl, res) -> None:
             for f in futs:
                 f.result(60)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             ctl.send(r)
         out[k] = times
+        out[("cpu", k)] = cpu
     if profs is not None:
         for name, prof in profs.items():
             print(f"--- subscriber: {name}")
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for p in procs:
             p.start()
+        w0 = time.process_time()
         try:
             if not here.poll(600):
                 raise RuntimeError("the subscriber hung")
@@ -170,14 +174,20 @@ def main(argv: list[str] | None = None) -> int:
                 p.join(20)
                 if p.is_alive():
                     p.kill()
+            worker_cpu = (time.process_time() - w0) * 1e6 / (args.rounds * sum(args.keys))
             worker.stop()
     skip = min(5, args.rounds // 5)
+    print(f"worker process CPU per key moved (publish, subscribe, completions; with startup): {worker_cpu:.1f} us")
     for k, times in out.items():
+        if isinstance(k, tuple):
+            continue
         xs = sorted(times[skip:])
         med = statistics.median(xs) * 1e6
+        cpu = statistics.median(out[("cpu", k)][skip:]) * 1e6
         print(
             f"subscribe {k:4d} keys (publisher first): median {med:8.1f} us  {med / k:6.1f} us/key  "
-            f"p10 {xs[len(xs) // 10] * 1e6:8.1f}  p90 {xs[len(xs) * 9 // 10] * 1e6:8.1f}"
+            f"p10 {xs[len(xs) // 10] * 1e6:8.1f}  p90 {xs[len(xs) * 9 // 10] * 1e6:8.1f}  "
+            f"subscriber CPU {cpu / k:5.1f} us/key"
         )
     if prof is not None:
         import pstats

@@ -93,6 +93,7 @@ class Want:
     future: Future
     after: Any  # event on the caller's stream at call time (the buffers are free to write after it)
     tid: int | None = None
+    running: bool = False  # the future was set running (by this module; a future not yet handed out)
     transfer: dict[str, Any] | None = None
     chain: ChainLink | None = None  # broadcast: what the successor reads, kept until the broadcast ends
     chain_events: list[Any] | None = None  # broadcast: chunk-end events not yet seen complete

@@ -73,6 +73,41 @@ def _brief(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def widen(
+    t: dict[str, Any], r: dict[str, Any], reply: dict[str, Any], kind: str, me: str, specs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A lean transfer of a subscribe/mget ``reply`` (see :meth:`kvstrata.devobj.broker.DeviceBroker._wire`)
+    made whole again, in place: the record gets back its shared fields, key and tensor specs (``specs``,
+    what the receiver sent; as a new dict: in process, the lean record is the broker's own), the transfer
+    its ``kind`` (the request's: ``sub`` or ``get``), path, wid, key, src and dst."""
+    i = t.pop("s")
+    s = reply["shared"][i]
+    rec = t.get("record")
+    if rec is not None:
+        t["record"] = {**rec, **s, "key": r["key"], "tensors": specs}
+    t["kind"], t["path"] = kind, reply["paths"][i]
+    t["wid"], t["key"], t["src"], t["dst"] = r["wid"], r["key"], s["owner"], me
+    return t
+
+
+_SPECS: dict[tuple[torch.Size, torch.dtype], list[dict[str, Any]]] = {}
+
+
+def specs_of(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The specs of a key's tensors; for one tensor, one list per (shape, dtype) kept for reuse (built once,
+    never changed: a many-key call allocates nothing here)."""
+    if len(tensors) != 1:
+        return [spec(t) for t in tensors]
+    t = tensors[0]
+    sig = (t.shape, t.dtype)
+    got = _SPECS.get(sig)
+    if got is None:
+        if len(_SPECS) >= 4096:  # many shapes: start over rather than grow without bound
+            _SPECS.clear()
+        got = _SPECS[sig] = [spec(t)]
+    return got
+
+
 def _same_specs(have: list[dict[str, Any]], tensors: list[torch.Tensor]) -> bool:
     if len(have) != len(tensors):
         return False
@@ -135,6 +170,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         self._done_items: list[dict[str, Any]] = []
         self._unacked: dict[int, dict[str, Any]] = {}
         self._flush_lock = threading.Lock()
+        self._helper = threading.local()  # .on: this thread is one of this client's own
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
         self._pool = ThreadPoolExecutor(
@@ -285,6 +321,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             }
 
     def _thread_init(self) -> None:
+        self._helper.on = True  # this client's event or copy thread (see _notify_done)
         if self._cuda:
             torch.cuda.set_device(self.device)
 
@@ -463,6 +500,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             self._request(op, rest, timeout)
         if hits:
             for _, want in hits:
+                want.running = True  # a read redone through the broker (see _copy_cached) must not set it again
                 want.future.set_running_or_notify_cancel()
             self._read_cached(hits, gen, timeout)
         trace(f"{op}: returns futures")
@@ -473,8 +511,9 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         keys = [w.key for w in wants]
         args: dict[str, Any] = {
             "keys": keys,
-            "specs": [[spec(t) for t in w.tensors] for w in wants],
+            "specs": [specs_of(w.tensors) for w in wants],
             "timeout": timeout,
+            "lean": True,
         }
         known: list[dict[str, Any] | None] = []
         gen0 = None
@@ -483,7 +522,10 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             with self._lock:
                 known = [(e[1] if e is not None else None) for e in map(self._records.get, keys)]
             args["known"] = [r["obj"] if r is not None else None for r in known]
-        results = self._call(op, args)["results"]
+        reply = self._call(op, args)
+        results = reply["results"]
+        kind = "sub" if op == "subscribe" else "get"
+        me = getattr(self.link, "client_id", "")
         trace(f"{op}: broker replied")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("devobj: %s %s -> %s", op, keys[:8], [_brief(r) for r in results[:8]])
@@ -492,11 +534,14 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             status = r["status"]
             if status == "matched":
                 t = r["transfer"]
+                if "s" in t:
+                    t = widen(t, r, reply, kind, me, args["specs"][i])
                 if "record" not in t:  # the broker left out what we told it we hold
                     t["record"] = known[i]
                 if t["path"] != "nccl" and t["kind"] != "bcast":
                     want.tid, want.transfer = t["tid"], t
-                    if not want.future.running():
+                    if not want.running:
+                        want.running = True
                         want.future.set_running_or_notify_cancel()  # from here on, cancel() is refused
                     batch.append((t, want))
                 else:

@@ -57,6 +57,7 @@ import ctypes
 import heapq
 import itertools
 import mmap
+import operator
 import os
 import threading
 import time
@@ -78,9 +79,20 @@ E_BAD_REQUEST = "BadRequest"
 MODES = ("oneshot", "mset", "broadcast")
 
 
-@dataclass
+#: record fields shared by every object of one client and mode: sent once per reply, not once per key
+#: (see :meth:`DeviceBroker._wire`)
+SHARED_FIELDS = ("owner", "mode", "pid", "node_id", "device", "transport")
+#: record fields a lean reply leaves out: the result's key, and the tensors' specs the receiver sent (a match
+#: means they are equal)
+_LEAN_DROP = (*SHARED_FIELDS, "key", "tensors")
+_shared_values = operator.itemgetter(*SHARED_FIELDS)
+
+
+@dataclass(slots=True)
 class _Object:
     record: dict[str, Any]
+    lean: dict[str, Any]  # the record less SHARED_FIELDS, "key", "tensors" (the receiver knows them), empty "events"
+    shared: dict[str, Any]  # SHARED_FIELDS of the record, one dict for all objects of its client and mode
     state: str = "ready"  # ready | claimed | deleting
     transfers: set[int] = field(default_factory=set)  # tids in flight reading this object
     readers: set[str] = field(default_factory=set)  # clients that read it (to invalidate their caches)
@@ -132,6 +144,9 @@ class DeviceBroker:
         self._timer: threading.Thread | None = None
         self._timer_cond = threading.Condition(self._lock)
         self._timer_wake: float | None = None  # when the timer thread plans to wake (None: not sleeping)
+        # (client, mode) -> (values, dict) of its objects' SHARED_FIELDS (the dict shared by all of them)
+        self._shared: dict[tuple[str, str], tuple[tuple, dict[str, Any]]] = {}
+        self._paths: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}  # see _start_transfer
         self._gen_fd, self._gen_map, self._gen = _generation_page()
         weakref.finalize(self, os.close, self._gen_fd)
 
@@ -215,6 +230,7 @@ class DeviceBroker:
     # -- client lifetime --------------------------------------------------------------------------
     def op_hello(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         self._clients[client] = dict(args.get("info") or {})
+        self._paths.clear()
         self._events.setdefault(client, deque())
         return {"ok": True}
 
@@ -259,6 +275,9 @@ class DeviceBroker:
             for other in sorted(self._peers.pop(client, set())):
                 self._peers.get(other, set()).discard(client)
                 self._push(other, {"type": "peer_gone", "client": client})
+            for k in [k for k in self._shared if k[0] == client]:
+                del self._shared[k]
+            self._paths.clear()
             self._events.pop(client, None)
             self._due.discard(client)
             parked = self._parked.pop(client, None)
@@ -287,9 +306,26 @@ class DeviceBroker:
         if key in self._objects:
             return _err(E_EXISTS, f"device object {key!r} already exists")
         record = dict(item, owner=client, mode=mode, obj=next(self._ids))
-        record.setdefault("node_id", self._clients.get(client, {}).get("node_id"))
-        self._objects[key] = _Object(record)
-        self._match_locked(key)
+        if "node_id" not in record:
+            record["node_id"] = self._clients.get(client, {}).get("node_id")
+        try:
+            values = _shared_values(record)  # one C call; the dict is built only when the values change
+        except KeyError:  # a field missing (a test's record): the slow way
+            values = tuple(record.get(f) for f in SHARED_FIELDS)
+        known = self._shared.get((client, mode))
+        if known is not None and known[0] == values:  # the common case: all of a client's objects share one
+            shared = known[1]
+        else:
+            shared = dict(zip(SHARED_FIELDS, values))
+            self._shared[(client, mode)] = (values, shared)
+        lean = record.copy()
+        for f in _LEAN_DROP:
+            lean.pop(f, None)
+        if "events" in lean and not lean["events"]:  # none (always, today): nothing to send
+            del lean["events"]
+        self._objects[key] = _Object(record, lean, shared)
+        if key in self._waiters:
+            self._match_locked(key)
         return {"ok": True, "obj": record["obj"]}
 
     def op_delete(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -322,10 +358,43 @@ class DeviceBroker:
 
     # -- readers ----------------------------------------------------------------------------------
     def op_subscribe(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return {"results": self._add_waiters(client, args, "sub")}
+        return self._wire(self._add_waiters(client, args, "sub"), args, "sub")
 
     def op_mget(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return {"results": self._add_waiters(client, args, "get")}
+        return self._wire(self._add_waiters(client, args, "get"), args, "get")
+
+    def _wire(self, results: list[dict[str, Any]], args: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The reply to a subscribe (``kind`` ``sub``) or mget (``get``). With ``lean`` asked for, each matched
+        one-shot or registered transfer travels as ``{"tid", "s", "record" or "obj"}``: its record less
+        :data:`SHARED_FIELDS`, which come once per reply in ``shared[s]`` with the path in ``paths[s]``
+        (encoding and decoding records was most of a many-key call's cost). The receiver puts back the
+        transfer's ``kind`` (its request's), ``path``, ``wid``/``key`` (the result's), ``src``
+        (``shared[s]["owner"]``) and ``dst`` (itself), the record its ``key``, ``tensors`` (the specs it
+        sent, equal to the record's: it matched) and shared fields; see :func:`kvstrata.devobj.api.widen`."""
+        if not args.get("lean") or not args.get("specs"):
+            return {"results": results}
+        shared: list[dict[str, Any]] = []
+        paths: list[str] = []
+        index: dict[int, int] = {}
+        for r, spec in zip(results, args["specs"]):
+            t = r.get("transfer")
+            if t is None or t["kind"] != kind or "nccl" in t or spec is None:  # no specs: the record says them
+                continue
+            obj = self._objects.get(r["key"])
+            if obj is None or obj.record["obj"] != (t["obj"] if "obj" in t else t["record"]["obj"]):
+                continue
+            i = index.get(id(obj.shared))
+            if i is None:
+                i = index[id(obj.shared)] = len(shared)
+                shared.append(obj.shared)
+                paths.append(t["path"])
+            elif paths[i] != t["path"]:  # one path per (shared fields, receiver): never, but stay whole then
+                continue
+            if "obj" in t:  # the reader holds the record already (mget "known")
+                r["transfer"] = {"tid": t["tid"], "s": i, "obj": t["obj"]}
+            else:
+                r["transfer"] = {"tid": t["tid"], "s": i, "record": obj.lean}
+        return {"results": results, "shared": shared, "paths": paths}
 
     def _add_waiters(self, client: str, args: dict[str, Any], kind: str) -> list[dict[str, Any]]:
         timeout = args.get("timeout")
@@ -361,7 +430,7 @@ class DeviceBroker:
         self, client: str, key: str, obj: _Object, spec: list[dict[str, Any]] | None, known: int | None
     ) -> dict[str, Any]:
         wid = next(self._ids)
-        mismatch = _mismatch(obj.record["tensors"], spec)
+        mismatch = _mismatch(obj.record["tensors"], spec) if spec != obj.record["tensors"] else None
         if mismatch:
             return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
         t = self._start_transfer(obj, _Waiter(wid, client, key, "get", spec, None))
@@ -374,7 +443,7 @@ class DeviceBroker:
         """A subscribe of a ready one-shot object with no one queued for it: what :meth:`_match_locked` answers
         for a waiter that matched at once, without queueing one."""
         wid = next(self._ids)
-        mismatch = _mismatch(obj.record["tensors"], spec)
+        mismatch = _mismatch(obj.record["tensors"], spec) if spec != obj.record["tensors"] else None
         if mismatch:
             return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
         t = self._start_transfer(obj, _Waiter(wid, client, key, "sub", spec, None))
@@ -702,7 +771,12 @@ class DeviceBroker:
         self._transfers[t["tid"]] = t
         self._peers.setdefault(rec["owner"], set()).add(w.client)
         self._peers.setdefault(w.client, set()).add(rec["owner"])
-        t["path"] = self._path(rec, w.client)
+        # The path follows from the record's shared fields and the two clients' infos: worked out once
+        # per (shared fields, receiver); cleared when a client says hello or goes.
+        memo = self._paths.get((id(obj.shared), w.client))
+        if memo is None or memo[0] is not obj.shared:
+            memo = self._paths[(id(obj.shared), w.client)] = (obj.shared, self._path(rec, w.client))
+        t["path"] = memo[1]
         if t["path"] == "nccl":
             pair = self._pairs.setdefault((rec["owner"], w.client), {"uid": None, "seq": 0, "queued": []})
             t["nccl"] = {"seq": pair["seq"], "create_uid": pair["seq"] == 0}

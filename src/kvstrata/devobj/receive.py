@@ -176,9 +176,7 @@ class CopyReceiver:
                 src, _ = self._sources(rec, rec["owner"], reuse=True) if rec["mode"] == "mset" else (None, None)
                 if src is None:
                     src, _ = self._sources(rec, rec["owner"])
-                if len(src) != len(want.tensors) or any(
-                    d.numel() * d.element_size() != x.numel() * x.element_size() for d, x in zip(want.tensors, src)
-                ):
+                if len(src) != len(want.tensors) or any(d.nbytes != x.nbytes for d, x in zip(want.tensors, src)):
                     raise ValueError(f"tensor_lists: sizes of {rec['key']!r} differ from the source's")
                 if rec["mode"] == "mset":
                     with self._lock:
@@ -325,7 +323,18 @@ class CopyReceiver:
             self._notify_done()
 
     def _notify_done(self) -> None:
-        if threading.current_thread() is not self._poller:  # the event thread's next poll carries them
+        if threading.current_thread() is self._poller:  # the event thread's next poll carries them
+            return
+        if getattr(self._helper, "on", False):  # a copy thread: nothing waits on it
+            self._flush_done()
+            return
+        # The caller's own thread (a small receive copied inline): its futures are settled, and the send
+        # (pack, system call: ~50 us on the 4 KiB path) would hold up the call's return. A copy thread
+        # sends them; a request of this client made meanwhile carries them itself (see _call), so the
+        # broker still learns of each before any later request.
+        try:
+            self._run_in_pool(self._flush_done)
+        except RuntimeError:  # the pool is shut down (closing): send them here
             self._flush_done()
 
     def _take_done(self) -> list[dict[str, Any]]:

@@ -115,6 +115,33 @@ def session_closed(session: Any) -> None:
 
 
 # -- client side ----------------------------------------------------------------------------------
+#: CPUs this process may run on at or above which a request polls for its reply before sleeping
+SPIN_MIN_CPUS = 8
+#: how long it polls (microseconds): a thread woken from a blocking read on an idle many-core host costs
+#: tens of microseconds, a device-object round trip ~100; KVSTRATA_DEVOBJ_SPIN_US overrides (0: never)
+SPIN_US = 200.0
+
+
+def reply_spin_seconds() -> float:
+    """Seconds a request of this process polls for its reply (see :data:`SPIN_US`).
+
+    Only where the CPUs are many: a polling thread holds a core, and, between its polls (each one a
+    system call that lets the GIL go), the GIL other threads of the process may need; on a small or
+    shared machine (this one's peer, the worker, may need that core) the reply is waited for asleep.
+    """
+    env = os.environ.get("KVSTRATA_DEVOBJ_SPIN_US", "").strip()
+    if env:
+        try:
+            return min(max(float(env), 0.0), 1e5) * 1e-6
+        except ValueError:
+            log.warning("KVSTRATA_DEVOBJ_SPIN_US=%r is not a number of microseconds; ignored", env)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return SPIN_US * 1e-6 if cpus >= SPIN_MIN_CPUS else 0.0
+
+
 class WorkerBrokerLink:
     """A :class:`~kvstrata.devobj.api.BrokerLink` to a worker's broker."""
 
@@ -125,6 +152,8 @@ class WorkerBrokerLink:
         hello = {"shm": False, "name": f"devobj {self.client_id}"}
         self._conns = [connect(address, timeout=timeout, hello=dict(hello, devobj_generation=i == 0)) for i in range(2)]
         self._locks = [threading.Lock(), threading.Lock()]
+        #: seconds a request (never the long poll of events) polls for its reply before sleeping
+        self.spin = reply_spin_seconds()
         #: the broker's generation (``.value``), mapped from the page the worker sent; None where it sent none
         self.generation_counter: ctypes.c_uint64 | None = None
         self._page: mmap.mmap | None = None
@@ -159,7 +188,7 @@ class WorkerBrokerLink:
             conn = self._conns[i]
             conn.send(msg)
             try:
-                reply, _ = conn.recv(timeout)
+                reply, _ = conn.recv(timeout, spin=self.spin if i == 0 else 0.0)
             except errors.Timeout:
                 # The late reply would answer the next call: this connection is out of step for good.
                 conn.close()
