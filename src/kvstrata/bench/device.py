@@ -428,7 +428,10 @@ def run(args: argparse.Namespace) -> int:
     nccl = next(x for x in nccl if x)
 
     with tempfile.TemporaryDirectory() as tmp:
-        worker = Worker(WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="")).start()
+        # KVSTRATA_SPIN_US, as for `kvstrata worker`: how long connection threads poll for requests (0: never)
+        spin = float(os.environ.get("KVSTRATA_SPIN_US", WorkerConfig.spin_us))
+        config = WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="", spin_us=spin)
+        worker = Worker(config).start()
         try:
             print("[3/4] kvstrata dev_mget / dev_subscribe GPU0 -> GPU1, 4 KiB latency", flush=True)
             ctx = _ctx()
