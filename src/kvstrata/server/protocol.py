@@ -74,8 +74,10 @@ def check_keys(keys: Any, name: str = "keys") -> list[str]:
         raise TypeError(f"{name}: expected a str or an iterable of str, got {type(keys).__name__}") from None
     if len(keys) > MAX_BATCH:
         raise ValueError(f"{name}: {len(keys)} keys, over the {MAX_BATCH} per call limit")
+    short = MAX_KEY_BYTES // 4  # no code point takes more than 4 bytes: a key this short cannot be too long
     for i, key in enumerate(keys):
-        check_key(key, f"{name}[{i}]")
+        if type(key) is not str or not key or len(key) > short:  # the common case costs no call, no name
+            check_key(key, f"{name}[{i}]")
     return keys
 
 
