@@ -4,6 +4,8 @@
 #   PART=b: the transfer-plan GPU tests again, bench device --quick, the full transfer and all-gather sweeps
 #   PART=c: every GPU test, bench device --quick with the 8 GiB broadcast (traced), bench store (device
 #           rows), and the transfer sweep's 80-layer points at 32/128/512 KiB (one call, ~6 minutes)
+#   PART=f: every GPU test, bench device --quick with the 8 GiB broadcast (traced), bench store (device
+#           rows), tools/trace_store_device.py, bench transfer at 32 layers x 16 KiB
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -33,6 +35,14 @@ elif [ "${PART}" = c ]; then
   KVSTRATA_DEVOBJ_TRACE=1 bench 150 device --quick --broadcast-gib 8 --wait 30
   bench 80 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   bench 120 transfer --layers 80 --chunks-kib 32,128,512
+elif [ "${PART}" = f ]; then  # session 4's closing call: every GPU test, then the benches' short forms, traced
+  KVSTRATA_TEST_WAIT=20 timeout 270 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -15 "$OUT/gpu_tests.log"
+  KVSTRATA_DEVOBJ_TRACE=1 bench 110 device --quick --broadcast-gib 8 --wait 30
+  bench 70 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  bench 100 transfer --layers 32 --chunks-kib 16
 elif [ "${PART}" = m ]; then  # mid-session check: every GPU test, then the three benches' short forms
   KVSTRATA_TEST_WAIT=20 timeout 260 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 -x \
     > "$OUT/gpu_tests.log" 2>&1
