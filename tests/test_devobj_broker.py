@@ -213,7 +213,7 @@ def test_broadcast_waits_for_all_and_plans_one_leader_per_gpu(broker):
         (ev,) = events(broker, c)
         t[c] = ev["transfer"]
     plan = {c: (x["position"], x["group"], x["role"], x.get("pred"), x.get("successor")) for c, x in t.items()}
-    # The sender's GPU first; on GPU-b the first to arrive leads and pulls from the sender itself (GPU-a's
+    # The sender's GPU first; on GPU-b the lowest client id leads and pulls from the sender itself (GPU-a's
     # copy is the same bytes over the same link), so GPU-a's leader exports to nobody.
     assert plan == {
         "sub2": (0, 0, "leader", "sender", False),
@@ -234,6 +234,28 @@ def test_broadcast_waits_for_all_and_plans_one_leader_per_gpu(broker):
     assert [e["type"] for e in events(broker, "pub")] == ["released"]
     for c in ("sub", "sub2", "sub3"):
         assert [e["type"] for e in events(broker, c)] == ["transfer_done"]
+
+
+def test_broadcast_roles_follow_client_ids_not_arrival_order(broker):
+    """Broadcast after broadcast the same receiver leads its GPU, whoever subscribes first: a leader then
+    finds its members' buffers already mapped from the last time."""
+    roles = []
+    for n, order in enumerate((("sub", "sub3", "sub2"), ("sub3", "sub2", "sub"), ("sub2", "sub", "sub3"))):
+        key = f"b{n}"
+        broker.handle("pub", "broadcast", {"item": item(key, receivers=3, chunk_bytes=4096)})
+        got = {c: broker.handle(c, "subscribe", {"keys": [key], "timeout": 5})["results"][0] for c in order}
+        t = {c: r["transfer"] for c, r in got.items() if r["status"] == "matched"}
+        for c in order:
+            for e in events(broker, c):
+                if e["type"] == "matched":
+                    t[c] = e["transfer"]
+        roles.append({c: (x["position"], x["role"]) for c, x in t.items()})
+        for c, x in t.items():
+            broker.handle(c, "complete", {"tid": x["tid"], "ok": True})
+        events(broker, "pub")
+        for c in order:
+            events(broker, c)
+    assert roles[0] == roles[1] == roles[2] == {"sub2": (0, "leader"), "sub": (1, "leader"), "sub3": (2, "member")}
 
 
 def test_broadcast_chain_of_leaders_when_the_sender_gpu_has_no_receiver():
