@@ -1,13 +1,18 @@
 """Timeline of one mget_h2d / mset_d2h of 64 x 1 MiB through a real worker (GPU machine): for each stage,
 when the host queued its copies and when the device started and finished them, relative to the call's
 start, next to the call's total and the DMA ceiling. Shows whether the copy engines wait for the host.
+``--profile``: then a cProfile of 20 more calls of each (top functions by own time).
 
-    PYTHONPATH=src python3 tools/trace_store_device.py
+    PYTHONPATH=src python3 tools/trace_store_device.py [--profile]
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,6 +76,15 @@ def main() -> None:
                             kv.delete([f"p/{it}/{i}" for i in range(n)])
                     print(f"== {label}: median {statistics.median(totals[2:]) * 1e6:.0f} us "
                           f"(64 MiB at 55 GB/s: 1220 us)")  # fmt: skip
+                    if "--profile" in sys.argv[1:]:
+                        prof = cProfile.Profile()
+                        prof.enable()
+                        for it in range(100, 120):
+                            fn(it)
+                        prof.disable()
+                        out = io.StringIO()
+                        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+                        print("\n".join(out.getvalue().splitlines()[4:30]))
                     t0, start, rs = last
                     for h0, h1, e0, e1, nruns in rs:
                         q0, q1 = (h0 - t0) * 1e6, (h1 - t0) * 1e6

@@ -112,12 +112,7 @@ class RemoteBackend:
                         raise P.error_from_record(reply["err"])
                     return reply
             self._conn.send(msg)
-            while True:  # replies of pipelined requests sent before this one come first: keep them
-                reply = self._read_reply(msg, spin)
-                tag = reply.get("tag")
-                if tag is None:
-                    break
-                self._stash[tag] = reply
+            reply = self._untagged_reply(msg, spin)
         if "err" in reply:
             raise P.error_from_record(reply["err"])
         return reply
@@ -173,6 +168,16 @@ class RemoteBackend:
         if self._deferred_aborts:
             msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
 
+    def _untagged_reply(self, msg: dict, spin: float) -> dict:
+        """The reply to the ordinary request ``msg`` just sent (call under the lock). Replies of pipelined
+        requests sent before it come first: they are kept for their senders."""
+        while True:
+            reply = self._read_reply(msg, spin)
+            tag = reply.get("tag")
+            if tag is None:
+                return reply
+            self._stash[tag] = reply
+
     def _read_reply(self, msg: dict, spin: float) -> dict:
         """The next reply on the connection, its new segments mapped (call under the lock)."""
         try:
@@ -198,12 +203,7 @@ class RemoteBackend:
         while not lane.answered(seq):
             if clock() >= end or not lane.polling():
                 self._conn.send({"op": "lane", "seq": seq})
-                while True:  # pipelined requests' replies sent before this one come first: keep them
-                    reply = self._read_reply({"op": "lane"}, 0.0)
-                    tag = reply.get("tag")
-                    if tag is None:
-                        break
-                    self._stash[tag] = reply
+                reply = self._untagged_reply({"op": "lane"}, 0.0)
                 if "err" in reply:
                     raise P.error_from_record(reply["err"])
                 if not lane.answered(seq):
