@@ -304,8 +304,16 @@ class Session:
                 if pending():
                     return unpack(lane.take()), True
                 yield_cpu()
-            if select([fd], (), (), 0)[0]:
+            try:
+                readable = select([fd], (), (), 0)[0]
+            except (OSError, ValueError) as exc:  # the worker closed the connection (shutting down) meanwhile
+                if conn.closed:
+                    raise ClosedError("connection closed by the worker") from exc
+                raise ConnectionLost(f"connection of client {self.name} failed: {exc}") from exc
+            if readable:
                 return self._recv(conn.recv()), False
+            if conn.closed:  # its descriptor may be another file's by now: never poll it again
+                raise ClosedError("connection closed by the worker")
             if clock() >= end:
                 break
         lane.set_polling(False)
