@@ -25,7 +25,7 @@ Lifecycles
 * registered (``mset``): ``ready`` for any number of ``mget`` reads; ``delete`` by the owner stops new
   reads and ``released`` is sent once in-flight reads complete.
 * broadcast: like one-shot, for exactly ``receivers`` subscribers, with one copying process per GPU
-  (:meth:`DeviceBroker._plan_broadcast`): per GPU a leader pulls chunk by chunk from its predecessor
+  (planned in :mod:`kvstrata.devobj.bcast_plan`): per GPU a leader pulls chunk by chunk from its predecessor
   and copies each chunk on to the other receivers of its GPU, which export their buffers and a
   progress counter to it (``member_ready``); a leader that another pulls from exports likewise to
   it (``chain_ready``; see :mod:`kvstrata.devobj.chain`). The plan is made once all receivers have
@@ -63,21 +63,23 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-# Error codes carried in results and events; the client maps them to exceptions.
-E_NOT_FOUND = "KeyNotFound"
-E_EXISTS = "KeyExists"
-E_TIMEOUT = "Timeout"
-E_MISMATCH = "Mismatch"
-E_OWNER_GONE = "OwnerGone"
-E_NOT_OWNER = "NotOwner"
-E_ABORTED = "Aborted"
-E_BAD_REQUEST = "BadRequest"
-
-MODES = ("oneshot", "mset", "broadcast")
-
+from kvstrata.devobj._broker_types import (  # noqa: F401 (the error codes are this module's API)
+    E_ABORTED,
+    E_BAD_REQUEST,
+    E_EXISTS,
+    E_MISMATCH,
+    E_NOT_FOUND,
+    E_NOT_OWNER,
+    E_OWNER_GONE,
+    E_TIMEOUT,
+    MODES,
+    _err,
+    _Object,
+    _Waiter,
+)
+from kvstrata.devobj.bcast_plan import BroadcastPlanner
 
 #: record fields shared by every object of one client and mode: sent once per reply, not once per key
 #: (see :meth:`DeviceBroker._wire`)
@@ -88,29 +90,7 @@ _LEAN_DROP = (*SHARED_FIELDS, "key", "tensors")
 _shared_values = operator.itemgetter(*SHARED_FIELDS)
 
 
-@dataclass(slots=True)
-class _Object:
-    record: dict[str, Any]
-    lean: dict[str, Any]  # the record less SHARED_FIELDS, "key", "tensors" (the receiver knows them), empty "events"
-    shared: dict[str, Any]  # SHARED_FIELDS of the record, one dict for all objects of its client and mode
-    state: str = "ready"  # ready | claimed | deleting
-    transfers: set[int] = field(default_factory=set)  # tids in flight reading this object
-    readers: set[str] = field(default_factory=set)  # clients that read it (to invalidate their caches)
-    pending: list[tuple[str, int]] = field(default_factory=list)  # broadcast: (client, wid) in arrival order
-    done: set[int] = field(default_factory=set)  # broadcast: positions that completed
-
-
-@dataclass
-class _Waiter:
-    wid: int
-    client: str
-    key: str
-    kind: str  # sub | get
-    specs: list[dict[str, Any]] | None
-    deadline: float | None
-
-
-class DeviceBroker:
+class DeviceBroker(BroadcastPlanner):
     """Registry of device objects and the meeting point of their readers (thread-safe).
 
     The worker calls :meth:`handle` for every ``dev.*`` request and :meth:`owner_gone` when a client's
@@ -293,13 +273,6 @@ class DeviceBroker:
 
     def op_mset(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         return {"results": [self._register(client, item, "mset") for item in args["items"]]}
-
-    def op_broadcast(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        item = args["item"]
-        receivers = item.get("receivers")
-        if not isinstance(receivers, int) or receivers < 1:
-            return {"results": [_err(E_BAD_REQUEST, "receivers must be a positive int")]}
-        return {"results": [self._register(client, item, "broadcast")]}
 
     def _register(self, client: str, item: dict[str, Any], mode: str) -> dict[str, Any]:
         key = item["key"]
@@ -487,41 +460,6 @@ class DeviceBroker:
     def op_complete_many(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         """:meth:`op_complete` for several transfers in one request (one result each)."""
         return {"results": [self.op_complete(client, item) for item in args["items"]]}
-
-    def op_chain_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        """A broadcast group's leader exported its buffers and progress counter (as it starts copying):
-        pass them to the next group's leader, which pulls from it (see :meth:`_plan_broadcast`)."""
-        t = self._transfers.get(args["tid"])
-        if t is None or t["dst"] != client or t.get("kind") != "bcast":
-            return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")
-        nxt = self._bcast_peer_locked(t, lambda x: x.get("role") == "leader" and x["group"] == t["group"] + 1)
-        if nxt is not None and nxt.get("pred") == "chain":
-            self._link_peers_locked(client, nxt["dst"])
-            pred = dict(args["export"], client=client)
-            self._push(nxt["dst"], {"type": "chain_pred", "tid": nxt["tid"], "key": t["key"], "pred": pred})
-        return {"ok": True}
-
-    def op_member_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        """A broadcast group's member exported its buffers and progress counter: pass them to its leader,
-        which copies every chunk into them. The answer names the leader's pid (a member that is aborted
-        waits for its leader to stop writing, or to be gone)."""
-        t = self._transfers.get(args["tid"])
-        if t is None or t["dst"] != client or t.get("role") != "member":
-            return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")
-        lead = self._bcast_peer_locked(t, lambda x: x["position"] == t["leader"])
-        if lead is None:
-            return _err(E_NOT_FOUND, f"the leader of transfer {args['tid']} is gone")
-        self._link_peers_locked(client, lead["dst"])
-        member = dict(args["export"], client=client, position=t["position"])
-        self._push(lead["dst"], {"type": "member_ready", "tid": lead["tid"], "key": t["key"], "member": member})
-        return {"ok": True, "leader_pid": self._clients.get(lead["dst"], {}).get("pid")}
-
-    def _bcast_peer_locked(self, t: dict[str, Any], pick) -> dict[str, Any] | None:
-        """The transfer of ``t``'s broadcast that ``pick`` selects (None: none, or the object is gone)."""
-        obj = self._objects.get(t["key"])
-        if obj is None:
-            return None
-        return next((x for x in map(self._transfers.get, obj.transfers) if x is not None and pick(x)), None)
 
     def _link_peers_locked(self, a: str, b: str) -> None:
         """``a`` and ``b`` import each other's memory: each hears ``peer_gone`` when the other goes."""
@@ -800,62 +738,6 @@ class DeviceBroker:
             return "nccl"
         return "ipc"
 
-    def _plan_broadcast(self, key: str, obj: _Object, only: int | None) -> dict[str, Any] | None:
-        """All receivers are in: one copying process per GPU.
-
-        Receivers are grouped by GPU, the sender's GPU first, then by GPU uuid; by client id within a
-        group, not by arrival: the same receivers get the same roles broadcast after broadcast, so a
-        leader finds its members' buffers (and its source) already mapped from the last time. (Mapping
-        another process's 8 GiB buffer costs tens of milliseconds on first use, three times the copy:
-        when arrival order swapped two receivers on the H200 pair, an 8 GiB broadcast took 4.7x one
-        peer copy instead of 1.15x.) A group's first receiver is its *leader* (``role``), the others
-        its *members*. The leader
-        pulls the object chunk by chunk with its own GPU's copy engines and copies each chunk on to its
-        members (``members``: how many exports it waits for, see :meth:`op_member_ready`); members
-        issue no copies. A leader's source (``pred``) is the sender (``"sender"``) when it is the first
-        group's, or when the group before it is on the sender's GPU (the same bytes over the same link,
-        and no wait for that leader's export); else the previous group's leader (``"chain"``: it gets
-        ``chain_pred``), which then exports to it (``successor``). ``position`` numbers receivers in
-        that order.
-        """
-        rec = obj.record
-        src_uuid = (rec.get("device") or {}).get("uuid")
-        arrivals = list(obj.pending)
-        obj.pending.clear()
-        for _, wid in arrivals:
-            w = self._waiter_by_id.pop(wid, None)
-            if w is not None:
-                self._drop_waiter(w)
-
-        by_gpu: dict[str, list[tuple[str, int]]] = {}
-        for client, wid in arrivals:
-            uuid = (self._clients.get(client, {}).get("device") or {}).get("uuid") or ""
-            by_gpu.setdefault(uuid, []).append((client, wid))
-        gpus = sorted(by_gpu, key=lambda u: (u != src_uuid, u))
-        preds = ["sender" if g == 0 or (g == 1 and gpus[0] == src_uuid) else "chain" for g in range(len(gpus))]
-        obj.state = "claimed"
-        answer = None
-        pos = 0
-        for g, uuid in enumerate(gpus):
-            group = sorted(by_gpu[uuid], key=lambda cw: cw[0])
-            leader = pos
-            for i, (client, wid) in enumerate(group):
-                extra: dict[str, Any] = {"group": g, "groups": len(gpus), "leader": leader}
-                if i == 0:
-                    successor = g + 1 < len(gpus) and preds[g + 1] == "chain"
-                    extra.update(role="leader", members=len(group) - 1, pred=preds[g], successor=successor)
-                else:
-                    extra.update(role="member")
-                w = _Waiter(wid, client, key, "sub", None, None)
-                t = self._start_transfer(obj, w, position=pos, receivers=len(arrivals), **extra)
-                pos += 1
-                result = {"status": "matched", "wid": wid, "key": key, "transfer": t}
-                if wid == only:
-                    answer = result
-                else:
-                    self._push(client, dict(result, type="matched"))
-        return answer
-
 
 def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:
     """A one-page memfd holding the generation (starts at 1; 0 never means "valid")."""
@@ -874,10 +756,6 @@ def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:
 def _deliver(out: list[tuple[Any, dict[str, Any]]]) -> None:
     for deliver, reply in out:
         deliver(reply)
-
-
-def _err(code: str, message: str) -> dict[str, Any]:
-    return {"ok": False, "error": code, "message": message}
 
 
 def _mismatch(tensors: list[dict[str, Any]], specs: list[dict[str, Any]] | None) -> str | None:
