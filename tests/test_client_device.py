@@ -542,3 +542,24 @@ def test_a_refused_pipelined_request_raises_when_collected_and_leaves_the_connec
         kv.set("tagged/x", b"1")
         assert kv.get("tagged/x") == b"1" and b._stash == {}
         kv.delete(["tagged/x"])
+
+
+def test_a_refused_seal_is_reported_in_its_slot_and_leaves_no_create_open(kv, monkeypatch):
+    keys = [f"pipe-refused/{i}" for i in range(5)]
+    kv.delete(keys)
+    monkeypatch.setattr(device, "stages", _stages_of(2))
+    backend = kv._backend
+    real = backend.mseal_start
+
+    def mseal_start(batch):
+        if keys[3] in batch:
+            backend.finish("abort", keys[3])  # gone before its seal: the worker refuses that one
+        return real(batch)
+
+    monkeypatch.setattr(backend, "mseal_start", mseal_start)
+    res = kv.mset_d2h(keys, _lists(5))
+    assert [r is None for r in res] == [True, True, True, False, True]
+    assert isinstance(res[3], KvstrataError)
+    monkeypatch.undo()
+    assert kv.exists(keys) == [True, True, True, False, True] and kv.stats()["creates_in_progress"] == 0
+    kv.delete(keys)

@@ -344,7 +344,11 @@ class Client(DeviceObjectsMixin):
                 which, token = seals.popleft()  # out first: a reply is read once, even one that raises
                 for i, r in zip(which, backend.mseal_finish(token)):
                     results[i] = r
-                    sealed.add(keys[i])
+                    if r is None:
+                        sealed.add(keys[i])
+            refused = [k for k in created_keys if k not in sealed]
+            if refused:  # a seal the worker refused (its error is in the key's slot): no create left open
+                self._abort_quietly(backend, refused)
         except BaseException:
             if s is not None:
                 s.synchronize()  # no copy may still write into an object being aborted
