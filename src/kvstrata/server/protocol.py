@@ -6,6 +6,9 @@ Object locations travel as ``[segment, offset, size]``; a reply that mentions a 
 has not been sent yet carries ``{"segs": [[index, nbytes], ...]}`` and the segments' descriptors.
 ``release`` is one-way (no reply) so a zero-copy read costs one round trip. ``get`` and ``acquire``
 with ``"cache": true`` mark leases the client may keep for local reads (``kvstrata.server.validity``).
+A request may carry ``"tag": n``: its reply then carries the same tag, so a client can keep several
+requests in flight on one connection (replies still come in request order) and match each reply to
+its sender (``RemoteBackend.send_tagged``; the device calls pipeline their stages this way).
 """
 
 from __future__ import annotations
