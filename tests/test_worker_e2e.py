@@ -188,3 +188,37 @@ def test_worker_killed_keeps_write_through_and_sigterm_flushes_write_back(tmp_pa
     with kvstrata.connect(address) as kv:
         assert kv.get("wb") == b"written back"
     stop(proc)
+
+
+def test_worker_killed_in_a_pipelined_device_call_raises_connection_lost(tmp_path, monkeypatch):
+    """A worker that dies while requests are in flight (pipelined stages): the call raises ConnectionLost,
+    nothing hangs, and the client keeps saying so."""
+    import torch
+
+    from kvstrata.client import device
+
+    def stages_of_two(n_keys, tensor_lists):  # a GPU call's stages, without a GPU
+        device.check_outer(n_keys, tensor_lists)
+        for lo in range(0, n_keys, 2):
+            checked = [device.check_key(tensor_lists[i], i) for i in range(lo, min(lo + 2, n_keys))]
+            yield device.Stage(lo, lo + len(checked), [c[0] for c in checked], [c[1] for c in checked], None)
+
+    monkeypatch.setattr(device, "stages", stages_of_two)
+    proc, address = start_worker(tmp_path)
+    kv = kvstrata.connect(address)
+    src = [[torch.arange(100, dtype=torch.int32) + i] for i in range(6)]
+    assert kv.mset_d2h([f"pipe/{i}" for i in range(6)], src) == [None] * 6
+    real = kv._backend.mcreate_finish
+
+    def finish_after_death(token):
+        stop(proc, signal.SIGKILL)  # two creates in flight, the worker gone
+        return real(token)
+
+    monkeypatch.setattr(kv._backend, "mcreate_finish", finish_after_death)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionLost):
+        kv.mset_d2h([f"late/{i}" for i in range(6)], src)
+    with pytest.raises(ConnectionLost):
+        kv.mget_h2d([f"pipe/{i}" for i in range(6)], [[torch.empty(100, dtype=torch.int32)] for _ in range(6)])
+    assert time.monotonic() - t0 < 30
+    kv.close()
