@@ -208,7 +208,7 @@ def start(device: Any, stream: Any = None) -> Any:
         return None
     import torch
 
-    from kvstrata.ops._transfer_plan import current_stream
+    from kvstrata.ops import current_stream
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _copy_streams.get(index)

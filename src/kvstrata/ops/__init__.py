@@ -1,5 +1,6 @@
 """Transfer operators (each also a torch custom op ``torch.ops.kvstrata.<name>``)."""
 
+from kvstrata.ops._common import current_stream
 from kvstrata.ops.block_transfer import fused_memcpy_multi_layer_block_transfer, multi_layer_block_transfer
 from kvstrata.ops.calibration import calibrate
 from kvstrata.ops.gather import gather
@@ -10,6 +11,7 @@ __all__ = [
     "HostPool",
     "KVLayout",
     "calibrate",
+    "current_stream",
     "fused_memcpy_multi_layer_block_transfer",
     "gather",
     "multi_layer_block_transfer",

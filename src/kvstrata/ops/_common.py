@@ -217,6 +217,25 @@ def pinned_copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw handle) -> torch's object for it
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)``, looked up by the raw handle (0.2 us on the H200 machine, where
+    building the object cost 5.5 us per call). A raw handle names one stream for as long as it is
+    cached: torch's pooled streams are never destroyed, and an external stream's object is its handle."""
+    if _raw_stream is None:
+        return torch.cuda.current_stream(index)
+    key = (index, _raw_stream(index))
+    got = _streams.get(key)
+    if got is None:
+        if len(_streams) >= 256:
+            _streams.clear()
+        got = _streams[key] = torch.cuda.current_stream(index)
+    return got
+
+
 def direct_launch(compiled: Any, nprog: int) -> Any:
     """``fire(args, stream)`` launching ``compiled`` on ``nprog`` programs with every kernel argument ``args``
     (in signature order) on the raw stream handle ``stream``.

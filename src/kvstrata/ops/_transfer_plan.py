@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstrata.ops._common import direct_launch
+from kvstrata.ops._common import current_stream, direct_launch
 from kvstrata.ops.chunk_copy import _copy_chunks_kernel, copy_chunks_shape
 
 log = logging.getLogger(__name__)
@@ -45,22 +45,6 @@ LANE_IDS = 1024  # ids per list in one slot (longer lists are uploaded the old w
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _state = {"fast": _raw_stream is not None}  # cleared for the process if a direct launch ever fails
-_streams: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw handle) -> torch's object for it
-
-
-def current_stream(index: int) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(index)``, looked up by the raw handle (0.2 us on the H200 machine, where
-    building the object cost 5.5 us per call). A raw handle names one stream for as long as it is
-    cached: torch's pooled streams are never destroyed, and an external stream's object is its handle."""
-    if _raw_stream is None:
-        return torch.cuda.current_stream(index)
-    key = (index, _raw_stream(index))
-    got = _streams.get(key)
-    if got is None:
-        if len(_streams) >= 256:
-            _streams.clear()
-        got = _streams[key] = torch.cuda.current_stream(index)
-    return got
 
 
 class TransferPlan:
