@@ -2,8 +2,8 @@
 
 ``mget_h2d`` / ``mset_d2h`` move many keys' bytes at once. Their per-call cost is kept flat and small:
 
-* :func:`check_tensor_lists` validates every tensor once and keeps only ``(address, nbytes, on_cuda)``
-  per tensor (no views, no per-tensor torch ops);
+* :func:`check_key` validates each key's tensors once and keeps only ``(address, nbytes, on_cuda)``
+  per tensor (no views, no per-tensor torch ops); :func:`check_tensor_lists` does it for a whole call;
 * :func:`plan` lays those pieces along each object's bytes in a segment and merges pieces that continue
   each other on both sides (objects written by one ``mset_d2h`` into one batch of tensors often do);
 * :func:`enqueue` issues device runs as ``cudaMemcpyBatchAsync`` calls (``kvstrata.ops.copy_engine``)
@@ -247,18 +247,6 @@ def mark(stream: Any) -> Any:
     event = torch.cuda.Event()
     event.record(stream)
     return event
-
-
-def run(runs: Runs, device: Any, *, stream: Any = None) -> Any:
-    """Do ``runs`` at once (:func:`start`, :func:`enqueue`, :func:`mark`). Returns a CUDA event that completes
-    when the device runs have landed (None without device runs); the caller keeps both sides' memory alive
-    until then."""
-    if not runs.device:
-        enqueue(runs, None, None)
-        return None
-    s = start(device, stream)
-    enqueue(runs, device, s)
-    return mark(s)
 
 
 def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head: int = BATCH_RUNS) -> bool:
