@@ -563,3 +563,44 @@ def test_a_refused_seal_is_reported_in_its_slot_and_leaves_no_create_open(kv, mo
     monkeypatch.undo()
     assert kv.exists(keys) == [True, True, True, False, True] and kv.stats()["creates_in_progress"] == 0
     kv.delete(keys)
+
+
+def test_pipelined_device_calls_and_plain_requests_share_a_client_across_threads(worker, monkeypatch):
+    """Tagged replies read by whichever thread reads the connection next still reach their senders."""
+    import threading
+
+    monkeypatch.setattr(device, "stages", _stages_of(2))
+    errors: list[BaseException] = []
+    with kvstrata.connect(worker.address) as kv:
+
+        def device_calls(t: int) -> None:
+            try:
+                for r in range(15):
+                    keys = [f"mt/{t}/{r}/{i}" for i in range(7)]
+                    src = _lists(7, seed=t * 100 + r)
+                    assert kv.mset_d2h(keys, src) == [None] * 7
+                    dst = _poisoned(src)
+                    assert kv.mget_h2d(keys, dst) == [None] * 7
+                    assert all(torch.equal(a, b) for s, d in zip(src, dst) for a, b in zip(s, d))
+                    kv.delete(keys)
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        def plain_calls() -> None:
+            try:
+                for r in range(60):
+                    kv.set(f"mt/plain/{r}", bytes([r]) * 100)
+                    assert kv.get(f"mt/plain/{r}") == bytes([r]) * 100
+                    assert kv.exists([f"mt/plain/{r}", "mt/none"]) == [True, False]
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=device_calls, args=(t,)) for t in range(2)]
+        threads.append(threading.Thread(target=plain_calls))
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not errors, errors
+        assert kv._backend._stash == {} and kv.stats()["creates_in_progress"] == 0
+        kv.delete([f"mt/plain/{r}" for r in range(60)])
