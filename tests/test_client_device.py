@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvstrata
+from _stages import stages_of
 from kv_helpers import client_for, worker_config
 from kvstrata.client import device
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
@@ -378,25 +379,13 @@ def test_copy_engine_runs_go_in_batches_and_a_late_refusal_is_not_retried_by_tor
 
 
 # ----------------------------------------------------------------------------- pipelined mset_d2h
-def _stages_of(n):
-    """stages of ``n`` keys each, as a GPU call of large values is cut (without a GPU here)."""
-
-    def stages(n_keys, tensor_lists):
-        device.check_outer(n_keys, tensor_lists)
-        for lo in range(0, n_keys, n):
-            checked = [device.check_key(tensor_lists[i], i) for i in range(lo, min(lo + n, n_keys))]
-            yield device.Stage(lo, lo + len(checked), [c[0] for c in checked], [c[1] for c in checked], None)
-
-    return stages
-
-
 def test_pipelined_mset_d2h_keeps_per_key_results_and_seals_stage_by_stage(kv, monkeypatch):
     keys = [f"pipe/{i}" for i in range(9)]
     kv.delete(keys)
     src = _lists(9, sizes=(70000, 5))
     old = (1, 4, 8)  # already there, in the first, a middle and the last group: left as they are
     assert kv.mset_d2h([keys[i] for i in old], [src[0]] * 3) == [None] * 3
-    monkeypatch.setattr(device, "stages", _stages_of(3))
+    monkeypatch.setattr(device, "stages", stages_of(3))
     backend = kv._backend
     calls = []
     for name in ("mcreate", "mseal"):
@@ -421,7 +410,7 @@ def test_pipelined_mset_d2h_keeps_per_key_results_and_seals_stage_by_stage(kv, m
 def test_pipelined_mset_d2h_aborts_the_unsealed_when_a_seal_fails(kv, monkeypatch):
     keys = [f"pipe-abort/{i}" for i in range(7)]
     kv.delete(keys)
-    monkeypatch.setattr(device, "stages", _stages_of(3))
+    monkeypatch.setattr(device, "stages", stages_of(3))
     backend = kv._backend
     real = backend.mseal_start
     seals = []
@@ -444,7 +433,7 @@ def test_pipelined_mset_d2h_aborts_the_unsealed_when_a_seal_fails(kv, monkeypatc
 def test_a_bad_tensor_in_a_later_stage_aborts_what_earlier_stages_created(kv, monkeypatch):
     keys = [f"pipe-bad/{i}" for i in range(7)]
     kv.delete(keys)
-    monkeypatch.setattr(device, "stages", _stages_of(3))
+    monkeypatch.setattr(device, "stages", stages_of(3))
     lists = _lists(7)
     lists[5] = [torch.zeros(4, 4).t()]  # not contiguous: found when the second stage is reached
     with pytest.raises(ValueError, match=r"tensor_lists\[5\]\[0\]"):
@@ -547,7 +536,7 @@ def test_a_refused_pipelined_request_raises_when_collected_and_leaves_the_connec
 def test_a_refused_seal_is_reported_in_its_slot_and_leaves_no_create_open(kv, monkeypatch):
     keys = [f"pipe-refused/{i}" for i in range(5)]
     kv.delete(keys)
-    monkeypatch.setattr(device, "stages", _stages_of(2))
+    monkeypatch.setattr(device, "stages", stages_of(2))
     backend = kv._backend
     real = backend.mseal_start
 
@@ -569,7 +558,7 @@ def test_pipelined_device_calls_and_plain_requests_share_a_client_across_threads
     """Tagged replies read by whichever thread reads the connection next still reach their senders."""
     import threading
 
-    monkeypatch.setattr(device, "stages", _stages_of(2))
+    monkeypatch.setattr(device, "stages", stages_of(2))
     errors: list[BaseException] = []
     with kvstrata.connect(worker.address) as kv:
 

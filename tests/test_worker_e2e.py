@@ -18,6 +18,7 @@ from kvstrata.errors import ConnectionLost, KeyNotFound, ServerError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _e2e_jobs as jobs
+from _stages import stages_of
 
 SRC = str(Path(kvstrata.__file__).resolve().parents[1])
 
@@ -197,13 +198,7 @@ def test_worker_killed_in_a_pipelined_device_call_raises_connection_lost(tmp_pat
 
     from kvstrata.client import device
 
-    def stages_of_two(n_keys, tensor_lists):  # a GPU call's stages, without a GPU
-        device.check_outer(n_keys, tensor_lists)
-        for lo in range(0, n_keys, 2):
-            checked = [device.check_key(tensor_lists[i], i) for i in range(lo, min(lo + 2, n_keys))]
-            yield device.Stage(lo, lo + len(checked), [c[0] for c in checked], [c[1] for c in checked], None)
-
-    monkeypatch.setattr(device, "stages", stages_of_two)
+    monkeypatch.setattr(device, "stages", stages_of(2))  # a GPU call's stages, without a GPU
     proc, address = start_worker(tmp_path)
     kv = kvstrata.connect(address)
     src = [[torch.arange(100, dtype=torch.int32) + i] for i in range(6)]
