@@ -232,13 +232,21 @@ class _Compiled:
         return lambda *args, stream: self.runner_calls.append((grid, args, stream))
 
 
-def test_direct_launch_calls_the_c_launch_with_triton_36s_argument_layout(monkeypatch):
+class _HookChain:
+    """Triton 3.6's always-present hook holder (``knobs.HookChain``): hooked when it holds a call."""
+
+    def __init__(self, *calls):
+        self.calls = list(calls)
+
+
+@pytest.mark.parametrize("unset", [None, _HookChain()], ids=["None", "empty HookChain"])
+def test_direct_launch_calls_the_c_launch_with_triton_36s_argument_layout(monkeypatch, unset):
     from triton import knobs
 
     from kvstrata.ops._common import direct_launch
 
-    for hook in ("launch_enter_hook", "launch_exit_hook"):  # unset in Triton 3.6 (newer ones chain hooks)
-        monkeypatch.setattr(knobs.runtime, hook, None)
+    for hook in ("launch_enter_hook", "launch_exit_hook"):  # Triton 3.6 holds them in empty HookChains
+        monkeypatch.setattr(knobs.runtime, hook, unset)
 
     launcher = _Launcher()
     fire = direct_launch(_Compiled(launcher), 7)
@@ -246,6 +254,24 @@ def test_direct_launch_calls_the_c_launch_with_triton_36s_argument_layout(monkey
     grid_stream_fn = (7, 1, 1, 99, "fn", False, True)
     scratch_meta_hooks = (None, None, "meta", None, None, None)
     assert launcher.calls == [("launch", (*grid_stream_fn, *scratch_meta_hooks, 1, 2, 3))]
+
+
+def test_direct_launch_uses_the_runner_while_a_launch_hook_is_set(monkeypatch):
+    from triton import knobs
+
+    from kvstrata.ops._common import direct_launch
+
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", _HookChain())
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", _HookChain(print))  # a profiler's hook, from the start
+    compiled = _Compiled(_Launcher())
+    direct_launch(compiled, 3)([1], 5)
+    assert compiled.run.calls == [] and compiled.runner_calls == [((3, 1, 1), (1,), 5)]
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", _HookChain())
+    compiled = _Compiled(_Launcher())
+    fire = direct_launch(compiled, 3)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", _HookChain(print))  # ... or set after the plan was made
+    fire([2], 6)
+    assert compiled.run.calls == [] and compiled.runner_calls == [((3, 1, 1), (2,), 6)]
 
 
 def test_direct_launch_uses_the_runner_for_another_launcher_layout():

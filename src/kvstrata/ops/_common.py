@@ -236,14 +236,20 @@ def current_stream(index: int) -> torch.cuda.Stream:
     return got
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a Triton launch hook is set: not None and, for a ``HookChain``, holding a call."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def direct_launch(compiled: Any, nprog: int) -> Any:
     """``fire(args, stream)`` launching ``compiled`` on ``nprog`` programs with every kernel argument ``args``
     (in signature order) on the raw stream handle ``stream``.
 
     Triton's runner (``compiled[grid](*args, stream=...)``) passes through two Python frames that rebuild
     the same launch each time (scratch allocation, hooks); where this Triton's launcher has the known
-    3.6 layout, needs no scratch memory and no launch hooks are set, the C launch is called directly
-    (~3 us less per call). Anything else uses the runner."""
+    3.6 layout, needs no scratch memory and no launch hook is set, the C launch is called directly
+    (~3 us less per call). Anything else uses the runner. Triton 3.6 keeps its hooks in always-present
+    ``HookChain`` objects: an empty chain counts as no hook."""
     runner = compiled[(nprog, 1, 1)]
     try:
         import inspect
@@ -257,8 +263,8 @@ def direct_launch(compiled: Any, nprog: int) -> Any:
             known
             and launcher.global_scratch_size == 0
             and launcher.profile_scratch_size == 0
-            and knobs.runtime.launch_enter_hook is None
-            and knobs.runtime.launch_exit_hook is None
+            and not _hooked(knobs.runtime.launch_enter_hook)
+            and not _hooked(knobs.runtime.launch_exit_hook)
         )
     except Exception:  # another Triton: its runner
         plain = False
@@ -268,7 +274,7 @@ def direct_launch(compiled: Any, nprog: int) -> Any:
     coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
 
     def fire(args: list[Any], stream: int) -> None:
-        if knobs.runtime.launch_enter_hook is not None:  # a profiler set a hook since: Triton's own path
+        if _hooked(knobs.runtime.launch_enter_hook):  # a profiler set a hook since: Triton's own path
             runner(*args, stream=stream)
             return
         launch(nprog, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, *args)
