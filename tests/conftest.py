@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_multi)
 
 
+@pytest.fixture(autouse=True)
+def _sweep_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stale local-read entries are looked for at every request, not at most every 10 ms: tests count
+    leases right after a change (test_local_reads checks the rate limit itself)."""
+    from kvstrata.client import local_reads
+
+    monkeypatch.setattr(local_reads, "SWEEP_S", 0.0)
+
+
 @pytest.fixture
 def seeded() -> torch.Generator:
     """A fixed-seed generator so a failing random case can be replayed."""

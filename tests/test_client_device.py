@@ -137,7 +137,7 @@ def test_a_failed_key_never_hides_the_others(kv):
     assert "tensor_lists[1]" in str(res[1])
     assert all(torch.equal(a, b) for a, b in zip(src[0], dst[0]))
     assert torch.equal(dst[1][0], untouched)  # a refused key's tensors are not written
-    kv.set("bump", b"x")
+    kv.delete(["mix/a", "mix/b"])  # their keys changed: the kept leases go back with the next request
     assert kv.stats()["leases"] == 0  # every lease went back, the failed key's included
 
 
@@ -201,19 +201,18 @@ def test_the_lease_holds_the_bytes_across_the_batched_copy(kv, monkeypatch):
         return real_enqueue(runs, dev, stream, **kw)
 
     monkeypatch.setattr(device, "enqueue", enqueue_with_writer)
-    kv.set("held/bump", b"x")  # drop any cached lease: this read leases through the worker
-    dst = _poisoned(src)
+    dst = _poisoned(src)  # keys written, never read: no kept lease, this read leases through the worker
     try:
         assert kv.mget_h2d(keys, dst) == [None] * 8
     finally:
         if writer is not kv:
             writer.close()
     assert fired and all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
-    monkeypatch.undo()
+    monkeypatch.setattr(device, "enqueue", real_enqueue)
     assert kv.mget_h2d(keys[:1], dst[:1]) == [None]
     assert torch.equal(dst[0][0], torch.zeros(200000, dtype=torch.uint8))  # the new version now
     kv.delete([f"filler/{i}" for i in range(40)])
-    kv.set("held/bump", b"y")
+    kv.delete(keys)  # the kept lease of keys[0] goes back with the next request
     assert kv.stats()["leases"] == 0
 
 
@@ -309,7 +308,6 @@ def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
             writer.set(k, b"\x00" * (1 << 20))
 
     monkeypatch.setattr(device, "enqueue", enqueue_then_overwrite)
-    kv.set("gpu-held/bump", b"x")
     dst = [[torch.empty_like(t[0])] for t in src]
     try:
         assert kv.mget_h2d(keys, dst) == [None] * 4

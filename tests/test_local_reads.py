@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvstrata
+from kvstrata.client import local_reads
 from kvstrata.errors import KeyNotFound
 from kvstrata.server import Worker, WorkerConfig
 from kvstrata.server.protocol import INLINE_MAX
@@ -94,14 +95,94 @@ def test_kept_leases_are_bounded_and_given_back(worker):
         local = kv._backend._local
         assert len(local) == local.max_entries  # the count bounds it here, the bytes below
         assert kv.stats()["leases"] == local.max_entries  # (in order after the one-way releases)
-        kv.set("other", b"x")  # any change: every kept lease goes back with the next message
+        kv.set("other", b"x")  # another key changed: the kept leases stay good
+        before = requests(worker)
+        assert kv.get("n299") == bytes([299 % 256]) * 100
+        assert requests(worker) == before and len(local) == local.max_entries
+        kv.delete([f"n{i}" for i in range(300)])  # theirs changed: every kept lease goes back with the next message
         kv.exists("other")
         assert len(local) == 0 and worker.store.stats()["leases"] == 0
-        kv.delete([f"n{i}" for i in range(300)])
         kv.mset({f"b{i}": b"b" * 60_000 for i in range(100)})
         for i in range(100):
             kv.get(f"b{i}")
         assert len(local) * 60_000 <= local.max_bytes < (len(local) + 1) * 60_000
+
+
+def test_writes_to_other_keys_keep_the_entries(worker):
+    """A node that stores new objects all the time keeps its readers' entries: only a key's own changes
+    (or one of a key sharing its counter) send its reader back to the worker."""
+    with kvstrata.connect(worker.address) as reader, kvstrata.connect(worker.address) as writer:
+        writer.set("hot", b"h" * 1000)
+        assert reader.get("hot") == b"h" * 1000  # leases it
+        writer.mset({f"new/{i}": b"n" * 100 for i in range(50)})
+        writer.delete(["new/0", "new/1"])
+        writer.expire(["new/2"], 30)
+        with writer.create("new/obj", 10) as buf:
+            buf.write(b"0123456789")
+        before = requests(worker)
+        for _ in range(20):
+            assert reader.get("hot") == b"h" * 1000
+        assert requests(worker) == before
+        slot = worker.validity.slot_of("hot")
+        twin = next(f"twin/{i}" for i in range(1_000_000) if worker.validity.slot_of(f"twin/{i}") == slot)
+        writer.set(twin, b"t")  # same counter as "hot": one more round trip, never a wrong answer
+        before = requests(worker)
+        assert reader.get("hot") == b"h" * 1000
+        assert requests(worker) == before + 1
+        assert reader.get("hot") == b"h" * 1000
+        assert requests(worker) == before + 1  # kept again
+        writer.set("hot", b"H" * 1000)
+        assert reader.get("hot") == b"H" * 1000
+
+
+def test_entries_checked_against_their_counters():
+    """LocalReads on a table of its own: the generation, then the slots (as kvstrata.server.validity lays them)."""
+    from kvstrata.memory.shm import SharedSegment
+    from kvstrata.server.validity import SLOTS_OFFSET, TABLE_BYTES, Validity
+
+    table = Validity()
+    try:
+        local = local_reads.LocalReads(SharedSegment.attach(os.dup(table.fd), TABLE_BYTES), slots_offset=SLOTS_OFFSET)
+        loc = type("Loc", (), {"size": 10})()
+        g = local.generation()
+        assert local.add_many([("a", 1, loc, 5), ("b", 2, loc, 6)], g) == []
+        assert [e[0] for e in local.entries(["a", "b"])] == [1, 2]
+        with table.change(["unrelated"]):  # the generation moves twice, slot of "unrelated" once
+            pass
+        assert [e[0] for e in local.entries(["a", "b"])] == [1, 2]
+        table._slots[6] += 1  # what a change to a key of slot 6 leaves behind
+        table._slots[6] += 0
+        with table.change([]):
+            pass
+        assert [e and e[0] for e in local.entries(["a", "b"])] == [1, None]
+        assert local.stale() == [2] and len(local) == 1
+        g = local.generation()
+        with table.change([]):  # a change during the request: that lease is not kept
+            pass
+        assert local.add("c", 3, loc, g, 7) == [3] and len(local) == 1
+        table.bump_all()  # the worker stops: nothing is current any more
+        assert local.entries(["a"]) == [None] and local.stale() == [1] and len(local) == 0
+        local.close()
+    finally:
+        table.close()
+
+
+def test_stale_entries_are_swept_at_most_so_often(worker, monkeypatch):
+    monkeypatch.setattr(local_reads, "SWEEP_S", 3600.0)
+    with kvstrata.connect(worker.address) as kv, kvstrata.connect(worker.address) as other:
+        kv.mset({"a": b"a", "b": b"b"})
+        assert kv.get("a") == b"a" and kv.get("b") == b"b"
+        kv.exists("a")  # the one sweep of the hour
+        other.delete(["a", "b"])
+        kv.exists("a")
+        assert leases(worker) == 2  # not swept yet: the old versions stay pinned a while
+        with pytest.raises(KeyNotFound):
+            kv.get("a")  # never served stale: a lookup checks its entry
+        kv.exists("a")
+        assert leases(worker) == 1  # the entry found stale went back; "b" waits for the sweep
+        kv._backend._local._next_sweep = 0.0  # the hour is up
+        kv.exists("a")
+        assert leases(worker) == 0
 
 
 def test_no_stale_read_under_a_concurrent_writer(worker):

@@ -175,9 +175,10 @@ IN_FLIGHT = 4  # async calls in flight for the streamed device rows
 def _device_rows(address: str) -> list[dict[str, Any]]:
     """``mget_h2d`` / ``mset_d2h`` of 64 x 1 MiB beside two DMA ceilings measured here: one pinned
     ``copy_`` of 64 MiB (``ceiling``) and the same copy from the worker's shared segment as this client
-    registered it (``seg_ceiling``: what DMA from that memory allows). ``mget_h2d`` twice: keys read
-    before and unchanged since (leases kept by the client: no round trip), and right after a write
-    by anyone (one round trip)."""
+    registered it (``seg_ceiling``: what DMA from that memory allows). ``mget_h2d`` three times: keys read
+    before and unchanged since (leases kept by the client: no round trip), the same with another key
+    written before each call (still no round trip: see kvstrata.server.validity), and right after the
+    keys themselves were rewritten (a lease round trip)."""
     import torch
 
     import kvstrata
@@ -201,12 +202,22 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
         t_get = host_time(lambda: kv.mget_h2d(keys, dst), warmup=3, iters=20)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         times = []
+        for it in range(23):
+            kv.set(f"h2d/other/{it}", b"x")  # writes to other keys leave the kept leases good
+            t0 = time.perf_counter()
+            kv.mget_h2d(keys, dst)
+            times.append(time.perf_counter() - t0)
+        t_get_other = statistics.median(times[3:])
+        kv.delete([f"h2d/other/{it}" for it in range(23)])
+        times = []
         for _ in range(23):
-            kv.set("h2d/changed", b"x")  # any change voids the client's kept leases
+            kv.delete(keys)  # rewritten: the kept leases are stale, this read leases through the worker
+            assert kv.mset_d2h(keys, src) == [None] * n
             t0 = time.perf_counter()
             kv.mget_h2d(keys, dst)
             times.append(time.perf_counter() - t0)
         t_get_rt = statistics.median(times[3:])
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         times = []
         for it in range(23):  # write-once keys: fresh ones every time, deleted outside the timing
             ks = [f"d2h/{it}/{i}" for i in range(n)]
@@ -225,7 +236,8 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
     rows = []
     for op, t, ceiling, seg in (
         ("mget_h2d 64x1MiB", t_get, h2d_ceiling, seg_h2d),
-        ("mget_h2d 64x1MiB after a change", t_get_rt, h2d_ceiling, seg_h2d),
+        ("mget_h2d 64x1MiB, another key written before each", t_get_other, h2d_ceiling, seg_h2d),
+        ("mget_h2d 64x1MiB right after its keys were rewritten", t_get_rt, h2d_ceiling, seg_h2d),
         ("mset_d2h 64x1MiB", t_put, d2h_ceiling, seg_d2h),
         (f"async_mget_h2d 64x1MiB, {IN_FLIGHT} in flight", t_get_async, h2d_streamed, None),
         (f"async_mset_d2h 64x1MiB, {IN_FLIGHT} in flight", t_put_async, d2h_streamed, None),

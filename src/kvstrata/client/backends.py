@@ -75,7 +75,7 @@ class RemoteBackend:
         self._local: LocalReads | None = None
         if "generation_page" in self._conn.peer_info and fds:
             from kvstrata.memory.shm import SharedSegment
-            from kvstrata.server.validity import PAGE_BYTES
+            from kvstrata.server.validity import PAGE_BYTES, SLOTS_OFFSET, TABLE_BYTES
 
             spin_offset = self._conn.peer_info.get("spin_hint")
             if not isinstance(spin_offset, int) or not 0 <= spin_offset <= PAGE_BYTES - 8 or spin_offset % 8:
@@ -83,11 +83,17 @@ class RemoteBackend:
             if self._conn.peer_info.get("pid") == os.getpid():  # the worker runs on our GIL: never poll
                 spin_offset = None
             cache_bytes = self._conn.peer_info.get("cache_bytes")
-            self._local = LocalReads(
-                SharedSegment.attach(fds.pop(0), PAGE_BYTES),
-                max_bytes=cache_bytes if isinstance(cache_bytes, int) and cache_bytes >= 0 else MAX_BYTES,
-                spin_offset=spin_offset,
-            )
+            page_fd = fds.pop(0)
+            if self._conn.peer_info.get("slots") != SLOTS_OFFSET:  # another kvstrata version's worker
+                os.close(page_fd)
+                log.warning("worker at %s lays out its local-read table differently: every read asks it", address)
+            else:
+                self._local = LocalReads(
+                    SharedSegment.attach(page_fd, TABLE_BYTES),
+                    max_bytes=cache_bytes if isinstance(cache_bytes, int) and cache_bytes >= 0 else MAX_BYTES,
+                    spin_offset=spin_offset,
+                    slots_offset=SLOTS_OFFSET,
+                )
         # Leases shared by the local-read cache and zero-copy views made from its entries: how many
         # of them hold each one. Such a lease goes back to the worker only when the last lets go, so
         # a view's bytes stay pinned even after the cache dropped its entry.
@@ -370,14 +376,15 @@ class RemoteBackend:
         loc = self._loc(reply["loc"])
         data = bytes(self.view(loc))
         with self._lock:
-            drop = [reply["lease"]] if self._closed else self._cache_add(key, reply["lease"], loc, generation)
+            lease_id = reply["lease"]
+            drop = [lease_id] if self._closed else self._cache_add(key, lease_id, loc, generation, reply.get("slot", 0))
         if drop:
             self.release(drop)
         return data
 
-    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int, evict: bool = True) -> list[int]:
+    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int, slot: int) -> list[int]:
         """Offer a lease to the local-read cache (under the lock); returns leases the cache let go of."""
-        drop = self._local.add(key, lease_id, loc, generation, evict=evict)
+        drop = self._local.add(key, lease_id, loc, generation, slot)
         if lease_id not in drop:
             self._hold(lease_id)  # the cache's hold
         return drop
@@ -444,19 +451,19 @@ class RemoteBackend:
         for i, lease_id, flag in zip(missing, ids, flags):
             out[i] = Lease(lease_id, Loc(flat[k], flat[k + 1], flat[k + 2]), flag == 1)
             k += 3
-            if flag == 2:
-                offered.append(i)
+            if flag >= 2:  # 2 + the key's slot: a lease the local-read cache may keep
+                offered.append((i, flag - 2))
         for j, name, message in reply.get("errs", ()):
             out[missing[j]] = P.error_from_record((name, message))
         drop: list[int] = []
         if offered and local is not None:
             with self._lock:
                 if not self._closed:
-                    batch = [(keys[i], out[i][0], out[i][1]) for i in offered]
+                    batch = [(keys[i], out[i][0], out[i][1], slot) for i, slot in offered]
                     drop = local.add_many(batch, generation, evict=cache != "fit")
                     # A lease the cache kept has two holders (the cache, the view); one it refused or already
                     # pushed out again is the view's alone (it is released directly, as an unheld lease).
-                    kept = {lease_id for _, lease_id, _ in batch}
+                    kept = {item[1] for item in batch}
                     refused = kept.intersection(drop)
                     if refused:
                         kept -= refused

@@ -1,11 +1,12 @@
-"""Repeated small ``get``s answered from shared memory, with no round trip to the worker.
+"""Repeated reads of unchanged keys answered from shared memory, with no round trip to the worker.
 
-The client keeps the leases of up to ``max_entries`` small immutable TTL-free objects it read
-(the worker says which ones qualify). Such an entry is good while the worker's generation page still
-shows the generation read before the request that leased it: the worker bumps that generation
-around every change it makes, so an unchanged generation means the leased version is still the
-current one (the protocol is in :mod:`kvstrata.server.validity`). When the generation moves, every
-entry is dropped at once and its lease given back with the client's next message.
+The client keeps the leases of up to ``max_entries`` immutable TTL-free objects it read (the worker
+says which ones qualify, and which of its per-key counters covers each). An entry is good while that
+key has not changed: the worker's generation still shows the value at which the entry was last found
+current, or the key's counter still shows the count it had when the lease was taken (the protocol is
+in :mod:`kvstrata.server.validity`). Writes to other keys leave the entry alone. A stale entry is
+dropped when it is next looked up, or by the sweep that runs at most every ``SWEEP_S`` seconds while
+the generation moves, and its lease given back with the client's next message.
 
 ``get_buffers`` keeps entries too (any size, up to the budget the worker advertises): a later view of
 the same key shares the entry's lease with no round trip. The backend counts a shared lease's holders
@@ -16,25 +17,40 @@ its entry is dropped.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections import OrderedDict
 from typing import Any
 
 MAX_ENTRIES = 256
 MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
+SWEEP_S = 0.01  # stale entries pin old versions: looked for at most this often while writes happen
+SLOTS = 8192  # as kvstrata.server.validity.SLOTS (the worker's slot numbers index this table)
+
+# An entry: [lease id, location, slot, the slot's count when leased, generation when last found current]
+_LEASE, _LOC, _SLOT, _COUNT, _SEEN = range(5)
 
 
 class LocalReads:
-    """The entries and the mapped generation page. Not thread-safe: the backend's lock guards it."""
+    """The entries and the mapped table of counters. Not thread-safe: the backend's lock guards it."""
 
     def __init__(
-        self, page: Any, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES, *, spin_offset: int | None = None
+        self,
+        page: Any,
+        max_entries: int = MAX_ENTRIES,
+        max_bytes: int = MAX_BYTES,
+        *,
+        spin_offset: int | None = None,
+        slots_offset: int = 4096,
     ) -> None:
         self._page = page
         self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
+        self._slots = (ctypes.c_uint64 * SLOTS).from_address(page.address + slots_offset)
         # The worker's advice on busy-polling for replies (microseconds), where it gives one.
         self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
-        self._entries: OrderedDict[str, tuple[int, Any]] = OrderedDict()
-        self._entries_gen = -1
+        self._entries: OrderedDict[str, list] = OrderedDict()
+        self._dropped: list[int] = []  # leases of stale entries, given back with the next message
+        self._swept_gen = -1
+        self._next_sweep = 0.0
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._bytes = 0
@@ -47,107 +63,114 @@ class LocalReads:
         """Seconds to busy-poll for a reply before sleeping, as the worker currently advises."""
         return self._spin.value * 1e-6 if self._spin is not None else 0.0
 
+    def _current(self, entry: list, gen: int) -> bool:
+        """Whether ``entry``'s version is still its key's, ``gen`` read before this call."""
+        if entry[_SEEN] == gen:
+            return True
+        if self._slots[entry[_SLOT]] != entry[_COUNT]:
+            return False
+        entry[_SEEN] = gen  # unchanged at a moment after gen was read: any later change moves gen
+        return True
+
+    def _stale_entry(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self._bytes -= entry[_LOC].size
+        self._dropped.append(entry[_LEASE])
+
     def lookup(self, key: str) -> Any:
         """The location of ``key``'s leased bytes if they are still current, else None."""
-        entry = self._entries.get(key)
-        if entry is None or self._entries_gen != self._gen.value:
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return entry[1]
+        entry = self.entry(key)
+        return None if entry is None else entry[_LOC]
 
     def entry(self, key: str) -> tuple[int, Any] | None:
         """``(lease id, location)`` of ``key``'s leased bytes if they are still current, else None."""
-        entry = self._entries.get(key)
-        if entry is None or self._entries_gen != self._gen.value:
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return entry
+        return self.entries([key])[0]
 
     def entries(self, keys: list[str]) -> list[tuple[int, Any] | None]:
-        """:meth:`entry` of every key, the generation checked once (a batch of keys seen at one moment)."""
-        if self._entries_gen != self._gen.value:
+        """``(lease id, location)`` of each key whose leased bytes are still current, else None per key. A stale
+        entry found here is dropped (its lease is among the next :meth:`stale`)."""
+        entries = self._entries
+        if not entries:
             return [None] * len(keys)
-        get, touch = self._entries.get, self._entries.move_to_end
-        out = []
+        gen = self._gen.value  # before any count is read
+        get, touch = entries.get, entries.move_to_end
+        out: list[Any] = []
         for key in keys:
             entry = get(key)
-            if entry is not None:
+            if entry is None:
+                out.append(None)
+            elif entry[_SEEN] == gen or self._current(entry, gen):
                 touch(key)
-            out.append(entry)
+                out.append(entry)
+            else:
+                self._stale_entry(key)
+                out.append(None)
         self.hits += len(out) - out.count(None)
         return out
 
     def stale(self) -> list[int]:
-        """Lease ids of every entry, dropped, if the generation moved since they were taken."""
-        if not self._entries or self._entries_gen == self._gen.value:
+        """Lease ids of entries dropped as stale since the last call (looked up, or found by a sweep)."""
+        if self._entries and self._swept_gen != self._gen.value:
+            now = time.monotonic()
+            if now >= self._next_sweep:
+                self._next_sweep = now + SWEEP_S
+                gen = self._swept_gen = self._gen.value
+                for key in [k for k, e in self._entries.items() if not self._current(e, gen)]:
+                    self._stale_entry(key)
+        if not self._dropped:
             return []
-        return self.clear()
+        out, self._dropped = self._dropped, []
+        return out
 
-    def add(self, key: str, lease_id: int, location: Any, generation: int, *, evict: bool = True) -> list[int]:
-        """Keep a lease taken after reading ``generation``; returns lease ids to give back.
+    def add(
+        self, key: str, lease_id: int, location: Any, generation: int, slot: int, *, evict: bool = True
+    ) -> list[int]:
+        """Keep a lease taken after reading ``generation``, its key counted in ``slot``; returns lease ids to
+        give back (``lease_id`` itself where it cannot be kept). ``evict=False`` keeps it only where it fits
+        beside the current entries (a batch larger than the budget then keeps its first keys instead of
+        pushing out its own entries, call after call)."""
+        return self.add_many([(key, lease_id, location, slot)], generation, evict=evict)
 
-        ``evict=False`` keeps it only where it fits beside the current entries (a batch larger than the
-        budget then keeps its first keys instead of pushing out its own entries, call after call)."""
+    def add_many(self, items: list[tuple[str, int, Any, int]], generation: int, *, evict: bool = True) -> list[int]:
+        """:meth:`add` of each ``(key, lease id, location, slot)`` in order; the lease ids to give back (a
+        refused lease among them, as from :meth:`add`)."""
+        slots = self._slots
+        counts = [slots[item[3] & (SLOTS - 1)] for item in items]  # first the counts, then the generation
         drop = self.stale()
         if generation != self._gen.value:  # something changed during the request: not trustworthy
-            return [*drop, lease_id]
-        if (
-            not evict
-            and key not in self._entries
-            and (len(self._entries) >= self.max_entries or self._bytes + location.size > self.max_bytes)
-        ):
-            return [*drop, lease_id]
-        self._entries_gen = generation
-        old = self._entries.pop(key, None)
-        if old is not None:
-            drop.append(old[0])
-            self._bytes -= old[1].size
-        self._entries[key] = (lease_id, location)
-        self._bytes += location.size
-        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-            lease, loc = self._entries.popitem(last=False)[1]
-            drop.append(lease)
-            self._bytes -= loc.size
-        return drop
-
-    def add_many(self, items: list[tuple[str, int, Any]], generation: int, *, evict: bool = True) -> list[int]:
-        """:meth:`add` of each ``(key, lease id, location)`` in order; the lease ids to give back (a refused
-        lease among them, as from :meth:`add`)."""
-        drop = self.stale()
-        if generation != self._gen.value:  # something changed during the request: not trustworthy
-            return drop + [lease_id for _, lease_id, _ in items]
+            return drop + [item[1] for item in items]
         entries, max_entries, max_bytes = self._entries, self.max_entries, self.max_bytes
-        self._entries_gen = generation
-        for key, lease_id, location in items:
+        for (key, lease_id, location, slot), count in zip(items, counts):
             size = location.size
             if not evict and key not in entries and (len(entries) >= max_entries or self._bytes + size > max_bytes):
                 drop.append(lease_id)
                 continue
             old = entries.pop(key, None)
             if old is not None:
-                drop.append(old[0])
-                self._bytes -= old[1].size
-            entries[key] = (lease_id, location)
+                drop.append(old[_LEASE])
+                self._bytes -= old[_LOC].size
+            entries[key] = [lease_id, location, slot & (SLOTS - 1), count, generation]
             self._bytes += size
             while len(entries) > max_entries or self._bytes > max_bytes:
-                lease, loc = entries.popitem(last=False)[1]
-                drop.append(lease)
-                self._bytes -= loc.size
+                old = entries.popitem(last=False)[1]
+                drop.append(old[_LEASE])
+                self._bytes -= old[_LOC].size
         return drop
 
     def clear(self) -> list[int]:
-        ids = [lease_id for lease_id, _ in self._entries.values()]
+        ids = [entry[_LEASE] for entry in self._entries.values()]
         self._entries.clear()
         self._bytes = 0
+        ids += self._dropped
+        self._dropped = []
         return ids
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._dropped)
 
     def close(self) -> None:
         self._entries.clear()
-        self._gen = None  # type: ignore[assignment]
+        self._dropped = []
+        self._gen = self._slots = None  # type: ignore[assignment]
         self._spin = None
         self._page.close()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import KvstrataError, ServerError
 from kvstrata.server import protocol as P
+from kvstrata.server.validity import SLOTS
 
 if TYPE_CHECKING:
     from kvstrata.server.worker import Session
@@ -38,7 +39,7 @@ def _put(s: Session, msg: dict) -> dict:
     if type(value) is not bytes:
         value = _value(msg)
     validity = s.validity
-    with validity.change(), validity.key_lock(key):
+    with validity.change(key), validity.key_lock(key):
         s.store.put(key, value, owner=s.owner, **opts)
         validity.written(key, opts["ttl"])
     return {}
@@ -47,10 +48,12 @@ def _put(s: Session, msg: dict) -> dict:
 def _mput(s: Session, msg: dict) -> dict:
     opts = s.write_options(msg)
     items = []
-    with s.validity.change():
+    written: list[str] = []  # the keys changed, read when the change ends
+    with s.validity.change(written):
         for key, value in msg.get("items", []):
             try:
                 _put_one(s, key, value, opts)
+                written.append(key)
                 items.append({})
             except (KvstrataError, ValueError, TypeError) as exc:
                 items.append(P.error_record(exc))
@@ -118,7 +121,7 @@ def _finish(action: str):
         if action == "abort":
             _finish_one(s, action, key)
             return {}
-        with s.validity.change():
+        with s.validity.change(key):
             _finish_one(s, action, key)
         return {}
 
@@ -130,7 +133,7 @@ def _mseal(s: Session, msg: dict) -> dict:
     keys = P.check_keys(msg.get("keys", []))
     validity = s.validity
     locks = sorted({id(lock): lock for lock in map(validity.key_lock, keys)}.items())  # one order: no deadlock
-    with validity.change():
+    with validity.change(keys):
         for _, lock in locks:  # the no-TTL set must change with the versions, as in _finish_one
             lock.acquire()
         try:
@@ -153,7 +156,8 @@ def _get(s: Session, msg: dict) -> dict:
     if msg.get("cache") and s.shm and lease.size < P.INLINE_MAX and s.validity.cacheable(key, lease):
         # The client keeps this lease and serves later gets from shared memory (see server.validity).
         s.leases.add(lease.lease_id)
-        return {"lease": lease.lease_id, "loc": s.loc(lease.location, reply), "cache": True, **reply}
+        loc = s.loc(lease.location, reply)
+        return {"lease": lease.lease_id, "loc": loc, "cache": True, "slot": s.validity.slot_of(key), **reply}
     reply.update(s.lease_item(lease, reply))
     return reply
 
@@ -172,8 +176,9 @@ def _acquire(s: Session, msg: dict) -> dict:
     """Leases for zero-copy views, never inlined (``get_buffers``, ``mget_h2d``).
 
     Reply ``{"ids": [lease id] * n, "locs": [segment, offset, size] * n flat, "flags": [...] * n,
-    "errs": [[i, type, message], ...]}``: a flag is ``1`` for a mutable object, ``2`` for a lease the
-    client may keep for local reads; a refused key has id 0 and zeros.
+    "errs": [[i, type, message], ...]}``: a flag is ``1`` for a mutable object, ``2 + slot`` for a lease
+    the client may keep for local reads (``slot``: the key's counter in :mod:`kvstrata.server.validity`),
+    else ``0``; a refused key has id 0 and zeros.
     """
     if not s.shm:
         raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
@@ -186,6 +191,7 @@ def _acquire(s: Session, msg: dict) -> dict:
     errs = []
     leases = s.leases
     no_ttl = s.validity.no_ttl if cache else ()
+    mask = SLOTS - 1
     results = s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
     for i, (key, r) in enumerate(zip(keys, results)):
         if isinstance(r, BaseException):
@@ -198,8 +204,8 @@ def _acquire(s: Session, msg: dict) -> dict:
         leases.add(lease_id)
         ids.append(lease_id)
         locs += r[2]
-        # validity.cacheable, inline: sealed (immutable) and TTL-free
-        flags.append(1 if r[4] else 2 if key in no_ttl else 0)
+        # validity.cacheable and validity.slot_of, inline: sealed (immutable) and TTL-free
+        flags.append(1 if r[4] else 2 + (hash(key) & mask) if key in no_ttl else 0)
     s.new_segments(locs, reply)
     reply["ids"], reply["locs"], reply["flags"] = ids, locs, flags
     if errs:
@@ -229,7 +235,7 @@ def _keys_op(method: str):
         keys = P.check_keys(msg.get("keys", []))
         if method in ("exists", "sizes", "incref"):  # nothing visible changes
             return {"r": list(getattr(s.store, method)(keys))}
-        with s.validity.change():
+        with s.validity.change(keys):
             if method != "expire":  # delete, decref
                 return {"r": list(getattr(s.store, method)(keys))}
             result = list(s.store.expire(keys, P.check_ttl(msg.get("ttl"))))

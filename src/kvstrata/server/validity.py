@@ -1,17 +1,29 @@
-"""What lets a client answer repeated small ``get``s from shared memory without asking the worker.
+"""What lets a client answer repeated reads of unchanged keys from shared memory without asking the worker.
 
-A client may keep a lease on a small, immutable, TTL-free object and serve later ``get``s of that
-key straight from the segment, as long as nothing changed since it took the lease. "Nothing
-changed" is one 64-bit **generation** in a shared page every client maps read-only: the worker
-bumps it before and after every change it makes (put, seal, publish, delete, expire, decref), so
-a client that read generation G before its request may serve the leased bytes while the page still
-says G. The leased bytes themselves never move or change (a lease pins that version).
+A client may keep a lease on an immutable, TTL-free object and serve later reads of that key straight
+from the segment, as long as that key did not change since it took the lease. The worker says so
+through a shared table every client maps read-only:
 
-Only the worker's own changes bump the generation, so only objects whose visibility nothing else
-can end are cacheable: sealed (not published), with no TTL (the engine expires those on its own),
-written since this worker started (a TTL read back from SSD after a restart is not known here).
-The no-TTL set is kept exact under concurrent writers of one key by per-key lock stripes around
-the engine call and the set update.
+- one 64-bit **generation**, bumped before and after every change the worker makes (put, seal,
+  delete, expire, decref): "something changed somewhere";
+- **slots**: 8,192 64-bit counters, the slot of a key chosen by the worker (``slot_of``, sent to
+  the client with each cacheable lease). Inside a change, after the engine made it, the slot of each
+  key it touched is bumped. Keys share slots: a change to one makes the others of its slot look
+  changed too, which costs a round trip, never a wrong answer.
+
+A client keeps, per entry, its slot's count and the generation at which it last found that count
+unchanged. An entry is good while the generation is still that one (one load); once the generation
+moved, the entry is good if its slot still shows the count (then it records the generation read
+*before* that slot load: any later change bumps the generation again). When the lease is taken, the
+slot is read first and the generation checked afterwards against the one read before the request, so a
+change during the request is never missed. Writes to other keys leave the entry alone: the reason
+for the slots (a node that stores new KV blocks all the time keeps its readers' entries).
+
+The leased bytes themselves never move or change (a lease pins that version). Only the worker's own
+changes bump the counters, so only objects whose visibility nothing else can end are cacheable:
+sealed (not published), with no TTL (the engine expires those on its own), written since this worker
+started (a TTL read back from SSD after a restart is not known here). The no-TTL set is kept exact
+under concurrent writers of one key by per-key lock stripes around the engine call and the set update.
 """
 
 from __future__ import annotations
@@ -19,6 +31,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Iterable
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -26,25 +41,34 @@ _STRIPES = 64
 #: byte offset, in the page, of the worker's advice to clients: microseconds to busy-poll for a reply
 SPIN_HINT_OFFSET = 8
 MAX_TRACKED_KEYS = 1_000_000  # beyond this many, new keys are just not cacheable (bounded memory)
-PAGE_BYTES = 4096
+PAGE_BYTES = 4096  # the generation and the spin hint
+SLOTS = 8192  # per-key counters after the first page (a power of two: a slot is a hash's low bits)
+SLOTS_OFFSET = PAGE_BYTES
+TABLE_BYTES = PAGE_BYTES + 8 * SLOTS
 
 
 class _Change:
-    """``with validity.change():`` bumps the generation on the way in and on the way out.
+    """``with validity.change(keys):`` bumps the generation on the way in and, after bumping the slots
+    of ``keys``, on the way out (see the module docstring for why in this order)."""
 
-    The bump is inlined (not a call to :meth:`Validity.bump`): this runs twice around every write."""
+    __slots__ = ("_gen", "_keys", "_lock", "_slots")
 
-    __slots__ = ("_gen", "_lock")
-
-    def __init__(self, gen: ctypes.c_uint64, lock: threading.Lock) -> None:
-        self._gen, self._lock = gen, lock
+    def __init__(self, gen: ctypes.c_uint64, lock: threading.Lock, slots: ctypes.Array, keys: Iterable[str]) -> None:
+        self._gen, self._lock, self._slots, self._keys = gen, lock, slots, keys
 
     def __enter__(self) -> None:
         with self._lock:
             self._gen.value += 1
 
     def __exit__(self, *exc: object) -> None:
+        slots = self._slots
         with self._lock:
+            keys = self._keys
+            if isinstance(keys, str):
+                slots[hash(keys) & (SLOTS - 1)] += 1
+            else:
+                for key in keys:
+                    slots[hash(key) & (SLOTS - 1)] += 1
             self._gen.value += 1
 
 
@@ -54,29 +78,38 @@ class Validity:
     def __init__(self) -> None:
         from kvstrata.memory.shm import SharedSegment
 
-        self.segment = SharedSegment.create(PAGE_BYTES, name="kvstrata-generation", hugepages="off", numa_node=None)
+        self.segment = SharedSegment.create(TABLE_BYTES, name="kvstrata-generation", hugepages="off", numa_node=None)
         # One aligned 8-byte store/load: readers never see a torn value.
         self._gen = ctypes.c_uint64.from_address(self.segment.address)
         self._spin_hint = ctypes.c_uint64.from_address(self.segment.address + SPIN_HINT_OFFSET)
+        self._slots = (ctypes.c_uint64 * SLOTS).from_address(self.segment.address + SLOTS_OFFSET)
         self._gen_lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self._no_ttl: set[str] = set()
-        self._change = _Change(self._gen, self._gen_lock)
         self._warned = False
 
     @property
     def fd(self) -> int:
         return self.segment.fd
 
-    def bump(self) -> None:
+    @staticmethod
+    def slot_of(key: str) -> int:
+        """The counter of ``key`` (this worker's string hash: stable for its lifetime, never sent as a hash)."""
+        return hash(key) & (SLOTS - 1)
+
+    def bump_all(self) -> None:
+        """Every entry of every client goes stale (the worker is stopping)."""
         with self._gen_lock:
             self._gen.value += 1
+            counts = np.frombuffer(self._slots, dtype=np.uint64)
+            counts += np.uint64(1)
+            self._gen.value += 1
 
-    def change(self) -> _Change:
-        """Around any change to visible objects: readers holding the old generation stop trusting it.
-
-        A plain context-manager object, not a generator: it runs around every write request."""
-        return self._change
+    def change(self, keys: str | Iterable[str]) -> _Change:
+        """Around any change to the visible objects of ``keys`` (one key or an iterable read on the way out):
+        clients holding leases on them stop trusting them. A plain context-manager object, not a
+        generator: it runs around every write request."""
+        return _Change(self._gen, self._gen_lock, self._slots, keys)
 
     def set_spin_hint(self, microseconds: float) -> None:
         """Tell clients how long to busy-poll for a reply (0: sleep at once); see kvstrata.server.worker."""
@@ -109,6 +142,6 @@ class Validity:
         return key in self._no_ttl and not getattr(lease, "mutable", True)
 
     def close(self) -> None:
-        self._gen = self._change._gen = None  # type: ignore[assignment]  # never a store into an unmapped page
+        self._gen = self._slots = None  # type: ignore[assignment]  # never a store into an unmapped page
         self._spin_hint = None  # type: ignore[assignment]
         self.segment.close()

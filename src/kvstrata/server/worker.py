@@ -30,7 +30,7 @@ from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.server.handlers import HANDLERS, release
-from kvstrata.server.validity import SPIN_HINT_OFFSET, Validity
+from kvstrata.server.validity import SLOTS_OFFSET, SPIN_HINT_OFFSET, Validity
 from kvstrata.transport import Connection, Listener, listen
 from kvstrata.transport.stream import MAX_FDS, pack, unpack
 
@@ -120,7 +120,7 @@ class Worker:
         """Stop listening, disconnect clients, flush write-back data and close the store (idempotent)."""
         self._stopped.set()
         if self.validity is not None:
-            self.validity.bump()  # clients stop answering from shared memory
+            self.validity.bump_all()  # clients stop answering from shared memory
         if self._listener is not None:
             self._listener.stop()
         with self._lock:
@@ -170,6 +170,7 @@ class Worker:
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
             reply["spin_hint"] = SPIN_HINT_OFFSET  # where in that page the polling advice is
+            reply["slots"] = SLOTS_OFFSET  # where in it the per-key counters start
             # what one client may keep leased for local reads (pinned: not evictable while held)
             reply["cache_bytes"] = self.config.memory // CACHE_SHARE
             fds = [self.validity.fd] + [seg.fd for seg in segs]
