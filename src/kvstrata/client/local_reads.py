@@ -84,7 +84,16 @@ class LocalReads:
 
     def entry(self, key: str) -> tuple[int, Any] | None:
         """``(lease id, location)`` of ``key``'s leased bytes if they are still current, else None."""
-        return self.entries([key])[0]
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        gen = self._gen.value  # before the count is read
+        if entry[_SEEN] != gen and not self._current(entry, gen):
+            self._stale_entry(key)
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
 
     def entries(self, keys: list[str]) -> list[tuple[int, Any] | None]:
         """``(lease id, location)`` of each key whose leased bytes are still current, else None per key. A stale
