@@ -96,3 +96,20 @@ def test_mismatched_lengths(monkeypatch):
     monkeypatch.setattr(copy_engine, "_runtime", lambda: _FailingRuntime)
     with pytest.raises(ValueError, match="lengths"):
         copy_engine.memcpy_batch([1, 2], [3], [8, 8])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_memcpy_raw_turns_cuda_errors_into_copy_engine_errors(monkeypatch, n):
+    """The raw path (calls looked up once) still checks every call's result; no GPU needed (stub runtime)."""
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        return (1,)
+
+    monkeypatch.setattr(copy_engine, "_raw_calls", lambda: (failing, failing, 4, ["attrs"]))
+    with pytest.raises(CopyEngineError, match="cudaMemcpy"):
+        copy_engine.memcpy_raw(list(range(n)), list(range(n)), [8] * n, 7)
+    assert len(calls) == 1 and calls[0][-1] == 7  # on the stream given, one call for the whole batch
+    with pytest.raises(ValueError, match="lengths"):
+        copy_engine.memcpy_raw([1, 2], [3], [8, 8], 7)

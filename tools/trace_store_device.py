@@ -1,9 +1,10 @@
 """Timeline of one mget_h2d / mset_d2h of 64 x 1 MiB through a real worker (GPU machine): for each stage,
 when the host queued its copies and when the device started and finished them, relative to the call's
 start, next to the call's total and the DMA ceiling. Shows whether the copy engines wait for the host.
-``--profile``: then a cProfile of 20 more calls of each (top functions by own time).
+``--profile``: then a cProfile of 20 more calls of each (top functions by own time). ``--first-stage-mib N``,
+``--first-batch-runs N``: try other values of ``device.FIRST_STAGE_BYTES`` / ``device.FIRST_BATCH_RUNS``.
 
-    PYTHONPATH=src python3 tools/trace_store_device.py [--profile]
+    PYTHONPATH=src python3 tools/trace_store_device.py [--profile] [--first-stage-mib 4] [--first-batch-runs 2]
 """
 
 from __future__ import annotations
@@ -24,8 +25,18 @@ from kvstrata.bench.store import _start_worker
 from kvstrata.client import device
 
 
+def _option(name: str) -> int | None:
+    args = sys.argv[1:]
+    return int(args[args.index(name) + 1]) if name in args else None
+
+
 def main() -> None:
     n, size = 64, 1 << 20
+    if (mib := _option("--first-stage-mib")) is not None:
+        device.FIRST_STAGE_BYTES = mib << 20
+    if (runs := _option("--first-batch-runs")) is not None:
+        device.FIRST_BATCH_RUNS = runs
+    print(f"first stage {device.FIRST_STAGE_BYTES >> 20} MiB, first batch {device.FIRST_BATCH_RUNS} runs")
     rows: list[tuple] = []
     real = device.enqueue
 

@@ -36,9 +36,12 @@ BATCH_RUNS = 16
 # host issue included, H200: batches of 16 reached 0.959 of one 64 MiB copy, 2 then 14 then 16s 0.970).
 FIRST_BATCH_RUNS = 2
 # Stages of a pipelined device call (:func:`stages`): the first is small so the DMA starts early (4 MiB is
-# ~75 us of PCIe Gen5 DMA, longer than the next stage's host work), later ones double up to 16 MiB, so a
-# stage's DMA (300 us) covers the round trip that seals or leases the one before (mset_d2h seals stage
-# by stage, and only the last stage's seal follows the last copy).
+# ~75 us of PCIe Gen5 DMA), later ones grow by half up to 16 MiB, so a stage's DMA (300 us) covers the
+# round trip that seals or leases the one before (mset_d2h seals stage by stage, and only the last stage's
+# seal follows the last copy). Why by half, not doubling: a stage's host work (h per key, c per stage: H200
+# host, 1 MiB keys, h ~9 us, c ~50 us on a slow draw) must fit in the previous stage's DMA (d = 19 us per
+# key) or the copy engine waits; 4 -> 8 keys does not fit (8h + c > 4d), 4 -> 6 -> 9 -> 14 -> 16 nearly
+# does (the model max_i(h K_i + c i - d K_{i-1}): 185 us -> 140 us of waiting there, equal on fast hosts).
 FIRST_STAGE_BYTES = 4 << 20
 MAX_STAGE_BYTES = 16 << 20
 
@@ -91,34 +94,55 @@ def check_outer(n_keys: int, tensor_lists: Any) -> None:
 
 def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
     """Key ``i``'s tensors: (pieces laid out as :class:`Piece`, total bytes, its first CUDA device or None).
-    ValueError/TypeError naming ``tensor_lists[i][j]``."""
-    import torch
+    ValueError/TypeError naming ``tensor_lists[i][j]``.
 
-    if not isinstance(ts, list | tuple):
-        raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
+    The hot path of every device call (once per tensor): one combined test per tensor, each attribute read
+    once; a tensor that fails it is looked at again by :func:`_refuse`, which names what is wrong."""
+    import torch  # lazily: a client without device calls never loads torch
+
     tensor_type, strided = torch.Tensor, torch.strided
+    if type(ts) is not list and not isinstance(ts, list | tuple):
+        raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
     device = None
     pieces = []
+    append = pieces.append
     total = 0
+    for t in ts:
+        # `layout` first: a sparse tensor has no is_contiguous
+        if (
+            not isinstance(t, tensor_type)
+            or t.layout is not strided
+            or t.is_quantized
+            or not t.is_contiguous()
+            or not (t.is_cuda or t.is_cpu)
+        ):
+            _refuse(ts, i)
+        n = t.nbytes
+        if t.is_cuda:
+            if device is None:
+                device = t.device
+            # a Piece's fields (a plain tuple is cheaper to build); a device piece also names its allocation
+            append((t.data_ptr(), n, True, t, t.untyped_storage().data_ptr()))
+        else:
+            append((t.data_ptr(), n, False, t, 0))
+        total += n
+    return pieces, total, device
+
+
+def _refuse(ts: Any, i: int) -> None:
+    """Raise the error for key ``i``'s first bad tensor (see :func:`check_key`), naming ``tensor_lists[i][j]``."""
+    import torch
+
     for j, t in enumerate(ts):
-        if not isinstance(t, tensor_type):
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensor_lists[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
-        if t.layout is not strided or t.is_quantized:
+        if t.layout is not torch.strided or t.is_quantized:
             raise TypeError(f"tensor_lists[{i}][{j}]: sparse and quantized tensors have no flat raw bytes")
         if not t.is_contiguous():
             raise ValueError(f"tensor_lists[{i}][{j}]: tensor must be contiguous (call .contiguous() first)")
-        on_cuda = t.is_cuda
-        if on_cuda:
-            if device is None:
-                device = t.device
-        elif not t.is_cpu:
+        if not (t.is_cuda or t.is_cpu):
             raise TypeError(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
-        n = t.nbytes
-        # a Piece's fields (a plain tuple is cheaper to build); a device piece also names its allocation
-        alloc = t.untyped_storage().data_ptr() if on_cuda else 0
-        pieces.append((t.data_ptr(), n, on_cuda, t, alloc))
-        total += n
-    return pieces, total, device
+    raise AssertionError(f"tensor_lists[{i}]: refused, yet every tensor passes")  # pragma: no cover
 
 
 class Stage(NamedTuple):
@@ -139,7 +163,7 @@ def stages(n_keys: int, tensor_lists: Any) -> Any:
     then goes on to the next stage while the copy engines move the previous ones, so its first DMA
     starts after one small stage's host work, not after all keys' (64 x 1 MiB: ~100-250 us of checks,
     leases and planning on the H200 host, ~10-20% of the DMA). Stages grow from
-    :data:`FIRST_STAGE_BYTES`, doubling up to :data:`MAX_STAGE_BYTES` (each stage's DMA outlasts the
+    :data:`FIRST_STAGE_BYTES` by half each time up to :data:`MAX_STAGE_BYTES` (each stage's DMA outlasts the
     next stage's host work), and are cut only once a CUDA tensor was met: an all-CPU call (memmoves,
     no DMA to overlap) is one stage. A bad tensor raises when its stage is reached; the caller undoes
     or waits out what earlier stages queued.
@@ -162,7 +186,7 @@ def stages(n_keys: int, tensor_lists: Any) -> Any:
             acc += total
             hi += 1
         yield Stage(lo, hi, pieces, sizes, device)
-        budget = min(2 * budget, MAX_STAGE_BYTES)
+        budget = min(budget + budget // 2, MAX_STAGE_BYTES)
         lo = hi
 
 

@@ -154,29 +154,38 @@ def memcpy_raw(dsts: list[int], srcs: list[int], sizes: list[int], stream_handle
 
     One ``cudaMemcpyAsync`` for one pair, one ``cudaMemcpyBatchAsync`` for more. On the H200 machine one
     4 KiB pair cost 2.8 us of host time this way against ~10 us through :func:`memcpy_batch` and another
-    ~9 us for entering and leaving ``torch.cuda.stream``.
+    ~9 us for entering and leaving ``torch.cuda.stream``. The calls and their fixed arguments are looked up
+    once (:func:`_raw_calls`), not per call: a device call issues a batch every 16 runs.
     """
-    rt = _runtime()
-    if rt is None:
-        raise CopyEngineError("copy_engine needs cuda-bindings (pip install cuda-bindings)")
     n = len(sizes)
     if not (len(dsts) == len(srcs) == n):
         raise ValueError(f"srcs/dsts/sizes: lengths differ ({len(srcs)}, {len(dsts)}, {n})")
+    one, batch, kind, attrs = _raw_calls()
     if n == 1:
-        _check(
-            rt.cudaMemcpyAsync(dsts[0], srcs[0], sizes[0], rt.cudaMemcpyKind.cudaMemcpyDefault, stream_handle),
-            "cudaMemcpyAsync",
-        )
+        err = one(dsts[0], srcs[0], sizes[0], kind, stream_handle)[0]
+        if err:
+            raise CopyEngineError(f"cudaMemcpyAsync failed: {err!r}")
     elif n:
-        if not hasattr(rt, "cudaMemcpyBatchAsync"):
-            kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+        if batch is None:
             for d, s, z in zip(dsts, srcs, sizes):
-                _check(rt.cudaMemcpyAsync(d, s, z, kind, stream_handle), "cudaMemcpyAsync")
+                _check(one(d, s, z, kind, stream_handle), "cudaMemcpyAsync")
             return
-        _check(
-            rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, n, _batch_attrs(rt), [0], 1, stream_handle),
-            "cudaMemcpyBatchAsync",
-        )
+        err = batch(dsts, srcs, sizes, n, attrs, _ATTR_IDX, 1, stream_handle)[0]
+        if err:
+            raise CopyEngineError(f"cudaMemcpyBatchAsync failed: {err!r}")
+
+
+_ATTR_IDX = [0]  # every descriptor uses the one attribute set
+
+
+@functools.cache
+def _raw_calls() -> tuple:
+    """(cudaMemcpyAsync, cudaMemcpyBatchAsync or None, cudaMemcpyDefault, batch attributes) of cuda-bindings."""
+    rt = _runtime()
+    if rt is None:
+        raise CopyEngineError("copy_engine needs cuda-bindings (pip install cuda-bindings)")
+    batch = getattr(rt, "cudaMemcpyBatchAsync", None)
+    return rt.cudaMemcpyAsync, batch, rt.cudaMemcpyKind.cudaMemcpyDefault, _batch_attrs(rt) if batch else None
 
 
 def copy_runs_torch(
