@@ -134,3 +134,85 @@ def test_first_stage_failure_raises(make):
 def test_stage_bytes_validated(bad):
     with pytest.raises(ValueError, match="stage_bytes"):
         DeviceObjectConfig(stage_bytes=bad)
+
+
+def test_a_stage_waits_for_the_one_before_and_always_says_it_is_done(make, monkeypatch):
+    """The GPU path's stage jobs (run here with a stand-in for the copy wait): stage 2's wait starts once
+    stage 1's ended, and a stage whose wait fails still lets the next one go."""
+    import threading
+    import time
+
+    b, _ = make("b")
+    log: list[tuple[str, str]] = []
+
+    def finish(queued, done, by_rec):
+        log.append((queued, "start"))
+        time.sleep(0.1 if queued == "s1" else 0.0)
+        log.append((queued, "end"))
+        if queued == "s2":
+            raise RuntimeError("copy wait failed (test)")
+
+    monkeypatch.setattr(b, "_finish_batch", finish)
+    raised: list[str] = []
+
+    def job(queued, prev, mine):
+        try:
+            b._finish_stage(queued, prev, mine)
+        except RuntimeError:  # the pool logs it (see _run_in_pool)
+            raised.append(queued[0])
+
+    e1, e2, e3 = threading.Event(), threading.Event(), threading.Event()
+    jobs = [
+        threading.Thread(target=job, args=(("s3", None, {}), e2, e3)),
+        threading.Thread(target=job, args=(("s2", None, {}), e1, e2)),
+        threading.Thread(target=job, args=(("s1", None, {}), None, e1)),
+    ]
+    for j in jobs:  # the later stages' jobs start first: they must still wait their turn
+        j.start()
+    for j in jobs:
+        j.join(WAIT)
+    assert log == [(s, w) for s in ("s1", "s2", "s3") for w in ("start", "end")]
+    assert e1.is_set() and e2.is_set() and e3.is_set()
+    assert raised == ["s2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("devices", [(0, 0), (0, 1)])
+def test_staged_subscribe_and_mget_on_gpus_exact(devices):
+    """Two clients of one process (the copy engine path, same GPU or across NVLink): 12 keys of 1 MiB in
+    stages of 1, 2, 4 MiB..., publisher first and subscriber first, mset/mget; every byte checked."""
+    src_dev, dst_dev = devices
+    if torch.cuda.device_count() <= max(devices):
+        pytest.skip(f"needs {max(devices) + 1} GPUs")
+    broker = DeviceBroker()
+    cfg = DeviceObjectConfig(poll_seconds=0.05, stage_bytes=1 << 20)
+    a = DeviceObjects(InprocBrokerLink(broker, "a"), device=src_dev, config=cfg)
+    b = DeviceObjects(InprocBrokerLink(broker, "b"), device=dst_dev, config=cfg)
+    try:
+        k, n = 12, (1 << 20) // 4
+        g = torch.Generator().manual_seed(5)
+        src = [torch.randint(-(2**30), 2**30, (n,), generator=g, dtype=torch.int32).to(src_dev) for _ in range(k)]
+        keep = [t.cpu() for t in src]
+        for first in ("publisher", "subscriber"):
+            keys = [f"{first}/{i}" for i in range(k)]
+            with torch.cuda.device(dst_dev):
+                dst = [torch.full((n,), 7, dtype=torch.int32, device=dst_dev) for _ in range(k)]
+            pubs = a.dev_publish(keys, [[t] for t in src]) if first == "publisher" else []
+            with torch.cuda.device(dst_dev):
+                subs = b.dev_subscribe(keys, [[d] for d in dst], timeout=WAIT)
+            if first == "subscriber":
+                pubs = a.dev_publish(keys, [[t] for t in src])
+            for f in subs + pubs:
+                assert f.result(WAIT) is None
+            assert all(torch.equal(d.cpu(), s) for d, s in zip(dst, keep)), f"{first} first: bytes differ"
+        keys = [f"m/{i}" for i in range(k)]
+        assert a.dev_mset(keys, [[t] for t in src]) == [None] * k
+        with torch.cuda.device(dst_dev):
+            dst = [torch.full((n,), 7, dtype=torch.int32, device=dst_dev) for _ in range(k)]
+            for f in b.dev_mget(keys, [[d] for d in dst], timeout=WAIT):
+                assert f.result(WAIT) is None
+        assert all(torch.equal(d.cpu(), s) for d, s in zip(dst, keep)), "mget: bytes differ"
+        assert all(torch.equal(s.cpu(), c) for s, c in zip(src, keep)), "sources changed"
+    finally:
+        b.close()
+        a.close()

@@ -499,9 +499,12 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
                     rest.append(want)
         if rest:
             stages = self._stages(rest)
+            prev = None
             for i, part in enumerate(stages):
+                mine = threading.Event() if len(stages) > 1 else None
                 try:
-                    self._request(op, part, timeout)
+                    self._request(op, part, timeout, prev_stage=prev, stage_done=mine)
+                    prev = mine
                 except BaseException as exc:
                     if i == 0:
                         raise
@@ -540,8 +543,38 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             stages.append(cur)
         return stages
 
-    def _request(self, op: str, wants: list[_Want], timeout: float | None) -> None:
-        """Ask the broker for ``wants``; matches are copied in one batch, the others wait for events."""
+    def _request(
+        self,
+        op: str,
+        wants: list[_Want],
+        timeout: float | None,
+        *,
+        prev_stage: threading.Event | None = None,
+        stage_done: threading.Event | None = None,
+    ) -> None:
+        """Ask the broker for ``wants``; matches are copied in one batch, the others wait for events.
+
+        A stage of a staged receive (see :meth:`_stages`) sets ``stage_done`` once its copies are waited for
+        (at once if it has none to wait for); its wait starts after ``prev_stage``'s, whose copies run ahead
+        of its own on the transfer stream: it then sleeps through its own copies' time only, and one thread,
+        not several, polls the stream's progress.
+        """
+        handed = False
+        try:
+            handed = self._request_stage(op, wants, timeout, prev_stage, stage_done)
+        finally:
+            if stage_done is not None and not handed:
+                stage_done.set()
+
+    def _request_stage(
+        self,
+        op: str,
+        wants: list[_Want],
+        timeout: float | None,
+        prev_stage: threading.Event | None,
+        stage_done: threading.Event | None,
+    ) -> bool:
+        """:meth:`_request`'s body; True when a pool job took ``stage_done`` over (sets it when finished)."""
         keys = [w.key for w in wants]
         args: dict[str, Any] = {
             "keys": keys,
@@ -605,9 +638,23 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
                 # the copies start without a thread hand-off (~100 us on the H200 host before).
                 with torch.cuda.device(self.device):  # the caller's thread may have another GPU current
                     queued = self._queue_batch(batch)
-                self._run_in_pool(self._finish_batch, *queued)
+                if stage_done is None:
+                    self._run_in_pool(self._finish_batch, *queued)
+                    return False
+                self._run_in_pool(self._finish_stage, queued, prev_stage, stage_done)
+                return True
             else:
                 self._run_in_pool(self._copy_batch, batch)
+        return False
+
+    def _finish_stage(self, queued: tuple, prev_stage: threading.Event | None, stage_done: threading.Event) -> None:
+        """:meth:`_finish_batch` of one stage, after the stage before it (see :meth:`_request`)."""
+        try:
+            if prev_stage is not None:
+                prev_stage.wait(self.config.copy_timeout)  # bounded: the wait below still has its own deadline
+            self._finish_batch(*queued)
+        finally:
+            stage_done.set()
 
     def _on_cancel(self, f: Future, wid: int) -> None:
         """A waiting receive was cancelled by its caller: withdraw it from the broker."""
