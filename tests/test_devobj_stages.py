@@ -89,7 +89,7 @@ def test_mget_in_stages_and_small_calls_in_one_request(make):
     assert all(torch.equal(d[0], s[0]) for d, s in zip(dst, src))
     assert [len(k) for _, k in link.requests] == [1, 2, 3]
     link.requests.clear()
-    small = [[torch.zeros(N, dtype=torch.int32)] for _ in range(3)]  # 12 KiB < 4 stages' worth: one request
+    small = [[torch.zeros(N // 4, dtype=torch.int32)] for _ in range(3)]  # 3 KiB < 2 stages' worth: one request
     for f in b.dev_subscribe(["x0", "x1", "x2"], small, timeout=0.05):
         with pytest.raises(errors.Timeout):
             f.result(WAIT)

@@ -528,7 +528,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         if len(wants) < 2 or not first:
             return [wants]
         sizes = [sum(t.nbytes for t in w.tensors) for w in wants]
-        if sum(sizes) < 4 * first:
+        if sum(sizes) < 2 * first:
             return [wants]
         stages: list[list[_Want]] = []
         cur: list[_Want] = []

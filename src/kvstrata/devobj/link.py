@@ -71,11 +71,12 @@ class DeviceObjectConfig:
     # Longest wait for a matched copy's GPU work; past it the receive fails (Timeout) and the object
     # goes back to the broker, instead of the receiver's thread hanging on a ready event that never fires.
     copy_timeout: float = 120.0
-    # A receive (dev_subscribe / dev_mget through the broker) of at least 4x this many bytes over several
+    # A receive (dev_subscribe / dev_mget through the broker) of at least 2x this many bytes over several
     # keys goes to the broker in growing stages (this much, then twice as much, ...): the first copies run
     # while the broker answers for the rest, instead of after one answer for all (32 x 64 MiB: ~0.8 ms of
-    # round trip and replies before a ~5.5 ms copy on the H200 pair). 0: one request per call.
-    stage_bytes: int = 64 << 20
+    # round trip and replies before a ~5.5 ms copy on the H200 pair). 128 MiB is ~340 us over NVLink, longer
+    # than the next stage's round trip through the worker (~250 us + ~17 us a key there). 0: one request.
+    stage_bytes: int = 128 << 20
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "nccl"):
