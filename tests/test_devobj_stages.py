@@ -177,7 +177,9 @@ def test_a_stage_waits_for_the_one_before_and_always_says_it_is_done(make, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("devices", [(0, 0), (0, 1)])
+@pytest.mark.parametrize(
+    "devices", [pytest.param((0, 0), id="gpu0"), pytest.param((0, 1), id="gpu0-gpu1", marks=pytest.mark.multigpu)]
+)
 def test_staged_subscribe_and_mget_on_gpus_exact(devices):
     """Two clients of one process (the copy engine path, same GPU or across NVLink): 12 keys of 1 MiB in
     stages of 1, 2, 4 MiB..., publisher first and subscriber first, mset/mget; every byte checked."""
