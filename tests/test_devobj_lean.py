@@ -159,6 +159,17 @@ def test_reply_spin_setting(monkeypatch):
     assert service.reply_spin_seconds() == pytest.approx(service.SPIN_US * 1e-6)
 
 
+def test_event_spin_setting(monkeypatch):
+    monkeypatch.delenv("KVSTRATA_DEVOBJ_EVENT_SPIN_US", raising=False)
+    assert service.event_spin_seconds() == 0.0  # off unless asked for
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_EVENT_SPIN_US", "1500")
+    assert service.event_spin_seconds() == pytest.approx(1.5e-3)
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_EVENT_SPIN_US", "1e9")
+    assert service.event_spin_seconds() == pytest.approx(0.1)  # capped
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_EVENT_SPIN_US", "soon")
+    assert service.event_spin_seconds() == 0.0
+
+
 def test_inline_receive_reports_done_off_the_callers_thread(monkeypatch):
     """A small publisher-first receive is copied on the caller's thread; the broker hears of it from a copy
     thread (not the caller's, not a poll: polls here wait 30 s), so the publisher's future completes."""

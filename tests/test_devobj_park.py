@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kvstrata.devobj._core import PidWatch
 from kvstrata.devobj.broker import DeviceBroker
 
@@ -147,8 +149,11 @@ def test_pid_watch_tells_live_dead_and_zombie_processes():
     w.close()
 
 
-def test_worker_link_parks_polls_and_one_way_errors_keep_the_connection_in_step(tmp_path):
+@pytest.mark.parametrize("event_spin_us", ["", "2000"])
+def test_worker_link_parks_polls_and_one_way_errors_keep_the_connection_in_step(tmp_path, monkeypatch, event_spin_us):
     from kvstrata.devobj.service import WorkerBrokerLink
+
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_EVENT_SPIN_US", event_spin_us)  # the poll spins first, or sleeps at once
     from kvstrata.server.config import WorkerConfig
     from kvstrata.server.worker import Worker
 

@@ -6,7 +6,9 @@ and the subscriber's ``_sources`` returns a tensor of its own (no IPC on CPU), s
 encoding, the client's matching and settling run as on the GPU machine. Per round: the publisher
 publishes K keys, the subscriber subscribes to them (publisher first) and waits for all futures.
 
-Run: ``PYTHONPATH=src python tools/devobj_subscribe_cpu.py [--keys 32 256] [--rounds 40] [--profile]``
+Run: ``PYTHONPATH=src python tools/devobj_subscribe_cpu.py [--keys 32 256] [--rounds 40] [--profile]
+[--nbytes 4096] [--stage-bytes N]`` (``--nbytes 8388608 --stage-bytes 0`` against the default stages: the
+first copies overlapping the broker's answer for the rest)
 (``--profile``: cProfile of the worker's request thread(s) over the timed rounds, top entries).
 """
 
@@ -21,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-NBYTES = 4096
+NBYTES = int(os.environ.get("DEVOBJ_TOOL_NBYTES", "4096"))  # per key (--nbytes; children read it here)
+STAGE_BYTES = os.environ.get("DEVOBJ_TOOL_STAGE_BYTES")  # --stage-bytes (None: DeviceObjectConfig's)
 FAKE_BLOB = {
     "size": [NBYTES],
     "stride": [1],
@@ -55,7 +58,8 @@ def _client(address: str):
     api.DeviceObjects._export = fake_export
     api.DeviceObjects._sources = sources
     c = kvstrata.connect(address)
-    c.device_objects(device="cpu", config=DeviceObjectConfig(allow_cpu=True))
+    extra = {} if STAGE_BYTES is None else {"stage_bytes": int(STAGE_BYTES)}
+    c.device_objects(device="cpu", config=DeviceObjectConfig(allow_cpu=True, **extra))
     return c
 
 
@@ -131,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--nbytes", type=int, default=4096, help="bytes per key (copied on CPU: big ones show staging)")
+    ap.add_argument("--stage-bytes", type=int, default=None, help="DeviceObjectConfig.stage_bytes (0: one request)")
     args = ap.parse_args(argv)
+    os.environ["DEVOBJ_TOOL_NBYTES"] = str(args.nbytes)  # for the spawned processes
+    if args.stage_bytes is not None:
+        os.environ["DEVOBJ_TOOL_STAGE_BYTES"] = str(args.stage_bytes)
     from kvstrata.server.config import WorkerConfig
     from kvstrata.server.worker import Worker
 

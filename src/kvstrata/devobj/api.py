@@ -55,6 +55,7 @@ from kvstrata.devobj.link import (
     error_from,
 )
 from kvstrata.devobj.receive import CopyReceiver
+from kvstrata.ops import current_stream
 
 log = logging.getLogger(__name__)
 _TOKENS = itertools.count(1)
@@ -372,7 +373,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         """
         if not self._cuda:
             return None, []
-        stream = torch.cuda.current_stream(self.device)
+        stream = current_stream(self.device.index)  # by raw handle: ~5 us less than torch's lookup on the H200 host
         if stream.query():  # cudaStreamQuery: all its work is complete already; no event to record or wait for
             return _SharedEvent(None), []
         ev = self._events.get(self.device.index)
@@ -477,7 +478,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         trace(f"{op} {len(keys)} keys: call")
         after = None
         if self._cuda:
-            stream = torch.cuda.current_stream(self.device)
+            stream = current_stream(self.device.index)
             # An idle stream (cudaStreamQuery) reached the call already: nothing to order the copies after,
             # so no event to create, record and wait for on the copy streams.
             if not stream.query():
@@ -497,7 +498,20 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
                 else:
                     rest.append(want)
         if rest:
-            self._request(op, rest, timeout)
+            stages = self._stages(rest)
+            prev = None
+            for i, part in enumerate(stages):
+                mine = threading.Event() if len(stages) > 1 else None
+                try:
+                    self._request(op, part, timeout, prev_stage=prev, stage_done=mine)
+                    prev = mine
+                except BaseException as exc:
+                    if i == 0:
+                        raise
+                    # Earlier stages are in flight (their futures are the caller's): the rest fail alone.
+                    for want in (w for later in stages[i:] for w in later):
+                        _settle(want.future, exc)
+                    break
         if hits:
             for _, want in hits:
                 want.running = True  # a read redone through the broker (see _copy_cached) must not set it again
@@ -506,8 +520,61 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         trace(f"{op}: returns futures")
         return [w.future for w in wants]
 
-    def _request(self, op: str, wants: list[_Want], timeout: float | None) -> None:
-        """Ask the broker for ``wants``; matches are copied in one batch, the others wait for events."""
+    def _stages(self, wants: list[_Want]) -> list[list[_Want]]:
+        """``wants`` as the requests to send, in order: one, or, for a big many-key receive, stages of
+        ``config.stage_bytes``, then twice that, and so on (each stage's copies are queued before the next
+        request goes out, so the broker's answer for a stage overlaps the copies of the one before)."""
+        first = self.config.stage_bytes
+        if len(wants) < 2 or not first:
+            return [wants]
+        sizes = [sum(t.nbytes for t in w.tensors) for w in wants]
+        if sum(sizes) < 2 * first:
+            return [wants]
+        stages: list[list[_Want]] = []
+        cur: list[_Want] = []
+        have, limit = 0, first
+        for want, n in zip(wants, sizes):
+            cur.append(want)
+            have += n
+            if have >= limit:
+                stages.append(cur)
+                cur, have, limit = [], 0, limit * 2
+        if cur:
+            stages.append(cur)
+        return stages
+
+    def _request(
+        self,
+        op: str,
+        wants: list[_Want],
+        timeout: float | None,
+        *,
+        prev_stage: threading.Event | None = None,
+        stage_done: threading.Event | None = None,
+    ) -> None:
+        """Ask the broker for ``wants``; matches are copied in one batch, the others wait for events.
+
+        A stage of a staged receive (see :meth:`_stages`) sets ``stage_done`` once its copies are waited for
+        (at once if it has none to wait for); its wait starts after ``prev_stage``'s, whose copies run ahead
+        of its own on the transfer stream: it then sleeps through its own copies' time only, and one thread,
+        not several, polls the stream's progress.
+        """
+        handed = False
+        try:
+            handed = self._request_stage(op, wants, timeout, prev_stage, stage_done)
+        finally:
+            if stage_done is not None and not handed:
+                stage_done.set()
+
+    def _request_stage(
+        self,
+        op: str,
+        wants: list[_Want],
+        timeout: float | None,
+        prev_stage: threading.Event | None,
+        stage_done: threading.Event | None,
+    ) -> bool:
+        """:meth:`_request`'s body; True when a pool job took ``stage_done`` over (sets it when finished)."""
         keys = [w.key for w in wants]
         args: dict[str, Any] = {
             "keys": keys,
@@ -571,9 +638,23 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
                 # the copies start without a thread hand-off (~100 us on the H200 host before).
                 with torch.cuda.device(self.device):  # the caller's thread may have another GPU current
                     queued = self._queue_batch(batch)
-                self._run_in_pool(self._finish_batch, *queued)
+                if stage_done is None:
+                    self._run_in_pool(self._finish_batch, *queued)
+                    return False
+                self._run_in_pool(self._finish_stage, queued, prev_stage, stage_done)
+                return True
             else:
                 self._run_in_pool(self._copy_batch, batch)
+        return False
+
+    def _finish_stage(self, queued: tuple, prev_stage: threading.Event | None, stage_done: threading.Event) -> None:
+        """:meth:`_finish_batch` of one stage, after the stage before it (see :meth:`_request`)."""
+        try:
+            if prev_stage is not None:
+                prev_stage.wait(self.config.copy_timeout)  # bounded: the wait below still has its own deadline
+            self._finish_batch(*queued)
+        finally:
+            stage_done.set()
 
     def _on_cancel(self, f: Future, wid: int) -> None:
         """A waiting receive was cancelled by its caller: withdraw it from the broker."""

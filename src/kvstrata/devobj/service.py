@@ -142,6 +142,25 @@ def reply_spin_seconds() -> float:
     return SPIN_US * 1e-6 if cpus >= SPIN_MIN_CPUS else 0.0
 
 
+def event_spin_seconds() -> float:
+    """Seconds the event thread's long poll busy-polls for the worker's answer before sleeping:
+    ``KVSTRATA_DEVOBJ_EVENT_SPIN_US`` (default 0: it sleeps at once).
+
+    An experiment knob for the hand-off latency: a subscriber's event thread asleep in its poll wakes
+    ~20-40 us after the worker pushed the match (H200 host traces). Spinning holds a core and, between
+    polls, competes for the GIL with the process's other threads (in the worker, polling four connections
+    made the 4 KiB hand-off slower, see ``Worker._update_spin``), hence off unless asked for.
+    """
+    env = os.environ.get("KVSTRATA_DEVOBJ_EVENT_SPIN_US", "").strip()
+    if not env:
+        return 0.0
+    try:
+        return min(max(float(env), 0.0), 1e5) * 1e-6
+    except ValueError:
+        log.warning("KVSTRATA_DEVOBJ_EVENT_SPIN_US=%r is not a number of microseconds; ignored", env)
+        return 0.0
+
+
 class WorkerBrokerLink:
     """A :class:`~kvstrata.devobj.api.BrokerLink` to a worker's broker."""
 
@@ -154,6 +173,8 @@ class WorkerBrokerLink:
         self._locks = [threading.Lock(), threading.Lock()]
         #: seconds a request (never the long poll of events) polls for its reply before sleeping
         self.spin = reply_spin_seconds()
+        #: seconds the long poll of events polls for its answer before sleeping (see event_spin_seconds)
+        self.event_spin = event_spin_seconds()
         #: the broker's generation (``.value``), mapped from the page the worker sent; None where it sent none
         self.generation_counter: ctypes.c_uint64 | None = None
         self._page: mmap.mmap | None = None
@@ -188,7 +209,7 @@ class WorkerBrokerLink:
             conn = self._conns[i]
             conn.send(msg)
             try:
-                reply, _ = conn.recv(timeout, spin=self.spin if i == 0 else 0.0)
+                reply, _ = conn.recv(timeout, spin=self.spin if i == 0 else self.event_spin)
             except errors.Timeout:
                 # The late reply would answer the next call: this connection is out of step for good.
                 conn.close()
