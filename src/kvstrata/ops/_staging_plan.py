@@ -197,6 +197,21 @@ def plan_count() -> int:
     return len(_plans)
 
 
+class Events:
+    """The events one call records: fork, piece ready, slot done (per slot), joins. Reused call after call."""
+
+    def __init__(self) -> None:
+        self.fork = torch.cuda.Event()
+        self.ready = torch.cuda.Event()
+        self.joins = (torch.cuda.Event(), torch.cuda.Event())
+        self.done: list[torch.cuda.Event] = []
+
+    def slots(self, n: int) -> list[torch.cuda.Event]:
+        while len(self.done) < n:
+            self.done.append(torch.cuda.Event())
+        return self.done
+
+
 class Side:
     """One (device, direction): the high-priority kernel stream, the copy stream, reusable events, a lock.
 
@@ -209,15 +224,7 @@ class Side:
         self.kernel_handle = self.kernel.cuda_stream
         self.copy_handle = self.copy.cuda_stream
         self.lock = threading.Lock()
-        self.fork = torch.cuda.Event()
-        self.ready = torch.cuda.Event()
-        self.joins = (torch.cuda.Event(), torch.cuda.Event())
-        self.done: list[torch.cuda.Event] = []
-
-    def slot_events(self, n: int) -> list[torch.cuda.Event]:
-        while len(self.done) < n:
-            self.done.append(torch.cuda.Event())
-        return self.done
+        self.events = Events()
 
 
 _sides: dict[tuple[int, bool], Side] = {}
@@ -234,4 +241,4 @@ def side(index: int, to_host: bool) -> Side:
     return got
 
 
-__all__ = ["MAX_PLANS", "Piece", "Side", "StagingPlan", "clear_plans", "get_plan", "plan_count", "side"]
+__all__ = ["MAX_PLANS", "Events", "Piece", "Side", "StagingPlan", "clear_plans", "get_plan", "plan_count", "side"]

@@ -6,6 +6,10 @@ high-priority stream, then the copy engines move it to the host, one DMA per run
 the host (consecutive host blocks in ``block_first`` merge into one run). H2D is the mirror image. The
 kernel of piece ``i+1`` overlaps the DMA of piece ``i``; slot reuse is ordered by events.
 
+Each call is issued from a launch plan cached per signature (:mod:`kvstrata.ops._staging_plan`): the
+compiled kernel launched directly, DMA on raw stream handles, events reused, so one call's host time
+no longer delays a transfer the other way issued right after it.
+
 Why a high-priority stream: beside a saturating GEMM, normal-priority gather CTAs wait for SMs and the
 DMA engines idle (measured: 33 GB/s instead of 55). The kernels are short (device-to-device at TB/s),
 so running them first costs the model little. Everything is forked from and joined back to the
@@ -25,11 +29,11 @@ from kvstrata.ops import copy_engine
 from kvstrata.ops._common import current_stream
 from kvstrata.ops.chunk_copy import launch_copy_chunks
 
-# Ring geometry. Pieces must be large: each costs ~150-300 us of host time (planning, a kernel launch,
-# a DMA, events) on the H200 machine, so 8 MiB pieces (150 us of DMA) left the copy engine idle half
-# the time at 32 KiB chunks (28 GB/s), while 32 MiB x 3 reached 47-50 GB/s at 2 KiB-2 MiB chunks
-# (tools/tune_transfer.py, 2026-11-29). The ring is taken from torch's caching allocator per call
-# (or is the caller's buffer).
+# Ring geometry. Pieces must be large: each costs host time (planning, a kernel launch, a DMA, events):
+# ~150-300 us on the H200 machine before launch plans (kvstrata.ops._staging_plan), when 8 MiB pieces
+# (150 us of DMA) left the copy engine idle half the time at 32 KiB chunks (28 GB/s) and 32 MiB x 3
+# reached 47-50 GB/s at 2 KiB-2 MiB chunks (tools/tune_transfer.py, 2026-11-29). The ring is taken from
+# torch's caching allocator per call (or is the caller's buffer).
 SLOT_BYTES = int(os.environ.get("KVSTRATA_STAGING_SLOT_MB", "32")) << 20
 NUM_SLOTS = int(os.environ.get("KVSTRATA_STAGING_SLOTS", "3"))
 
@@ -144,11 +148,13 @@ def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_flat, ring, device, ind
     ks, cs, kh = sd.kernel, sd.copy, sd.kernel_handle
     first, second = (ks, cs) if to_host else (cs, ks)
     last = len(plan.pieces)
+    # Under graph capture, events of their own: the side's are never left recorded inside a graph.
+    ev = _sp.Events() if dma.capturing else sd.events
     with sd.lock:
-        done = sd.slot_events(plan.nslots)
-        sd.fork.record(cur)
-        ks.wait_event(sd.fork)
-        cs.wait_event(sd.fork)
+        done = ev.slots(plan.nslots)
+        ev.fork.record(cur)
+        ks.wait_event(ev.fork)
+        cs.wait_event(ev.fork)
         for p, piece in enumerate(plan.pieces):
             slot_ptr = ring_ptr + piece.slot * plan.biggest
             runs = plan.runs(piece, host_ids)
@@ -158,18 +164,18 @@ def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_flat, ring, device, ind
                 plan.launch(piece, seg_table, dev_ids, slot_ids, slot_ptr, ks, kh)
             else:
                 dma(piece, slot_ptr, runs)
-            sd.ready.record(first)
-            second.wait_event(sd.ready)
+            ev.ready.record(first)
+            second.wait_event(ev.ready)
             if to_host:
                 dma(piece, slot_ptr, runs)
             else:
                 plan.launch(piece, seg_table, dev_ids, slot_ids, slot_ptr, ks, kh)
             if p + plan.nslots < last:
                 done[piece.slot].record(second)
-        sd.joins[0].record(ks)
-        sd.joins[1].record(cs)
-        cur.wait_event(sd.joins[0])
-        cur.wait_event(sd.joins[1])
+        ev.joins[0].record(ks)
+        ev.joins[1].record(cs)
+        cur.wait_event(ev.joins[0])
+        cur.wait_event(ev.joins[1])
 
 
 class _Dma:
