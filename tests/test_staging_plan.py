@@ -68,7 +68,7 @@ def test_runs_match_chunk_by_chunk(block_first, gap, nblocks, slot_chunks, ids):
     plan = sp.StagingPlan(g, nblocks, slot_chunks * chunk, 2, True, 4)
     covered = 0
     for piece in plan.pieces:
-        got = plan.runs(piece, host_ids)
+        got = plan.runs(piece, host_ids, g.host_base)
         assert tuple(got) == _reference_runs(g, piece, host_ids)
         assert sum(got[2]) == piece.nb * piece.ns * chunk <= plan.biggest
         covered += piece.nb * piece.ns
@@ -84,6 +84,9 @@ def test_plan_cached_per_signature():
     assert sp.get_plan(g, 5, 1024, 3, True, 4, device_index=1, id_dtype=torch.int64) is not a  # other device
     assert sp.get_plan(g, 5, 1024, 3, False, 4, device_index=0, id_dtype=torch.int64) is not a
     assert sp.plan_count() == 4
+    moved = Geometry(g.seg_ptrs, g.chunk, g.dev_block_stride, g.host_base + 4096, g.host_block_stride,
+                     g.host_seg_stride, g.block_first, g.align)  # fmt: skip
+    assert sp.get_plan(moved, 5, 1024, 3, True, 4, device_index=0, id_dtype=torch.int64) is a  # runs take the base
 
 
 def test_transfer_blocks_reuses_the_staging_plan(seeded):

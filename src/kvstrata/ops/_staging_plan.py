@@ -88,14 +88,15 @@ class StagingPlan:
             piece.args = [values[name] for name in _arg_names()]
             self.pieces.append(piece)
 
-    def runs(self, piece: Piece, host_ids: np.ndarray) -> tuple[list[int], list[int], list[int]]:
-        """(staging offset, host address, bytes) of the piece's merged runs, staging order = pool order.
+    def runs(self, piece: Piece, host_ids: np.ndarray, host_base: int) -> tuple[list[int], list[int], list[int]]:
+        """(staging offset, host address, bytes) of the piece's merged runs, staging order = pool order, for a
+        pool at ``host_base`` (not part of the plan: a block transfer's host block changes call by call).
 
         Staging is packed in pool order, so units that follow each other on the host are one run."""
         g = self.g
         if self.block_runs:  # one unit per block: its segments [s0, s1)
             unit = piece.ns * g.chunk
-            base = g.host_base + piece.s0 * g.host_seg_stride
+            base = host_base + piece.s0 * g.host_seg_stride
             if piece.nb <= SMALL_RUNS:  # Python beats numpy's per-call overhead on a few values
                 hbs = g.host_block_stride
                 return _merge_list([base + h * hbs for h in host_ids[piece.b0 : piece.b1].tolist()], unit)
@@ -103,7 +104,7 @@ class StagingPlan:
         h = host_ids[piece.b0 : piece.b1].astype(np.int64) * g.host_block_stride
         s = np.arange(piece.s0, piece.s1, dtype=np.int64) * g.host_seg_stride
         addr = h[:, None] + s[None, :] if g.block_first else s[:, None] + h[None, :]  # (block, seg) / (seg, block)
-        return _merge_array(g.host_base + addr.reshape(-1), g.chunk)
+        return _merge_array(host_base + addr.reshape(-1), g.chunk)
 
     def launch(self, piece: Piece, seg_table: torch.Tensor, dev_ids: torch.Tensor, slot_ids: torch.Tensor,
                slot_ptr: int, stream: torch.cuda.Stream, handle: int) -> None:  # fmt: skip
@@ -130,7 +131,7 @@ class StagingPlan:
             compiled = _copy_chunks_kernel[(piece.nprog,)](*args, num_warps=NUM_WARPS)
         if compiled is not None and _state["fast"]:
             try:
-                piece.runners[spec] = direct_launch(compiled, piece.nprog)
+                piece.runners[spec] = _runner(compiled, piece.nprog)
             except Exception as exc:  # a Triton without the runner API
                 log.debug("staging: no direct launch (%r)", exc)
                 _state["fast"] = False
@@ -156,6 +157,21 @@ def _merge_array(addr: np.ndarray, unit: int) -> tuple[list[int], list[int], lis
     return (starts * unit).tolist(), addr[starts].tolist(), ((ends - starts) * unit).tolist()
 
 
+_runners: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(compiled), programs) -> (compiled, fire)
+
+
+def _runner(compiled: Any, nprog: int) -> Any:
+    """``direct_launch(compiled, nprog)``, shared by every plan launching that kernel on that grid (building
+    one inspects the launcher; plans are rebuilt when a block transfer's pool moves)."""
+    key = (id(compiled), nprog)
+    got = _runners.get(key)
+    if got is None or got[0] is not compiled:
+        if len(_runners) >= 4 * MAX_PLANS:
+            _runners.clear()
+        got = _runners[key] = (compiled, direct_launch(compiled, nprog))
+    return got[1]
+
+
 _ARG_PTRS: list[int] = []  # positions of seg_ptrs, dev_ids, other_ids, other_base in _arg_names()
 _ARG_NAMES: list[tuple[str, ...]] = []
 
@@ -175,8 +191,10 @@ _lock = threading.Lock()
 def get_plan(g: Any, n_blocks: int, slot_bytes: int, nslots: int, to_host: bool, num_ctas: int, *,
              device_index: int, id_dtype: torch.dtype) -> StagingPlan:  # fmt: skip
     """The cached plan of this signature (built on first use). The device and the id dtype are part of it:
-    its compiled kernels belong to one device and were specialized for one id type."""
-    key = (g, n_blocks, slot_bytes, nslots, to_host, num_ctas, device_index, id_dtype)
+    its compiled kernels belong to one device and were specialized for one id type; the host pool's address
+    is not (see :meth:`StagingPlan.runs`)."""
+    key = (g.seg_ptrs, g.chunk, g.dev_block_stride, g.host_block_stride, g.host_seg_stride, g.block_first, g.align,
+           n_blocks, slot_bytes, nslots, to_host, num_ctas, device_index, id_dtype)  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         plan = StagingPlan(g, n_blocks, slot_bytes, nslots, to_host, num_ctas)

@@ -118,12 +118,12 @@ def staging_transfer(
         # reuse the memory: no record_stream needed (and none inside CUDA graph capture).
         ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
     if cuda:
-        _issue_cuda(plan, seg_table, dev_ids, host_ids, host_flat, ring, device, index)
+        _issue_cuda(plan, seg_table, dev_ids, host_ids, g.host_base, host_flat, ring, device, index)
         return
     slot_ids = torch.arange(plan.max_nb, dtype=torch.int32, device=device)
     for piece in plan.pieces:  # CPU (Triton interpreter): the same pieces and runs, in program order
         slot = ring[piece.slot * plan.biggest : (piece.slot + 1) * plan.biggest]
-        stage_off, host_addr, sizes = plan.runs(piece, host_ids)
+        stage_off, host_addr, sizes = plan.runs(piece, host_ids, g.host_base)
         host_off = np.asarray(host_addr, dtype=np.int64) - host_flat.data_ptr()
         if not to_host:
             copy_engine.copy_runs_torch(slot, stage_off, host_flat, host_off, sizes)
@@ -136,7 +136,7 @@ def staging_transfer(
             copy_engine.copy_runs_torch(host_flat, host_off, slot, stage_off, sizes)
 
 
-def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_flat, ring, device, index) -> None:
+def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, device, index) -> None:
     """Enqueue every piece (see :mod:`kvstrata.ops._staging_plan`): D2H kernel then DMA per piece, H2D the
     reverse, slot reuse ordered by events, forked from and joined to the caller's stream."""
     to_host = plan.to_host
@@ -157,7 +157,7 @@ def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_flat, ring, device, ind
         cs.wait_event(ev.fork)
         for p, piece in enumerate(plan.pieces):
             slot_ptr = ring_ptr + piece.slot * plan.biggest
-            runs = plan.runs(piece, host_ids)
+            runs = plan.runs(piece, host_ids, host_base)
             if p >= plan.nslots:  # the slot's previous piece must have left it
                 first.wait_event(done[piece.slot])
             if to_host:
