@@ -225,3 +225,95 @@ def _both(threads: list[threading.Thread]) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+# ------------------------------------------------------------------------------------------- stepping
+_END = object()
+
+
+def _step_in_turn(*gens) -> list[int]:
+    """Step the generators alternately until all are done; how many steps each took."""
+    counts, left = [0] * len(gens), set(range(len(gens)))
+    while left:
+        for i in sorted(left):
+            if next(gens[i], _END) is _END:
+                left.discard(i)
+            else:
+                counts[i] += 1
+    return counts
+
+
+def _stored_ok(cache, pool, host_layout, nseg, host_blocks, dev, host) -> bool:
+    chunk = pool.chunk_bytes
+    return all(
+        same(host_chunk(pool.flat, host_layout, nseg, host_blocks, chunk, seg, h), device_chunk(cache, seg, d).cpu())
+        for d, h in zip(dev, host)
+        for seg in range(nseg)
+    )
+
+
+@pytest.mark.parametrize("host_layout", ["block_first", "layer_first"])
+def test_store_and_load_stepped_in_turn(seeded, monkeypatch, host_layout):
+    """A staging store and load stepped alternately (one piece each per step) land exactly; a staging call
+    takes one step per piece, an in-place one a single step; bad arguments fail at the first step."""
+    from kvstrata.ops.transfer_blocks import interleave, transfer_blocks_steps
+
+    cache = make_cache("vllm", layers=2, blocks=12, dtype=torch.float16)
+    layout = layout_of(cache)
+    nseg, chunk = num_segments(cache), layout.chunk_bytes
+    monkeypatch.setattr(staging, "SLOT_BYTES", 2 * nseg * chunk)  # 2 blocks per piece
+    monkeypatch.setattr(staging, "NUM_SLOTS", 2)
+    pool = HostPool.allocate(layout, 10, host_layout, pinned=False)
+    pool.flat.copy_(torch.randint(0, 256, (pool.flat.numel(),), dtype=torch.uint8))
+    before = pool.flat.clone()
+    store_dev, store_host = [11, 0, 5, 7, 2], [0, 1, 2, 3, 4]
+    load_dev, load_host = [1, 3, 4, 6, 8], [9, 8, 7, 6, 5]  # disjoint from the store's blocks on both sides
+    expect = {(seg, h): host_chunk(before, host_layout, nseg, 10, chunk, seg, h).clone()
+              for seg in range(nseg) for h in load_host}  # fmt: skip
+    store = transfer_blocks_steps(layout, pool, store_dev, store_host, direction="d2h", method="staging")
+    load = transfer_blocks_steps(layout, pool, load_dev, load_host, direction="h2d", method="staging")
+    assert _step_in_turn(store, load) == [3, 3]  # 5 blocks, 2 per piece: 3 pieces each
+    assert _stored_ok(cache, pool, host_layout, nseg, 10, store_dev, store_host)
+    for seg in range(nseg):
+        for d, h in zip(load_dev, load_host):
+            assert same(device_chunk(cache, seg, d), expect[(seg, h)])
+    assert len(list(transfer_blocks_steps(layout, pool, [0], [0], direction="d2h", method="torch"))) == 0
+    bad = transfer_blocks_steps(layout, pool, [12], [0], direction="d2h", method="staging")
+    with pytest.raises(ValueError, match="device_block_ids"):
+        next(bad)
+    interleave()  # nothing to step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("methods", [("staging", "staging"), ("auto", "auto"), ("zero_copy", "staging")])
+@pytest.mark.parametrize("host_layout", ["block_first", "layer_first"])
+def test_gpu_calibration_store_and_load_exact(seeded, monkeypatch, host_layout, methods):
+    """calibration.store_and_load (the two calls stepped in turn on two streams) on one cache and pool:
+    the store's blocks land in the pool, the load's in the cache, exactly, with slots reused (5 pieces)."""
+    from kvstrata.ops import calibration
+
+    cache = make_cache("vllm", layers=4, blocks=64, dtype=torch.bfloat16, device="cuda", head_dim=256)
+    layout = layout_of(cache)
+    nseg, chunk = num_segments(cache), layout.chunk_bytes
+    monkeypatch.setattr(staging, "SLOT_BYTES", 4 * nseg * chunk)
+    monkeypatch.setattr(staging, "NUM_SLOTS", 2)
+    pool = _fill_pool(layout, 48, host_layout)
+    pool_before = pool.flat.clone()
+    old = {(seg, d): device_chunk(cache, seg, d).clone() for seg in range(nseg) for d in range(64)}
+    store_dev, store_host = list(range(0, 20)), list(range(47, 27, -1))
+    load_dev, load_host = list(range(63, 43, -1)), list(range(0, 20))
+    on_gpu = methods[0] == "zero_copy"  # zero_copy reads device-resident ids without a sync
+    sd = torch.tensor(store_dev, device="cuda") if on_gpu else store_dev
+    sh = torch.tensor(store_host, device="cuda") if on_gpu else store_host
+    calibration.store_and_load((layout, pool, sd, sh), (layout, pool, load_dev, load_host), *methods)
+    torch.cuda.synchronize()
+    assert _stored_ok(cache, pool, host_layout, nseg, 48, store_dev, store_host)
+    for seg in range(nseg):
+        for d, h in zip(load_dev, load_host):
+            expect = host_chunk(pool_before, host_layout, nseg, 48, chunk, seg, h)
+            assert same(device_chunk(cache, seg, d).cpu(), expect), (seg, d, h)
+        for d in set(range(64)) - set(load_dev):
+            assert same(device_chunk(cache, seg, d), old[(seg, d)]), "untouched device block"
+        for h in set(range(48)) - set(store_host):
+            args = (host_layout, nseg, 48, chunk, seg, h)
+            assert same(host_chunk(pool.flat, *args), host_chunk(pool_before, *args)), "untouched host block"

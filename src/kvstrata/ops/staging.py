@@ -19,6 +19,7 @@ caller's stream with events: no host synchronisation.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +98,29 @@ def staging_transfer(
     ``ring``: the caller's device buffer (contiguous, at least one chunk) to stage through instead of one
     from torch's caching allocator; split into up to ``num_slots`` slots. The caller's stream is joined
     after the last use, so the caller may reuse it in stream order."""
+    for _ in staging_steps(g, seg_table, dev_ids, host_ids, host_flat, to_host=to_host, num_ctas=num_ctas,
+                           slot_bytes=slot_bytes, num_slots=num_slots, ring=ring):  # fmt: skip
+        pass
+
+
+def staging_steps(
+    g: Geometry,
+    seg_table: torch.Tensor,
+    dev_ids: torch.Tensor,
+    host_ids: np.ndarray,
+    host_flat: torch.Tensor,
+    *,
+    to_host: bool,
+    num_ctas: int,
+    slot_bytes: int | None = None,
+    num_slots: int | None = None,
+    ring: torch.Tensor | None = None,
+) -> Iterator[None]:
+    """:func:`staging_transfer` one piece per step: a generator that enqueues a piece at each ``next()`` (the
+    first step also forks from the current stream of that moment, the last joins it back).
+
+    Two calls in opposite directions stepped in turn start their DMAs one piece's host time apart, where
+    two calls one after the other start them a whole call apart (``calibration.store_and_load``)."""
     n_blocks = int(host_ids.size)
     if n_blocks == 0:
         return
@@ -118,7 +142,7 @@ def staging_transfer(
         # reuse the memory: no record_stream needed (and none inside CUDA graph capture).
         ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
     if cuda:
-        _issue_cuda(plan, seg_table, dev_ids, host_ids, g.host_base, host_flat, ring, device, index)
+        yield from _issue_cuda(plan, seg_table, dev_ids, host_ids, g.host_base, host_flat, ring, device, index)
         return
     slot_ids = torch.arange(plan.max_nb, dtype=torch.int32, device=device)
     for piece in plan.pieces:  # CPU (Triton interpreter): the same pieces and runs, in program order
@@ -134,11 +158,16 @@ def staging_transfer(
         )  # fmt: skip
         if to_host:
             copy_engine.copy_runs_torch(host_flat, host_off, slot, stage_off, sizes)
+        yield
 
 
-def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, device, index) -> None:
-    """Enqueue every piece (see :mod:`kvstrata.ops._staging_plan`): D2H kernel then DMA per piece, H2D the
-    reverse, slot reuse ordered by events, forked from and joined to the caller's stream."""
+def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, device, index) -> Iterator[None]:
+    """Enqueue the pieces (see :mod:`kvstrata.ops._staging_plan`), one per step: D2H kernel then DMA, H2D the
+    reverse, slot reuse ordered by events, forked from and joined to the caller's stream.
+
+    The side's lock is held within a step, never across one: calls of one direction stepped in turn (one
+    thread or several) may re-record each other's events, but only on the stream the waiter recorded on,
+    later -- a wait then covers more work, never less."""
     to_host = plan.to_host
     cur = current_stream(index)
     sd = _sp.side(index, to_host)
@@ -147,17 +176,18 @@ def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, 
     dma = _Dma(host_flat, ring, plan, sd.copy, sd.copy_handle, to_host)
     ks, cs, kh = sd.kernel, sd.copy, sd.kernel_handle
     first, second = (ks, cs) if to_host else (cs, ks)
-    last = len(plan.pieces)
+    last = len(plan.pieces) - 1
     # Under graph capture, events of their own: the side's are never left recorded inside a graph.
     ev = _sp.Events() if dma.capturing else sd.events
-    with sd.lock:
-        done = ev.slots(plan.nslots)
-        ev.fork.record(cur)
-        ks.wait_event(ev.fork)
-        cs.wait_event(ev.fork)
-        for p, piece in enumerate(plan.pieces):
-            slot_ptr = ring_ptr + piece.slot * plan.biggest
-            runs = plan.runs(piece, host_ids, host_base)
+    for p, piece in enumerate(plan.pieces):
+        slot_ptr = ring_ptr + piece.slot * plan.biggest
+        runs = plan.runs(piece, host_ids, host_base)
+        with sd.lock:
+            done = ev.slots(plan.nslots)
+            if p == 0:
+                ev.fork.record(cur)
+                ks.wait_event(ev.fork)
+                cs.wait_event(ev.fork)
             if p >= plan.nslots:  # the slot's previous piece must have left it
                 first.wait_event(done[piece.slot])
             if to_host:
@@ -170,12 +200,15 @@ def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, 
                 dma(piece, slot_ptr, runs)
             else:
                 plan.launch(piece, seg_table, dev_ids, slot_ids, slot_ptr, ks, kh)
-            if p + plan.nslots < last:
+            if p + plan.nslots <= last:
                 done[piece.slot].record(second)
-        ev.joins[0].record(ks)
-        ev.joins[1].record(cs)
-        cur.wait_event(ev.joins[0])
-        cur.wait_event(ev.joins[1])
+            if p == last:
+                ev.joins[0].record(ks)
+                ev.joins[1].record(cs)
+                cur.wait_event(ev.joins[0])
+                cur.wait_event(ev.joins[1])
+        if p < last:
+            yield
 
 
 class _Dma:
@@ -210,4 +243,4 @@ class _Dma:
         copy_engine.memcpy_raw(dst, src, sizes, self.handle)
 
 
-__all__ = ["NUM_SLOTS", "SLOT_BYTES", "Geometry", "side_streams", "staging_transfer"]
+__all__ = ["NUM_SLOTS", "SLOT_BYTES", "Geometry", "side_streams", "staging_steps", "staging_transfer"]

@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from kvstrata.ops._common import interpreting
 from kvstrata.ops.auto_policy import SMALL_BYTES
 from kvstrata.ops.chunk_copy import alignment, default_ctas, launch_copy_chunks
 from kvstrata.ops.kv_layout import HostPool, KVLayout
-from kvstrata.ops.staging import Geometry, staging_transfer
+from kvstrata.ops.staging import Geometry, staging_steps, staging_transfer
 
 METHODS = ("auto", "zero_copy", "staging", "copy_engine", "torch")
 DIRECTIONS = ("d2h", "h2d")
@@ -77,6 +77,54 @@ def transfer_blocks(
     side of the best pair when that costs it at most 2%, so a store and a load pair well whichever
     starts first.
     """
+    _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent)
+    if torch.compiler.is_compiling():
+        _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check)
+        return
+    for _ in _eager_steps(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas,
+                          check, concurrent):  # fmt: skip
+        pass
+
+
+def transfer_blocks_steps(
+    device_layout: KVLayout,
+    host_pool: HostPool,
+    device_block_ids: Ids,
+    host_block_ids: Ids,
+    *,
+    direction: str = "d2h",
+    method: str = "auto",
+    num_ctas: int | None = None,
+    check: bool = True,
+    concurrent: bool | None = None,
+) -> Iterator[None]:
+    """:func:`transfer_blocks` (eager) as a generator: each ``next()`` enqueues the next piece of a ``staging``
+    transfer (other methods: the whole call in the first step). The call forks from the current stream of
+    its first step and is joined back to that stream in its last; errors come at the first step.
+
+    Stepping a store and a load in turn starts both directions' DMAs within one piece's host time, however
+    long each call takes to issue (what :func:`kvstrata.ops.calibration.store_and_load` does)::
+
+        store = transfer_blocks_steps(layout, pool, dev_a, host_a, direction="d2h", concurrent=True)
+        load = transfer_blocks_steps(layout, pool, dev_b, host_b, direction="h2d", concurrent=True)
+        interleave(store, load)   # next() on each in turn until both are done
+    """
+    _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent)
+    yield from _eager_steps(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas,
+                            check, concurrent)  # fmt: skip
+
+
+def interleave(*steps: Iterator[None]) -> None:
+    """Step each generator (e.g. of :func:`transfer_blocks_steps`) in turn until all are exhausted."""
+    live = list(steps)
+    while live:
+        live = [s for s in live if next(s, _DONE) is not _DONE]
+
+
+_DONE = object()
+
+
+def _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent) -> None:
     if not isinstance(device_layout, KVLayout):
         raise TypeError(f"device_layout must be a KVLayout, got {type(device_layout).__name__}")
     if not isinstance(host_pool, HostPool):
@@ -89,10 +137,11 @@ def transfer_blocks(
         raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
     if concurrent is not None and not isinstance(concurrent, bool):
         raise TypeError(f"concurrent must be None or a bool, got {type(concurrent).__name__}")
-    if torch.compiler.is_compiling():
-        _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check)
-        return
-    # Eager calls skip the dispatcher and run a cached launch plan (see kvstrata.ops._transfer_plan).
+
+
+def _eager_steps(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
+                 concurrent) -> Iterator[None]:  # fmt: skip
+    """Eager calls skip the dispatcher and run a cached launch plan (see kvstrata.ops._transfer_plan)."""
     dev_ids = _eager_ids(device_block_ids, "device_block_ids")
     host_ids = _eager_ids(host_block_ids, "host_block_ids")
     n = int(dev_ids.shape[0])
@@ -102,7 +151,8 @@ def transfer_blocks(
         _check_ids(device_layout, host_pool, dev_ids, host_ids, direction)
     if n == 0:
         return
-    _run_plan(device_layout, host_pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent)
+    yield from _run_plan(device_layout, host_pool, dev_ids, host_ids, n, direction, method, num_ctas, check,
+                         concurrent)  # fmt: skip
 
 
 def _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check):
@@ -222,7 +272,7 @@ def _ids_kind(ids) -> object:
     return ids.dtype if isinstance(ids, torch.Tensor) else None  # device tensors specialise the kernel
 
 
-def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent) -> None:
+def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent) -> Iterator[None]:
     device = layout.device
     busy, other = False, None
     # The other direction's state decides only a bulk auto call with host ids (a small call, one request's
@@ -241,12 +291,13 @@ def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, c
         plan = _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other, host_ids_on_device)
         _plan.put_plan(key, plan)
     if plan.device_index is None:
-        _execute_cpu(plan, layout, pool, dev_ids, host_ids)
+        yield from _execute_cpu(plan, layout, pool, dev_ids, host_ids)
     elif torch.cuda.current_device() == plan.device_index:
-        _execute_cuda(plan, layout, pool, dev_ids, host_ids)
-    else:
+        yield from _cuda_steps(plan, layout, pool, dev_ids, host_ids)
+    else:  # another device: the whole call in one step (a device guard must not stay entered across steps)
         with torch.cuda.device(plan.device_index):
-            _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+            for _ in _cuda_steps(plan, layout, pool, dev_ids, host_ids):
+                pass
 
 
 def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other=None,
@@ -292,8 +343,9 @@ def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other
     return plan
 
 
-def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> None:
-    """Off CUDA: the torch implementation, or the same kernels under the Triton interpreter."""
+def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> Iterator[None]:
+    """Off CUDA: the torch implementation, or the same kernels under the Triton interpreter (staging stepped
+    piece by piece as on CUDA)."""
     m, device = plan.method, layout.device
     if m == "torch":
         _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
@@ -303,13 +355,15 @@ def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> None:
     elif m == "zero_copy":
         plan.launch(_as_tensor(dev_ids), _as_tensor(host_ids), layout.seg_ptr_table)
     else:
-        staging_transfer(plan.g, layout.seg_ptr_table, _as_tensor(dev_ids), _host_np(host_ids), pool.flat,
-                         to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+        yield from staging_steps(plan.g, layout.seg_ptr_table, _as_tensor(dev_ids), _host_np(host_ids), pool.flat,
+                                 to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
 
 
-def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
-    """On the plan's (current) device: enqueue the copy on the current stream, then mark the lane."""
+def _cuda_steps(plan, layout, pool, dev_ids, host_ids) -> Iterator[None]:
+    """On the plan's (current) device: enqueue the copy on the current stream (staging: one piece per step),
+    then mark the lane."""
     device, m = layout.device, plan.method
+    stream = _plan.current_stream(plan.device_index)
     capturing = torch.cuda.is_current_stream_capturing()
     lane = None if capturing else _plan.lane(device, plan.direction)
     k = None if lane is None else lane.acquire()
@@ -323,12 +377,12 @@ def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
         copy_engine.memcpy_batch(dst, src, sizes, device=device)
     elif m == "staging":
         d_ids = _staging_dev_ids(dev_ids, lane, k, plan.device_index)
-        staging_transfer(plan.g, layout.seg_ptr_table, d_ids, _host_np(host_ids), pool.flat, to_host=plan.to_host,
-                         num_ctas=plan.ctas)  # fmt: skip
+        yield from staging_steps(plan.g, layout.seg_ptr_table, d_ids, _host_np(host_ids), pool.flat,
+                                 to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
     else:  # torch
         _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
     if lane is not None:
-        lane.mark(k, _plan.current_stream(plan.device_index), m)
+        lane.mark(k, stream, m)
 
 
 def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.device, capturing: bool):
@@ -599,4 +653,5 @@ def _torch_copy(dev_tensors, g: Geometry, host_flat, dev_ids, host_ids, to_host)
             dev.index_copy_(0, d_ids, hst.index_select(0, h_ids).to(dev.device))
 
 
-__all__ = ["DIRECTIONS", "METHODS", "ZERO_COPY_CTAS", "merged_runs", "transfer_blocks"]
+__all__ = ["DIRECTIONS", "METHODS", "ZERO_COPY_CTAS", "interleave", "merged_runs", "transfer_blocks",
+           "transfer_blocks_steps"]  # fmt: skip
