@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstrata.ops import chunk_copy
 from kvstrata.ops._common import direct_launch
-from kvstrata.ops.chunk_copy import NUM_WARPS, _copy_chunks_kernel, copy_chunks_shape
+from kvstrata.ops.chunk_copy import _copy_chunks_kernel, copy_chunks_shape
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class StagingPlan:
         for i, x in zip(_ARG_PTRS, (seg_table, dev_ids[piece.b0 : piece.b1], slot_ids, slot_ptr)):
             args[i] = x
         with torch.cuda.stream(stream):
-            compiled = _copy_chunks_kernel[(piece.nprog,)](*args, num_warps=NUM_WARPS)
+            compiled = _copy_chunks_kernel[(piece.nprog,)](*args, num_warps=chunk_copy.NUM_WARPS)
         if compiled is not None and _state["fast"]:
             try:
                 piece.runners[spec] = _runner(compiled, piece.nprog)
