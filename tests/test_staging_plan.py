@@ -317,3 +317,30 @@ def test_gpu_calibration_store_and_load_exact(seeded, monkeypatch, host_layout, 
         for h in set(range(48)) - set(store_host):
             args = (host_layout, nseg, 48, chunk, seg, h)
             assert same(host_chunk(pool.flat, *args), host_chunk(pool_before, *args)), "untouched host block"
+
+
+def test_a_stepped_call_closed_early_still_copies_everything(seeded, monkeypatch):
+    """close() after the first piece (an abandoned generator, or interleave after a failure): the remaining
+    pieces are enqueued at once, never left half done."""
+    from kvstrata.ops.transfer_blocks import interleave, transfer_blocks_steps
+
+    cache = make_cache("mla", layers=3, blocks=9, dtype=torch.float16)
+    layout = layout_of(cache)
+    nseg, chunk = num_segments(cache), layout.chunk_bytes
+    monkeypatch.setattr(staging, "SLOT_BYTES", nseg * chunk)  # one block per piece
+    pool = HostPool.allocate(layout, 9, pinned=False)
+    dev, host = [8, 6, 4, 2, 0], [0, 1, 2, 3, 4]
+    gen = transfer_blocks_steps(layout, pool, dev, host, direction="d2h", method="staging")
+    next(gen)
+    gen.close()
+    assert _stored_ok(cache, pool, "block_first", nseg, 9, dev, host)
+
+    def failing():
+        yield
+        raise RuntimeError("the other call failed")
+
+    pool.flat.zero_()
+    store = transfer_blocks_steps(layout, pool, dev, host, direction="d2h", method="staging")
+    with pytest.raises(RuntimeError, match="other call"):
+        interleave(failing(), store)
+    assert _stored_ok(cache, pool, "block_first", nseg, 9, dev, host)

@@ -145,6 +145,7 @@ def staging_steps(
         yield from _issue_cuda(plan, seg_table, dev_ids, host_ids, g.host_base, host_flat, ring, device, index)
         return
     slot_ids = torch.arange(plan.max_nb, dtype=torch.int32, device=device)
+    stepping = True
     for piece in plan.pieces:  # CPU (Triton interpreter): the same pieces and runs, in program order
         slot = ring[piece.slot * plan.biggest : (piece.slot + 1) * plan.biggest]
         stage_off, host_addr, sizes = plan.runs(piece, host_ids, g.host_base)
@@ -158,7 +159,11 @@ def staging_steps(
         )  # fmt: skip
         if to_host:
             copy_engine.copy_runs_torch(host_flat, host_off, slot, stage_off, sizes)
-        yield
+        if stepping:
+            try:
+                yield
+            except GeneratorExit:  # closed early: the rest at once (see _issue_cuda)
+                stepping = False
 
 
 def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, device, index) -> Iterator[None]:
@@ -179,6 +184,7 @@ def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, 
     last = len(plan.pieces) - 1
     # Under graph capture, events of their own: the side's are never left recorded inside a graph.
     ev = _sp.Events() if dma.capturing else sd.events
+    stepping = True
     for p, piece in enumerate(plan.pieces):
         slot_ptr = ring_ptr + piece.slot * plan.biggest
         runs = plan.runs(piece, host_ids, host_base)
@@ -207,8 +213,13 @@ def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, 
                 ev.joins[1].record(cs)
                 cur.wait_event(ev.joins[0])
                 cur.wait_event(ev.joins[1])
-        if p < last:
-            yield
+        if p < last and stepping:
+            try:
+                yield
+            except GeneratorExit:
+                # Closed early (``close()``, or an abandoned generator collected): enqueue the rest at once, so a
+                # call is never left half issued and unjoined while its ring goes back to the allocator.
+                stepping = False
 
 
 class _Dma:

@@ -81,9 +81,11 @@ def transfer_blocks(
     if torch.compiler.is_compiling():
         _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check)
         return
-    for _ in _eager_steps(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas,
-                          check, concurrent):  # fmt: skip
-        pass
+    rest = _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
+                  concurrent)  # fmt: skip
+    if rest is not None:  # a staging call's pieces after the first
+        for _ in rest:
+            pass
 
 
 def transfer_blocks_steps(
@@ -100,7 +102,8 @@ def transfer_blocks_steps(
 ) -> Iterator[None]:
     """:func:`transfer_blocks` (eager) as a generator: each ``next()`` enqueues the next piece of a ``staging``
     transfer (other methods: the whole call in the first step). The call forks from the current stream of
-    its first step and is joined back to that stream in its last; errors come at the first step.
+    its first step and is joined back to that stream in its last; errors come at the first step. A generator
+    closed (or dropped) before its end enqueues its remaining pieces at once: a call is never left half issued.
 
     Stepping a store and a load in turn starts both directions' DMAs within one piece's host time, however
     long each call takes to issue (what :func:`kvstrata.ops.calibration.store_and_load` does)::
@@ -110,15 +113,21 @@ def transfer_blocks_steps(
         interleave(store, load)   # next() on each in turn until both are done
     """
     _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent)
-    yield from _eager_steps(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas,
-                            check, concurrent)  # fmt: skip
+    rest = _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
+                  concurrent)  # fmt: skip
+    if rest is not None:
+        yield from rest
 
 
 def interleave(*steps: Iterator[None]) -> None:
     """Step each generator (e.g. of :func:`transfer_blocks_steps`) in turn until all are exhausted."""
     live = list(steps)
-    while live:
-        live = [s for s in live if next(s, _DONE) is not _DONE]
+    try:
+        while live:
+            live = [s for s in live if next(s, _DONE) is not _DONE]
+    finally:  # one failed: the others are closed, which enqueues the rest of each at once
+        for s in live:
+            s.close()
 
 
 _DONE = object()
@@ -139,9 +148,12 @@ def _check_call(device_layout, host_pool, direction, method, num_ctas, concurren
         raise TypeError(f"concurrent must be None or a bool, got {type(concurrent).__name__}")
 
 
-def _eager_steps(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
-                 concurrent) -> Iterator[None]:  # fmt: skip
-    """Eager calls skip the dispatcher and run a cached launch plan (see kvstrata.ops._transfer_plan)."""
+def _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
+           concurrent) -> Iterator[None] | None:  # fmt: skip
+    """Eager calls skip the dispatcher and run a cached launch plan (see kvstrata.ops._transfer_plan).
+
+    Enqueues the call, or returns the steps left to enqueue: a staging call's pieces, one per step, the first
+    of them when first stepped. Plain functions otherwise: a generator per call costs the latency path ~1 us."""
     dev_ids = _eager_ids(device_block_ids, "device_block_ids")
     host_ids = _eager_ids(host_block_ids, "host_block_ids")
     n = int(dev_ids.shape[0])
@@ -150,9 +162,8 @@ def _eager_steps(device_layout, host_pool, device_block_ids, host_block_ids, dir
     if check:
         _check_ids(device_layout, host_pool, dev_ids, host_ids, direction)
     if n == 0:
-        return
-    yield from _run_plan(device_layout, host_pool, dev_ids, host_ids, n, direction, method, num_ctas, check,
-                         concurrent)  # fmt: skip
+        return None
+    return _run_plan(device_layout, host_pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent)
 
 
 def _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check):
@@ -272,7 +283,8 @@ def _ids_kind(ids) -> object:
     return ids.dtype if isinstance(ids, torch.Tensor) else None  # device tensors specialise the kernel
 
 
-def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent) -> Iterator[None]:
+def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check,
+              concurrent) -> Iterator[None] | None:  # fmt: skip
     device = layout.device
     busy, other = False, None
     # The other direction's state decides only a bulk auto call with host ids (a small call, one request's
@@ -291,13 +303,14 @@ def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, c
         plan = _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other, host_ids_on_device)
         _plan.put_plan(key, plan)
     if plan.device_index is None:
-        yield from _execute_cpu(plan, layout, pool, dev_ids, host_ids)
-    elif torch.cuda.current_device() == plan.device_index:
-        yield from _cuda_steps(plan, layout, pool, dev_ids, host_ids)
-    else:  # another device: the whole call in one step (a device guard must not stay entered across steps)
-        with torch.cuda.device(plan.device_index):
-            for _ in _cuda_steps(plan, layout, pool, dev_ids, host_ids):
-                pass
+        return _execute_cpu(plan, layout, pool, dev_ids, host_ids)
+    if torch.cuda.current_device() == plan.device_index:
+        return _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+    with torch.cuda.device(plan.device_index):  # the whole call at once: a device guard must not span steps
+        rest = _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+        for _ in rest or ():
+            pass
+    return None
 
 
 def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other=None,
@@ -343,7 +356,7 @@ def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other
     return plan
 
 
-def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> Iterator[None]:
+def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> Iterator[None] | None:
     """Off CUDA: the torch implementation, or the same kernels under the Triton interpreter (staging stepped
     piece by piece as on CUDA)."""
     m, device = plan.method, layout.device
@@ -355,13 +368,14 @@ def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> Iterator[None]:
     elif m == "zero_copy":
         plan.launch(_as_tensor(dev_ids), _as_tensor(host_ids), layout.seg_ptr_table)
     else:
-        yield from staging_steps(plan.g, layout.seg_ptr_table, _as_tensor(dev_ids), _host_np(host_ids), pool.flat,
-                                 to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+        return staging_steps(plan.g, layout.seg_ptr_table, _as_tensor(dev_ids), _host_np(host_ids), pool.flat,
+                             to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+    return None
 
 
-def _cuda_steps(plan, layout, pool, dev_ids, host_ids) -> Iterator[None]:
-    """On the plan's (current) device: enqueue the copy on the current stream (staging: one piece per step),
-    then mark the lane."""
+def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> Iterator[None] | None:
+    """On the plan's (current) device: enqueue the copy on the current stream, then mark the lane (staging:
+    returns its pieces as steps, the lane marked after the last)."""
     device, m = layout.device, plan.method
     stream = _plan.current_stream(plan.device_index)
     capturing = torch.cuda.is_current_stream_capturing()
@@ -377,12 +391,22 @@ def _cuda_steps(plan, layout, pool, dev_ids, host_ids) -> Iterator[None]:
         copy_engine.memcpy_batch(dst, src, sizes, device=device)
     elif m == "staging":
         d_ids = _staging_dev_ids(dev_ids, lane, k, plan.device_index)
-        yield from staging_steps(plan.g, layout.seg_ptr_table, d_ids, _host_np(host_ids), pool.flat,
-                                 to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+        steps = staging_steps(plan.g, layout.seg_ptr_table, d_ids, _host_np(host_ids), pool.flat,
+                              to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+        return _then_mark(steps, lane, k, stream, m)
     else:  # torch
         _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
     if lane is not None:
         lane.mark(k, stream, m)
+    return None
+
+
+def _then_mark(steps: Iterator[None], lane, k: int | None, stream: torch.cuda.Stream, m: str) -> Iterator[None]:
+    try:
+        yield from steps  # closed early, the staging steps enqueue their rest at once (staging._issue_cuda)
+    finally:
+        if lane is not None:
+            lane.mark(k, stream, m)
 
 
 def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.device, capturing: bool):
