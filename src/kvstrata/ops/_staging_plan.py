@@ -13,9 +13,11 @@ host-order runs of each piece (numpy over *blocks*, not chunks, where a block's 
 the pool), one direct kernel launch and one ``cudaMemcpyAsync`` (or batch) per piece on raw handles,
 and event records/waits.
 
-Event reuse is safe because every wait is enqueued right after the record it follows within one call
-(``cudaStreamWaitEvent`` captures the event's state when called), and a side's lock keeps two threads'
-calls in the same direction from interleaving their records (they share the side's streams anyway).
+Event reuse is safe because ``cudaStreamWaitEvent`` captures the event's state when called: the fork, a
+piece's ready event and the joins are waited on within the step that records them (under the side's
+lock), and a slot's done event, waited on a few pieces later, is only ever re-recorded meanwhile on the
+same stream, later, by another call of the same direction (they share the side's streams) -- so a wait
+covers more work, never less.
 Under CUDA graph capture the same sequence is captured (no lane, no batch copy: one
 ``cudaMemcpyAsync`` per run).
 """
