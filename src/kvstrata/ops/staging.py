@@ -6,6 +6,10 @@ high-priority stream, then the copy engines move it to the host, one DMA per run
 the host (consecutive host blocks in ``block_first`` merge into one run). H2D is the mirror image. The
 kernel of piece ``i+1`` overlaps the DMA of piece ``i``; slot reuse is ordered by events.
 
+Each call is issued from a launch plan cached per signature (:mod:`kvstrata.ops._staging_plan`): the
+compiled kernel launched directly, DMA on raw stream handles, events reused, so one call's host time
+no longer delays a transfer the other way issued right after it.
+
 Why a high-priority stream: beside a saturating GEMM, normal-priority gather CTAs wait for SMs and the
 DMA engines idle (measured: 33 GB/s instead of 55). The kernels are short (device-to-device at TB/s),
 so running them first costs the model little. Everything is forked from and joined back to the
@@ -15,22 +19,24 @@ caller's stream with events: no host synchronisation.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvstrata.ops import _staging_plan as _sp
 from kvstrata.ops import copy_engine
+from kvstrata.ops._common import current_stream
 from kvstrata.ops.chunk_copy import launch_copy_chunks
 
-# Ring geometry. Pieces must be large: each costs ~150-300 us of host time (planning, a kernel launch,
-# a DMA, events) on the H200 machine, so 8 MiB pieces (150 us of DMA) left the copy engine idle half
-# the time at 32 KiB chunks (28 GB/s), while 32 MiB x 3 reached 47-50 GB/s at 2 KiB-2 MiB chunks
-# (tools/tune_transfer.py, 2026-11-29). The ring is taken from torch's caching allocator per call
-# (or is the caller's buffer).
+# Ring geometry. Pieces must be large: each costs host time (planning, a kernel launch, a DMA, events):
+# ~150-300 us on the H200 machine before launch plans (kvstrata.ops._staging_plan), when 8 MiB pieces
+# (150 us of DMA) left the copy engine idle half the time at 32 KiB chunks (28 GB/s) and 32 MiB x 3
+# reached 47-50 GB/s at 2 KiB-2 MiB chunks (tools/tune_transfer.py, 2026-11-29). The ring is taken from
+# torch's caching allocator per call (or is the caller's buffer).
 SLOT_BYTES = int(os.environ.get("KVSTRATA_STAGING_SLOT_MB", "32")) << 20
 NUM_SLOTS = int(os.environ.get("KVSTRATA_STAGING_SLOTS", "3"))
-BATCH_RUNS = 8  # above this many DMA runs per piece, use one cudaMemcpyBatchAsync
 
 
 @dataclass(frozen=True)
@@ -51,19 +57,13 @@ class Geometry:
         return len(self.seg_ptrs)
 
 
-_streams: dict[tuple[int, bool], tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-
 def side_streams(device: torch.device, to_host: bool) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
     """(high-priority kernel stream, copy stream) of ``device`` for one direction, created once.
 
     One pair per direction, so a store and a load running at the same time use both DMA directions."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, to_host)
-    if key not in _streams:
-        _, highest = torch.cuda.Stream.priority_range()
-        _streams[key] = (torch.cuda.Stream(device=idx, priority=highest), torch.cuda.Stream(device=idx))
-    return _streams[key]
+    s = _sp.side(idx, to_host)
+    return s.kernel, s.copy
 
 
 _aranges: dict[torch.device, torch.Tensor] = {}
@@ -78,35 +78,6 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     if not torch.cuda.is_current_stream_capturing():
         _aranges[device] = t
     return t[:n]
-
-
-def _pieces(n_blocks: int, g: Geometry, slot_bytes: int) -> list[tuple[int, int, int, int]]:
-    """(block lo, block hi, seg lo, seg hi) pieces, each fitting one slot."""
-    per_block = g.nseg * g.chunk
-    if per_block <= slot_bytes:
-        step = slot_bytes // per_block
-        return [(b, min(b + step, n_blocks), 0, g.nseg) for b in range(0, n_blocks, step)]
-    segs = max(1, slot_bytes // g.chunk)
-    return [(b, b + 1, s, min(s + segs, g.nseg)) for b in range(n_blocks) for s in range(0, g.nseg, segs)]
-
-
-def _piece_layout(g: Geometry, nb: int, ns: int) -> tuple[int, int]:
-    """Staging (block stride, seg stride) of a piece: the host pool's order, packed."""
-    return (ns * g.chunk, g.chunk) if g.block_first else (g.chunk, nb * g.chunk)
-
-
-def _host_runs(g: Geometry, host_ids: np.ndarray, piece: tuple[int, int, int, int]):
-    """Runs (staging offset, host address, bytes) of a piece, staging order = host pool order."""
-    b0, b1, s0, s1 = piece
-    h = host_ids[b0:b1].astype(np.int64)
-    s = np.arange(s0, s1, dtype=np.int64)
-    if g.block_first:  # order (block, seg)
-        addr = g.host_base + h[:, None] * g.host_block_stride + s[None, :] * g.host_seg_stride
-    else:  # order (seg, block)
-        addr = g.host_base + s[:, None] * g.host_seg_stride + h[None, :] * g.host_block_stride
-    addr = addr.reshape(-1)
-    stage = np.arange(addr.size, dtype=np.int64) * g.chunk
-    return copy_engine.merge_runs(stage, addr, g.chunk)
 
 
 def staging_transfer(
@@ -127,6 +98,29 @@ def staging_transfer(
     ``ring``: the caller's device buffer (contiguous, at least one chunk) to stage through instead of one
     from torch's caching allocator; split into up to ``num_slots`` slots. The caller's stream is joined
     after the last use, so the caller may reuse it in stream order."""
+    for _ in staging_steps(g, seg_table, dev_ids, host_ids, host_flat, to_host=to_host, num_ctas=num_ctas,
+                           slot_bytes=slot_bytes, num_slots=num_slots, ring=ring):  # fmt: skip
+        pass
+
+
+def staging_steps(
+    g: Geometry,
+    seg_table: torch.Tensor,
+    dev_ids: torch.Tensor,
+    host_ids: np.ndarray,
+    host_flat: torch.Tensor,
+    *,
+    to_host: bool,
+    num_ctas: int,
+    slot_bytes: int | None = None,
+    num_slots: int | None = None,
+    ring: torch.Tensor | None = None,
+) -> Iterator[None]:
+    """:func:`staging_transfer` one piece per step: a generator that enqueues a piece at each ``next()`` (the
+    first step also forks from the current stream of that moment, the last joins it back).
+
+    Two calls in opposite directions stepped in turn start their DMAs one piece's host time apart, where
+    two calls one after the other start them a whole call apart (``calibration.store_and_load``)."""
     n_blocks = int(host_ids.size)
     if n_blocks == 0:
         return
@@ -139,74 +133,125 @@ def staging_transfer(
         nslots = min(nslots, ring.numel() // g.chunk)
         slot_bytes = ring.numel() // nslots
     slot_bytes = max(slot_bytes or SLOT_BYTES, g.chunk)
-    pieces = _pieces(n_blocks, g, slot_bytes)
-    biggest = max((p[1] - p[0]) * (p[3] - p[2]) for p in pieces) * g.chunk
-    nslots = min(nslots, len(pieces))
     cuda = device.type == "cuda"
-    max_nb = max(p[1] - p[0] for p in pieces)
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
+    plan = _sp.get_plan(g, n_blocks, slot_bytes, nslots, to_host, num_ctas, device_index=index,
+                        id_dtype=dev_ids.dtype)  # fmt: skip
+    if ring is None:
+        # On the caller's stream, which joins both side streams before any later allocation there can
+        # reuse the memory: no record_stream needed (and none inside CUDA graph capture).
+        ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
     if cuda:
-        cur = torch.cuda.current_stream(device)
-        ks, cs = side_streams(device, to_host)
-        ks.wait_stream(cur)
-        cs.wait_stream(cur)
-        if ring is None:
-            # On the caller's stream, which joins both side streams before any later allocation there can
-            # reuse the memory: no record_stream needed (and none inside CUDA graph capture).
-            ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
-        with torch.cuda.stream(ks):
-            slot_ids = _arange(max_nb, device)
-    else:
-        if ring is None:
-            ring = torch.empty(nslots * biggest, dtype=torch.uint8, device=device)
-        slot_ids = torch.arange(max_nb, dtype=torch.int32, device=device)
-    free: list[torch.cuda.Event | None] = [None] * nslots
-    host_dev_base = host_flat.data_ptr()  # DMA uses the host address (copy engines, UVA)
+        yield from _issue_cuda(plan, seg_table, dev_ids, host_ids, g.host_base, host_flat, ring, device, index)
+        return
+    slot_ids = torch.arange(plan.max_nb, dtype=torch.int32, device=device)
+    stepping = True
+    for piece in plan.pieces:  # CPU (Triton interpreter): the same pieces and runs, in program order
+        slot = ring[piece.slot * plan.biggest : (piece.slot + 1) * plan.biggest]
+        stage_off, host_addr, sizes = plan.runs(piece, host_ids, g.host_base)
+        host_off = np.asarray(host_addr, dtype=np.int64) - host_flat.data_ptr()
+        if not to_host:
+            copy_engine.copy_runs_torch(slot, stage_off, host_flat, host_off, sizes)
+        launch_copy_chunks(
+            seg_table, dev_ids[piece.b0 : piece.b1], slot_ids, slot.data_ptr(), n_blocks=piece.nb, nseg=piece.ns,
+            seg_lo=piece.s0, chunk_bytes=g.chunk, dev_block_stride=g.dev_block_stride, other_block_stride=piece.sbs,
+            other_seg_stride=piece.sss, to_other=to_host, align=g.align, num_ctas=num_ctas,
+        )  # fmt: skip
+        if to_host:
+            copy_engine.copy_runs_torch(host_flat, host_off, slot, stage_off, sizes)
+        if stepping:
+            try:
+                yield
+            except GeneratorExit:  # closed early: the rest at once (see _issue_cuda)
+                stepping = False
 
-    for p, piece in enumerate(pieces):
-        k = p % nslots
-        b0, b1, s0, s1 = piece
-        nb, ns = b1 - b0, s1 - s0
-        slot = ring[k * biggest : (k + 1) * biggest]
-        sbs, sss = _piece_layout(g, nb, ns)
-        stage_off, host_addr, sizes = _host_runs(g, host_ids, piece)
-        host_off = host_addr - host_dev_base
 
-        def kernel(slot=slot, b0=b0, b1=b1, s0=s0, ns=ns, sbs=sbs, sss=sss) -> None:
-            launch_copy_chunks(
-                seg_table, dev_ids[b0:b1], slot_ids, slot.data_ptr(),
-                n_blocks=b1 - b0, nseg=ns, seg_lo=s0, chunk_bytes=g.chunk, dev_block_stride=g.dev_block_stride,
-                other_block_stride=sbs, other_seg_stride=sss, to_other=to_host, align=g.align, num_ctas=num_ctas,
-            )  # fmt: skip
+def _issue_cuda(plan, seg_table, dev_ids, host_ids, host_base, host_flat, ring, device, index) -> Iterator[None]:
+    """Enqueue the pieces (see :mod:`kvstrata.ops._staging_plan`), one per step: D2H kernel then DMA, H2D the
+    reverse, slot reuse ordered by events, forked from and joined to the caller's stream.
 
-        def dma(slot=slot, stage_off=stage_off, host_off=host_off, sizes=sizes) -> None:
-            if cuda and sizes.size > BATCH_RUNS and copy_engine.has_batch_api():
-                a, b = (host_off + host_dev_base, stage_off + slot.data_ptr())
-                dst, src = (a, b) if to_host else (b, a)
-                copy_engine.memcpy_batch(dst, src, sizes, device=device)
-            elif to_host:
-                copy_engine.copy_runs_torch(host_flat, host_off, slot, stage_off, sizes)
+    The side's lock is held within a step, never across one: calls of one direction stepped in turn (one
+    thread or several) may re-record each other's events, but only on the stream the waiter recorded on,
+    later -- a wait then covers more work, never less."""
+    to_host = plan.to_host
+    cur = current_stream(index)
+    sd = _sp.side(index, to_host)
+    slot_ids = _arange(plan.max_nb, device)  # on the caller's stream, before the fork
+    ring_ptr = ring.data_ptr()
+    dma = _Dma(host_flat, ring, plan, sd.copy, sd.copy_handle, to_host)
+    ks, cs, kh = sd.kernel, sd.copy, sd.kernel_handle
+    first, second = (ks, cs) if to_host else (cs, ks)
+    last = len(plan.pieces) - 1
+    # Under graph capture, events of their own: the side's are never left recorded inside a graph.
+    ev = _sp.Events() if dma.capturing else sd.events
+    stepping = True
+    for p, piece in enumerate(plan.pieces):
+        slot_ptr = ring_ptr + piece.slot * plan.biggest
+        runs = plan.runs(piece, host_ids, host_base)
+        with sd.lock:
+            done = ev.slots(plan.nslots)
+            if p == 0:
+                ev.fork.record(cur)
+                ks.wait_event(ev.fork)
+                cs.wait_event(ev.fork)
+            if p >= plan.nslots:  # the slot's previous piece must have left it
+                first.wait_event(done[piece.slot])
+            if to_host:
+                plan.launch(piece, seg_table, dev_ids, slot_ids, slot_ptr, ks, kh)
             else:
-                copy_engine.copy_runs_torch(slot, stage_off, host_flat, host_off, sizes)
+                dma(piece, slot_ptr, runs)
+            ev.ready.record(first)
+            second.wait_event(ev.ready)
+            if to_host:
+                dma(piece, slot_ptr, runs)
+            else:
+                plan.launch(piece, seg_table, dev_ids, slot_ids, slot_ptr, ks, kh)
+            if p + plan.nslots <= last:
+                done[piece.slot].record(second)
+            if p == last:
+                ev.joins[0].record(ks)
+                ev.joins[1].record(cs)
+                cur.wait_event(ev.joins[0])
+                cur.wait_event(ev.joins[1])
+        if p < last and stepping:
+            try:
+                yield
+            except GeneratorExit:
+                # Closed early (``close()``, or an abandoned generator collected): enqueue the rest at once, so a
+                # call is never left half issued and unjoined while its ring goes back to the allocator.
+                stepping = False
 
-        if not cuda:
-            (kernel(), dma()) if to_host else (dma(), kernel())
-            continue
-        first, second = ((ks, kernel), (cs, dma)) if to_host else ((cs, dma), (ks, kernel))
-        if free[k] is not None:
-            first[0].wait_event(free[k])
-        with torch.cuda.stream(first[0]):
-            first[1]()
-        ready = torch.cuda.Event()
-        ready.record(first[0])
-        second[0].wait_event(ready)
-        with torch.cuda.stream(second[0]):
-            second[1]()
-        done = torch.cuda.Event()
-        done.record(second[0])
-        free[k] = done
-    if cuda:
-        cur.wait_stream(ks)
-        cur.wait_stream(cs)
+
+class _Dma:
+    """A piece's runs on the copy stream: raw ``cudaMemcpyAsync`` (one run; each run under graph capture,
+    where the batch call is not capturable) or one ``cudaMemcpyBatchAsync``; torch copies where
+    cuda-bindings is missing."""
+
+    def __init__(self, host_flat, ring, plan, stream, handle, to_host) -> None:
+        self.host_flat, self.ring, self.plan, self.stream, self.handle = host_flat, ring, plan, stream, handle
+        self.to_host = to_host
+        self.rt = copy_engine._runtime()
+        self.capturing = torch.cuda.is_current_stream_capturing()
+
+    def __call__(self, piece, slot_ptr: int, runs) -> None:
+        stage_off, host_addr, sizes = runs
+        if self.rt is None:
+            plan, flat = self.plan, self.host_flat
+            slot = self.ring[piece.slot * plan.biggest : (piece.slot + 1) * plan.biggest]
+            host_off = np.asarray(host_addr, dtype=np.int64) - flat.data_ptr()
+            with torch.cuda.stream(self.stream):
+                if self.to_host:
+                    copy_engine.copy_runs_torch(flat, host_off, slot, stage_off, sizes)
+                else:
+                    copy_engine.copy_runs_torch(slot, stage_off, flat, host_off, sizes)
+            return
+        stage = [slot_ptr + x for x in stage_off]
+        dst, src = (host_addr, stage) if self.to_host else (stage, host_addr)
+        if len(dst) > 1 and self.capturing:
+            for d, s, z in zip(dst, src, sizes):
+                copy_engine.memcpy_raw([d], [s], [z], self.handle)
+            return
+        copy_engine.memcpy_raw(dst, src, sizes, self.handle)
 
 
-__all__ = ["NUM_SLOTS", "SLOT_BYTES", "Geometry", "side_streams", "staging_transfer"]
+__all__ = ["NUM_SLOTS", "SLOT_BYTES", "Geometry", "side_streams", "staging_steps", "staging_transfer"]

@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from kvstrata.ops._common import interpreting
 from kvstrata.ops.auto_policy import SMALL_BYTES
 from kvstrata.ops.chunk_copy import alignment, default_ctas, launch_copy_chunks
 from kvstrata.ops.kv_layout import HostPool, KVLayout
-from kvstrata.ops.staging import Geometry, staging_transfer
+from kvstrata.ops.staging import Geometry, staging_steps, staging_transfer
 
 METHODS = ("auto", "zero_copy", "staging", "copy_engine", "torch")
 DIRECTIONS = ("d2h", "h2d")
@@ -77,6 +77,63 @@ def transfer_blocks(
     side of the best pair when that costs it at most 2%, so a store and a load pair well whichever
     starts first.
     """
+    _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent)
+    if torch.compiler.is_compiling():
+        _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check)
+        return
+    rest = _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
+                  concurrent)  # fmt: skip
+    if rest is not None:  # a staging call's pieces after the first
+        for _ in rest:
+            pass
+
+
+def transfer_blocks_steps(
+    device_layout: KVLayout,
+    host_pool: HostPool,
+    device_block_ids: Ids,
+    host_block_ids: Ids,
+    *,
+    direction: str = "d2h",
+    method: str = "auto",
+    num_ctas: int | None = None,
+    check: bool = True,
+    concurrent: bool | None = None,
+) -> Iterator[None]:
+    """:func:`transfer_blocks` (eager) as a generator: each ``next()`` enqueues the next piece of a ``staging``
+    transfer (other methods: the whole call in the first step). The call forks from the current stream of
+    its first step and is joined back to that stream in its last; errors come at the first step. A generator
+    closed (or dropped) before its end enqueues its remaining pieces at once: a call is never left half issued.
+
+    Stepping a store and a load in turn starts both directions' DMAs within one piece's host time, however
+    long each call takes to issue (what :func:`kvstrata.ops.calibration.store_and_load` does)::
+
+        store = transfer_blocks_steps(layout, pool, dev_a, host_a, direction="d2h", concurrent=True)
+        load = transfer_blocks_steps(layout, pool, dev_b, host_b, direction="h2d", concurrent=True)
+        interleave(store, load)   # next() on each in turn until both are done
+    """
+    _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent)
+    rest = _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
+                  concurrent)  # fmt: skip
+    if rest is not None:
+        yield from rest
+
+
+def interleave(*steps: Iterator[None]) -> None:
+    """Step each generator (e.g. of :func:`transfer_blocks_steps`) in turn until all are exhausted."""
+    live = list(steps)
+    try:
+        while live:
+            live = [s for s in live if next(s, _DONE) is not _DONE]
+    finally:  # one failed: the others are closed, which enqueues the rest of each at once
+        for s in live:
+            s.close()
+
+
+_DONE = object()
+
+
+def _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent) -> None:
     if not isinstance(device_layout, KVLayout):
         raise TypeError(f"device_layout must be a KVLayout, got {type(device_layout).__name__}")
     if not isinstance(host_pool, HostPool):
@@ -89,10 +146,14 @@ def transfer_blocks(
         raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
     if concurrent is not None and not isinstance(concurrent, bool):
         raise TypeError(f"concurrent must be None or a bool, got {type(concurrent).__name__}")
-    if torch.compiler.is_compiling():
-        _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check)
-        return
-    # Eager calls skip the dispatcher and run a cached launch plan (see kvstrata.ops._transfer_plan).
+
+
+def _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
+           concurrent) -> Iterator[None] | None:  # fmt: skip
+    """Eager calls skip the dispatcher and run a cached launch plan (see kvstrata.ops._transfer_plan).
+
+    Enqueues the call, or returns the steps left to enqueue: a staging call's pieces, one per step, the first
+    of them when first stepped. Plain functions otherwise: a generator per call costs the latency path ~1 us."""
     dev_ids = _eager_ids(device_block_ids, "device_block_ids")
     host_ids = _eager_ids(host_block_ids, "host_block_ids")
     n = int(dev_ids.shape[0])
@@ -101,8 +162,8 @@ def transfer_blocks(
     if check:
         _check_ids(device_layout, host_pool, dev_ids, host_ids, direction)
     if n == 0:
-        return
-    _run_plan(device_layout, host_pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent)
+        return None
+    return _run_plan(device_layout, host_pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent)
 
 
 def _compiled_call(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check):
@@ -222,7 +283,8 @@ def _ids_kind(ids) -> object:
     return ids.dtype if isinstance(ids, torch.Tensor) else None  # device tensors specialise the kernel
 
 
-def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check, concurrent) -> None:
+def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, check,
+              concurrent) -> Iterator[None] | None:  # fmt: skip
     device = layout.device
     busy, other = False, None
     # The other direction's state decides only a bulk auto call with host ids (a small call, one request's
@@ -241,12 +303,14 @@ def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, c
         plan = _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other, host_ids_on_device)
         _plan.put_plan(key, plan)
     if plan.device_index is None:
-        _execute_cpu(plan, layout, pool, dev_ids, host_ids)
-    elif torch.cuda.current_device() == plan.device_index:
-        _execute_cuda(plan, layout, pool, dev_ids, host_ids)
-    else:
-        with torch.cuda.device(plan.device_index):
-            _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+        return _execute_cpu(plan, layout, pool, dev_ids, host_ids)
+    if torch.cuda.current_device() == plan.device_index:
+        return _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+    with torch.cuda.device(plan.device_index):  # the whole call at once: a device guard must not span steps
+        rest = _execute_cuda(plan, layout, pool, dev_ids, host_ids)
+        for _ in rest or ():
+            pass
+    return None
 
 
 def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other=None,
@@ -292,8 +356,9 @@ def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other
     return plan
 
 
-def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> None:
-    """Off CUDA: the torch implementation, or the same kernels under the Triton interpreter."""
+def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> Iterator[None] | None:
+    """Off CUDA: the torch implementation, or the same kernels under the Triton interpreter (staging stepped
+    piece by piece as on CUDA)."""
     m, device = plan.method, layout.device
     if m == "torch":
         _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
@@ -303,13 +368,16 @@ def _execute_cpu(plan, layout, pool, dev_ids, host_ids) -> None:
     elif m == "zero_copy":
         plan.launch(_as_tensor(dev_ids), _as_tensor(host_ids), layout.seg_ptr_table)
     else:
-        staging_transfer(plan.g, layout.seg_ptr_table, _as_tensor(dev_ids), _host_np(host_ids), pool.flat,
-                         to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+        return staging_steps(plan.g, layout.seg_ptr_table, _as_tensor(dev_ids), _host_np(host_ids), pool.flat,
+                             to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+    return None
 
 
-def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
-    """On the plan's (current) device: enqueue the copy on the current stream, then mark the lane."""
+def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> Iterator[None] | None:
+    """On the plan's (current) device: enqueue the copy on the current stream, then mark the lane (staging:
+    returns its pieces as steps, the lane marked after the last)."""
     device, m = layout.device, plan.method
+    stream = _plan.current_stream(plan.device_index)
     capturing = torch.cuda.is_current_stream_capturing()
     lane = None if capturing else _plan.lane(device, plan.direction)
     k = None if lane is None else lane.acquire()
@@ -322,13 +390,23 @@ def _execute_cuda(plan, layout, pool, dev_ids, host_ids) -> None:
         src, dst = (da, ha) if plan.to_host else (ha, da)
         copy_engine.memcpy_batch(dst, src, sizes, device=device)
     elif m == "staging":
-        d_ids = _on_device(_as_tensor(dev_ids), device, "device_block_ids")
-        staging_transfer(plan.g, layout.seg_ptr_table, d_ids, _host_np(host_ids), pool.flat, to_host=plan.to_host,
-                         num_ctas=plan.ctas)  # fmt: skip
+        d_ids = _staging_dev_ids(dev_ids, lane, k, plan.device_index)
+        steps = staging_steps(plan.g, layout.seg_ptr_table, d_ids, _host_np(host_ids), pool.flat,
+                              to_host=plan.to_host, num_ctas=plan.ctas)  # fmt: skip
+        return _then_mark(steps, lane, k, stream, m)
     else:  # torch
         _torch_copy(list(layout.tensors), plan.g, pool.flat, _as_tensor(dev_ids), _as_tensor(host_ids), plan.to_host)
     if lane is not None:
-        lane.mark(k, _plan.current_stream(plan.device_index), m)
+        lane.mark(k, stream, m)
+    return None
+
+
+def _then_mark(steps: Iterator[None], lane, k: int | None, stream: torch.cuda.Stream, m: str) -> Iterator[None]:
+    try:
+        yield from steps  # closed early, the staging steps enqueue their rest at once (staging._issue_cuda)
+    finally:
+        if lane is not None:
+            lane.mark(k, stream, m)
 
 
 def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.device, capturing: bool):
@@ -349,6 +427,22 @@ def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.d
         return lane.base + off * 8, lambda: _alias(lane.ids[off : off + n], device)
     t = _on_device(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), device, name)
     return t.data_ptr(), lambda: t
+
+
+def _staging_dev_ids(ids, lane, k: int | None, index: int) -> torch.Tensor:
+    """Device ids of a staging call on the device: host lists go through the lane's pinned slot ``k`` and one
+    ``cudaMemcpyAsync`` on the current stream (a few us, against ~20 for ``pin_memory().to(device)``)."""
+    device = lane.device if lane is not None else torch.device("cuda", index)
+    direct = k is not None and _plan._raw_stream is not None and copy_engine._runtime() is not None
+    if isinstance(ids, torch.Tensor) or not direct or ids.size > _plan.LANE_IDS:
+        return _on_device(_as_tensor(ids), device, "device_block_ids")
+    n = ids.size
+    off = k * 2 * _plan.LANE_IDS  # the slot's first list (staging reads host ids on the host)
+    lane.ids_np[off : off + n] = ids
+    out = torch.empty(n, dtype=torch.int64, device=device)
+    # The slot is rewritten only after the lane event of this call (recorded after the join) has passed.
+    copy_engine.memcpy_raw([out.data_ptr()], [lane.base + off * 8], [n * 8], _plan._raw_stream(index))
+    return out
 
 
 def _alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -583,4 +677,5 @@ def _torch_copy(dev_tensors, g: Geometry, host_flat, dev_ids, host_ids, to_host)
             dev.index_copy_(0, d_ids, hst.index_select(0, h_ids).to(dev.device))
 
 
-__all__ = ["DIRECTIONS", "METHODS", "ZERO_COPY_CTAS", "merged_runs", "transfer_blocks"]
+__all__ = ["DIRECTIONS", "METHODS", "ZERO_COPY_CTAS", "interleave", "merged_runs", "transfer_blocks",
+           "transfer_blocks_steps"]  # fmt: skip
