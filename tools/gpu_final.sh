@@ -6,6 +6,8 @@
 #           rows), and the transfer sweep's 80-layer points at 32/128/512 KiB (one call, ~6 minutes)
 #   PART=f: every GPU test, bench device --quick with the 8 GiB broadcast (traced), bench store (device
 #           rows), tools/trace_store_device.py, bench transfer at 32 layers x 16 KiB
+#   PART=s5: every GPU test, tools/probe_store_load_host.py, tools/trace_store_device.py, bench transfer at 32 layers
+#           x 16 KiB, bench device --quick (traced), bench store (device rows)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -50,6 +52,15 @@ elif [ "${PART}" = m ]; then  # mid-session check: every GPU test, then the thre
   KVSTRATA_DEVOBJ_TRACE=1 bench 110 device --quick --wait 30
   bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   bench 90 transfer --layers 32 --chunks-kib 16
+elif [ "${PART}" = s5 ]; then  # session 5's check: every GPU test (no stop), probes of the changed paths, benches
+  KVSTRATA_TEST_WAIT=20 timeout 270 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -15 "$OUT/gpu_tests.log"
+  echo "=== tools/probe_store_load_host.py" >> "$LOG"; timeout 60 python3 tools/probe_store_load_host.py >> "$LOG" 2>&1
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  bench 100 transfer --layers 32 --chunks-kib 16
+  KVSTRATA_DEVOBJ_TRACE=1 bench 90 device --quick --wait 30
+  bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
 else
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
   bench 80 device --quick --broadcast-wait both --wait 30
