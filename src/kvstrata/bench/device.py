@@ -24,6 +24,7 @@ timings through an in-process broker with CPU tensors (so a CPU test can run it)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -210,11 +211,12 @@ def kv_owner(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters
     ctl["ready"].set()
     src = _pattern(4 * KiB, 0)
     t_pub = []
-    for _ in range(lat_iters):  # subscriber first: time from the publish call
-        i = _get(ctl["req"], "owner: latency request (subscriber first)")
-        debug.trace_take()
-        t_pub.append(time.perf_counter())
-        c.dev_publish([f"lat/{i}"], [[src]])
+    with _profiled("owner, 4 KiB publishes (subscriber first)") as profile:
+        for _ in range(lat_iters):  # subscriber first: time from the publish call
+            i = _get(ctl["req"], "owner: latency request (subscriber first)")
+            debug.trace_take()
+            t_pub.append(time.perf_counter())
+            c.dev_publish([f"lat/{i}"], [[src]])
     trace = [(t, f"owner {th}", step) for t, th, step in debug.trace_take()]
     for _ in range(lat_iters):  # publisher first
         i = _get(ctl["req"], "owner: latency request (publisher first)")
@@ -224,7 +226,7 @@ def kv_owner(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters
         raise RuntimeError(f"owner: the reader did not finish within {WAIT:g} s")
     torch.cuda.synchronize()
     c.close()
-    return {"t_pub": t_pub, "trace": trace}
+    return {"t_pub": t_pub, "trace": trace, "profile": profile}
 
 
 def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters: int, ctl: dict) -> dict:
@@ -260,12 +262,13 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
         torch.cuda.empty_cache()
     d = torch.zeros(4 * KiB, dtype=torch.uint8, device=1)
     t_done = []
-    for i in range(lat_iters):
-        (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=WAIT)
-        debug.trace_take()
-        ctl["req"].put(i)
-        _wait(f, f"reader: latency subscribe lat/{i} (subscriber first)")
-        t_done.append(time.perf_counter())
+    with _profiled("reader, 4 KiB subscribes (subscriber first)") as profile:
+        for i in range(lat_iters):
+            (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=WAIT)
+            debug.trace_take()
+            ctl["req"].put(i)
+            _wait(f, f"reader: latency subscribe lat/{i} (subscriber first)")
+            t_done.append(time.perf_counter())
     traces["4 KiB hand-off, subscriber first (reader side)"] = [
         (t, f"reader {th}", step) for t, th, step in debug.trace_take()
     ] + [(t_done[-1], "reader main", "future done")]
@@ -286,7 +289,32 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
     out["t_done"] = t_done
     out["pub_first"] = pub_first
     out["traces"] = traces
+    out["profile"] = profile
     return out
+
+
+@contextlib.contextmanager
+def _profiled(what: str) -> Any:
+    """With ``KVSTRATA_BENCH_PROFILE=1``: a cProfile of this thread over the block (the caller's side of the
+    calls; the trace shows the other threads' steps), its top functions by own time put in the yielded list
+    (printed by :func:`run`); otherwise nothing."""
+    out: list[str] = []
+    if os.environ.get("KVSTRATA_BENCH_PROFILE") != "1":
+        yield out
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield out
+    finally:
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        out.append(f"--- profile: {what}\n" + "\n".join(text.getvalue().splitlines()[4:34]))
 
 
 # -- 4. broadcast --------------------------------------------------------------------------------------
@@ -471,6 +499,8 @@ def run(args: argparse.Namespace) -> int:
         for name, stamps in traces.items():
             if stamps:
                 print(f"--- trace: {name}\n{debug.trace_format(stamps)}", flush=True)
+    for text in owner.get("profile", []) + reader.get("profile", []):
+        print(text, flush=True)
     latency = [d - p for d, p in zip(reader["t_done"], owner["t_pub"])]
     lat_us = statistics.median(latency) * 1e6
     lat_pub_first_us = statistics.median(reader["pub_first"]) * 1e6
