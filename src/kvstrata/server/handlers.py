@@ -7,6 +7,7 @@ handlers answer per key. See :mod:`kvstrata.server.protocol` for the message sha
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
@@ -183,39 +184,32 @@ def _acquire(s: Session, msg: dict) -> dict:
     if not s.shm:
         raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
     keys = P.check_keys(msg.get("keys", []))
-    cache = bool(msg.get("cache"))  # the client may keep cacheable leases for later local views
-    reply: dict = {}
-    ids: list[int] = []
-    locs: list[int] = []
-    flags: list[int] = []
-    errs = []
-    leases = s.leases
-    no_ttl = s.validity.no_ttl if cache else ()
-    mask = SLOTS - 1
-    results = s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
-    for i, (key, r) in enumerate(zip(keys, results)):
-        if isinstance(r, BaseException):
-            errs.append([i, *P.error_record(r)["err"]])
-            ids.append(0)
-            locs += (0, 0, 0)
-            flags.append(0)
-            continue
-        lease_id = r[0]
-        leases.add(lease_id)
-        ids.append(lease_id)
-        locs += r[2]
+    ids, locs, mutable, errors = s.store.lease_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
+    flat = list(chain.from_iterable(locs))
+    if msg.get("cache"):  # the client may keep cacheable leases for later local views
         # validity.cacheable and validity.slot_of, inline: sealed (immutable) and TTL-free
-        flags.append(1 if r[4] else 2 + (hash(key) & mask) if key in no_ttl else 0)
-    s.new_segments(locs, reply)
-    reply["ids"], reply["locs"], reply["flags"] = ids, locs, flags
-    if errs:
+        no_ttl, mask = s.validity.no_ttl, SLOTS - 1
+        flags = [1 if m else 2 + (hash(k) & mask) if k in no_ttl else 0 for k, m in zip(keys, mutable)]
+    else:
+        flags = list(map(int, mutable))
+    s.leases.update(ids)
+    reply: dict = {}
+    if errors:
+        s.leases.discard(0)
+        errs = []
+        for i, exc in sorted(errors.items()):
+            flags[i] = 0
+            errs.append([i, *P.error_record(exc)["err"]])
         reply["errs"] = errs
+    s.new_segments(flat, reply)
+    reply["ids"], reply["locs"], reply["flags"] = ids, flat, flags
     return reply
 
 
 def release(s: Session, msg: dict) -> dict:
-    mine = [i for i in msg.get("ids", []) if i in s.leases]  # only what this client was given
-    s.leases.difference_update(mine)
+    leases = s.leases
+    mine = leases.intersection(msg.get("ids", ()))  # only what this client was given
+    leases -= mine
     if hasattr(s.store, "release_many"):
         s.store.release_many(mine)
     else:
