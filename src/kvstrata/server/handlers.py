@@ -7,16 +7,20 @@ handlers answer per key. See :mod:`kvstrata.server.protocol` for the message sha
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import KvstrataError, ServerError
 from kvstrata.server import protocol as P
 from kvstrata.server.validity import SLOTS
+from kvstrata.store.tiers.base import Location
 
 if TYPE_CHECKING:
     from kvstrata.server.worker import Session
+
+_PAIR_TYPES = frozenset({list, tuple})
+_LOCATION_TYPES = frozenset({Location})
 
 
 def _value(msg: dict) -> bytes:
@@ -78,20 +82,25 @@ def _mcreate(s: Session, msg: dict) -> dict:
     a few microseconds."""
     opts = s.write_options(msg)
     pairs = msg.get("items", [])
-    if not isinstance(pairs, list) or not all(isinstance(p, list | tuple) and len(p) == 2 for p in pairs):
+    if type(pairs) is not list or not _PAIR_TYPES.issuperset(map(type, pairs)) or any(len(p) != 2 for p in pairs):
         raise TypeError("items: expected a list of [key, size] pairs")
     results = s.store.create_many(pairs, owner=s.owner, **opts)
     reply: dict = {}
-    locs: list[int] = []
     errs = []
-    writes, ttl = s.writes, opts["ttl"]
-    for i, ((key, _), r) in enumerate(zip(pairs, results)):
-        if isinstance(r, BaseException):
-            errs.append([i, *P.error_record(r)["err"]])
-            locs += (0, 0, 0)
-        else:
-            writes[key] = ttl
-            locs += r
+    ttl = opts["ttl"]
+    if set(map(type, results)) <= _LOCATION_TYPES:  # every key created: no per-key step
+        s.writes.update(dict.fromkeys([p[0] for p in pairs], ttl))
+        locs = list(chain.from_iterable(results))
+    else:
+        locs = []
+        writes = s.writes
+        for i, ((key, _), r) in enumerate(zip(pairs, results)):
+            if isinstance(r, BaseException):
+                errs.append([i, *P.error_record(r)["err"]])
+                locs += (0, 0, 0)
+            else:
+                writes[key] = ttl
+                locs += r
     s.new_segments(locs, reply)
     reply["locs"] = locs
     if errs:
@@ -133,21 +142,21 @@ def _mseal(s: Session, msg: dict) -> dict:
     """Reply ``{"errs": [[i, type, message], ...]}`` (absent when every key was sealed)."""
     keys = P.check_keys(msg.get("keys", []))
     validity = s.validity
-    locks = sorted({id(lock): lock for lock in map(validity.key_lock, keys)}.items())  # one order: no deadlock
+    locks = validity.key_locks(keys)
     with validity.change(keys):
-        for _, lock in locks:  # the no-TTL set must change with the versions, as in _finish_one
+        for lock in locks:  # the no-TTL set must change with the versions, as in _finish_one
             lock.acquire()
         try:
             results = s.store.seal_many(keys, owner=s.owner)
-            writes, written = s.writes, validity.written
-            for key, r in zip(keys, results):
-                if r is None:
-                    written(key, writes.pop(key, 0.0))  # an unknown TTL counts as one
+            sealed = keys if results.count(None) == len(keys) else [k for k, r in zip(keys, results) if r is None]
+            # an unknown TTL counts as one
+            validity.written_many(sealed, list(map(s.writes.pop, sealed, repeat(0.0))))
         finally:
-            for _, lock in locks:
+            for lock in locks:
                 lock.release()
-    errs = [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]
-    return {"errs": errs} if errs else {}
+    if results.count(None) == len(results):
+        return {}
+    return {"errs": [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]}
 
 
 def _get(s: Session, msg: dict) -> dict:

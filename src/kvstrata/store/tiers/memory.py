@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from itertools import repeat
 
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
@@ -121,7 +122,7 @@ class MemoryTier(BlockTier):
             if offs is not None:
                 self._last = i
                 self._used += sum((n + ALIGNMENT - 1) & -ALIGNMENT for n in sizes)
-                return [Location(i, off, n) for off, n in zip(offs, sizes)]
+                return list(map(Location, repeat(i), offs, sizes))
         return None
 
     def free(self, location: Location) -> None:
