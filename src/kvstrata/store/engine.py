@@ -823,6 +823,7 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             # _release_locked inlined: a 64-key batch of reads gives back 64 leases at once
             pop, by_owner = self._leases.pop, self._owner_leases
             last_owner, owned = None, None
+            freed: list[Entry] = []  # dead versions whose last lease went: their blocks go back together
             for lease_id in lease_ids:
                 item = pop(lease_id, None)
                 if item is None:
@@ -840,10 +841,14 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
                 e.leases -= 1
                 if e.leases == 0:
                     self._evict_blocked = False
-                    if e.dead:
-                        self._free_locked(e)
+                    if e.dead and e.loc is not None:
+                        freed.append(e)
             if owned is not None and not owned:
                 by_owner.pop(last_owner, None)
+            if freed:
+                self._mem.free_many([e.loc for e in freed if e.loc.size])
+                for e in freed:
+                    e.loc = None
 
     def release(self, lease_id: int) -> None:
         """Give a lease back (idempotent)."""
