@@ -750,7 +750,10 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
         """Per-key :meth:`acquire`; a failed key yields its exception in place. ``timeout`` bounds the whole call."""
         keys = check_keys(keys)
         ids, locs, mutable, errors = self.lease_many(keys, owner=owner, timeout=timeout)
-        out: list = list(map(Lease, ids, keys, locs, [loc.size for loc in locs], mutable))
+        # tuple.__new__ builds each NamedTuple in C (its generated __new__ is Python code)
+        out: list = list(
+            map(tuple.__new__, itertools.repeat(Lease), zip(ids, keys, locs, [loc.size for loc in locs], mutable))
+        )
         for i, exc in errors.items():
             out[i] = exc
         return out

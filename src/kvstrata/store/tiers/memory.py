@@ -122,7 +122,8 @@ class MemoryTier(BlockTier):
             if offs is not None:
                 self._last = i
                 self._used += sum((n + ALIGNMENT - 1) & -ALIGNMENT for n in sizes)
-                return list(map(Location, repeat(i), offs, sizes))
+                # tuple.__new__ builds each NamedTuple in C (its generated __new__ is Python code)
+                return list(map(tuple.__new__, repeat(Location), zip(repeat(i), offs, sizes)))
         return None
 
     def free(self, location: Location) -> None:
