@@ -21,8 +21,6 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
 MAX_ENTRIES = 256
 MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
 SWEEP_S = 0.01  # stale entries pin old versions: looked for at most this often while writes happen
@@ -47,7 +45,6 @@ class LocalReads:
         self._page = page
         self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
         self._slots = (ctypes.c_uint64 * SLOTS).from_address(page.address + slots_offset)
-        self._counts = np.frombuffer(self._slots, dtype=np.uint64)  # the same counters, for batches
         # The worker's advice on busy-polling for replies (microseconds), where it gives one.
         self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
         self._entries: OrderedDict[str, list] = OrderedDict()
@@ -105,18 +102,28 @@ class LocalReads:
         if not entries:
             return [None] * len(keys)
         gen = self._gen.value  # before any count is read
-        get, touch = entries.get, entries.move_to_end
+        get, touch, slots = entries.get, entries.move_to_end, self._slots
         out: list[Any] = []
+        stale: list[str] = []
         for key in keys:
             entry = get(key)
             if entry is None:
                 out.append(None)
-            elif entry[_SEEN] == gen or self._current(entry, gen):
+            elif entry[_SEEN] == gen:
+                touch(key)
+                out.append(entry)
+            elif slots[entry[_SLOT]] == entry[_COUNT]:  # _current, inline
+                entry[_SEEN] = gen
                 touch(key)
                 out.append(entry)
             else:
-                self._stale_entry(key)
+                stale.append(key)
                 out.append(None)
+        for key in stale:  # _stale_entry, inline (a batch of keys just rewritten: all of them)
+            entry = entries.pop(key, None)
+            if entry is not None:  # a key named twice is dropped once
+                self._bytes -= entry[_LOC].size
+                self._dropped.append(entry[_LEASE])
         self.hits += len(out) - out.count(None)
         return out
 
@@ -147,27 +154,11 @@ class LocalReads:
         """:meth:`add` of each ``(key, lease id, location, slot)`` in order; the lease ids to give back (a
         refused lease among them, as from :meth:`add`)."""
         slots = self._slots
-        if len(items) > 8:  # first the counts, then the generation; one numpy gather instead of a load per key
-            counts = self._counts[np.fromiter((item[3] for item in items), np.int64, len(items)) & (SLOTS - 1)].tolist()
-        else:
-            counts = [slots[item[3] & (SLOTS - 1)] for item in items]
+        counts = [slots[item[3] & (SLOTS - 1)] for item in items]  # first the counts, then the generation
         drop = self.stale()
         if generation != self._gen.value:  # something changed during the request: not trustworthy
             return drop + [item[1] for item in items]
         entries, max_entries, max_bytes = self._entries, self.max_entries, self.max_bytes
-        size = sum(item[2].size for item in items)
-        if (
-            len(entries) + len(items) <= max_entries
-            and self._bytes + size <= max_bytes
-            and entries.keys().isdisjoint([item[0] for item in items])
-            and len({item[0] for item in items}) == len(items)
-        ):  # new keys that all fit (a batch just read again after a change): no per-key budget steps
-            entries.update(
-                (key, [lease_id, location, slot & (SLOTS - 1), count, generation])
-                for (key, lease_id, location, slot), count in zip(items, counts)
-            )
-            self._bytes += size
-            return drop
         for (key, lease_id, location, slot), count in zip(items, counts):
             size = location.size
             if not evict and key not in entries and (len(entries) >= max_entries or self._bytes + size > max_bytes):
@@ -199,6 +190,6 @@ class LocalReads:
     def close(self) -> None:
         self._entries.clear()
         self._dropped = []
-        self._gen = self._slots = self._counts = None  # type: ignore[assignment]
+        self._gen = self._slots = None  # type: ignore[assignment]
         self._spin = None
         self._page.close()
