@@ -53,22 +53,10 @@ from kvstrata.store.tiers.memory import MemoryTier
 log = logging.getLogger(__name__)
 
 
-def _plain_keys(keys: list) -> bool:
-    """Whether every key is a non-empty ASCII str short enough to need no byte count (checked with C loops)."""
-    return (
-        bool(keys)
-        and set(map(type, keys)) == {str}
-        and min(map(len, keys)) > 0
-        and max(map(len, keys)) <= _SHORT_KEY
-        and "".join(keys).isascii()
-    )
-
-
 _SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
 _ALIGN_MASK = ALIGNMENT - 1
 _ALIGN_SHIFT = ALIGNMENT.bit_length() - 1  # blocks are whole ALIGNMENT units: same units, same block
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
-_SHORT_KEY = 256  # objects.MAX_KEY_BYTES // 4: an ASCII key this short is valid
 _LOC, _MUTABLE = operator.attrgetter("loc"), operator.attrgetter("mutable")
 
 
@@ -217,148 +205,66 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             mode, ttl_s = self._check_write("_", 0, ttl, write_mode)  # the batch's options, checked once
         except (KvstrataError, ValueError, TypeError) as exc:
             return [exc] * len(items)
-        keys = [item[0] for item in items]
+        fits = self._mem.fits_ever
+        todo: list[int] = []  # positions that passed the checks, counted in _creating, in order
         with self._lock:
             if self._closed:
                 return [ClosedError("the object store is closed")] * len(items)
-            locs = None
-            if _plain_keys(keys):
-                locs = self._create_batch_locked(keys, [item[1] for item in items], owner, mode, ttl_s, nx)
-            if locs is not None:
-                out = locs
-            else:
-                self._create_each_locked(items, out, owner, mode, ttl_s, nx)
+            creating, objects = self._creating, self._objects
+            for i, (key, size) in enumerate(items):
+                try:
+                    check_key(key)
+                    if type(size) is not int or size < 0:
+                        check_size(size)
+                    if not fits(size):
+                        self._check_write(key, size, ttl, write_mode)  # raises its CapacityError
+                    if nx and (key in creating or (key in objects and self._lookup(key) is not None)):
+                        raise KeyExists(f"key {key!r} already exists")
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    out[i] = exc
+                    continue
+                creating[key] = creating.get(key, 0) + 1  # before allocating, as in _reserve_locked
+                todo.append(i)
+            sized = [i for i in todo if items[i][1]]
+            run = self._mem.allocate_run([items[i][1] for i in sized]) if len(sized) > 1 else None
+            if run is not None:
+                for i, loc in zip(sized, run):
+                    out[i] = loc
+                if self._mem.used > self._high:
+                    self._wake.set()
+            versions, pending = self._versions, self._pending
+            creates = self._owner_creates.get(owner)
+            if creates is None and todo:
+                creates = self._owner_creates[owner] = set()
+            for i in todo:
+                key, size = items[i]
+                loc = out[i]
+                if loc is None:
+                    try:
+                        loc = self._allocate(size)  # may release the lock to evict
+                    except (KvstrataError, ValueError, TypeError) as exc:
+                        self._uncreate(key)
+                        out[i] = exc
+                        continue
+                    out[i] = loc
+                e = Entry(key, size, loc, mode, next(versions), owner)
+                if ttl_s:
+                    e.ttl = ttl_s
+                old = pending.pop((key, owner), None)
+                if old is not None:
+                    self._abort_locked(old)
+                pending[(key, owner)] = e
+                creates.add(key)
         if self._announced < len(self._mem.segments):
             self._announce_segments()
         return out
 
-    def _create_batch_locked(
-        self, keys: list[str], sizes: list, owner: object, mode: WriteMode, ttl_s: float, nx: bool
-    ) -> list[Location] | None:
-        """:meth:`create_many`'s common case, with C loops where it can: distinct keys, sizes that fit, none
-        refused (``nx``: none present or being created), all carved out of one free range. None (nothing
-        changed) when the batch is not that case: :meth:`_create_each_locked` then takes it key by key."""
-        n = len(keys)
-        if set(map(type, sizes)) != {int} or min(sizes) < 0 or not self._mem.fits_ever(max(sizes)):
-            return None
-        creating, objects = self._creating, self._objects
-        if len(set(keys)) != n or (nx and not (creating.keys().isdisjoint(keys) and objects.keys().isdisjoint(keys))):
-            return None
-        sized = [i for i, size in enumerate(sizes) if size]
-        if len(sized) == n:
-            locs = self._mem.allocate_run(sizes) if n > 1 else None
-        else:
-            locs = self._mem.allocate_run([sizes[i] for i in sized]) if len(sized) > 1 else None
-        if locs is None:
-            if len(sized) > 1:
-                return None  # no free range holds them all: one by one, with eviction
-            locs = [ZERO_LOCATION] * n
-            if sized:
-                loc = self._mem.allocate(sizes[sized[0]])
-                if loc is None:
-                    return None
-                locs[sized[0]] = loc
-        elif len(sized) < n:
-            run, locs = locs, [ZERO_LOCATION] * n
-            for i, loc in zip(sized, run):
-                locs[i] = loc
-        if creating.keys().isdisjoint(keys):
-            creating.update(dict.fromkeys(keys, 1))
-        else:
-            for key in keys:
-                creating[key] = creating.get(key, 0) + 1
-        entries = list(
-            map(
-                Entry,
-                keys,
-                sizes,
-                locs,
-                itertools.repeat(mode),
-                itertools.islice(self._versions, n),
-                itertools.repeat(owner),
-            )
-        )
-        if ttl_s:
-            for e in entries:
-                e.ttl = ttl_s
-        pending = self._pending
-        pks = list(zip(keys, itertools.repeat(owner)))
-        if not pending.keys().isdisjoint(pks):  # a second create of a key by its owner aborts the first
-            for pk in pks:
-                old = pending.pop(pk, None)
-                if old is not None:
-                    self._abort_locked(old)
-        pending.update(zip(pks, entries))
-        creates = self._owner_creates.get(owner)
-        if creates is None:
-            self._owner_creates[owner] = set(keys)
-        else:
-            creates.update(keys)
-        if self._mem.used > self._high:
-            self._wake.set()
-        return locs
-
-    def _create_each_locked(
-        self, items: list, out: list, owner: object, mode: WriteMode, ttl_s: float, nx: bool
-    ) -> None:
-        """:meth:`create_many` key by key into ``out`` (under the lock; may release it to evict)."""
-        fits = self._mem.fits_ever
-        todo: list[int] = []  # positions that passed the checks, counted in _creating, in order
-        creating, objects = self._creating, self._objects
-        for i, (key, size) in enumerate(items):
-            try:
-                check_key(key)
-                if type(size) is not int or size < 0:
-                    check_size(size)
-                if not fits(size):
-                    self._check_write(key, size, ttl_s or None, mode)  # raises its CapacityError
-                if nx and (key in creating or (key in objects and self._lookup(key) is not None)):
-                    raise KeyExists(f"key {key!r} already exists")
-            except (KvstrataError, ValueError, TypeError) as exc:
-                out[i] = exc
-                continue
-            creating[key] = creating.get(key, 0) + 1  # before allocating, as in _reserve_locked
-            todo.append(i)
-        sized = [i for i in todo if items[i][1]]
-        run = self._mem.allocate_run([items[i][1] for i in sized]) if len(sized) > 1 else None
-        if run is not None:
-            for i, loc in zip(sized, run):
-                out[i] = loc
-            if self._mem.used > self._high:
-                self._wake.set()
-        versions, pending = self._versions, self._pending
-        creates = self._owner_creates.get(owner)
-        if creates is None and todo:
-            creates = self._owner_creates[owner] = set()
-        for i in todo:
-            key, size = items[i]
-            loc = out[i]
-            if loc is None:
-                try:
-                    loc = self._allocate(size)  # may release the lock to evict
-                except (KvstrataError, ValueError, TypeError) as exc:
-                    self._uncreate(key)
-                    out[i] = exc
-                    continue
-                out[i] = loc
-            e = Entry(key, size, loc, mode, next(versions), owner)
-            if ttl_s:
-                e.ttl = ttl_s
-            old = pending.pop((key, owner), None)
-            if old is not None:
-                self._abort_locked(old)
-            pending[(key, owner)] = e
-            creates.add(key)
-
     def seal_many(self, keys: Iterable[str], *, owner: object) -> list[KvstrataError | ValueError | TypeError | None]:
         """:meth:`seal` per key (None where sealed, the exception where refused); creates that need no SSD
         write are sealed in one critical section."""
-        keys = keys if isinstance(keys, list) else list(keys)
         out: list = []
         slow: list[tuple[int, Entry]] = []
         with self._lock:
-            if _plain_keys(keys) and self._seal_batch_locked(keys, owner):
-                return [None] * len(keys)
             pending, creating, closed = self._pending, self._creating, self._closed
             creates = self._owner_creates.get(owner)
             for key in keys:
@@ -390,54 +296,6 @@ class ObjectStore(BatchMixin, TieringMixin, DeviceCacheMixin):
             except (KvstrataError, ValueError, TypeError) as exc:
                 out[i] = exc
         return out
-
-    def _seal_batch_locked(self, keys: list[str], owner: object) -> bool:
-        """:meth:`seal_many`'s common case, with C loops where it can: distinct keys, every one a create of
-        ``owner`` in progress, no SSD write. False (nothing changed) when the batch is not that case."""
-        pending = self._pending
-        pks = list(zip(keys, itertools.repeat(owner)))
-        if self._closed or len(set(keys)) != len(keys) or not pending.keys() >= set(pks):
-            return False
-        entries = list(map(pending.__getitem__, pks))
-        if any(e.mode is WriteMode.WRITE_THROUGH for e in entries):
-            return False
-        for pk in pks:
-            del pending[pk]
-        creates = self._owner_creates.get(owner)
-        if creates is not None:
-            creates.difference_update(keys)
-            if not creates:
-                del self._owner_creates[owner]
-        creating = self._creating
-        for key, n in zip(keys, map(creating.pop, keys, itertools.repeat(0))):  # _uncreate, inline
-            if n > 1:
-                creating[key] = n - 1
-        objects = self._objects
-        for e, old in zip(entries, map(objects.get, keys)):
-            if old is not None:
-                e.ref = old.ref
-                self._retire(old)
-        # _seal_locked of each, its per-key steps only where some entry needs them
-        for e in entries:
-            e.sealed = True
-            e.mutable = False
-            if e.ttl:
-                e.expires = time.monotonic() + e.ttl
-                heapq.heappush(self._ttl_heap, (e.expires, e.version, e.key))
-            if e.mode is WriteMode.WRITE_BACK:
-                e.dirty = True
-                self._dirty[e.key] = e
-                self._wake.set()
-        objects.update(zip(keys, entries))
-        self._clock.add_many([(e.key, e) for e in entries if e.size])
-        if self._waiters:
-            for key in keys:
-                w = self._waiters.get(key)
-                if w is not None:
-                    w[0].notify_all()
-        if self._mem.used > self._high:
-            self._wake.set()
-        return True
 
     def seal(self, key: str, *, owner: object) -> None:
         """Make ``owner``'s create of ``key`` visible and immutable; waiters wake."""

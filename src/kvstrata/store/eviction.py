@@ -33,14 +33,6 @@ class ClockPolicy:
         self._ring.pop(key, None)
         self._ring[key] = entry
 
-    def add_many(self, items: list[tuple[str, Any]]) -> None:
-        """:meth:`add` of each ``(key, entry)``, in order."""
-        ring = self._ring
-        if not ring.keys().isdisjoint(key for key, _ in items):
-            for key, _ in items:
-                ring.pop(key, None)
-        ring.update(items)
-
     def remove(self, key: str, entry: Any | None = None) -> None:
         """Forget ``key`` (only if it still maps to ``entry``, when given)."""
         ring = self._ring
