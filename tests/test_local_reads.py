@@ -306,3 +306,21 @@ def test_poll_advice(worker):
         kv.exists("x")
         assert worker.spin == 0.0
         assert kv._backend._local._spin is None
+
+
+def test_a_change_of_many_keys_moves_each_of_their_slots():
+    """Batches bump their slots with one vector add: every key's slot still moves, others stay."""
+    from kvstrata.server.validity import SLOTS, Validity
+
+    table = Validity()
+    try:
+        keys = [f"many/{i}" for i in range(40)]
+        slots = {table.slot_of(k) for k in keys}
+        before = [table._slots[i] for i in range(SLOTS)]
+        with table.change(keys):
+            pass
+        after = [table._slots[i] for i in range(SLOTS)]
+        assert all(after[i] != before[i] for i in slots)
+        assert all(after[i] == before[i] for i in range(SLOTS) if i not in slots)
+    finally:
+        table.close()

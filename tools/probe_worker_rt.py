@@ -1,5 +1,7 @@
 """Round trips to a real worker from one client process (GPU machine or any): ping, a 4 KiB set, leases
-of 4 and 64 keys right after they were rewritten, creating + sealing 4 and 64 keys; median and p90 of each, in us.
+of 4 and 64 keys right after they were rewritten (4 keys also after an idle gap, when the worker's thread
+sleeps: what the first stage of a device call pays), creating + sealing 4 and 64 keys; median and p90 of
+each, in us. The worker inherits the environment: ``KVSTRATA_SPIN_US=2000`` tries a longer polling window.
 
     PYTHONPATH=src python3 tools/probe_worker_rt.py
 """
@@ -13,6 +15,9 @@ from pathlib import Path
 
 import kvstrata
 from kvstrata.bench.store import _start_worker
+
+#: an idle gap longer than the worker's polling (KVSTRATA_SPIN_US, 200 us by default), like a device call's copies
+IDLE_S = 2e-3
 
 
 def timed(label: str, fn, setup=None, iters: int = 300) -> None:
@@ -53,6 +58,13 @@ def main() -> None:
                         kv.mset({k: b"y" * 1024 for k in ks})
 
                     timed(f"acquire+release {n} keys after a rewrite", lease, setup=rewrite)
+                    if n == 4:  # the first stage of a device call that follows the last one's copies
+
+                        def rewrite_idle(it, ks=ks):
+                            rewrite(it)
+                            time.sleep(IDLE_S)  # the worker's thread stops polling and sleeps
+
+                        timed(f"  the same after {IDLE_S * 1e3:.0f} ms idle", lease, setup=rewrite_idle, iters=100)
                     timed(f"acquire+release {n} keys, cached", lease)
                     opts = {"ttl": None, "nx": True, "mode": "memory"}
                     timed(

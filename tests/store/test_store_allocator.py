@@ -91,3 +91,31 @@ def test_allocate_run_is_consecutive_blocks_freed_one_by_one():
         a.free(o)
     assert a.free_bytes == 4096 and a.stats()["free_blocks"] == 1  # coalesced back into one range
     assert a.allocate_run([4000, 200]) is None and a.free_bytes == 4096  # nothing taken when it does not fit
+
+
+def test_free_many_leaves_the_same_free_list_as_one_free_per_block():
+    """Blocks side by side go back as one range; the result equals freeing them one at a time."""
+    rng = random.Random(7)
+    for trial in range(20):
+        a, b = OffsetAllocator(1 << 16), OffsetAllocator(1 << 16)
+        sizes = [rng.randrange(1, 700) for _ in range(40)]
+        offs_a = [a.allocate(n) for n in sizes]
+        offs_b = [b.allocate(n) for n in sizes]
+        assert offs_a == offs_b
+        gone = rng.sample(offs_a, rng.randrange(0, 40))
+        for off in gone[: len(gone) // 3]:  # some free neighbours first
+            a.free(off)
+            b.free(off)
+        batch = gone[len(gone) // 3 :]
+        rng.shuffle(batch)
+        assert a.free_many(batch) == sum(b.free(off) for off in batch)
+        assert a.stats() == b.stats() and a._sizes == b._sizes and a._by_start == b._by_start, trial
+    with pytest.raises(ValueError, match="offset"):
+        a.free_many([12345, 0, 64, 128])  # a bad offset raises as free does
+
+
+def test_free_many_of_a_run_makes_one_free_block():
+    a = OffsetAllocator(1 << 12)
+    offs = a.allocate_run([64] * 8)
+    a.free_many(offs)
+    assert a.stats()["free_blocks"] == 1 and a.free_bytes == a.capacity

@@ -94,3 +94,53 @@ def test_create_many_owner_gone_aborts_all_and_frees(store):
     store.release_owner("dead")
     assert store.stats()["creates_in_progress"] == 0 and store.exists([f"gone/{i}" for i in range(4)]) == [False] * 4
     assert store.stats()["tiers"]["memory"]["used"] == used
+
+
+def test_batch_of_plain_keys_replaces_visible_versions_and_wakes_waiters(store):
+    """The one-pass batch paths (distinct ASCII keys): replaced versions stay under their leases, a
+    reader waiting for a key wakes at the batch's seal, zero-size objects own no bytes."""
+    import threading
+
+    used = store.stats()["tiers"]["memory"]["used"]
+    keys = [f"plain/{i}" for i in range(12)]
+    store.put_many([(k, b"old") for k in keys[:6]])
+    held = store.acquire_many(keys[:2], owner="reader")
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(store.acquire("plain/11", owner="w", timeout=5)))
+    waiter.start()
+    sizes = [0 if i % 5 == 0 else 10 + i for i in range(12)]
+    locs = store.create_many(list(zip(keys, sizes)), owner=1)
+    assert [loc.size for loc in locs] == sizes and locs[0].segment == locs[0].offset == 0
+    for k, loc in zip(keys, locs):
+        store.buffer(loc)[:] = k.encode().ljust(loc.size, b"-")[: loc.size]
+    assert store.exists(keys) == [True] * 6 + [False] * 6  # nothing visible before the seal
+    assert store.seal_many(keys, owner=1) == [None] * 12
+    waiter.join(5)
+    assert got and got[0].size == sizes[11]
+    for k, n in zip(keys, sizes):
+        assert store.get_bytes(k) == k.encode().ljust(n, b"-")[:n]
+    assert [bytes(store.buffer(lease.location)) for lease in held] == [b"old", b"old"]  # pinned old versions
+    store.release_owner("reader")
+    store.release_owner("w")
+    store.delete(keys)
+    assert store.stats()["tiers"]["memory"]["used"] == used and store.stats()["leases"] == 0
+
+
+def test_batch_of_plain_keys_second_create_nx_ttl_and_write_back(dstore):
+    keys = [f"p/{i}" for i in range(5)]
+    first = dstore.create_many([(k, 100) for k in keys], owner=1)
+    again = dstore.create_many([(k, 200) for k in keys], owner=1)  # the second create aborts the first
+    assert [loc.size for loc in again] == [200] * 5 and first != again
+    assert all(isinstance(r, KeyExists) for r in dstore.create_many([(k, 8) for k in keys], owner=2, nx=True))
+    assert dstore.seal_many(keys, owner=1) == [None] * 5 and dstore.stats()["creates_in_progress"] == 0
+    assert dstore.sizes(keys) == [200] * 5
+    short = [f"ttl/{i}" for i in range(3)]
+    dstore.create_many([(k, 4) for k in short], owner=1, ttl=0.05)
+    assert dstore.seal_many(short, owner=1) == [None] * 3
+    time.sleep(0.1)
+    assert dstore.exists(short) == [False] * 3
+    wb = [f"wb/{i}" for i in range(3)]
+    dstore.create_many([(k, 64) for k in wb], owner=1, write_mode=WriteMode.WRITE_BACK)
+    assert dstore.seal_many(wb, owner=1) == [None] * 3
+    dstore.flush()
+    assert dstore.stats()["dirty"] == 0 and dstore.stats()["tiers"]["disk"]["used"] > 0

@@ -15,6 +15,7 @@ import os
 import select
 import threading
 import time
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from kvstrata.client.local_reads import MAX_BYTES, LocalReads
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 _embedded_owners = itertools.count(1)
 #: seconds a lane request is polled for before the worker is asked over the socket, at least
 _LANE_MIN_POLL = 50e-6
+_ONE = 1  # a flag of 1: a mutable object (kvstrata.server.handlers._acquire)
 
 
 class Loc(NamedTuple):
@@ -39,6 +41,15 @@ class Lease(NamedTuple):
     lease_id: int
     location: Any
     mutable: bool
+
+
+#: builds a NamedTuple from a tuple in C (its generated __new__ is Python: twice the cost over a 64-key reply)
+_new = tuple.__new__
+
+
+def _locs(flat: list[int]) -> Any:
+    """The :class:`Loc` of each ``[segment, offset, size]`` of a flat reply list."""
+    return map(_new, repeat(Loc), zip(flat[0::3], flat[1::3], flat[2::3]))
 
 
 class RemoteBackend:
@@ -336,7 +347,7 @@ class RemoteBackend:
     def mcreate_finish(self, token: Any) -> list[Any]:
         reply = self.tagged_reply(token)
         flat = reply["locs"]
-        out: list[Any] = [Loc(*flat[k : k + 3]) for k in range(0, len(flat), 3)]
+        out: list[Any] = list(_locs(flat))
         for i, name, message in reply.get("errs", ()):
             out[i] = P.error_from_record((name, message))
         return out
@@ -446,13 +457,14 @@ class RemoteBackend:
         local = self._local
         reply = self.tagged_reply(*sent)
         ids, flat, flags = reply["ids"], reply["locs"], reply["flags"]
-        offered = []
-        k = 0
-        for i, lease_id, flag in zip(missing, ids, flags):
-            out[i] = Lease(lease_id, Loc(flat[k], flat[k + 1], flat[k + 2]), flag == 1)
-            k += 3
-            if flag >= 2:  # 2 + the key's slot: a lease the local-read cache may keep
-                offered.append((i, flag - 2))
+        leases = map(_new, repeat(Lease), zip(ids, _locs(flat), map(_ONE.__eq__, flags)))
+        if len(missing) == len(out):
+            out[:] = leases
+        else:
+            for i, lease in zip(missing, leases):
+                out[i] = lease
+        # 2 + the key's slot: a lease the local-read cache may keep
+        offered = [(i, flag - 2) for i, flag in zip(missing, flags) if flag >= 2]
         for j, name, message in reply.get("errs", ()):
             out[missing[j]] = P.error_from_record((name, message))
         drop: list[int] = []
@@ -469,8 +481,11 @@ class RemoteBackend:
                         kept -= refused
                         drop = [d for d in drop if d not in refused]
                     holders = self._holders
-                    for lease_id in kept:
-                        holders[lease_id] = holders.get(lease_id, 0) + 2
+                    if holders.keys().isdisjoint(kept):  # new leases, as the worker's ids always are
+                        holders.update(dict.fromkeys(kept, 2))
+                    else:
+                        for lease_id in kept:
+                            holders[lease_id] = holders.get(lease_id, 0) + 2
         if drop:
             self.release(drop)
         return out

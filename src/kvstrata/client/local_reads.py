@@ -102,18 +102,28 @@ class LocalReads:
         if not entries:
             return [None] * len(keys)
         gen = self._gen.value  # before any count is read
-        get, touch = entries.get, entries.move_to_end
+        get, touch, slots = entries.get, entries.move_to_end, self._slots
         out: list[Any] = []
+        stale: list[str] = []
         for key in keys:
             entry = get(key)
             if entry is None:
                 out.append(None)
-            elif entry[_SEEN] == gen or self._current(entry, gen):
+            elif entry[_SEEN] == gen:
+                touch(key)
+                out.append(entry)
+            elif slots[entry[_SLOT]] == entry[_COUNT]:  # _current, inline
+                entry[_SEEN] = gen
                 touch(key)
                 out.append(entry)
             else:
-                self._stale_entry(key)
+                stale.append(key)
                 out.append(None)
+        for key in stale:  # _stale_entry, inline (a batch of keys just rewritten: all of them)
+            entry = entries.pop(key, None)
+            if entry is not None:  # a key named twice is dropped once
+                self._bytes -= entry[_LOC].size
+                self._dropped.append(entry[_LEASE])
         self.hits += len(out) - out.count(None)
         return out
 

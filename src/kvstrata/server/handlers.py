@@ -7,15 +7,20 @@ handlers answer per key. See :mod:`kvstrata.server.protocol` for the message sha
 
 from __future__ import annotations
 
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import KvstrataError, ServerError
 from kvstrata.server import protocol as P
 from kvstrata.server.validity import SLOTS
+from kvstrata.store.tiers.base import Location
 
 if TYPE_CHECKING:
     from kvstrata.server.worker import Session
+
+_PAIR_TYPES = frozenset({list, tuple})
+_LOCATION_TYPES = frozenset({Location})
 
 
 def _value(msg: dict) -> bytes:
@@ -77,20 +82,25 @@ def _mcreate(s: Session, msg: dict) -> dict:
     a few microseconds."""
     opts = s.write_options(msg)
     pairs = msg.get("items", [])
-    if not isinstance(pairs, list) or not all(isinstance(p, list | tuple) and len(p) == 2 for p in pairs):
+    if type(pairs) is not list or not _PAIR_TYPES.issuperset(map(type, pairs)) or any(len(p) != 2 for p in pairs):
         raise TypeError("items: expected a list of [key, size] pairs")
     results = s.store.create_many(pairs, owner=s.owner, **opts)
     reply: dict = {}
-    locs: list[int] = []
     errs = []
-    writes, ttl = s.writes, opts["ttl"]
-    for i, ((key, _), r) in enumerate(zip(pairs, results)):
-        if isinstance(r, BaseException):
-            errs.append([i, *P.error_record(r)["err"]])
-            locs += (0, 0, 0)
-        else:
-            writes[key] = ttl
-            locs += r
+    ttl = opts["ttl"]
+    if set(map(type, results)) <= _LOCATION_TYPES:  # every key created: no per-key step
+        s.writes.update(dict.fromkeys([p[0] for p in pairs], ttl))
+        locs = list(chain.from_iterable(results))
+    else:
+        locs = []
+        writes = s.writes
+        for i, ((key, _), r) in enumerate(zip(pairs, results)):
+            if isinstance(r, BaseException):
+                errs.append([i, *P.error_record(r)["err"]])
+                locs += (0, 0, 0)
+            else:
+                writes[key] = ttl
+                locs += r
     s.new_segments(locs, reply)
     reply["locs"] = locs
     if errs:
@@ -132,21 +142,21 @@ def _mseal(s: Session, msg: dict) -> dict:
     """Reply ``{"errs": [[i, type, message], ...]}`` (absent when every key was sealed)."""
     keys = P.check_keys(msg.get("keys", []))
     validity = s.validity
-    locks = sorted({id(lock): lock for lock in map(validity.key_lock, keys)}.items())  # one order: no deadlock
+    locks = validity.key_locks(keys)
     with validity.change(keys):
-        for _, lock in locks:  # the no-TTL set must change with the versions, as in _finish_one
+        for lock in locks:  # the no-TTL set must change with the versions, as in _finish_one
             lock.acquire()
         try:
             results = s.store.seal_many(keys, owner=s.owner)
-            writes, written = s.writes, validity.written
-            for key, r in zip(keys, results):
-                if r is None:
-                    written(key, writes.pop(key, 0.0))  # an unknown TTL counts as one
+            sealed = keys if results.count(None) == len(keys) else [k for k, r in zip(keys, results) if r is None]
+            # an unknown TTL counts as one
+            validity.written_many(sealed, list(map(s.writes.pop, sealed, repeat(0.0))))
         finally:
-            for _, lock in locks:
+            for lock in locks:
                 lock.release()
-    errs = [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]
-    return {"errs": errs} if errs else {}
+    if results.count(None) == len(results):
+        return {}
+    return {"errs": [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]}
 
 
 def _get(s: Session, msg: dict) -> dict:
@@ -183,39 +193,32 @@ def _acquire(s: Session, msg: dict) -> dict:
     if not s.shm:
         raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
     keys = P.check_keys(msg.get("keys", []))
-    cache = bool(msg.get("cache"))  # the client may keep cacheable leases for later local views
-    reply: dict = {}
-    ids: list[int] = []
-    locs: list[int] = []
-    flags: list[int] = []
-    errs = []
-    leases = s.leases
-    no_ttl = s.validity.no_ttl if cache else ()
-    mask = SLOTS - 1
-    results = s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
-    for i, (key, r) in enumerate(zip(keys, results)):
-        if isinstance(r, BaseException):
-            errs.append([i, *P.error_record(r)["err"]])
-            ids.append(0)
-            locs += (0, 0, 0)
-            flags.append(0)
-            continue
-        lease_id = r[0]
-        leases.add(lease_id)
-        ids.append(lease_id)
-        locs += r[2]
+    ids, locs, mutable, errors = s.store.lease_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
+    flat = list(chain.from_iterable(locs))
+    if msg.get("cache"):  # the client may keep cacheable leases for later local views
         # validity.cacheable and validity.slot_of, inline: sealed (immutable) and TTL-free
-        flags.append(1 if r[4] else 2 + (hash(key) & mask) if key in no_ttl else 0)
-    s.new_segments(locs, reply)
-    reply["ids"], reply["locs"], reply["flags"] = ids, locs, flags
-    if errs:
+        no_ttl, mask = s.validity.no_ttl, SLOTS - 1
+        flags = [1 if m else 2 + (hash(k) & mask) if k in no_ttl else 0 for k, m in zip(keys, mutable)]
+    else:
+        flags = list(map(int, mutable))
+    s.leases.update(ids)
+    reply: dict = {}
+    if errors:
+        s.leases.discard(0)
+        errs = []
+        for i, exc in sorted(errors.items()):
+            flags[i] = 0
+            errs.append([i, *P.error_record(exc)["err"]])
         reply["errs"] = errs
+    s.new_segments(flat, reply)
+    reply["ids"], reply["locs"], reply["flags"] = ids, flat, flags
     return reply
 
 
 def release(s: Session, msg: dict) -> dict:
-    mine = [i for i in msg.get("ids", []) if i in s.leases]  # only what this client was given
-    s.leases.difference_update(mine)
+    leases = s.leases
+    mine = leases.intersection(msg.get("ids", ()))  # only what this client was given
+    leases -= mine
     if hasattr(s.store, "release_many"):
         s.store.release_many(mine)
     else:

@@ -25,6 +25,7 @@ MAX_BATCH = 100_000
 MAX_KEY_BYTES = 1024
 WRITE_MODES = ("memory", "write_through", "write_back", "evictable")
 ONE_WAY_OPS = frozenset({"release"})
+_STR = frozenset({str})
 
 _ERROR_TYPES: dict[str, type[BaseException]] = {
     name: getattr(kverrors, name) for name in kverrors.__all__ if isinstance(getattr(kverrors, name), type)
@@ -78,6 +79,8 @@ def check_keys(keys: Any, name: str = "keys") -> list[str]:
     if len(keys) > MAX_BATCH:
         raise ValueError(f"{name}: {len(keys)} keys, over the {MAX_BATCH} per call limit")
     short = MAX_KEY_BYTES // 4  # no code point takes more than 4 bytes: a key this short cannot be too long
+    if not keys or (_STR.issuperset(map(type, keys)) and min(map(len, keys)) > 0 and max(map(len, keys)) <= short):
+        return keys  # the common case, checked with C loops
     for i, key in enumerate(keys):
         if type(key) is not str or not key or len(key) > short:  # the common case costs no call, no name
             check_key(key, f"{name}[{i}]")
