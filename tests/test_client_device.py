@@ -6,6 +6,8 @@ the ``gpu`` tests check the copy-engine path and the once-per-segment CUDA regis
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -141,8 +143,17 @@ def test_a_failed_key_never_hides_the_others(kv):
     assert kv.stats()["leases"] == 0  # every lease went back, the failed key's included
 
 
+def _alone(worker, timeout=10.0):
+    """Wait until one client is connected: earlier tests' connections (module-scoped worker) may still be
+    handling their last one-way messages, which would count as requests here."""
+    deadline = time.monotonic() + timeout
+    while len(worker._sessions) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_cached_keys_cost_no_round_trip(worker):
     with kvstrata.connect(worker.address) as kv:
+        _alone(worker)
         keys = [f"hot/{i}" for i in range(16)]
         kv.delete(keys)
         src = _lists(16, sizes=(100000,))
@@ -158,6 +169,7 @@ def test_cached_keys_cost_no_round_trip(worker):
         with kvstrata.connect(worker.address) as other:  # a change elsewhere: seen at once
             other.delete(keys[0])
             other.mset_d2h([keys[0]], [[torch.ones(100000, dtype=torch.uint8)]])
+        _alone(worker)
         dst = _poisoned(src)
         before = worker.counters["requests"]
         assert kv.mget_h2d(keys, dst) == [None] * 16
