@@ -8,6 +8,8 @@
 #           rows), tools/trace_store_device.py, bench transfer at 32 layers x 16 KiB
 #   PART=s5: every GPU test, tools/probe_store_load_host.py, tools/trace_store_device.py, bench transfer at 32 layers
 #           x 16 KiB, bench device --quick (traced), bench store (device rows)
+#   PART=s5b: device-object, client-device and store GPU tests; bench device (traced, profiled) with and without
+#           the event thread's spin; worker round-trip probes and trace_store_device with spin/stage options
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -61,6 +63,26 @@ elif [ "${PART}" = s5 ]; then  # session 5's check: every GPU test (no stop), pr
   bench 100 transfer --layers 32 --chunks-kib 16
   KVSTRATA_DEVOBJ_TRACE=1 bench 90 device --quick --wait 30
   bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+elif [ "${PART}" = s5b ]; then  # session 5's second check: device objects, worker round trips, spin A/B
+  KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_devobj*.py tests/test_client_device.py tests/test_client_api.py tests/store tests/test_staging_plan.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -5 "$OUT/gpu_tests.log"
+  KVSTRATA_DEVOBJ_TRACE=1 KVSTRATA_BENCH_PROFILE=1 bench 80 device --quick --wait 30
+  mv "$OUT/device_quick.json" "$OUT/device_quick_nospin.json" 2>/dev/null
+  echo "=== with KVSTRATA_DEVOBJ_EVENT_SPIN_US=2000" >> "$LOG"
+  KVSTRATA_DEVOBJ_EVENT_SPIN_US=2000 KVSTRATA_DEVOBJ_TRACE=1 bench 80 device --quick --wait 30
+  for spin in "" 2000; do
+    echo "=== tools/probe_worker_rt.py KVSTRATA_SPIN_US=$spin" >> "$LOG"
+    env ${spin:+KVSTRATA_SPIN_US=$spin} timeout 40 python3 tools/probe_worker_rt.py >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_worker_phases.py" >> "$LOG"; timeout 40 python3 tools/probe_worker_phases.py --iters 300 >> "$LOG" 2>&1
+  for opt in "" "--first-stage-mib 2 --first-batch-runs 4"; do
+    echo "=== tools/trace_store_device.py $opt" >> "$LOG"; timeout 50 python3 tools/trace_store_device.py $opt >> "$LOG" 2>&1
+  done
+  bench 50 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  echo "=== with KVSTRATA_SPIN_US=2000" >> "$LOG"
+  KVSTRATA_SPIN_US=2000 bench 50 store --no-redis --no-mooncake --sizes 1MiB --clients 1
 else
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
   bench 80 device --quick --broadcast-wait both --wait 30
