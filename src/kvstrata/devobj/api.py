@@ -38,6 +38,7 @@ from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.broadcast import BroadcastReceiver
 from kvstrata.devobj.debug import configure_from_env, trace, wait_event
+from kvstrata.devobj.futures import SpinFuture
 from kvstrata.devobj.ipc import (
     EventPool,
     ImportCache,
@@ -59,6 +60,8 @@ from kvstrata.ops import current_stream
 
 log = logging.getLogger(__name__)
 _TOKENS = itertools.count(1)
+_PID = [os.getpid()]  # this process's id, read per published key (reset in a forked child)
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 #: records of keys read before, kept for reads with no broker round trip (see _receive)
@@ -342,6 +345,10 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         return dev
 
     def _device_info(self) -> dict[str, Any]:
+        return dict(self._device_record())
+
+    def _device_record(self) -> dict[str, Any]:
+        """This client's device as records carry it: one dict, shared by every record (never changed)."""
         info = self.__dict__.get("_devinfo")
         if info is None:
             if self.device.type != "cuda":
@@ -351,7 +358,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
 
                 info = {"uuid": device_uuid(self.device.index), "index": self.device.index}
             self._devinfo = info
-        return dict(info)
+        return info
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         return check_keys(keys)
@@ -386,6 +393,8 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         return _SharedEvent(ev), []
 
     def _export(self, key: str, tensors: list[torch.Tensor], mode: str, ready: tuple) -> tuple[dict[str, Any], _Owned]:
+        """The broker's item for one key and what keeps it alive here. Every nested part of the item (specs,
+        exports, device) is a cached dict shared with other items: records are read and packed, never changed."""
         shared, ev_handles = ready
         events, handles = [], []
         if shared is not None:
@@ -397,12 +406,12 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         _LOCAL[token] = (tensors, events)
         item = {
             "key": key,
-            "tensors": [spec(t) for t in tensors],
+            "tensors": specs_of(tensors),
             "handles": handles,
             "events": ev_handles,
-            "device": self._device_info(),
+            "device": self._device_record(),
             "node_id": self.config.node_id,
-            "pid": os.getpid(),
+            "pid": _PID[0],
             "local": token,
             "transport": self.config.transport,
         }
@@ -484,7 +493,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             if not stream.query():
                 after = torch.cuda.Event()
                 after.record(stream)
-        wants = [_Want(k, ts, Future(), after) for k, ts in zip(keys, lists)]
+        wants = [_Want(k, ts, SpinFuture(), after) for k, ts in zip(keys, lists)]
         hits: list[tuple[dict[str, Any], _Want]] = []
         rest = wants
         if op == "mget" and self._gen is not None:

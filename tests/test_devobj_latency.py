@@ -1,0 +1,185 @@
+"""The 4 KiB hand-off's fast paths on CPU: cached per-view exports, shared record parts, spinning receive futures."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import CancelledError, TimeoutError
+
+import pytest
+import torch
+
+from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink, api, futures, ipc
+
+CFG = DeviceObjectConfig(allow_cpu=True)
+WAIT = 10.0
+
+
+class _Reduce:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, t):
+        self.calls += 1
+        return {"handle": bytes([self.calls]) * 8, "storage_bytes": t.untyped_storage().nbytes(), "storage_offset": 0}
+
+
+def test_export_cache_returns_one_dict_per_view_and_a_new_one_for_new_geometry():
+    red = _Reduce()
+    cache = ipc.ExportCache(reduce=red)
+    t = torch.arange(64, dtype=torch.float32)
+    a, b = cache.export(t), cache.export(t)
+    assert a is b and red.calls == 1  # the same view again: the same dict, nothing rebuilt
+    v = t.view(8, 8)[2:]
+    c, d = cache.export(v), cache.export(t.view(8, 8)[2:])  # another tensor object, same view geometry
+    assert c is d and c is not a and red.calls == 1
+    assert (c["size"], c["stride"], c["offset"]) == ([6, 8], [8, 1], 16) and c["handle"] == a["handle"]
+    assert (a["size"], a["stride"], a["offset"]) == ([64], [1], 0)
+    t.untyped_storage().resize_(512)  # same storage object, new memory: a new export, no cached view of the old
+    e = cache.export(t[:64])
+    assert red.calls == 2 and e["handle"] != a["handle"] and e["size"] == [64]
+
+
+def test_export_cache_bounds_the_views_of_one_storage():
+    cache = ipc.ExportCache(reduce=_Reduce())
+    t = torch.zeros(4 * ipc.MAX_VIEWS, dtype=torch.uint8)
+    blobs = [cache.export(t[i:]) for i in range(2 * ipc.MAX_VIEWS)]
+    assert [b["offset"] for b in blobs] == list(range(2 * ipc.MAX_VIEWS))
+    assert len(cache._entries[t.untyped_storage()._cdata][4]) <= ipc.MAX_VIEWS
+
+
+def test_published_records_share_parts_and_stay_exact(monkeypatch):
+    """Items of a re-published tensor share their specs, exports and device dicts; the broker and the reader
+    never change them (a second hand-off of the same buffer reads the right bytes)."""
+    cache = ipc.ExportCache(reduce=_Reduce())
+    monkeypatch.setattr(api, "export_tensor", cache.export)
+    broker = DeviceBroker()
+    a = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=CFG)
+    b = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=CFG)
+    try:
+        src = torch.arange(1024, dtype=torch.int32)
+        ready = (api._SharedEvent(None), [])
+        (i1, o1), (i2, o2) = a._export("x", [src], "publish", ready), a._export("y", [src], "publish", ready)
+        assert i1["tensors"] is i2["tensors"] and i1["handles"][0] is i2["handles"][0] and i1["device"] is i2["device"]
+        assert i1["local"] != i2["local"] and i1["pid"] == i2["pid"]
+        frozen = repr((i1["tensors"], i1["handles"], i1["device"]))
+        for o in (o1, o2):
+            a._free(o)
+        for k in range(3):
+            dst = torch.full((1024,), -1, dtype=torch.int32)
+            fut = b.dev_subscribe([f"k{k}"], [[dst]], timeout=WAIT)[0]
+            pub = a.dev_publish([f"k{k}"], [[src]])[0]
+            fut.result(WAIT)
+            pub.result(WAIT)
+            assert torch.equal(dst, src)
+        assert repr((i1["tensors"], i1["handles"], i1["device"])) == frozen
+        assert a._device_info() is not a._device_record() and a._device_info() == a._device_record()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.fixture(params=[0.0, 2e-3], ids=["no-spin", "spin"])
+def spin(request):
+    old = futures.set_result_spin(request.param)
+    yield request.param
+    futures.set_result_spin(old)
+
+
+def _later(delay, fn, *args):
+    t = threading.Timer(delay, fn, args)
+    t.start()
+    return t
+
+
+def test_spin_future_result_exception_and_callbacks(spin):
+    f = futures.SpinFuture()
+    seen = []
+    f.add_done_callback(lambda x: seen.append(x.result()))
+    assert f.set_running_or_notify_cancel()
+    _later(0.005, f.set_result, 42).join()
+    assert f.result(WAIT) == 42 and f.exception(WAIT) is None and seen == [42]
+    g = futures.SpinFuture()
+    _later(0.005, g.set_exception, KeyError("gone"))
+    with pytest.raises(KeyError):
+        g.result(WAIT)
+    assert isinstance(g.exception(0), KeyError)
+
+
+def test_spin_future_times_out_pending_and_running(spin):
+    for running in (False, True):
+        f = futures.SpinFuture()
+        if running:
+            f.set_running_or_notify_cancel()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            f.result(0.05)
+        with pytest.raises(TimeoutError):
+            f.exception(0.0)
+        assert 0.04 <= time.monotonic() - t0 < 2.0
+        f.set_result(None)  # still settles normally after a waiter gave up
+        assert f.result(0) is None
+
+
+def test_spin_future_cancel_wakes_a_waiter(spin):
+    f = futures.SpinFuture()
+    _later(0.01, f.cancel)
+    with pytest.raises(CancelledError):
+        f.result(WAIT)
+    assert f.cancelled()
+
+
+def test_spin_future_waiter_wakes_at_running_then_polls(monkeypatch):
+    """A waiter asleep on a pending future is woken when it starts running (the match), then polls until done."""
+    old = futures.set_result_spin(0.02)  # per phase: the first ends while the future is still pending
+    try:
+        f = futures.SpinFuture()
+        polls = []
+        real = futures.os.sched_yield
+        monkeypatch.setattr(futures.os, "sched_yield", lambda: (polls.append(f.running()), real()))
+        out = []
+        waiter = threading.Thread(target=lambda: out.append(f.result(WAIT)))
+        waiter.start()
+        time.sleep(0.05)
+        assert not out and f._watchers == 1  # asleep until the future runs
+        n_before = len(polls)
+        assert f.set_running_or_notify_cancel()
+        deadline = time.monotonic() + WAIT
+        while len(polls) == n_before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert any(polls[n_before:])  # it woke at the match and polls a running future
+        f.set_result("done")
+        waiter.join(WAIT)
+        assert out == ["done"] and f._watchers == 0
+    finally:
+        futures.set_result_spin(old)
+
+
+def test_result_spin_settings(monkeypatch):
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_RESULT_SPIN_US", "150")
+    assert futures.result_spin_seconds() == pytest.approx(150e-6)
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_RESULT_SPIN_US", "bogus")
+    monkeypatch.setattr(futures.os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert futures.result_spin_seconds() == 0.0  # a small host never polls
+    monkeypatch.setattr(futures.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert futures.result_spin_seconds() == pytest.approx(futures.RESULT_SPIN_US * 1e-6)
+    with pytest.raises(ValueError, match="seconds"):
+        futures.set_result_spin(-1)
+
+
+def test_receive_futures_spin_and_deliver(spin):
+    broker = DeviceBroker()
+    a = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=CFG)
+    b = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=CFG)
+    try:
+        src = torch.arange(4096, dtype=torch.uint8)
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        fut = b.dev_subscribe(["lat"], [[dst]], timeout=WAIT)[0]
+        assert isinstance(fut, futures.SpinFuture)
+        _later(0.01, a.dev_publish, ["lat"], [[src]])
+        assert fut.result(WAIT) is None and torch.equal(dst, src)
+        late = b.dev_subscribe(["never"], [[dst]], timeout=0.05)[0]
+        assert type(late.exception(WAIT)).__name__ == "Timeout"
+    finally:
+        a.close()
+        b.close()
