@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvstrata.devobj.debug import trace
+from kvstrata.ops import copy_engine
 
 log = logging.getLogger(__name__)
 
@@ -420,8 +421,6 @@ def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor], streams: StreamS
     ``copy_`` per tensor, with ``stream`` current on both devices. Sources need no wait: exports are
     complete when registered.
     """
-    from kvstrata.ops import copy_engine
-
     if not _batch_ok:
         _batch_ok.append(copy_engine.has_batch_api())
     dev = device
