@@ -135,8 +135,8 @@ def test_spin_future_waiter_wakes_at_running_then_polls(monkeypatch):
     try:
         f = futures.SpinFuture()
         polls = []
-        real = futures.os.sched_yield
-        monkeypatch.setattr(futures.os, "sched_yield", lambda: (polls.append(f.running()), real()))
+        real = futures._pause
+        monkeypatch.setattr(futures, "_pause", lambda: (polls.append(f.running()), real()))
         out = []
         waiter = threading.Thread(target=lambda: out.append(f.result(WAIT)))
         waiter.start()
@@ -153,6 +153,49 @@ def test_spin_future_waiter_wakes_at_running_then_polls(monkeypatch):
         assert out == ["done"] and f._watchers == 0
     finally:
         futures.set_result_spin(old)
+
+
+def test_spin_restores_the_thread_timer_slack():
+    if futures._PRCTL is None:
+        pytest.skip("no prctl here")
+    before = futures._PRCTL(futures._PR_GET_TIMERSLACK, 0, 0, 0, 0)
+    f = futures.SpinFuture()
+    assert not f._spin(time.monotonic(), 0.002, None)  # polled the whole budget, not done
+    assert futures._PRCTL(futures._PR_GET_TIMERSLACK, 0, 0, 0, 0) == before
+    f.set_result(1)
+    assert f._spin(time.monotonic(), 0.002, None)
+
+
+def test_handoff_waits_for_the_waiter_to_come_out(spin):
+    f = futures.SpinFuture()
+    assert f.handoff(0.0)  # nobody waits: at once
+    out = []
+    waiter = threading.Thread(target=lambda: out.append(f.result(WAIT)))
+    waiter.start()
+    deadline = time.monotonic() + WAIT
+    while not f._inside and time.monotonic() < deadline:
+        time.sleep(0.001)
+    f.set_result(5)
+    assert f.handoff(WAIT) and out == [5]  # the waiter came out before handoff returned
+    waiter.join(WAIT)
+    g = futures.SpinFuture()
+    timed_out = []
+
+    def stuck_wait():
+        try:
+            g.exception(0.3)  # a waiter that does not come out in time
+        except TimeoutError:
+            timed_out.append(True)
+
+    stuck = threading.Thread(target=stuck_wait)
+    stuck.start()
+    while not g._inside and time.monotonic() < deadline:
+        time.sleep(0.001)
+    t0 = time.monotonic()
+    assert not g.handoff(0.01)  # bounded: gives up after its timeout
+    assert time.monotonic() - t0 < 0.25
+    stuck.join(WAIT)
+    assert timed_out == [True] and g._inside == 0
 
 
 def test_result_spin_settings(monkeypatch):

@@ -5,11 +5,16 @@ and then needs the GIL: 47 us of the 4 KiB hand-off on the H200 host (2026-11-30
 :class:`SpinFuture` is a :class:`concurrent.futures.Future` (callbacks, exceptions, timeouts and
 cancellation unchanged) whose ``result()`` / ``exception()``:
 
-* poll ``done()`` for up to :func:`result_spin_seconds` (``os.sched_yield`` between polls, which lets
-  the GIL go), for a receive that ends within that time;
+* poll ``done()`` for up to :func:`result_spin_seconds` (a few microseconds' sleep between polls, GIL
+  released, see :meth:`SpinFuture._spin`), for a receive that ends within that time;
 * else sleep until the receive is matched (the event thread sets the future running: it wakes the
   waiters, so their wake-up overlaps the copy) or done, then poll again up to the same budget;
 * else sleep as a plain future does.
+
+And the thread that settles it can hand the GIL over (:meth:`SpinFuture.handoff`): a woken waiter needs the
+GIL, which the event thread would otherwise hold through its next poll's packing (it lets it go only in
+that send), so the settling thread waits, GIL released, until a waiter has come out of its wait (bounded
+by :data:`HANDOFF_S`; at once when nobody waits).
 
 Only on hosts with at least :data:`SPIN_MIN_CPUS` CPUs (a polling thread holds a core, and a 2-core
 machine shared with the worker and the peer has none to spare); ``KVSTRATA_DEVOBJ_RESULT_SPIN_US``
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
@@ -31,6 +37,8 @@ log = logging.getLogger(__name__)
 SPIN_MIN_CPUS = 8
 #: default polling budget (microseconds) per phase: a matched 4 KiB copy settles within ~100 us of its match
 RESULT_SPIN_US = 300.0
+#: longest a settling thread waits for a waiter to come out (seconds): a woken thread runs within tens of us
+HANDOFF_S = 200e-6
 
 
 def result_spin_seconds() -> float:
@@ -46,6 +54,43 @@ def result_spin_seconds() -> float:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return RESULT_SPIN_US * 1e-6 if cpus >= SPIN_MIN_CPUS else 0.0
+
+
+#: sleep between polls (seconds) and the thread's timer slack meanwhile (ns)
+SPIN_PAUSE_S = 4e-6
+SPIN_SLACK_NS = 1000
+
+
+def _prctl():
+    """libc's ``prctl`` (Linux), or None."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.prctl
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl() if os.name == "posix" else None
+_PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
+
+
+def _slack_set(ns: int) -> int | None:
+    """Set this thread's timer slack to ``ns``; the previous one, or None where it cannot be set."""
+    if _PRCTL is None:
+        return None
+    old = _PRCTL(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+    if old <= 0 or _PRCTL(_PR_SET_TIMERSLACK, ns, 0, 0, 0) != 0:
+        return None
+    return old
+
+
+def _pause() -> None:
+    time.sleep(SPIN_PAUSE_S) if _PRCTL is not None else os.sched_yield()
 
 
 _OVER = frozenset((FINISHED, CANCELLED, CANCELLED_AND_NOTIFIED))
@@ -66,6 +111,8 @@ class SpinFuture(Future):
     def __init__(self) -> None:
         super().__init__()
         self._watchers = 0  # waiters asleep until the future runs (see set_running_or_notify_cancel)
+        self._inside = 0  # threads in result() / exception()
+        self._out: threading.Event | None = None  # set when one of them came out (see handoff)
 
     def set_running_or_notify_cancel(self) -> bool:
         running = super().set_running_or_notify_cancel()
@@ -75,10 +122,43 @@ class SpinFuture(Future):
         return running
 
     def result(self, timeout: float | None = None) -> Any:
-        return super().result(self._await(timeout))
+        if self._state == FINISHED:
+            return super().result(timeout)
+        self._enter()
+        try:
+            return super().result(self._await(timeout))
+        finally:
+            self._leave()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._await(timeout))
+        if self._state == FINISHED:
+            return super().exception(timeout)
+        self._enter()
+        try:
+            return super().exception(self._await(timeout))
+        finally:
+            self._leave()
+
+    def handoff(self, timeout: float = HANDOFF_S) -> bool:
+        """For the thread that just settled this future: wait (GIL released) up to ``timeout`` seconds until
+        a thread waiting in ``result()`` / ``exception()`` came out; True when one did or none waits."""
+        out = self._out
+        if out is None or not self._inside:
+            return True
+        return out.wait(timeout)
+
+    def _enter(self) -> None:
+        with self._condition:
+            self._inside += 1
+            if self._out is None:
+                self._out = threading.Event()
+
+    def _leave(self) -> None:
+        with self._condition:
+            self._inside -= 1
+        out = self._out
+        if out is not None:
+            out.set()
 
     def _await(self, timeout: float | None) -> float | None:
         """Poll and wait as the module docstring says; the timeout left for the plain wait that follows
@@ -101,21 +181,32 @@ class SpinFuture(Future):
                         self._condition.wait(left)
                 finally:
                     self._watchers -= 1
-            self._spin(time.monotonic(), budget, end)
+        self._spin(time.monotonic(), budget, end)  # matched now: the copy ends soon
         return self._left(end)
 
     def _spin(self, now: float, budget: float, end: float | None) -> bool:
-        """Poll until done, ``budget`` seconds or ``end``; True when done."""
+        """Poll until done, ``budget`` seconds or ``end``; True when done.
+
+        Between polls the thread sleeps a few microseconds with the GIL released (timer slack lowered for
+        the while, else a short sleep lasts 50 us): polls back to back with ``os.sched_yield`` held the GIL
+        for a third of the time, and each time the event thread, which does the receive's work, found it
+        taken, it slept on the GIL's condition variable and paid a thread wake-up to get it back.
+        """
         stop = now + budget if end is None else min(now + budget, end)
-        while self._state not in _OVER:
-            if time.monotonic() >= stop:
-                return False
-            os.sched_yield()
-        return True
+        slack = _slack_set(SPIN_SLACK_NS)
+        try:
+            while self._state not in _OVER:
+                if time.monotonic() >= stop:
+                    return False
+                _pause()
+            return True
+        finally:
+            if slack is not None:
+                _slack_set(slack)
 
     @staticmethod
     def _left(end: float | None) -> float | None:
         return None if end is None else max(0.0, end - time.monotonic())
 
 
-__all__ = ["RESULT_SPIN_US", "SPIN_MIN_CPUS", "SpinFuture", "result_spin_seconds", "set_result_spin"]
+__all__ = ["HANDOFF_S", "RESULT_SPIN_US", "SPIN_MIN_CPUS", "SpinFuture", "result_spin_seconds", "set_result_spin"]

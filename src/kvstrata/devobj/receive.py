@@ -25,6 +25,7 @@ from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.debug import CopyRates, trace, wait_event
+from kvstrata.devobj.futures import HANDOFF_S
 from kvstrata.devobj.ipc import copy_into
 from kvstrata.devobj.link import error_from
 
@@ -40,6 +41,18 @@ _RATES = CopyRates()
 
 def _nbytes(t: dict[str, Any]) -> int:
     return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
+
+
+def _handoff(futures) -> None:
+    """Let the threads waiting on just-settled ``futures`` take the GIL before this one goes on (bounded in
+    all: :data:`~kvstrata.devobj.futures.HANDOFF_S`); see :meth:`~kvstrata.devobj.futures.SpinFuture.handoff`."""
+    end = None
+    for f in futures:
+        if getattr(f, "_inside", 0):
+            now = time.monotonic()
+            end = end or now + HANDOFF_S
+            if now >= end or not f.handoff(end - now):
+                return
 
 
 def _what(queued: list[tuple[dict[str, Any], Any]]) -> str:
@@ -316,6 +329,7 @@ class CopyReceiver:
         for _, want in good:
             _settle(want.future)
         trace("copy batch: settled")
+        _handoff(want.future for _, want in good)
         self._notify_done()
 
     def _report_done(self, tids: list[int], *, notify: bool = True) -> None:
