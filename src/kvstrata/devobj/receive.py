@@ -92,11 +92,14 @@ class CopyReceiver:
             trace("cached read: copies done")
             still = self._gen.value == gen
             lost = self._lost_owners([rec for rec, _ in queued])
+            settled = []
             for rec, want in queued:
                 if still and rec["owner"] not in lost:
                     _settle(want.future)
+                    settled.append(want.future)
                 else:
                     redo.append(want)
+            _handoff(settled)
             self.cached_reads += len(queued) - len(redo) + len(failed)
         except BaseException as exc:  # e.g. a stuck copy: let the broker path decide each key
             log.debug("devobj: cached read failed (%s: %s); asking the broker", type(exc).__name__, exc)
