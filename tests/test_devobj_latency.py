@@ -167,6 +167,11 @@ def test_spin_restores_the_thread_timer_slack():
 
 
 def test_handoff_waits_for_the_waiter_to_come_out(spin):
+    if not spin:  # not polling: a plain future's wait, nothing to hand over
+        f = futures.SpinFuture()
+        _later(0.01, f.set_result, 1)
+        assert f.result(WAIT) == 1 and f._inside == 0 and f._out is None and f.handoff(0.0)
+        return
     f = futures.SpinFuture()
     assert f.handoff(0.0)  # nobody waits: at once
     out = []
@@ -226,3 +231,41 @@ def test_receive_futures_spin_and_deliver(spin):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("event_spin_us", ["", "2000"])
+def test_hand_offs_through_a_worker_with_polling_waiters(tmp_path, monkeypatch, event_spin_us):
+    """Through a worker (two connections per client), with receive futures polling and the hand-off on: the
+    event thread hands the GIL to each woken receiver right after sending its next poll, and every byte lands."""
+    from kvstrata.devobj.service import WorkerBrokerLink
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_EVENT_SPIN_US", event_spin_us)
+    old = futures.set_result_spin(2e-3)
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
+    made = []
+    try:
+        for _ in range(2):
+            link = WorkerBrokerLink(w.address)
+            made.append((DeviceObjects(link, device="cpu", config=CFG), link))
+        (a, _), (b, blink) = made
+        assert blink.on_poll_sent == b._poll_sent
+        handed = []
+        real = b._poll_sent
+        monkeypatch.setattr(b, "_poll_sent", lambda: (handed.append(len(b._handoffs)), real()))
+        blink.on_poll_sent = b._poll_sent
+        for i in range(20):
+            src = torch.full((1024,), i, dtype=torch.int32)
+            dst = torch.full((1024,), -1, dtype=torch.int32)
+            fut = b.dev_subscribe([f"k{i}"], [[dst]], timeout=WAIT)[0]
+            pub = a.dev_publish([f"k{i}"], [[src]])[0]
+            assert fut.result(WAIT) is None and torch.equal(dst, src)
+            pub.result(WAIT)  # the completion reached the broker: the publisher's tensors were released
+        assert any(handed) and not b._handoffs
+    finally:
+        futures.set_result_spin(old)
+        for c, link in made:
+            c.close()
+            link.close()
+        w.stop()

@@ -169,6 +169,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         self._records: dict[str, tuple[int, dict[str, Any]]] = {}
         self.cached_reads = 0  # keys read without asking the broker (for tests and benchmarks)
         self._pids = PidWatch()  # owners' processes, checked after each copy from them
+        self._handoffs: list[Future] = []  # settled by the event thread, their waiters not yet let in (_poll_sent)
         # Completions of finished receives (see _report_done): queued, and sent with a poll but not yet
         # known read by the broker (by tid; repeated with every request until then, see _call).
         self._done_items: list[dict[str, Any]] = []
@@ -191,6 +192,11 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             info["visible"] = [device_uuid(i) for i in range(torch.cuda.device_count())]
         self.link.call("hello", {"info": info})
         log.debug("devobj: client %s on %s started (pid %d)", getattr(link, "client_id", "?"), self.device, os.getpid())
+        # The link calls _poll_sent between sending a poll and waiting for its answer, where it can
+        # (else _poll calls it before the poll: the poll then goes out a little later).
+        self._hook = hasattr(link, "on_poll_sent")
+        if self._hook:
+            link.on_poll_sent = self._poll_sent
         self._poller = threading.Thread(target=self._poll_main, name="kvstrata-devobj-poll", daemon=True)
         self._poller.start()
 
@@ -753,6 +759,8 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             done = self._take_done() if (self._done_items or self._unacked) else []
             if done:  # the receives this thread just finished: no message of their own
                 args["done"] = done
+            if not self._hook:
+                self._poll_sent()
             try:
                 r = self.link.call("wait_events", args, self.config.poll_seconds + 30)
             except Exception as exc:

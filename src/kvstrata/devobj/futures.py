@@ -11,14 +11,15 @@ cancellation unchanged) whose ``result()`` / ``exception()``:
   waiters, so their wake-up overlaps the copy) or done, then poll again up to the same budget;
 * else sleep as a plain future does.
 
-And the thread that settles it can hand the GIL over (:meth:`SpinFuture.handoff`): a woken waiter needs the
-GIL, which the event thread would otherwise hold through its next poll's packing (it lets it go only in
-that send), so the settling thread waits, GIL released, until a waiter has come out of its wait (bounded
-by :data:`HANDOFF_S`; at once when nobody waits).
+And, where waiters poll, the thread that settled it hands them the GIL (:meth:`SpinFuture.handoff`): it
+waits, GIL released, until a waiter came out (bounded by :data:`HANDOFF_S`; at once when nobody waits).
+The event thread does so right after sending its next poll (which carries the completions), before it
+waits for the answer: with ``KVSTRATA_DEVOBJ_EVENT_SPIN_US`` that wait spins, and CPython lets a thread
+that drops the GIL take it straight back, so a woken waiter could otherwise wait out the whole spin.
 
-Only on hosts with at least :data:`SPIN_MIN_CPUS` CPUs (a polling thread holds a core, and a 2-core
-machine shared with the worker and the peer has none to spare); ``KVSTRATA_DEVOBJ_RESULT_SPIN_US``
-overrides (0: never poll, exactly a plain future).
+Only on hosts with at least :data:`SPIN_MIN_CPUS` CPUs (a polling thread holds a core, and on a 2-core
+machine shared with the worker and the peer, the hand-off's extra thread switches cost more than they
+save); ``KVSTRATA_DEVOBJ_RESULT_SPIN_US`` overrides (0: never poll and no hand-off, exactly a plain future).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class SpinFuture(Future):
         return running
 
     def result(self, timeout: float | None = None) -> Any:
-        if self._state == FINISHED:
+        if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either
             return super().result(timeout)
         self._enter()
         try:
@@ -131,7 +132,7 @@ class SpinFuture(Future):
             self._leave()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self._state == FINISHED:
+        if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either
             return super().exception(timeout)
         self._enter()
         try:

@@ -99,7 +99,7 @@ class CopyReceiver:
                     settled.append(want.future)
                 else:
                     redo.append(want)
-            _handoff(settled)
+            self._after_settle(settled, notify=False)
             self.cached_reads += len(queued) - len(redo) + len(failed)
         except BaseException as exc:  # e.g. a stuck copy: let the broker path decide each key
             log.debug("devobj: cached read failed (%s: %s); asking the broker", type(exc).__name__, exc)
@@ -332,8 +332,26 @@ class CopyReceiver:
         for _, want in good:
             _settle(want.future)
         trace("copy batch: settled")
-        _handoff(want.future for _, want in good)
-        self._notify_done()
+        self._after_settle([want.future for _, want in good])
+
+    def _after_settle(self, futures: list, *, notify: bool = True) -> None:
+        """Just settled ``futures``: report the completions (``notify``, see :meth:`_notify_done`), then let
+        threads waiting on them take the GIL before this one goes on (:func:`_handoff`). The event thread
+        does the latter right after sending its next poll (:meth:`_poll_sent`), so that poll, which carries
+        the completions, never waits behind a woken waiter's own work."""
+        if threading.current_thread() is self._poller:
+            if any(getattr(f, "_inside", 0) for f in futures):
+                self._handoffs.extend(futures)
+            return
+        if notify:
+            self._notify_done()
+        _handoff(futures)
+
+    def _poll_sent(self) -> None:
+        """The event thread sent its poll (GIL-free wait ahead): now hand the GIL to the receivers it settled."""
+        if self._handoffs:
+            futures, self._handoffs = self._handoffs, []
+            _handoff(futures)
 
     def _report_done(self, tids: list[int], *, notify: bool = True) -> None:
         """Queue ``complete`` for finished transfers. The event thread sends them with its next poll (no
