@@ -1,4 +1,4 @@
-"""The 4 KiB hand-off's fast paths on CPU: cached per-view exports, shared record parts, spinning receive futures."""
+"""The 4 KiB hand-off's fast paths: cached per-view exports, shared record parts, polling receive futures, small pulls."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from concurrent.futures import CancelledError, TimeoutError
 import pytest
 import torch
 
-from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink, api, futures, ipc
+from kvstrata.devobj import (
+    DeviceBroker,
+    DeviceObjectConfig,
+    DeviceObjects,
+    InprocBrokerLink,
+    api,
+    futures,
+    ipc,
+    receive,
+)
 
 CFG = DeviceObjectConfig(allow_cpu=True)
 WAIT = 10.0
@@ -269,3 +278,42 @@ def test_hand_offs_through_a_worker_with_polling_waiters(tmp_path, monkeypatch, 
             c.close()
             link.close()
         w.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "devices", [pytest.param((0, 0), id="gpu0"), pytest.param((0, 1), id="gpu0-gpu1", marks=pytest.mark.multigpu)]
+)
+@pytest.mark.parametrize("nbytes", [4096, receive.PULL_MAX_BYTES, receive.PULL_MAX_BYTES + 4096])
+def test_small_receives_pulled_after_the_callers_work_exact(devices, nbytes):
+    """Batches up to PULL_MAX_BYTES are pulled on the receiver's own stream, larger ones pushed by the source's
+    GPU: both exact, after the work queued on the caller's stream at the call, nothing outside the buffers touched."""
+    if torch.cuda.device_count() <= max(devices):
+        pytest.skip(f"needs {max(devices) + 1} GPUs")
+    broker = DeviceBroker()
+    a = DeviceObjects(InprocBrokerLink(broker), device=devices[0])
+    b = DeviceObjects(InprocBrokerLink(broker), device=devices[1])
+    try:
+        g = torch.Generator().manual_seed(nbytes)
+        src = [
+            torch.randint(0, 255, (nbytes - 41,), generator=g, dtype=torch.uint8).to(devices[0]),
+            torch.randint(-128, 127, (41,), generator=g, dtype=torch.int8).to(devices[0]),
+        ]
+        before = [x.cpu() for x in src]
+        whole = torch.full((nbytes + 128,), 7, dtype=torch.uint8, device=devices[1])  # 64 guard bytes each side
+        dst = [whole[64 : 64 + nbytes - 41], whole[64 + nbytes - 41 : 64 + nbytes].view(torch.int8)]
+        s = torch.cuda.Stream(devices[1])
+        with torch.cuda.device(devices[1]), torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # the caller's stream is busy, then writes the buffers itself
+            whole[64 : 64 + nbytes].fill_(9)
+            (fut,) = b.dev_subscribe(["k"], [dst], timeout=WAIT)
+        (pub,) = a.dev_publish(["k"], [src])
+        fut.result(WAIT)
+        pub.result(WAIT)
+        torch.cuda.synchronize(devices[1])
+        assert all(torch.equal(d.cpu(), x) for d, x in zip(dst, before)), "copied before the caller's work or wrong"
+        assert bool((whole[:64] == 7).all()) and bool((whole[64 + nbytes :] == 7).all()), "guard bytes touched"
+        assert all(torch.equal(x.cpu(), y) for x, y in zip(src, before)), "source changed"
+    finally:
+        a.close()
+        b.close()
