@@ -189,9 +189,9 @@ class SpinFuture(Future):
         """Poll until done, ``budget`` seconds or ``end``; True when done.
 
         Between polls the thread sleeps a few microseconds with the GIL released (timer slack lowered for
-        the while, else a short sleep lasts 50 us): polls back to back with ``os.sched_yield`` held the GIL
-        for a third of the time, and each time the event thread, which does the receive's work, found it
-        taken, it slept on the GIL's condition variable and paid a thread wake-up to get it back.
+        the while, else a short sleep lasts 50 us or more): polls back to back with ``os.sched_yield`` would
+        hold the GIL a large share of the time, and each time the event thread, which does the receive's
+        work, found it taken, it would sleep on the GIL's condition variable and pay a thread wake-up.
         """
         stop = now + budget if end is None else min(now + budget, end)
         slack = _slack_set(SPIN_SLACK_NS)
