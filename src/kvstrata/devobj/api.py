@@ -38,6 +38,7 @@ from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.broadcast import BroadcastReceiver
 from kvstrata.devobj.debug import configure_from_env, trace, wait_event
+from kvstrata.devobj.futures import SpinFuture
 from kvstrata.devobj.ipc import (
     EventPool,
     ImportCache,
@@ -59,6 +60,8 @@ from kvstrata.ops import current_stream
 
 log = logging.getLogger(__name__)
 _TOKENS = itertools.count(1)
+_PID = [os.getpid()]  # this process's id, read per published key (reset in a forked child)
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 #: records of keys read before, kept for reads with no broker round trip (see _receive)
@@ -166,6 +169,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         self._records: dict[str, tuple[int, dict[str, Any]]] = {}
         self.cached_reads = 0  # keys read without asking the broker (for tests and benchmarks)
         self._pids = PidWatch()  # owners' processes, checked after each copy from them
+        self._handoffs: list[Future] = []  # settled by the event thread, their waiters not yet let in (_poll_sent)
         # Completions of finished receives (see _report_done): queued, and sent with a poll but not yet
         # known read by the broker (by tid; repeated with every request until then, see _call).
         self._done_items: list[dict[str, Any]] = []
@@ -188,6 +192,11 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             info["visible"] = [device_uuid(i) for i in range(torch.cuda.device_count())]
         self.link.call("hello", {"info": info})
         log.debug("devobj: client %s on %s started (pid %d)", getattr(link, "client_id", "?"), self.device, os.getpid())
+        # The link calls _poll_sent between sending a poll and waiting for its answer, where it can
+        # (else _poll calls it before the poll: the poll then goes out a little later).
+        self._hook = hasattr(link, "on_poll_sent")
+        if self._hook:
+            link.on_poll_sent = self._poll_sent
         self._poller = threading.Thread(target=self._poll_main, name="kvstrata-devobj-poll", daemon=True)
         self._poller.start()
 
@@ -342,6 +351,10 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         return dev
 
     def _device_info(self) -> dict[str, Any]:
+        return dict(self._device_record())
+
+    def _device_record(self) -> dict[str, Any]:
+        """This client's device as records carry it: one dict, shared by every record (never changed)."""
         info = self.__dict__.get("_devinfo")
         if info is None:
             if self.device.type != "cuda":
@@ -351,7 +364,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
 
                 info = {"uuid": device_uuid(self.device.index), "index": self.device.index}
             self._devinfo = info
-        return dict(info)
+        return info
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         return check_keys(keys)
@@ -386,6 +399,8 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         return _SharedEvent(ev), []
 
     def _export(self, key: str, tensors: list[torch.Tensor], mode: str, ready: tuple) -> tuple[dict[str, Any], _Owned]:
+        """The broker's item for one key and what keeps it alive here. Every nested part of the item (specs,
+        exports, device) is a cached dict shared with other items: records are read and packed, never changed."""
         shared, ev_handles = ready
         events, handles = [], []
         if shared is not None:
@@ -397,12 +412,12 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         _LOCAL[token] = (tensors, events)
         item = {
             "key": key,
-            "tensors": [spec(t) for t in tensors],
+            "tensors": specs_of(tensors),
             "handles": handles,
             "events": ev_handles,
-            "device": self._device_info(),
+            "device": self._device_record(),
             "node_id": self.config.node_id,
-            "pid": os.getpid(),
+            "pid": _PID[0],
             "local": token,
             "transport": self.config.transport,
         }
@@ -484,7 +499,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             if not stream.query():
                 after = torch.cuda.Event()
                 after.record(stream)
-        wants = [_Want(k, ts, Future(), after) for k, ts in zip(keys, lists)]
+        wants = [_Want(k, ts, SpinFuture(), after) for k, ts in zip(keys, lists)]
         hits: list[tuple[dict[str, Any], _Want]] = []
         rest = wants
         if op == "mget" and self._gen is not None:
@@ -744,6 +759,8 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             done = self._take_done() if (self._done_items or self._unacked) else []
             if done:  # the receives this thread just finished: no message of their own
                 args["done"] = done
+            if not self._hook:
+                self._poll_sent()
             try:
                 r = self.link.call("wait_events", args, self.config.poll_seconds + 30)
             except Exception as exc:

@@ -25,6 +25,7 @@ from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.debug import CopyRates, trace, wait_event
+from kvstrata.devobj.futures import HANDOFF_S
 from kvstrata.devobj.ipc import copy_into
 from kvstrata.devobj.link import error_from
 
@@ -32,12 +33,26 @@ log = logging.getLogger(__name__)
 
 #: transfers up to this size are copied on the event thread itself instead of the copy pool
 INLINE_COPY_BYTES = 1 << 20
+#: batches up to this many bytes are pulled on this client's own stream instead of pushed by the sources' GPUs
+PULL_MAX_BYTES = 256 << 10
 #: copy rates seen per path in this process: how long to sleep before polling a copy's end
 _RATES = CopyRates()
 
 
 def _nbytes(t: dict[str, Any]) -> int:
     return sum(int(x["nbytes"]) for x in t["record"]["tensors"])
+
+
+def _handoff(futures) -> None:
+    """Let the threads waiting on just-settled ``futures`` take the GIL before this one goes on (bounded in
+    all: :data:`~kvstrata.devobj.futures.HANDOFF_S`); see :meth:`~kvstrata.devobj.futures.SpinFuture.handoff`."""
+    end = None
+    for f in futures:
+        if getattr(f, "_inside", 0):
+            now = time.monotonic()
+            end = end or now + HANDOFF_S
+            if now >= end or not f.handoff(end - now):
+                return
 
 
 def _what(queued: list[tuple[dict[str, Any], Any]]) -> str:
@@ -77,11 +92,14 @@ class CopyReceiver:
             trace("cached read: copies done")
             still = self._gen.value == gen
             lost = self._lost_owners([rec for rec, _ in queued])
+            settled = []
             for rec, want in queued:
                 if still and rec["owner"] not in lost:
                     _settle(want.future)
+                    settled.append(want.future)
                 else:
                     redo.append(want)
+            self._after_settle(settled, notify=False)
             self.cached_reads += len(queued) - len(redo) + len(failed)
         except BaseException as exc:  # e.g. a stuck copy: let the broker path decide each key
             log.debug("devobj: cached read failed (%s: %s); asking the broker", type(exc).__name__, exc)
@@ -195,13 +213,19 @@ class CopyReceiver:
                 d.copy_(x)
             return queued, None
         afters = list({id(w.after): w.after for _, w in queued if w.after is not None}.values())
-        # Push: each source GPU's copy engine writes into ours (NVLink writes beat reads: a pull of
-        # 2 x 1 GiB ran at 328 GB/s on the H200 pair where torch's push copy ran at 392).
-        by_src: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for d, x in zip(dsts, srcs):
-            group = by_src.setdefault(x.device.index, ([], []))
-            group[0].append(d)
-            group[1].append(x)
+        by_src: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
+        if sum(d.nbytes for d in dsts) <= PULL_MAX_BYTES:
+            # Small: pulled by our own GPU on our own transfer stream, the thread's current device (no device
+            # switch, no cross-device wait); at these sizes the time is the host's, not the link's.
+            by_src = {self.device.index: (dsts, srcs)}
+        else:
+            # Push: each source GPU's copy engine writes into ours (NVLink writes beat reads: a pull of
+            # 2 x 1 GiB ran at 328 GB/s on the H200 pair where torch's push copy ran at 392).
+            by_src = {}
+            for d, x in zip(dsts, srcs):
+                group = by_src.setdefault(x.device.index, ([], []))
+                group[0].append(d)
+                group[1].append(x)
         ends = []
         for src_dev, (group_dst, group_src) in by_src.items():
             ss = self._streams.get(src_dev)
@@ -308,7 +332,28 @@ class CopyReceiver:
         for _, want in good:
             _settle(want.future)
         trace("copy batch: settled")
-        self._notify_done()
+        self._after_settle([want.future for _, want in good])
+
+    def _after_settle(self, futures: list, *, notify: bool = True) -> None:
+        """Just settled ``futures``: report the completions (``notify``, see :meth:`_notify_done`), then let
+        threads waiting on them take the GIL before this one goes on (:func:`_handoff`). The event thread
+        does the latter right after sending its next poll (:meth:`_poll_sent`), so that poll, which carries
+        the completions, never waits behind a woken waiter's own work."""
+        if threading.current_thread() is self._poller:
+            if any(getattr(f, "_inside", 0) for f in futures):
+                if len(self._handoffs) > 256:  # a link that never calls _poll_sent (a test's): stay bounded
+                    self._handoffs.clear()
+                self._handoffs.extend(futures)
+            return
+        if notify:
+            self._notify_done()
+        _handoff(futures)
+
+    def _poll_sent(self) -> None:
+        """The event thread sent its poll (GIL-free wait ahead): now hand the GIL to the receivers it settled."""
+        if self._handoffs:
+            futures, self._handoffs = self._handoffs, []
+            _handoff(futures)
 
     def _report_done(self, tids: list[int], *, notify: bool = True) -> None:
         """Queue ``complete`` for finished transfers. The event thread sends them with its next poll (no
@@ -393,4 +438,4 @@ class CopyReceiver:
             _settle(want.future, error_from(r.get("error"), r.get("message", "")))
 
 
-__all__ = ["INLINE_COPY_BYTES", "CopyReceiver"]
+__all__ = ["INLINE_COPY_BYTES", "PULL_MAX_BYTES", "CopyReceiver"]

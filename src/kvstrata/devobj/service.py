@@ -175,6 +175,9 @@ class WorkerBrokerLink:
         self.spin = reply_spin_seconds()
         #: seconds the long poll of events polls for its answer before sleeping (see event_spin_seconds)
         self.event_spin = event_spin_seconds()
+        #: called after a long poll of events was sent, before waiting for its answer (set by the client: it
+        #: lets the threads its event thread just woke take the GIL while this one waits without it)
+        self.on_poll_sent: Any = None
         #: the broker's generation (``.value``), mapped from the page the worker sent; None where it sent none
         self.generation_counter: ctypes.c_uint64 | None = None
         self._page: mmap.mmap | None = None
@@ -199,8 +202,6 @@ class WorkerBrokerLink:
         # go out while another thread waits for its reply on this connection
 
     def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        from kvstrata.server import protocol as P
-
         i = 1 if op == "wait_events" else 0
         msg = {"op": "dev", "dop": op, "cid": self.client_id, "a": args}
         if op == "wait_events":
@@ -208,6 +209,11 @@ class WorkerBrokerLink:
         with self._locks[i]:
             conn = self._conns[i]
             conn.send(msg)
+            if i == 1 and self.on_poll_sent is not None:
+                try:
+                    self.on_poll_sent()
+                except Exception:  # a hook's failure must not lose the poll's answer
+                    log.exception("device objects: on_poll_sent hook failed")
             try:
                 reply, _ = conn.recv(timeout, spin=self.spin if i == 0 else self.event_spin)
             except errors.Timeout:
@@ -215,6 +221,8 @@ class WorkerBrokerLink:
                 conn.close()
                 raise errors.ConnectionLost(f"device objects: no reply to {op!r} within {timeout} s") from None
         if "err" in reply:
+            from kvstrata.server import protocol as P
+
             raise P.error_from_record(reply["err"])
         return reply["r"]
 
