@@ -69,9 +69,12 @@ elif [ "${PART}" = s5b ]; then  # session 5's second check: device objects, work
     > "$OUT/gpu_tests.log" 2>&1
   tail -5 "$OUT/gpu_tests.log"
   KVSTRATA_DEVOBJ_TRACE=1 KVSTRATA_BENCH_PROFILE=1 bench 80 device --quick --wait 30
-  mv "$OUT/device_quick.json" "$OUT/device_quick_nospin.json" 2>/dev/null
-  echo "=== with KVSTRATA_DEVOBJ_EVENT_SPIN_US=2000" >> "$LOG"
-  KVSTRATA_DEVOBJ_EVENT_SPIN_US=2000 KVSTRATA_DEVOBJ_TRACE=1 bench 80 device --quick --wait 30
+  rm -f "$OUT/device_quick.json"
+  for env in "" KVSTRATA_DEVOBJ_RESULT_SPIN_US=0 KVSTRATA_DEVOBJ_EVENT_SPIN_US=2000; do
+    echo "=== device bench with [$env]" >> "$LOG"
+    env $env timeout 80 python3 -m kvstrata.cli.main bench device --quick --wait 30 --out "$OUT" 2>&1 | grep -E "hand-off|  64 MiB|   1 GiB" >> "$LOG"
+  done
+  rm -f "$OUT"/*.png
   for spin in "" 2000; do
     echo "=== tools/probe_worker_rt.py KVSTRATA_SPIN_US=$spin" >> "$LOG"
     env ${spin:+KVSTRATA_SPIN_US=$spin} timeout 40 python3 tools/probe_worker_rt.py >> "$LOG" 2>&1
