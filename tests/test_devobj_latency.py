@@ -149,7 +149,9 @@ def test_spin_future_waiter_wakes_at_running_then_polls(monkeypatch):
         out = []
         waiter = threading.Thread(target=lambda: out.append(f.result(WAIT)))
         waiter.start()
-        time.sleep(0.05)
+        deadline = time.monotonic() + WAIT  # its first polling phase (20 ms) ends, then it sleeps
+        while f._watchers != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert not out and f._watchers == 1  # asleep until the future runs
         n_before = len(polls)
         assert f.set_running_or_notify_cancel()
