@@ -10,6 +10,8 @@
 #           x 16 KiB, bench device --quick (traced), bench store (device rows)
 #   PART=s5b: device-object, client-device and store GPU tests; bench device (traced, profiled) with and without
 #           the event thread's spin; worker round-trip probes and trace_store_device with spin/stage options
+#   PART=s5f: every GPU test, bench device --quick --broadcast-gib 8, bench store (device rows), bench gather --quick
+#   PART=s5t: the full bench transfer sweep
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -86,6 +88,15 @@ elif [ "${PART}" = s5b ]; then  # session 5's second check: device objects, work
   bench 50 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   echo "=== with KVSTRATA_SPIN_US=2000" >> "$LOG"
   KVSTRATA_SPIN_US=2000 bench 50 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+elif [ "${PART}" = s5f ]; then  # session 5's closing call: every GPU test, device objects (8 GiB broadcast), store, gather
+  KVSTRATA_TEST_WAIT=20 timeout 270 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -15 "$OUT/gpu_tests.log"
+  bench 90 device --quick --broadcast-gib 8 --wait 30
+  bench 50 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  bench 80 gather --quick
+elif [ "${PART}" = s5t ]; then  # session 5's closing sweep: bench transfer over every chunk size, 32 and 80 layers
+  bench 560 transfer
 else
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
   bench 80 device --quick --broadcast-wait both --wait 30
