@@ -5,7 +5,7 @@ from kvstrata.ops.block_transfer import fused_memcpy_multi_layer_block_transfer,
 from kvstrata.ops.calibration import calibrate
 from kvstrata.ops.gather import gather
 from kvstrata.ops.kv_layout import HostPool, KVLayout
-from kvstrata.ops.transfer_blocks import transfer_blocks
+from kvstrata.ops.transfer_blocks import interleave, transfer_blocks, transfer_blocks_steps
 
 __all__ = [
     "HostPool",
@@ -14,6 +14,8 @@ __all__ = [
     "current_stream",
     "fused_memcpy_multi_layer_block_transfer",
     "gather",
+    "interleave",
     "multi_layer_block_transfer",
     "transfer_blocks",
+    "transfer_blocks_steps",
 ]
