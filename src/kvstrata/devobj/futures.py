@@ -42,19 +42,29 @@ RESULT_SPIN_US = 300.0
 HANDOFF_S = 200e-6
 
 
-def result_spin_seconds() -> float:
-    """Seconds a receive future's waiter polls per phase (see the module docstring)."""
-    env = os.environ.get("KVSTRATA_DEVOBJ_RESULT_SPIN_US", "").strip()
+def spin_seconds(env_name: str, default_us: float, *, min_cpus: int | None = SPIN_MIN_CPUS) -> float:
+    """A busy-poll budget in seconds: the environment variable ``env_name`` (microseconds, clamped to
+    0..100,000) where set, else ``default_us`` on hosts with at least ``min_cpus`` CPUs (None: on any host)
+    and 0 on smaller ones (a polling thread holds a core)."""
+    env = os.environ.get(env_name, "").strip()
     if env:
         try:
             return min(max(float(env), 0.0), 1e5) * 1e-6
         except ValueError:
-            log.warning("KVSTRATA_DEVOBJ_RESULT_SPIN_US=%r is not a number of microseconds; ignored", env)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return RESULT_SPIN_US * 1e-6 if cpus >= SPIN_MIN_CPUS else 0.0
+            log.warning("%s=%r is not a number of microseconds; ignored", env_name, env)
+    if min_cpus is not None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        if cpus < min_cpus:
+            return 0.0
+    return default_us * 1e-6
+
+
+def result_spin_seconds() -> float:
+    """Seconds a receive future's waiter polls per phase (see the module docstring)."""
+    return spin_seconds("KVSTRATA_DEVOBJ_RESULT_SPIN_US", RESULT_SPIN_US)
 
 
 #: sleep between polls (seconds) and the thread's timer slack meanwhile (ns)

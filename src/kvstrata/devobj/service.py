@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata import errors
 from kvstrata.devobj.broker import DeviceBroker
+from kvstrata.devobj.futures import spin_seconds
 
 if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
     from kvstrata.devobj.api import DeviceObjects
@@ -129,17 +130,7 @@ def reply_spin_seconds() -> float:
     system call that lets the GIL go), the GIL other threads of the process may need; on a small or
     shared machine (this one's peer, the worker, may need that core) the reply is waited for asleep.
     """
-    env = os.environ.get("KVSTRATA_DEVOBJ_SPIN_US", "").strip()
-    if env:
-        try:
-            return min(max(float(env), 0.0), 1e5) * 1e-6
-        except ValueError:
-            log.warning("KVSTRATA_DEVOBJ_SPIN_US=%r is not a number of microseconds; ignored", env)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return SPIN_US * 1e-6 if cpus >= SPIN_MIN_CPUS else 0.0
+    return spin_seconds("KVSTRATA_DEVOBJ_SPIN_US", SPIN_US, min_cpus=SPIN_MIN_CPUS)
 
 
 def event_spin_seconds() -> float:
@@ -151,14 +142,7 @@ def event_spin_seconds() -> float:
     polls, competes for the GIL with the process's other threads (in the worker, polling four connections
     made the 4 KiB hand-off slower, see ``Worker._update_spin``), hence off unless asked for.
     """
-    env = os.environ.get("KVSTRATA_DEVOBJ_EVENT_SPIN_US", "").strip()
-    if not env:
-        return 0.0
-    try:
-        return min(max(float(env), 0.0), 1e5) * 1e-6
-    except ValueError:
-        log.warning("KVSTRATA_DEVOBJ_EVENT_SPIN_US=%r is not a number of microseconds; ignored", env)
-        return 0.0
+    return spin_seconds("KVSTRATA_DEVOBJ_EVENT_SPIN_US", 0.0, min_cpus=None)
 
 
 class WorkerBrokerLink:
