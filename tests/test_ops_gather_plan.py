@@ -366,3 +366,16 @@ def test_gpu_every_schedule(monkeypatch, schedule, seeded):
     gather(table, out, ids, check=False)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), table[ids.cpu()])
+
+
+def test_plan_cache_is_bounded_and_cleared():
+    from kvstrata.ops._common import PlanCache
+
+    cache = PlanCache(3)
+    for i in range(3):
+        cache.put((i,), f"plan{i}")
+    assert len(cache) == 3 and cache.get((1,)) == "plan1" and cache.get((9,)) is None
+    cache.put((3,), "plan3")  # past the limit: emptied whole, then the new plan kept
+    assert len(cache) == 1 and cache.get((0,)) is None and list(cache.values()) == ["plan3"]
+    cache.clear()
+    assert len(cache) == 0 and cache.get((3,)) is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -236,6 +237,33 @@ def current_stream(index: int) -> torch.cuda.Stream:
     return got
 
 
+class PlanCache:
+    """Launch plans by call signature, bounded: emptied whole past ``limit`` entries (plans are cheap to rebuild
+    and a server's signatures are few). A lookup is one dict read, no lock; stores take the lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._plans: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        self.get = self._plans.get  # the hot path: a bound dict method, no Python frame
+
+    def put(self, key: tuple, plan: Any) -> None:
+        with self._lock:
+            if len(self._plans) >= self.limit:
+                self._plans.clear()
+            self._plans[key] = plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def values(self) -> Any:
+        return self._plans.values()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
 def _hooked(hook: Any) -> bool:
     """Whether a Triton launch hook is set: not None and, for a ``HookChain``, holding a call."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -286,6 +314,7 @@ __all__ = [
     "INDEX_DTYPES",
     "SUPPORTED_DTYPES",
     "LaunchConfig",
+    "PlanCache",
     "TileConfig",
     "as_words",
     "check_choice",

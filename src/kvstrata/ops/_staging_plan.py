@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvstrata.ops import chunk_copy
-from kvstrata.ops._common import direct_launch
+from kvstrata.ops._common import PlanCache, direct_launch
 from kvstrata.ops.chunk_copy import _copy_chunks_kernel, copy_chunks_shape
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,7 @@ def _arg_names() -> tuple[str, ...]:
     return _ARG_NAMES[0]
 
 
-_plans: dict[tuple, StagingPlan] = {}
-_lock = threading.Lock()
+_plans = PlanCache(MAX_PLANS)
 
 
 def get_plan(g: Any, n_blocks: int, slot_bytes: int, nslots: int, to_host: bool, num_ctas: int, *,
@@ -201,17 +200,13 @@ def get_plan(g: Any, n_blocks: int, slot_bytes: int, nslots: int, to_host: bool,
     plan = _plans.get(key)
     if plan is None:
         plan = StagingPlan(g, n_blocks, slot_bytes, nslots, to_host, num_ctas)
-        with _lock:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+        _plans.put(key, plan)
     return plan
 
 
 def clear_plans() -> None:
     """Forget every cached plan (tests; after changing ``chunk_copy`` tunables)."""
-    with _lock:
-        _plans.clear()
+    _plans.clear()
 
 
 def plan_count() -> int:
@@ -249,13 +244,14 @@ class Side:
 
 
 _sides: dict[tuple[int, bool], Side] = {}
+_sides_lock = threading.Lock()
 
 
 def side(index: int, to_host: bool) -> Side:
     key = (index, to_host)
     got = _sides.get(key)
     if got is None:
-        with _lock:
+        with _sides_lock:
             got = _sides.get(key)
             if got is None:
                 got = _sides[key] = Side(index)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstrata.ops._common import current_stream, direct_launch
+from kvstrata.ops._common import PlanCache, current_stream, direct_launch
 from kvstrata.ops.chunk_copy import _copy_chunks_kernel, copy_chunks_shape
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,7 @@ def _arg_names() -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------------ cache
-_plans: dict[tuple, TransferPlan] = {}
-_plans_lock = threading.Lock()
+_plans = PlanCache(MAX_PLANS)
 
 
 def get_plan(key: tuple) -> TransferPlan | None:
@@ -206,16 +205,12 @@ def get_plan(key: tuple) -> TransferPlan | None:
 
 
 def put_plan(key: tuple, plan: TransferPlan) -> None:
-    with _plans_lock:
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+    _plans.put(key, plan)
 
 
 def clear_plans() -> None:
     """Forget every cached plan (tests; after changing ``chunk_copy`` tunables)."""
-    with _plans_lock:
-        _plans.clear()
+    _plans.clear()
 
 
 def plan_count() -> int:
@@ -267,13 +262,14 @@ class Lane:
 
 
 _lanes: dict[tuple[int, str], Lane] = {}
+_lanes_lock = threading.Lock()
 
 
 def lane(device: torch.device, direction: str) -> Lane:
     key = (device.index, direction)
     got = _lanes.get(key)
     if got is None:
-        with _plans_lock:
+        with _lanes_lock:
             got = _lanes.get(key)
             if got is None:
                 got = _lanes[key] = Lane(device)

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kvstrata.ops._common import (
     INDEX_DTYPES,
+    PlanCache,
     TileConfig,
     check_dtype,
     check_ndim,
@@ -132,7 +133,7 @@ def _check_ids_range(ids: torch.Tensor, n_rows: int) -> None:
         raise ValueError(f"ids: values must lie in [0, {n_rows}), got min {lo} and max {hi}")
 
 
-_PLANS: dict[tuple, GatherPlan] = {}
+_PLANS = PlanCache(MAX_PLANS)
 
 
 def clear_plans() -> None:
@@ -154,9 +155,7 @@ def _plan(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: i
     if SCHEDULE not in SCHEDULES:
         raise ValueError(f"SCHEDULE: expected one of {SCHEDULES}, got {SCHEDULE!r}")
     plan = build_plan(_gather_kernel, table, out, ids, num_ctas, TILE, SCHEDULE)
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
+    _PLANS.put(key, plan)
     return plan
 
 
