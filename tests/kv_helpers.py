@@ -90,3 +90,15 @@ def client_for(mode: str, worker, *, memory: int, segment: int):
     if mode == "embedded":
         return kvstrata.connect(embedded=True, memory_bytes=memory, segment_bytes=segment, numa_node=None)
     return kvstrata.connect(worker.address, timeout=5)
+
+
+class FakeReduce:
+    """Stands in for the CUDA IPC export of ``devobj.ipc.ExportCache`` on CPU tensors: counts its calls and
+    gives each export a handle of its own."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, t):
+        self.calls += 1
+        return {"handle": bytes([self.calls]) * 8, "storage_bytes": t.untyped_storage().nbytes(), "storage_offset": 0}

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from kv_helpers import FakeReduce
 from kvstrata import errors
 from kvstrata._proc import pid_alive
 from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink, api, ipc
@@ -240,17 +241,8 @@ def test_generation_page_through_a_worker(tmp_path):
         w.stop()
 
 
-class _Reduce:
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, t):
-        self.calls += 1
-        return {"handle": bytes([self.calls]) * 8, "storage_bytes": t.untyped_storage().nbytes(), "storage_offset": 0}
-
-
 def test_export_cache_one_export_per_storage_and_never_a_stale_one():
-    red = _Reduce()
+    red = FakeReduce()
     cache = ipc.ExportCache(reduce=red)
     t = torch.arange(64, dtype=torch.float32)
     e1, e2 = cache.export(t), cache.export(t[8:])

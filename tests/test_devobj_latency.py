@@ -9,6 +9,7 @@ from concurrent.futures import CancelledError, TimeoutError
 import pytest
 import torch
 
+from kv_helpers import FakeReduce
 from kvstrata.devobj import (
     DeviceBroker,
     DeviceObjectConfig,
@@ -24,17 +25,8 @@ CFG = DeviceObjectConfig(allow_cpu=True)
 WAIT = 10.0
 
 
-class _Reduce:
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, t):
-        self.calls += 1
-        return {"handle": bytes([self.calls]) * 8, "storage_bytes": t.untyped_storage().nbytes(), "storage_offset": 0}
-
-
 def test_export_cache_returns_one_dict_per_view_and_a_new_one_for_new_geometry():
-    red = _Reduce()
+    red = FakeReduce()
     cache = ipc.ExportCache(reduce=red)
     t = torch.arange(64, dtype=torch.float32)
     a, b = cache.export(t), cache.export(t)
@@ -50,7 +42,7 @@ def test_export_cache_returns_one_dict_per_view_and_a_new_one_for_new_geometry()
 
 
 def test_export_cache_bounds_the_views_of_one_storage():
-    cache = ipc.ExportCache(reduce=_Reduce())
+    cache = ipc.ExportCache(reduce=FakeReduce())
     t = torch.zeros(4 * ipc.MAX_VIEWS, dtype=torch.uint8)
     blobs = [cache.export(t[i:]) for i in range(2 * ipc.MAX_VIEWS)]
     assert [b["offset"] for b in blobs] == list(range(2 * ipc.MAX_VIEWS))
@@ -60,7 +52,7 @@ def test_export_cache_bounds_the_views_of_one_storage():
 def test_published_records_share_parts_and_stay_exact(monkeypatch):
     """Items of a re-published tensor share their specs, exports and device dicts; the broker and the reader
     never change them (a second hand-off of the same buffer reads the right bytes)."""
-    cache = ipc.ExportCache(reduce=_Reduce())
+    cache = ipc.ExportCache(reduce=FakeReduce())
     monkeypatch.setattr(api, "export_tensor", cache.export)
     broker = DeviceBroker()
     a = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=CFG)
