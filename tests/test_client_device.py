@@ -460,6 +460,34 @@ def test_a_bad_tensor_in_a_later_stage_aborts_what_earlier_stages_created(kv, mo
     kv.delete(keys)
 
 
+def test_pipelined_mget_h2d_asks_every_lease_up_front_in_three_requests(kv, monkeypatch):
+    keys = [f"pipe-get/{i}" for i in range(9)]
+    kv.delete(keys)
+    src = _lists(9)
+    assert kv.mset_d2h(keys, src) == [None] * 9
+    kv.delete([keys[5]])  # a missing key in the middle group: its slot says so, the others are filled
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    backend = kv._backend
+    asked = []
+    real = backend.acquire_start
+    monkeypatch.setattr(backend, "acquire_start", lambda ks, *a, **kw: asked.append(len(ks)) or real(ks, *a, **kw))
+    dst = _poisoned(src)
+    res = kv.mget_h2d(keys, dst)
+    assert asked == [2, 6, 1]  # the first stage's 2 keys, 3 x 2 more, the rest; all before any copy
+    assert isinstance(res[5], KeyNotFound) and all(r is None for i, r in enumerate(res) if i != 5)
+    for i in range(9):
+        if i != 5:
+            assert all(torch.equal(a, b) for a, b in zip(src[i], dst[i]))
+    assert all(torch.equal(t, torch.full_like(t, 0xAB)) for t in dst[5])  # untouched
+    bad = [list(d) for d in dst]
+    bad[7] = [torch.zeros(4, 4).t()]  # not contiguous: found at the fourth stage, after every lease came back
+    with pytest.raises(ValueError, match=r"tensor_lists\[7\]\[0\]"):
+        kv.mget_h2d(keys, bad)
+    monkeypatch.undo()
+    kv.delete(keys)  # no lease of the failed call is left: the objects go at once
+    assert kv.stats()["leases"] == 0 and kv.exists(keys) == [False] * 9
+
+
 def test_a_batch_is_carved_side_by_side_and_copies_merge(worker):
     """Objects created by one mcreate lie back to back: one memmove run per contiguous source."""
     with kvstrata.connect(worker.address) as kv:

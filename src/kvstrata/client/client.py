@@ -376,7 +376,9 @@ class Client(DeviceObjectsMixin):
         a copy stream that waits for ``stream`` (default: current); the call returns once they have
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
         cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
-        the worker leases the next stage while this process queues the current stage's copies. A bad
+        the leases of all keys are asked for at the start, in three requests (the first stage's keys, three
+        times as many again, the rest), so the copies start after one round trip and the worker answers
+        the later requests while the first stages' bytes move. A bad
         tensor raises when its stage is reached, after the copies already queued landed (the tensors
         of earlier keys may then hold their data).
         """
@@ -386,27 +388,52 @@ class Client(DeviceObjectsMixin):
             _device.check_outer(0, tensor_lists)
             return []
         backend = self._b()
-        results: list[Result] = [None] * len(keys)
+        n = len(keys)
+        results: list[Result] = [None] * n
+        leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back
         held: list[int] = []
         deadline = time.monotonic() + timeout
         s = None
         first = True
-        in_flight: collections.deque = collections.deque()  # (stage, acquire token): one stage ahead
+        asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
+        ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
+        done = 0  # keys [0, done) are counted in ``held`` or ``results``
+
+        def ask(lo: int, hi: int) -> None:
+            if lo < hi:
+                left = max(0.0, deadline - time.monotonic()) if timeout else 0
+                # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
+                asked.append((lo, hi, backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False)))
+
+        def answered(hi: int) -> bool:  # the leases of keys < hi need no worker answer still
+            return all(backend.acquire_ready(tok) for lo, _, tok in asked if lo < hi)
+
+        def collect(hi: int) -> None:  # read the acquires covering keys < hi
+            while asked and asked[0][0] < hi:
+                lo, top, tok = asked.popleft()  # out first: a reply is read once, even one that raises
+                leases[lo:top] = backend.acquire_finish(tok)
+
         try:
-            for st in itertools.chain(_device.stages(len(keys), tensor_lists), [None]):
+            for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
-                    left = max(0.0, deadline - time.monotonic()) if timeout else 0
-                    # Lease releases due (e.g. stale local-read entries) go with the final release, not
-                    # ahead of these leases.
-                    token = backend.acquire_start(keys[st.lo : st.hi], left, cache="fit", carry=False)
-                    in_flight.append((st, token))
+                    if st.lo == 0:
+                        # All leases asked for at once, in three requests the worker answers in turn: the
+                        # first stage's (its copies start after one round trip), three times as many keys again
+                        # (answered while the first stage's bytes move), the rest (while those move).
+                        k = st.hi - st.lo
+                        ask(0, st.hi)
+                        ask(st.hi, min(n, st.hi + 3 * k))
+                        ask(min(n, st.hi + 3 * k), n)
+                    ready.append(st)
                 # Queue a stage's copies once its leases are in, checking the next stage while the worker
-                # leases this one (a stage served by the local-read cache alone goes at once).
-                while in_flight and (st is None or len(in_flight) > 1 or backend.acquire_ready(in_flight[0][1])):
-                    prev, token = in_flight.popleft()
+                # answers (a stage served by the local-read cache alone goes at once).
+                while ready and (st is None or len(ready) > 1 or answered(ready[0].hi)):
+                    prev = ready.popleft()
+                    collect(prev.hi)
                     filled, locs = [], []
-                    for j, lease in enumerate(backend.acquire_finish(token)):
+                    for j in range(prev.hi - prev.lo):
                         i = prev.lo + j
+                        lease = leases[i]
                         if isinstance(lease, BaseException):
                             results[i] = lease
                             continue
@@ -419,6 +446,7 @@ class Client(DeviceObjectsMixin):
                             continue
                         filled.append(i)
                         locs.append(loc)
+                    done = prev.hi
                     if s is None and prev.device is not None:
                         s = _device.start(prev.device, stream)
                     runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
@@ -430,9 +458,12 @@ class Client(DeviceObjectsMixin):
         except BaseException:
             if s is not None:
                 s.synchronize()  # the leases below must outlive every queued copy
-            for _, token in in_flight:  # leases requested and not read yet go back too
+            # Leases read but not yet counted as held, and leases requested and not read yet, go back too.
+            held.extend(x.lease_id for x in leases[done:] if x is not None and not isinstance(x, BaseException))
+            while asked:
+                _, _, tok = asked.popleft()
                 try:
-                    held.extend(x.lease_id for x in backend.acquire_finish(token) if not isinstance(x, BaseException))
+                    held.extend(x.lease_id for x in backend.acquire_finish(tok) if not isinstance(x, BaseException))
                 except Exception as exc:
                     log.debug("mget_h2d: lease reply lost while undoing (%s)", exc)
             raise
