@@ -12,6 +12,8 @@
 #           the event thread's spin; worker round-trip probes and trace_store_device with spin/stage options
 #   PART=s5f: every GPU test, bench device --quick --broadcast-gib 8, bench store (device rows), bench gather --quick
 #   PART=s5t: the full bench transfer sweep
+#   PART=s6a: session 6's first check: client/store GPU tests, tools/probe_request_ids.py, and bench store's device
+#           rows with the session's starting code (ab_old/src, untracked) and the new code in turn (A/B/A/B)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -97,6 +99,15 @@ elif [ "${PART}" = s5f ]; then  # session 5's closing call: every GPU test, devi
   bench 80 gather --quick
 elif [ "${PART}" = s5t ]; then  # session 5's closing sweep: bench transfer over every chunk size, 32 and 80 layers
   bench 560 transfer
+elif [ "${PART}" = s6a ]; then
+  timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
+    tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"
+  echo "=== tools/probe_request_ids.py" >> "$LOG"; timeout 150 python3 tools/probe_request_ids.py >> "$LOG" 2>&1
+  for v in old new old new; do
+    if [ $v = old ]; then export PYTHONPATH="$PWD/ab_old/src"; else export PYTHONPATH="$PWD/src"; fi
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  export PYTHONPATH="$PWD/src"
 else
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
   bench 80 device --quick --broadcast-wait both --wait 30

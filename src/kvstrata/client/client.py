@@ -376,9 +376,9 @@ class Client(DeviceObjectsMixin):
         a copy stream that waits for ``stream`` (default: current); the call returns once they have
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
         cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
-        the leases of all keys are asked for at the start, in three requests (the first stage's keys, three
-        times as many again, the rest), so the copies start after one round trip and the worker answers
-        the later requests while the first stages' bytes move. A bad
+        where the worker must be asked, the leases of all keys are asked for at the start, in three requests
+        (the first stage's keys, three times as many again, the rest), so the copies start after one round
+        trip and the worker answers the later requests while the first stages' bytes move. A bad
         tensor raises when its stage is reached, after the copies already queued landed (the tensors
         of earlier keys may then hold their data).
         """
@@ -398,12 +398,15 @@ class Client(DeviceObjectsMixin):
         asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
         ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
         done = 0  # keys [0, done) are counted in ``held`` or ``results``
+        covered = 0  # keys [0, covered) have their leases asked for
 
         def ask(lo: int, hi: int) -> None:
+            nonlocal covered
             if lo < hi:
                 left = max(0.0, deadline - time.monotonic()) if timeout else 0
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
                 asked.append((lo, hi, backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False)))
+                covered = hi
 
         def answered(hi: int) -> bool:  # the leases of keys < hi need no worker answer still
             return all(backend.acquire_ready(tok) for lo, _, tok in asked if lo < hi)
@@ -416,14 +419,17 @@ class Client(DeviceObjectsMixin):
         try:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
-                    if st.lo == 0:
-                        # All leases asked for at once, in three requests the worker answers in turn: the
-                        # first stage's (its copies start after one round trip), three times as many keys again
-                        # (answered while the first stage's bytes move), the rest (while those move).
-                        k = st.hi - st.lo
-                        ask(0, st.hi)
-                        ask(st.hi, min(n, st.hi + 3 * k))
-                        ask(min(n, st.hi + 3 * k), n)
+                    if covered < st.hi:
+                        ask(covered, st.hi)
+                        if st.lo == 0 and not answered(st.hi):
+                            # The worker is asked (keys not read before, or changed): ask for every other
+                            # lease now, in two requests it answers in turn, three times the first stage's
+                            # keys (answered while the first stage's bytes move), then the rest (while
+                            # those move). Where the local-read cache served the first stage, each stage
+                            # asks for its own as it comes (the cache likely serves it too, at no cost).
+                            k = st.hi
+                            ask(st.hi, min(n, 4 * k))
+                            ask(min(n, 4 * k), n)
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking the next stage while the worker
                 # answers (a stage served by the local-read cache alone goes at once).
