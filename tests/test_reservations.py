@@ -353,3 +353,38 @@ def test_reservations_off_and_concurrent_calls_take_the_create_path(worker, monk
             assert all(torch.equal(a, b) for s, d in zip(_lists(5, seed=t), dst) for a, b in zip(s, d))
         assert kv.stats()["creates_in_progress"] == 0
         kv.delete([f"rv-conc/{t}/{i}" for t in range(6) for i in range(5)] + ["rv-conc/warm"])
+
+
+@pytest.mark.gpu
+def test_cuda_mset_d2h_takes_the_reserved_path_exact_with_key_exists(kv, monkeypatch):
+    """24 x 256 KiB from the GPU: two stages (4 + 2 MiB), laid out in the reservation from the second call
+    on, copied on the client's copy stream and committed once each stage's event completed."""
+    n = 24
+    calls = _count_calls(monkeypatch, kv._backend)
+    srcs = [
+        [[torch.randint(0, 255, (256 << 10,), dtype=torch.uint8, device="cuda")] for _ in range(n)] for _ in range(3)
+    ]
+    keys = [[f"gpu-rv/{r}/{i}" for i in range(n)] for r in range(3)]
+    kv.delete([k for ks in keys for k in ks])
+    assert len(list(device.stages(n, srcs[0]))) == 2
+    assert kv.mset_d2h(keys[0], srcs[0]) == [None] * n
+    for r in (1, 2):
+        calls.clear()
+        if r == 2:
+            assert kv.mset_d2h([keys[2][n - 1]], [srcs[0][0]]) == [None]  # already there in the tail
+            calls.clear()
+        res = kv.mset_d2h(keys[r], srcs[r])
+        assert "mcreate" not in calls and calls.count("commit") == 2
+        if r == 2:
+            assert isinstance(res[n - 1], KeyExists) and res[: n - 1] == [None] * (n - 1)
+        else:
+            assert res == [None] * n
+    for r in range(3):
+        dst = [[torch.full_like(t, 0xAB) for t in ts] for ts in srcs[r]]
+        assert kv.mget_h2d(keys[r], dst) == [None] * n
+        torch.cuda.synchronize()
+        for i in range(n):
+            want = srcs[0][0] if (r, i) == (2, n - 1) else srcs[r][i]
+            assert torch.equal(want[0], dst[i][0])
+    assert kv.stats()["creates_in_progress"] == 0
+    kv.delete([k for ks in keys for k in ks])
