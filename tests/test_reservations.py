@@ -68,7 +68,7 @@ def test_split_of_the_whole_block_or_bad_arguments():
 def test_carve_and_commit_makes_sealed_objects_at_their_places():
     with _store() as s:
         loc = s.reserve("me", 1 << 16)
-        assert loc.size == 1 << 16 and s.stats()["reserved"] == 1 << 16 and _used(s) == 1 << 16
+        assert loc.size == 1 << 16 and s.stats()["reserved_bytes"] == 1 << 16 and _used(s) == 1 << 16
         assert s.exists(["a"]) == [False]  # a reservation is never visible
         head = loc.offset
         items = []
@@ -80,11 +80,11 @@ def test_carve_and_commit_makes_sealed_objects_at_their_places():
         assert s.get_bytes("a") == b"hello" and s.get_bytes("e") == b"" and s.get_bytes("b") == bytes(range(200))
         left = s.reservation("me")
         assert left == Location(loc.segment, head, loc.offset + loc.size - head)
-        assert s.stats()["reserved"] == left.size and s.stats()["carved"] == 3
+        assert s.stats()["reserved_bytes"] == left.size and s.stats()["carved"] == 3
         s.delete(["a", "b", "e"])  # each object is its own block
         assert _used(s) == left.size
         s.release_owner("me")
-        assert _used(s) == 0 and s.stats()["reserved"] == 0 and s.reservation("me") is None
+        assert _used(s) == 0 and s.stats()["reserved_bytes"] == 0 and s.reservation("me") is None
 
 
 def test_refused_key_frees_its_piece_and_the_others_stand():
@@ -123,11 +123,11 @@ def test_a_new_reservation_replaces_the_old_and_frees_its_rest():
         first = s.reserve("me", 8192)
         assert s.commit("me", [("a", 100, first.offset)]) == [None]
         second = s.reserve("me", 4096)
-        assert s.stats()["reserved"] == 4096 and _used(s) == 128 + 4096  # a's block stays, the old rest went
+        assert s.stats()["reserved_bytes"] == 4096 and _used(s) == 128 + 4096  # a's block stays, the old rest went
         assert s.reservation("me") == second  # the freed rest may be what it reuses
         assert s.commit("me", [("b", 10, second.offset)]) == [None]
         s.reserve("me", 0)  # only drops it
-        assert s.reservation("me") is None and s.stats()["reserved"] == 0 and s.stats()["reservations"] == 2
+        assert s.reservation("me") is None and s.stats()["reserved_bytes"] == 0 and s.stats()["reservations"] == 2
 
 
 def test_a_reservation_is_capped_and_one_larger_than_free_memory_is_refused():
@@ -231,13 +231,13 @@ def test_a_client_killed_with_a_reservation_gives_it_back(worker, tmp_path):
             while not ready.exists() or not ready.read_text():
                 assert time.monotonic() < deadline and child.poll() is None, "holder never got its reservation"
                 time.sleep(0.02)
-            assert kv.stats()["reserved"] >= 1 << 20
+            assert kv.stats()["reserved_bytes"] >= 1 << 20
             os.kill(child.pid, signal.SIGKILL)
             child.wait(10)
             deadline = time.monotonic() + 10
             while kv.stats()["clients"] > 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert kv.stats()["reserved"] == 0  # (this client holds none: it made no device call)
+            assert kv.stats()["reserved_bytes"] == 0  # (this client holds none: it made no device call)
     finally:
         if child.poll() is None:
             child.kill()
@@ -286,13 +286,13 @@ def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(k
     keys = [f"rv-bad/{i}" for i in range(6)]
     kv.delete(keys)
     assert kv.mset_d2h(["rv-bad/warm"], _lists(1)) == [None]  # now a reservation is held
-    reserved = kv.stats()["reserved"]
+    reserved = kv.stats()["reserved_bytes"]
     assert reserved > 0
     lists = _lists(6)
     lists[3] = [torch.zeros(4, 4).t()]  # the second stage's: the first stage is laid out and copied by then
     with pytest.raises(ValueError, match=r"tensor_lists\[3\]\[0\]"):
         kv.mset_d2h(keys, lists)
-    assert kv.exists(keys) == [False] * 6 and kv.stats()["reserved"] == reserved
+    assert kv.exists(keys) == [False] * 6 and kv.stats()["reserved_bytes"] == reserved
     calls = _count_calls(monkeypatch, kv._backend)
     src = _lists(6, seed=3)
     assert kv.mset_d2h(keys, src) == [None] * 6
@@ -339,7 +339,7 @@ def test_reservations_off_and_concurrent_calls_take_the_create_path(worker, monk
         calls = _count_calls(monkeypatch, kv._backend)
         for r in range(2):
             assert kv.mset_d2h([f"rv-off/{r}"], _lists(1)) == [None]
-        assert "reserve" not in calls and "commit" not in calls and kv.stats()["reserved"] == 0
+        assert "reserve" not in calls and "commit" not in calls and kv.stats()["reserved_bytes"] == 0
         kv.delete(["rv-off/0", "rv-off/1"])
     with pytest.raises(ValueError, match="reserve_bytes"):
         kvstrata.connect(worker.address, reserve_bytes=-1)

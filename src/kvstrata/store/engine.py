@@ -752,7 +752,7 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
                 "objects": len(self._objects),
                 "leases": len(self._leases),
                 "creates_in_progress": len(self._pending),
-                "reserved": self._reserved,
+                "reserved_bytes": self._reserved,  # write reservations not committed yet
                 "dirty": len(self._dirty),
                 **self._counts,
             }
