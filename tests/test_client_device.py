@@ -396,6 +396,7 @@ def test_pipelined_mset_d2h_keeps_per_key_results_and_seals_stage_by_stage(kv, m
     old = (1, 4, 8)  # already there, in the first, a middle and the last group: left as they are
     assert kv.mset_d2h([keys[i] for i in old], [src[0]] * 3) == [None] * 3
     monkeypatch.setattr(device, "stages", stages_of(3))
+    monkeypatch.setattr(kv._reservation, "limit", 0)  # the create path (the reserved one: test_reservations)
     backend = kv._backend
     calls = []
     for name in ("mcreate", "mseal"):

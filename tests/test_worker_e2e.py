@@ -200,7 +200,7 @@ def test_worker_killed_in_a_pipelined_device_call_raises_connection_lost(tmp_pat
 
     monkeypatch.setattr(device, "stages", stages_of(2))  # a GPU call's stages, without a GPU
     proc, address = start_worker(tmp_path)
-    kv = kvstrata.connect(address)
+    kv = kvstrata.connect(address, reserve_bytes=0)  # every call creates (a reserved one asks nothing first)
     src = [[torch.arange(100, dtype=torch.int32) + i] for i in range(6)]
     assert kv.mset_d2h([f"pipe/{i}" for i in range(6)], src) == [None] * 6
     real = kv._backend.mcreate_finish

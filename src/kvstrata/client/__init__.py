@@ -20,10 +20,13 @@ def connect(
     timeout: float = 10.0,
     name: str | None = None,
     store: Any = None,
+    reserve_bytes: int | str | None = None,
     **store_options: Any,
 ) -> Client:
     """A client of the node's worker, or of an in-process store.
 
+    ``reserve_bytes``: the most shared memory this client keeps reserved for ``mset_d2h`` objects it
+    lays out without asking the worker (:mod:`kvstrata.client.reservation`; default 256 MiB, 0: off).
     ``address``: ``unix:///path.sock`` (default: ``$KVSTRATA_WORKER`` or the default socket path).
     ``embedded=True``: no worker process; an :class:`~kvstrata.store.ObjectStore` is built in this
     process from ``store_options`` (:class:`~kvstrata.store.StoreConfig` fields; sizes may be
@@ -36,6 +39,9 @@ def connect(
     b'v'
     """
     from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
+    from kvstrata.client.reservation import RESERVE_BYTES
+
+    reserve = RESERVE_BYTES if reserve_bytes is None else parse_size(reserve_bytes, "reserve_bytes")
 
     if embedded or store is not None:
         if address is not None:
@@ -43,7 +49,7 @@ def connect(
         if store is not None:
             if store_options:
                 raise ValueError(f"{next(iter(store_options))}: options don't apply to a store passed in")
-            return Client(EmbeddedBackend(store, own_store=False))
+            return Client(EmbeddedBackend(store, own_store=False), reserve_bytes=reserve)
         from kvstrata.server.config import default_memory_bytes
         from kvstrata.store import ObjectStore, StoreConfig
 
@@ -53,7 +59,7 @@ def connect(
                 options[key] = parse_size(options[key], key)
         options.setdefault("memory_bytes", min(default_memory_bytes(), EMBEDDED_MEMORY_CAP))
         options.setdefault("segment_bytes", min(256 << 20, options["memory_bytes"]))
-        return Client(EmbeddedBackend(ObjectStore(StoreConfig(**options)), own_store=True))
+        return Client(EmbeddedBackend(ObjectStore(StoreConfig(**options)), own_store=True), reserve_bytes=reserve)
     if store_options:
         raise ValueError(f"{next(iter(store_options))}: store options apply only with embedded=True")
     if address is None:
@@ -62,7 +68,7 @@ def connect(
         address = default_address()
     elif "://" not in address:
         address = f"unix://{os.path.abspath(address)}"
-    return Client(RemoteBackend(address, timeout=timeout, name=name))
+    return Client(RemoteBackend(address, timeout=timeout, name=name), reserve_bytes=reserve)
 
 
 __all__ = ["Client", "ReadBuffer", "WritableBuffer", "connect"]

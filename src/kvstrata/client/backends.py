@@ -369,6 +369,30 @@ class RemoteBackend:
             out[i] = P.error_from_record((name, message))
         return out
 
+    def reserve_start(self, nbytes: int) -> Any:
+        """Ask for a write reservation of ``nbytes`` (``kvstrata.store.reservations``), not waited for;
+        :meth:`reserve_finish` takes the granted extent."""
+        return self.send_tagged({"op": "reserve", "size": nbytes}, carry=False)
+
+    def reserve_finish(self, token: Any) -> Loc:
+        return self._loc(self.tagged_reply(token)["loc"])
+
+    def commit_start(self, items: list[tuple[str, int, int]], opts: dict) -> Any:
+        """Commit ``(key, size, offset)`` s carved from this client's reservation, not waited for;
+        :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``."""
+        msg = {"op": "commit", "items": items}
+        if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
+            msg.update(opts)
+        return self.send_tagged(msg), len(items)
+
+    def commit_finish(self, token: Any) -> tuple[list[Any], int | None]:
+        tag, n = token
+        reply = self.tagged_reply(tag)
+        out: list[Any] = [None] * n
+        for i, name, message in reply.get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out, reply.get("head")
+
     def get(self, key: str, timeout: float) -> bytes:
         local = self._local
         if local is None:
@@ -613,11 +637,26 @@ class EmbeddedBackend:
     def acquire_ready(token: Any) -> bool:
         return True
 
+    def reserve_start(self, nbytes: int) -> Any:
+        return _result(lambda: Loc(*self._check().reserve(self.owner, nbytes)))
+
+    @staticmethod
+    def reserve_finish(token: Any) -> Any:
+        if isinstance(token, BaseException):
+            raise token
+        return token
+
+    def commit_start(self, items: list[tuple[str, int, int]], opts: dict) -> Any:
+        store = self._check()
+        results = store.commit(self.owner, items, **self._opts(opts))
+        rest = store.reservation(self.owner)
+        return results, None if rest is None else rest.offset
+
     @staticmethod
     def mcreate_finish(token: Any) -> list[Any]:
         return token
 
-    mseal_finish = acquire_finish = mcreate_finish
+    mseal_finish = acquire_finish = commit_finish = mcreate_finish
 
     def finish(self, action: str, key: str) -> None:
         getattr(self._check(), action)(key, owner=self.owner)

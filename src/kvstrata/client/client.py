@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvstrata.client import device as _device
+from kvstrata.client import reservation as _reservation
 from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
 from kvstrata.client.buffers import ReadBuffer, WritableBuffer
 from kvstrata.client.values import byte_view
@@ -50,8 +51,9 @@ class Client(DeviceObjectsMixin):
     holds up the client's other threads: give threads that wait their own client.
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, *, reserve_bytes: int = _reservation.RESERVE_BYTES) -> None:
         self._backend = backend
+        self._reservation = _reservation.WriteReservation(reserve_bytes)
         self._closed = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._exec_lock = threading.Lock()
@@ -288,11 +290,14 @@ class Client(DeviceObjectsMixin):
 
         A key that already exists is left as it is and reported as KeyExists in its slot. Returns
         None per stored key. The copies run as copy-engine batches on a copy stream that waits for
-        ``stream`` (default: current). Pipelined in stages (:func:`kvstrata.client.device.stages`):
-        the worker creates the next stage's objects while this process queues the current stage's
-        copies; each stage is sealed once its bytes landed, the seals sent without waiting, so only
-        the last stage's seal follows the last copy. An error (a bad tensor in a later stage, a failed
-        copy) waits for the queued copies and aborts every object not sealed yet.
+        ``stream`` (default: current). Pipelined in stages (:func:`kvstrata.client.device.stages`).
+        Stages that fit this client's write reservation (:mod:`kvstrata.client.reservation`) are laid
+        out in it here, with no request, and their copies queued at once; each is committed (made a
+        sealed object per key) once its bytes landed. Other stages are created by the worker (the next
+        stage's create in flight while this process queues the current stage's copies) and sealed once
+        their bytes landed. Commits and seals are sent without waiting, so only the last stage's follows
+        the last copy. An error (a bad tensor in a later stage, a failed copy) waits for the queued copies
+        and aborts every object not sealed yet; reserved bytes not committed go to the next call.
         """
         keys = P.check_keys(keys)
         if not keys:
@@ -305,7 +310,13 @@ class Client(DeviceObjectsMixin):
         sealed: set[str] = set()
         s = None
         in_flight: collections.deque = collections.deque()  # (stage, create token): one stage ahead
-        seals: collections.deque = collections.deque()  # (keys, seal token) sent, answers not read yet
+        # (key indices, committed?, token): commits and seals sent, answers not read yet
+        seals: collections.deque = collections.deque()
+        resv = self._reservation
+        held = resv.take(backend)
+        carving = held
+        known = resv.head if held and resv.end else None  # the worker's head, as last heard
+        call_bytes = 0
 
         def take(st: Any, token: Any) -> list[int]:
             created, where = [], []
@@ -319,29 +330,53 @@ class Client(DeviceObjectsMixin):
             return created, where
 
         try:
-            marks: list[tuple[list[int], Any]] = []  # (keys created in a stage, event after its copies)
+            # (key indices, commit items or None for created keys, event after the stage's copies)
+            marks: list[tuple[list[int], Any, Any]] = []
             stages = _device.stages(len(keys), tensor_lists)
             for st in itertools.chain(stages, [None]):
                 if st is not None:
+                    call_bytes += sum(map(_reservation.rounded, st.sizes))
+                    locs = resv.carve(st.sizes) if carving else None
+                    if locs is not None:  # laid out in the reservation: the copies go at once
+                        which = list(range(st.lo, st.hi))
+                        if s is None and st.device is not None:
+                            s = _device.start(st.device, stream)
+                        runs = self._plan(which, locs, st.pieces, st.lo, st.device, to_host=True)
+                        _device.enqueue(runs, st.device, s, first=not marks)
+                        items = [(keys[i], loc.size, loc.offset) for i, loc in zip(which, locs)]
+                        marks.append((which, items, _device.mark(s)))
+                        continue
+                    carving = False  # the rest of the call is created by the worker, in stage order
                     in_flight.append((st, backend.mcreate_start(list(zip(keys[st.lo : st.hi], st.sizes)), opts)))
                     if len(in_flight) < 2:
                         continue  # check the next stage while the worker creates this one
+                if not in_flight:
+                    continue
                 prev, token = in_flight.popleft()
                 created, where = take(prev, token)
                 if s is None and prev.device is not None:
                     s = _device.start(prev.device, stream)
                 runs = self._plan(created, where, prev.pieces, prev.lo, prev.device, to_host=True)
                 _device.enqueue(runs, prev.device, s, first=not marks)
-                marks.append((created, _device.mark(s)))
-            # Seal stage by stage as its copies land (stream order: a stage's event covers its copies), each
-            # seal sent without waiting for the worker, whose answers are read at the end.
-            for which, event in marks:
+                marks.append((created, None, _device.mark(s)))
+            # Commit or seal stage by stage as its copies land (stream order: a stage's event covers its
+            # copies), each sent without waiting for the worker, whose answers are read at the end.
+            for which, items, event in marks:
                 if which:
                     if event is not None:
                         event.synchronize()  # the bytes must be in host memory before the objects are sealed
-                    seals.append((which, backend.mseal_start([keys[i] for i in which])))
+                    if items is not None:
+                        seals.append((which, True, backend.commit_start(items, opts)))
+                    else:
+                        seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
             while seals:
-                which, token = seals.popleft()  # out first: a reply is read once, even one that raises
+                which, committed, token = seals.popleft()  # out first: a reply is read once, even one that raises
+                if committed:
+                    known = None  # unknown while the reply is not read (it may raise)
+                    rs, known = backend.commit_finish(token)  # a refused key's piece was freed by the worker
+                    for i, r in zip(which, rs):
+                        results[i] = r
+                    continue
                 for i, r in zip(which, backend.mseal_finish(token)):
                     results[i] = r
                     if r is None:
@@ -351,19 +386,27 @@ class Client(DeviceObjectsMixin):
                 self._abort_quietly(backend, refused)
         except BaseException:
             if s is not None:
-                s.synchronize()  # no copy may still write into an object being aborted
+                s.synchronize()  # no copy may still write into an object being aborted, or reserved bytes
             for st, token in in_flight:  # creates sent and not read yet: their objects must go too
                 try:
                     take(st, token)
                 except Exception as exc:  # the connection may be what failed
                     log.debug("mset_d2h: create reply lost while undoing (%s)", exc)
-            for which, token in seals:  # seals sent and not read yet: those that worked stay
+            for which, committed, token in seals:  # sent and not read yet: those that worked stay
                 try:
-                    sealed.update(keys[i] for i, r in zip(which, backend.mseal_finish(token)) if r is None)
+                    if committed:
+                        known = backend.commit_finish(token)[1]
+                    else:
+                        sealed.update(keys[i] for i, r in zip(which, backend.mseal_finish(token)) if r is None)
                 except Exception as exc:
+                    if committed:
+                        known = None  # the worker's head is unknown now: this client's reservation is dropped
                     log.debug("mset_d2h: seal reply lost while undoing (%s)", exc)
             self._abort_quietly(backend, [k for k in created_keys if k not in sealed])
             raise
+        finally:
+            if held:
+                resv.give(backend, known, call_bytes)
         return results
 
     def mget_h2d(

@@ -159,6 +159,43 @@ def _mseal(s: Session, msg: dict) -> dict:
     return {"errs": [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]}
 
 
+def _reserve(s: Session, msg: dict) -> dict:
+    """Reply ``{"loc": [segment, offset, size]}``: the write reservation granted (``store.reservations``),
+    whose size may be less than asked; a new one replaces the client's old one."""
+    location = s.store.reserve(s.owner, P.check_size(msg.get("size")))
+    reply: dict = {}
+    reply["loc"] = s.loc(location, reply)
+    return reply
+
+
+def _commit(s: Session, msg: dict) -> dict:
+    """Objects carved from the client's reservation, sealed: ``items`` are ``[key, size, offset]`` in carving
+    order. Reply ``{"head": offset or None, "errs": [[i, type, message], ...]}``: where the reservation's
+    head is now (None: the client holds none), and the refused items (absent when every one was sealed)."""
+    opts = s.write_options(msg)
+    items = msg.get("items", [])
+    if type(items) is not list or len(items) > P.MAX_BATCH:
+        raise TypeError(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
+    keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
+    validity = s.validity
+    locks = validity.key_locks(keys)
+    with validity.change(keys):
+        for lock in locks:  # the no-TTL set must change with the versions, as in _mseal
+            lock.acquire()
+        try:
+            results = s.store.commit(s.owner, items, **opts)
+            ok = [it[0] for it, r in zip(items, results) if r is None]  # a sealed item is a well-formed one
+            validity.written_many(ok, [opts["ttl"]] * len(ok))
+        finally:
+            for lock in locks:
+                lock.release()
+    rest = s.store.reservation(s.owner)
+    reply: dict = {"head": None if rest is None else rest.offset}
+    if results.count(None) != len(results):
+        reply["errs"] = [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]
+    return reply
+
+
 def _get(s: Session, msg: dict) -> dict:
     key = P.check_key(msg.get("key"))
     lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
@@ -284,6 +321,8 @@ HANDLERS = {
     "publish": _finish("publish"),
     "abort": _finish("abort"),
     "mseal": _mseal,
+    "reserve": _reserve,
+    "commit": _commit,
     "get": _get,
     "mget": _mget,
     "acquire": _acquire,

@@ -9,6 +9,8 @@ with ``"cache": true`` mark leases the client may keep for local reads (``kvstra
 A request may carry ``"tag": n``: its reply then carries the same tag, so a client can keep several
 requests in flight on one connection (replies still come in request order) and match each reply to
 its sender (``RemoteBackend.send_tagged``; the device calls pipeline their stages this way).
+``reserve`` gives a client an extent of shared memory to lay new objects in without asking where, and
+``commit`` makes the objects it wrote there sealed objects (``kvstrata.store.reservations``).
 """
 
 from __future__ import annotations

@@ -102,6 +102,25 @@ class OffsetAllocator:
             off += n
         return out
 
+    def split(self, offset: int, first_size: int) -> int | None:
+        """Cut the allocated block at ``offset`` in two: its first ``first_size`` (> 0) bytes, rounded up,
+        stay at ``offset`` and the rest becomes a block of its own; each is freed on its own afterwards.
+        Returns the second block's offset, None where ``first_size`` takes the whole block. Used bytes do
+        not change (a write reservation hands out its head this way, see ``store.reservations``)."""
+        size = self._used.get(offset)
+        if size is None:
+            raise ValueError(f"offset: {offset} is not an allocated block")
+        if isinstance(first_size, bool) or not isinstance(first_size, int) or first_size <= 0:
+            raise ValueError(f"first_size: must be a positive int, got {first_size!r}")
+        first = (first_size + self._align) & ~self._align
+        if first > size:
+            raise ValueError(f"first_size: {first_size} bytes is more than the block's {size}")
+        if first == size:
+            return None
+        self._used[offset] = first
+        self._used[offset + first] = size - first
+        return offset + first
+
     def free(self, offset: int) -> int:
         """Return the block at ``offset`` to the free list; returns its (rounded) size."""
         try:

@@ -19,6 +19,8 @@ STORE_COUNTERS = (  # stats that only grow; the worker's metrics export them as 
     "flushes",
     "device_loads",
     "device_evictions",
+    "reservations",  # write reservations granted (store.reservations)
+    "carved",  # objects committed out of write reservations
 )
 
 

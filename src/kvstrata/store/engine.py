@@ -43,6 +43,7 @@ from kvstrata.store.objects import (
     check_timeout,
     check_ttl,
 )
+from kvstrata.store.reservations import ReservationMixin
 from kvstrata.store.tiering import TieringMixin
 from kvstrata.store.tiers.base import Location
 from kvstrata.store.tiers.disk import DiskTier
@@ -57,7 +58,7 @@ _ALIGN_SHIFT = ALIGNMENT.bit_length() - 1  # blocks are whole ALIGNMENT units: s
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
 
 
-class ObjectStore(LeaseMixin, BatchMixin, TieringMixin, DeviceCacheMixin):
+class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, DeviceCacheMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
@@ -91,6 +92,8 @@ class ObjectStore(LeaseMixin, BatchMixin, TieringMixin, DeviceCacheMixin):
         self._pending: dict[tuple[str, object], Entry] = {}  # (key, owner) -> unsealed create
         self._creating: dict[str, int] = {}  # key -> creates in progress (for nx)
         self._owner_creates: dict[object, set[str]] = {}
+        self._reservations: dict[object, object] = {}  # owner -> its write reservation (store.reservations)
+        self._reserved = 0  # bytes reserved and not committed yet
         self._leases: dict[int, tuple[Entry, object]] = {}
         self._owner_leases: dict[object, set[int]] = {}
         self._waiters: dict[str, list] = {}  # key -> [Condition, number of waiters]
@@ -724,8 +727,9 @@ class ObjectStore(LeaseMixin, BatchMixin, TieringMixin, DeviceCacheMixin):
             return 0 if e is None else e.ref
 
     def release_owner(self, owner: object) -> None:
-        """A client went away: release its leases and abort its unsealed creates."""
+        """A client went away: release its leases, abort its unsealed creates, free its write reservation."""
         with self._lock:
+            self._drop_reservation(owner)
             lids = list(self._owner_leases.get(owner, ()))  # a copy: release() edits the set
             keys = self._owner_creates.pop(owner, ())
             for k in keys:
@@ -748,6 +752,7 @@ class ObjectStore(LeaseMixin, BatchMixin, TieringMixin, DeviceCacheMixin):
                 "objects": len(self._objects),
                 "leases": len(self._leases),
                 "creates_in_progress": len(self._pending),
+                "reserved_bytes": self._reserved,  # write reservations not committed yet
                 "dirty": len(self._dirty),
                 **self._counts,
             }
@@ -793,6 +798,8 @@ class ObjectStore(LeaseMixin, BatchMixin, TieringMixin, DeviceCacheMixin):
         self._thread.join()
         with self._lock:
             self._closed = True
+            for owner in list(self._reservations):
+                self._drop_reservation(owner)
             for w in self._waiters.values():
                 w[0].notify_all()
             self._gpu_cond.notify_all()

@@ -126,6 +126,10 @@ class MemoryTier(BlockTier):
                 return list(map(tuple.__new__, repeat(Location), zip(repeat(i), offs, sizes)))
         return None
 
+    def split(self, segment: int, offset: int, first_size: int) -> int | None:
+        """:meth:`OffsetAllocator.split` of a block of segment ``segment`` (used bytes do not change)."""
+        return self._allocators[segment].split(offset, first_size)
+
     def free(self, location: Location) -> None:
         self._used -= self._allocators[location.segment].free(location.offset)
 

@@ -1,0 +1,188 @@
+"""Write reservations: an extent of the DRAM tier held by one writer, who carves new objects from it locally.
+
+A create costs a round trip before its bytes can be written (the worker must say where). A writer that
+holds a reservation knows where: it lays its next objects side by side from the reservation's head,
+writes them, then :meth:`~ReservationMixin.commit` s them, which makes each one a sealed object at the
+place it was written (as ``create`` + ``seal`` would). ``mset_d2h`` starts its DMA at once this way.
+
+The engine keeps, per owner, ``[segment, head, end)``: one allocated block at ``head`` (counted as used
+memory, so eviction watermarks see it; never visible to readers). A commit cuts each item off the head
+(:meth:`~kvstrata.store.allocator.OffsetAllocator.split`), so every object is its own block, freed on its
+own. Items must come in carving order, each at the head: a writer and the engine agree on every offset,
+and a mismatch (a writer's bug, or a lost reply) is refused before anything of that item is used.
+
+Example::
+
+    loc = store.reserve("me", 1 << 20)                   # granted: loc.size bytes at loc.offset
+    store.buffer(Location(loc.segment, loc.offset, 5))[:] = b"hello"
+    assert store.commit("me", [("k", 5, loc.offset)]) == [None]
+    assert store.get_bytes("k") == b"hello"
+
+This is a mixin of :class:`~kvstrata.store.engine.ObjectStore`; every method takes its one metadata lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvstrata.errors import ClosedError, KeyExists, KvstrataError, ProtocolError
+from kvstrata.store.allocator import ALIGNMENT
+from kvstrata.store.config import WriteMode
+from kvstrata.store.objects import ZERO_LOCATION, Entry, check_key, check_size
+from kvstrata.store.tiers.base import Location
+
+#: a reservation holds at most this share of the memory tier
+RESERVE_SHARE = 8
+_MASK = ALIGNMENT - 1
+
+
+class Reservation:
+    """One owner's reserved extent ``[head, end)`` of segment ``segment`` (one allocated block at ``head``)."""
+
+    __slots__ = ("end", "head", "segment")
+
+    def __init__(self, segment: int, head: int, end: int) -> None:
+        self.segment, self.head, self.end = segment, head, end
+
+    @property
+    def remaining(self) -> int:
+        return self.end - self.head
+
+
+class ReservationMixin:
+    """``reserve`` / ``commit`` / ``reservation`` of the engine (see the module docstring)."""
+
+    def reserve(self, owner: object, nbytes: int) -> Location:
+        """Reserve about ``nbytes`` of DRAM for ``owner``'s next objects; the granted extent (its size may be
+        less: at most a segment and 1/RESERVE_SHARE of the tier). Replaces ``owner``'s reservation, whose
+        unused rest is freed; ``nbytes=0`` only drops it. Evicts as a create would; CapacityError when
+        there is no room."""
+        nbytes = check_size(nbytes, "nbytes")
+        cap = min(self._mem.capacity // RESERVE_SHARE, self.config.segment_bytes) & ~_MASK
+        grant = min((nbytes + _MASK) & ~_MASK, cap)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the object store is closed")
+            self._drop_reservation(owner)
+            if grant == 0:
+                return ZERO_LOCATION
+            loc = self._allocate(grant)  # may release the lock to evict
+            self._drop_reservation(owner)  # another thread of this owner reserved meanwhile: last one wins
+            if self._closed:
+                self._mem.free(loc)
+                raise ClosedError("the object store is closed")
+            self._reservations[owner] = Reservation(loc.segment, loc.offset, loc.offset + grant)
+            self._reserved += grant
+            self._counts["reservations"] += 1
+        if self._announced < len(self._mem.segments):
+            self._announce_segments()
+        return loc
+
+    def reservation(self, owner: object) -> Location | None:
+        """What is left of ``owner``'s reservation (size 0 when used up), None when it holds none."""
+        with self._lock:
+            r = self._reservations.get(owner)
+            return None if r is None else Location(r.segment, r.head, r.remaining)
+
+    def commit(
+        self,
+        owner: object,
+        items: Iterable[tuple[str, int, int]],
+        *,
+        ttl: float | None = None,
+        write_mode: WriteMode | str = WriteMode.MEMORY,
+        nx: bool = False,
+    ) -> list[KvstrataError | ValueError | TypeError | None]:
+        """Make each ``(key, size, offset)`` a sealed object at ``offset`` of ``owner``'s reservation, whose
+        bytes the owner wrote there; per item None or the exception.
+
+        Items are cut off the reservation's head in order: an item's ``offset`` must be the head, which then
+        moves past its ``size`` rounded up to ALIGNMENT. An item that breaks this (or has a bad size or
+        offset, or there is no reservation) gets a ProtocolError/ValueError and so does every item after it:
+        none of them is carved. A key refused otherwise (``nx`` and it exists, a bad key, an SSD tier full
+        for a write-through) gets its exception and its piece is freed. Committed objects are as if created
+        and sealed: new versions, waiters woken, TTLs started, written through to SSD where ``write_mode``
+        says so.
+        """
+        items = items if isinstance(items, list) else list(items)
+        n = len(items)
+        out: list = [None] * n
+        try:
+            mode, ttl_s = self._check_write("_", 0, ttl, write_mode)  # the batch's options, checked once
+        except (KvstrataError, ValueError, TypeError) as exc:
+            return [exc] * n
+        slow: list[tuple[int, Entry]] = []
+        with self._lock:
+            if self._closed:
+                return [ClosedError("the object store is closed")] * n
+            r = self._reservations.get(owner)
+            objects, creating, mem, versions = self._objects, self._creating, self._mem, self._versions
+            for i, item in enumerate(items):
+                try:
+                    key, size, offset = _carving(item, i, r)
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    out[i] = exc
+                    for j in range(i + 1, n):
+                        out[j] = ProtocolError(f"items[{j}]: not committed: items[{i}] before it was refused")
+                    break
+                if size:
+                    rounded = (size + _MASK) & ~_MASK
+                    if rounded < r.remaining:
+                        mem.split(r.segment, offset, rounded)  # the rest stays the reservation's block
+                    loc = Location(r.segment, offset, size)
+                    r.head += rounded
+                    self._reserved -= rounded
+                else:
+                    loc = ZERO_LOCATION
+                try:
+                    check_key(key, f"items[{i}]")
+                    if nx and (key in creating or (key in objects and self._lookup(key) is not None)):
+                        raise KeyExists(f"key {key!r} already exists")
+                except (KvstrataError, ValueError, TypeError) as exc:
+                    out[i] = exc
+                    if size:
+                        mem.free(loc)
+                    continue
+                e = Entry(key, size, loc, mode, next(versions), owner)
+                if ttl_s:
+                    e.ttl = ttl_s
+                self._counts["carved"] += 1
+                if mode is WriteMode.WRITE_THROUGH:
+                    creating[key] = creating.get(key, 0) + 1  # an nx write meanwhile must see it; _finish undoes
+                    slow.append((i, e))
+                    continue
+                self._seal_locked(e, None, mutable=False)
+        for i, e in slow:  # the SSD write happens outside the lock, as in seal
+            try:
+                self._finish(e, mutable=False)
+            except (KvstrataError, ValueError, TypeError) as exc:
+                out[i] = exc
+        return out
+
+    def _drop_reservation(self, owner: object) -> None:
+        """Free the unused rest of ``owner``'s reservation (under the lock)."""
+        r = self._reservations.pop(owner, None)
+        if r is not None and r.remaining:
+            self._mem.free(Location(r.segment, r.head, r.remaining))
+            self._reserved -= r.remaining
+
+
+def _carving(item: object, i: int, r: Reservation | None) -> tuple[object, int, int]:
+    """``(key, size, offset)`` of item ``i``, checked against the reservation's head and end."""
+    if type(item) not in (list, tuple) or len(item) != 3:
+        raise TypeError(f"items[{i}]: expected a (key, size, offset) triple, got {item!r:.80}")
+    key, size, offset = item
+    check_size(size, f"items[{i}].size")
+    check_size(offset, f"items[{i}].offset")
+    if r is None:
+        raise ProtocolError(f"items[{i}]: this client holds no write reservation (reserve first)")
+    if offset != r.head:
+        raise ProtocolError(
+            f"items[{i}]: offset {offset} is not the reservation's head {r.head} (items are carved in order)"
+        )
+    if (size + _MASK) & ~_MASK > r.remaining:
+        raise ProtocolError(f"items[{i}]: {size} bytes from {offset} run past the reservation's end {r.end}")
+    return key, size, offset
+
+
+__all__ = ["RESERVE_SHARE", "Reservation", "ReservationMixin"]

@@ -1,0 +1,390 @@
+"""Write reservations: the allocator's split, the engine's reserve/commit, the worker's handlers, and
+``mset_d2h`` laying its objects out in the client's reservation (CPU tensors: the same planning, carving
+and requests as CUDA ones)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import kvstrata
+from _stages import stages_of
+from kv_helpers import client_for, worker_config
+from kvstrata.client import device
+from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
+from kvstrata.server import Worker
+from kvstrata.store import ObjectStore, StoreConfig
+from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
+from kvstrata.store.tiers.base import Location
+
+MEMORY = 64 << 20
+SEGMENT = 16 << 20
+
+
+def _store(memory=4 << 20, segment=1 << 20):
+    return ObjectStore(
+        StoreConfig(memory_bytes=memory, segment_bytes=segment, numa_node=None, hugepages="off", disk_bytes=0)
+    )
+
+
+def _used(store):
+    return store.stats()["tiers"]["memory"]["used"]
+
+
+# ------------------------------------------------------------------------------------ allocator split
+def test_split_makes_two_blocks_freed_on_their_own():
+    a = OffsetAllocator(1 << 20)
+    off = a.allocate(4096)
+    assert a.split(off, 100) == off + 128  # rounded up to ALIGNMENT
+    assert a.block_size(off) == 128 and a.block_size(off + 128) == 4096 - 128
+    assert a.used_bytes == 4096  # nothing freed or added by a split
+    a.free(off + 128)
+    assert a.used_bytes == 128
+    assert a.allocate(4096 - 128) == off + 128  # the freed tail is reusable on its own
+    a.free(off)
+    a.free(off + 128)
+    assert a.used_bytes == 0 and a.largest_free == a.capacity  # all coalesced back
+
+
+def test_split_of_the_whole_block_or_bad_arguments():
+    a = OffsetAllocator(1 << 20)
+    off = a.allocate(256)
+    assert a.split(off, 200) is None and a.block_size(off) == 256  # the whole block: nothing to cut
+    for bad, match in ((0, "first_size"), (-1, "first_size"), (257, "first_size"), (True, "first_size")):
+        with pytest.raises(ValueError, match=match):
+            a.split(off, bad)
+    with pytest.raises(ValueError, match="offset"):
+        a.split(off + 64, 64)  # not a block's start
+    assert a.block_size(off) == 256
+
+
+# ------------------------------------------------------------------------------------ engine
+def test_carve_and_commit_makes_sealed_objects_at_their_places():
+    with _store() as s:
+        loc = s.reserve("me", 1 << 16)
+        assert loc.size == 1 << 16 and s.stats()["reserved_bytes"] == 1 << 16 and _used(s) == 1 << 16
+        assert s.exists(["a"]) == [False]  # a reservation is never visible
+        head = loc.offset
+        items = []
+        for key, value in (("a", b"hello"), ("e", b""), ("b", bytes(range(200)))):
+            s.buffer(Location(loc.segment, head, len(value)))[:] = value
+            items.append((key, len(value), head))
+            head += -(-len(value) // ALIGNMENT) * ALIGNMENT
+        assert s.commit("me", items) == [None, None, None]
+        assert s.get_bytes("a") == b"hello" and s.get_bytes("e") == b"" and s.get_bytes("b") == bytes(range(200))
+        left = s.reservation("me")
+        assert left == Location(loc.segment, head, loc.offset + loc.size - head)
+        assert s.stats()["reserved_bytes"] == left.size and s.stats()["carved"] == 3
+        s.delete(["a", "b", "e"])  # each object is its own block
+        assert _used(s) == left.size
+        s.release_owner("me")
+        assert _used(s) == 0 and s.stats()["reserved_bytes"] == 0 and s.reservation("me") is None
+
+
+def test_refused_key_frees_its_piece_and_the_others_stand():
+    with _store() as s:
+        s.put("old", b"first")
+        loc = s.reserve("me", 4096)
+        items = [("new1", 64, loc.offset), ("old", 64, loc.offset + 64), ("", 10, loc.offset + 128)]
+        items.append(("new2", 64, loc.offset + 192))
+        res = s.commit("me", items, nx=True)
+        assert res[0] is None and isinstance(res[1], KeyExists) and isinstance(res[2], ValueError) and res[3] is None
+        assert s.get_bytes("old") == b"first"
+        # the refused pieces went back: used = old's 64 + two objects + the reservation's rest
+        assert _used(s) == 64 + 2 * 64 + (4096 - 256)
+        assert s.reservation("me").offset == loc.offset + 256  # the head moved past every carved piece
+
+
+def test_offset_mismatch_is_refused_from_that_item_on_and_nothing_is_carved():
+    with _store() as s:
+        loc = s.reserve("me", 4096)
+        res = s.commit("me", [("a", 10, loc.offset), ("b", 10, loc.offset + 128), ("c", 10, loc.offset + 64)])
+        assert res[0] is None and isinstance(res[1], ProtocolError) and "head" in str(res[1])
+        assert isinstance(res[2], ProtocolError) and "items[1]" in str(res[2])
+        assert s.exists(["a", "b", "c"]) == [True, False, False]
+        assert s.reservation("me").offset == loc.offset + 64
+        for bad in ([("x", 8192, loc.offset + 64)], [("x", -1, loc.offset + 64)], [("x", 1)], ["x"]):
+            (r,) = s.commit("me", bad)
+            assert isinstance(r, (ProtocolError, ValueError, TypeError)), bad
+        assert s.reservation("me").offset == loc.offset + 64  # still where it was
+        (r,) = s.commit("nobody", [("x", 1, 0)])
+        assert isinstance(r, ProtocolError) and "no write reservation" in str(r)
+        assert s.commit("me", [("x", 1, loc.offset + 64)]) == [None]
+
+
+def test_a_new_reservation_replaces_the_old_and_frees_its_rest():
+    with _store() as s:
+        first = s.reserve("me", 8192)
+        assert s.commit("me", [("a", 100, first.offset)]) == [None]
+        second = s.reserve("me", 4096)
+        assert s.stats()["reserved_bytes"] == 4096 and _used(s) == 128 + 4096  # a's block stays, the old rest went
+        assert s.reservation("me") == second  # the freed rest may be what it reuses
+        assert s.commit("me", [("b", 10, second.offset)]) == [None]
+        s.reserve("me", 0)  # only drops it
+        assert s.reservation("me") is None and s.stats()["reserved_bytes"] == 0 and s.stats()["reservations"] == 2
+
+
+def test_a_reservation_is_capped_and_one_larger_than_free_memory_is_refused():
+    with _store(memory=4 << 20, segment=1 << 20) as s:
+        loc = s.reserve("me", 1 << 30)
+        assert loc.size == (4 << 20) // 8  # capped: at most a segment and an eighth of the tier
+        for i in range(3):
+            s.reserve(f"o{i}", 1 << 20)  # other owners' reservations may not be evicted
+        for i in range(4):  # one beside each reservation: no segment has room for another one
+            s.put(f"leased{i}", b"x" * (400 << 10))
+            s.acquire(f"leased{i}", owner="reader")  # leased: not evictable either
+        with pytest.raises(CapacityError, match="no room"):
+            s.reserve("late", 1 << 20)
+        assert s.reservation("late") is None
+
+
+def test_commit_seals_like_create_waiters_ttl_and_write_through(tmp_path):
+    config = StoreConfig(
+        memory_bytes=4 << 20, segment_bytes=1 << 20, numa_node=None, hugepages="off",
+        disk_dir=str(tmp_path / "ssd"), disk_bytes=16 << 20,
+    )  # fmt: skip
+    with ObjectStore(config) as s:
+        loc = s.reserve("me", 4096)
+        s.buffer(Location(loc.segment, loc.offset, 3))[:] = b"abc"
+        import threading
+
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(s.get_bytes("w", timeout=10)))
+        waiter.start()
+        time.sleep(0.05)
+        assert s.commit("me", [("w", 3, loc.offset)], ttl=60, write_mode="write_through") == [None]
+        waiter.join(10)
+        assert got == [b"abc"]
+        assert s._objects["w"].on_disk and s._objects["w"].expires > time.monotonic()
+    with ObjectStore(config) as s:  # written through: there after a restart
+        assert s.get_bytes("w") == b"abc"
+
+
+# ------------------------------------------------------------------------------------ worker
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    config = worker_config(tmp_path_factory.mktemp("resv-worker"), memory=MEMORY, segment=SEGMENT)
+    with Worker(config).start() as w:
+        yield w
+
+
+@pytest.fixture(params=["embedded", "unix"])
+def kv(request, worker):
+    client = client_for(request.param, worker, memory=MEMORY, segment=SEGMENT)
+    yield client
+    client.close()
+
+
+def _lists(n, sizes=(1000, 24, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 255, (s,), generator=g, dtype=torch.uint8) for s in sizes] for _ in range(n)]
+
+
+def _poisoned(lists):
+    return [[torch.full_like(t, 0xAB) for t in ts] for ts in lists]
+
+
+def test_handlers_reserve_commit_and_bad_input_keep_the_worker_serving(worker):
+    with kvstrata.connect(worker.address) as kv:
+        b = kv._backend
+        opts = {"ttl": None, "nx": True, "mode": "memory"}
+        kv.delete(["h/a", "h/b"])
+        loc = b.reserve_finish(b.reserve_start(1 << 20))
+        assert loc.size == 1 << 20
+        b.view(type(loc)(loc.segment, loc.offset, 4))[:] = b"data"
+        res, head = b.commit_finish(b.commit_start([("h/a", 4, loc.offset)], opts))
+        assert res == [None] and head == loc.offset + 64 and kv.get("h/a") == b"data"
+        res, head = b.commit_finish(b.commit_start([("h/b", 4, loc.offset)], opts))  # not the head any more
+        assert isinstance(res[0], ProtocolError) and head == loc.offset + 64
+        for bad in ({"op": "commit", "items": "nope"}, {"op": "reserve", "size": -1}, {"op": "reserve", "size": "x"}):
+            with pytest.raises((KvstrataError, ValueError, TypeError)):
+                b.request(bad)
+        res, _ = b.commit_finish(b.commit_start([["h/b", "4", 0], ["h/c"]], opts))
+        assert all(isinstance(r, (TypeError, ValueError, ProtocolError)) for r in res)
+        assert kv.exists(["h/a", "h/b"]) == [True, False] and kv.get("h/a") == b"data"
+        kv.delete(["h/a"])
+
+
+_HOLDER = """
+import sys, time, kvstrata
+kv = kvstrata.connect(sys.argv[1])
+b = kv._backend
+loc = b.reserve_finish(b.reserve_start(1 << 20))
+open(sys.argv[2], "w").write(str(loc.size))
+time.sleep(60)
+"""
+
+
+def test_a_client_killed_with_a_reservation_gives_it_back(worker, tmp_path):
+    ready = tmp_path / "ready"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath("src"), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, worker.address, str(ready)], env=env)
+    try:
+        with kvstrata.connect(worker.address) as kv:
+            deadline = time.monotonic() + 30
+            while not ready.exists() or not ready.read_text():
+                assert time.monotonic() < deadline and child.poll() is None, "holder never got its reservation"
+                time.sleep(0.02)
+            assert kv.stats()["reserved_bytes"] >= 1 << 20
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+            deadline = time.monotonic() + 10
+            while kv.stats()["clients"] > 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert kv.stats()["reserved_bytes"] == 0  # (this client holds none: it made no device call)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+# ------------------------------------------------------------------------------------ mset_d2h
+def _count_calls(monkeypatch, backend):
+    calls = []
+    for name in ("mcreate", "mseal", "commit", "reserve"):
+        real = getattr(backend, f"{name}_start")
+        monkeypatch.setattr(backend, f"{name}_start", lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    return calls
+
+
+def test_mset_d2h_lays_later_calls_out_in_the_reservation(kv, monkeypatch):
+    monkeypatch.setattr(device, "stages", stages_of(3))
+    calls = _count_calls(monkeypatch, kv._backend)
+    srcs = [_lists(7, sizes=(70000, 5, 1000), seed=r) for r in range(3)]
+    keys = [[f"rv/{r}/{i}" for i in range(7)] for r in range(3)]
+    kv.delete([k for ks in keys for k in ks])
+    assert kv.mset_d2h(keys[0], srcs[0]) == [None] * 7
+    assert calls == ["mcreate"] * 3 + ["mseal"] * 3 + ["reserve"]  # the first call ever asks for one
+    carved = kv.stats()["carved"]
+    for r in (1, 2):
+        calls.clear()
+        assert kv.mset_d2h(keys[r], srcs[r]) == [None] * 7
+        assert calls == ["commit"] * 3  # no create, no seal, no refill: the reservation holds it
+    assert kv.stats()["carved"] == carved + 14
+    for r in range(3):
+        dst = _poisoned(srcs[r])
+        assert kv.mget_h2d(keys[r], dst) == [None] * 7
+        assert all(torch.equal(a, b) for s, d in zip(srcs[r], dst) for a, b in zip(s, d))
+        assert kv.get(keys[r][4]) == b"".join(t.numpy().tobytes() for t in srcs[r][4])
+    res = kv.mset_d2h([*keys[1][:2], "rv/new"], _lists(3, seed=9))  # write-once, the reserved way too
+    assert isinstance(res[0], KeyExists) and isinstance(res[1], KeyExists) and res[2] is None
+    dst = _poisoned(srcs[1][:2])
+    assert kv.mget_h2d(keys[1][:2], dst) == [None, None]
+    assert all(torch.equal(a, b) for s, d in zip(srcs[1][:2], dst) for a, b in zip(s, d))
+    assert kv.stats()["creates_in_progress"] == 0
+    kv.delete([k for ks in keys for k in ks] + ["rv/new"])
+
+
+def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(kv, monkeypatch):
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    keys = [f"rv-bad/{i}" for i in range(6)]
+    kv.delete(keys)
+    assert kv.mset_d2h(["rv-bad/warm"], _lists(1)) == [None]  # now a reservation is held
+    reserved = kv.stats()["reserved_bytes"]
+    assert reserved > 0
+    lists = _lists(6)
+    lists[3] = [torch.zeros(4, 4).t()]  # the second stage's: the first stage is laid out and copied by then
+    with pytest.raises(ValueError, match=r"tensor_lists\[3\]\[0\]"):
+        kv.mset_d2h(keys, lists)
+    assert kv.exists(keys) == [False] * 6 and kv.stats()["reserved_bytes"] == reserved
+    calls = _count_calls(monkeypatch, kv._backend)
+    src = _lists(6, seed=3)
+    assert kv.mset_d2h(keys, src) == [None] * 6
+    assert calls == ["commit"] * 3  # the rewound head: the worker agrees, nothing refused
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 6
+    assert all(torch.equal(a, b) for s, d in zip(src, dst) for a, b in zip(s, d))
+    kv.delete([*keys, "rv-bad/warm"])
+
+
+def test_a_failed_copy_in_a_reserved_stage_leaves_nothing_behind(kv, monkeypatch):
+    keys = ["rv-fail/a", "rv-fail/b"]
+    kv.delete(keys)
+    kv.mset_d2h(["rv-fail/warm"], _lists(1))
+    monkeypatch.setattr(device, "enqueue", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("simulated")))
+    with pytest.raises(RuntimeError, match="simulated"):
+        kv.mset_d2h(keys, _lists(2))
+    monkeypatch.undo()
+    assert kv.exists(keys) == [False, False] and kv.stats()["creates_in_progress"] == 0
+    assert kv.mset_d2h(keys, _lists(2)) == [None, None]
+    kv.delete([*keys, "rv-fail/warm"])
+
+
+def test_a_call_larger_than_the_rest_mixes_reserved_and_created_stages(kv, monkeypatch):
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    kv.mset_d2h(["rv-mix/warm"], _lists(1))  # asks for a reservation
+    kv.mset_d2h(["rv-mix/warm2"], _lists(1))  # takes it
+    rest = kv._reservation.remaining
+    size = rest // 3 + 1  # two keys fit, the third one's stage does not
+    keys = [f"rv-mix/{i}" for i in range(4)]
+    kv.delete(keys)
+    calls = _count_calls(monkeypatch, kv._backend)
+    src = [[torch.full((size,), i, dtype=torch.uint8)] for i in range(4)]
+    assert kv.mset_d2h(keys, src) == [None] * 4
+    assert calls == ["mcreate", "commit", "mseal", "reserve"]  # the first stage laid out, the second created
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 4
+    assert all(torch.equal(s[0], d[0]) for s, d in zip(src, dst))
+    kv.delete([*keys, "rv-mix/warm", "rv-mix/warm2"])
+
+
+def test_reservations_off_and_concurrent_calls_take_the_create_path(worker, monkeypatch):
+    with kvstrata.connect(worker.address, reserve_bytes=0) as kv:
+        calls = _count_calls(monkeypatch, kv._backend)
+        for r in range(2):
+            assert kv.mset_d2h([f"rv-off/{r}"], _lists(1)) == [None]
+        assert "reserve" not in calls and "commit" not in calls and kv.stats()["reserved_bytes"] == 0
+        kv.delete(["rv-off/0", "rv-off/1"])
+    with pytest.raises(ValueError, match="reserve_bytes"):
+        kvstrata.connect(worker.address, reserve_bytes=-1)
+    with kvstrata.connect(worker.address) as kv:
+        kv.mset_d2h(["rv-conc/warm"], _lists(1))
+        futs = [kv.async_mset_d2h([f"rv-conc/{t}/{i}" for i in range(5)], _lists(5, seed=t)) for t in range(6)]
+        assert all(f.result(60) == [None] * 5 for f in futs)
+        for t in range(6):
+            dst = _poisoned(_lists(5, seed=t))
+            assert kv.mget_h2d([f"rv-conc/{t}/{i}" for i in range(5)], dst) == [None] * 5
+            assert all(torch.equal(a, b) for s, d in zip(_lists(5, seed=t), dst) for a, b in zip(s, d))
+        assert kv.stats()["creates_in_progress"] == 0
+        kv.delete([f"rv-conc/{t}/{i}" for t in range(6) for i in range(5)] + ["rv-conc/warm"])
+
+
+@pytest.mark.gpu
+def test_cuda_mset_d2h_takes_the_reserved_path_exact_with_key_exists(kv, monkeypatch):
+    """24 x 256 KiB from the GPU: two stages (4 + 2 MiB), laid out in the reservation from the second call
+    on, copied on the client's copy stream and committed once each stage's event completed."""
+    n = 24
+    calls = _count_calls(monkeypatch, kv._backend)
+    srcs = [
+        [[torch.randint(0, 255, (256 << 10,), dtype=torch.uint8, device="cuda")] for _ in range(n)] for _ in range(3)
+    ]
+    keys = [[f"gpu-rv/{r}/{i}" for i in range(n)] for r in range(3)]
+    kv.delete([k for ks in keys for k in ks])
+    assert len(list(device.stages(n, srcs[0]))) == 2
+    assert kv.mset_d2h(keys[0], srcs[0]) == [None] * n
+    for r in (1, 2):
+        calls.clear()
+        if r == 2:
+            assert kv.mset_d2h([keys[2][n - 1]], [srcs[0][0]]) == [None]  # already there in the tail
+            calls.clear()
+        res = kv.mset_d2h(keys[r], srcs[r])
+        assert "mcreate" not in calls and calls.count("commit") == 2
+        if r == 2:
+            assert isinstance(res[n - 1], KeyExists) and res[: n - 1] == [None] * (n - 1)
+        else:
+            assert res == [None] * n
+    for r in range(3):
+        dst = [[torch.full_like(t, 0xAB) for t in ts] for ts in srcs[r]]
+        assert kv.mget_h2d(keys[r], dst) == [None] * n
+        torch.cuda.synchronize()
+        for i in range(n):
+            want = srcs[0][0] if (r, i) == (2, n - 1) else srcs[r][i]
+            assert torch.equal(want[0], dst[i][0])
+    assert kv.stats()["creates_in_progress"] == 0
+    kv.delete([k for ks in keys for k in ks])
