@@ -144,6 +144,19 @@ def test_a_reservation_is_capped_and_one_larger_than_free_memory_is_refused():
         assert s.reservation("late") is None
 
 
+def test_all_reservations_together_hold_at_most_half_the_tier():
+    with _store(memory=4 << 20, segment=1 << 20) as s:
+        for i in range(4):
+            assert s.reserve(f"w{i}", 1 << 20).size == 512 << 10  # an eighth each: half the tier in all
+        with pytest.raises(CapacityError, match="reservations hold 1/2 of the memory tier"):
+            s.reserve("w4", 4096)
+        assert s.reservation("w4") is None
+        s.reserve("w0", 4096)  # w0's replaced: its rest is room again
+        assert s.reserve("w4", 1 << 20).size == (512 << 10) - 4096
+        assert s.stats()["reserved_bytes"] == 2 << 20
+        s.put("obj", b"x" * (1 << 20))  # the other half stays for objects
+
+
 def test_commit_seals_like_create_waiters_ttl_and_write_through(tmp_path):
     config = StoreConfig(
         memory_bytes=4 << 20, segment_bytes=1 << 20, numa_node=None, hugepages="off",

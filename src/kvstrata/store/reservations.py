@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvstrata.errors import ClosedError, KeyExists, KvstrataError, ProtocolError
+from kvstrata.errors import CapacityError, ClosedError, KeyExists, KvstrataError, ProtocolError
 from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import ZERO_LOCATION, Entry, check_key, check_size
@@ -33,6 +33,9 @@ from kvstrata.store.tiers.base import Location
 
 #: a reservation holds at most this share of the memory tier
 RESERVE_SHARE = 8
+#: all reservations together hold at most this share of it: the rest stays for objects, whatever the
+#: number of writers (a reservation cannot be evicted)
+RESERVED_TOTAL_SHARE = 2
 _MASK = ALIGNMENT - 1
 
 
@@ -54,7 +57,8 @@ class ReservationMixin:
 
     def reserve(self, owner: object, nbytes: int) -> Location:
         """Reserve about ``nbytes`` of DRAM for ``owner``'s next objects; the granted extent (its size may be
-        less: at most a segment and 1/RESERVE_SHARE of the tier). Replaces ``owner``'s reservation, whose
+        less: at most a segment and 1/RESERVE_SHARE of the tier, and all owners' reservations together at most
+        1/RESERVED_TOTAL_SHARE of it). Replaces ``owner``'s reservation, whose
         unused rest is freed; ``nbytes=0`` only drops it. Evicts as a create would; CapacityError when
         there is no room."""
         nbytes = check_size(nbytes, "nbytes")
@@ -66,6 +70,13 @@ class ReservationMixin:
             self._drop_reservation(owner)
             if grant == 0:
                 return ZERO_LOCATION
+            room = (self._mem.capacity // RESERVED_TOTAL_SHARE - self._reserved) & ~_MASK
+            if room <= 0:
+                raise CapacityError(
+                    f"no room for a write reservation: reservations hold 1/{RESERVED_TOTAL_SHARE} of the memory "
+                    "tier already"
+                )
+            grant = min(grant, room)
             loc = self._allocate(grant)  # may release the lock to evict
             self._drop_reservation(owner)  # another thread of this owner reserved meanwhile: last one wins
             if self._closed:
@@ -185,4 +196,4 @@ def _carving(item: object, i: int, r: Reservation | None) -> tuple[object, int, 
     return key, size, offset
 
 
-__all__ = ["RESERVE_SHARE", "Reservation", "ReservationMixin"]
+__all__ = ["RESERVED_TOTAL_SHARE", "RESERVE_SHARE", "Reservation", "ReservationMixin"]
