@@ -33,11 +33,11 @@ import torch
 
 from kvstrata import errors
 from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
-from kvstrata.devobj._core import PidWatch
+from kvstrata.devobj._core import PidWatch, specs_of
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.broadcast import BroadcastReceiver
-from kvstrata.devobj.debug import configure_from_env, trace, wait_event
+from kvstrata.devobj.debug import brief, configure_from_env, trace, wait_event
 from kvstrata.devobj.futures import SpinFuture
 from kvstrata.devobj.ipc import (
     EventPool,
@@ -45,7 +45,6 @@ from kvstrata.devobj.ipc import (
     StreamSet,
     dtype_name,
     export_tensor,
-    spec,
 )
 from kvstrata.devobj.link import (
     BrokerLink,
@@ -68,15 +67,6 @@ os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 MAX_CACHED_RECORDS = 1 << 16
 
 
-def _brief(d: dict[str, Any]) -> dict[str, Any]:
-    """An event or result without its bulky parts (records, exported handles), for debug logs."""
-    out = {k: v for k, v in d.items() if k not in ("transfer", "pred", "uid")}
-    t = d.get("transfer")
-    if t:
-        out["transfer"] = {k: t.get(k) for k in ("tid", "kind", "path", "src", "dst", "position")}
-    return out
-
-
 def widen(
     t: dict[str, Any], r: dict[str, Any], reply: dict[str, Any], kind: str, me: str, specs: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -92,24 +82,6 @@ def widen(
     t["kind"], t["path"] = kind, reply["paths"][i]
     t["wid"], t["key"], t["src"], t["dst"] = r["wid"], r["key"], s["owner"], me
     return t
-
-
-_SPECS: dict[tuple[torch.Size, torch.dtype], list[dict[str, Any]]] = {}
-
-
-def specs_of(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-    """The specs of a key's tensors; for one tensor, one list per (shape, dtype) kept for reuse (built once,
-    never changed: a many-key call allocates nothing here)."""
-    if len(tensors) != 1:
-        return [spec(t) for t in tensors]
-    t = tensors[0]
-    sig = (t.shape, t.dtype)
-    got = _SPECS.get(sig)
-    if got is None:
-        if len(_SPECS) >= 4096:  # many shapes: start over rather than grow without bound
-            _SPECS.clear()
-        got = _SPECS[sig] = [spec(t)]
-    return got
 
 
 def _same_specs(have: list[dict[str, Any]], tensors: list[torch.Tensor]) -> bool:
@@ -610,7 +582,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         me = getattr(self.link, "client_id", "")
         trace(f"{op}: broker replied")
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("devobj: %s %s -> %s", op, keys[:8], [_brief(r) for r in results[:8]])
+            log.debug("devobj: %s %s -> %s", op, keys[:8], [brief(r) for r in results[:8]])
         batch = []
         for i, (want, r) in enumerate(zip(wants, results)):
             status = r["status"]
@@ -775,7 +747,7 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
             for ev in r["events"]:
                 trace(f"event {ev.get('type')}")
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("devobj: event %s", _brief(ev))
+                    log.debug("devobj: event %s", brief(ev))
                 try:
                     self._dispatch(ev)
                 except Exception:  # one bad event must not stop the others
