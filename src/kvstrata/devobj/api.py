@@ -19,32 +19,28 @@ Example (two processes on one node, through a worker)::
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvstrata import errors
-from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
 from kvstrata.devobj._core import PidWatch, specs_of
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj.broadcast import BroadcastReceiver
-from kvstrata.devobj.debug import brief, configure_from_env, trace, wait_event
+from kvstrata.devobj.debug import brief, configure_from_env, trace
 from kvstrata.devobj.futures import SpinFuture
 from kvstrata.devobj.ipc import (
     EventPool,
     ImportCache,
     StreamSet,
     dtype_name,
-    export_tensor,
 )
 from kvstrata.devobj.link import (
     BrokerLink,
@@ -54,14 +50,11 @@ from kvstrata.devobj.link import (
     check_tensor_lists,
     error_from,
 )
+from kvstrata.devobj.publish import Publisher, _Owned
 from kvstrata.devobj.receive import CopyReceiver
 from kvstrata.ops import current_stream
 
 log = logging.getLogger(__name__)
-_TOKENS = itertools.count(1)
-_PID = [os.getpid()]  # this process's id, read per published key (reset in a forked child)
-os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
-
 
 #: records of keys read before, kept for reads with no broker round trip (see _receive)
 MAX_CACHED_RECORDS = 1 << 16
@@ -90,28 +83,7 @@ def _same_specs(have: list[dict[str, Any]], tensors: list[torch.Tensor]) -> bool
     return all(sp["shape"] == list(t.shape) and sp["dtype"] == dtype_name(t.dtype) for sp, t in zip(have, tensors))
 
 
-@dataclass
-class _SharedEvent:
-    """The ready event of one publish/mset call, shared by its keys."""
-
-    event: Any
-    refs: int = 0
-
-
-@dataclass
-class _Owned:
-    """A published / registered / broadcast object: kept alive until the broker releases it."""
-
-    key: str
-    mode: str
-    tensors: list[torch.Tensor]
-    events: list[Any]
-    token: str
-    future: Future | None
-    shared: _SharedEvent | None = None
-
-
-class DeviceObjects(BroadcastReceiver, CopyReceiver):
+class DeviceObjects(Publisher, BroadcastReceiver, CopyReceiver):
     """Device-object operations of one client (one GPU). Thread-safe; ``close()`` when done."""
 
     def __init__(
@@ -345,106 +317,6 @@ class DeviceObjects(BroadcastReceiver, CopyReceiver):
         if self._closed:
             raise errors.ClosedError("device-object client closed")
         return check_tensor_lists(keys, tensor_lists, self.device, allow_cpu=self.config.allow_cpu)
-
-    # -- writers ----------------------------------------------------------------------------------
-    def _ready_event(self) -> tuple[_SharedEvent | None, list[bytes]]:
-        """One event per call, recorded on the caller's stream and waited for on the host here, so an
-        object is registered only once its bytes are complete.
-
-        Why the host waits instead of handing readers an interprocess event: on the 2xH200 machine
-        (torch 2.11, driver 580, 2026-11-29) a reader's ``cudaStreamWaitEvent`` on an opened IPC
-        event crashed the reader (SIGSEGV), through torch's ``Event.from_ipc_handle`` and through
-        ``cudaIpcOpenEventHandle`` alike. Records therefore carry no events (``events: []``).
-        """
-        if not self._cuda:
-            return None, []
-        stream = current_stream(self.device.index)  # by raw handle: ~5 us less than torch's lookup on the H200 host
-        if stream.query():  # cudaStreamQuery: all its work is complete already; no event to record or wait for
-            return _SharedEvent(None), []
-        ev = self._events.get(self.device.index)
-        ev.record(stream)
-        try:
-            wait_event(ev, self.config.copy_timeout, "publish: the caller's stream reaching the publish point")
-        except BaseException:
-            self._events.put([ev], self.device.index)
-            raise
-        return _SharedEvent(ev), []
-
-    def _export(self, key: str, tensors: list[torch.Tensor], mode: str, ready: tuple) -> tuple[dict[str, Any], _Owned]:
-        """The broker's item for one key and what keeps it alive here. Every nested part of the item (specs,
-        exports, device) is a cached dict shared with other items: records are read and packed, never changed."""
-        shared, ev_handles = ready
-        events, handles = [], []
-        if shared is not None:
-            shared.refs += 1
-            events = [shared.event] if shared.event is not None else []
-            if self.config.transport != "nccl" or mode == "broadcast":  # chains always pull over IPC
-                handles = [export_tensor(t) for t in tensors]
-        token = f"t{next(_TOKENS)}"  # names the export in this process only (LOCAL_EXPORTS; records carry the pid)
-        _LOCAL[token] = (tensors, events)
-        item = {
-            "key": key,
-            "tensors": specs_of(tensors),
-            "handles": handles,
-            "events": ev_handles,
-            "device": self._device_record(),
-            "node_id": self.config.node_id,
-            "pid": _PID[0],
-            "local": token,
-            "transport": self.config.transport,
-        }
-        return item, _Owned(key, mode, tensors, events, token, Future(), shared)
-
-    def _register(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], **extra: Any) -> list[Future]:
-        trace(f"{op} {len(keys)} keys: call")
-        ready = self._ready_event()
-        trace(f"{op}: stream reached the publish point")
-        exported = [self._export(k, ts, op, ready) for k, ts in zip(keys, lists)]
-        trace(f"{op}: exported")
-        try:
-            if op == "broadcast":
-                item = dict(exported[0][0], **extra)
-                results = self._call("broadcast", {"item": item})["results"]
-            else:
-                results = self._call(op, {"items": [e[0] for e in exported]})["results"]
-        except BaseException:
-            for _, owned in exported:
-                self._free(owned)
-            raise
-        trace(f"{op}: broker replied")
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("devobj: %s %s -> %s", op, keys[:8], results[:8])
-        futures = []
-        for (_, owned), r in zip(exported, results):
-            if not r.get("ok"):
-                self._free(owned)
-                _settle(owned.future, error_from(r.get("error"), r.get("message", "")))
-            else:
-                with self._lock:
-                    self._owned[r["obj"]] = owned
-                    early = self._early.pop(("obj", r["obj"]), [])
-                for ev in early:
-                    self._dispatch(ev)
-            futures.append(owned.future)
-        return futures
-
-    def _free(self, owned: _Owned) -> None:
-        _LOCAL.pop(owned.token, None)
-        shared, owned.shared = owned.shared, None
-        if shared is not None:
-            with self._lock:
-                shared.refs -= 1
-                last = shared.refs == 0
-            if last and shared.event is not None:  # every key of its call is released: the event can serve another
-                self._events.put([shared.event], self.device.index)
-
-    def _release(self, obj: int, exc: BaseException | None = None) -> None:
-        with self._lock:
-            owned = self._owned.pop(obj, None)
-        if owned is not None:
-            self._free(owned)
-            if owned.future is not None:
-                _settle(owned.future, exc if owned.mode != "mset" else None)
 
     # -- readers ----------------------------------------------------------------------------------
     def _receive(self, op: str, keys: list[str], lists: list[list[torch.Tensor]], timeout: float | None):
