@@ -9,7 +9,16 @@ import msgpack
 import pytest
 import torch
 
-from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink, _core, api, ipc, service
+from kvstrata.devobj import (
+    DeviceBroker,
+    DeviceObjectConfig,
+    DeviceObjects,
+    InprocBrokerLink,
+    _core,
+    ipc,
+    request,
+    service,
+)
 from kvstrata.devobj import broker as B
 
 SPEC = [{"shape": [4, 8], "dtype": "float16", "nbytes": 64}]
@@ -60,7 +69,7 @@ def test_lean_reply_widens_to_the_full_transfer(broker, op, mode):
         lean = r["transfer"]
         assert set(lean) == {"tid", "s", "record"}
         assert not set(lean["record"]) & {"key", "tensors", "events", *B.SHARED_FIELDS}
-        got.append(api.widen(lean, r, reply, "sub" if op == "subscribe" else "get", "sub", SPEC))
+        got.append(request.widen(lean, r, reply, "sub" if op == "subscribe" else "get", "sub", SPEC))
     if op == "subscribe":  # one-shot objects were claimed: publish them again for the whole answer
         for t in got:
             broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})

@@ -44,7 +44,7 @@ the handshake). It is bumped, under the broker's lock and *before* the reply, wh
 (``mset``) object stops being readable: ``delete`` of it, and its owner going away. A reader that
 learned a record while the page said G may copy from it again without asking the broker, as long as
 the page still says G *after* its copy has finished (a seqlock, see
-``kvstrata.devobj.api.DeviceObjects._receive``). This is safe because an owner only writes or frees
+``kvstrata.devobj.request.Requester._receive``). This is safe because an owner only writes or frees
 registered memory after ``delete`` has answered (write-once objects), i.e. after the bump; a copy
 that overlapped such a write or free therefore reads a different generation when it ends, and is
 redone through the broker, which answers the truth. An owner that *dies* frees its memory before
@@ -343,7 +343,7 @@ class DeviceBroker(BroadcastPlanner):
         (encoding and decoding records was most of a many-key call's cost). The receiver puts back the
         transfer's ``kind`` (its request's), ``path``, ``wid``/``key`` (the result's), ``src``
         (``shared[s]["owner"]``) and ``dst`` (itself), the record its ``key``, ``tensors`` (the specs it
-        sent, equal to the record's: it matched) and shared fields; see :func:`kvstrata.devobj.api.widen`."""
+        sent, equal to the record's: it matched) and shared fields; see :func:`kvstrata.devobj.request.widen`."""
         if not args.get("lean") or not args.get("specs"):
             return {"results": results}
         shared: list[dict[str, Any]] = []
