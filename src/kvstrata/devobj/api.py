@@ -48,6 +48,7 @@ from kvstrata.devobj.link import (
     check_tensor_lists,
     error_from,
 )
+from kvstrata.devobj.nccl_ends import NcclEnds
 from kvstrata.devobj.publish import Publisher, _Owned
 from kvstrata.devobj.receive import CopyReceiver
 from kvstrata.devobj.request import Requester
@@ -55,7 +56,7 @@ from kvstrata.devobj.request import Requester
 log = logging.getLogger(__name__)
 
 
-class DeviceObjects(Publisher, Requester, BroadcastReceiver, CopyReceiver):
+class DeviceObjects(Publisher, Requester, NcclEnds, BroadcastReceiver, CopyReceiver):
     """Device-object operations of one client (one GPU). Thread-safe; ``close()`` when done."""
 
     def __init__(
@@ -289,53 +290,6 @@ class DeviceObjects(Publisher, Requester, BroadcastReceiver, CopyReceiver):
         if self._closed:
             raise errors.ClosedError("device-object client closed")
         return check_tensor_lists(keys, tensor_lists, self.device, allow_cpu=self.config.allow_cpu)
-
-    # -- NCCL -------------------------------------------------------------------------------------
-    def _channels(self):
-        with self._lock:
-            if self._nccl is None:
-                from kvstrata.devobj.nccl import Channels
-
-                self._nccl = Channels()
-            return self._nccl
-
-    def _start_nccl_recv(self, t: dict[str, Any], want: _Want) -> None:
-        from kvstrata.devobj.nccl import new_unique_id
-
-        if not self._cuda:
-            raise ValueError("tensor_lists: the NCCL path needs CUDA tensors")
-        ch = self._channels().get(t["src"], t["dst"], rank=1, device=self.device.index)
-        if t["nccl"]["create_uid"]:
-            uid = new_unique_id()
-            ch.set_uid(uid)
-            self._call("pair_uid", {"src": t["src"], "uid": uid})
-
-        def op() -> None:
-            try:
-                ch.recv(want.tensors, want.after)
-                self._complete(t, want)
-            except BaseException as exc:
-                self._fail_transfer(t, want, exc)
-
-        ch.submit(t["nccl"]["seq"], op, lambda msg: self._fail_transfer(t, want, errors.ServerError(msg)))
-
-    def _nccl_send(self, ev: dict[str, Any]) -> None:
-        t = ev["transfer"]
-        with self._lock:
-            owned = self._owned.get(t["record"]["obj"])
-        ch = self._channels().get(t["src"], t["dst"], rank=0, device=self.device.index)
-        ch.set_uid(ev["uid"])
-        if owned is None:  # released meanwhile: the receiver's side fails by the broker's error
-            log.warning("devobj: NCCL send for released object %r", t["key"])
-            return
-
-        def op() -> None:
-            try:
-                ch.send(owned.tensors, owned.events[0] if owned.events else None)
-            except Exception as exc:  # the receiver reports the failure to the broker
-                log.warning("devobj: NCCL send of %r failed: %s", t["key"], exc)
-
-        ch.submit(t["nccl"]["seq"], op, lambda msg: log.warning("devobj: %s", msg))
 
     # -- events -----------------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
