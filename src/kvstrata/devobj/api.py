@@ -9,6 +9,16 @@ waiters and return futures; one thread per client long-polls the broker for even
 hands the copies to a small pool. Copies run on this client's own transfer streams, ordered after the
 caller's current stream at the time of the call.
 
+This module holds the public methods, the client's state and its lifetime; the work is in parts, one
+concept each, mixed into :class:`DeviceObjects`:
+
+* :mod:`~kvstrata.devobj.publish`: the owner's side (exports, registration, release of owned objects);
+* :mod:`~kvstrata.devobj.request`: subscribe / mget requests, cached reads, stages, cancellation;
+* :mod:`~kvstrata.devobj.receive`: the copies of matched transfers, their checks and completions;
+* :mod:`~kvstrata.devobj.events`: the event thread (long poll, dispatch of broker events);
+* :mod:`~kvstrata.devobj.broadcast`: a broadcast receiver's chain step;
+* :mod:`~kvstrata.devobj.nccl_ends`: this client's ends of the NCCL path.
+
 Example (two processes on one node, through a worker)::
 
     objs = DeviceObjects(link)                           # in process A
@@ -35,11 +45,7 @@ from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj.broadcast import BroadcastReceiver
 from kvstrata.devobj.debug import configure_from_env
 from kvstrata.devobj.events import EventThread
-from kvstrata.devobj.ipc import (
-    EventPool,
-    ImportCache,
-    StreamSet,
-)
+from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet
 from kvstrata.devobj.link import (
     BrokerLink,
     DeviceObjectConfig,
