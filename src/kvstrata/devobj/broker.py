@@ -2,6 +2,10 @@
 
 The broker holds metadata only (shapes, dtypes, exported handles); the bytes never leave GPU memory.
 It lives in the worker process (one per node) and is pure Python, thread-safe and deterministic.
+This module holds the registry (clients, objects, their lifecycles, the generation page); the rest is in
+parts mixed into :class:`DeviceBroker`: :mod:`~kvstrata.devobj.broker_match` (readers' requests,
+waiters, matching, transfers), :mod:`~kvstrata.devobj.broker_events` (event queues, long and parked
+polls, the timer) and :mod:`~kvstrata.devobj.bcast_plan` (broadcast chains).
 
 Why cycles cannot form
 ----------------------
