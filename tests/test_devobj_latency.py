@@ -15,9 +15,9 @@ from kvstrata.devobj import (
     DeviceObjectConfig,
     DeviceObjects,
     InprocBrokerLink,
-    api,
     futures,
     ipc,
+    publish,
     receive,
 )
 
@@ -53,13 +53,13 @@ def test_published_records_share_parts_and_stay_exact(monkeypatch):
     """Items of a re-published tensor share their specs, exports and device dicts; the broker and the reader
     never change them (a second hand-off of the same buffer reads the right bytes)."""
     cache = ipc.ExportCache(reduce=FakeReduce())
-    monkeypatch.setattr(api, "export_tensor", cache.export)
+    monkeypatch.setattr(publish, "export_tensor", cache.export)
     broker = DeviceBroker()
     a = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=CFG)
     b = DeviceObjects(InprocBrokerLink(broker), device="cpu", config=CFG)
     try:
         src = torch.arange(1024, dtype=torch.int32)
-        ready = (api._SharedEvent(None), [])
+        ready = (publish._SharedEvent(None), [])
         (i1, o1), (i2, o2) = a._export("x", [src], "publish", ready), a._export("y", [src], "publish", ready)
         assert i1["tensors"] is i2["tensors"] and i1["handles"][0] is i2["handles"][0] and i1["device"] is i2["device"]
         assert i1["local"] != i2["local"] and i1["pid"] == i2["pid"]

@@ -9,7 +9,16 @@ import msgpack
 import pytest
 import torch
 
-from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects, InprocBrokerLink, api, service
+from kvstrata.devobj import (
+    DeviceBroker,
+    DeviceObjectConfig,
+    DeviceObjects,
+    InprocBrokerLink,
+    _core,
+    ipc,
+    request,
+    service,
+)
 from kvstrata.devobj import broker as B
 
 SPEC = [{"shape": [4, 8], "dtype": "float16", "nbytes": 64}]
@@ -60,7 +69,7 @@ def test_lean_reply_widens_to_the_full_transfer(broker, op, mode):
         lean = r["transfer"]
         assert set(lean) == {"tid", "s", "record"}
         assert not set(lean["record"]) & {"key", "tensors", "events", *B.SHARED_FIELDS}
-        got.append(api.widen(lean, r, reply, "sub" if op == "subscribe" else "get", "sub", SPEC))
+        got.append(request.widen(lean, r, reply, "sub" if op == "subscribe" else "get", "sub", SPEC))
     if op == "subscribe":  # one-shot objects were claimed: publish them again for the whole answer
         for t in got:
             broker.handle("sub", "complete", {"tid": t["tid"], "ok": True})
@@ -140,10 +149,10 @@ def test_many_keys_move_exactly_through_lean_replies():
 
 def test_specs_of_reuses_one_list_per_shape_and_dtype():
     x, y = torch.zeros(3, 4), torch.ones(3, 4)
-    assert api.specs_of([x]) is api.specs_of([y]) == [{"shape": [3, 4], "dtype": "float32", "nbytes": 48}]
-    assert api.specs_of([x.half()]) != api.specs_of([x])
-    two = api.specs_of([x, torch.zeros(2, dtype=torch.int8)])
-    assert two == [api.spec(x), {"shape": [2], "dtype": "int8", "nbytes": 2}]
+    assert _core.specs_of([x]) is _core.specs_of([y]) == [{"shape": [3, 4], "dtype": "float32", "nbytes": 48}]
+    assert _core.specs_of([x.half()]) != _core.specs_of([x])
+    two = _core.specs_of([x, torch.zeros(2, dtype=torch.int8)])
+    assert two == [ipc.spec(x), {"shape": [2], "dtype": "int8", "nbytes": 2}]
 
 
 def test_reply_spin_setting(monkeypatch):

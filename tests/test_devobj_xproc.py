@@ -23,11 +23,11 @@ def fake(key: str, specs=SPECS) -> list[torch.Tensor]:
 
 def _client(address: str):
     import kvstrata
-    from kvstrata.devobj import DeviceObjectConfig, api
+    from kvstrata.devobj import DeviceObjectConfig, _core, api
 
     def sources(self, src, peer, reuse=False):  # the stand-in for the CUDA IPC import
         if src.get("pid") == os.getpid():
-            return api._LOCAL[src["local"]][0], []
+            return _core.LOCAL_EXPORTS[src["local"]][0], []
         return fake(src["key"], src["tensors"]), []
 
     api.DeviceObjects._sources = sources

@@ -1,7 +1,12 @@
 """Device objects: GPU tensors handed between processes and GPUs without touching host memory.
 
 * :mod:`~kvstrata.devobj.broker`: the registry and meeting point, hosted in the worker.
+  Its parts: :mod:`~kvstrata.devobj.broker_match`, :mod:`~kvstrata.devobj.broker_events`,
+  :mod:`~kvstrata.devobj.bcast_plan`.
 * :mod:`~kvstrata.devobj.api`: the client side (:class:`DeviceObjects`, the ``dev_*`` methods).
+  Its parts: :mod:`~kvstrata.devobj.publish`, :mod:`~kvstrata.devobj.request`,
+  :mod:`~kvstrata.devobj.receive`, :mod:`~kvstrata.devobj.events`, :mod:`~kvstrata.devobj.broadcast`,
+  :mod:`~kvstrata.devobj.nccl_ends`.
 * :mod:`~kvstrata.devobj.link`: the client's broker link, settings and argument checks.
 * :mod:`~kvstrata.devobj.ipc`: the same-node data path (CUDA IPC, peer copies over NVLink/PCIe).
 * :mod:`~kvstrata.devobj.nccl`: the between-nodes data path (NCCL send/recv per pair).

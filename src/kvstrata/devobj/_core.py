@@ -1,4 +1,5 @@
-"""State shared by the device-object client's modules: same-process exports, receives in progress."""
+"""State shared by the device-object client's modules: same-process exports, receives in progress, the
+specs of published and requested tensors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstrata._proc import pid_alive
+from kvstrata.devobj.ipc import spec
 
 if TYPE_CHECKING:
     from kvstrata.devobj.broadcast import ChainLink
@@ -99,4 +101,22 @@ class Want:
     chain_events: list[Any] | None = None  # broadcast: chunk-end events not yet seen complete
 
 
-__all__ = ["LOCAL_EXPORTS", "PidWatch", "Want", "settle"]
+_SPECS: dict[tuple[torch.Size, torch.dtype], list[dict[str, Any]]] = {}
+
+
+def specs_of(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The specs of a key's tensors; for one tensor, one list per (shape, dtype) kept for reuse (built once,
+    never changed: a many-key call allocates nothing here)."""
+    if len(tensors) != 1:
+        return [spec(t) for t in tensors]
+    t = tensors[0]
+    sig = (t.shape, t.dtype)
+    got = _SPECS.get(sig)
+    if got is None:
+        if len(_SPECS) >= 4096:  # many shapes: start over rather than grow without bound
+            _SPECS.clear()
+        got = _SPECS[sig] = [spec(t)]
+    return got
+
+
+__all__ = ["LOCAL_EXPORTS", "PidWatch", "Want", "settle", "specs_of"]

@@ -2,6 +2,10 @@
 
 The broker holds metadata only (shapes, dtypes, exported handles); the bytes never leave GPU memory.
 It lives in the worker process (one per node) and is pure Python, thread-safe and deterministic.
+This module holds the registry (clients, objects, their lifecycles, the generation page); the rest is in
+parts mixed into :class:`DeviceBroker`: :mod:`~kvstrata.devobj.broker_match` (readers' requests,
+waiters, matching, transfers), :mod:`~kvstrata.devobj.broker_events` (event queues, long and parked
+polls, the timer) and :mod:`~kvstrata.devobj.bcast_plan` (broadcast chains).
 
 Why cycles cannot form
 ----------------------
@@ -44,7 +48,7 @@ the handshake). It is bumped, under the broker's lock and *before* the reply, wh
 (``mset``) object stops being readable: ``delete`` of it, and its owner going away. A reader that
 learned a record while the page said G may copy from it again without asking the broker, as long as
 the page still says G *after* its copy has finished (a seqlock, see
-``kvstrata.devobj.api.DeviceObjects._receive``). This is safe because an owner only writes or frees
+``kvstrata.devobj.request.Requester._receive``). This is safe because an owner only writes or frees
 registered memory after ``delete`` has answered (write-once objects), i.e. after the bump; a copy
 that overlapped such a write or free therefore reads a different generation when it ends, and is
 redone through the broker, which answers the truth. An owner that *dies* frees its memory before
@@ -54,7 +58,6 @@ the broker knows: the reader also checks, after its copy, that the owner's proce
 from __future__ import annotations
 
 import ctypes
-import heapq
 import itertools
 import mmap
 import operator
@@ -80,6 +83,8 @@ from kvstrata.devobj._broker_types import (  # noqa: F401 (the error codes are t
     _Waiter,
 )
 from kvstrata.devobj.bcast_plan import BroadcastPlanner
+from kvstrata.devobj.broker_events import EventQueues, _deliver
+from kvstrata.devobj.broker_match import Matcher
 
 #: record fields shared by every object of one client and mode: sent once per reply, not once per key
 #: (see :meth:`DeviceBroker._wire`)
@@ -90,7 +95,7 @@ _LEAN_DROP = (*SHARED_FIELDS, "key", "tensors")
 _shared_values = operator.itemgetter(*SHARED_FIELDS)
 
 
-class DeviceBroker(BroadcastPlanner):
+class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
     """Registry of device objects and the meeting point of their readers (thread-safe).
 
     The worker calls :meth:`handle` for every ``dev.*`` request and :meth:`owner_gone` when a client's
@@ -179,33 +184,6 @@ class DeviceBroker(BroadcastPlanner):
         for item in items or ():
             if isinstance(item, dict) and item.get("ok") and item.get("tid") in self._transfers:
                 self.op_complete(client, item)
-
-    def park_poll(self, client: str, timeout: float | None, deliver) -> dict[str, Any] | None:
-        """``wait_events`` for a host that can answer later: the events at once if there are any (the
-        reply), else ``None``, and ``deliver(reply)`` is called exactly once later: by the thread that
-        pushes the client's next event (no thread wakes up to carry it), with ``{"events": []}`` at
-        ``timeout``, or ``{"events": [], "closed": True}`` when the client goes away. ``deliver`` runs
-        outside the broker's lock and must not raise.
-        """
-        reply = None
-        with self._lock:
-            self._expire_locked()
-            out = self._take_due_locked()  # others' timeouts just pushed
-            q = self._events.get(client)
-            if q is None:
-                reply = {"events": [], "closed": True}
-            elif q or (timeout is not None and timeout <= 0):
-                reply = {"events": list(q)}
-                q.clear()
-            else:
-                old = self._parked.pop(client, None)
-                if old is not None:  # a client polls once at a time; a second poll ends the first (empty)
-                    out.append((old[0], {"events": []}))
-                end = None if timeout is None else self._clock() + float(timeout)
-                self._parked[client] = (deliver, end)
-                self._plan_timer_locked(end)
-        _deliver(out)
-        return reply
 
     # -- client lifetime --------------------------------------------------------------------------
     def op_hello(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -329,107 +307,7 @@ class DeviceBroker(BroadcastPlanner):
                 obj.readers.discard(client)
         return {"ok": True}
 
-    # -- readers ----------------------------------------------------------------------------------
-    def op_subscribe(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return self._wire(self._add_waiters(client, args, "sub"), args, "sub")
-
-    def op_mget(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return self._wire(self._add_waiters(client, args, "get"), args, "get")
-
-    def _wire(self, results: list[dict[str, Any]], args: dict[str, Any], kind: str) -> dict[str, Any]:
-        """The reply to a subscribe (``kind`` ``sub``) or mget (``get``). With ``lean`` asked for, each matched
-        one-shot or registered transfer travels as ``{"tid", "s", "record" or "obj"}``: its record less
-        :data:`SHARED_FIELDS`, which come once per reply in ``shared[s]`` with the path in ``paths[s]``
-        (encoding and decoding records was most of a many-key call's cost). The receiver puts back the
-        transfer's ``kind`` (its request's), ``path``, ``wid``/``key`` (the result's), ``src``
-        (``shared[s]["owner"]``) and ``dst`` (itself), the record its ``key``, ``tensors`` (the specs it
-        sent, equal to the record's: it matched) and shared fields; see :func:`kvstrata.devobj.api.widen`."""
-        if not args.get("lean") or not args.get("specs"):
-            return {"results": results}
-        shared: list[dict[str, Any]] = []
-        paths: list[str] = []
-        index: dict[int, int] = {}
-        for r, spec in zip(results, args["specs"]):
-            t = r.get("transfer")
-            if t is None or t["kind"] != kind or "nccl" in t or spec is None:  # no specs: the record says them
-                continue
-            obj = self._objects.get(r["key"])
-            if obj is None or obj.record["obj"] != (t["obj"] if "obj" in t else t["record"]["obj"]):
-                continue
-            i = index.get(id(obj.shared))
-            if i is None:
-                i = index[id(obj.shared)] = len(shared)
-                shared.append(obj.shared)
-                paths.append(t["path"])
-            elif paths[i] != t["path"]:  # one path per (shared fields, receiver): never, but stay whole then
-                continue
-            if "obj" in t:  # the reader holds the record already (mget "known")
-                r["transfer"] = {"tid": t["tid"], "s": i, "obj": t["obj"]}
-            else:
-                r["transfer"] = {"tid": t["tid"], "s": i, "record": obj.lean}
-        return {"results": results, "shared": shared, "paths": paths}
-
-    def _add_waiters(self, client: str, args: dict[str, Any], kind: str) -> list[dict[str, Any]]:
-        timeout = args.get("timeout")
-        specs = args.get("specs") or [None] * len(args["keys"])
-        known = args.get("known") or ()  # per key: the object id whose record the reader already holds
-        out = []
-        for i, (key, spec) in enumerate(zip(args["keys"], specs, strict=True)):
-            obj = self._objects.get(key)
-            if obj is not None and obj.state == "ready" and not self._waiters.get(key):
-                mode = obj.record["mode"]
-                if kind == "get" and mode == "mset":
-                    # The common read: no waiter to queue (nothing else can be waiting for a ready mset key).
-                    out.append(self._read_now(client, key, obj, spec, known[i] if i < len(known) else None))
-                    continue
-                if kind == "sub" and mode == "oneshot":
-                    # Publisher first, nobody queued ahead: claim it now (no waiter, deadline or timer to undo).
-                    out.append(self._claim_now(client, key, obj, spec))
-                    continue
-            deadline = None if timeout is None else self._clock() + max(0.0, float(timeout))
-            w = _Waiter(next(self._ids), client, key, kind, spec, deadline)
-            self._waiters.setdefault(key, deque()).append(w)
-            self._waiter_by_id[w.wid] = w
-            if deadline is not None:
-                heapq.heappush(self._deadlines, (deadline, w.wid))
-                if self._parked:
-                    self._plan_timer_locked(deadline)
-            # Answer at once when the object is there: the common case costs no event round trip.
-            immediate = self._match_locked(key, only=w.wid)
-            out.append(immediate if immediate is not None else {"status": "waiting", "wid": w.wid})
-        return out
-
-    def _read_now(
-        self, client: str, key: str, obj: _Object, spec: list[dict[str, Any]] | None, known: int | None
-    ) -> dict[str, Any]:
-        wid = next(self._ids)
-        mismatch = _mismatch(obj.record["tensors"], spec) if spec != obj.record["tensors"] else None
-        if mismatch:
-            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
-        t = self._start_transfer(obj, _Waiter(wid, client, key, "get", spec, None))
-        if known == obj.record["obj"]:  # the reader holds this record: send only what it lacks
-            t = {k: v for k, v in t.items() if k != "record"}
-            t["obj"] = obj.record["obj"]
-        return {"status": "matched", "wid": wid, "key": key, "transfer": t}
-
-    def _claim_now(self, client: str, key: str, obj: _Object, spec: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """A subscribe of a ready one-shot object with no one queued for it: what :meth:`_match_locked` answers
-        for a waiter that matched at once, without queueing one."""
-        wid = next(self._ids)
-        mismatch = _mismatch(obj.record["tensors"], spec) if spec != obj.record["tensors"] else None
-        if mismatch:
-            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
-        t = self._start_transfer(obj, _Waiter(wid, client, key, "sub", spec, None))
-        obj.state = "claimed"
-        return {"status": "matched", "wid": wid, "key": key, "transfer": t}
-
-    def op_cancel(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        for wid in args["wids"]:
-            w = self._waiter_by_id.get(wid)
-            if w is not None and w.client == client:
-                self._drop_waiter(w)
-        return {"ok": True}
-
+    # -- transfers ending, NCCL pairs, status -----------------------------------------------------
     def op_complete(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         """The receiver of transfer ``tid`` reports it finished (``ok``) or failed (``error``)."""
         t = self._transfers.get(args["tid"])
@@ -477,29 +355,6 @@ class DeviceBroker(BroadcastPlanner):
             self._push(t["src"], {"type": "send", "transfer": t, "uid": pair["uid"]})
         return {"ok": True}
 
-    # -- events -----------------------------------------------------------------------------------
-    def op_wait_events(self, client: str, args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-        """Long poll: this client's events, waiting up to ``timeout`` for the first one."""
-        timeout = args.get("timeout", timeout)
-        end = None if timeout is None else self._clock() + timeout
-        with self._lock:
-            while True:
-                self._expire_locked()
-                if self._due:  # timeouts for parked polls: the timer thread answers them
-                    self._timer_cond.notify()
-                q = self._events.get(client)
-                if q is None:
-                    return {"events": [], "closed": True}
-                if q:
-                    events = list(q)
-                    q.clear()
-                    return {"events": events}
-                now = self._clock()
-                if end is not None and now >= end:
-                    return {"events": []}
-                waits = [x - now for x in (end, self._deadlines[0][0] if self._deadlines else None) if x is not None]
-                self._cond.wait(max(0.0, min(waits)) + 1e-4 if waits else None)
-
     def snapshot(self) -> dict[str, Any]:
         """Registry contents for status pages and tests (msgpack-able)."""
         with self._lock:
@@ -519,92 +374,6 @@ class DeviceBroker(BroadcastPlanner):
             }
 
     # -- internals (lock held) --------------------------------------------------------------------
-    def _push(self, client: str, event: dict[str, Any]) -> None:
-        q = self._events.get(client)
-        if q is not None:
-            q.append(event)
-            if client in self._parked:
-                self._due.add(client)  # answered by _take_due_locked at the end of this locked section
-            else:
-                self._cond.notify_all()  # an in-process wait_events
-
-    def _take_due_locked(self) -> list[tuple[Any, dict[str, Any]]]:
-        """Answers for parked polls whose clients have events: (deliver, reply), to call outside the lock."""
-        out = []
-        for client in self._due:
-            parked = self._parked.pop(client, None)
-            q = self._events.get(client)
-            if parked is not None and q:
-                out.append((parked[0], {"events": list(q)}))
-                q.clear()
-        self._due.clear()
-        return out
-
-    def _plan_timer_locked(self, when: float | None) -> None:
-        """Make the timer thread (parked polls' and waiters' deadlines) wake by ``when`` at the latest."""
-        if self._timer is None:
-            self._timer = threading.Thread(target=self._timer_main, name="kvstrata-devobj-timer", daemon=True)
-            self._timer_wake = when
-            self._timer.start()
-        elif when is not None and (self._timer_wake is None or when < self._timer_wake):
-            self._timer_cond.notify()
-
-    def _timer_main(self) -> None:
-        """Answers parked polls at their deadline and times out waiters while polls are parked."""
-        while True:
-            with self._lock:
-                if not self._parked:
-                    self._timer = None
-                    return
-                now = self._clock()
-                self._expire_locked()
-                out = self._take_due_locked()
-                for client, (deliver, end) in list(self._parked.items()):
-                    if end is not None and end <= now:
-                        del self._parked[client]
-                        out.append((deliver, {"events": []}))
-                if not out:
-                    ends = [e for _, e in self._parked.values() if e is not None]
-                    if self._deadlines:
-                        ends.append(self._deadlines[0][0])
-                    self._timer_wake = min(ends) if ends else None
-                    self._timer_cond.wait(None if self._timer_wake is None else max(0.0, self._timer_wake - now))
-                    self._timer_wake = None
-            _deliver(out)
-
-    def _drop_waiter(self, w: _Waiter) -> None:
-        self._waiter_by_id.pop(w.wid, None)
-        q = self._waiters.get(w.key)
-        if q is not None:
-            try:
-                q.remove(w)
-            except ValueError:
-                pass
-            if not q:
-                del self._waiters[w.key]
-
-    def _expire_locked(self) -> None:
-        now = self._clock()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, wid = heapq.heappop(self._deadlines)
-            w = self._waiter_by_id.get(wid)
-            if w is None:
-                continue
-            self._drop_waiter(w)
-            obj = self._objects.get(w.key)
-            if obj is not None and obj.record["mode"] == "broadcast":
-                obj.pending[:] = [(c, x) for c, x in obj.pending if x != wid]
-            self._push(
-                w.client,
-                {
-                    "type": "timeout",
-                    "wid": wid,
-                    "key": w.key,
-                    "error": E_TIMEOUT,
-                    "message": f"no device object {w.key!r} within the timeout",
-                },
-            )
-
     def _error_event(self, t: dict[str, Any], code: str, message: str) -> dict[str, Any]:
         return {"type": "error", "wid": t["wid"], "tid": t["tid"], "key": t["key"], "error": code, "message": message}
 
@@ -654,90 +423,6 @@ class DeviceBroker(BroadcastPlanner):
         elif obj.state == "deleting" and not obj.transfers:
             self._forget_locked(t["key"], obj, reason="deleted")
 
-    def _match_locked(self, key: str, only: int | None = None) -> dict[str, Any] | None:
-        """Pair waiters of ``key`` with its object; return the result for waiter ``only`` if it matched."""
-        obj = self._objects.get(key)
-        q = self._waiters.get(key)
-        if obj is None or not q or obj.state != "ready":
-            return None
-        mode = obj.record["mode"]
-        answer = None
-        for w in list(q):
-            if obj.state != "ready":
-                break
-            if (mode == "mset") != (w.kind == "get"):
-                continue  # subscribe waits for publish/broadcast, mget for mset
-            mismatch = _mismatch(obj.record["tensors"], w.specs)
-            if mode == "broadcast" and not mismatch:
-                q.remove(w)  # joins the chain; stays known by wid so its timeout still runs
-                obj.pending.append((w.client, w.wid))
-                if len(obj.pending) < obj.record["receivers"]:
-                    continue
-                answer = self._plan_broadcast(key, obj, only) or answer
-                continue
-            self._drop_waiter(w)
-            if mismatch:
-                result = {"status": "error", "wid": w.wid, "key": key, "error": E_MISMATCH, "message": mismatch}
-            else:
-                t = self._start_transfer(obj, w)
-                if mode == "oneshot":
-                    obj.state = "claimed"
-                result = {"status": "matched", "wid": w.wid, "key": key, "transfer": t}
-            if w.wid == only:
-                answer = result
-            else:
-                self._push(w.client, dict(result, type=result["status"]))
-        return answer
-
-    def _start_transfer(self, obj: _Object, w: _Waiter, **extra: Any) -> dict[str, Any]:
-        rec = obj.record
-        t = {
-            "tid": next(self._ids),
-            "wid": w.wid,
-            "key": w.key,
-            "kind": "sub" if w.kind == "sub" else "get",
-            "src": rec["owner"],
-            "dst": w.client,
-            "record": rec,
-            **extra,
-        }
-        if rec["mode"] == "broadcast":
-            t["kind"] = "bcast"
-        obj.transfers.add(t["tid"])
-        if w.kind == "get":
-            obj.readers.add(w.client)
-        self._transfers[t["tid"]] = t
-        self._peers.setdefault(rec["owner"], set()).add(w.client)
-        self._peers.setdefault(w.client, set()).add(rec["owner"])
-        # The path follows from the record's shared fields and the two clients' infos: worked out once
-        # per (shared fields, receiver); cleared when a client says hello or goes.
-        memo = self._paths.get((id(obj.shared), w.client))
-        if memo is None or memo[0] is not obj.shared:
-            memo = self._paths[(id(obj.shared), w.client)] = (obj.shared, self._path(rec, w.client))
-        t["path"] = memo[1]
-        if t["path"] == "nccl":
-            pair = self._pairs.setdefault((rec["owner"], w.client), {"uid": None, "seq": 0, "queued": []})
-            t["nccl"] = {"seq": pair["seq"], "create_uid": pair["seq"] == 0}
-            pair["seq"] += 1
-            if pair["uid"] is None:
-                pair.setdefault("queued", []).append(t)
-            else:
-                self._push(rec["owner"], {"type": "send", "transfer": t, "uid": pair["uid"]})
-        return t
-
-    def _path(self, rec: dict[str, Any], dst: str) -> str:
-        """How the bytes move: ``local`` (same process), ``nccl`` (forced or across nodes) or ``ipc``."""
-        info = self._clients.get(dst, {})
-        src = self._clients.get(rec["owner"], {})
-        same_node = rec.get("node_id") == info.get("node_id")
-        if same_node and src.get("pid") is not None and src.get("pid") == info.get("pid"):
-            return "local"  # one process: never through its own IPC handles or an NCCL pair with itself
-        visible = info.get("visible")  # GPUs the destination can open IPC memory of (CUDA_VISIBLE_DEVICES)
-        hidden = visible is not None and (rec.get("device") or {}).get("uuid") not in visible
-        if rec["mode"] != "broadcast" and (rec.get("transport") == "nccl" or not same_node or hidden):
-            return "nccl"
-        return "ipc"
-
 
 def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:
     """A one-page memfd holding the generation (starts at 1; 0 never means "valid")."""
@@ -751,25 +436,6 @@ def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:
     gen = ctypes.c_uint64.from_buffer(mm)  # one aligned 8-byte store/load: never torn
     gen.value = 1
     return fd, mm, gen
-
-
-def _deliver(out: list[tuple[Any, dict[str, Any]]]) -> None:
-    for deliver, reply in out:
-        deliver(reply)
-
-
-def _mismatch(tensors: list[dict[str, Any]], specs: list[dict[str, Any]] | None) -> str | None:
-    if specs is None:
-        return None
-    if len(specs) != len(tensors):
-        return f"tensor_lists: the object has {len(tensors)} tensors, the receiver passed {len(specs)}"
-    for i, (have, want) in enumerate(zip(tensors, specs)):
-        if list(have["shape"]) != list(want["shape"]) or have["dtype"] != want["dtype"]:
-            return (
-                f"tensor_lists: tensor {i} is {have['dtype']}{list(have['shape'])} on the source, "
-                f"{want['dtype']}{list(want['shape'])} on the receiver"
-            )
-    return None
 
 
 __all__ = ["MODES", "DeviceBroker"]

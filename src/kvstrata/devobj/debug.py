@@ -128,4 +128,13 @@ def wait_event(
         pause = min(MAX_POLL_SLEEP, pause * 2 if pause else 5e-6) if now - start > 2e-5 else 0.0
 
 
-__all__ = ["CopyRates", "configure_from_env", "trace", "trace_format", "trace_take", "wait_event"]
+def brief(d: dict[str, Any]) -> dict[str, Any]:
+    """An event or result without its bulky parts (records, exported handles), for debug logs."""
+    out = {k: v for k, v in d.items() if k not in ("transfer", "pred", "uid")}
+    t = d.get("transfer")
+    if t:
+        out["transfer"] = {k: t.get(k) for k in ("tid", "kind", "path", "src", "dst", "position")}
+    return out
+
+
+__all__ = ["CopyRates", "brief", "configure_from_env", "trace", "trace_format", "trace_take", "wait_event"]

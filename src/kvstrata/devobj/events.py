@@ -1,0 +1,156 @@
+"""The device-object client's event thread: requests to the broker, the long poll for events, and their
+dispatch (matches, completions, timeouts, releases, chain steps, invalidations, peers gone).
+
+:class:`EventThread` is part of :class:`~kvstrata.devobj.api.DeviceObjects` (whose state it uses: the
+broker link, lock and tables). One thread per client long-polls the broker (``wait_events``); each poll
+carries the completions of the receives finished since the last (see
+:class:`~kvstrata.devobj.receive.CopyReceiver`), and every other request carries those the broker may not
+have read yet (:meth:`EventThread._call`). Whatever ends the thread unexpectedly fails every pending future.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvstrata import errors
+from kvstrata.devobj._core import settle as _settle
+from kvstrata.devobj.debug import brief, trace
+from kvstrata.devobj.link import error_from
+
+log = logging.getLogger(__name__)
+
+
+class EventThread:
+    """The event-thread methods of :class:`~kvstrata.devobj.api.DeviceObjects`."""
+
+    def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if self._flush_lock.locked():  # a one-way send of completions in progress: this request goes after it
+            with self._flush_lock:
+                pass
+        done = self._take_done() if (self._done_items or self._unacked) else []
+        if done:  # a later request must see every receive reported done: it carries those not yet known read
+            args = dict(args, done=done)
+        r = self.link.call(op, args, timeout)
+        self._acked(done)
+        return r
+
+    def _poll_main(self) -> None:
+        """The event thread: whatever ends it unexpectedly fails every pending future (and is logged)."""
+        try:
+            self._thread_init()
+            self._poll()
+        except BaseException as exc:
+            log.exception("devobj: the event thread of %s died", getattr(self.link, "client_id", "?"))
+            self._fail_all(errors.ServerError(f"device-object event thread died: {type(exc).__name__}: {exc}"))
+
+    def _poll(self) -> None:
+        while not self._closed:
+            args: dict[str, Any] = {"timeout": self.config.poll_seconds}
+            done = self._take_done() if (self._done_items or self._unacked) else []
+            if done:  # the receives this thread just finished: no message of their own
+                args["done"] = done
+            if not self._hook:
+                self._poll_sent()
+            try:
+                r = self.link.call("wait_events", args, self.config.poll_seconds + 30)
+            except Exception as exc:
+                if not self._closed:
+                    log.error("devobj: lost the broker: %s", exc)
+                    self._fail_all(errors.ConnectionLost(f"device-object broker unreachable: {exc}"))
+                return
+            self._acked(done)
+            if r.get("closed"):
+                self._fail_all(errors.ClosedError("the broker forgot this client"))
+                return
+            for ev in r["events"]:
+                trace(f"event {ev.get('type')}")
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("devobj: event %s", brief(ev))
+                try:
+                    self._dispatch(ev)
+                except Exception:  # one bad event must not stop the others
+                    log.exception("devobj: event %s", ev.get("type"))
+
+    def _dispatch(self, ev: dict[str, Any]) -> None:
+        kind = ev["type"]
+        if kind == "matched" or (kind in ("timeout", "error") and "tid" not in ev):
+            with self._lock:
+                want = self._wants.pop(ev["wid"], None)
+                cancelled = want is None and ev["wid"] in self._cancelled
+                self._cancelled.discard(ev["wid"])
+                if want is None and not cancelled:
+                    self._early.setdefault(("wid", ev["wid"]), []).append(ev)
+                    return
+            if cancelled:
+                if kind == "matched":  # withdrawn by its caller after the broker matched it: hand it back
+                    self._call("complete", {"tid": ev["transfer"]["tid"], "ok": False, "error": "receive cancelled"})
+                return
+            if kind == "matched":
+                self._start(ev["transfer"], want)
+            else:
+                _settle(want.future, error_from(ev.get("error"), ev.get("message", "")))
+        elif kind == "error":  # a transfer in flight broke (its source went away)
+            with self._lock:
+                want = self._inflight.pop(ev["tid"], None)
+            if want is not None:
+                self._bcast_done(want, error_from(ev.get("error"), ev.get("message", "")))
+        elif kind in ("chain_pred", "member_ready", "transfer_done"):
+            with self._lock:
+                want = self._inflight.get(ev["tid"])
+                if want is None:
+                    self._early.setdefault(("tid", ev["tid"]), []).append(ev)
+                    return
+                if kind == "transfer_done":
+                    self._inflight.pop(ev["tid"], None)
+            if kind == "transfer_done":
+                self._bcast_done(want, None)
+            else:
+                self._on_chain_event(want, ev)
+        elif kind in ("released", "failed"):
+            with self._lock:
+                if ev["obj"] not in self._owned:
+                    self._early.setdefault(("obj", ev["obj"]), []).append(ev)
+                    return
+            if kind == "failed":
+                exc = errors.ServerError(f"broadcast of {ev['key']!r} failed: {ev.get('message')}")
+            elif ev.get("reason") == "deleted":
+                exc = errors.KeyNotFound(f"device object {ev['key']!r} was deleted before anyone received it")
+            else:
+                exc = None
+            self._release(ev["obj"], exc)
+        elif kind == "send":
+            self._nccl_send(ev)
+        elif kind == "invalidate":
+            with self._lock:
+                kept = self._records.get(ev["key"])
+                if kept is not None and kept[1]["obj"] == ev["obj"]:
+                    del self._records[ev["key"]]
+                entry = self._read.pop(ev["obj"], None)
+            if entry is not None and self._imports is not None:
+                self._imports.drop_handles(entry[0], entry[1], obj=ev["obj"])
+        elif kind == "peer_gone":
+            with self._lock:
+                for k in [k for k, e in self._records.items() if e[1]["owner"] == ev["client"]]:
+                    del self._records[k]
+            if self._nccl is not None:
+                self._nccl.peer_gone(ev["client"])
+            if self._imports is not None:
+                self._imports.drop_peer(ev["client"])
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            wants = list(self._wants.values()) + list(self._inflight.values())
+            owned = list(self._owned.values())
+            self._wants.clear()
+            self._inflight.clear()
+            self._owned.clear()
+        for w in wants:
+            self._bcast_done(w, exc)  # settles; a broadcast receiver's export is released too
+        for o in owned:
+            self._free(o)
+            if o.future is not None and o.mode != "mset":
+                _settle(o.future, exc)
+
+
+__all__ = ["EventThread"]
