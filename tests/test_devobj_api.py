@@ -367,6 +367,7 @@ def test_cancelled_subscribe_is_withdrawn_and_writes_nothing(make, broker):
     (f,) = b.dev_subscribe(["k"], [dst])
     assert f.cancel()
     assert broker.snapshot()["waiters"] == 0
+    assert not b._cancelled  # withdrawn before any match: nothing left to decline, nothing kept
     src = [rand(3)]
     (pf,) = a.dev_publish(["k"], [src])
     other = [torch.zeros(3)]
@@ -493,3 +494,20 @@ def test_nccl_unique_id_survives_msgpack_for_either_cupy_form() -> None:
     comm = _communicator(_TupleOnlyNccl, msgpack.unpackb(msgpack.packb(signed)), 0)
     assert comm.args == (2, tuple(signed), 0)
     assert _communicator(_BytesOnlyNccl, signed, 0).args[1] == raw  # signed chars map to the same bytes
+
+
+def test_events_for_transfers_never_known_here_are_dropped_after_a_while(make, monkeypatch):
+    from kvstrata.devobj import events
+
+    c = make()
+    now = [1000.0]
+    monkeypatch.setattr(events, "_clock", lambda: now[0])
+    c._dispatch({"type": "transfer_done", "tid": 91})  # e.g. its transfer failed here first: nothing claims it
+    c._dispatch({"type": "member_ready", "tid": 91})
+    assert list(c._early) == [("tid", 91)] and len(c._early[("tid", 91)]) == 2
+    now[0] += events.EARLY_KEEP_S / 2
+    c._dispatch({"type": "released", "obj": 5, "key": "k"})  # still young: both kept
+    assert set(c._early) == {("tid", 91), ("obj", 5)}
+    now[0] += events.EARLY_KEEP_S / 2 + 1
+    c._dispatch({"type": "chain_pred", "tid": 92})
+    assert set(c._early) == {("obj", 5), ("tid", 92)}  # the oldest went

@@ -82,7 +82,8 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         self._wants: dict[int, _Want] = {}  # by wid, until matched
         self._inflight: dict[int, _Want] = {}  # by tid
         self._owned: dict[int, _Owned] = {}  # by broker object id
-        self._early: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        self._early: dict[tuple[str, int], list[dict[str, Any]]] = {}  # events ahead of their receive (_park)
+        self._early_at: deque[tuple[float, tuple[str, int]]] = deque()  # (when parked, key), oldest first
         self._cancelled: set[int] = set()  # wids withdrawn by their caller
         self._read: dict[int, tuple[str, list[dict[str, Any]], str]] = {}  # obj -> (owner, handles, key) read
         self._bcast_log: deque[dict[str, Any]] = deque(maxlen=64)  # see broadcast_log()

@@ -114,11 +114,15 @@ class Matcher:
         return {"status": "matched", "wid": wid, "key": key, "transfer": t}
 
     def op_cancel(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Withdraw ``client``'s waiting receives ``wids``; ``withdrawn`` lists those that were still waiting
+        (no event will come for them; any other one was matched or timed out, its event on its way)."""
+        withdrawn = []
         for wid in args["wids"]:
             w = self._waiter_by_id.get(wid)
             if w is not None and w.client == client:
                 self._drop_waiter(w)
-        return {"ok": True}
+                withdrawn.append(wid)
+        return {"ok": True, "withdrawn": withdrawn}
 
     def _drop_waiter(self, w: _Waiter) -> None:
         self._waiter_by_id.pop(w.wid, None)

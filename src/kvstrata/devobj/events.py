@@ -11,6 +11,7 @@ have read yet (:meth:`EventThread._call`). Whatever ends the thread unexpectedly
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kvstrata import errors
@@ -19,6 +20,12 @@ from kvstrata.devobj.debug import brief, trace
 from kvstrata.devobj.link import error_from
 
 log = logging.getLogger(__name__)
+
+#: seconds an event that arrived before its receive, transfer or object was known here is kept for it:
+#: such a race lasts milliseconds; an event for something already gone (a transfer failed here first)
+#: would otherwise be kept for the client's whole life
+EARLY_KEEP_S = 120.0
+_clock = time.monotonic  # (tests move it)
 
 
 class EventThread:
@@ -72,6 +79,19 @@ class EventThread:
                 except Exception:  # one bad event must not stop the others
                     log.exception("devobj: event %s", ev.get("type"))
 
+    def _park(self, key: tuple[str, int], ev: dict[str, Any]) -> None:
+        """Keep ``ev`` for the receive, transfer or object ``key`` not known here yet (under the lock); drop
+        what was parked more than :data:`EARLY_KEEP_S` ago (nothing came for it)."""
+        now = _clock()
+        parked = self._early_at
+        while parked and parked[0][0] < now - EARLY_KEEP_S:
+            _, old = parked.popleft()
+            if self._early.pop(old, None) is not None:
+                log.debug("devobj: dropped events for %s:%s, which never came", *old)
+        if key not in self._early:
+            parked.append((now, key))
+        self._early.setdefault(key, []).append(ev)
+
     def _dispatch(self, ev: dict[str, Any]) -> None:
         kind = ev["type"]
         if kind == "matched" or (kind in ("timeout", "error") and "tid" not in ev):
@@ -80,7 +100,7 @@ class EventThread:
                 cancelled = want is None and ev["wid"] in self._cancelled
                 self._cancelled.discard(ev["wid"])
                 if want is None and not cancelled:
-                    self._early.setdefault(("wid", ev["wid"]), []).append(ev)
+                    self._park(("wid", ev["wid"]), ev)
                     return
             if cancelled:
                 if kind == "matched":  # withdrawn by its caller after the broker matched it: hand it back
@@ -99,7 +119,7 @@ class EventThread:
             with self._lock:
                 want = self._inflight.get(ev["tid"])
                 if want is None:
-                    self._early.setdefault(("tid", ev["tid"]), []).append(ev)
+                    self._park(("tid", ev["tid"]), ev)
                     return
                 if kind == "transfer_done":
                     self._inflight.pop(ev["tid"], None)
@@ -110,7 +130,7 @@ class EventThread:
         elif kind in ("released", "failed"):
             with self._lock:
                 if ev["obj"] not in self._owned:
-                    self._early.setdefault(("obj", ev["obj"]), []).append(ev)
+                    self._park(("obj", ev["obj"]), ev)
                     return
             if kind == "failed":
                 exc = errors.ServerError(f"broadcast of {ev['key']!r} failed: {ev.get('message')}")

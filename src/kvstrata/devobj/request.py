@@ -265,9 +265,13 @@ class Requester:
                 self._cancelled.add(wid)  # a match already on its way is declined (see _dispatch)
         if gone is not None and not self._closed:
             try:
-                self._call("cancel", {"wids": [wid]})
+                reply = self._call("cancel", {"wids": [wid]})
             except Exception as exc:  # the broker is gone: nothing left to withdraw
                 log.debug("devobj cancel: %s", exc)
+                return
+            if wid in reply.get("withdrawn", ()):  # withdrawn before any match: no event will come to decline
+                with self._lock:
+                    self._cancelled.discard(wid)
 
 
 __all__ = ["MAX_CACHED_RECORDS", "Requester", "widen"]
