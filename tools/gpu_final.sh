@@ -14,6 +14,8 @@
 #   PART=s5t: the full bench transfer sweep
 #   PART=s6a: session 6's first check: client/store GPU tests, tools/probe_request_ids.py, and bench store's device
 #           rows with the session's starting code (ab_old/src, untracked) and the new code in turn (A/B/A/B)
+#   PART=s6b: every GPU test, bench store's device rows A/B/A/B as in s6a, tools/trace_store_device.py, bench device
+#           --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -108,6 +110,17 @@ elif [ "${PART}" = s6a ]; then
     echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   done
   export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s6b ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -15 "$OUT/gpu_tests.log"
+  for v in old new old new; do
+    if [ $v = old ]; then export PYTHONPATH="$PWD/ab_old/src"; else export PYTHONPATH="$PWD/src"; fi
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  export PYTHONPATH="$PWD/src"
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  bench 100 device --quick --wait 30
 else
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
   bench 80 device --quick --broadcast-wait both --wait 30
