@@ -335,12 +335,12 @@ def test_stages_grow_on_a_gpu_call_and_keep_a_cpu_call_whole(monkeypatch):
     cpu = [[torch.zeros(4)] for _ in range(20)]
     assert [(st.lo, st.hi) for st in device.stages(20, cpu)] == [(0, 20)]
     assert list(device.stages(0, [])) == []
-    # a GPU call of 64 x 1 MiB (check_key stubbed: no GPU here): 4, 6, 9, 13.5, then 16 MiB stages, every key once
+    # a GPU call of 64 x 1 MiB (check_key stubbed: no GPU here): 1, 1.5, 2.25, ... then 16 MiB stages, every key once
     monkeypatch.setattr(device, "check_key", lambda ts, i: ([], mib, "cuda"))
     got = list(device.stages(64, [[]] * 64))
-    assert [st.hi - st.lo for st in got] == [4, 6, 9, 14, 16, 15]
-    assert [st.lo for st in got] == [0, 4, 10, 19, 33, 49] and all(st.device == "cuda" for st in got)
-    assert [len(st.sizes) for st in got] == [4, 6, 9, 14, 16, 15]
+    assert [st.hi - st.lo for st in got] == [1, 2, 3, 4, 6, 8, 12, 16, 12]
+    assert [st.lo for st in got] == [0, 1, 3, 6, 10, 16, 24, 36, 52] and all(st.device == "cuda" for st in got)
+    assert [len(st.sizes) for st in got] == [1, 2, 3, 4, 6, 8, 12, 16, 12]
     monkeypatch.setattr(device, "check_key", lambda ts, i: ([], 64 * mib if i == 0 else 1, "cuda"))
     assert [(st.lo, st.hi) for st in device.stages(3, [[]] * 3)] == [(0, 1), (1, 3)]  # a big key: a stage alone
 
@@ -475,8 +475,9 @@ def test_pipelined_mget_h2d_asks_every_lease_up_front_in_three_requests(kv, monk
     dst = _poisoned(src)
     res = kv.mget_h2d(keys, dst)
     remote = type(backend).__name__ == "RemoteBackend"
-    # Through a worker: the first stage's 2 keys, 3 x 2 more, the rest, all asked before any copy; in-process
-    # (no round trip to hide) and where the local-read cache serves the first stage: each stage as it comes.
+    # Through a worker: the first stage's 2 keys, then up to 4 x 2 (at least 8) in all, then the rest, all asked
+    # before any copy; in-process (no round trip to hide) and where the local-read cache serves the first stage:
+    # each stage as it comes.
     assert asked == ([2, 6, 1] if remote else [2, 2, 2, 2, 1])
     asked.clear()
     assert kv.mget_h2d(keys[:4] + keys[6:], dst[:4] + dst[6:]) == [None] * 7  # kept leases: no worker asked

@@ -420,7 +420,7 @@ class Client(DeviceObjectsMixin):
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
         cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
         where the worker must be asked, the leases of all keys are asked for at the start, in three requests
-        (the first stage's keys, three times as many again, the rest), so the copies start after one round
+        (the first stage's keys, the next few stages' keys, the rest), so the copies start after one round
         trip and the worker answers the later requests while the first stages' bytes move. A bad
         tensor raises when its stage is reached, after the copies already queued landed (the tensors
         of earlier keys may then hold their data).
@@ -466,13 +466,13 @@ class Client(DeviceObjectsMixin):
                         ask(covered, st.hi)
                         if st.lo == 0 and not answered(st.hi):
                             # The worker is asked (keys not read before, or changed): ask for every other
-                            # lease now, in two requests it answers in turn, three times the first stage's
-                            # keys (answered while the first stage's bytes move), then the rest (while
-                            # those move). Where the local-read cache served the first stage, each stage
-                            # asks for its own as it comes (the cache likely serves it too, at no cost).
-                            k = st.hi
-                            ask(st.hi, min(n, 4 * k))
-                            ask(min(n, 4 * k), n)
+                            # lease now, in two requests it answers in turn, the next few stages' keys
+                            # (answered while the first stage's bytes move), then the rest (while those
+                            # move). Where the local-read cache served the first stage, each stage asks for
+                            # its own as it comes (the cache likely serves it too, at no cost).
+                            nxt = min(n, max(4 * st.hi, 8))
+                            ask(st.hi, nxt)
+                            ask(nxt, n)
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking the next stage while the worker
                 # answers (a stage served by the local-read cache alone goes at once).
