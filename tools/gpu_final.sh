@@ -16,6 +16,9 @@
 #           rows with the session's starting code (ab_old/src, untracked) and the new code in turn (A/B/A/B)
 #   PART=s6b: every GPU test, bench store's device rows A/B/A/B as in s6a, tools/trace_store_device.py, bench device
 #           --quick
+#   PART=s6f: session 6's closing call: every GPU test, bench store's device rows with the code before the 1 MiB
+#           first stage (ab_prev/src, untracked) and the final code in turn (A/B/A/B), tools/trace_store_device.py,
+#           bench device --quick --broadcast-gib 8, bench gather --quick, bench transfer at 32 layers x 16 KiB
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -121,6 +124,20 @@ elif [ "${PART}" = s6b ]; then
   export PYTHONPATH="$PWD/src"
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   bench 100 device --quick --wait 30
+elif [ "${PART}" = s6f ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -15 "$OUT/gpu_tests.log"
+  for v in prev new prev new; do
+    if [ $v = prev ]; then export PYTHONPATH="$PWD/ab_prev/src"; else export PYTHONPATH="$PWD/src"; fi
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  export PYTHONPATH="$PWD/src"
+  cp "$OUT/store.json" "$OUT/store_device.json"
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  bench 120 device --quick --broadcast-gib 8 --wait 30
+  bench 60 gather --quick
+  bench 120 transfer --layers 32 --chunks-kib 16
 else
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops_transfer_plan.py -m gpu 2>&1 | tail -3 | tee -a "$LOG"
   bench 80 device --quick --broadcast-wait both --wait 30
