@@ -14,3 +14,19 @@ def stages_of(n):
             yield device.Stage(lo, lo + len(checked), [c[0] for c in checked], [c[1] for c in checked], None)
 
     return stages
+
+
+class _Landing:
+    """A stage's end event whose copies are still landing when the call looks (``query()`` False)."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+def copies_pending(monkeypatch):
+    """Each stage's copies still in flight when the call gets to sealing or committing the stage before
+    it, as on a GPU: one seal/commit request per stage (CPU copies have all landed: the call sends one)."""
+    monkeypatch.setattr(device, "mark", lambda stream: _Landing())

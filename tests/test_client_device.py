@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import stages_of
+from _stages import copies_pending, stages_of
 from kv_helpers import client_for, worker_config
 from kvstrata.client import device
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
@@ -306,6 +306,9 @@ def test_cuda_mixed_with_cpu_tensors_and_a_side_stream(kv):
 
 @pytest.mark.gpu
 def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
+    # One stage for all four keys: the keys are overwritten right after it is queued (in-process, a later
+    # stage would lease the new objects, as it should).
+    monkeypatch.setattr(device, "FIRST_STAGE_BYTES", 4 << 20)
     keys = [f"gpu-held/{i}" for i in range(4)]
     kv.delete(keys)
     src = [[torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")] for _ in keys]
@@ -396,6 +399,7 @@ def test_pipelined_mset_d2h_keeps_per_key_results_and_seals_stage_by_stage(kv, m
     old = (1, 4, 8)  # already there, in the first, a middle and the last group: left as they are
     assert kv.mset_d2h([keys[i] for i in old], [src[0]] * 3) == [None] * 3
     monkeypatch.setattr(device, "stages", stages_of(3))
+    copies_pending(monkeypatch)
     monkeypatch.setattr(kv._reservation, "limit", 0)  # the create path (the reserved one: test_reservations)
     backend = kv._backend
     calls = []
@@ -422,6 +426,7 @@ def test_pipelined_mset_d2h_aborts_the_unsealed_when_a_seal_fails(kv, monkeypatc
     keys = [f"pipe-abort/{i}" for i in range(7)]
     kv.delete(keys)
     monkeypatch.setattr(device, "stages", stages_of(3))
+    copies_pending(monkeypatch)
     backend = kv._backend
     real = backend.mseal_start
     seals = []

@@ -360,15 +360,24 @@ class Client(DeviceObjectsMixin):
                 _device.enqueue(runs, prev.device, s, first=not marks)
                 marks.append((created, None, _device.mark(s)))
             # Commit or seal stage by stage as its copies land (stream order: a stage's event covers its
-            # copies), each sent without waiting for the worker, whose answers are read at the end.
-            for which, items, event in marks:
+            # copies), each sent without waiting for the worker, whose answers are read at the end. Stages
+            # whose copies have all landed by the time one is sent go in that one request (the first of
+            # them waited for), so the worker answers a few requests per call, not one per stage.
+            j = 0
+            while j < len(marks):
+                if marks[j][2] is not None:
+                    marks[j][2].synchronize()  # the bytes must be in host memory before the objects are sealed
+                k = j + 1
+                while k < len(marks) and (marks[k][2] is None or marks[k][2].query()):
+                    k += 1
+                carved = [m for m in marks[j:k] if m[1] is not None]  # carved stages come before created ones
+                if carved:
+                    which = [i for m in carved for i in m[0]]
+                    seals.append((which, True, backend.commit_start([it for m in carved for it in m[1]], opts)))
+                which = [i for m in marks[j:k] if m[1] is None for i in m[0]]
                 if which:
-                    if event is not None:
-                        event.synchronize()  # the bytes must be in host memory before the objects are sealed
-                    if items is not None:
-                        seals.append((which, True, backend.commit_start(items, opts)))
-                    else:
-                        seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
+                    seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
+                j = k
             while seals:
                 which, committed, token = seals.popleft()  # out first: a reply is read once, even one that raises
                 if committed:
@@ -419,8 +428,8 @@ class Client(DeviceObjectsMixin):
         a copy stream that waits for ``stream`` (default: current); the call returns once they have
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
         cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
-        where the worker must be asked, the leases of all keys are asked for at the start, in three requests
-        (the first stage's keys, the next few stages' keys, the rest), so the copies start after one round
+        where the worker must be asked, the leases of all keys are asked for at the start, in a few requests
+        (the first stage's keys, then growing groups), so the copies start after one round
         trip and the worker answers the later requests while the first stages' bytes move. A bad
         tensor raises when its stage is reached, after the copies already queued landed (the tensors
         of earlier keys may then hold their data).
@@ -466,13 +475,16 @@ class Client(DeviceObjectsMixin):
                         ask(covered, st.hi)
                         if st.lo == 0 and not answered(st.hi):
                             # The worker is asked (keys not read before, or changed): ask for every other
-                            # lease now, in two requests it answers in turn, the next few stages' keys
-                            # (answered while the first stage's bytes move), then the rest (while those
-                            # move). Where the local-read cache served the first stage, each stage asks for
-                            # its own as it comes (the cache likely serves it too, at no cost).
-                            nxt = min(n, max(4 * st.hi, 8))
-                            ask(st.hi, nxt)
-                            ask(nxt, n)
+                            # lease now, in requests it answers in turn, each about three times the keys
+                            # before it (8 keys, then 24, then the rest), so each answer comes while the
+                            # bytes of the keys before it move (the worker leases a key several times
+                            # faster than its 1 MiB crosses PCIe, but answers a request only when done).
+                            # Where the local-read cache served the first stage, each stage asks for its
+                            # own as it comes (the cache likely serves it too, at no cost).
+                            b = max(8, 4 * st.hi)
+                            ask(st.hi, min(n, b))
+                            ask(min(n, b), min(n, 3 * b))
+                            ask(min(n, 3 * b), n)
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking the next stage while the worker
                 # answers (a stage served by the local-read cache alone goes at once).
