@@ -405,7 +405,8 @@ def test_cuda_mset_d2h_takes_the_reserved_path_exact_with_key_exists(kv, monkeyp
             assert kv.mset_d2h([keys[2][n - 1]], [srcs[0][0]]) == [None]  # already there in the tail
             calls.clear()
         res = kv.mset_d2h(keys[r], srcs[r])
-        assert "mcreate" not in calls and calls.count("commit") == n_stages
+        # one commit per stage at most: stages whose copies all landed by then share one
+        assert "mcreate" not in calls and 1 <= calls.count("commit") <= n_stages
         if r == 2:
             assert isinstance(res[n - 1], KeyExists) and res[: n - 1] == [None] * (n - 1)
         else:
