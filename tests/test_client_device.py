@@ -338,12 +338,12 @@ def test_stages_grow_on_a_gpu_call_and_keep_a_cpu_call_whole(monkeypatch):
     cpu = [[torch.zeros(4)] for _ in range(20)]
     assert [(st.lo, st.hi) for st in device.stages(20, cpu)] == [(0, 20)]
     assert list(device.stages(0, [])) == []
-    # a GPU call of 64 x 1 MiB (check_key stubbed: no GPU here): 1, 1.5, 2.25, ... then 16 MiB stages, every key once
+    # a GPU call of 64 x 1 MiB (check_key stubbed: no GPU here): 4, 6, 9, 13.5, then 16 MiB stages, every key once
     monkeypatch.setattr(device, "check_key", lambda ts, i: ([], mib, "cuda"))
     got = list(device.stages(64, [[]] * 64))
-    assert [st.hi - st.lo for st in got] == [1, 2, 3, 4, 6, 8, 12, 16, 12]
-    assert [st.lo for st in got] == [0, 1, 3, 6, 10, 16, 24, 36, 52] and all(st.device == "cuda" for st in got)
-    assert [len(st.sizes) for st in got] == [1, 2, 3, 4, 6, 8, 12, 16, 12]
+    assert [st.hi - st.lo for st in got] == [4, 6, 9, 14, 16, 15]
+    assert [st.lo for st in got] == [0, 4, 10, 19, 33, 49] and all(st.device == "cuda" for st in got)
+    assert [len(st.sizes) for st in got] == [4, 6, 9, 14, 16, 15]
     monkeypatch.setattr(device, "check_key", lambda ts, i: ([], 64 * mib if i == 0 else 1, "cuda"))
     assert [(st.lo, st.hi) for st in device.stages(3, [[]] * 3)] == [(0, 1), (1, 3)]  # a big key: a stage alone
 

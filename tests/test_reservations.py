@@ -387,8 +387,8 @@ def test_reservations_off_and_concurrent_calls_take_the_create_path(worker, monk
 
 @pytest.mark.gpu
 def test_cuda_mset_d2h_takes_the_reserved_path_exact_with_key_exists(kv, monkeypatch):
-    """24 x 256 KiB from the GPU: several stages (1, 1.5, 2.25 MiB, the rest), laid out in the reservation from
-    the second call on, copied on the client's copy stream and committed once each stage's event completed."""
+    """24 x 256 KiB from the GPU: two stages (4 + 2 MiB), laid out in the reservation from the second call on,
+    copied on the client's copy stream and committed once each stage's event completed."""
     n = 24
     calls = _count_calls(monkeypatch, kv._backend)
     srcs = [

@@ -35,15 +35,16 @@ BATCH_RUNS = 16
 # A call's first batch: short, as the copy engine starts on a batch once it is encoded (64 x 1 MiB from idle,
 # host issue included, H200: batches of 16 reached 0.959 of one 64 MiB copy, 2 then 14 then 16s 0.970).
 FIRST_BATCH_RUNS = 2
-# Stages of a pipelined device call (:func:`stages`): the first is small so the DMA starts early (1 MiB is
-# ~19 us of PCIe Gen5 DMA; the host work before it, ~10 us per key and ~20-50 us per stage on the H200 host,
-# is the call's only cost the DMA does not hide), later ones grow by half up to 16 MiB. No stage waits for
-# the worker: mset_d2h lays its objects out in its write reservation and mget_h2d asks for every lease at
-# the start where it must ask at all (the copies wait for that one round trip). Growing by half rather
-# than doubling keeps each stage's host work close to the previous stage's DMA (d = 19 us per 1 MiB key),
-# so the host catches up with the copy engine within a few stages. On the H200 host a 4 MiB first stage
-# put ~60-100 us of host work before the first byte moved, in a call whose DMA takes ~1.2 ms.
-FIRST_STAGE_BYTES = 1 << 20
+# Stages of a pipelined device call (:func:`stages`): the first is small so the DMA starts early (4 MiB is
+# ~75 us of PCIe Gen5 DMA), later ones grow by half up to 16 MiB. No stage waits for the worker: mset_d2h lays
+# its objects out in its write reservation and mget_h2d asks for every lease at the start where it must ask
+# at all (the copies wait for that one round trip). Growing by half rather than doubling keeps each stage's
+# host work (H200 host, 1 MiB keys: ~10 us per key, 20-50 us per stage) close to the previous stage's DMA
+# (19 us per key), so the copy engine waits little while the stages grow. Why 4 MiB and not less: with every
+# setting switched call by call on the H200 (tools/probe_store_ab.py, 200 rounds), a 1 MiB first stage was
+# no faster for kept leases (0.925 against 0.931 of one 64 MiB copy) nor for mset_d2h (0.808 / 0.812) and
+# slower right after a rewrite (0.781 / 0.808): the host work of the extra stages eats what it starts early.
+FIRST_STAGE_BYTES = 4 << 20
 MAX_STAGE_BYTES = 16 << 20
 
 

@@ -1,0 +1,84 @@
+"""The store's device calls (64 x 1 MiB, one real worker, one client) under settings switched call by call, so
+every setting sees the same host speed (the GPU host's Python speed drifts between and within runs): the
+first stage's size (``device.FIRST_STAGE_BYTES``) for ``mget_h2d`` with kept leases, ``mget_h2d`` right after
+a rewrite and ``mset_d2h``; and ``mset_d2h`` with and without the write reservation. Wall time of each call
+from an idle device against one 64 MiB ``copy_``; median and quartiles over ``--iters`` rounds.
+
+    PYTHONPATH=src python3 tools/probe_store_ab.py [--iters 100]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvstrata
+from kvstrata.bench.store import _start_worker
+from kvstrata.client import device
+
+N, SIZE = 64, 1 << 20
+
+
+def main() -> None:
+    iters = int(sys.argv[sys.argv.index("--iters") + 1]) if "--iters" in sys.argv else 100
+    host = torch.empty(N * SIZE, dtype=torch.uint8).pin_memory()
+    big = torch.empty(N * SIZE, dtype=torch.uint8, device="cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = _start_worker(Path(tmp), 4 << 30)
+        try:
+            with kvstrata.connect(address) as kv:
+                src = [[torch.randn(SIZE // 4, device="cuda")] for _ in range(N)]
+                dst = [[torch.empty_like(t[0])] for t in src]
+                keys = [f"ab/{i}" for i in range(N)]
+                limit = kv._reservation.limit
+                stage_sizes = {"1 MiB first stage": 1 << 20, "4 MiB first stage": 4 << 20}
+                cases = {}
+                for name, first in stage_sizes.items():
+                    cases[f"mget_h2d kept leases, {name}"] = ("get", first, limit)
+                    cases[f"mget_h2d after a rewrite, {name}"] = ("rewrite", first, limit)
+                    cases[f"mset_d2h reserved, {name}"] = ("set", first, limit)
+                cases["mset_d2h created (no reservation), 1 MiB first stage"] = ("set", 1 << 20, 0)
+                cases["one 64 MiB copy_"] = ("copy", 0, limit)
+                times: dict[str, list[float]] = {c: [] for c in cases}
+                kv.mset_d2h(keys, src)
+                for it in range(iters + 3):
+                    for case, (op, first, lim) in cases.items():
+                        device.FIRST_STAGE_BYTES = first or device.FIRST_STAGE_BYTES
+                        kv._reservation.limit = lim
+                        if op == "rewrite":
+                            kv.delete(keys)
+                            kv.mset_d2h(keys, src)
+                        elif op == "get":
+                            kv.mget_h2d(keys, dst)  # leases kept from here on
+                        new = [f"ab/{case[:12]}/{it}/{i}" for i in range(N)]
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        if op == "copy":
+                            big.copy_(host, non_blocking=True)
+                            torch.cuda.synchronize()
+                        elif op == "set":
+                            assert kv.mset_d2h(new, src) == [None] * N
+                        else:
+                            kv.mget_h2d(keys, dst)
+                        if it >= 3:
+                            times[case].append(time.perf_counter() - t0)
+                        if op == "set":
+                            kv.delete(new)
+                assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+                ceiling = statistics.median(times["one 64 MiB copy_"])
+                print(f"{iters} rounds, each case once per round in turn; one 64 MiB copy_ {ceiling * 1e6:.0f} us")
+                for case, ts in times.items():
+                    q1, med, q3 = statistics.quantiles(ts, n=4)
+                    print(f"{case:55s} median {med * 1e6:6.0f} us ({q1 * 1e6:5.0f}..{q3 * 1e6:5.0f})  "
+                          f"{ceiling / med:5.3f} of the copy")  # fmt: skip
+        finally:
+            proc.terminate()
+
+
+if __name__ == "__main__":
+    main()
