@@ -29,7 +29,10 @@ _LANE_MIN_POLL = 50e-6
 
 
 class WorkerConnection:
-    """A connection to a worker, and what this process maps of it; :class:`RemoteBackend` adds the calls."""
+    """A connection to a worker, and what this process maps of it.
+
+    :class:`~kvstrata.client.remote.RemoteBackend` adds the calls.
+    """
 
     #: seconds a worker may take to answer, beyond the wait a request asks for (a hung worker)
     request_timeout = 120.0
