@@ -14,26 +14,22 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import itertools
-import logging
 import threading
-import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvstrata.client import device as _device
 from kvstrata.client import reservation as _reservation
 from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
 from kvstrata.client.buffers import ReadBuffer, WritableBuffer
+from kvstrata.client.device_calls import DeviceCallsMixin
 from kvstrata.client.values import byte_view
 from kvstrata.devobj.service import DeviceObjectsMixin
 from kvstrata.errors import ClosedError, KvstrataError
 from kvstrata.server import protocol as P
-
-log = logging.getLogger(__name__)
 
 Result = Any  # per-key: a value (or None) on success, the KvstrataError instance on failure
 
@@ -42,7 +38,7 @@ def _one_or_many(keys: Any, results: list[Any]) -> Any:
     return results[0] if isinstance(keys, str) else results
 
 
-class Client(DeviceObjectsMixin):
+class Client(DeviceCallsMixin, DeviceObjectsMixin):
     """A handle on a node's store. Build it with :func:`kvstrata.connect`; thread-safe; close it when done.
 
     Single-key calls raise (``KeyNotFound``, ``KeyExists``, ``Timeout``, ``CapacityError``...); batch
@@ -281,310 +277,6 @@ class Client(DeviceObjectsMixin):
 
     def refcount(self, key: str) -> int:
         return self._b().refcount(P.check_key(key))
-
-    # host <-> device -----------------------------------------------------------------------------
-    def mset_d2h(
-        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
-    ) -> list[Result]:
-        """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
-
-        A key that already exists is left as it is and reported as KeyExists in its slot. Returns
-        None per stored key. The copies run as copy-engine batches on a copy stream that waits for
-        ``stream`` (default: current). Pipelined in stages (:func:`kvstrata.client.device.stages`).
-        Stages that fit this client's write reservation (:mod:`kvstrata.client.reservation`) are laid
-        out in it here, with no request, and their copies queued at once; each is committed (made a
-        sealed object per key) once its bytes landed. Other stages are created by the worker (the next
-        stage's create in flight while this process queues the current stage's copies) and sealed once
-        their bytes landed. Commits and seals are sent without waiting, so only the last stage's follows
-        the last copy. An error (a bad tensor in a later stage, a failed copy) waits for the queued copies
-        and aborts every object not sealed yet; reserved bytes not committed go to the next call.
-        """
-        keys = P.check_keys(keys)
-        if not keys:
-            _device.check_outer(0, tensor_lists)
-            return []
-        backend = self._b()
-        opts = {"ttl": None, "nx": True, "mode": "memory"}
-        results: list[Result] = [None] * len(keys)
-        created_keys: list[str] = []
-        sealed: set[str] = set()
-        s = None
-        in_flight: collections.deque = collections.deque()  # (stage, create token): one stage ahead
-        # (key indices, committed?, token): commits and seals sent, answers not read yet
-        seals: collections.deque = collections.deque()
-        resv = self._reservation
-        held = resv.take(backend)
-        carving = held
-        known = resv.head if held and resv.end else None  # the worker's head, as last heard
-        call_bytes = 0
-
-        def take(st: Any, token: Any) -> list[int]:
-            created, where = [], []
-            for j, loc in enumerate(backend.mcreate_finish(token)):
-                if isinstance(loc, BaseException):
-                    results[st.lo + j] = loc  # KeyExists for a key already there, left as it is
-                else:
-                    created.append(st.lo + j)
-                    where.append(loc)
-            created_keys.extend(keys[i] for i in created)
-            return created, where
-
-        try:
-            # (key indices, commit items or None for created keys, event after the stage's copies)
-            marks: list[tuple[list[int], Any, Any]] = []
-            stages = _device.stages(len(keys), tensor_lists)
-            for st in itertools.chain(stages, [None]):
-                if st is not None:
-                    call_bytes += sum(map(_reservation.rounded, st.sizes))
-                    locs = resv.carve(st.sizes) if carving else None
-                    if locs is not None:  # laid out in the reservation: the copies go at once
-                        which = list(range(st.lo, st.hi))
-                        if s is None and st.device is not None:
-                            s = _device.start(st.device, stream)
-                        runs = self._plan(which, locs, st.pieces, st.lo, st.device, to_host=True)
-                        _device.enqueue(runs, st.device, s, first=not marks)
-                        items = [(keys[i], loc.size, loc.offset) for i, loc in zip(which, locs)]
-                        marks.append((which, items, _device.mark(s)))
-                        continue
-                    carving = False  # the rest of the call is created by the worker, in stage order
-                    in_flight.append((st, backend.mcreate_start(list(zip(keys[st.lo : st.hi], st.sizes)), opts)))
-                    if len(in_flight) < 2:
-                        continue  # check the next stage while the worker creates this one
-                if not in_flight:
-                    continue
-                prev, token = in_flight.popleft()
-                created, where = take(prev, token)
-                if s is None and prev.device is not None:
-                    s = _device.start(prev.device, stream)
-                runs = self._plan(created, where, prev.pieces, prev.lo, prev.device, to_host=True)
-                _device.enqueue(runs, prev.device, s, first=not marks)
-                marks.append((created, None, _device.mark(s)))
-            # Commit or seal stage by stage as its copies land (stream order: a stage's event covers its
-            # copies), each sent without waiting for the worker, whose answers are read at the end. Stages
-            # whose copies have all landed by the time one is sent go in that one request (the first of
-            # them waited for), so the worker answers a few requests per call, not one per stage.
-            j = 0
-            while j < len(marks):
-                if marks[j][2] is not None:
-                    marks[j][2].synchronize()  # the bytes must be in host memory before the objects are sealed
-                k = j + 1
-                while k < len(marks) and (marks[k][2] is None or marks[k][2].query()):
-                    k += 1
-                carved = [m for m in marks[j:k] if m[1] is not None]  # carved stages come before created ones
-                if carved:
-                    which = [i for m in carved for i in m[0]]
-                    seals.append((which, True, backend.commit_start([it for m in carved for it in m[1]], opts)))
-                which = [i for m in marks[j:k] if m[1] is None for i in m[0]]
-                if which:
-                    seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
-                j = k
-            while seals:
-                which, committed, token = seals.popleft()  # out first: a reply is read once, even one that raises
-                if committed:
-                    known = None  # unknown while the reply is not read (it may raise)
-                    rs, known = backend.commit_finish(token)  # a refused key's piece was freed by the worker
-                    for i, r in zip(which, rs):
-                        results[i] = r
-                    continue
-                for i, r in zip(which, backend.mseal_finish(token)):
-                    results[i] = r
-                    if r is None:
-                        sealed.add(keys[i])
-            refused = [k for k in created_keys if k not in sealed]
-            if refused:  # a seal the worker refused (its error is in the key's slot): no create left open
-                self._abort_quietly(backend, refused)
-        except BaseException:
-            if s is not None:
-                s.synchronize()  # no copy may still write into an object being aborted, or reserved bytes
-            for st, token in in_flight:  # creates sent and not read yet: their objects must go too
-                try:
-                    take(st, token)
-                except Exception as exc:  # the connection may be what failed
-                    log.debug("mset_d2h: create reply lost while undoing (%s)", exc)
-            for which, committed, token in seals:  # sent and not read yet: those that worked stay
-                try:
-                    if committed:
-                        known = backend.commit_finish(token)[1]
-                    else:
-                        sealed.update(keys[i] for i, r in zip(which, backend.mseal_finish(token)) if r is None)
-                except Exception as exc:
-                    if committed:
-                        known = None  # the worker's head is unknown now: this client's reservation is dropped
-                    log.debug("mset_d2h: seal reply lost while undoing (%s)", exc)
-            self._abort_quietly(backend, [k for k in created_keys if k not in sealed])
-            raise
-        finally:
-            if held:
-                resv.give(backend, known, call_bytes)
-        return results
-
-    def mget_h2d(
-        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
-    ) -> list[Result]:
-        """Fill each key's tensors (device or CPU) from its object, split in order. Returns None per key filled.
-
-        The tensors' sizes must add up to the object's size (ValueError in that key's slot
-        otherwise). Waits up to ``timeout`` for missing keys. The copies run as copy-engine batches on
-        a copy stream that waits for ``stream`` (default: current); the call returns once they have
-        landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
-        cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
-        where the worker must be asked, the leases of all keys are asked for at the start, in a few requests
-        (the first stage's keys, then growing groups), so the copies start after one round
-        trip and the worker answers the later requests while the first stages' bytes move. A bad
-        tensor raises when its stage is reached, after the copies already queued landed (the tensors
-        of earlier keys may then hold their data).
-        """
-        keys = P.check_keys(keys)
-        timeout = P.check_timeout(timeout)
-        if not keys:
-            _device.check_outer(0, tensor_lists)
-            return []
-        backend = self._b()
-        n = len(keys)
-        results: list[Result] = [None] * n
-        leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back
-        held: list[int] = []
-        deadline = time.monotonic() + timeout
-        s = None
-        first = True
-        asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
-        ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
-        done = 0  # keys [0, done) are counted in ``held`` or ``results``
-        covered = 0  # keys [0, covered) have their leases asked for
-
-        def ask(lo: int, hi: int) -> None:
-            nonlocal covered
-            if lo < hi:
-                left = max(0.0, deadline - time.monotonic()) if timeout else 0
-                # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
-                asked.append((lo, hi, backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False)))
-                covered = hi
-
-        def answered(hi: int) -> bool:  # the leases of keys < hi need no worker answer still
-            return all(backend.acquire_ready(tok) for lo, _, tok in asked if lo < hi)
-
-        def collect(hi: int) -> None:  # read the acquires covering keys < hi
-            while asked and asked[0][0] < hi:
-                lo, top, tok = asked.popleft()  # out first: a reply is read once, even one that raises
-                leases[lo:top] = backend.acquire_finish(tok)
-
-        try:
-            for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
-                if st is not None:
-                    if covered < st.hi:
-                        ask(covered, st.hi)
-                        if st.lo == 0 and not answered(st.hi):
-                            # The worker is asked (keys not read before, or changed): ask for every other
-                            # lease now, in requests it answers in turn, each about three times the keys
-                            # before it (8 keys, then 24, then the rest), so each answer comes while the
-                            # bytes of the keys before it move (the worker leases a key several times
-                            # faster than its 1 MiB crosses PCIe, but answers a request only when done).
-                            # Where the local-read cache served the first stage, each stage asks for its
-                            # own as it comes (the cache likely serves it too, at no cost).
-                            b = max(8, 4 * st.hi)
-                            ask(st.hi, min(n, b))
-                            ask(min(n, b), min(n, 3 * b))
-                            ask(min(n, 3 * b), n)
-                    ready.append(st)
-                # Queue a stage's copies once its leases are in, checking the next stage while the worker
-                # answers (a stage served by the local-read cache alone goes at once).
-                while ready and (st is None or len(ready) > 1 or answered(ready[0].hi)):
-                    prev = ready.popleft()
-                    collect(prev.hi)
-                    filled, locs = [], []
-                    for j in range(prev.hi - prev.lo):
-                        i = prev.lo + j
-                        lease = leases[i]
-                        if isinstance(lease, BaseException):
-                            results[i] = lease
-                            continue
-                        held.append(lease.lease_id)
-                        loc = lease.location
-                        if prev.sizes[j] != loc.size:
-                            results[i] = ValueError(
-                                f"tensor_lists[{i}]: {prev.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
-                            )
-                            continue
-                        filled.append(i)
-                        locs.append(loc)
-                    done = prev.hi
-                    if s is None and prev.device is not None:
-                        s = _device.start(prev.device, stream)
-                    runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
-                    _device.enqueue(runs, prev.device, s, first=first)
-                    first = False
-            event = _device.mark(s)
-            if event is not None:
-                event.synchronize()  # the leases pin the source bytes until the copies are done
-        except BaseException:
-            if s is not None:
-                s.synchronize()  # the leases below must outlive every queued copy
-            # Leases read but not yet counted as held, and leases requested and not read yet, go back too.
-            held.extend(x.lease_id for x in leases[done:] if x is not None and not isinstance(x, BaseException))
-            while asked:
-                _, _, tok = asked.popleft()
-                try:
-                    held.extend(x.lease_id for x in backend.acquire_finish(tok) if not isinstance(x, BaseException))
-                except Exception as exc:
-                    log.debug("mget_h2d: lease reply lost while undoing (%s)", exc)
-            raise
-        finally:
-            if held:
-                self._release_leases(held)
-        return results
-
-    def _plan(
-        self, which: list[int], locs: list[Any], pieces: list[Any], lo: int, device: Any, *, to_host: bool
-    ) -> Any:
-        """The copies between keys ``which`` (their objects at ``locs``) and their tensors (key ``i``'s pieces
-        at ``pieces[i - lo]``), as address runs. Segments the device copies touch are registered with CUDA
-        first (once per client)."""
-        backend = self._backend
-        runs = _device.new_runs()
-        bases: dict[int, int] = {}
-        for i, loc in zip(which, locs):
-            if not loc.size:
-                continue
-            base = bases.get(loc.segment)
-            if base is None:
-                base = bases[loc.segment] = backend.segment_address(loc.segment)
-            _device.plan(pieces[i - lo], base + loc.offset, to_host, runs, loc.segment)
-        if runs.device:
-            self._registrations.ensure(bases, backend.segment_address, backend.segment_nbytes)
-        return runs
-
-    def async_mset_d2h(
-        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
-    ) -> concurrent.futures.Future:
-        """:meth:`mset_d2h` in the background; the Future's result is its per-key list."""
-        return self._submit(self.mset_d2h, keys, tensor_lists, stream=self._caller_stream(stream, tensor_lists))
-
-    def async_mget_h2d(
-        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
-    ) -> concurrent.futures.Future:
-        """:meth:`mget_h2d` in the background; don't read the tensors before the Future is done."""
-        stream = self._caller_stream(stream, tensor_lists)
-        return self._submit(self.mget_h2d, keys, tensor_lists, timeout=timeout, stream=stream)
-
-    @staticmethod
-    def _caller_stream(stream: Any, tensor_lists: Any) -> Any:
-        # The current stream is per thread: the copies must follow the caller's, not the pool thread's.
-        if stream is not None:
-            return stream
-        import torch
-
-        for ts in tensor_lists:
-            for t in ts:
-                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                    return torch.cuda.current_stream(t.device)
-        return None
-
-    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        self._b()
-        with self._exec_lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvstrata-client")
-        return self._executor.submit(fn, *args, **kwargs)
 
     # operations ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

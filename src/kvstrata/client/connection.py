@@ -1,0 +1,329 @@
+"""A client's connection to its worker: the plumbing under :class:`~kvstrata.client.remote.RemoteBackend`.
+
+Requests one at a time (``request``) or pipelined by tag (``send_tagged`` / ``tagged_reply``: a reply read
+by whoever reads the connection next waits in a stash for its sender); small requests through the
+shared-memory lane (:mod:`kvstrata.server.lane`) while the worker polls it; lease releases and aborts
+deferred from finalizers riding along with the next request; the worker's segments mapped from the
+descriptors it sends; the local-read cache (:mod:`kvstrata.client.local_reads`) set up from the handshake.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from kvstrata.client.backends import Loc, _segment_tensor
+from kvstrata.client.local_reads import MAX_BYTES, LocalReads
+from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
+from kvstrata.server import lane as _lane
+from kvstrata.server import protocol as P
+from kvstrata.transport.stream import pack, unpack
+
+log = logging.getLogger(__name__)
+#: seconds a lane request is polled for before the worker is asked over the socket, at least
+_LANE_MIN_POLL = 50e-6
+
+
+class WorkerConnection:
+    """A connection to a worker, and what this process maps of it.
+
+    :class:`~kvstrata.client.remote.RemoteBackend` adds the calls.
+    """
+
+    #: seconds a worker may take to answer, beyond the wait a request asks for (a hung worker)
+    request_timeout = 120.0
+
+    def __init__(self, address: str, *, timeout: float = 10.0, name: str | None = None) -> None:
+        from kvstrata.transport import connect
+
+        hello = {"shm": True, "lane": _lane.supported()}
+        if name:
+            hello["name"] = name
+        self.address = address
+        self._conn = connect(address, timeout=timeout, hello=hello)
+        self.inline_max = int(self._conn.peer_info.get("inline_max", P.INLINE_MAX))
+        self.shm = self._conn.can_pass_fds
+        self._segments: dict[int, Any] = {}
+        self._tensors: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._deferred: collections.deque[int] = collections.deque()
+        self._deferred_aborts: collections.deque[str] = collections.deque()
+        self._pid = os.getpid()
+        self._broken = ""
+        self._closed = False
+        fds = list(self._conn.handshake_fds)
+        self._lane: _lane.Lane | None = None
+        at = self._conn.peer_info.get("lane")
+        if isinstance(at, int) and 0 < at < len(fds):
+            from kvstrata.memory.shm import SharedSegment
+
+            self._lane = _lane.Lane(SharedSegment.attach(fds.pop(at), _lane.LANE_BYTES))
+        self._local: LocalReads | None = None
+        if "generation_page" in self._conn.peer_info and fds:
+            from kvstrata.memory.shm import SharedSegment
+            from kvstrata.server.validity import PAGE_BYTES, SLOTS_OFFSET, TABLE_BYTES
+
+            spin_offset = self._conn.peer_info.get("spin_hint")
+            if not isinstance(spin_offset, int) or not 0 <= spin_offset <= PAGE_BYTES - 8 or spin_offset % 8:
+                spin_offset = None
+            if self._conn.peer_info.get("pid") == os.getpid():  # the worker runs on our GIL: never poll
+                spin_offset = None
+            cache_bytes = self._conn.peer_info.get("cache_bytes")
+            page_fd = fds.pop(0)
+            if self._conn.peer_info.get("slots") != SLOTS_OFFSET:  # another kvstrata version's worker
+                os.close(page_fd)
+                log.warning("worker at %s lays out its local-read table differently: every read asks it", address)
+            else:
+                self._local = LocalReads(
+                    SharedSegment.attach(page_fd, TABLE_BYTES),
+                    max_bytes=cache_bytes if isinstance(cache_bytes, int) and cache_bytes >= 0 else MAX_BYTES,
+                    spin_offset=spin_offset,
+                    slots_offset=SLOTS_OFFSET,
+                )
+        # Leases shared by the local-read cache and zero-copy views made from its entries: how many
+        # of them hold each one. Such a lease goes back to the worker only when the last lets go, so
+        # a view's bytes stay pinned even after the cache dropped its entry.
+        self._holders: dict[int, int] = {}
+        # Pipelined requests (:meth:`send_tagged`): replies read by whoever reads the connection next and
+        # kept here by tag until their sender collects them (replies come in request order).
+        self._stash: dict[int, dict] = {}
+        self._tag = 0
+        self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
+
+    # plumbing ----------------------------------------------------------------------------------------
+    def request(self, msg: dict) -> dict:
+        with self._lock:
+            self._prepare(msg)
+            spin = self._local.spin() if self._local is not None else 0.0
+            lane = self._lane
+            if lane is not None and msg["op"] in _lane.LANE_OPS and lane.polling():
+                payload = pack(msg)
+                if len(payload) <= _lane.REQUEST_BYTES:
+                    reply = self._lane_request(lane, payload, spin)
+                    if "err" in reply:
+                        raise P.error_from_record(reply["err"])
+                    return reply
+            self._conn.send(msg)
+            reply = self._untagged_reply(msg, spin)
+        if "err" in reply:
+            raise P.error_from_record(reply["err"])
+        return reply
+
+    def send_tagged(self, msg: dict, *, carry: bool = True) -> int:
+        """Send ``msg`` as a pipelined request and return its tag at once; :meth:`tagged_reply` collects
+        the reply. Lets a caller keep several requests in flight, so the worker handles one while the
+        caller prepares the next (requests still run in the order sent). ``carry=False``: deferred lease
+        releases and aborts do not ride along (they would delay this reply; a later message takes them)."""
+        with self._lock:
+            self._prepare(msg, carry=carry)
+            self._tag += 1
+            msg["tag"] = tag = self._tag
+            self._conn.send(msg)
+            return tag
+
+    def tagged_reply(self, tag: int, wait: float | None = 0) -> dict:
+        """The reply to the pipelined request ``tag`` (raising its error), reading the connection as far
+        as needed; ``wait``: the seconds that request asked the worker to wait (None: no limit)."""
+        with self._lock:
+            spin = self._local.spin() if self._local is not None else 0.0
+            while tag not in self._stash:
+                if self._broken:
+                    raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken})")
+                reply = self._read_reply({"op": "pipelined request", "timeout": wait}, spin)
+                got = reply.get("tag")
+                if got is None:
+                    self._broken = "an unexpected reply"
+                    self._conn.close()
+                    raise ProtocolError(f"worker sent a reply nobody asked for while {tag} was awaited")
+                self._stash[got] = reply
+            reply = self._stash.pop(tag)
+        if "err" in reply:
+            raise P.error_from_record(reply["err"])
+        return reply
+
+    def _prepare(self, msg: dict, *, carry: bool = True) -> None:
+        """Checks before a request is sent, and what rides along with it (call under the lock)."""
+        if self._closed:
+            raise ClosedError("client is closed")
+        if self._broken:
+            raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
+        if self._pid != os.getpid():
+            raise ClosedError("this client was connected in the parent process; connect again after fork()")
+        if self._local is not None and len(self._local):
+            self._deferred.extend(self._local.stale())
+        if not carry:
+            return
+        if self._deferred:
+            rel = self._drain_deferred()
+            if rel:
+                msg["rel"] = rel
+        if self._deferred_aborts:
+            msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
+
+    def _untagged_reply(self, msg: dict, spin: float) -> dict:
+        """The reply to the ordinary request ``msg`` just sent (call under the lock). Replies of pipelined
+        requests sent before it come first: they are kept for their senders."""
+        while True:
+            reply = self._read_reply(msg, spin)
+            tag = reply.get("tag")
+            if tag is None:
+                return reply
+            self._stash[tag] = reply
+
+    def _read_reply(self, msg: dict, spin: float) -> dict:
+        """The next reply on the connection, its new segments mapped (call under the lock)."""
+        try:
+            wait = msg.get("timeout", 0)  # None: the worker waits until the key exists, and so do we
+            reply, fds = self._conn.recv(timeout=None if wait is None else self.request_timeout + wait, spin=spin)
+        except Timeout:
+            # The reply may still come and would answer the next request: this connection is done.
+            self._broken = "the worker stopped answering"
+            self._conn.close()
+            raise ConnectionLost(
+                f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
+            ) from None
+        if fds or "segs" in reply:
+            self._absorb_segments(reply.pop("segs", []), fds)
+        return reply
+
+    def _lane_request(self, lane: _lane.Lane, payload: bytes, spin: float) -> dict:
+        """One request through the lane (under the lock): poll for the answer while the worker polls, else
+        tell the worker over the socket and wait for its word there (see :mod:`kvstrata.server.lane`)."""
+        seq = lane.submit(payload)
+        clock, yield_cpu = time.perf_counter, os.sched_yield
+        end = clock() + max(spin, _LANE_MIN_POLL)
+        while not lane.answered(seq):
+            if clock() >= end or not lane.polling():
+                self._conn.send({"op": "lane", "seq": seq})
+                reply = self._untagged_reply({"op": "lane"}, 0.0)
+                if "err" in reply:
+                    raise P.error_from_record(reply["err"])
+                if not lane.answered(seq):
+                    raise ProtocolError(f"worker answered lane request {seq} with {reply.get('seq')!r}")
+                break
+            yield_cpu()
+        return unpack(lane.reply())
+
+    def _drain_deferred(self) -> list[int]:
+        """Deferred releases that are due (call under the lock): shared leases only when their last holder lets go."""
+        out = []
+        while self._deferred:
+            out.append(self._deferred.popleft())
+        return self._unhold(out) if self._holders else out
+
+    def _unhold(self, ids: list[int]) -> list[int]:
+        out = []
+        holders = self._holders
+        for lease_id in ids:
+            n = holders.get(lease_id)
+            if n is None:
+                out.append(lease_id)
+            elif n > 1:
+                holders[lease_id] = n - 1
+            else:
+                del holders[lease_id]
+                out.append(lease_id)
+        return out
+
+    def _hold(self, lease_id: int, n: int = 1) -> None:
+        self._holders[lease_id] = self._holders.get(lease_id, 0) + n
+
+    def _absorb_segments(self, segs: list, fds: list[int]) -> None:
+        from kvstrata.memory.shm import SharedSegment
+
+        if len(segs) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"worker sent {len(fds)} descriptors for {len(segs)} segments")
+        for (index, nbytes), fd in zip(segs, fds):
+            if index in self._segments:
+                os.close(fd)
+            else:
+                self._segments[index] = SharedSegment.attach(fd, nbytes)
+
+    def view(self, loc: Any) -> memoryview:
+        if loc.size == 0:
+            return memoryview(bytearray())
+        seg = self._segment(loc.segment)
+        return seg.buffer[loc.offset : loc.offset + loc.size]
+
+    def _segment(self, index: int) -> Any:
+        seg = self._segments.get(index)
+        if seg is None:  # not sent with the reply (too many new segments at once): ask for it
+            self.request({"op": "segments", "indices": [index]})
+            seg = self._segments.get(index)
+            if seg is None:
+                raise ProtocolError(f"worker pointed into segment {index}, which it does not have")
+        return seg
+
+    def segment_tensor(self, index: int) -> Any:
+        t = self._tensors.get(index)
+        if t is None:
+            t = self._tensors[index] = _segment_tensor(self._segment(index))
+        return t
+
+    def segment_address(self, index: int) -> int:
+        """Where segment ``index`` is mapped in this process."""
+        seg = self._segments.get(index)
+        return (seg if seg is not None else self._segment(index)).address
+
+    def segment_nbytes(self, index: int) -> int:
+        return self._segment(index).nbytes
+
+    def release(self, ids: list[int]) -> None:
+        with self._lock:
+            if self._closed or self._conn.closed:
+                return  # the worker released them when the connection ended
+            self._deferred.extend(ids)
+            ids = self._drain_deferred()
+            if ids:
+                self._conn.send({"op": "release", "ids": ids})
+
+    def defer_release(self, lease_id: int) -> None:
+        """From a finalizer: no locks or I/O here, the next request carries it."""
+        self._deferred.append(lease_id)
+
+    def defer_abort(self, key: str) -> None:
+        """From a finalizer of a buffer dropped unsealed: the next request aborts the write."""
+        self._deferred_aborts.append(key)
+
+    @staticmethod
+    def _item(item: dict) -> Any:
+        return P.error_from_record(item["err"]) if "err" in item else item
+
+    @staticmethod
+    def _loc(raw: list) -> Loc:
+        return Loc(*raw)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._conn.closed and self._pid == os.getpid():
+                try:
+                    self._conn.send({"op": "bye"})
+                except KvstrataError:
+                    pass
+            self._conn.close()  # the worker releases our leases and aborts our unfinished writes
+        self._tensors.clear()
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
+        if self._local is not None:
+            self._local.close()
+        for seg in self._segments.values():
+            _close_segment(seg)
+        self._segments.clear()
+
+
+def _close_segment(seg: Any) -> None:
+    try:
+        seg.close()
+    except BufferError:
+        # A view the user still holds pins the mapping; it goes when the last view does.
+        log.debug("segment still viewed by the application; unmapped when the last view goes")

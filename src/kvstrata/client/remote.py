@@ -1,0 +1,240 @@
+"""The worker's backend: a :class:`~kvstrata.client.Client` speaking :mod:`kvstrata.server.protocol` to a worker.
+
+The KV and object calls, as requests and replies; current values come straight out of shared memory
+through the local-read cache (:mod:`kvstrata.client.local_reads`) where it holds them. How requests
+travel (one at a time, pipelined by tag, or through the lane), deferred releases and the worker's
+segments are :class:`~kvstrata.client.connection.WorkerConnection`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from itertools import repeat
+from typing import Any
+
+from kvstrata.client.backends import Lease, Loc
+from kvstrata.client.connection import WorkerConnection
+from kvstrata.server import protocol as P
+
+_ONE = 1  # a flag of 1: a mutable object (kvstrata.server.handlers._acquire)
+#: builds a NamedTuple from a tuple in C (its generated __new__ is Python: twice the cost over a 64-key reply)
+_new = tuple.__new__
+
+
+def _locs(flat: list[int]) -> Any:
+    """The :class:`Loc` of each ``[segment, offset, size]`` of a flat reply list."""
+    return map(_new, repeat(Loc), zip(flat[0::3], flat[1::3], flat[2::3]))
+
+
+class RemoteBackend(WorkerConnection):
+    """A connection to a worker. Requests are serialized on the connection (one at a time)."""
+
+    # calls ---------------------------------------------------------------------------------------
+    def put(self, key: str, data: memoryview, opts: dict) -> None:
+        msg = {"op": "put", "key": key, "v": data}
+        if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
+            msg.update(opts)
+        self.request(msg)
+
+    def mput(self, items: list[tuple[str, memoryview]], opts: dict) -> list[Any]:
+        reply = self.request({"op": "mput", "items": items, **opts})
+        return [self._item(i) for i in reply["items"]]
+
+    def create(self, key: str, size: int, opts: dict) -> Loc:
+        return self._loc(self.request({"op": "create", "key": key, "size": size, **opts})["loc"])
+
+    def mcreate(self, items: list[tuple[str, int]], opts: dict) -> list[Any]:
+        return self.mcreate_finish(self.mcreate_start(items, opts))
+
+    def mcreate_start(self, items: list[tuple[str, int]], opts: dict) -> Any:
+        """:meth:`mcreate`, sent and not waited for (pipelined); :meth:`mcreate_finish` takes its result."""
+        msg = {"op": "mcreate", "items": items}
+        if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
+            msg.update(opts)
+        return self.send_tagged(msg)
+
+    def mcreate_finish(self, token: Any) -> list[Any]:
+        reply = self.tagged_reply(token)
+        flat = reply["locs"]
+        out: list[Any] = list(_locs(flat))
+        for i, name, message in reply.get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out
+
+    def finish(self, action: str, key: str) -> None:
+        self.request({"op": action, "key": key})
+
+    def mseal(self, keys: list[str]) -> list[Any]:
+        return self.mseal_finish(self.mseal_start(keys))
+
+    def mseal_start(self, keys: list[str]) -> Any:
+        """:meth:`mseal`, sent and not waited for (pipelined); :meth:`mseal_finish` takes its result."""
+        return self.send_tagged({"op": "mseal", "keys": keys}), len(keys)
+
+    def mseal_finish(self, token: Any) -> list[Any]:
+        tag, n = token
+        out: list[Any] = [None] * n
+        for i, name, message in self.tagged_reply(tag).get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out
+
+    def reserve_start(self, nbytes: int) -> Any:
+        """Ask for a write reservation of ``nbytes`` (``kvstrata.store.reservations``), not waited for;
+        :meth:`reserve_finish` takes the granted extent."""
+        return self.send_tagged({"op": "reserve", "size": nbytes}, carry=False)
+
+    def reserve_finish(self, token: Any) -> Loc:
+        return self._loc(self.tagged_reply(token)["loc"])
+
+    def commit_start(self, items: list[tuple[str, int, int]], opts: dict) -> Any:
+        """Commit ``(key, size, offset)`` s carved from this client's reservation, not waited for;
+        :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``."""
+        msg = {"op": "commit", "items": items}
+        if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
+            msg.update(opts)
+        return self.send_tagged(msg), len(items)
+
+    def commit_finish(self, token: Any) -> tuple[list[Any], int | None]:
+        tag, n = token
+        reply = self.tagged_reply(tag)
+        out: list[Any] = [None] * n
+        for i, name, message in reply.get("errs", ()):
+            out[i] = P.error_from_record((name, message))
+        return out, reply.get("head")
+
+    def get(self, key: str, timeout: float) -> bytes:
+        local = self._local
+        if local is None:
+            return self._value(self.request({"op": "get", "key": key, "timeout": timeout}))
+        generation = local.generation()  # read before the request: see kvstrata.server.validity
+        with self._lock:
+            if not self._closed and self._pid == os.getpid():
+                loc = local.lookup(key)
+                # Still current, and the worker still there (a dead one makes its socket readable at EOF):
+                # straight out of shared memory, no round trip.
+                if loc is not None and not select.select([self._conn.fileno()], [], [], 0)[0]:
+                    return bytes(self._segments[loc.segment].buffer[loc.offset : loc.offset + loc.size])
+        reply = self.request({"op": "get", "key": key, "timeout": timeout, "cache": True})
+        if not reply.get("cache"):
+            return self._value(reply)
+        loc = self._loc(reply["loc"])
+        data = bytes(self.view(loc))
+        with self._lock:
+            lease_id = reply["lease"]
+            drop = [lease_id] if self._closed else self._cache_add(key, lease_id, loc, generation, reply.get("slot", 0))
+        if drop:
+            self.release(drop)
+        return data
+
+    def _cache_add(self, key: str, lease_id: int, loc: Loc, generation: int, slot: int) -> list[int]:
+        """Offer a lease to the local-read cache (under the lock); returns leases the cache let go of."""
+        drop = self._local.add(key, lease_id, loc, generation, slot)
+        if lease_id not in drop:
+            self._hold(lease_id)  # the cache's hold
+        return drop
+
+    def mget(self, keys: list[str], timeout: float) -> list[Any]:
+        items = self.request({"op": "mget", "keys": keys, "timeout": timeout})["items"]
+        return [r if isinstance(r, BaseException) else self._value(r) for r in map(self._item, items)]
+
+    def _value(self, item: dict) -> bytes:
+        if "v" in item:
+            return item["v"]
+        try:
+            return bytes(self.view(self._loc(item["loc"])))  # the one copy, straight out of shared memory
+        finally:
+            self.release([item["lease"]])
+
+    def acquire(self, keys: list[str], timeout: float, *, cache: bool | str = False) -> list[Any]:
+        """Leases for zero-copy views. A key the local-read cache holds current needs no round trip:
+        the view shares the cache's lease (see ``_holders``), so its bytes stay pinned until released.
+        ``cache``: also keep the leases of cacheable objects fetched now, for later calls (``"fit"``:
+        only where they fit beside the entries already kept, pushing none out)."""
+        return self.acquire_finish(self.acquire_start(keys, timeout, cache=cache))
+
+    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False, carry: bool = True) -> Any:
+        """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
+        (pipelined, ``carry`` as in :meth:`send_tagged`); :meth:`acquire_finish` completes it,
+        :meth:`acquire_ready` says whether that needs the worker's answer still."""
+        local = self._local
+        out: list[Any] = [None] * len(keys)
+        generation = 0
+        if local is not None:
+            generation = local.generation()  # read before the request: see kvstrata.server.validity
+            with self._lock:
+                usable = len(local) and not self._closed and self._pid == os.getpid()
+                if usable and not select.select([self._conn.fileno()], [], [], 0)[0]:  # a dead worker reads EOF
+                    holders = self._holders
+                    for i, entry in enumerate(local.entries(keys)):
+                        if entry is not None:
+                            lease_id = entry[0]
+                            holders[lease_id] = holders.get(lease_id, 0) + 1  # the view's hold
+                            out[i] = Lease(lease_id, entry[1], False)
+        if None not in out:
+            return keys, out, None, None, generation, cache
+        missing = [i for i, lease in enumerate(out) if lease is None]
+        msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
+        if cache and local is not None:
+            msg["cache"] = True
+        return keys, out, missing, (self.send_tagged(msg, carry=carry), timeout), generation, cache
+
+    @staticmethod
+    def acquire_ready(token: Any) -> bool:
+        """Whether an :meth:`acquire_start` was served by the local-read cache alone (nothing to wait for)."""
+        return token[3] is None
+
+    def acquire_finish(self, token: Any) -> list[Any]:
+        keys, out, missing, sent, generation, cache = token
+        if sent is None:
+            return out
+        local = self._local
+        reply = self.tagged_reply(*sent)
+        ids, flat, flags = reply["ids"], reply["locs"], reply["flags"]
+        leases = map(_new, repeat(Lease), zip(ids, _locs(flat), map(_ONE.__eq__, flags)))
+        if len(missing) == len(out):
+            out[:] = leases
+        else:
+            for i, lease in zip(missing, leases):
+                out[i] = lease
+        # 2 + the key's slot: a lease the local-read cache may keep
+        offered = [(i, flag - 2) for i, flag in zip(missing, flags) if flag >= 2]
+        for j, name, message in reply.get("errs", ()):
+            out[missing[j]] = P.error_from_record((name, message))
+        drop: list[int] = []
+        if offered and local is not None:
+            with self._lock:
+                if not self._closed:
+                    batch = [(keys[i], out[i][0], out[i][1], slot) for i, slot in offered]
+                    drop = local.add_many(batch, generation, evict=cache != "fit")
+                    # A lease the cache kept has two holders (the cache, the view); one it refused or already
+                    # pushed out again is the view's alone (it is released directly, as an unheld lease).
+                    kept = {item[1] for item in batch}
+                    refused = kept.intersection(drop)
+                    if refused:
+                        kept -= refused
+                        drop = [d for d in drop if d not in refused]
+                    holders = self._holders
+                    if holders.keys().isdisjoint(kept):  # new leases, as the worker's ids always are
+                        holders.update(dict.fromkeys(kept, 2))
+                    else:
+                        for lease_id in kept:
+                            holders[lease_id] = holders.get(lease_id, 0) + 2
+        if drop:
+            self.release(drop)
+        return out
+
+    def read(self, key: str, offset: int, size: int) -> bytes:
+        return self.request({"op": "read", "key": key, "offset": offset, "size": size})["v"]
+
+    def keys_op(self, op: str, keys: list[str], **kw: Any) -> list[Any]:
+        return self.request({"op": op, "keys": keys, **kw})["r"]
+
+    def refcount(self, key: str) -> int:
+        return self.request({"op": "refcount", "key": key})["r"]
+
+    def stats(self) -> dict:
+        return self.request({"op": "stats"})["stats"]
+
+    def flush(self) -> None:
+        self.request({"op": "flush"})
