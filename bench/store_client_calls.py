@@ -7,7 +7,7 @@ this process (median of ``--iters`` calls after warm-up). With CUDA the tensors 
 it they are CPU tensors and the copy is a memcpy. ``mget_h2d`` is timed twice: keys read before and
 unchanged since (their leases kept by the client: no round trip) and right after a write elsewhere
 (one round trip). On the CPU the copies' own time is measured inside each call (``copy_us``, the
-time in ``kvstrata.client.device.run``) and ``overhead_us`` is the rest: round trips, Python,
+time in ``kvstrata.client.device.enqueue``) and ``overhead_us`` is the rest: round trips, Python,
 leases. With CUDA the copies are asynchronous: ``floor_us`` is one pinned ``copy_`` of the same
 bytes, timed in the same run, and ``overhead_us`` is the call minus that floor.
 ``--profile`` prints a cProfile of the mget_h2d loop at the last size.
@@ -33,7 +33,7 @@ from kvstrata.client import device as client_device
 from kvstrata.units import parse_size
 
 _in_copies = [0.0]
-_run = client_device.run
+_run = client_device.enqueue
 
 
 def _timed_run(*args, **kwargs):
@@ -44,7 +44,7 @@ def _timed_run(*args, **kwargs):
         _in_copies[0] += time.perf_counter() - t0
 
 
-client_device.run = _timed_run  # kvstrata.client.client calls it through the module
+client_device.enqueue = _timed_run  # kvstrata.client.device_calls calls it through the module
 
 
 def _median_us(fn, iters: int, warmup: int = 5) -> float:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from kvstrata.client.backends import Loc, _segment_tensor
+from kvstrata.client._shared import Loc, _segment_tensor
 from kvstrata.client.local_reads import MAX_BYTES, LocalReads
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
 from kvstrata.server import lane as _lane

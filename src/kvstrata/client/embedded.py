@@ -11,7 +11,7 @@ import itertools
 import os
 from typing import Any
 
-from kvstrata.client.backends import Lease, Loc, _segment_tensor
+from kvstrata.client._shared import Lease, Loc, _segment_tensor
 from kvstrata.errors import ClosedError, KvstrataError
 
 _embedded_owners = itertools.count(1)

@@ -13,7 +13,7 @@ import select
 from itertools import repeat
 from typing import Any
 
-from kvstrata.client.backends import Lease, Loc
+from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
 from kvstrata.server import protocol as P
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from kvstrata.client.backends import Loc
+from kvstrata.client._shared import Loc
 from kvstrata.store.allocator import ALIGNMENT
 
 log = logging.getLogger(__name__)
