@@ -19,6 +19,8 @@
 #   PART=s6f: session 6's closing call: every GPU test, bench store's device rows with the code before the 1 MiB
 #           first stage (ab_prev/src, untracked) and the final code in turn (A/B/A/B), tools/trace_store_device.py,
 #           bench device --quick --broadcast-gib 8, bench gather --quick, bench transfer at 32 layers x 16 KiB
+#   PART=s6end: session 6's closing check: the client, reservation, store and device-object GPU tests, then
+#           tools/probe_store_ab.py, bench store's device rows twice and tools/trace_store_device.py, final code
 #   PART=s6z: session 6's last call: the client-device, reservation and client GPU tests, bench store's device rows
 #           twice and tools/trace_store_device.py on the final code
 #   PART=s6v: client-device and reservation GPU tests, bench store's device rows with the session's starting code
@@ -142,6 +144,14 @@ elif [ "${PART}" = s6f ]; then
   bench 120 device --quick --broadcast-gib 8 --wait 30
   bench 60 gather --quick
   bench 120 transfer --layers 32 --chunks-kib 16
+elif [ "${PART}" = s6end ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 240 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    tests/test_client_device.py tests/test_reservations.py tests/test_client_api.py tests/test_devobj_gpu.py \
+    tests/test_devobj_latency.py tests/test_devobj_stages.py > "$OUT/gpu_tests_end.log" 2>&1
+  tail -3 "$OUT/gpu_tests_end.log" | tee -a "$LOG"
+  echo "=== tools/probe_store_ab.py --iters 200" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 200 >> "$LOG" 2>&1
+  for v in 1 2; do bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1; cp "$OUT/store.json" "$OUT/store_$v.json"; done
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s6z ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
     tests/test_reservations.py tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"
