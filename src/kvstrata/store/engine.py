@@ -214,7 +214,8 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
             creating, objects = self._creating, self._objects
             for i, (key, size) in enumerate(items):
                 try:
-                    check_key(key)
+                    if type(key) is not str or not key or len(key) > FAST_KEY_CHARS or not key.isascii():
+                        check_key(key)
                     if type(size) is not int or size < 0:
                         check_size(size)
                     if not fits(size):
