@@ -497,7 +497,8 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
     def _seal_batch_locked(self, entries: list[Entry]) -> None:
         """:meth:`_seal_locked` of each entry in order (none has an SSD file to commit; all become immutable),
         with the loop's lookups hoisted and the blocks of the versions they replace given back together."""
-        objects, dirty, waiters, clock_add = self._objects, self._dirty, self._waiters, self._clock.add
+        objects, dirty, waiters = self._objects, self._dirty, self._waiters
+        clock_add, clock_remove = self._clock.add, self._clock.remove
         freed: list[Entry] = []
         now = 0.0
         for e in entries:
@@ -505,7 +506,17 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
             old = objects.get(key)
             if old is not None:
                 e.ref = old.ref
-                self._retire(old, freed=freed)
+                if old.on_disk or old.gpu is not None or dirty:
+                    self._retire(old, freed=freed)
+                else:  # _retire of a version in DRAM only, inline: what a rewritten device-call stage replaces
+                    old.dead = True
+                    self._evict_blocked = False
+                    clock_remove(key, old)
+                    if old.leases == 0:
+                        if old.loc is not None and old.loc.size:
+                            freed.append(old)
+                        else:
+                            old.loc = None
             e.sealed = True
             e.mutable = False
             if e.ttl:
@@ -531,6 +542,12 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
 
     def _free_entries(self, freed: list[Entry]) -> None:
         """:meth:`_free_locked` of entries whose blocks are all sized: blocks side by side go back as one range."""
+        if len(freed) < 4:  # too few to be worth grouping
+            free = self._mem.free
+            for e in freed:
+                free(e.loc)
+                e.loc = None
+            return
         self._mem.free_many([e.loc for e in freed])
         for e in freed:
             e.loc = None
