@@ -64,6 +64,32 @@ def test_split_of_the_whole_block_or_bad_arguments():
     assert a.block_size(off) == 256
 
 
+def test_split_many_carves_pieces_side_by_side_and_keeps_the_rest_a_block():
+    a = OffsetAllocator(1 << 20)
+    off = a.allocate(4096)
+    assert a.split_many(off, [100, 64, 1]) == [off, off + 128, off + 192]  # each rounded up to ALIGNMENT
+    assert [a.block_size(o) for o in (off, off + 128, off + 192, off + 256)] == [128, 64, 64, 4096 - 256]
+    assert a.used_bytes == 4096
+    for o in (off + 128, off, off + 256, off + 192):  # each piece and the rest freed on its own
+        a.free(o)
+    assert a.used_bytes == 0 and a.largest_free == a.capacity
+    off = a.allocate(256)
+    assert a.split_many(off, [64, 192]) == [off, off + 64]  # the pieces take it all: no rest
+    assert a.block_size(off + 64) == 192 and a.used_bytes == 256
+    assert a.split_many(off + 64, []) == [] and a.block_size(off + 64) == 192
+
+
+def test_split_many_refuses_bad_input_and_changes_nothing():
+    a = OffsetAllocator(1 << 20)
+    off = a.allocate(256)
+    for bad, match in (([64, 0], "sizes"), ([-64], "sizes"), ([True], "sizes"), ([64.0], "sizes"), ([128, 129], "256")):
+        with pytest.raises(ValueError, match=match):
+            a.split_many(off, bad)
+        assert a.block_size(off) == 256 and a.stats()["allocated_blocks"] == 1
+    with pytest.raises(ValueError, match="offset"):
+        a.split_many(off + 64, [64])
+
+
 # ------------------------------------------------------------------------------------ engine
 def test_carve_and_commit_makes_sealed_objects_at_their_places():
     with _store() as s:
@@ -116,6 +142,59 @@ def test_offset_mismatch_is_refused_from_that_item_on_and_nothing_is_carved():
         (r,) = s.commit("nobody", [("x", 1, 0)])
         assert isinstance(r, ProtocolError) and "no write reservation" in str(r)
         assert s.commit("me", [("x", 1, loc.offset + 64)]) == [None]
+
+
+def test_commit_replacing_keys_frees_the_old_blocks_but_not_a_leased_one():
+    with _store() as s:
+        for k in ("a", "b", "c", "d", "e"):
+            s.put(k, b"x" * 100)
+        lease = s.acquire("c", owner="reader")
+        s.expire(["d"], 60)
+        loc = s.reserve("me", 4096)
+        items = [(k, 64, loc.offset + 64 * i) for i, k in enumerate("abcde")]
+        for i, (_k, _, o) in enumerate(items):
+            s.buffer(Location(loc.segment, o, 64))[:] = bytes([i]) * 64
+        assert s.commit("me", items) == [None] * 5
+        assert [s.get_bytes(k) for k in "abcde"] == [bytes([i]) * 64 for i in range(5)]
+        # the four unleased old versions went back; c's old bytes stay under its reader's lease
+        assert _used(s) == 4096 + 128
+        assert bytes(s.buffer(lease.location)) == b"x" * 100
+        assert s.sizes(["d"]) == [64] and s.exists(["d"]) == [True]  # a new version: the old TTL is gone
+        s.release(lease.lease_id)
+        assert _used(s) == 4096
+
+
+def test_commit_nx_refuses_a_key_repeated_in_the_batch_and_bad_sizes_stop_the_carving():
+    with _store() as s:
+        loc = s.reserve("me", 4096)
+        res = s.commit("me", [("k", 8, loc.offset), ("k", 8, loc.offset + 64), ("j", 8, loc.offset + 128)], nx=True)
+        assert res[0] is None and isinstance(res[1], KeyExists) and res[2] is None
+        assert s.reservation("me").offset == loc.offset + 192
+        for bad in ((True, "size"), (8.0, "size"), (-8, "size")):
+            (r, r2) = s.commit("me", [("x", bad[0], loc.offset + 192), ("y", 8, loc.offset + 256)])
+            assert isinstance(r, ValueError) and "items[0].size" in str(r)
+            assert isinstance(r2, ProtocolError) and "items[1]" in str(r2)
+        (r,) = s.commit("me", [("x", 8, loc.offset + 192.0)])
+        assert isinstance(r, ValueError) and "items[0].offset" in str(r)
+        (r,) = s.commit("me", [(b"x", 8, loc.offset + 192)])
+        assert isinstance(r, ValueError) and "items[0]" in str(r)
+        assert s.reservation("me").offset == loc.offset + 256  # the bad key's piece was carved, then freed
+        assert s.exists(["x", "y"]) == [False, False]
+
+
+def test_batch_delete_and_seal_many_free_replaced_blocks_and_count_expired():
+    with _store() as s:
+        for k in "abcdef":
+            s.put(k, b"v" * 64)
+        s.expire(["f"], 1e-9)
+        time.sleep(0.01)
+        assert s.delete(["a", "b", "zz", "f", "a"]) == [True, True, False, False, False]
+        assert s.stats()["expired"] >= 1
+        assert s.exists(list("abcdef")) == [False, False, True, True, True, False]
+        s.create_many([("c", 64), ("d", 64), ("n", 0)], owner="me")
+        assert s.seal_many(["c", "d", "n", "c", ""], owner="me")[:3] == [None, None, None]
+        assert _used(s) == 3 * 64  # c and d replaced, their old blocks back; e stands
+        assert s.delete(["c", "d", "e", "n"]) == [True, True, True, True] and _used(s) == 0
 
 
 def test_a_new_reservation_replaces_the_old_and_frees_its_rest():

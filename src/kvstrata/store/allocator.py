@@ -121,6 +121,34 @@ class OffsetAllocator:
         self._used[offset + first] = size - first
         return offset + first
 
+    def split_many(self, offset: int, sizes: list[int]) -> list[int]:
+        """:meth:`split` of the allocated block at ``offset`` into pieces of ``sizes`` (each > 0, rounded up)
+        laid side by side from ``offset``, in one step; the offset of each piece. What the pieces leave of the
+        block becomes a block of its own. Nothing changes when a size is bad or the pieces exceed the block
+        (ValueError). A write reservation's commit carves all its items this way."""
+        size = self._used.get(offset)
+        if size is None:
+            raise ValueError(f"offset: {offset} is not an allocated block")
+        align = self._align
+        rounded = []
+        for n in sizes:
+            if type(n) is not int or n <= 0:
+                raise ValueError(f"sizes: each must be a positive int, got {n!r}")
+            rounded.append((n + align) & ~align)
+        total = sum(rounded)
+        if total > size:
+            raise ValueError(f"sizes: {total} bytes in all is more than the block's {size}")
+        used = self._used
+        out = []
+        off = offset
+        for n in rounded:
+            used[off] = n
+            out.append(off)
+            off += n
+        if total < size:
+            used[off] = size - total
+        return out
+
     def free(self, offset: int) -> int:
         """Return the block at ``offset`` to the free list; returns its (rounded) size."""
         try:

@@ -34,6 +34,7 @@ from kvstrata.store.device import DeviceCacheMixin
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.leases import LeaseMixin
 from kvstrata.store.objects import (
+    FAST_KEY_CHARS,
     Entry,
     as_bytes_view,
     check_key,
@@ -213,7 +214,8 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
             creating, objects = self._creating, self._objects
             for i, (key, size) in enumerate(items):
                 try:
-                    check_key(key)
+                    if type(key) is not str or not key or len(key) > FAST_KEY_CHARS or not key.isascii():
+                        check_key(key)
                     if type(size) is not int or size < 0:
                         check_size(size)
                     if not fits(size):
@@ -264,12 +266,14 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
         write are sealed in one critical section."""
         out: list = []
         slow: list[tuple[int, Entry]] = []
+        fast: list[Entry] = []
         with self._lock:
             pending, creating, closed = self._pending, self._creating, self._closed
             creates = self._owner_creates.get(owner)
             for key in keys:
                 try:
-                    check_key(key)
+                    if type(key) is not str or not key or len(key) > FAST_KEY_CHARS or not key.isascii():
+                        check_key(key)
                     e = pending.pop((key, owner), None)
                     if e is None:
                         raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
@@ -287,7 +291,9 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
                     creating[key] = n
                 else:
                     creating.pop(key, None)
-                self._seal_locked(e, None, mutable=False)
+                fast.append(e)
+            if fast:
+                self._seal_batch_locked(fast)
             if creates is not None and not creates:
                 self._owner_creates.pop(owner, None)
         for i, e in slow:  # the SSD write happens outside the lock, as in seal
@@ -488,6 +494,64 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
         if self._mem.used > self._high:
             self._wake.set()
 
+    def _seal_batch_locked(self, entries: list[Entry]) -> None:
+        """:meth:`_seal_locked` of each entry in order (none has an SSD file to commit; all become immutable),
+        with the loop's lookups hoisted and the blocks of the versions they replace given back together."""
+        objects, dirty, waiters = self._objects, self._dirty, self._waiters
+        clock_add, clock_remove = self._clock.add, self._clock.remove
+        freed: list[Entry] = []
+        now = 0.0
+        for e in entries:
+            key = e.key
+            old = objects.get(key)
+            if old is not None:
+                e.ref = old.ref
+                if old.on_disk or old.gpu is not None or dirty:
+                    self._retire(old, freed=freed)
+                else:  # _retire of a version in DRAM only, inline: what a rewritten device-call stage replaces
+                    old.dead = True
+                    self._evict_blocked = False
+                    clock_remove(key, old)
+                    if old.leases == 0:
+                        if old.loc is not None and old.loc.size:
+                            freed.append(old)
+                        else:
+                            old.loc = None
+            e.sealed = True
+            e.mutable = False
+            if e.ttl:
+                if not now:
+                    now = time.monotonic()
+                e.expires = now + e.ttl
+                heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
+            objects[key] = e
+            if e.size:
+                clock_add(key, e)
+            if e.mode is WriteMode.WRITE_BACK:
+                e.dirty = True
+                dirty[key] = e
+                self._wake.set()
+            if waiters:
+                w = waiters.get(key)
+                if w is not None:
+                    w[0].notify_all()
+        if freed:
+            self._free_entries(freed)
+        if self._mem.used > self._high:
+            self._wake.set()
+
+    def _free_entries(self, freed: list[Entry]) -> None:
+        """:meth:`_free_locked` of entries whose blocks are all sized: blocks side by side go back as one range."""
+        if len(freed) < 4:  # too few to be worth grouping
+            free = self._mem.free
+            for e in freed:
+                free(e.loc)
+                e.loc = None
+            return
+        self._mem.free_many([e.loc for e in freed])
+        for e in freed:
+            e.loc = None
+
     @staticmethod
     def _wall_expiry(e: Entry) -> float:
         """A sealed entry's deadline as Unix time (what SSD files record), 0 for never."""
@@ -509,8 +573,9 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
             self._mem.free(e.loc)
         e.loc = None
 
-    def _retire(self, e: Entry, *, keep_disk_file: bool = False) -> None:
-        """Take a visible version out of service (deleted, replaced, expired, dropped)."""
+    def _retire(self, e: Entry, *, keep_disk_file: bool = False, freed: list[Entry] | None = None) -> None:
+        """Take a visible version out of service (deleted, replaced, expired, dropped). With ``freed``, a block
+        to free is appended there instead (the caller frees them all with :meth:`_free_entries`)."""
         e.dead = True
         self._evict_blocked = False
         key = e.key
@@ -523,7 +588,12 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
         if e.gpu is not None:
             self._gpu_retire(e)
         if e.leases == 0:
-            self._free_locked(e)
+            if freed is None:
+                self._free_locked(e)
+            elif e.loc is not None and e.loc.size:
+                freed.append(e)
+            else:
+                e.loc = None
 
     # -- read path ---------------------------------------------------------------------------------
     def _lookup(self, key: str) -> Entry | None:
@@ -634,15 +704,23 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
         """Delete keys; True where the key existed. Bytes under a lease are freed at its release."""
         keys = check_keys(keys)
         out = []
+        freed: list[Entry] = []  # blocks of a batch written together go back as one range
         with self._lock:
+            objects, retire = self._objects, self._retire
+            now = time.monotonic()
             for k in keys:
-                e = self._lookup(k)
+                e = objects.pop(k, None)
                 if e is None:
                     out.append(False)
                     continue
-                del self._objects[k]
-                self._retire(e)
-                out.append(True)
+                retire(e, freed=freed)
+                if e.expires and e.expires <= now:  # expired already: counted as _lookup would, not deleted
+                    self._counts["expired"] += 1
+                    out.append(False)
+                else:
+                    out.append(True)
+            if freed:
+                self._free_entries(freed)
         return out
 
     def exists(self, keys: Iterable[str]) -> list[bool]:

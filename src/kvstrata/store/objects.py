@@ -10,6 +10,9 @@ from kvstrata.store.tiers.base import Location
 
 MAX_KEY_BYTES = 1024
 ZERO_LOCATION = Location(0, 0, 0)  # empty values own no bytes
+#: a non-empty ASCII str of at most this many characters is a valid key (batch loops test this inline and
+#: call check_key only for the rest, which names what is wrong)
+FAST_KEY_CHARS = MAX_KEY_BYTES // 4
 
 
 class Lease(NamedTuple):
@@ -81,7 +84,7 @@ def check_key(key: object, name: str = "key") -> str:
     n = len(key)
     if n == 0:
         raise ValueError(f"{name}: must not be empty")
-    if n > MAX_KEY_BYTES // 4 or not key.isascii():
+    if n > FAST_KEY_CHARS or not key.isascii():
         try:
             nbytes = len(key.encode())
         except UnicodeEncodeError:
@@ -158,4 +161,13 @@ def as_bytes_view(data: object) -> memoryview:
     return mv
 
 
-__all__ = ["MAX_KEY_BYTES", "ZERO_LOCATION", "Entry", "Lease", "check_key", "check_keys", "check_mode"]
+__all__ = [
+    "FAST_KEY_CHARS",
+    "MAX_KEY_BYTES",
+    "ZERO_LOCATION",
+    "Entry",
+    "Lease",
+    "check_key",
+    "check_keys",
+    "check_mode",
+]

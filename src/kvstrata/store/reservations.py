@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from kvstrata.errors import CapacityError, ClosedError, KeyExists, KvstrataError, ProtocolError
 from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.config import WriteMode
-from kvstrata.store.objects import ZERO_LOCATION, Entry, check_key, check_size
+from kvstrata.store.objects import FAST_KEY_CHARS, ZERO_LOCATION, Entry, check_key, check_size
 from kvstrata.store.tiers.base import Location
 
 #: a reservation holds at most this share of the memory tier
@@ -37,6 +37,7 @@ RESERVE_SHARE = 8
 #: number of writers (a reservation cannot be evicted)
 RESERVED_TOTAL_SHARE = 2
 _MASK = ALIGNMENT - 1
+_TRIPLE_TYPES = frozenset({list, tuple})
 
 
 class Reservation:
@@ -127,28 +128,55 @@ class ReservationMixin:
             if self._closed:
                 return [ClosedError("the object store is closed")] * n
             r = self._reservations.get(owner)
-            objects, creating, mem, versions = self._objects, self._creating, self._mem, self._versions
+            # 1. every item checked against the head, in order, up to the first bad one; then one split
+            # carves all the good ones' pieces off the reservation's block
+            carved: list[tuple[str, int]] = []  # (key, size) of the items carved, in order
+            if r is not None:
+                start = head = r.head
+                end = r.end
             for i, item in enumerate(items):
-                try:
-                    key, size, offset = _carving(item, i, r)
-                except (KvstrataError, ValueError, TypeError) as exc:
-                    out[i] = exc
-                    for j in range(i + 1, n):
-                        out[j] = ProtocolError(f"items[{j}]: not committed: items[{i}] before it was refused")
-                    break
-                if size:
-                    rounded = (size + _MASK) & ~_MASK
-                    if rounded < r.remaining:
-                        mem.split(r.segment, offset, rounded)  # the rest stays the reservation's block
-                    loc = Location(r.segment, offset, size)
-                    r.head += rounded
-                    self._reserved -= rounded
+                if (
+                    r is not None
+                    and type(item) in _TRIPLE_TYPES
+                    and len(item) == 3
+                    and type(item[1]) is int
+                    and type(item[2]) is int
+                    and item[2] == head
+                    and item[1] >= 0
+                    and head + ((item[1] + _MASK) & ~_MASK) <= end
+                ):
+                    key, size = item[0], item[1]
                 else:
-                    loc = ZERO_LOCATION
+                    if r is not None:
+                        r.head = head  # _carving checks against the head so far
+                    try:
+                        key, size, _ = _carving(item, i, r)
+                    except (KvstrataError, ValueError, TypeError) as exc:
+                        out[i] = exc
+                        for j in range(i + 1, n):
+                            out[j] = ProtocolError(f"items[{j}]: not committed: items[{i}] before it was refused")
+                        break
+                carved.append((key, size))
+                head += (size + _MASK) & ~_MASK
+            if carved:
+                mem = self._mem
+                segment = r.segment
+                offsets = iter(mem.split_many(segment, start, [size for _, size in carved if size]))
+                r.head = head
+                self._reserved -= head - start
+            # 2. each carved item checked as a key and made an object (sealed together below)
+            objects, creating, versions = self._objects, self._creating, self._versions
+            entries: list[Entry] = []
+            seen: set[str] = set()  # an nx batch: a key committed earlier in it exists already
+            for i, (key, size) in enumerate(carved):
+                loc = tuple.__new__(Location, (segment, next(offsets), size)) if size else ZERO_LOCATION
                 try:
-                    check_key(key, f"items[{i}]")
-                    if nx and (key in creating or (key in objects and self._lookup(key) is not None)):
-                        raise KeyExists(f"key {key!r} already exists")
+                    if type(key) is not str or not key or len(key) > FAST_KEY_CHARS or not key.isascii():
+                        check_key(key, f"items[{i}]")
+                    if nx:
+                        if key in seen or key in creating or (key in objects and self._lookup(key) is not None):
+                            raise KeyExists(f"key {key!r} already exists")
+                        seen.add(key)
                 except (KvstrataError, ValueError, TypeError) as exc:
                     out[i] = exc
                     if size:
@@ -157,12 +185,14 @@ class ReservationMixin:
                 e = Entry(key, size, loc, mode, next(versions), owner)
                 if ttl_s:
                     e.ttl = ttl_s
-                self._counts["carved"] += 1
                 if mode is WriteMode.WRITE_THROUGH:
                     creating[key] = creating.get(key, 0) + 1  # an nx write meanwhile must see it; _finish undoes
                     slow.append((i, e))
                     continue
-                self._seal_locked(e, None, mutable=False)
+                entries.append(e)
+            self._counts["carved"] += len(entries) + len(slow)
+            if entries:
+                self._seal_batch_locked(entries)
         for i, e in slow:  # the SSD write happens outside the lock, as in seal
             try:
                 self._finish(e, mutable=False)

@@ -130,6 +130,10 @@ class MemoryTier(BlockTier):
         """:meth:`OffsetAllocator.split` of a block of segment ``segment`` (used bytes do not change)."""
         return self._allocators[segment].split(offset, first_size)
 
+    def split_many(self, segment: int, offset: int, sizes: list[int]) -> list[int]:
+        """:meth:`OffsetAllocator.split_many` of a block of segment ``segment`` (used bytes do not change)."""
+        return self._allocators[segment].split_many(offset, sizes)
+
     def free(self, location: Location) -> None:
         self._used -= self._allocators[location.segment].free(location.offset)
 
