@@ -39,6 +39,18 @@ bench() {  # bench <seconds> <job> [args...]
   echo "rc=$?" >> "$LOG"
   rm -f "$OUT"/*.png
 }
+store_ab() {  # store_ab <dir>: bench store's device rows with <dir>/src and the current src in turn, twice each
+  local v
+  for v in "$1" new "$1" new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  export PYTHONPATH="$PWD/src"
+}
+store_twice() {  # bench store's device rows twice on the current code, both JSONs kept
+  local v
+  for v in 1 2; do bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1; cp "$OUT/store.json" "$OUT/store_$v.json"; done
+}
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader | tee "$LOG"
 if [ "${PART:-a}" = a ]; then
   KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
@@ -114,31 +126,19 @@ elif [ "${PART}" = s6a ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
     tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"
   echo "=== tools/probe_request_ids.py" >> "$LOG"; timeout 150 python3 tools/probe_request_ids.py >> "$LOG" 2>&1
-  for v in old new old new; do
-    if [ $v = old ]; then export PYTHONPATH="$PWD/ab_old/src"; else export PYTHONPATH="$PWD/src"; fi
-    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  export PYTHONPATH="$PWD/src"
+  store_ab ab_old
 elif [ "${PART}" = s6b ]; then
   KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests.log" 2>&1
   tail -15 "$OUT/gpu_tests.log"
-  for v in old new old new; do
-    if [ $v = old ]; then export PYTHONPATH="$PWD/ab_old/src"; else export PYTHONPATH="$PWD/src"; fi
-    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  export PYTHONPATH="$PWD/src"
+  store_ab ab_old
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   bench 100 device --quick --wait 30
 elif [ "${PART}" = s6f ]; then
   KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests.log" 2>&1
   tail -15 "$OUT/gpu_tests.log"
-  for v in prev new prev new; do
-    if [ $v = prev ]; then export PYTHONPATH="$PWD/ab_prev/src"; else export PYTHONPATH="$PWD/src"; fi
-    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  export PYTHONPATH="$PWD/src"
+  store_ab ab_prev
   cp "$OUT/store.json" "$OUT/store_device.json"
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   bench 120 device --quick --broadcast-gib 8 --wait 30
@@ -150,21 +150,17 @@ elif [ "${PART}" = s6end ]; then
     tests/test_devobj_latency.py tests/test_devobj_stages.py > "$OUT/gpu_tests_end.log" 2>&1
   tail -3 "$OUT/gpu_tests_end.log" | tee -a "$LOG"
   echo "=== tools/probe_store_ab.py --iters 200" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 200 >> "$LOG" 2>&1
-  for v in 1 2; do bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1; cp "$OUT/store.json" "$OUT/store_$v.json"; done
+  store_twice
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s6z ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
     tests/test_reservations.py tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"
-  for v in 1 2; do bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1; cp "$OUT/store.json" "$OUT/store_$v.json"; done
+  store_twice
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s6v ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
     tests/test_reservations.py tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"
-  for v in old new old new; do
-    if [ $v = old ]; then export PYTHONPATH="$PWD/ab_old/src"; else export PYTHONPATH="$PWD/src"; fi
-    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  export PYTHONPATH="$PWD/src"
+  store_ab ab_old
   cp "$OUT/store.json" "$OUT/store_device.json"
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 else

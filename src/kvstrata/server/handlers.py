@@ -7,6 +7,8 @@ handlers answer per key. See :mod:`kvstrata.server.protocol` for the message sha
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
@@ -138,22 +140,29 @@ def _finish(action: str):
     return handle
 
 
-def _mseal(s: Session, msg: dict) -> dict:
-    """Reply ``{"errs": [[i, type, message], ...]}`` (absent when every key was sealed)."""
-    keys = P.check_keys(msg.get("keys", []))
-    validity = s.validity
+@contextlib.contextmanager
+def _sealing(validity: Any, keys: list[str]) -> Iterator[None]:
+    """Around a batch that makes ``keys`` visible (seal, commit): the validity change, with each key's lock
+    held, so the no-TTL set changes with the versions (as in _finish_one)."""
     locks = validity.key_locks(keys)
     with validity.change(keys):
-        for lock in locks:  # the no-TTL set must change with the versions, as in _finish_one
+        for lock in locks:
             lock.acquire()
         try:
-            results = s.store.seal_many(keys, owner=s.owner)
-            sealed = keys if results.count(None) == len(keys) else [k for k, r in zip(keys, results) if r is None]
-            # an unknown TTL counts as one
-            validity.written_many(sealed, list(map(s.writes.pop, sealed, repeat(0.0))))
+            yield
         finally:
             for lock in locks:
                 lock.release()
+
+
+def _mseal(s: Session, msg: dict) -> dict:
+    """Reply ``{"errs": [[i, type, message], ...]}`` (absent when every key was sealed)."""
+    keys = P.check_keys(msg.get("keys", []))
+    with _sealing(s.validity, keys):
+        results = s.store.seal_many(keys, owner=s.owner)
+        sealed = keys if results.count(None) == len(keys) else [k for k, r in zip(keys, results) if r is None]
+        # an unknown TTL counts as one
+        s.validity.written_many(sealed, list(map(s.writes.pop, sealed, repeat(0.0))))
     if results.count(None) == len(results):
         return {}
     return {"errs": [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]}
@@ -177,18 +186,10 @@ def _commit(s: Session, msg: dict) -> dict:
     if type(items) is not list or len(items) > P.MAX_BATCH:
         raise TypeError(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
     keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
-    validity = s.validity
-    locks = validity.key_locks(keys)
-    with validity.change(keys):
-        for lock in locks:  # the no-TTL set must change with the versions, as in _mseal
-            lock.acquire()
-        try:
-            results = s.store.commit(s.owner, items, **opts)
-            ok = [it[0] for it, r in zip(items, results) if r is None]  # a sealed item is a well-formed one
-            validity.written_many(ok, [opts["ttl"]] * len(ok))
-        finally:
-            for lock in locks:
-                lock.release()
+    with _sealing(s.validity, keys):
+        results = s.store.commit(s.owner, items, **opts)
+        ok = [it[0] for it, r in zip(items, results) if r is None]  # a sealed item is a well-formed one
+        s.validity.written_many(ok, [opts["ttl"]] * len(ok))
     rest = s.store.reservation(s.owner)
     reply: dict = {"head": None if rest is None else rest.offset}
     if results.count(None) != len(results):

@@ -87,20 +87,9 @@ class OffsetAllocator:
         free range holds them all. Each block is its own allocation afterwards (freed on its own); a batch
         written together lies together, so its copies merge into few long runs."""
         align = self._align
-        rounded = [(n + align) & ~align for n in sizes]
-        total = sum(rounded)
+        total = sum((n + align) & ~align for n in sizes)
         base = self.allocate(total) if total else None
-        if base is None:
-            return None
-        used = self._used
-        del used[base]
-        out = []
-        off = base
-        for n in rounded:
-            used[off] = n
-            out.append(off)
-            off += n
-        return out
+        return None if base is None else self.split_many(base, sizes)
 
     def split(self, offset: int, first_size: int) -> int | None:
         """Cut the allocated block at ``offset`` in two: its first ``first_size`` (> 0) bytes, rounded up,

@@ -296,7 +296,12 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
                 self._seal_batch_locked(fast)
             if creates is not None and not creates:
                 self._owner_creates.pop(owner, None)
-        for i, e in slow:  # the SSD write happens outside the lock, as in seal
+        return self._finish_slow(slow, out)
+
+    def _finish_slow(self, slow: list[tuple[int, Entry]], out: list) -> list:
+        """Seal the entries of a batch that write an SSD file (outside the lock, as in seal): ``out[i]`` the
+        exception of a refused one. Returns ``out``."""
+        for i, e in slow:
             try:
                 self._finish(e, mutable=False)
             except (KvstrataError, ValueError, TypeError) as exc:

@@ -193,12 +193,7 @@ class ReservationMixin:
             self._counts["carved"] += len(entries) + len(slow)
             if entries:
                 self._seal_batch_locked(entries)
-        for i, e in slow:  # the SSD write happens outside the lock, as in seal
-            try:
-                self._finish(e, mutable=False)
-            except (KvstrataError, ValueError, TypeError) as exc:
-                out[i] = exc
-        return out
+        return self._finish_slow(slow, out)
 
     def _drop_reservation(self, owner: object) -> None:
         """Free the unused rest of ``owner``'s reservation (under the lock)."""
