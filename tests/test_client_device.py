@@ -505,6 +505,31 @@ def test_pipelined_mget_h2d_asks_every_lease_up_front_in_three_requests(kv, monk
     assert kv.stats()["leases"] == 0 and kv.exists(keys) == [False] * 9
 
 
+def test_a_waiting_mget_h2d_asks_stage_by_stage_within_its_one_timeout(kv, monkeypatch):
+    keys = [f"pipe-wait/{i}" for i in range(6)]
+    kv.delete(keys)
+    src = _lists(6)
+    assert kv.mset_d2h(keys[:5], src[:5]) == [None] * 5  # the last key never comes
+    kv.mget_h2d(keys[:5], _poisoned(src[:5]))  # kept leases: the first stage needs no worker
+    for k in keys[:5]:  # rewritten: every stage must ask the worker
+        kv.delete([k])
+    assert kv.mset_d2h(keys[:5], src[:5]) == [None] * 5
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    backend = kv._backend
+    asked = []
+    real = backend.acquire_start
+    monkeypatch.setattr(backend, "acquire_start", lambda ks, *a, **kw: asked.append(len(ks)) or real(ks, *a, **kw))
+    dst = _poisoned(src)
+    t0 = time.monotonic()
+    res = kv.mget_h2d(keys, dst, timeout=0.3)
+    took = time.monotonic() - t0
+    assert asked == [2, 2, 2]  # each stage's own, its timeout what is left of the call's
+    assert isinstance(res[5], KvstrataError) and res[:5] == [None] * 5
+    assert 0.25 <= took < 1.0
+    assert all(torch.equal(a, b) for s, d in zip(src[:5], dst[:5]) for a, b in zip(s, d))
+    kv.delete(keys)
+
+
 def test_a_batch_is_carved_side_by_side_and_copies_merge(worker):
     """Objects created by one mcreate lie back to back: one memmove run per contiguous source."""
     with kvstrata.connect(worker.address) as kv:

@@ -177,9 +177,9 @@ class DeviceCallsMixin:
         a copy stream that waits for ``stream`` (default: current); the call returns once they have
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
         cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
-        where the worker must be asked, the leases of all keys are asked for at the start, in a few requests
-        (the first stage's keys, then growing groups), so the copies start after one round
-        trip and the worker answers the later requests while the first stages' bytes move. A bad
+        where the worker must be asked (and ``timeout`` is 0), the leases of all keys are asked for at the
+        start, in a few requests (the first stage's keys, then growing groups), so the copies start after one
+        round trip and the worker answers the later requests while the first stages' bytes move. A bad
         tensor raises when its stage is reached, after the copies already queued landed (the tensors
         of earlier keys may then hold their data).
         """
@@ -222,14 +222,16 @@ class DeviceCallsMixin:
                 if st is not None:
                     if covered < st.hi:
                         ask(covered, st.hi)
-                        if st.lo == 0 and not answered(st.hi):
+                        if st.lo == 0 and not timeout and not answered(st.hi):
                             # The worker is asked (keys not read before, or changed): ask for every other
                             # lease now, in requests it answers in turn, each about three times the keys
-                            # before it (8 keys, then 24, then the rest), so each answer comes while the
-                            # bytes of the keys before it move (the worker leases a key several times
-                            # faster than its 1 MiB crosses PCIe, but answers a request only when done).
-                            # Where the local-read cache served the first stage, each stage asks for its
-                            # own as it comes (the cache likely serves it too, at no cost).
+                            # before it (up to 4x the first stage's, 3x that, the rest), so each answer
+                            # comes while the bytes of the keys before it move (the worker leases a key
+                            # several times faster than its 1 MiB crosses PCIe, but answers a request only
+                            # when done). Where the local-read cache served the first stage, each stage
+                            # asks for its own as it comes (the cache likely serves it too, at no cost);
+                            # so does a call that waits for missing keys, whose every request must carry
+                            # what is left of its one timeout when the worker starts on it.
                             b = max(8, 4 * st.hi)
                             ask(st.hi, min(n, b))
                             ask(min(n, b), min(n, 3 * b))
