@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, KvstrataError, Timeout
+from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, Timeout
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.batch import BatchMixin
@@ -34,7 +34,6 @@ from kvstrata.store.device import DeviceCacheMixin
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.leases import LeaseMixin
 from kvstrata.store.objects import (
-    FAST_KEY_CHARS,
     Entry,
     as_bytes_view,
     check_key,
@@ -185,128 +184,6 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
         if self._announced < len(self._mem.segments):
             self._announce_segments()
         return e.loc
-
-    def create_many(
-        self,
-        items: Iterable[tuple[str, int]],
-        *,
-        owner: object,
-        ttl: float | None = None,
-        write_mode: WriteMode | str = WriteMode.MEMORY,
-        nx: bool = False,
-    ) -> list[Location | KvstrataError | ValueError | TypeError]:
-        """:meth:`create` per ``(key, size)``, in one critical section; a refused key yields its exception.
-
-        The batch's objects are carved side by side out of one free range where one holds them all (so
-        their copies merge into long runs); otherwise, or for what did not fit, one by one with eviction.
-        """
-        items = items if isinstance(items, list) else list(items)
-        out: list = [None] * len(items)
-        try:
-            mode, ttl_s = self._check_write("_", 0, ttl, write_mode)  # the batch's options, checked once
-        except (KvstrataError, ValueError, TypeError) as exc:
-            return [exc] * len(items)
-        fits = self._mem.fits_ever
-        todo: list[int] = []  # positions that passed the checks, counted in _creating, in order
-        with self._lock:
-            if self._closed:
-                return [ClosedError("the object store is closed")] * len(items)
-            creating, objects = self._creating, self._objects
-            for i, (key, size) in enumerate(items):
-                try:
-                    if type(key) is not str or not key or len(key) > FAST_KEY_CHARS or not key.isascii():
-                        check_key(key)
-                    if type(size) is not int or size < 0:
-                        check_size(size)
-                    if not fits(size):
-                        self._check_write(key, size, ttl, write_mode)  # raises its CapacityError
-                    if nx and (key in creating or (key in objects and self._lookup(key) is not None)):
-                        raise KeyExists(f"key {key!r} already exists")
-                except (KvstrataError, ValueError, TypeError) as exc:
-                    out[i] = exc
-                    continue
-                creating[key] = creating.get(key, 0) + 1  # before allocating, as in _reserve_locked
-                todo.append(i)
-            sized = [i for i in todo if items[i][1]]
-            run = self._mem.allocate_run([items[i][1] for i in sized]) if len(sized) > 1 else None
-            if run is not None:
-                for i, loc in zip(sized, run):
-                    out[i] = loc
-                if self._mem.used > self._high:
-                    self._wake.set()
-            versions, pending = self._versions, self._pending
-            creates = self._owner_creates.get(owner)
-            if creates is None and todo:
-                creates = self._owner_creates[owner] = set()
-            for i in todo:
-                key, size = items[i]
-                loc = out[i]
-                if loc is None:
-                    try:
-                        loc = self._allocate(size)  # may release the lock to evict
-                    except (KvstrataError, ValueError, TypeError) as exc:
-                        self._uncreate(key)
-                        out[i] = exc
-                        continue
-                    out[i] = loc
-                e = Entry(key, size, loc, mode, next(versions), owner)
-                if ttl_s:
-                    e.ttl = ttl_s
-                old = pending.pop((key, owner), None)
-                if old is not None:
-                    self._abort_locked(old)
-                pending[(key, owner)] = e
-                creates.add(key)
-        if self._announced < len(self._mem.segments):
-            self._announce_segments()
-        return out
-
-    def seal_many(self, keys: Iterable[str], *, owner: object) -> list[KvstrataError | ValueError | TypeError | None]:
-        """:meth:`seal` per key (None where sealed, the exception where refused); creates that need no SSD
-        write are sealed in one critical section."""
-        out: list = []
-        slow: list[tuple[int, Entry]] = []
-        fast: list[Entry] = []
-        with self._lock:
-            pending, creating, closed = self._pending, self._creating, self._closed
-            creates = self._owner_creates.get(owner)
-            for key in keys:
-                try:
-                    if type(key) is not str or not key or len(key) > FAST_KEY_CHARS or not key.isascii():
-                        check_key(key)
-                    e = pending.pop((key, owner), None)
-                    if e is None:
-                        raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
-                except (KvstrataError, ValueError, TypeError) as exc:
-                    out.append(exc)
-                    continue
-                if creates is not None:
-                    creates.discard(key)
-                out.append(None)
-                if e.mode is WriteMode.WRITE_THROUGH or closed:
-                    slow.append((len(out) - 1, e))
-                    continue
-                n = creating.get(key, 0) - 1  # _uncreate, inline
-                if n > 0:
-                    creating[key] = n
-                else:
-                    creating.pop(key, None)
-                fast.append(e)
-            if fast:
-                self._seal_batch_locked(fast)
-            if creates is not None and not creates:
-                self._owner_creates.pop(owner, None)
-        return self._finish_slow(slow, out)
-
-    def _finish_slow(self, slow: list[tuple[int, Entry]], out: list) -> list:
-        """Seal the entries of a batch that write an SSD file (outside the lock, as in seal): ``out[i]`` the
-        exception of a refused one. Returns ``out``."""
-        for i, e in slow:
-            try:
-                self._finish(e, mutable=False)
-            except (KvstrataError, ValueError, TypeError) as exc:
-                out[i] = exc
-        return out
 
     def seal(self, key: str, *, owner: object) -> None:
         """Make ``owner``'s create of ``key`` visible and immutable; waiters wake."""
@@ -496,52 +373,6 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
             w = self._waiters.get(key)
             if w is not None:
                 w[0].notify_all()
-        if self._mem.used > self._high:
-            self._wake.set()
-
-    def _seal_batch_locked(self, entries: list[Entry]) -> None:
-        """:meth:`_seal_locked` of each entry in order (none has an SSD file to commit; all become immutable),
-        with the loop's lookups hoisted and the blocks of the versions they replace given back together."""
-        objects, dirty, waiters = self._objects, self._dirty, self._waiters
-        clock_add, clock_remove = self._clock.add, self._clock.remove
-        freed: list[Entry] = []
-        now = 0.0
-        for e in entries:
-            key = e.key
-            old = objects.get(key)
-            if old is not None:
-                e.ref = old.ref
-                if old.on_disk or old.gpu is not None or dirty:
-                    self._retire(old, freed=freed)
-                else:  # _retire of a version in DRAM only, inline: what a rewritten device-call stage replaces
-                    old.dead = True
-                    self._evict_blocked = False
-                    clock_remove(key, old)
-                    if old.leases == 0:
-                        if old.loc is not None and old.loc.size:
-                            freed.append(old)
-                        else:
-                            old.loc = None
-            e.sealed = True
-            e.mutable = False
-            if e.ttl:
-                if not now:
-                    now = time.monotonic()
-                e.expires = now + e.ttl
-                heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
-            objects[key] = e
-            if e.size:
-                clock_add(key, e)
-            if e.mode is WriteMode.WRITE_BACK:
-                e.dirty = True
-                dirty[key] = e
-                self._wake.set()
-            if waiters:
-                w = waiters.get(key)
-                if w is not None:
-                    w[0].notify_all()
-        if freed:
-            self._free_entries(freed)
         if self._mem.used > self._high:
             self._wake.set()
 
