@@ -25,20 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, Timeout
+from kvstrata.errors import CapacityError, ClosedError, KeyNotFound, Timeout
 from kvstrata.memory.shm import SharedSegment
-from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.batch import BatchMixin
-from kvstrata.store.config import STORE_COUNTERS, StoreConfig, WriteMode
+from kvstrata.store.config import STORE_COUNTERS, StoreConfig
 from kvstrata.store.device import DeviceCacheMixin
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.leases import LeaseMixin
 from kvstrata.store.objects import (
     Entry,
-    as_bytes_view,
     check_key,
     check_keys,
-    check_mode,
     check_size,
     check_timeout,
     check_ttl,
@@ -48,17 +45,12 @@ from kvstrata.store.tiering import TieringMixin
 from kvstrata.store.tiers.base import Location
 from kvstrata.store.tiers.disk import DiskTier
 from kvstrata.store.tiers.memory import MemoryTier
+from kvstrata.store.writes import _SMALL, WriteMixin
 
 log = logging.getLogger(__name__)
 
 
-_SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper than a lease)
-_ALIGN_MASK = ALIGNMENT - 1
-_ALIGN_SHIFT = ALIGNMENT.bit_length() - 1  # blocks are whole ALIGNMENT units: same units, same block
-_PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
-
-
-class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, DeviceCacheMixin):
+class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReservationMixin, TieringMixin, DeviceCacheMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
@@ -157,279 +149,6 @@ class ObjectStore(LeaseMixin, BatchMixin, ReservationMixin, TieringMixin, Device
         if location.size == 0:
             return memoryview(bytearray())
         return self._mem.view(location)
-
-    # -- write path --------------------------------------------------------------------------------
-    def create(
-        self,
-        key: str,
-        size: int,
-        *,
-        owner: object,
-        ttl: float | None = None,
-        write_mode: WriteMode | str = WriteMode.MEMORY,
-        nx: bool = False,
-    ) -> Location:
-        """Reserve ``size`` bytes for a new version of ``key``; fill them, then :meth:`seal` or :meth:`publish`.
-
-        KeyExists if ``nx`` and the key is present or being created; CapacityError when there is no
-        room even after eviction. A second create of the same key by the same owner aborts the first.
-        """
-        e = self._reserve(key, size, owner, ttl, write_mode, nx)
-        with self._lock:
-            old = self._pending.pop((key, owner), None)
-            if old is not None:
-                self._abort_locked(old)
-            self._pending[(key, owner)] = e
-            self._owner_creates.setdefault(owner, set()).add(key)
-        if self._announced < len(self._mem.segments):
-            self._announce_segments()
-        return e.loc
-
-    def seal(self, key: str, *, owner: object) -> None:
-        """Make ``owner``'s create of ``key`` visible and immutable; waiters wake."""
-        self._finish(self._take_pending(key, owner), mutable=False)
-
-    def publish(self, key: str, *, owner: object) -> None:
-        """Make ``owner``'s create of ``key`` visible but mutable (a later publish/put replaces it)."""
-        self._finish(self._take_pending(key, owner), mutable=True)
-
-    def abort(self, key: str, *, owner: object) -> None:
-        """Drop ``owner``'s unsealed create of ``key`` (no-op when there is none)."""
-        check_key(key)
-        with self._lock:
-            e = self._pending.pop((key, owner), None)
-            if e is not None:
-                self._forget_create(key, owner)
-                self._abort_locked(e)
-
-    def put(
-        self,
-        key: str,
-        data: object,
-        *,
-        owner: object = None,
-        ttl: float | None = None,
-        write_mode: WriteMode | str = WriteMode.MEMORY,
-        nx: bool = False,
-    ) -> None:
-        """Store ``data`` (bytes-like) under ``key``, atomically replacing an older version."""
-        view = as_bytes_view(data)
-        size = view.nbytes
-        mode, ttl_s = self._check_write(key, size, ttl, write_mode)
-        if size <= _SMALL and mode is not WriteMode.WRITE_THROUGH:
-            # small values: reserve, copy and seal in one critical section (a copy of a few KiB
-            # costs less than taking the lock twice)
-            with self._lock:
-                old = self._objects.get(key)
-                if (
-                    old is not None
-                    and old.leases == 0
-                    and old.loc is not None
-                    and size
-                    and (old.size + _ALIGN_MASK) >> _ALIGN_SHIFT == (size + _ALIGN_MASK) >> _ALIGN_SHIFT
-                    and not nx
-                    and not self._closed
-                ):
-                    # Nobody holds the old version's bytes (readers, local-read caches, the flusher and
-                    # spills all pin with a lease) and its block is the size the new one needs: write
-                    # the new version there instead of allocating and freeing. Under the lock, so no
-                    # reader sees the bytes change; the new version is still a new Entry (version, TTL).
-                    loc = old.loc
-                    if loc.size != size:
-                        loc = Location(loc.segment, loc.offset, size)
-                    self._mem.view(loc)[:] = view
-                    old.loc = None  # the block is the new version's now: retiring the old one frees nothing
-                    e = Entry(key, size, loc, mode, next(self._versions), owner)
-                    if ttl_s:
-                        e.ttl = ttl_s
-                else:
-                    e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
-                    if size:
-                        self._mem.view(e.loc)[:] = view
-                    self._uncreate(key)
-                self._seal_locked(e, None, mutable=False)
-        else:
-            with self._lock:
-                e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
-            if self._announced < len(self._mem.segments):
-                self._announce_segments()
-            try:
-                self._mem.view(e.loc)[:] = view
-            except BaseException:
-                with self._lock:
-                    self._abort_locked(e)
-                raise
-            self._finish(e, mutable=False)
-        if self._announced < len(self._mem.segments):
-            self._announce_segments()
-
-    def _check_write(self, key, size, ttl, write_mode) -> tuple[WriteMode, float]:
-        check_key(key)
-        if type(size) is not int or size < 0:  # the checks' common cases inline: this runs for every write
-            check_size(size)
-        mode = write_mode if type(write_mode) is WriteMode else check_mode(write_mode)
-        ttl_s = 0.0 if ttl is None else check_ttl(ttl)
-        if mode in _PERSISTENT and self._disk is None:
-            raise ValueError(f"write_mode: {mode.value} needs an SSD tier (StoreConfig.disk_dir)")
-        if not self._mem.fits_ever(size):
-            raise CapacityError(
-                f"value of {size} bytes does not fit the memory tier ({self._mem.capacity} bytes, "
-                f"segments of {self.config.segment_bytes})"
-            )
-        return mode, ttl_s
-
-    def _reserve(self, key, size, owner, ttl, write_mode, nx) -> Entry:
-        mode, ttl_s = self._check_write(key, size, ttl, write_mode)
-        with self._lock:
-            return self._reserve_locked(key, size, owner, mode, ttl_s, nx)
-
-    def _reserve_locked(self, key, size, owner, mode, ttl_s, nx) -> Entry:
-        if self._closed:
-            raise ClosedError("the object store is closed")
-        if nx and (key in self._creating or self._lookup(key) is not None):
-            raise KeyExists(f"key {key!r} already exists")
-        # counted before allocating: _allocate may release the lock, and a concurrent nx write of
-        # the same key must see this one
-        self._creating[key] = self._creating.get(key, 0) + 1
-        try:
-            loc = self._allocate(size)
-        except BaseException:
-            self._uncreate(key)
-            raise
-        e = Entry(key, size, loc, mode, next(self._versions), owner)
-        if ttl_s:
-            e.ttl = ttl_s
-        return e
-
-    def _take_pending(self, key: str, owner: object) -> Entry:
-        check_key(key)
-        with self._lock:
-            e = self._pending.pop((key, owner), None)
-            if e is None:
-                raise KeyNotFound(f"no create of key {key!r} in progress for this owner")
-            self._forget_create(key, owner)
-        return e
-
-    def _forget_create(self, key: str, owner: object) -> None:
-        creates = self._owner_creates.get(owner)
-        if creates is not None:
-            creates.discard(key)
-            if not creates:
-                del self._owner_creates[owner]
-
-    def _finish(self, e: Entry, *, mutable: bool) -> None:
-        pending = None
-        disk = self._disk
-        if e.mode is WriteMode.WRITE_THROUGH:
-            nbytes = disk.file_bytes(e.key, e.size)
-            with self._lock:
-                ok = disk.reserve(nbytes)
-                if not ok:
-                    self._abort_locked(e)
-            if not ok:
-                raise CapacityError(
-                    f"SSD tier full: {nbytes} bytes needed for {e.key!r}, {disk.used} of {disk.capacity} used"
-                )
-            try:
-                expires_at = time.time() + e.ttl if e.ttl else 0.0
-                pending = disk.write_temp(e.key, self.buffer(e.loc), e.mode, expires_at)
-            except BaseException:
-                with self._lock:
-                    disk.unreserve(nbytes)
-                    self._abort_locked(e)
-                raise
-        with self._lock:
-            self._uncreate(e.key)
-            if self._closed:
-                if pending is not None:
-                    disk.discard(pending)
-                self._free_locked(e)
-                raise ClosedError("the object store is closed")
-            self._seal_locked(e, pending, mutable)
-
-    def _seal_locked(self, e: Entry, pending, mutable: bool) -> None:
-        """Make ``e`` the visible version of its key (after its bytes and any SSD file are complete)."""
-        key = e.key
-        if pending is not None:
-            self._disk.commit(key, pending, e.mode, e.size)
-            e.on_disk = True
-        old = self._objects.get(key)
-        if old is not None:
-            e.ref = old.ref
-            self._retire(old, keep_disk_file=pending is not None)
-        e.sealed = True
-        e.mutable = mutable
-        if e.ttl:
-            e.expires = time.monotonic() + e.ttl
-            heapq.heappush(self._ttl_heap, (e.expires, e.version, key))
-        self._objects[key] = e
-        if e.size:
-            self._clock.add(key, e)
-        if e.mode is WriteMode.WRITE_BACK:
-            e.dirty = True
-            self._dirty[key] = e
-            self._wake.set()
-        if self._waiters:
-            w = self._waiters.get(key)
-            if w is not None:
-                w[0].notify_all()
-        if self._mem.used > self._high:
-            self._wake.set()
-
-    def _free_entries(self, freed: list[Entry]) -> None:
-        """:meth:`_free_locked` of entries whose blocks are all sized: blocks side by side go back as one range."""
-        if len(freed) < 4:  # too few to be worth grouping
-            free = self._mem.free
-            for e in freed:
-                free(e.loc)
-                e.loc = None
-            return
-        self._mem.free_many([e.loc for e in freed])
-        for e in freed:
-            e.loc = None
-
-    @staticmethod
-    def _wall_expiry(e: Entry) -> float:
-        """A sealed entry's deadline as Unix time (what SSD files record), 0 for never."""
-        return time.time() + (e.expires - time.monotonic()) if e.expires else 0.0
-
-    def _uncreate(self, key: str) -> None:
-        n = self._creating.get(key, 0) - 1
-        if n > 0:
-            self._creating[key] = n
-        else:
-            self._creating.pop(key, None)
-
-    def _abort_locked(self, e: Entry) -> None:
-        self._uncreate(e.key)
-        self._free_locked(e)
-
-    def _free_locked(self, e: Entry) -> None:
-        if e.loc is not None and e.loc.size:
-            self._mem.free(e.loc)
-        e.loc = None
-
-    def _retire(self, e: Entry, *, keep_disk_file: bool = False, freed: list[Entry] | None = None) -> None:
-        """Take a visible version out of service (deleted, replaced, expired, dropped). With ``freed``, a block
-        to free is appended there instead (the caller frees them all with :meth:`_free_entries`)."""
-        e.dead = True
-        self._evict_blocked = False
-        key = e.key
-        self._clock.remove(key, e)
-        if self._dirty.get(key) is e:
-            del self._dirty[key]
-        if e.on_disk and not keep_disk_file:
-            self._disk.remove(key)
-        e.on_disk = False
-        if e.gpu is not None:
-            self._gpu_retire(e)
-        if e.leases == 0:
-            if freed is None:
-                self._free_locked(e)
-            elif e.loc is not None and e.loc.size:
-                freed.append(e)
-            else:
-                e.loc = None
 
     # -- read path ---------------------------------------------------------------------------------
     def _lookup(self, key: str) -> Entry | None:
