@@ -1,4 +1,11 @@
-"""The object store engine: metadata table, versions, waiters, TTL, tiers and eviction (leases: store.leases).
+"""The object store engine: its state and metadata table, key metadata ops, the background pass, close.
+
+:class:`ObjectStore` is put together from one mixin per concept, sharing the fields ``__init__`` sets:
+writes (create/seal/put, retiring versions: store.writes), batch writes (store.batch), reads
+(store.reads), leases (store.leases), write reservations (store.reservations), moving bytes between
+tiers (store.tiering) and the HBM read cache (store.device). This module keeps the segments, the
+per-key metadata operations (delete, exists, expire, refcounts, stats), the background thread
+(TTL sweep, watermark eviction, write-back) and close.
 
 One lock guards all metadata; bytes move outside it. A write reserves DRAM under the lock, fills
 the bytes without it (in this process or, through a shared mapping, in a client's), then seals under
@@ -25,32 +32,26 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError, ClosedError, KeyNotFound, Timeout
+from kvstrata.errors import CapacityError
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.batch import BatchMixin
 from kvstrata.store.config import STORE_COUNTERS, StoreConfig
 from kvstrata.store.device import DeviceCacheMixin
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.leases import LeaseMixin
-from kvstrata.store.objects import (
-    Entry,
-    check_key,
-    check_keys,
-    check_size,
-    check_timeout,
-    check_ttl,
-)
+from kvstrata.store.objects import Entry, check_key, check_keys, check_ttl
+from kvstrata.store.reads import ReadMixin
 from kvstrata.store.reservations import ReservationMixin
 from kvstrata.store.tiering import TieringMixin
 from kvstrata.store.tiers.base import Location
 from kvstrata.store.tiers.disk import DiskTier
 from kvstrata.store.tiers.memory import MemoryTier
-from kvstrata.store.writes import _SMALL, WriteMixin
+from kvstrata.store.writes import WriteMixin
 
 log = logging.getLogger(__name__)
 
 
-class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReservationMixin, TieringMixin, DeviceCacheMixin):
+class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixin, TieringMixin, DeviceCacheMixin):
     """An in-process, thread-safe object store over DRAM (shared memory) and optionally SSD."""
 
     def __init__(self, config: StoreConfig):
@@ -149,110 +150,6 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReservationMixin, TieringM
         if location.size == 0:
             return memoryview(bytearray())
         return self._mem.view(location)
-
-    # -- read path ---------------------------------------------------------------------------------
-    def _lookup(self, key: str) -> Entry | None:
-        e = self._objects.get(key)
-        if e is not None and e.expires and e.expires <= time.monotonic():
-            del self._objects[key]
-            self._retire(e)
-            self._counts["expired"] += 1
-            return None
-        return e
-
-    def _wait_for(self, key: str, timeout: float | None, promote: bool = True) -> Entry:
-        """The visible entry of ``key``, waiting up to ``timeout`` s for it to appear (and for a load
-        by another reader to finish); brought into DRAM if ``promote``. Under the lock; may release it.
-        """
-        deadline = None
-        w = None
-        try:
-            while True:
-                e = self._lookup(key)
-                if e is not None:
-                    if e.loc is not None or not promote:
-                        break
-                    if not e.loading:
-                        if self._load(e):
-                            break
-                        continue  # deleted or replaced while loading: look again
-                    remaining = None  # another reader is loading it: loads finish, wait for it
-                else:
-                    if timeout == 0.0:
-                        self._counts["misses"] += 1
-                        raise KeyNotFound(f"key {key!r} not found")
-                    if deadline is None and timeout is not None:
-                        deadline = time.monotonic() + timeout
-                    remaining = None if timeout is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        self._counts["misses"] += 1
-                        raise Timeout(f"key {key!r} did not appear within {timeout} s")
-                if self._closed:
-                    raise ClosedError("the object store is closed")
-                if w is None:
-                    w = self._waiters.get(key)
-                    if w is None:
-                        w = self._waiters[key] = [threading.Condition(self._lock), 0]
-                    w[1] += 1
-                w[0].wait(remaining)
-        finally:
-            if w is not None:
-                w[1] -= 1
-                if w[1] == 0:
-                    del self._waiters[key]
-        e.referenced = True
-        return e
-
-    def _copy_out(self, key: str, offset: int, size: int | None, timeout: float | None) -> bytes:
-        with self._lock:
-            if self._closed:
-                raise ClosedError("the object store is closed")
-            want = size
-            while True:
-                e = self._wait_for(key, timeout, promote=False)
-                size = e.size - offset if want is None else want
-                if offset + size > e.size:
-                    raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
-                if e.loc is not None:
-                    break
-                try:
-                    self._wait_for(key, timeout, promote=True)
-                except CapacityError:
-                    data = self._read_direct(e, offset, size)  # DRAM full of leased data: serve from SSD
-                    if data is None:
-                        continue  # replaced or deleted meanwhile: look again
-                    self._counts["hits"] += 1
-                    return data
-            self._counts["hits"] += 1
-            if size <= _SMALL:
-                return bytes(self.buffer(e.loc)[offset : offset + size])
-            e.leases += 1
-            loc = e.loc
-        try:
-            return bytes(self._mem.view(loc)[offset : offset + size])
-        finally:
-            with self._lock:
-                e.leases -= 1
-                if e.dead and e.leases == 0:
-                    self._free_locked(e)
-
-    def get_bytes(self, key: str, *, timeout: float | None = 0.0) -> bytes:
-        """A copy of ``key``'s value, waiting up to ``timeout`` s for it to appear."""
-        check_key(key)
-        data = self._copy_out(key, 0, None, check_timeout(timeout))
-        if self._announced < len(self._mem.segments):  # a promotion may have grown the tier
-            self._announce_segments()
-        return data
-
-    def read(self, key: str, offset: int, size: int) -> bytes:
-        """A copy of ``size`` bytes of ``key`` from ``offset``; ValueError for a range outside the object."""
-        check_key(key)
-        check_size(offset, "offset")
-        check_size(size)
-        data = self._copy_out(key, offset, size, 0.0)
-        if self._announced < len(self._mem.segments):
-            self._announce_segments()
-        return data
 
     # -- metadata ----------------------------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> list[bool]:
