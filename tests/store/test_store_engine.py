@@ -155,6 +155,32 @@ def test_close_wakes_waiters_with_closed_error(make_config):
     store.close()
 
 
+def test_close_from_several_threads_at_once_closes_once(make_config, monkeypatch):
+    store = ObjectStore(make_config())
+    store.put("a", b"x")
+    closed = []
+    real = store._mem.close
+    monkeypatch.setattr(store._mem, "close", lambda: closed.append(1) or real())
+    start = threading.Barrier(4)
+    failures: list = []
+
+    def closer():
+        start.wait()
+        try:
+            store.close()
+        except Exception as exc:  # pragma: no cover - the failure this test is about
+            failures.append(exc)
+
+    threads = [threading.Thread(target=closer) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert not failures and closed == [1]  # the segments unmapped once
+    with pytest.raises(ClosedError):
+        store.put("b", b"x")
+
+
 def test_ttl_expiry_lazy_and_sweeper(store):
     store.put("short", b"x", ttl=0.3)
     store.put("forever0", b"x", ttl=0)

@@ -60,6 +60,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self.config = config
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []
         self._announce_lock = threading.RLock()
         self._mem = MemoryTier(
@@ -316,9 +317,12 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
                     self._counts["expired"] += 1
 
     def close(self) -> None:
-        """Flush write-back data, stop the background thread, unmap the segments. Idempotent."""
-        if self._closed:
-            return
+        """Flush write-back data, stop the background thread, unmap the segments. Idempotent: a second call,
+        also one from another thread while the first runs, returns at once."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
         try:
             self.flush()
         except CapacityError as exc:
