@@ -470,7 +470,15 @@ def test_a_bad_tensor_in_a_later_stage_aborts_what_earlier_stages_created(kv, mo
     kv.delete(keys)
 
 
-def test_pipelined_mget_h2d_asks_every_lease_up_front_in_three_requests(kv, monkeypatch):
+def _count_asks(monkeypatch, backend) -> list[int]:
+    """The number of keys of each lease request ``backend`` is asked to send, in order (filled as it goes)."""
+    asked: list[int] = []
+    real = backend.acquire_start
+    monkeypatch.setattr(backend, "acquire_start", lambda ks, *a, **kw: asked.append(len(ks)) or real(ks, *a, **kw))
+    return asked
+
+
+def test_pipelined_mget_h2d_asks_every_lease_up_front_in_a_few_requests(kv, monkeypatch):
     keys = [f"pipe-get/{i}" for i in range(9)]
     kv.delete(keys)
     src = _lists(9)
@@ -478,9 +486,7 @@ def test_pipelined_mget_h2d_asks_every_lease_up_front_in_three_requests(kv, monk
     kv.delete([keys[5]])  # a missing key in the middle group: its slot says so, the others are filled
     monkeypatch.setattr(device, "stages", stages_of(2))
     backend = kv._backend
-    asked = []
-    real = backend.acquire_start
-    monkeypatch.setattr(backend, "acquire_start", lambda ks, *a, **kw: asked.append(len(ks)) or real(ks, *a, **kw))
+    asked = _count_asks(monkeypatch, backend)
     dst = _poisoned(src)
     res = kv.mget_h2d(keys, dst)
     remote = type(backend).__name__ == "RemoteBackend"
@@ -516,9 +522,7 @@ def test_a_waiting_mget_h2d_asks_stage_by_stage_within_its_one_timeout(kv, monke
     assert kv.mset_d2h(keys[:5], src[:5]) == [None] * 5
     monkeypatch.setattr(device, "stages", stages_of(2))
     backend = kv._backend
-    asked = []
-    real = backend.acquire_start
-    monkeypatch.setattr(backend, "acquire_start", lambda ks, *a, **kw: asked.append(len(ks)) or real(ks, *a, **kw))
+    asked = _count_asks(monkeypatch, backend)
     dst = _poisoned(src)
     t0 = time.monotonic()
     res = kv.mget_h2d(keys, dst, timeout=0.3)
