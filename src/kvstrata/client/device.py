@@ -41,9 +41,10 @@ FIRST_BATCH_RUNS = 2
 # at all (the copies wait for that one round trip). Growing by half rather than doubling keeps each stage's
 # host work (H200 host, 1 MiB keys: ~10 us per key, 20-50 us per stage) close to the previous stage's DMA
 # (19 us per key), so the copy engine waits little while the stages grow. Why 4 MiB and not less: with every
-# setting switched call by call on the H200 (tools/probe_store_ab.py, 200 rounds), a 1 MiB first stage was
-# no faster for kept leases (0.925 against 0.931 of one 64 MiB copy) nor for mset_d2h (0.808 / 0.812) and
-# slower right after a rewrite (0.781 / 0.808): the host work of the extra stages eats what it starts early.
+# setting switched call by call on the H200 (tools/probe_store_ab.py, 200 rounds, two draws), a 1 MiB first
+# stage was slower for kept leases (0.925 / 0.884 of one 64 MiB copy against 0.931 / 0.906), for mset_d2h
+# (0.808 / 0.824 against 0.812 / 0.831) and right after a rewrite (0.781 / 0.706 against 0.808 / 0.746):
+# the host work of the extra stages eats what it starts early.
 FIRST_STAGE_BYTES = 4 << 20
 MAX_STAGE_BYTES = 16 << 20
 
