@@ -84,6 +84,15 @@ def test_many_client_processes_read_and_write(worker):
         kv.delete([f"p{p}/{i}" for p in range(n_proc) for i in range(n_keys)])
 
 
+def test_the_worker_found_by_a_bare_socket_path_in_the_environment(worker, monkeypatch):
+    path = worker.split("://", 1)[1]
+    monkeypatch.setenv("KVSTRATA_WORKER", path)  # a path, as --socket takes it: no unix:// in front
+    with kvstrata.connect() as kv:
+        kv.set("env-path", b"x")
+        assert kv.get("env-path") == b"x"
+        kv.delete(["env-path"])
+
+
 def test_client_killed_mid_write_leaves_nothing_behind(worker, tmp_path):
     ready = tmp_path / "ready"
     ctx = multiprocessing.get_context("spawn")

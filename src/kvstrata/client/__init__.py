@@ -66,7 +66,7 @@ def connect(
         from kvstrata.server.config import default_address
 
         address = default_address()
-    elif "://" not in address:
+    if "://" not in address:  # a bare path (argument or KVSTRATA_WORKER): the worker's Unix socket
         address = f"unix://{os.path.abspath(address)}"
     return Client(RemoteBackend(address, timeout=timeout, name=name), reserve_bytes=reserve)
 
