@@ -25,6 +25,8 @@
 #           twice and tools/trace_store_device.py on the final code
 #   PART=s6v: client-device and reservation GPU tests, bench store's device rows with the session's starting code
 #           (ab_old/src) and the final code in turn (A/B/A/B), tools/trace_store_device.py
+#   PART=s7a: session 7's first check: client-device, reservation and linger GPU tests, tools/probe_call_phases.py
+#           with and without lingering hints, tools/probe_store_ab.py, tools/trace_store_device.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -122,6 +124,15 @@ elif [ "${PART}" = s5f ]; then  # session 5's closing call: every GPU test, devi
   bench 80 gather --quick
 elif [ "${PART}" = s5t ]; then  # session 5's closing sweep: bench transfer over every chunk size, 32 and 80 layers
   bench 560 transfer
+elif [ "${PART}" = s7a ]; then
+  timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
+    tests/test_reservations.py tests/test_linger.py 2>&1 | tail -3 | tee -a "$LOG"
+  for v in 1 0; do
+    echo "=== tools/probe_call_phases.py --linger $v" >> "$LOG"
+    timeout 60 python3 tools/probe_call_phases.py --iters 100 --linger $v >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_store_ab.py --iters 150" >> "$LOG"; timeout 200 python3 tools/probe_store_ab.py --iters 150 >> "$LOG" 2>&1
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s6a ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
     tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"

@@ -22,6 +22,15 @@ from kvstrata.server import protocol as P
 log = logging.getLogger(__name__)
 
 Result = Any  # per-key: None on success, the KvstrataError instance on failure (as in kvstrata.client.client)
+#: the rate (bytes per us) a device write's lingering hints assume its copies run at: a bit under PCIe Gen5's ~55
+#: GB/s, so the worker polls a little longer than the bytes take rather than sleep just before the commit
+LINGER_BYTES_PER_US = 40_000
+LINGER_SLACK_US = 100
+
+
+def _linger_us(nbytes: int) -> int:
+    """How long the worker should poll for a commit that follows ``nbytes`` of copies (see ``linger``)."""
+    return nbytes // LINGER_BYTES_PER_US + LINGER_SLACK_US
 
 
 class DeviceCallsMixin:
@@ -79,21 +88,35 @@ class DeviceCallsMixin:
             return created, where
 
         try:
-            # (key indices, commit items or None for created keys, event after the stage's copies)
-            marks: list[tuple[list[int], Any, Any]] = []
+            # (key indices, commit items or None for created keys, event after their copies, their bytes)
+            marks: list[tuple[list[int], Any, Any, int]] = []
             stages = _device.stages(len(keys), tensor_lists)
             for st in itertools.chain(stages, [None]):
                 if st is not None:
                     call_bytes += sum(map(_reservation.rounded, st.sizes))
                     locs = resv.carve(st.sizes) if carving else None
                     if locs is not None:  # laid out in the reservation: the copies go at once
-                        which = list(range(st.lo, st.hi))
                         if s is None and st.device is not None:
                             s = _device.start(st.device, stream)
-                        runs = self._plan(which, locs, st.pieces, st.lo, st.device, to_host=True)
-                        _device.enqueue(runs, st.device, s, first=not marks)
-                        items = [(keys[i], loc.size, loc.offset) for i, loc in zip(which, locs)]
-                        marks.append((which, items, _device.mark(s)))
+                        # The call's last keys get a mark of their own: the commit that must follow the last
+                        # byte then carries a few keys, the others' commit having gone while those moved.
+                        last = st.hi == len(keys) and st.hi - st.lo >= 8 and s is not None
+                        cut = st.hi - (st.hi - st.lo) // 4 if last else st.hi
+                        for lo, hi in ((st.lo, cut), (cut, st.hi)):
+                            if lo == hi:
+                                continue
+                            which = list(range(lo, hi))
+                            part = locs[lo - st.lo : hi - st.lo]
+                            runs = self._plan(which, part, st.pieces, st.lo, st.device, to_host=True)
+                            _device.enqueue(runs, st.device, s, first=not marks)
+                            items = [(keys[i], loc.size, loc.offset) for i, loc in zip(which, part)]
+                            nbytes = sum(st.sizes[lo - st.lo : hi - st.lo])
+                            marks.append((which, items, _device.mark(s), nbytes))
+                            if len(marks) == 1 and s is not None:
+                                # The worker's thread for this client likely sleeps (nothing asked for a while)
+                                # and would take ~100+ us to wake for the first commit: have it wake now and
+                                # poll, while the copies run, for as long as the call's bytes take to land.
+                                backend.linger(_linger_us(nbytes * len(keys) // max(1, hi - lo)))
                         continue
                     carving = False  # the rest of the call is created by the worker, in stage order
                     in_flight.append((st, backend.mcreate_start(list(zip(keys[st.lo : st.hi], st.sizes)), opts)))
@@ -107,7 +130,7 @@ class DeviceCallsMixin:
                     s = _device.start(prev.device, stream)
                 runs = self._plan(created, where, prev.pieces, prev.lo, prev.device, to_host=True)
                 _device.enqueue(runs, prev.device, s, first=not marks)
-                marks.append((created, None, _device.mark(s)))
+                marks.append((created, None, _device.mark(s), 0))
             # Commit or seal stage by stage as its copies land (stream order: a stage's event covers its
             # copies), each sent without waiting for the worker, whose answers are read at the end. Stages
             # whose copies have all landed by the time one is sent go in that one request (the first of
@@ -122,7 +145,10 @@ class DeviceCallsMixin:
                 carved = [m for m in marks[j:k] if m[1] is not None]  # carved stages come before created ones
                 if carved:
                     which = [i for m in carved for i in m[0]]
-                    seals.append((which, True, backend.commit_start([it for m in carved for it in m[1]], opts)))
+                    # another commit follows once the bytes still moving land: the worker polls until then
+                    linger = _linger_us(sum(m[3] for m in marks[k:])) if k < len(marks) else 0
+                    items = [it for m in carved for it in m[1]]
+                    seals.append((which, True, backend.commit_start(items, opts, linger)))
                 which = [i for m in marks[j:k] if m[1] is None for i in m[0]]
                 if which:
                     seals.append((which, False, backend.mseal_start([keys[i] for i in which])))

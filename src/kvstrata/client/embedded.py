@@ -112,11 +112,15 @@ class EmbeddedBackend:
             raise token
         return token
 
-    def commit_start(self, items: list[tuple[str, int, int]], opts: dict) -> Any:
+    def commit_start(self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0) -> Any:
         store = self._check()
         results = store.commit(self.owner, items, **self._opts(opts))
         rest = store.reservation(self.owner)
         return results, None if rest is None else rest.offset
+
+    @staticmethod
+    def linger(us: int) -> None:
+        """Nothing to do: no worker thread to keep awake in this process."""
 
     @staticmethod
     def mcreate_finish(token: Any) -> list[Any]:

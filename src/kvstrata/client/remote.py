@@ -87,13 +87,23 @@ class RemoteBackend(WorkerConnection):
     def reserve_finish(self, token: Any) -> Loc:
         return self._loc(self.tagged_reply(token)["loc"])
 
-    def commit_start(self, items: list[tuple[str, int, int]], opts: dict) -> Any:
+    def commit_start(self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0) -> Any:
         """Commit ``(key, size, offset)`` s carved from this client's reservation, not waited for;
-        :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``."""
+        :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``.
+        ``linger_us``: another commit follows within that many microseconds (see :meth:`linger`)."""
         msg = {"op": "commit", "items": items}
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
+        if linger_us > 0:
+            msg["linger"] = linger_us
         return self.send_tagged(msg), len(items)
+
+    def linger(self, us: int) -> None:
+        """Tell the worker (one-way) that this client's next request follows within ``us`` microseconds, so
+        its thread keeps polling (where the worker polls at all) rather than sleep and be woken for it."""
+        with self._lock:
+            if not self._closed and not self._conn.closed:
+                self._conn.send({"op": "linger", "linger": us})
 
     def commit_finish(self, token: Any) -> tuple[list[Any], int | None]:
         tag, n = token

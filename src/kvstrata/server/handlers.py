@@ -313,6 +313,13 @@ def _ping(s: Session, msg: dict) -> dict:
     return {"pong": True}
 
 
+def _linger(s: Session, msg: dict) -> dict:
+    """One-way: nothing to do but what every request's ``"linger"`` field does (Session.handle): keep this
+    connection's thread polling that long, so the client's next request (a device write's commit after its
+    bytes land) does not wait for a sleeping thread to wake."""
+    return {}
+
+
 HANDLERS = {
     "put": _put,
     "mput": _mput,
@@ -340,5 +347,6 @@ HANDLERS = {
     "flush": _flush,
     "segments": _segments,
     "ping": _ping,
+    "linger": _linger,
     "dev": devobj_service.handle,  # device objects: kvstrata.devobj
 }

@@ -11,6 +11,9 @@ requests in flight on one connection (replies still come in request order) and m
 its sender (``RemoteBackend.send_tagged``; the device calls pipeline their stages this way).
 ``reserve`` gives a client an extent of shared memory to lay new objects in without asking where, and
 ``commit`` makes the objects it wrote there sealed objects (``kvstrata.store.reservations``).
+Any request may carry ``"linger": us``, and the one-way ``linger`` op carries only that: the client's next
+request follows within that many microseconds, so the worker's thread for it keeps polling until then (where
+the worker polls at all) instead of going to sleep and paying a wake-up when it comes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ INLINE_MAX = 64 << 10
 MAX_BATCH = 100_000
 MAX_KEY_BYTES = 1024
 WRITE_MODES = ("memory", "write_through", "write_back", "evictable")
-ONE_WAY_OPS = frozenset({"release"})
+ONE_WAY_OPS = frozenset({"release", "linger"})
 _STR = frozenset({str})
 
 _ERROR_TYPES: dict[str, type[BaseException]] = {

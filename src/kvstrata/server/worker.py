@@ -40,6 +40,8 @@ _owner_ids = itertools.count(1)
 CACHE_SHARE = 16
 #: lane checks per socket check while a connection thread polls both
 _LANE_TURNS = 4
+#: the longest a client may ask the worker to keep polling for its next request (``"linger"``, in us)
+LINGER_MAX_US = 5000
 
 
 class Worker:
@@ -247,6 +249,9 @@ class Session:
         self.validity = worker.validity
         self.lane: _lane.Lane | None = None
         self._drained = False  # whether the connection's read buffer was found empty since its last read
+        # perf_counter time until which this connection polls for its next request whatever worker.spin says
+        # (a request's "linger": the client said another request follows by then, e.g. a device write's commit)
+        self.linger_until = 0.0
 
     def open_lane(self) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -285,6 +290,9 @@ class Session:
         ``worker.spin`` seconds (the lane advertised as polled meanwhile), then the socket is waited on.
         """
         spin, lane = self.worker.spin, self.lane
+        if spin > 0.0 and self.linger_until:
+            spin = max(spin, self.linger_until - time.perf_counter())
+            self.linger_until = 0.0
         if lane is None or spin <= 0.0:
             if lane is not None:
                 lane.set_polling(False)
@@ -362,6 +370,9 @@ class Session:
         try:
             if handler is None:
                 raise ServerError(f"unknown request {op!r:.100}")
+            linger = msg.get("linger")
+            if linger:  # another request of this client follows within this many us: poll until then
+                self.linger_until = time.perf_counter() + min(P.check_size(linger, "linger"), LINGER_MAX_US) * 1e-6
             if msg.get("rel"):  # releases deferred by the client's garbage collector
                 release(self, {"ids": msg["rel"]})
             for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed

@@ -1,0 +1,118 @@
+"""A request's ``"linger"`` (and the one-way ``linger`` op): the worker keeps the client's connection thread
+polling until the client's next request is due, instead of sleeping and paying a wake-up for it. Seen from
+the client through the lane page's ``polling`` flag, which the worker raises exactly while it polls."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvstrata
+from kvstrata.server import lane as L
+from kvstrata.server.worker import LINGER_MAX_US
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_worker_e2e import start_worker, stop
+
+pytestmark = [
+    pytest.mark.skipif(not L.supported(), reason="the lane (whose flag shows the polling) is x86-64 only"),
+    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the worker polls only with 2+ CPUs"),
+]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    old = os.environ.get("KVSTRATA_SPIN_US")
+    os.environ["KVSTRATA_SPIN_US"] = "50"  # a short default window, so a linger's longer one shows
+    try:
+        proc, address = start_worker(tmp_path_factory.mktemp("linger"))
+    finally:
+        if old is None:
+            os.environ.pop("KVSTRATA_SPIN_US")
+        else:
+            os.environ["KVSTRATA_SPIN_US"] = old
+    yield address
+    log = stop(proc)
+    assert proc.returncode == 0, log
+
+
+def _wait(cond, seconds: float = 5.0) -> float:
+    """Poll ``cond`` until true; the time it became true (fails after ``seconds``)."""
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "condition not met in time"
+    return time.monotonic()
+
+
+def test_linger_keeps_the_worker_polling_then_it_sleeps(worker):
+    with kvstrata.connect(worker) as kv:
+        backend = kv._backend
+        lane = backend._lane
+        assert lane is not None
+        kv.ping()
+        _wait(lambda: not lane.polling())  # the 50 us default window ends
+        backend.linger(4000)
+        up = _wait(lane.polling)  # the worker woke for the hint and polls
+        time.sleep(0.002)
+        # 2 ms on, far past the 50 us default window: still polling (a stalled thread would leave it up too,
+        # but without the linger the flag drops within 50 us of going up)
+        assert lane.polling()
+        down = _wait(lambda: not lane.polling())
+        assert down - up >= 0.002
+        # the next request is served as usual, and a request without linger gets the default window back
+        kv.set("linger/a", b"x")
+        assert kv.get("linger/a") == b"x"
+        _wait(lambda: not lane.polling(), 1.0)
+
+
+def test_linger_is_capped(worker):
+    with kvstrata.connect(worker) as kv:
+        backend = kv._backend
+        lane = backend._lane
+        kv.ping()
+        _wait(lambda: not lane.polling())
+        backend.linger(10**12)  # ~11 days asked: the worker polls LINGER_MAX_US at most
+        up = _wait(lane.polling)
+        down = _wait(lambda: not lane.polling(), 1.0)  # an uncapped linger would still poll then
+        assert down - up <= 1.0 and LINGER_MAX_US <= 100_000
+
+
+@pytest.mark.parametrize(("bad", "error"), [(-5, ValueError), ("soon", TypeError), (True, TypeError)])
+def test_a_bad_linger_is_refused_by_name_and_the_worker_keeps_serving(worker, bad, error):
+    with kvstrata.connect(worker) as kv:
+        with pytest.raises(error, match="linger"):
+            kv._backend.request({"op": "ping", "linger": bad})
+        kv.set("linger/b", b"still here")
+        assert kv.get("linger/b") == b"still here"
+
+
+def test_commits_carry_a_linger_only_while_more_follow(worker):
+    # On the CPU path every mark has landed when the first commit goes: one commit, no linger. The linger
+    # arithmetic itself: bytes at the assumed rate plus slack.
+    from kvstrata.client import device_calls
+
+    assert device_calls._linger_us(0) == device_calls.LINGER_SLACK_US
+    assert device_calls._linger_us(64 << 20) == (64 << 20) // device_calls.LINGER_BYTES_PER_US + 100
+    torch = pytest.importorskip("torch")
+    with kvstrata.connect(worker) as kv:
+        sent = []
+        real = kv._backend.commit_start
+
+        def spy(items, opts, linger_us=0):
+            sent.append((len(items), linger_us))
+            return real(items, opts, linger_us)
+
+        kv._backend.commit_start = spy
+        ts = [[torch.arange(i, i + 64, dtype=torch.int32)] for i in range(12)]
+        assert kv.mset_d2h([f"linger/w/{i}" for i in range(12)], ts) == [None] * 12  # gets a reservation
+        sent.clear()
+        keys = [f"linger/c/{i}" for i in range(12)]
+        assert kv.mset_d2h(keys, ts) == [None] * 12
+        assert sent == [(12, 0)]
+        out = [[torch.empty(64, dtype=torch.int32)] for _ in range(12)]
+        assert kv.mget_h2d(keys, out) == [None] * 12
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(ts, out))
