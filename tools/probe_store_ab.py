@@ -2,7 +2,8 @@
 every setting sees the same host speed (the GPU host's Python speed drifts between and within runs): the
 first stage's size (``device.FIRST_STAGE_BYTES``) for ``mget_h2d`` with kept leases, ``mget_h2d`` right after
 a rewrite and ``mset_d2h``; ``mset_d2h`` with and without the write reservation, and without its lingering
-hints to the worker (``device_calls._linger_us``). Wall time of each call
+hints to the worker (``device_calls._linger_us``), and with its last commit sent after the last copies landed
+rather than ahead of them (``RemoteBackend.can_land`` off). Wall time of each call
 from an idle device against one 64 MiB ``copy_``; median and quartiles over ``--iters`` rounds.
 
     PYTHONPATH=src python3 tools/probe_store_ab.py [--iters 100]
@@ -21,6 +22,7 @@ import torch
 import kvstrata
 from kvstrata.bench.store import _start_worker
 from kvstrata.client import device, device_calls
+from kvstrata.client.remote import RemoteBackend
 
 N, SIZE = 64, 1 << 20
 
@@ -45,10 +47,11 @@ def main() -> None:
                     cases[f"mset_d2h reserved, {name}"] = ("set", first, limit)
                 cases["mset_d2h created (no reservation), 1 MiB first stage"] = ("set", 1 << 20, 0)
                 cases["mset_d2h reserved, 4 MiB first stage, no linger"] = ("set", 4 << 20, limit)
+                cases["mset_d2h reserved, 4 MiB first stage, commit after landing"] = ("set", 4 << 20, limit)
                 cases["one 64 MiB copy_"] = ("copy", 0, limit)
                 times: dict[str, list[float]] = {c: [] for c in cases}
                 kv.mset_d2h(keys, src)
-                linger_us, linger = device_calls._linger_us, kv._backend.linger
+                linger_us, linger, can_land = device_calls._linger_us, kv._backend.linger, RemoteBackend.can_land
                 for it in range(iters + 3):
                     for case, (op, first, lim) in cases.items():
                         device.FIRST_STAGE_BYTES = first or device.FIRST_STAGE_BYTES
@@ -56,6 +59,8 @@ def main() -> None:
                         off = case.endswith("no linger")
                         device_calls._linger_us = (lambda nbytes: 0) if off else linger_us
                         kv._backend.linger = (lambda us: None) if off else linger
+                        after = case.endswith("after landing")
+                        RemoteBackend.can_land = property(lambda self: False) if after else can_land
                         if op == "rewrite":
                             kv.delete(keys)
                             kv.mset_d2h(keys, src)

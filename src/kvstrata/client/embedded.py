@@ -112,7 +112,12 @@ class EmbeddedBackend:
             raise token
         return token
 
-    def commit_start(self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0) -> Any:
+    #: commits run in this process, after the copies: never ahead of them
+    can_land = False
+
+    def commit_start(
+        self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0, *, landing: bool = False
+    ) -> Any:
         store = self._check()
         results = store.commit(self.owner, items, **self._opts(opts))
         rest = store.reservation(self.owner)

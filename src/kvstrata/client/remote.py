@@ -87,16 +87,33 @@ class RemoteBackend(WorkerConnection):
     def reserve_finish(self, token: Any) -> Loc:
         return self._loc(self.tagged_reply(token)["loc"])
 
-    def commit_start(self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0) -> Any:
+    def commit_start(
+        self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0, *, landing: bool = False
+    ) -> Any:
         """Commit ``(key, size, offset)`` s carved from this client's reservation, not waited for;
         :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``.
-        ``linger_us``: another commit follows within that many microseconds (see :meth:`linger`)."""
+        ``linger_us``: another commit follows within that many microseconds (see :meth:`linger`).
+        ``landing`` (where :attr:`can_land`): sent before the copies into the objects finished; the worker
+        holds it until :meth:`land` says they did (or failed), which the caller must then say."""
         msg = {"op": "commit", "items": items}
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
         if linger_us > 0:
             msg["linger"] = linger_us
+        if landing:
+            msg["landing"] = True
         return self.send_tagged(msg), len(items)
+
+    @property
+    def can_land(self) -> bool:
+        """Whether a commit may go before its copies landed (the worker then waits for :meth:`land`)."""
+        return self._lane is not None
+
+    def land(self, token: Any, ok: bool = True) -> None:
+        """Tell the worker holding the ``landing`` commit ``token`` that its copies landed (or failed)."""
+        lane = self._lane
+        if lane is not None:
+            lane.land(token[0], ok)
 
     def linger(self, us: int) -> None:
         """Tell the worker (one-way) that this client's next request follows within ``us`` microseconds, so

@@ -180,11 +180,17 @@ def _reserve(s: Session, msg: dict) -> dict:
 def _commit(s: Session, msg: dict) -> dict:
     """Objects carved from the client's reservation, sealed: ``items`` are ``[key, size, offset]`` in carving
     order. Reply ``{"head": offset or None, "errs": [[i, type, message], ...]}``: where the reservation's
-    head is now (None: the client holds none), and the refused items (absent when every one was sealed)."""
+    head is now (None: the client holds none), and the refused items (absent when every one was sealed).
+    ``"landing": true``: sent before the copies into the objects finished; held until the client says in the
+    lane page that they landed (Session.await_landing), all refused if they failed."""
     opts = s.write_options(msg)
     items = msg.get("items", [])
     if type(items) is not list or len(items) > P.MAX_BATCH:
         raise TypeError(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
+    if msg.get("landing") and not s.await_landing(msg.get("tag")):  # held for its copies, which failed
+        rest = s.store.reservation(s.owner)  # untouched: the client lays its next objects from the same head
+        why = ["ServerError", "not committed: the client's copies into the object did not land"]
+        return {"head": None if rest is None else rest.offset, "errs": [[i, *why] for i in range(len(items))]}
     keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
     with _sealing(s.validity, keys):
         results = s.store.commit(s.owner, items, **opts)

@@ -15,6 +15,11 @@ on the socket, which the worker always answers (after the lane request it names 
 so a request is never stranded. The order of the stores (bytes, length, then sequence number) is
 seen in that order by the other process on x86-64 (TSO); elsewhere the lane is not offered.
 
+The page also carries a device write's *landing* words: a client that sent a ``commit`` with ``"landing"``
+before its copies finished stores that request's tag in ``landed`` once its bytes are in host memory (or in
+``cancelled`` if the copies failed); the worker, which holds the commit until then, seals the objects the
+moment it sees the word, so the commit's round trip overlaps the copies' last microseconds.
+
 Only the ops in :data:`LANE_OPS` travel this way: their replies never carry descriptors and are small.
 A client can write anything into the page: the worker copies a request out before decoding it and
 checks its length, and a client killed mid-write leaves a request the worker never saw (the
@@ -32,7 +37,7 @@ HEADER_BYTES = 64
 REQUEST_BYTES = (64 << 10) + (8 << 10)  # an inline value (protocol.INLINE_MAX) plus its key and fields
 REPLY_BYTES = 8 << 10
 LANE_BYTES = HEADER_BYTES + REQUEST_BYTES + REPLY_BYTES
-_REQ_SEQ, _REQ_LEN, _REP_SEQ, _REP_LEN, _POLLING = 0, 8, 16, 24, 32
+_REQ_SEQ, _REQ_LEN, _REP_SEQ, _REP_LEN, _POLLING, _LANDED, _CANCELLED = 0, 8, 16, 24, 32, 40, 48
 
 
 def supported() -> bool:
@@ -55,6 +60,7 @@ class Lane:
         self._req_seq, self._req_len = u64(base + _REQ_SEQ), u64(base + _REQ_LEN)
         self._rep_seq, self._rep_len = u64(base + _REP_SEQ), u64(base + _REP_LEN)
         self._polling = u64(base + _POLLING)
+        self._landed, self._cancelled = u64(base + _LANDED), u64(base + _CANCELLED)
         buf = segment.buffer  # type: ignore[attr-defined]
         self._req = buf[HEADER_BYTES : HEADER_BYTES + REQUEST_BYTES]
         self._rep = buf[HEADER_BYTES + REQUEST_BYTES : LANE_BYTES]
@@ -84,7 +90,19 @@ class Lane:
             raise ProtocolError(f"lane reply of {n} bytes, over its {REPLY_BYTES}-byte area")
         return bytes(self._rep[:n])
 
+    def land(self, tag: int, ok: bool = True) -> None:
+        """Say that the copies of the commit request ``tag`` (sent with ``"landing"``) landed, or failed."""
+        (self._landed if ok else self._cancelled).value = tag
+
     # worker side ---------------------------------------------------------------------------------
+    def landing(self, tag: int) -> bool | None:
+        """Whether the client said the copies of commit ``tag`` landed (True), failed (False), or not yet (None)."""
+        if self._landed.value == tag:
+            return True
+        if self._cancelled.value == tag:
+            return False
+        return None
+
     def set_polling(self, on: bool) -> None:
         self._polling.value = 1 if on else 0
 
@@ -114,6 +132,7 @@ class Lane:
 
     def close(self) -> None:
         self._req_seq = self._req_len = self._rep_seq = self._rep_len = self._polling = None  # type: ignore[assignment]
+        self._landed = self._cancelled = None  # type: ignore[assignment]
         self._req.release()
         self._rep.release()
         self.segment.close()  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -42,6 +43,12 @@ CACHE_SHARE = 16
 _LANE_TURNS = 4
 #: the longest a client may ask the worker to keep polling for its next request (``"linger"``, in us)
 LINGER_MAX_US = 5000
+#: a commit held for its client's copies (``"landing"``, kvstrata.server.lane): polled this long, then checked
+#: every LANDING_NAP_S; given up (refused, logged) after LANDING_MAX_S, as if the copies had failed
+LANDING_SPIN_S = 2e-3
+LANDING_NAP_S = 50e-6
+LANDING_MAX_S = 30.0
+_HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
 
 class Worker:
@@ -329,6 +336,32 @@ class Session:
         if lane.pending():  # handed over while the flag went down
             return unpack(lane.take()), True
         return self._recv(conn.recv()), False
+
+    def await_landing(self, tag: Any) -> bool:
+        """Hold a ``commit`` sent with ``"landing"`` until its client says (in the lane page) that the copies into
+        its objects landed (True) or failed (False); False too after LANDING_MAX_S. ConnectionLost if the client
+        hangs up meanwhile. Other requests of the client wait behind it, as they would behind any request."""
+        lane = self.lane
+        if lane is None or type(tag) is not int:
+            raise ValueError("landing: a commit held for its copies needs the connection's lane and a tag")
+        landing, yield_cpu, clock = lane.landing, os.sched_yield, time.perf_counter
+        start = clock()
+        poller = select.poll()
+        poller.register(self.conn.fileno(), _HANGUP)
+        while True:
+            for _ in range(_LANE_TURNS):
+                got = landing(tag)
+                if got is not None:
+                    return got
+                yield_cpu()  # releases the GIL: the worker's other connections go on meanwhile
+            if poller.poll(0):
+                raise ConnectionLost(f"client {self.name} hung up while its commit waited for its copies")
+            waited = clock() - start
+            if waited > LANDING_SPIN_S:
+                if waited > LANDING_MAX_S:
+                    log.error("client %s: a commit waited %.0f s for its copies; refused", self.name, waited)
+                    return False
+                time.sleep(LANDING_NAP_S)
 
     def _recv(self, got: tuple[dict, list[int]]) -> dict:
         self._drained = False  # the read that brought this frame may have brought the next ones too
