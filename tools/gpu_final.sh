@@ -27,6 +27,8 @@
 #           (ab_old/src) and the final code in turn (A/B/A/B), tools/trace_store_device.py
 #   PART=s7a: session 7's first check: client-device, reservation and linger GPU tests, tools/probe_call_phases.py
 #           with and without lingering hints, tools/probe_store_ab.py, tools/trace_store_device.py
+#   PART=s7b: client-device, reservation, linger and landing GPU tests, tools/probe_store_ab.py (with the commit
+#           ahead of the last copies and without), tools/probe_call_phases.py, tools/trace_store_device.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -132,6 +134,12 @@ elif [ "${PART}" = s7a ]; then
     timeout 60 python3 tools/probe_call_phases.py --iters 100 --linger $v >> "$LOG" 2>&1
   done
   echo "=== tools/probe_store_ab.py --iters 150" >> "$LOG"; timeout 200 python3 tools/probe_store_ab.py --iters 150 >> "$LOG" 2>&1
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s7b ]; then
+  timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
+    tests/test_reservations.py tests/test_linger.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
+  echo "=== tools/probe_store_ab.py --iters 150" >> "$LOG"; timeout 200 python3 tools/probe_store_ab.py --iters 150 >> "$LOG" 2>&1
+  echo "=== tools/probe_call_phases.py" >> "$LOG"; timeout 60 python3 tools/probe_call_phases.py --iters 100 >> "$LOG" 2>&1
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s6a ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
