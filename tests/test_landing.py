@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvstrata
+from _stages import stages_of
 from kvstrata.client import device
 from kvstrata.errors import KvstrataError, ServerError
 from kvstrata.server import lane as L
@@ -166,30 +167,38 @@ def test_mset_d2h_sends_its_last_commit_ahead_of_the_last_copies(worker, monkeyp
             kv._backend, "commit_start", lambda *a, **kw: sent.append(kw.get("landing", False)) or real(*a, **kw)
         )
         monkeypatch.setattr(device, "mark", lambda stream: _Event())
+        monkeypatch.setattr(device, "stages", stages_of(2))
         keys = [f"land/m/{i}" for i in range(5)]
         src = _lists(5, 1)
         assert kv.mset_d2h(keys, src) == [None] * 5
-        assert sent == [True]  # one stage, its copies "in flight": committed ahead, then landed
+        # three stages, each one's copies "in flight" when looked at: the first is committed once it landed,
+        # the other two at once ahead of their copies, each held by the worker until it landed
+        assert sent == [False, True, True]
         out = [[torch.zeros_like(t[0])] for t in src]
         assert kv.mget_h2d(keys, out) == [None] * 5
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
         kv.delete([*keys, "land/warm"])
 
 
-def test_mset_d2h_whose_last_copies_fail_leaves_nothing_and_the_next_call_works(worker, monkeypatch):
+def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_works(worker, monkeypatch):
     with kvstrata.connect(worker) as kv:
         assert kv.mset_d2h(["land/warm2"], _lists(1, 0)) == [None]
-        monkeypatch.setattr(device, "mark", lambda stream: _Event(fail=True))
+        events = iter([_Event(), _Event(), _Event(fail=True)])
+        monkeypatch.setattr(device, "mark", lambda stream: next(events))
+        monkeypatch.setattr(device, "stages", stages_of(1))
         keys = [f"land/f/{i}" for i in range(3)]
+        first = _lists(3, 2)
         with pytest.raises(RuntimeError, match="simulated copy failure"):
-            kv.mset_d2h(keys, _lists(3, 2))
+            kv.mset_d2h(keys, first)  # the third stage's copies fail: its held commit is refused
         monkeypatch.undo()
-        assert kv.exists(keys) == [False] * 3 and kv.stats()["creates_in_progress"] == 0
-        src = _lists(3, 3)
-        assert kv.mset_d2h(keys, src) == [None] * 3
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert kv.mget_h2d(keys, out) == [None] * 3
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        # the first two stages' bytes landed and their objects stand (as with any failure after a commit); the
+        # third's object never became visible, and nothing is left half-made
+        assert kv.exists(keys) == [True, True, False] and kv.stats()["creates_in_progress"] == 0
+        assert [kv.get(k) for k in keys[:2]] == [t[0].numpy().tobytes() for t in first[:2]]
+        src = _lists(1, 3)
+        assert kv.mset_d2h(keys[2:], src) == [None]  # the reservation's head is where the worker says
+        out = [[torch.zeros_like(src[0][0])]]
+        assert kv.mget_h2d(keys[2:], out) == [None] and torch.equal(out[0][0], src[0][0])
         with pytest.raises(KvstrataError):
             kv.get("land/f/none")
         kv.delete([*keys, "land/warm2"])

@@ -341,7 +341,9 @@ def _count_calls(monkeypatch, backend):
     calls = []
     for name in ("mcreate", "mseal", "commit", "reserve"):
         real = getattr(backend, f"{name}_start")
-        monkeypatch.setattr(backend, f"{name}_start", lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+        monkeypatch.setattr(
+            backend, f"{name}_start", lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw)
+        )
     return calls
 
 

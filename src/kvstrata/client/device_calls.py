@@ -138,20 +138,6 @@ class DeviceCallsMixin:
             j = 0
             land = getattr(backend, "can_land", False)
             while j < len(marks):
-                last = marks[j] if j == len(marks) - 1 and land else None
-                if last is not None and last[1] is not None and last[2] is not None and not last[2].query():
-                    # The last keys' bytes are still moving: their commit goes now and the worker holds it until
-                    # told, through shared memory, that they landed (kvstrata.server.lane), so the call ends one
-                    # handler's time after its last byte rather than a whole round trip.
-                    token = backend.commit_start(last[1], opts, landing=True)
-                    seals.append((last[0], True, token))
-                    landed = False
-                    try:
-                        last[2].synchronize()
-                        landed = True
-                    finally:
-                        backend.land(token, landed)
-                    break
                 if marks[j][2] is not None:
                     marks[j][2].synchronize()  # the bytes must be in host memory before the objects are sealed
                 k = j + 1
@@ -168,6 +154,24 @@ class DeviceCallsMixin:
                 if which:
                     seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
                 j = k
+                rest = marks[j:]
+                if land and rest and all(m[1] is not None and m[2] is not None for m in rest):
+                    # The first copies landed, so the rest wait on nothing but the copy engine: commit every
+                    # remaining stage now, each held by the worker until told through shared memory that its
+                    # bytes landed (kvstrata.server.lane). The worker then seals each stage as it lands, and the
+                    # call ends one small commit's handling after its last byte, not a round trip or more.
+                    tokens = [backend.commit_start(m[1], opts, landing=True) for m in rest]
+                    seals.extend((m[0], True, token) for m, token in zip(rest, tokens))
+                    landed = False
+                    try:
+                        for m, token in zip(rest, tokens):
+                            m[2].synchronize()
+                            backend.land(token)
+                        landed = True
+                    finally:
+                        if not landed:  # the worker refuses every held commit not landed yet
+                            backend.land(tokens[-1], ok=False)
+                    break
             while seals:
                 which, committed, token = seals.popleft()  # out first: a reply is read once, even one that raises
                 if committed:

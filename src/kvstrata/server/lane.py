@@ -17,8 +17,9 @@ seen in that order by the other process on x86-64 (TSO); elsewhere the lane is n
 
 The page also carries a device write's *landing* words: a client that sent a ``commit`` with ``"landing"``
 before its copies finished stores that request's tag in ``landed`` once its bytes are in host memory (or in
-``cancelled`` if the copies failed); the worker, which holds the commit until then, seals the objects the
-moment it sees the word, so the commit's round trip overlaps the copies' last microseconds.
+``cancelled`` if the copies failed; a tag there covers every earlier commit too, as tags grow); the worker,
+which holds the commit until then, seals the objects the moment it sees the word, so the commit's round trip
+overlaps the copies.
 
 Only the ops in :data:`LANE_OPS` travel this way: their replies never carry descriptors and are small.
 A client can write anything into the page: the worker copies a request out before decoding it and
@@ -91,15 +92,16 @@ class Lane:
         return bytes(self._rep[:n])
 
     def land(self, tag: int, ok: bool = True) -> None:
-        """Say that the copies of the commit request ``tag`` (sent with ``"landing"``) landed, or failed."""
+        """Say that the copies of the commit request ``tag`` (sent with ``"landing"``) and of every earlier one
+        landed, or that those not landed yet failed. Tags grow: each word only moves forward."""
         (self._landed if ok else self._cancelled).value = tag
 
     # worker side ---------------------------------------------------------------------------------
     def landing(self, tag: int) -> bool | None:
         """Whether the client said the copies of commit ``tag`` landed (True), failed (False), or not yet (None)."""
-        if self._landed.value == tag:
+        if self._landed.value >= tag:
             return True
-        if self._cancelled.value == tag:
+        if self._cancelled.value >= tag:
             return False
         return None
 
