@@ -3,7 +3,8 @@ every setting sees the same host speed (the GPU host's Python speed drifts betwe
 first stage's size (``device.FIRST_STAGE_BYTES``) for ``mget_h2d`` with kept leases, ``mget_h2d`` right after
 a rewrite and ``mset_d2h``; ``mset_d2h`` with and without the write reservation, and without its lingering
 hints to the worker (``device_calls._linger_us``), and with its last commit sent after the last copies landed
-rather than ahead of them (``RemoteBackend.can_land`` off). Wall time of each call
+rather than ahead of them (``RemoteBackend.can_land`` off); a small ``mset_d2h`` (4 x 1 MiB, one stage) with
+and without lingering hints, against one 4 MiB ``copy_``. Wall time of each call
 from an idle device against one 64 MiB ``copy_``; median and quartiles over ``--iters`` rounds.
 
     PYTHONPATH=src python3 tools/probe_store_ab.py [--iters 100]
@@ -49,6 +50,9 @@ def main() -> None:
                 cases["mset_d2h reserved, 4 MiB first stage, no linger"] = ("set", 4 << 20, limit)
                 cases["mset_d2h reserved, 4 MiB first stage, commit after landing"] = ("set", 4 << 20, limit)
                 cases["one 64 MiB copy_"] = ("copy", 0, limit)
+                cases["small: mset_d2h 4 x 1 MiB"] = ("small", 4 << 20, limit)
+                cases["small: mset_d2h 4 x 1 MiB, no linger"] = ("small", 4 << 20, limit)
+                cases["small: one 4 MiB copy_"] = ("small copy", 0, limit)
                 times: dict[str, list[float]] = {c: [] for c in cases}
                 kv.mset_d2h(keys, src)
                 linger_us, linger, can_land = device_calls._linger_us, kv._backend.linger, RemoteBackend.can_land
@@ -72,21 +76,28 @@ def main() -> None:
                         if op == "copy":
                             big.copy_(host, non_blocking=True)
                             torch.cuda.synchronize()
+                        elif op == "small copy":
+                            big[: 4 * SIZE].copy_(host[: 4 * SIZE], non_blocking=True)
+                            torch.cuda.synchronize()
+                        elif op == "small":
+                            assert kv.mset_d2h(new[:4], src[:4]) == [None] * 4
                         elif op == "set":
                             assert kv.mset_d2h(new, src) == [None] * N
                         else:
                             kv.mget_h2d(keys, dst)
                         if it >= 3:
                             times[case].append(time.perf_counter() - t0)
-                        if op == "set":
+                        if op in ("set", "small"):
                             kv.delete(new)
                 assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
                 ceiling = statistics.median(times["one 64 MiB copy_"])
+                small = statistics.median(times["small: one 4 MiB copy_"])
                 print(f"{iters} rounds, each case once per round in turn; one 64 MiB copy_ {ceiling * 1e6:.0f} us")
                 for case, ts in times.items():
                     q1, med, q3 = statistics.quantiles(ts, n=4)
+                    ref = small if case.startswith("small") else ceiling
                     print(f"{case:55s} median {med * 1e6:6.0f} us ({q1 * 1e6:5.0f}..{q3 * 1e6:5.0f})  "
-                          f"{ceiling / med:5.3f} of the copy")  # fmt: skip
+                          f"{ref / med:5.3f} of the copy")  # fmt: skip
         finally:
             proc.terminate()
 
