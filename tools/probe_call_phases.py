@@ -63,7 +63,7 @@ def main() -> None:
                 wrap(kv, "_plan")
                 wrap(kv._reservation, "take", "reservation.take")
                 wrap(kv._reservation, "give", "reservation.give")
-                for name in ("commit_start", "commit_finish", "linger", "acquire_start", "acquire_finish"):
+                for name in ("commit_start", "commit_finish", "land", "linger", "acquire_start", "acquire_finish"):
                     wrap(backend, name)
                 wrap(kv, "_release_leases")
                 src = [[torch.randn(SIZE // 4, device="cuda")] for _ in range(N)]

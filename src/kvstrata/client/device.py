@@ -241,11 +241,20 @@ def start(device: Any, stream: Any = None) -> Any:
     side = _copy_streams.get(index)
     if side is None:
         side = _copy_streams.setdefault(index, torch.cuda.Stream(device=index))
-    side.wait_stream(stream or current_stream(index))
+    # stream.wait_stream(), with an event of this thread's instead of a new one per call (3-5 us of the ~15 the
+    # call cost on the H200 host, before the first DMA): the wait takes the event's state when it is queued, so
+    # recording the event again later, in this thread, never changes what an earlier wait waits for.
+    events = _wait_events.__dict__
+    event = events.get(index)
+    if event is None:
+        event = events[index] = torch.cuda.Event()
+    event.record(stream or current_stream(index))
+    side.wait_event(event)
     return side
 
 
 _copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls
+_wait_events = threading.local()  # device index -> this thread's event for start()'s wait
 
 
 def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False) -> None:
