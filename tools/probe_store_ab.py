@@ -4,8 +4,9 @@ first stage's size (``device.FIRST_STAGE_BYTES``) for ``mget_h2d`` with kept lea
 a rewrite and ``mset_d2h``; ``mset_d2h`` with and without the write reservation, and without its lingering
 hints to the worker (``device_calls._linger_us``), and with its last commit sent after the last copies landed
 rather than ahead of them (``RemoteBackend.can_land`` off); a small ``mset_d2h`` (4 x 1 MiB, one stage) with
-and without lingering hints, against one 4 MiB ``copy_``. Wall time of each call
-from an idle device against one 64 MiB ``copy_``; median and quartiles over ``--iters`` rounds.
+and without lingering hints, against one 4 MiB ``copy_``. Wall time of each call from an idle device and a
+worker idle for 3 ms (as between an engine's steps), against one 64 MiB ``copy_``; median and quartiles over
+``--iters`` rounds.
 
     PYTHONPATH=src python3 tools/probe_store_ab.py [--iters 100]
 """
@@ -26,6 +27,7 @@ from kvstrata.client import device, device_calls
 from kvstrata.client.remote import RemoteBackend
 
 N, SIZE = 64, 1 << 20
+IDLE_S = 3e-3  # before each timed call: longer than the worker's polling after a request (200 us)
 
 
 def main() -> None:
@@ -72,6 +74,9 @@ def main() -> None:
                             kv.mget_h2d(keys, dst)  # leases kept from here on
                         new = [f"ab/{case[:12]}/{it}/{i}" for i in range(N)]
                         torch.cuda.synchronize()
+                        # An engine's device calls come a step apart (milliseconds), so the worker's thread for
+                        # the client sleeps when one starts: each call here starts from that state too.
+                        time.sleep(IDLE_S)
                         t0 = time.perf_counter()
                         if op == "copy":
                             big.copy_(host, non_blocking=True)

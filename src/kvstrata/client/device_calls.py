@@ -87,6 +87,20 @@ class DeviceCallsMixin:
             created_keys.extend(keys[i] for i in created)
             return created, where
 
+        def finish_one() -> None:  # read the reply of the oldest commit or seal sent
+            nonlocal known
+            which, committed, token = seals.popleft()  # out first: a reply is read once, even one that raises
+            if committed:
+                known = None  # unknown while the reply is not read (it may raise)
+                rs, known = backend.commit_finish(token)  # a refused key's piece was freed by the worker
+                for i, r in zip(which, rs):
+                    results[i] = r
+                return
+            for i, r in zip(which, backend.mseal_finish(token)):
+                results[i] = r
+                if r is None:
+                    sealed.add(keys[i])
+
         try:
             # (key indices, commit items or None for created keys, event after their copies, their bytes)
             marks: list[tuple[list[int], Any, Any, int]] = []
@@ -164,26 +178,20 @@ class DeviceCallsMixin:
                     seals.extend((m[0], True, token) for m, token in zip(rest, tokens))
                     landed = False
                     try:
-                        for m, token in zip(rest, tokens):
+                        for idx, (m, token) in enumerate(zip(rest, tokens)):
                             m[2].synchronize()
                             backend.land(token)
+                            # the commits before this one landed a stage ago: read their replies while these
+                            # copies move, not after the last byte (left: this one and those still moving)
+                            while len(seals) > len(rest) - idx:
+                                finish_one()
                         landed = True
                     finally:
                         if not landed:  # the worker refuses every held commit not landed yet
                             backend.land(tokens[-1], ok=False)
                     break
             while seals:
-                which, committed, token = seals.popleft()  # out first: a reply is read once, even one that raises
-                if committed:
-                    known = None  # unknown while the reply is not read (it may raise)
-                    rs, known = backend.commit_finish(token)  # a refused key's piece was freed by the worker
-                    for i, r in zip(which, rs):
-                        results[i] = r
-                    continue
-                for i, r in zip(which, backend.mseal_finish(token)):
-                    results[i] = r
-                    if r is None:
-                        sealed.add(keys[i])
+                finish_one()
             refused = [k for k in created_keys if k not in sealed]
             if refused:  # a seal the worker refused (its error is in the key's slot): no create left open
                 self._abort_quietly(backend, refused)
