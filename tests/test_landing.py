@@ -1,7 +1,9 @@
-"""A commit sent before its copies landed (``"landing"``): the worker holds it until the client says, in the
-lane page, that the bytes are there (kvstrata.server.lane), and never makes the objects visible before. The
-paths: landed, failed (cancelled), the client killed while the worker waits, bad input, and ``mset_d2h``
-sending its last commit that way while the last copies are in flight (a CPU stand-in for the CUDA event)."""
+"""A commit sent before its copies landed (``"landing"``): the worker answers it at once, and its objects become
+visible exactly when the client says, in the lane page, that the bytes are there (kvstrata.server.lane,
+kvstrata.store.reservations): never before, and for every request after. The paths: landed, failed
+(cancelled), a reader waiting for the key, the client killed before and right after saying so, bad input, the
+store alone, and ``mset_d2h`` committing its later stages that way while their copies are in flight (a CPU
+stand-in for the CUDA event)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 import kvstrata
 from _stages import stages_of
 from kvstrata.client import device
-from kvstrata.errors import KvstrataError, ServerError
+from kvstrata.errors import KeyExists, KvstrataError
 from kvstrata.server import lane as L
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,34 +47,35 @@ def _reserve(kv, nbytes=1 << 20):
     return b, loc
 
 
-def test_a_held_commit_is_invisible_until_its_copies_landed(worker):
+def test_the_objects_appear_exactly_when_the_client_says_its_copies_landed(worker):
     with kvstrata.connect(worker) as a, kvstrata.connect(worker) as other:
         a.delete(["land/a"])
         b, loc = _reserve(a)
         token = b.commit_start([("land/a", 5, loc.offset)], OPTS, landing=True)
-        b.view(type(loc)(loc.segment, loc.offset, 5))[:] = b"bytes"  # "the copy", after the commit went
-        time.sleep(0.05)  # the worker has the commit by now and holds it
-        assert other.exists(["land/a"]) == [False]  # the worker serves others meanwhile; nothing visible
-        b.land(token)
-        res, head = b.commit_finish(token)
+        res, head = b.commit_finish(token)  # answered at once: the item is carved, its key taken
         assert res == [None] and head == loc.offset + 64
-        assert other.get("land/a") == b"bytes" and a.get("land/a") == b"bytes"
+        assert other.exists(["land/a"]) == [False] and a.exists(["land/a"]) == [False]
+        b.view(type(loc)(loc.segment, loc.offset, 5))[:] = b"bytes"  # "the copy", after the commit went
+        time.sleep(0.02)
+        assert other.exists(["land/a"]) == [False]  # nothing visible before the word
+        assert isinstance(other.mset_d2h(["land/a"], [[torch.zeros(3, dtype=torch.uint8)]])[0], KeyExists)
+        b.land(token)
+        assert other.get("land/a") == b"bytes" and a.get("land/a") == b"bytes"  # the very next request sees it
         a.delete(["land/a"])
 
 
-def test_failed_copies_cancel_the_commit_and_leave_the_head(worker):
+def test_failed_copies_free_the_objects_they_never_showed(worker):
     with kvstrata.connect(worker) as kv:
         kv.delete(["land/c1", "land/c2"])
         b, loc = _reserve(kv)
+        used = kv.stats()["tiers"]["memory"]["used"]
         token = b.commit_start([("land/c1", 8, loc.offset), ("land/c2", 8, loc.offset + 64)], OPTS, landing=True)
+        assert b.commit_finish(token) == ([None, None], loc.offset + 128)
         b.land(token, ok=False)
-        res, head = b.commit_finish(token)
-        assert all(isinstance(r, ServerError) and "did not land" in str(r) for r in res) and len(res) == 2
-        assert head == loc.offset  # nothing carved: the next commit starts from the same place
         assert kv.exists(["land/c1", "land/c2"]) == [False, False]
-        b.view(type(loc)(loc.segment, loc.offset, 3))[:] = b"new"
-        assert b.commit_finish(b.commit_start([("land/c1", 3, loc.offset)], OPTS)) == ([None], loc.offset + 64)
-        assert kv.get("land/c1") == b"new"
+        assert kv.stats()["tiers"]["memory"]["used"] == used - 128  # their pieces freed, the rest still reserved
+        assert kv.mset_d2h(["land/c1"], [[torch.ones(3, dtype=torch.uint8)]]) == [None]  # the key is free again
+        assert kv.get("land/c1") == b"\x01\x01\x01"
         kv.delete(["land/c1"])
 
 
@@ -83,22 +86,54 @@ def test_a_landing_commit_needs_a_tag(worker):
         assert kv.set("land/ok", b"x") is None and kv.get("land/ok") == b"x"
 
 
-def test_other_requests_of_the_client_wait_behind_a_held_commit(worker):
-    with kvstrata.connect(worker) as kv:
+def test_a_reader_waiting_for_the_key_gets_it_when_the_word_comes(worker):
+    with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as reader:
         kv.delete(["land/w"])
-        kv.set("land/other", b"o")
         b, loc = _reserve(kv)
-        token = b.commit_start([("land/w", 1, loc.offset)], OPTS, landing=True)
+        token = b.commit_start([("land/w", 2, loc.offset)], OPTS, landing=True)
+        b.view(type(loc)(loc.segment, loc.offset, 2))[:] = b"ok"
         got = []
-        t = threading.Thread(target=lambda: got.append(kv.exists(["land/w", "land/other"])))
+        t = threading.Thread(target=lambda: got.append(reader.get("land/w", timeout=30)))
         t.start()
         time.sleep(0.05)
-        assert not got  # queued behind the held commit on this connection
-        b.land(token)
+        assert not got  # waiting: the object is not there yet
+        t0 = time.monotonic()
+        b.land(token)  # the writer's connection thread watches the word and wakes the waiter
         t.join(10)
-        assert got == [[True, True]]  # and served after it, seeing its object
+        assert got == [b"ok"] and time.monotonic() - t0 < 5
         assert b.commit_finish(token)[0] == [None]
-        kv.delete(["land/w", "land/other"])
+        kv.delete(["land/w"])
+
+
+def test_commits_of_a_different_write_mode_are_refused_per_item(worker):
+    with kvstrata.connect(worker) as kv:
+        b, loc = _reserve(kv)
+        opts = dict(OPTS, mode="write_through")
+        res, _ = b.commit_finish(b.commit_start([("land/wt", 4, loc.offset)], opts, landing=True))
+        assert isinstance(res[0], ValueError) and "memory" in str(res[0])
+        assert kv.exists(["land/wt"]) == [False]
+
+
+def test_the_store_alone_shows_a_landing_commit_to_operations_after_the_word():
+    from kvstrata.store import ObjectStore, StoreConfig
+
+    store = ObjectStore(StoreConfig(memory_bytes=4 << 20, segment_bytes=1 << 20, numa_node=None, hugepages="off"))
+    try:
+        word = [None]
+        loc = store.reserve("w", 4096)
+        store.buffer(type(loc)(loc.segment, loc.offset, 3))[:] = b"abc"
+        assert store.commit("w", [("s/k", 3, loc.offset)], nx=True, landed=lambda: word[0]) == [None]
+        assert store.exists(["s/k"]) == [False] and store.settle("w") is True
+        with pytest.raises(KeyExists):
+            store.create("s/k", 1, nx=True, owner="other")
+        word[0] = True
+        assert store.get_bytes("s/k") == b"abc" and store.settle() is False
+        loc = store.reservation("w")
+        assert store.commit("w", [("s/gone", 3, loc.offset)], landed=lambda: None) == [None]
+        store.release_owner("w")  # the writer went away before saying so: never shown, freed
+        assert store.exists(["s/gone"]) == [False] and store.stats()["reserved_bytes"] == 0
+    finally:
+        store.close()
 
 
 _HOLDER = """
@@ -106,30 +141,39 @@ import sys, time, kvstrata
 kv = kvstrata.connect(sys.argv[1])
 b = kv._backend
 loc = b.reserve_finish(b.reserve_start(1 << 20))
-b.commit_start([("land/killed", 4, loc.offset)], {"ttl": None, "nx": True, "mode": "memory"}, landing=True)
+b.view(type(loc)(loc.segment, loc.offset, 4))[:] = b"kept"
+token = b.commit_start([(sys.argv[3], 4, loc.offset)], {"ttl": None, "nx": True, "mode": "memory"}, landing=True)
+b.commit_finish(token)
+if sys.argv[4] == "land":
+    b.land(token)
 open(sys.argv[2], "w").write("sent")
 time.sleep(60)
 """
 
 
-def test_a_client_killed_while_its_commit_is_held_leaves_nothing(worker, tmp_path):
-    ready = tmp_path / "ready"
+@pytest.mark.parametrize("said", ["land", "nothing"])
+def test_a_client_killed_after_its_commit_keeps_what_it_said_landed(worker, tmp_path, said):
+    ready, key = tmp_path / "ready", f"land/killed/{said}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath("src"), os.environ.get("PYTHONPATH", "")]))
-    child = subprocess.Popen([sys.executable, "-c", _HOLDER, worker, str(ready)], env=env)
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, worker, str(ready), key, said], env=env)
     try:
         with kvstrata.connect(worker) as kv:
             deadline = time.monotonic() + 30
             while not ready.exists() or not ready.read_text():
                 assert time.monotonic() < deadline and child.poll() is None, "the holder never sent its commit"
                 time.sleep(0.02)
-            time.sleep(0.05)
             os.kill(child.pid, signal.SIGKILL)
             child.wait(10)
             deadline = time.monotonic() + 10
             while kv.stats()["clients"] > 1:
                 assert time.monotonic() < deadline, "the worker never let go of the killed client"
                 time.sleep(0.02)
-            assert kv.exists(["land/killed"]) == [False] and kv.stats()["reserved_bytes"] == 0
+            if said == "land":  # acknowledged to its writer: it stands after the writer is gone
+                assert kv.get(key) == b"kept"
+                kv.delete([key])
+            else:
+                assert kv.exists([key]) == [False]
+            assert kv.stats()["reserved_bytes"] == 0 and kv.stats()["creates_in_progress"] == 0
             kv.set("land/after", b"still serving")
             assert kv.get("land/after") == b"still serving"
             kv.delete(["land/after"])
@@ -172,7 +216,7 @@ def test_mset_d2h_sends_its_last_commit_ahead_of_the_last_copies(worker, monkeyp
         src = _lists(5, 1)
         assert kv.mset_d2h(keys, src) == [None] * 5
         # three stages, each one's copies "in flight" when looked at: the first is committed once it landed,
-        # the other two at once ahead of their copies, each held by the worker until it landed
+        # the other two at once ahead of their copies, each shown when this process said it landed
         assert sent == [False, True, True]
         out = [[torch.zeros_like(t[0])] for t in src]
         assert kv.mget_h2d(keys, out) == [None] * 5
@@ -189,7 +233,7 @@ def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_wo
         keys = [f"land/f/{i}" for i in range(3)]
         first = _lists(3, 2)
         with pytest.raises(RuntimeError, match="simulated copy failure"):
-            kv.mset_d2h(keys, first)  # the third stage's copies fail: its held commit is refused
+            kv.mset_d2h(keys, first)  # the third stage's copies fail: its commit sent ahead is never shown
         monkeypatch.undo()
         # the first two stages' bytes landed and their objects stand (as with any failure after a commit); the
         # third's object never became visible, and nothing is left half-made

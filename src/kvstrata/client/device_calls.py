@@ -171,9 +171,9 @@ class DeviceCallsMixin:
                 rest = marks[j:]
                 if land and rest and all(m[1] is not None and m[2] is not None for m in rest):
                     # The first copies landed, so the rest wait on nothing but the copy engine: commit every
-                    # remaining stage now, each held by the worker until told through shared memory that its
-                    # bytes landed (kvstrata.server.lane). The worker then seals each stage as it lands, and the
-                    # call ends one small commit's handling after its last byte, not a round trip or more.
+                    # remaining stage now. The worker answers at once; each stage's objects become visible when
+                    # this process says, in shared memory, that its bytes landed (kvstrata.server.lane), so the
+                    # call ends right after its last byte: no request after it.
                     tokens = [backend.commit_start(m[1], opts, landing=True) for m in rest]
                     seals.extend((m[0], True, token) for m, token in zip(rest, tokens))
                     landed = False

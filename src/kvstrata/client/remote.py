@@ -93,8 +93,9 @@ class RemoteBackend(WorkerConnection):
         """Commit ``(key, size, offset)`` s carved from this client's reservation, not waited for;
         :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``.
         ``linger_us``: another commit follows within that many microseconds (see :meth:`linger`).
-        ``landing`` (where :attr:`can_land`): sent before the copies into the objects finished; the worker
-        holds it until :meth:`land` says they did (or failed), which the caller must then say."""
+        ``landing`` (where :attr:`can_land`): sent before the copies into the objects finished; answered at
+        once, its objects visible only once :meth:`land` says the copies did (freed if it says they failed),
+        which the caller must then say."""
         msg = {"op": "commit", "items": items}
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
@@ -106,11 +107,13 @@ class RemoteBackend(WorkerConnection):
 
     @property
     def can_land(self) -> bool:
-        """Whether a commit may go before its copies landed (the worker then waits for :meth:`land`)."""
+        """Whether a commit may go before its copies landed (its objects then wait for :meth:`land`)."""
         return self._lane is not None
 
     def land(self, token: Any, ok: bool = True) -> None:
-        """Tell the worker holding the ``landing`` commit ``token`` that its copies landed (or failed)."""
+        """Say that the copies of the ``landing`` commit ``token`` (and of every earlier one) landed, or that
+        those not landed yet failed: from this store on, every operation of anyone sees its objects (or never
+        will)."""
         lane = self._lane
         if lane is not None:
             lane.land(token[0], ok)

@@ -181,19 +181,19 @@ def _commit(s: Session, msg: dict) -> dict:
     """Objects carved from the client's reservation, sealed: ``items`` are ``[key, size, offset]`` in carving
     order. Reply ``{"head": offset or None, "errs": [[i, type, message], ...]}``: where the reservation's
     head is now (None: the client holds none), and the refused items (absent when every one was sealed).
-    ``"landing": true``: sent before the copies into the objects finished; held until the client says in the
-    lane page that they landed (Session.await_landing), all refused if they failed."""
+    ``"landing": true``: sent before the copies into the objects finished; answered at once, the objects made
+    visible when the client says in the lane page that the copies landed (``store.reservations``; every
+    request of anyone after that sees them), freed if it says they failed."""
     opts = s.write_options(msg)
     items = msg.get("items", [])
     if type(items) is not list or len(items) > P.MAX_BATCH:
         raise TypeError(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
-    if msg.get("landing") and not s.await_landing(msg.get("tag")):  # held for its copies, which failed
-        rest = s.store.reservation(s.owner)  # untouched: the client lays its next objects from the same head
-        why = ["ServerError", "not committed: the client's copies into the object did not land"]
-        return {"head": None if rest is None else rest.offset, "errs": [[i, *why] for i in range(len(items))]}
+    landed = s.landing_check(msg.get("tag")) if msg.get("landing") else None
     keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
     with _sealing(s.validity, keys):
-        results = s.store.commit(s.owner, items, **opts)
+        results = s.store.commit(s.owner, items, **opts, landed=landed)
+        if landed is not None and None in results:
+            s.landing_tags.append(msg["tag"])  # the session watches for the word (Session._next)
         ok = [it[0] for it, r in zip(items, results) if r is None]  # a sealed item is a well-formed one
         s.validity.written_many(ok, [opts["ttl"]] * len(ok))
     rest = s.store.reservation(s.owner)

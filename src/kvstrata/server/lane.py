@@ -17,9 +17,10 @@ seen in that order by the other process on x86-64 (TSO); elsewhere the lane is n
 
 The page also carries a device write's *landing* words: a client that sent a ``commit`` with ``"landing"``
 before its copies finished stores that request's tag in ``landed`` once its bytes are in host memory (or in
-``cancelled`` if the copies failed; a tag there covers every earlier commit too, as tags grow); the worker,
-which holds the commit until then, seals the objects the moment it sees the word, so the commit's round trip
-overlaps the copies.
+``cancelled`` if the copies failed; a tag there covers every earlier commit too, as tags grow). The worker
+answers such a commit at once, and its objects become visible at the moment the word is written: the store
+reads the word before any operation (``kvstrata.store.reservations``), so the client's call can return as soon
+as it wrote it, with no round trip after its last byte.
 
 Only the ops in :data:`LANE_OPS` travel this way: their replies never carry descriptors and are small.
 A client can write anything into the page: the worker copies a request out before decoding it and

@@ -11,8 +11,9 @@ requests in flight on one connection (replies still come in request order) and m
 its sender (``RemoteBackend.send_tagged``; the device calls pipeline their stages this way).
 ``reserve`` gives a client an extent of shared memory to lay new objects in without asking where, and
 ``commit`` makes the objects it wrote there sealed objects (``kvstrata.store.reservations``).
-A ``commit`` with ``"landing": true`` may go before the copies into its objects finished: the worker holds it
-until the client stores its tag in the lane page's ``landed`` word (``cancelled`` if the copies failed).
+A ``commit`` with ``"landing": true`` may go before the copies into its objects finished: it is answered at
+once, and its objects become visible when the client stores its tag in the lane page's ``landed`` word (freed
+when it stores it in ``cancelled``: the copies failed).
 Any request may carry ``"linger": us``, and the one-way ``linger`` op carries only that: the client's next
 request follows within that many microseconds, so the worker's thread for it keeps polling until then (where
 the worker polls at all) instead of going to sleep and paying a wake-up when it comes.

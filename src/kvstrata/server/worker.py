@@ -14,6 +14,8 @@ Example (what ``kvstrata worker`` does)::
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import logging
 import os
@@ -43,11 +45,10 @@ CACHE_SHARE = 16
 _LANE_TURNS = 4
 #: the longest a client may ask the worker to keep polling for its next request (``"linger"``, in us)
 LINGER_MAX_US = 5000
-#: a commit held for its client's copies (``"landing"``, kvstrata.server.lane): polled this long, then checked
-#: every LANDING_NAP_S; given up (refused, logged) after LANDING_MAX_S, as if the copies had failed
+#: a client's word that the copies of its commits sent ahead of them landed (kvstrata.server.lane) is polled for
+#: this long, then every LANDING_NAP_S, for as long as the client stays connected and says nothing
 LANDING_SPIN_S = 2e-3
 LANDING_NAP_S = 50e-6
-LANDING_MAX_S = 30.0
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
 
@@ -256,6 +257,7 @@ class Session:
         self.validity = worker.validity
         self.lane: _lane.Lane | None = None
         self._drained = False  # whether the connection's read buffer was found empty since its last read
+        self.landing_tags: collections.deque[int] = collections.deque()  # commits waiting for the lane's word
         # perf_counter time until which this connection polls for its next request whatever worker.spin says
         # (a request's "linger": the client said another request follows by then, e.g. a device write's commit)
         self.linger_until = 0.0
@@ -296,6 +298,13 @@ class Session:
         With a lane and a worker that busy-polls, both the lane and the socket are polled for
         ``worker.spin`` seconds (the lane advertised as polled meanwhile), then the socket is waited on.
         """
+        if self.landing_tags:
+            if not self._drained:  # a request may be read already: serve it first
+                try:
+                    return self._recv(self.conn.recv(timeout=0)), False
+                except Timeout:
+                    self._drained = True
+            self._watch_landings()  # until a request comes (the socket or the lane) or none waits
         spin, lane = self.worker.spin, self.lane
         if spin > 0.0 and self.linger_until:
             spin = max(spin, self.linger_until - time.perf_counter())
@@ -337,30 +346,37 @@ class Session:
             return unpack(lane.take()), True
         return self._recv(conn.recv()), False
 
-    def await_landing(self, tag: Any) -> bool:
-        """Hold a ``commit`` sent with ``"landing"`` until its client says (in the lane page) that the copies into
-        its objects landed (True) or failed (False); False too after LANDING_MAX_S. ConnectionLost if the client
-        hangs up meanwhile. Other requests of the client wait behind it, as they would behind any request."""
+    def landing_check(self, tag: Any) -> Any:
+        """For a ``commit`` sent ahead of its copies: the callable the store asks whether they landed (the
+        client's word in this connection's lane page; kvstrata.server.lane)."""
         lane = self.lane
-        if lane is None or type(tag) is not int:
-            raise ValueError("landing: a commit held for its copies needs the connection's lane and a tag")
-        landing, yield_cpu, clock = lane.landing, os.sched_yield, time.perf_counter
+        if lane is None or type(tag) is not int or tag <= 0:
+            raise ValueError("landing: a commit ahead of its copies needs the connection's lane and a tag")
+        return functools.partial(lane.landing, tag)
+
+    def _watch_landings(self) -> None:
+        """While commits of this client wait for its word that their copies landed, poll the word (and settle
+        them in the store as it comes, which wakes readers waiting for their keys) until a request arrives or
+        none waits. Returns with commits still waiting when a request came: the next wait goes on watching."""
+        lane, tags, conn = self.lane, self.landing_tags, self.conn
+        landing, settle = lane.landing, self.store.settle  # type: ignore[union-attr]
+        yield_cpu, clock = os.sched_yield, time.perf_counter
         start = clock()
         poller = select.poll()
-        poller.register(self.conn.fileno(), _HANGUP)
-        while True:
+        poller.register(conn.fileno(), select.POLLIN | _HANGUP)
+        while tags:
             for _ in range(_LANE_TURNS):
-                got = landing(tag)
-                if got is not None:
-                    return got
+                if landing(tags[0]) is not None:  # the oldest resolved (the words only move forward)
+                    settle(self.owner)
+                    while tags and landing(tags[0]) is not None:
+                        tags.popleft()
+                    break
+                if lane.pending():  # type: ignore[union-attr]
+                    return
                 yield_cpu()  # releases the GIL: the worker's other connections go on meanwhile
-            if poller.poll(0):
-                raise ConnectionLost(f"client {self.name} hung up while its commit waited for its copies")
-            waited = clock() - start
-            if waited > LANDING_SPIN_S:
-                if waited > LANDING_MAX_S:
-                    log.error("client %s: a commit waited %.0f s for its copies; refused", self.name, waited)
-                    return False
+            if not tags or poller.poll(0):
+                return  # a request (or the hang-up, which the read reports) to serve first
+            if clock() - start > LANDING_SPIN_S:
                 time.sleep(LANDING_NAP_S)
 
     def _recv(self, got: tuple[dict, list[int]]) -> dict:

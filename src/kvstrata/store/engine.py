@@ -41,7 +41,7 @@ from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.leases import LeaseMixin
 from kvstrata.store.objects import Entry, check_key, check_keys, check_ttl
 from kvstrata.store.reads import ReadMixin
-from kvstrata.store.reservations import ReservationMixin
+from kvstrata.store.reservations import ReservationMixin, SettlingLock
 from kvstrata.store.tiering import TieringMixin
 from kvstrata.store.tiers.base import Location
 from kvstrata.store.tiers.disk import DiskTier
@@ -58,7 +58,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         if not isinstance(config, StoreConfig):
             raise TypeError(f"config: must be a StoreConfig, got {type(config).__name__}")
         self.config = config
-        self._lock = threading.Lock()
+        self._lock = SettlingLock(self)
+        self._landings: list[tuple] = []  # commits waiting for their copies: (landed, owner, entries), in order
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []
@@ -260,6 +261,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
     def release_owner(self, owner: object) -> None:
         """A client went away: release its leases, abort its unsealed creates, free its write reservation."""
         with self._lock:
+            if self._landings:  # its commits whose copies it said landed stand; the others never will
+                self._settle_locked(owner, final=True)
             self._drop_reservation(owner)
             lids = list(self._owner_leases.get(owner, ()))  # a copy: release() edits the set
             keys = self._owner_creates.pop(owner, ())

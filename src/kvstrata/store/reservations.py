@@ -18,12 +18,22 @@ Example::
     assert store.commit("me", [("k", 5, loc.offset)]) == [None]
     assert store.get_bytes("k") == b"hello"
 
+A commit may also come *before* the writer's copies into those places finished (``landed=``, a callable saying
+whether they landed: True, failed: False, not yet: None). Its items are checked and carved at once and its
+per-item results returned, but its objects stay invisible (their keys taken for write-once writes) until the
+callable says True: the engine asks it whenever its lock is next taken (:class:`SettlingLock`), so every
+operation after the writer said so, in any thread, sees the objects, and none before it does. False frees
+them. :meth:`~ReservationMixin.settle` asks it now (the worker calls it while it waits for the word, to wake
+readers waiting for those keys), and ``release_owner`` asks one last time when the writer goes away.
+
 This is a mixin of :class:`~kvstrata.store.engine.ObjectStore`; every method takes its one metadata lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import threading
+from collections.abc import Callable, Iterable
 
 from kvstrata.errors import CapacityError, ClosedError, KeyExists, KvstrataError, ProtocolError
 from kvstrata.store.allocator import ALIGNMENT
@@ -38,6 +48,34 @@ RESERVE_SHARE = 8
 RESERVED_TOTAL_SHARE = 2
 _MASK = ALIGNMENT - 1
 _TRIPLE_TYPES = frozenset({list, tuple})
+log = logging.getLogger(__name__)
+
+
+class SettlingLock:
+    """The engine's metadata lock: taking it (``with``) first settles the commits waiting for their copies
+    (see the module docstring), so what any operation sees includes every commit whose writer said its bytes
+    landed before the operation began. ``acquire``/``release`` are the plain lock's (a Condition re-taking the
+    lock after a wait, or a load re-taking it after I/O, settles at its next ``with``)."""
+
+    __slots__ = ("_store", "acquire", "release")
+
+    def __init__(self, store: object) -> None:
+        lock = threading.Lock()
+        self.acquire, self.release = lock.acquire, lock.release
+        self._store = store
+
+    def __enter__(self) -> bool:
+        self.acquire()
+        if self._store._landings:  # type: ignore[attr-defined]
+            try:
+                self._store._settle_locked()  # type: ignore[attr-defined]
+            except BaseException:
+                self.release()
+                raise
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class Reservation:
@@ -104,9 +142,12 @@ class ReservationMixin:
         ttl: float | None = None,
         write_mode: WriteMode | str = WriteMode.MEMORY,
         nx: bool = False,
+        landed: Callable[[], bool | None] | None = None,
     ) -> list[KvstrataError | ValueError | TypeError | None]:
         """Make each ``(key, size, offset)`` a sealed object at ``offset`` of ``owner``'s reservation, whose
-        bytes the owner wrote there; per item None or the exception.
+        bytes the owner wrote there; per item None or the exception. With ``landed`` (write mode ``memory``
+        only), the owner's copies may still be running: the objects become visible once ``landed()`` says
+        True (see the module docstring), and are freed if it says False.
 
         Items are cut off the reservation's head in order: an item's ``offset`` must be the head, which then
         moves past its ``size`` rounded up to ALIGNMENT. An item that breaks this (or has a bad size or
@@ -121,6 +162,8 @@ class ReservationMixin:
         out: list = [None] * n
         try:
             mode, ttl_s = self._check_write("_", 0, ttl, write_mode)  # the batch's options, checked once
+            if landed is not None and mode is not WriteMode.MEMORY:
+                raise ValueError(f"write_mode: a commit ahead of its copies makes 'memory' objects, not {mode.value!r}")
         except (KvstrataError, ValueError, TypeError) as exc:
             return [exc] * n
         slow: list[tuple[int, Entry]] = []
@@ -191,9 +234,46 @@ class ReservationMixin:
                     continue
                 entries.append(e)
             self._counts["carved"] += len(entries) + len(slow)
-            if entries:
+            if entries and landed is not None:
+                for e in entries:  # taken: a write-once write meanwhile must see them (as an unsealed create)
+                    creating[e.key] = creating.get(e.key, 0) + 1
+                self._landings.append((landed, owner, entries))
+            elif entries:
                 self._seal_batch_locked(entries)
         return self._finish_slow(slow, out)
+
+    def settle(self, owner: object = None, *, final: bool = False) -> bool:
+        """Seal (or free) the commits waiting for their copies whose writer said so, ``owner``'s only if given;
+        ``final``: a writer gone away, whose commits not landed by now never will. Whether any still waits."""
+        with self._lock:  # which settles them all, except for final
+            if final:
+                self._settle_locked(owner, final=True)
+            return any(owner is None or who is owner for _, who, _ in self._landings)
+
+    def _settle_locked(self, owner: object = None, *, final: bool = False) -> None:
+        keep = []
+        for batch in self._landings:
+            landed, who, entries = batch
+            state = None
+            if owner is None or who is owner:
+                try:
+                    state = landed()
+                except Exception:  # a bug: never leave the batch half-made, never raise into an unrelated call
+                    log.exception("a commit's landing check failed; its objects are dropped")
+                    state = False
+                if state is None and final:
+                    state = False
+            if state is None:
+                keep.append(batch)
+                continue
+            for e in entries:
+                self._uncreate(e.key)
+            if state:
+                self._seal_batch_locked(entries)
+            else:
+                self._counts["carved"] -= len(entries)
+                self._free_entries([e for e in entries if e.loc is not None and e.loc.size])
+        self._landings = keep
 
     def _drop_reservation(self, owner: object) -> None:
         """Free the unused rest of ``owner``'s reservation (under the lock)."""
@@ -221,4 +301,4 @@ def _carving(item: object, i: int, r: Reservation | None) -> tuple[object, int, 
     return key, size, offset
 
 
-__all__ = ["RESERVED_TOTAL_SHARE", "RESERVE_SHARE", "Reservation", "ReservationMixin"]
+__all__ = ["RESERVED_TOTAL_SHARE", "RESERVE_SHARE", "Reservation", "ReservationMixin", "SettlingLock"]
