@@ -126,8 +126,10 @@ def test_the_store_alone_shows_a_landing_commit_to_operations_after_the_word():
         assert store.exists(["s/k"]) == [False] and store.settle("w") is True
         with pytest.raises(KeyExists):
             store.create("s/k", 1, nx=True, owner="other")
+        assert store._lock is store._settling_lock  # every operation settles first while one waits
         word[0] = True
         assert store.get_bytes("s/k") == b"abc" and store.settle() is False
+        assert store._lock is store._plain_lock  # and none pays for it once none waits
         loc = store.reservation("w")
         assert store.commit("w", [("s/gone", 3, loc.offset)], landed=lambda: None) == [None]
         store.release_owner("w")  # the writer went away before saying so: never shown, freed

@@ -58,7 +58,11 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         if not isinstance(config, StoreConfig):
             raise TypeError(f"config: must be a StoreConfig, got {type(config).__name__}")
         self.config = config
-        self._lock = SettlingLock(self)
+        # the one metadata lock; while commits wait for their copies (store.reservations), every ``with`` of it
+        # settles them first: _lock is then the settling wrapper of the same lock
+        self._plain_lock = threading.Lock()
+        self._settling_lock = SettlingLock(self, self._plain_lock)
+        self._lock: threading.Lock | SettlingLock = self._plain_lock
         self._landings: list[tuple] = []  # commits waiting for their copies: (landed, owner, entries), in order
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)

@@ -52,15 +52,16 @@ log = logging.getLogger(__name__)
 
 
 class SettlingLock:
-    """The engine's metadata lock: taking it (``with``) first settles the commits waiting for their copies
-    (see the module docstring), so what any operation sees includes every commit whose writer said its bytes
-    landed before the operation began. ``acquire``/``release`` are the plain lock's (a Condition re-taking the
-    lock after a wait, or a load re-taking it after I/O, settles at its next ``with``)."""
+    """The engine's metadata lock while commits wait for their copies (see the module docstring): taking it
+    (``with``) first settles them, so what any operation sees includes every commit whose writer said its bytes
+    landed before the operation began. It wraps the plain ``lock``, which the engine uses as ``_lock`` the rest
+    of the time (a ``with`` on it costs nothing extra); ``acquire``/``release`` are the plain lock's (a
+    Condition re-taking the lock after a wait, or a load re-taking it after I/O, settles at its next ``with``).
+    """
 
     __slots__ = ("_store", "acquire", "release")
 
-    def __init__(self, store: object) -> None:
-        lock = threading.Lock()
+    def __init__(self, store: object, lock: threading.Lock) -> None:
         self.acquire, self.release = lock.acquire, lock.release
         self._store = store
 
@@ -238,6 +239,12 @@ class ReservationMixin:
                 for e in entries:  # taken: a write-once write meanwhile must see them (as an unsealed create)
                     creating[e.key] = creating.get(e.key, 0) + 1
                 self._landings.append((landed, owner, entries))
+                # The writer may have said so already (its word can come before its request is read): settle
+                # now, and have every later ``with`` of the lock settle while any commit still waits. An
+                # operation that read the plain lock before this switch began before the word was written.
+                self._settle_locked()
+                if self._landings:
+                    self._lock = self._settling_lock
             elif entries:
                 self._seal_batch_locked(entries)
         return self._finish_slow(slow, out)
@@ -274,6 +281,8 @@ class ReservationMixin:
                 self._counts["carved"] -= len(entries)
                 self._free_entries([e for e in entries if e.loc is not None and e.loc.size])
         self._landings = keep
+        if not keep:
+            self._lock = self._plain_lock  # nothing waits: back to the plain lock (no Python call per ``with``)
 
     def _drop_reservation(self, owner: object) -> None:
         """Free the unused rest of ``owner``'s reservation (under the lock)."""
