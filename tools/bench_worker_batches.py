@@ -7,7 +7,9 @@ Two tables, medians of many runs in microseconds (and per key):
     16/64 keys right after they were rewritten, ``release_many`` of 64 leases, ``create_many`` +
     ``seal_many`` of 64, ``delete`` of 64;
 (b) the same requests end to end through a real worker process (a ``kvstrata worker`` subprocess, the
-    client's pipelined ``commit`` / ``acquire`` / ``mcreate`` + ``mseal`` / ``delete``; ``release`` is
+    client's pipelined ``commit`` / ``acquire`` / ``mcreate`` + ``mseal`` / ``delete``; ``acquire`` of 4/16/64
+    keys right after a rewrite, as a cold ``mget_h2d`` asks it: the client's local-read entries gone stale,
+    the worker's leases, ``acquire_finish`` building the leases and keeping them for local reads; ``release`` is
     one-way, so it is timed followed by a ``ping``, and the ``ping`` alone is shown beside it).
 
 CPU only; values are small (the cost measured is metadata, not bytes)::
@@ -140,7 +142,7 @@ def bench_e2e(iters: int) -> list:
                 for n in (1, 16, 64):
                     keys = [f"c{n}/{i}" for i in range(n)]
                     _row(rows, "commit", n, [commit(keys) for _ in range(iters + 20)][20:])
-                for n in (16, 64):
+                for n in (4, 16, 64):
                     keys = [f"a{n}/{i}" for i in range(n)]
                     samples = []
                     for it in range(iters + 20):
