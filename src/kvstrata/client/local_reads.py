@@ -23,6 +23,8 @@ from collections import OrderedDict, deque
 from itertools import repeat
 from typing import Any
 
+import numpy as np
+
 MAX_ENTRIES = 256
 MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
 SWEEP_S = 0.01  # stale entries pin old versions: looked for at most this often while writes happen
@@ -52,10 +54,14 @@ class LocalReads:
         self._page = page
         self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
         self._slots = (ctypes.c_uint64 * SLOTS).from_address(page.address + slots_offset)
+        self._slot_view = np.ctypeslib.as_array(self._slots)  # the same counters: a batch's read in one take()
         # The worker's advice on busy-polling for replies (microseconds), where it gives one.
         self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
         self._entries: OrderedDict[str, list] = OrderedDict()
         self._dropped: list[int] = []  # leases of stale entries, given back with the next message
+        # Leases a batch read took to keep, judged current and not entered yet (add_columns(later=True)):
+        # entered by :meth:`settle`, off the path to the read's copies.
+        self._add_later: list[tuple] = []
         self._swept_gen = -1
         self._next_sweep = 0.0
         self.max_entries = max_entries
@@ -118,7 +124,7 @@ class LocalReads:
                 _consume(map(entries.move_to_end, keys))
                 self.hits += n
                 return got
-            now, was = list(map(self._slots.__getitem__, map(_SLOT_OF, got))), list(map(_COUNT_OF, got))
+            now, was = self._slot_view.take(list(map(_SLOT_OF, got))).tolist(), list(map(_COUNT_OF, got))
             if now == was:  # unchanged at a moment after gen was read (as in _current)
                 for entry in got:
                     entry[_SEEN] = gen
@@ -192,19 +198,49 @@ class LocalReads:
         keys: list[str],
         lease_ids: list[int],
         locations: list[Any],
-        slots: list[int],
+        slots: Any,
         generation: int,
         *,
         evict: bool = True,
+        later: bool = False,
     ) -> list[int]:
         """:meth:`add_many` in columns (what an acquire reply holds), without a tuple per key. ``locations``
-        have a ``size`` (:class:`~kvstrata.client._shared.Loc`)."""
-        table = self._slots
+        have a ``size`` (:class:`~kvstrata.client._shared.Loc`). ``later``: the leases are judged now (the
+        counts read, then the generation) and entered at the next :meth:`settle`; what that entry pushes out
+        or refuses joins the leases :meth:`stale` gives back, and only leases refused now are returned."""
         slots = list(map(_MASK, slots))
-        counts = list(map(table.__getitem__, slots))  # first the counts, then the generation
+        counts = self._slot_view.take(slots).tolist()  # first the counts, then the generation
+        if later:
+            if generation != self._gen.value:  # something changed during the request: not trustworthy
+                return list(lease_ids)
+            self._add_later.append((keys, lease_ids, locations, slots, counts, generation, evict))
+            return []
+        self.settle()  # in order: what was left for later first
         drop = self.stale()
-        if generation != self._gen.value:  # something changed during the request: not trustworthy
+        if generation != self._gen.value:
             return drop + list(lease_ids)
+        return drop + self._enter(keys, lease_ids, locations, slots, counts, generation, evict)
+
+    def settle(self) -> None:
+        """Enter the leases that batch reads left for later (``add_columns(later=True)``), in order. The leases
+        let go of (entries pushed out or replaced, leases refused) are given back by :meth:`stale`."""
+        if self._add_later:
+            later, self._add_later = self._add_later, []
+            for batch in later:
+                self._dropped += self._enter(*batch)
+
+    def _enter(
+        self,
+        keys: list[str],
+        lease_ids: list[int],
+        locations: list[Any],
+        slots: list[int],
+        counts: list[int],
+        generation: int,
+        evict: bool,
+    ) -> list[int]:
+        """Enter leases judged current (see :meth:`add_columns`); the lease ids let go of."""
+        drop: list[int] = []
         entries, max_entries, max_bytes = self._entries, self.max_entries, self.max_bytes
         sizes = list(map(_SIZE_OF, locations))
         total = sum(sizes)
@@ -235,6 +271,7 @@ class LocalReads:
         return drop
 
     def clear(self) -> list[int]:
+        self.settle()
         ids = [entry[_LEASE] for entry in self._entries.values()]
         self._entries.clear()
         self._bytes = 0
@@ -243,11 +280,12 @@ class LocalReads:
         return ids
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._dropped)
+        return len(self._entries) + len(self._dropped) + len(self._add_later)
 
     def close(self) -> None:
         self._entries.clear()
         self._dropped = []
-        self._gen = self._slots = None  # type: ignore[assignment]
+        self._add_later = []
+        self._gen = self._slots = self._slot_view = None  # type: ignore[assignment]
         self._spin = None
         self._page.close()

@@ -158,7 +158,9 @@ class RemoteBackend(WorkerConnection):
         the view shares the cache's lease (see ``_holders``), so its bytes stay pinned until released.
         ``cache``: also keep the leases of cacheable objects fetched now, for later calls (``"fit"``:
         only where they fit beside the entries already kept, pushing none out)."""
-        return self.acquire_finish(self.acquire_start(keys, timeout, cache=cache))
+        out = self.acquire_finish(self.acquire_start(keys, timeout, cache=cache))
+        self.settle()
+        return out
 
     def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False, carry: bool = True) -> Any:
         """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
@@ -217,32 +219,36 @@ class RemoteBackend(WorkerConnection):
             for j, name, message in errs:
                 out[j if missing is None else missing[j]] = P.error_from_record((name, message))
         local = self._local
-        drop: list[int] = []
         # 2 + the key's slot: a lease the local-read cache may keep (every one, where the keys are plain objects)
         if local is not None and flags and max(flags) >= 2:
             if min(flags) < 2:
                 pick = [j for j, flag in enumerate(flags) if flag >= 2]
                 asked, ids, locs, flags = ([col[j] for j in pick] for col in (asked, ids, locs, flags))
             with self._lock:
-                if not self._closed:
-                    drop = local.add_columns(asked, ids, locs, map(_LESS_2, flags), generation, evict=cache != "fit")
-                    # A lease the cache kept has two holders (the cache, the view); one it refused or already
-                    # pushed out again is the view's alone (it is released directly, as an unheld lease).
-                    kept = ids
-                    if drop:
-                        refused = set(ids).intersection(drop)
-                        if refused:
-                            kept = [lease_id for lease_id in ids if lease_id not in refused]
-                            drop = [d for d in drop if d not in refused]
-                    holders = self._holders
-                    if holders.keys().isdisjoint(kept):  # new leases, as the worker's ids always are
-                        holders.update(dict.fromkeys(kept, 2))
-                    else:
-                        for lease_id in kept:
-                            holders[lease_id] = holders.get(lease_id, 0) + 2
-        if drop:
-            self.release(drop)
+                if self._closed:
+                    return out
+                # The cache's entries are made at the next settle(), off the path to the caller's copies; the leases
+                # are judged now and counted as the cache's and the view's from now on. One the cache does not
+                # keep in the end goes back through _unhold, as a dropped entry's does: the view's hold remains.
+                refused = local.add_columns(
+                    asked, ids, locs, map(_LESS_2, flags), generation, evict=cache != "fit", later=True
+                )
+                holders = self._holders
+                if holders.keys().isdisjoint(ids):  # new leases, as the worker's ids always are
+                    holders.update(dict.fromkeys(ids, 2))
+                else:
+                    for lease_id in ids:
+                        holders[lease_id] = holders.get(lease_id, 0) + 2
+            if refused:
+                self.release(refused)
         return out
+
+    def settle(self) -> None:
+        """Make the local-read entries that acquires left for later (see :meth:`acquire_finish`); a device call
+        does it while its copies run. Leases it lets go of go back with the next message."""
+        with self._lock:
+            if self._local is not None and not self._closed:
+                self._local.settle()
 
     def _acquire_columns(self, reply: dict, n: int) -> tuple[list[int], list[int], list[int], list]:
         """The ``ids``, flat ``locs``, ``flags`` and ``errs`` of an ``acquire`` reply for ``n`` keys, checked for
