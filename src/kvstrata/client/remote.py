@@ -173,10 +173,11 @@ class RemoteBackend(WorkerConnection):
         if local is not None:
             generation = local.generation()  # read before the request: see kvstrata.server.validity
             with self._lock:
-                usable = len(local) and not self._closed and self._pid == os.getpid()
-                if usable and not select.select([self._conn.fileno()], [], [], 0)[0]:  # a dead worker reads EOF
+                if len(local) and not self._closed and self._pid == os.getpid():
                     got = local.entries(keys)
-                    if got.count(None) != n:
+                    # Served only while the worker is there (a dead one makes its socket readable at EOF); where no
+                    # entry is current (a cold read) the request finds out, with no system call here.
+                    if got.count(None) != n and not select.select([self._conn.fileno()], [], [], 0)[0]:
                         holders = self._holders
                         for i, entry in enumerate(got):
                             if entry is not None:
