@@ -10,7 +10,9 @@ descriptors it sends; the local-read cache (:mod:`kvstrata.client.local_reads`) 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -210,14 +212,20 @@ class WorkerConnection:
 
     def _drain_deferred(self) -> list[int]:
         """Deferred releases that are due (call under the lock): shared leases only when their last holder lets go."""
-        out = []
-        while self._deferred:
-            out.append(self._deferred.popleft())
+        # popleft as many times as there are now, in C (a finalizer may append meanwhile, never lost)
+        out = list(map(operator.call, itertools.repeat(self._deferred.popleft, len(self._deferred))))
         return self._unhold(out) if self._holders else out
 
     def _unhold(self, ids: list[int]) -> list[int]:
-        out = []
         holders = self._holders
+        now = list(map(holders.get, ids))
+        if now.count(2) == len(now) and len(set(ids)) == len(ids):
+            # A batch of views let go of leases the cache keeps too (its own hold remains): the common case.
+            holders.update(dict.fromkeys(ids, 1))
+            return []
+        if now.count(None) == len(now):
+            return ids  # nobody else holds them
+        out = []
         for lease_id in ids:
             n = holders.get(lease_id)
             if n is None:
