@@ -217,15 +217,8 @@ class WorkerConnection:
         return self._unhold(out) if self._holders else out
 
     def _unhold(self, ids: list[int]) -> list[int]:
-        holders = self._holders
-        now = list(map(holders.get, ids))
-        if now.count(2) == len(now) and len(set(ids)) == len(ids):
-            # A batch of views let go of leases the cache keeps too (its own hold remains): the common case.
-            holders.update(dict.fromkeys(ids, 1))
-            return []
-        if now.count(None) == len(now):
-            return ids  # nobody else holds them
         out = []
+        holders = self._holders
         for lease_id in ids:
             n = holders.get(lease_id)
             if n is None:

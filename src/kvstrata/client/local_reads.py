@@ -17,13 +17,9 @@ its entry is dropped.
 from __future__ import annotations
 
 import ctypes
-import operator
 import time
-from collections import OrderedDict, deque
-from itertools import repeat
+from collections import OrderedDict
 from typing import Any
-
-import numpy as np
 
 MAX_ENTRIES = 256
 MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
@@ -32,11 +28,6 @@ SLOTS = 8192  # as kvstrata.server.validity.SLOTS (the worker's slot numbers ind
 
 # An entry: [lease id, location, slot, the slot's count when leased, generation when last found current]
 _LEASE, _LOC, _SLOT, _COUNT, _SEEN = range(5)
-# The batch paths read one field of every entry with these, in C (a Python loop costs ~0.5 us a key)
-_LEASE_OF, _LOC_OF, _SLOT_OF, _COUNT_OF, _SEEN_OF = map(operator.itemgetter, range(5))
-_SIZE_OF = operator.attrgetter("size")  # a location's size
-_MASK = (SLOTS - 1).__and__
-_consume = deque(maxlen=0).extend  # runs a map for its calls' effects, in C
 
 
 class LocalReads:
@@ -54,7 +45,6 @@ class LocalReads:
         self._page = page
         self._gen = ctypes.c_uint64.from_address(page.address)  # one 8-byte load per read: never torn
         self._slots = (ctypes.c_uint64 * SLOTS).from_address(page.address + slots_offset)
-        self._slot_view = np.ctypeslib.as_array(self._slots)  # the same counters: a batch's read in one take()
         # The worker's advice on busy-polling for replies (microseconds), where it gives one.
         self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
         self._entries: OrderedDict[str, list] = OrderedDict()
@@ -115,33 +105,11 @@ class LocalReads:
         if not entries:
             return [None] * len(keys)
         gen = self._gen.value  # before any count is read
-        got: list[Any] = list(map(entries.get, keys))
-        n = len(got)
-        if None not in got:
-            # Every key has an entry: the batch is likely all current (read again, unchanged) or all stale (just
-            # rewritten, the cold read of a device call); both are decided with C loops over the batch.
-            if list(map(_SEEN_OF, got)).count(gen) == n:
-                _consume(map(entries.move_to_end, keys))
-                self.hits += n
-                return got
-            now, was = self._slot_view.take(list(map(_SLOT_OF, got))).tolist(), list(map(_COUNT_OF, got))
-            if now == was:  # unchanged at a moment after gen was read (as in _current)
-                for entry in got:
-                    entry[_SEEN] = gen
-                _consume(map(entries.move_to_end, keys))
-                self.hits += n
-                return got
-            if not any(map(operator.eq, now, was)):
-                gone = list(map(entries.pop, dict.fromkeys(keys)))  # a key named twice is dropped once
-                self._bytes -= sum(map(_SIZE_OF, map(_LOC_OF, gone)))
-                self._dropped += map(_LEASE_OF, gone)
-                return [None] * n
-        elif got.count(None) == n:
-            return got
-        touch, slots = entries.move_to_end, self._slots
+        get, touch, slots = entries.get, entries.move_to_end, self._slots
         out: list[Any] = []
         stale: list[str] = []
-        for key, entry in zip(keys, got):
+        for key in keys:
+            entry = get(key)
             if entry is None:
                 out.append(None)
             elif entry[_SEEN] == gen:
@@ -154,7 +122,7 @@ class LocalReads:
             else:
                 stale.append(key)
                 out.append(None)
-        for key in stale:  # _stale_entry, inline
+        for key in stale:  # _stale_entry, inline (a batch of keys just rewritten: all of them)
             entry = entries.pop(key, None)
             if entry is not None:  # a key named twice is dropped once
                 self._bytes -= entry[_LOC].size
@@ -183,7 +151,7 @@ class LocalReads:
         give back (``lease_id`` itself where it cannot be kept). ``evict=False`` keeps it only where it fits
         beside the current entries (a batch larger than the budget then keeps its first keys instead of
         pushing out its own entries, call after call)."""
-        return self.add_many([(key, lease_id, location, slot)], generation, evict=evict)
+        return self.add_columns([key], [lease_id], [location], [slot], generation, evict=evict)
 
     def add_many(self, items: list[tuple[str, int, Any, int]], generation: int, *, evict: bool = True) -> list[int]:
         """:meth:`add` of each ``(key, lease id, location, slot)`` in order; the lease ids to give back (a
@@ -208,8 +176,9 @@ class LocalReads:
         have a ``size`` (:class:`~kvstrata.client._shared.Loc`). ``later``: the leases are judged now (the
         counts read, then the generation) and entered at the next :meth:`settle`; what that entry pushes out
         or refuses joins the leases :meth:`stale` gives back, and only leases refused now are returned."""
-        slots = list(map(_MASK, slots))
-        counts = self._slot_view.take(slots).tolist()  # first the counts, then the generation
+        table, mask = self._slots, SLOTS - 1
+        slots = [slot & mask for slot in slots]
+        counts = [table[slot] for slot in slots]  # first the counts, then the generation
         if later:
             if generation != self._gen.value:  # something changed during the request: not trustworthy
                 return list(lease_ids)
@@ -242,19 +211,8 @@ class LocalReads:
         """Enter leases judged current (see :meth:`add_columns`); the lease ids let go of."""
         drop: list[int] = []
         entries, max_entries, max_bytes = self._entries, self.max_entries, self.max_bytes
-        sizes = list(map(_SIZE_OF, locations))
-        total = sum(sizes)
-        if (
-            len(entries) + len(keys) <= max_entries
-            and self._bytes + total <= max_bytes
-            and entries.keys().isdisjoint(keys)
-            and len(set(keys)) == len(keys)
-        ):
-            # New keys that all fit (the cold read: its keys' stale entries were just dropped): one C loop.
-            entries.update(zip(keys, map(list, zip(lease_ids, locations, slots, counts, repeat(generation)))))
-            self._bytes += total
-            return drop
-        for key, lease_id, location, slot, count, size in zip(keys, lease_ids, locations, slots, counts, sizes):
+        for key, lease_id, location, slot, count in zip(keys, lease_ids, locations, slots, counts):
+            size = location.size
             if not evict and key not in entries and (len(entries) >= max_entries or self._bytes + size > max_bytes):
                 drop.append(lease_id)
                 continue
@@ -286,6 +244,6 @@ class LocalReads:
         self._entries.clear()
         self._dropped = []
         self._add_later = []
-        self._gen = self._slots = self._slot_view = None  # type: ignore[assignment]
+        self._gen = self._slots = None  # type: ignore[assignment]
         self._spin = None
         self._page.close()

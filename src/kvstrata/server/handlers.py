@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 _PAIR_TYPES = frozenset({list, tuple})
 _LOCATION_TYPES = frozenset({Location})
-_SLOT_OF, _PLUS_2 = (SLOTS - 1).__and__, (2).__add__  # a key's hash -> its validity slot; a slot -> its flag
 
 
 def _value(msg: dict) -> bytes:
@@ -236,12 +235,8 @@ def _acquire(s: Session, msg: dict) -> dict:
     flat = list(chain.from_iterable(locs))
     if msg.get("cache"):  # the client may keep cacheable leases for later local views
         # validity.cacheable and validity.slot_of, inline: sealed (immutable) and TTL-free
-        no_ttl = s.validity.no_ttl
-        if not any(mutable) and no_ttl.issuperset(keys):  # plain objects, as a device call's are: C loops
-            flags = list(map(_PLUS_2, map(_SLOT_OF, map(hash, keys))))
-        else:
-            mask = SLOTS - 1
-            flags = [1 if m else 2 + (hash(k) & mask) if k in no_ttl else 0 for k, m in zip(keys, mutable)]
+        no_ttl, mask = s.validity.no_ttl, SLOTS - 1
+        flags = [1 if m else 2 + (hash(k) & mask) if k in no_ttl else 0 for k, m in zip(keys, mutable)]
     else:
         flags = list(map(int, mutable))
     s.leases.update(ids)

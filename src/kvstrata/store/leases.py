@@ -20,7 +20,7 @@ from kvstrata.store.device import GpuCopy
 from kvstrata.store.objects import ZERO_LOCATION, Entry, Lease, check_key, check_keys, check_timeout
 from kvstrata.store.tiers.base import Location
 
-_LOC, _MUTABLE, _EXPIRES = operator.attrgetter("loc"), operator.attrgetter("mutable"), operator.attrgetter("expires")
+_LOC, _MUTABLE = operator.attrgetter("loc"), operator.attrgetter("mutable")
 
 
 class LeaseMixin:
@@ -81,19 +81,14 @@ class LeaseMixin:
             if self._closed:
                 raise ClosedError("the object store is closed")
             entries: list = list(map(self._objects.get, keys))
+            now = time.monotonic()
             slow: list[int] = []
-            if None not in entries and None not in map(_LOC, entries) and not any(map(_EXPIRES, entries)):
-                for e in entries:  # all resident in DRAM, none with a TTL (checked in C): the common case
-                    e.referenced = True
-                    e.leases += 1
-            else:
-                now = time.monotonic()
-                for i, e in enumerate(entries):
-                    if e is None or e.loc is None or (e.expires and e.expires <= now):
-                        slow.append(i)
-                        continue
-                    e.referenced = True
-                    e.leases += 1
+            for i, e in enumerate(entries):
+                if e is None or e.loc is None or (e.expires and e.expires <= now):
+                    slow.append(i)
+                    continue
+                e.referenced = True
+                e.leases += 1
             if slow:
                 for i in slow:
                     entries[i] = None
