@@ -117,6 +117,7 @@ def test_a_change_during_the_request_keeps_no_lease(worker, monkeypatch):
         {"ids": [7], "locs": [0, 0, 1], "flags": [0], "errs": "KeyNotFound"},
         {"ids": [7], "locs": [0, 0, 1], "flags": [0], "errs": [[0, "KeyNotFound"]]},
         {"ids": "7", "locs": [0, 0, 1], "flags": [0]},
+        {"ids": [7], "locs": [0, 0, 1], "flags": ["2"]},
     ],
 )
 def test_a_malformed_acquire_reply_is_a_protocol_error_and_ends_the_connection(worker, monkeypatch, bad):

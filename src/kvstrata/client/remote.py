@@ -21,6 +21,7 @@ from kvstrata.server import protocol as P
 _ONE = 1  # a flag of 1: a mutable object (kvstrata.server.handlers._acquire)
 _LESS_2 = (-2).__add__  # a flag of 2 + slot: the slot
 _SEQ = frozenset({list, tuple})
+_INT = frozenset({int})
 #: builds a NamedTuple from a tuple in C (its generated __new__ is Python: twice the cost over a 64-key reply)
 _new = tuple.__new__
 
@@ -203,6 +204,9 @@ class RemoteBackend(WorkerConnection):
         return token[3] is None
 
     def acquire_finish(self, token: Any) -> list[Any]:
+        """The leases of an :meth:`acquire_start` (a key's error in its slot). The worker's reply is checked for
+        shape (ProtocolError, and the connection ends, where it is not what was asked for); leases the local-read
+        cache may keep are judged at once and entered at the next :meth:`settle`."""
         keys, out, missing, sent, generation, cache = token
         if sent is None:
             return out
@@ -261,6 +265,7 @@ class RemoteBackend(WorkerConnection):
             and type(flat) is list
             and type(flags) is list
             and len(ids) == n == len(flags)
+            and _INT.issuperset(map(type, flags))  # compared and added to below
             and len(flat) == 3 * n
             and type(errs) in _SEQ
         )
