@@ -280,9 +280,9 @@ class WorkerConnection:
             if self._closed or self._conn.closed:
                 return  # the worker released them when the connection ended
             local = self._local
-            if local is not None and len(local):  # the cache's work left for later, and its stale leases, go too
+            if local is not None and len(local):  # the cache's work left for later, and what it let go of, go too
                 local.settle()
-                self._deferred.extend(local.stale())
+                self._deferred.extend(local.dropped())
             self._deferred.extend(ids)
             ids = self._drain_deferred()
             if ids:

@@ -144,6 +144,11 @@ class LocalReads:
         out, self._dropped = self._dropped, []
         return out
 
+    def dropped(self) -> list[int]:
+        """The leases let go of and not given back yet, without looking for stale entries (see :meth:`stale`)."""
+        out, self._dropped = self._dropped, []
+        return out
+
     def add(
         self, key: str, lease_id: int, location: Any, generation: int, slot: int, *, evict: bool = True
     ) -> list[int]:
