@@ -10,7 +10,9 @@ descriptors it sends; the local-read cache (:mod:`kvstrata.client.local_reads`) 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -210,9 +212,8 @@ class WorkerConnection:
 
     def _drain_deferred(self) -> list[int]:
         """Deferred releases that are due (call under the lock): shared leases only when their last holder lets go."""
-        out = []
-        while self._deferred:
-            out.append(self._deferred.popleft())
+        # popleft as many times as there are now, in C (a finalizer may append meanwhile, never lost)
+        out = list(map(operator.call, itertools.repeat(self._deferred.popleft, len(self._deferred))))
         return self._unhold(out) if self._holders else out
 
     def _unhold(self, ids: list[int]) -> list[int]:
@@ -278,6 +279,10 @@ class WorkerConnection:
         with self._lock:
             if self._closed or self._conn.closed:
                 return  # the worker released them when the connection ended
+            local = self._local
+            if local is not None and len(local):  # the cache's work left for later, and what it let go of, go too
+                local.settle()
+                self._deferred.extend(local.dropped())
             self._deferred.extend(ids)
             ids = self._drain_deferred()
             if ids:

@@ -318,6 +318,7 @@ class DeviceCallsMixin:
                     _device.enqueue(runs, prev.device, s, first=first)
                     first = False
             event = _device.mark(s)
+            backend.settle()  # the local-read entries of this call's leases are made while its copies run
             if event is not None:
                 event.synchronize()  # the leases pin the source bytes until the copies are done
         except BaseException:

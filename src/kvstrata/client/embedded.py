@@ -103,6 +103,10 @@ class EmbeddedBackend:
     def acquire_ready(token: Any) -> bool:
         return True
 
+    @staticmethod
+    def settle() -> None:
+        """Nothing is left for later here (no local-read cache)."""
+
     def reserve_start(self, nbytes: int) -> Any:
         return _result(lambda: Loc(*self._check().reserve(self.owner, nbytes)))
 

@@ -49,6 +49,9 @@ class LocalReads:
         self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
         self._entries: OrderedDict[str, list] = OrderedDict()
         self._dropped: list[int] = []  # leases of stale entries, given back with the next message
+        # Leases a batch read took to keep, judged current and not entered yet (add_columns(later=True)):
+        # entered by :meth:`settle`, off the path to the read's copies.
+        self._add_later: list[tuple] = []
         self._swept_gen = -1
         self._next_sweep = 0.0
         self.max_entries = max_entries
@@ -141,6 +144,11 @@ class LocalReads:
         out, self._dropped = self._dropped, []
         return out
 
+    def dropped(self) -> list[int]:
+        """The leases let go of and not given back yet, without looking for stale entries (see :meth:`stale`)."""
+        out, self._dropped = self._dropped, []
+        return out
+
     def add(
         self, key: str, lease_id: int, location: Any, generation: int, slot: int, *, evict: bool = True
     ) -> list[int]:
@@ -148,18 +156,67 @@ class LocalReads:
         give back (``lease_id`` itself where it cannot be kept). ``evict=False`` keeps it only where it fits
         beside the current entries (a batch larger than the budget then keeps its first keys instead of
         pushing out its own entries, call after call)."""
-        return self.add_many([(key, lease_id, location, slot)], generation, evict=evict)
+        return self.add_columns([key], [lease_id], [location], [slot], generation, evict=evict)
 
     def add_many(self, items: list[tuple[str, int, Any, int]], generation: int, *, evict: bool = True) -> list[int]:
         """:meth:`add` of each ``(key, lease id, location, slot)`` in order; the lease ids to give back (a
         refused lease among them, as from :meth:`add`)."""
-        slots = self._slots
-        counts = [slots[item[3] & (SLOTS - 1)] for item in items]  # first the counts, then the generation
+        if not items:
+            return self.stale()
+        keys, lease_ids, locations, slots = map(list, zip(*items))
+        return self.add_columns(keys, lease_ids, locations, slots, generation, evict=evict)
+
+    def add_columns(
+        self,
+        keys: list[str],
+        lease_ids: list[int],
+        locations: list[Any],
+        slots: Any,
+        generation: int,
+        *,
+        evict: bool = True,
+        later: bool = False,
+    ) -> list[int]:
+        """:meth:`add_many` in columns (what an acquire reply holds), without a tuple per key. ``locations``
+        have a ``size`` (:class:`~kvstrata.client._shared.Loc`). ``later``: the leases are judged now (the
+        counts read, then the generation) and entered at the next :meth:`settle`; what that entry pushes out
+        or refuses joins the leases :meth:`stale` gives back, and only leases refused now are returned."""
+        table, mask = self._slots, SLOTS - 1
+        slots = [slot & mask for slot in slots]
+        counts = [table[slot] for slot in slots]  # first the counts, then the generation
+        if later:
+            if generation != self._gen.value:  # something changed during the request: not trustworthy
+                return list(lease_ids)
+            self._add_later.append((keys, lease_ids, locations, slots, counts, generation, evict))
+            return []
+        self.settle()  # in order: what was left for later first
         drop = self.stale()
-        if generation != self._gen.value:  # something changed during the request: not trustworthy
-            return drop + [item[1] for item in items]
+        if generation != self._gen.value:
+            return drop + list(lease_ids)
+        return drop + self._enter(keys, lease_ids, locations, slots, counts, generation, evict)
+
+    def settle(self) -> None:
+        """Enter the leases that batch reads left for later (``add_columns(later=True)``), in order. The leases
+        let go of (entries pushed out or replaced, leases refused) are given back by :meth:`stale`."""
+        if self._add_later:
+            later, self._add_later = self._add_later, []
+            for batch in later:
+                self._dropped += self._enter(*batch)
+
+    def _enter(
+        self,
+        keys: list[str],
+        lease_ids: list[int],
+        locations: list[Any],
+        slots: list[int],
+        counts: list[int],
+        generation: int,
+        evict: bool,
+    ) -> list[int]:
+        """Enter leases judged current (see :meth:`add_columns`); the lease ids let go of."""
+        drop: list[int] = []
         entries, max_entries, max_bytes = self._entries, self.max_entries, self.max_bytes
-        for (key, lease_id, location, slot), count in zip(items, counts):
+        for key, lease_id, location, slot, count in zip(keys, lease_ids, locations, slots, counts):
             size = location.size
             if not evict and key not in entries and (len(entries) >= max_entries or self._bytes + size > max_bytes):
                 drop.append(lease_id)
@@ -168,7 +225,7 @@ class LocalReads:
             if old is not None:
                 drop.append(old[_LEASE])
                 self._bytes -= old[_LOC].size
-            entries[key] = [lease_id, location, slot & (SLOTS - 1), count, generation]
+            entries[key] = [lease_id, location, slot, count, generation]
             self._bytes += size
             while len(entries) > max_entries or self._bytes > max_bytes:
                 old = entries.popitem(last=False)[1]
@@ -177,6 +234,7 @@ class LocalReads:
         return drop
 
     def clear(self) -> list[int]:
+        self.settle()
         ids = [entry[_LEASE] for entry in self._entries.values()]
         self._entries.clear()
         self._bytes = 0
@@ -185,11 +243,12 @@ class LocalReads:
         return ids
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._dropped)
+        return len(self._entries) + len(self._dropped) + len(self._add_later)
 
     def close(self) -> None:
         self._entries.clear()
         self._dropped = []
+        self._add_later = []
         self._gen = self._slots = None  # type: ignore[assignment]
         self._spin = None
         self._page.close()

@@ -15,11 +15,19 @@ from typing import Any
 
 from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
+from kvstrata.errors import ProtocolError
 from kvstrata.server import protocol as P
 
 _ONE = 1  # a flag of 1: a mutable object (kvstrata.server.handlers._acquire)
+_LESS_2 = (-2).__add__  # a flag of 2 + slot: the slot
+_SEQ = frozenset({list, tuple})
+_INT = frozenset({int})
 #: builds a NamedTuple from a tuple in C (its generated __new__ is Python: twice the cost over a 64-key reply)
 _new = tuple.__new__
+
+
+def _lengths(*cols: Any) -> str:
+    return "ids, locs, flags of " + ", ".join(str(len(c)) if type(c) is list else type(c).__name__ for c in cols)
 
 
 def _locs(flat: list[int]) -> Any:
@@ -181,30 +189,41 @@ class RemoteBackend(WorkerConnection):
         the view shares the cache's lease (see ``_holders``), so its bytes stay pinned until released.
         ``cache``: also keep the leases of cacheable objects fetched now, for later calls (``"fit"``:
         only where they fit beside the entries already kept, pushing none out)."""
-        return self.acquire_finish(self.acquire_start(keys, timeout, cache=cache))
+        out = self.acquire_finish(self.acquire_start(keys, timeout, cache=cache))
+        self.settle()
+        return out
 
     def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False, carry: bool = True) -> Any:
         """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
         (pipelined, ``carry`` as in :meth:`send_tagged`); :meth:`acquire_finish` completes it,
         :meth:`acquire_ready` says whether that needs the worker's answer still."""
         local = self._local
-        out: list[Any] = [None] * len(keys)
+        n = len(keys)
+        out: list[Any] = [None] * n
         generation = 0
         if local is not None:
             generation = local.generation()  # read before the request: see kvstrata.server.validity
             with self._lock:
-                usable = len(local) and not self._closed and self._pid == os.getpid()
-                if usable and not select.select([self._conn.fileno()], [], [], 0)[0]:  # a dead worker reads EOF
-                    holders = self._holders
-                    for i, entry in enumerate(local.entries(keys)):
-                        if entry is not None:
-                            lease_id = entry[0]
-                            holders[lease_id] = holders.get(lease_id, 0) + 1  # the view's hold
-                            out[i] = Lease(lease_id, entry[1], False)
-        if None not in out:
+                if len(local) and not self._closed and self._pid == os.getpid():
+                    got = local.entries(keys)
+                    # Served only while the worker is there (a dead one makes its socket readable at EOF); where no
+                    # entry is current (a cold read) the request finds out, with no system call here.
+                    if got.count(None) != n and not select.select([self._conn.fileno()], [], [], 0)[0]:
+                        holders = self._holders
+                        for i, entry in enumerate(got):
+                            if entry is not None:
+                                lease_id = entry[0]
+                                holders[lease_id] = holders.get(lease_id, 0) + 1  # the view's hold
+                                out[i] = Lease(lease_id, entry[1], False)
+        nothing = out.count(None)
+        if not nothing:
             return keys, out, None, None, generation, cache
-        missing = [i for i, lease in enumerate(out) if lease is None]
-        msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
+        if nothing == n:  # none kept (a first read, or the keys were rewritten): ask for all, as given
+            missing: list[int] | None = None
+            msg = {"op": "acquire", "keys": keys, "timeout": timeout}
+        else:
+            missing = [i for i, lease in enumerate(out) if lease is None]
+            msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
         return keys, out, missing, (self.send_tagged(msg, carry=carry), timeout), generation, cache
@@ -215,44 +234,85 @@ class RemoteBackend(WorkerConnection):
         return token[3] is None
 
     def acquire_finish(self, token: Any) -> list[Any]:
+        """The leases of an :meth:`acquire_start` (a key's error in its slot). The worker's reply is checked for
+        shape (ProtocolError, and the connection ends, where it is not what was asked for); leases the local-read
+        cache may keep are judged at once and entered at the next :meth:`settle`."""
         keys, out, missing, sent, generation, cache = token
         if sent is None:
             return out
-        local = self._local
         reply = self.tagged_reply(*sent)
-        ids, flat, flags = reply["ids"], reply["locs"], reply["flags"]
-        leases = map(_new, repeat(Lease), zip(ids, _locs(flat), map(_ONE.__eq__, flags)))
-        if len(missing) == len(out):
+        asked = keys if missing is None else [keys[i] for i in missing]
+        ids, flat, flags, errs = self._acquire_columns(reply, len(asked))
+        locs = list(_locs(flat))
+        leases = map(_new, repeat(Lease), zip(ids, locs, map(_ONE.__eq__, flags)))
+        if missing is None:
             out[:] = leases
         else:
             for i, lease in zip(missing, leases):
                 out[i] = lease
-        # 2 + the key's slot: a lease the local-read cache may keep
-        offered = [(i, flag - 2) for i, flag in zip(missing, flags) if flag >= 2]
-        for j, name, message in reply.get("errs", ()):
-            out[missing[j]] = P.error_from_record((name, message))
-        drop: list[int] = []
-        if offered and local is not None:
+        if errs:
+            for j, name, message in errs:
+                out[j if missing is None else missing[j]] = P.error_from_record((name, message))
+        local = self._local
+        # 2 + the key's slot: a lease the local-read cache may keep (every one, where the keys are plain objects)
+        if local is not None and flags and max(flags) >= 2:
+            if min(flags) < 2:
+                pick = [j for j, flag in enumerate(flags) if flag >= 2]
+                asked, ids, locs, flags = ([col[j] for j in pick] for col in (asked, ids, locs, flags))
             with self._lock:
-                if not self._closed:
-                    batch = [(keys[i], out[i][0], out[i][1], slot) for i, slot in offered]
-                    drop = local.add_many(batch, generation, evict=cache != "fit")
-                    # A lease the cache kept has two holders (the cache, the view); one it refused or already
-                    # pushed out again is the view's alone (it is released directly, as an unheld lease).
-                    kept = {item[1] for item in batch}
-                    refused = kept.intersection(drop)
-                    if refused:
-                        kept -= refused
-                        drop = [d for d in drop if d not in refused]
-                    holders = self._holders
-                    if holders.keys().isdisjoint(kept):  # new leases, as the worker's ids always are
-                        holders.update(dict.fromkeys(kept, 2))
-                    else:
-                        for lease_id in kept:
-                            holders[lease_id] = holders.get(lease_id, 0) + 2
-        if drop:
-            self.release(drop)
+                if self._closed:
+                    return out
+                # The cache's entries are made at the next settle(), off the path to the caller's copies; the leases
+                # are judged now and counted as the cache's and the view's from now on. One the cache does not
+                # keep in the end goes back through _unhold, as a dropped entry's does: the view's hold remains.
+                refused = local.add_columns(
+                    asked, ids, locs, map(_LESS_2, flags), generation, evict=cache != "fit", later=True
+                )
+                holders = self._holders
+                if holders.keys().isdisjoint(ids):  # new leases, as the worker's ids always are
+                    holders.update(dict.fromkeys(ids, 2))
+                else:
+                    for lease_id in ids:
+                        holders[lease_id] = holders.get(lease_id, 0) + 2
+            if refused:
+                self.release(refused)
         return out
+
+    def settle(self) -> None:
+        """Make the local-read entries that acquires left for later (see :meth:`acquire_finish`); a device call
+        does it while its copies run. Leases it lets go of go back with the next message."""
+        with self._lock:
+            if self._local is not None and not self._closed:
+                self._local.settle()
+
+    def _acquire_columns(self, reply: dict, n: int) -> tuple[list[int], list[int], list[int], list]:
+        """The ``ids``, flat ``locs``, ``flags`` and ``errs`` of an ``acquire`` reply for ``n`` keys, checked for
+        shape. A malformed one ends the connection (its leases go back with it: the worker releases a lost
+        client's)."""
+        ids, flat, flags, errs = reply.get("ids"), reply.get("locs"), reply.get("flags"), reply.get("errs", ())
+        ok = (
+            type(ids) is list
+            and type(flat) is list
+            and type(flags) is list
+            and len(ids) == n == len(flags)
+            and _INT.issuperset(map(type, flags))  # compared and added to below
+            and len(flat) == 3 * n
+            and type(errs) in _SEQ
+        )
+        if ok and errs:
+            ok = all(
+                type(e) in _SEQ and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < n and flags[e[0]] == 0
+                for e in errs
+            )
+        if ok:
+            return ids, flat, flags, errs
+        with self._lock:
+            self._broken = "a malformed acquire reply"
+            self._conn.close()
+        raise ProtocolError(
+            f"worker answered an acquire of {n} keys with {_lengths(ids, flat, flags)} and errs {errs!r:.100}:"
+            " connection closed"
+        )
 
     def read(self, key: str, offset: int, size: int) -> bytes:
         return self.request({"op": "read", "key": key, "offset": offset, "size": size})["v"]
