@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -132,7 +131,7 @@ class CopyReceiver:
             self._start_nccl_recv(t, want)
         elif t["kind"] == "bcast":
             self._start_bcast(t, want)
-        elif threading.current_thread() is self._poller and _nbytes(t) <= INLINE_COPY_BYTES:
+        elif self._is_event_thread() and _nbytes(t) <= INLINE_COPY_BYTES:
             # A small copy costs less than a hand-off to the pool: do it here (the 4 KiB latency path).
             try:
                 self._copy(t, want)
@@ -339,7 +338,7 @@ class CopyReceiver:
         threads waiting on them take the GIL before this one goes on (:func:`_handoff`). The event thread
         does the latter right after sending its next poll (:meth:`_poll_sent`), so that poll, which carries
         the completions, never waits behind a woken waiter's own work."""
-        if threading.current_thread() is self._poller:
+        if self._is_event_thread():
             if any(getattr(f, "_inside", 0) for f in futures):
                 if len(self._handoffs) > 256:  # a link that never calls _poll_sent (a test's): stay bounded
                     self._handoffs.clear()
@@ -368,7 +367,7 @@ class CopyReceiver:
             self._notify_done()
 
     def _notify_done(self) -> None:
-        if threading.current_thread() is self._poller:  # the event thread's next poll carries them
+        if self._is_event_thread():  # the event thread's next poll carries them
             return
         if getattr(self._helper, "on", False):  # a copy thread: nothing waits on it
             self._flush_done()

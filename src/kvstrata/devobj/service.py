@@ -210,6 +210,29 @@ class WorkerBrokerLink:
             raise P.error_from_record(reply["err"])
         return reply["r"]
 
+    # The event connection read by whichever thread of the client holds its poll role (leader/follower,
+    # kvstrata.devobj.lead): one poll out at a time, each answered by exactly one frame.
+    def poll_fileno(self) -> int | None:
+        """The event connection's descriptor, to wait on; None where it has none (the client then polls
+        through :meth:`call`)."""
+        from kvstrata.transport.stream import StreamConnection
+
+        conn = self._conns[1]
+        return conn.fileno() if isinstance(conn, StreamConnection) else None
+
+    def send_poll(self, args: dict[str, Any]) -> None:
+        """Send a long poll of events (``args["timeout"]`` seconds); its answer comes through :meth:`recv_poll`."""
+        self._conns[1].send({"op": "dev", "dop": "wait_events", "cid": self.client_id, "a": args, "t": args["timeout"]})
+
+    def recv_poll(self) -> dict[str, Any]:
+        """The answer to the poll sent (call once the descriptor is readable: it blocks until it is whole)."""
+        reply, _ = self._conns[1].recv(None)
+        if "err" in reply:
+            from kvstrata.server import protocol as P
+
+            raise P.error_from_record(reply["err"])
+        return reply["r"]
+
     def close(self) -> None:
         for conn in self._conns:
             conn.close()
