@@ -1,0 +1,280 @@
+"""Leader/follower on a device-object client's event connection (kvstrata.devobj.lead), through a real worker
+on CPU: the thread waiting in ``result()`` receives and copies its own match; timeouts, cancellation, close,
+a subscribe's own timeout, an owner killed mid-hand-off, several waiters and many pairs both ways."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from kvstrata import errors
+from kvstrata.devobj import DeviceObjectConfig, DeviceObjects
+from kvstrata.devobj.lead import PollRole
+
+CFG = DeviceObjectConfig(allow_cpu=True, poll_seconds=0.2)
+WAIT = 20.0
+
+
+@pytest.fixture
+def worker(tmp_path):
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def make(worker):
+    from kvstrata.devobj.service import WorkerBrokerLink
+
+    made = []
+
+    def _make() -> DeviceObjects:
+        link = WorkerBrokerLink(worker.address)
+        c = DeviceObjects(link, device="cpu", config=CFG)
+        made.append((c, link))
+        return c
+
+    yield _make
+    for c, link in made:
+        c.close()
+        link.close()
+
+
+def _who_starts(c: DeviceObjects) -> dict[str, str]:
+    """Key -> name of the thread that started its copy (the match's reader)."""
+    seen: dict[str, str] = {}
+    real = c._start
+
+    def start(t, want):
+        seen[t["key"]] = threading.current_thread().name
+        return real(t, want)
+
+    c._start = start
+    return seen
+
+
+def _later(delay: float, fn, *args) -> threading.Thread:
+    def run():
+        time.sleep(delay)
+        fn(*args)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_waiter_copies_its_own_match_and_the_owner_is_released(make):
+    a, b = make(), make()
+    assert b._role is not None
+    seen = _who_starts(b)
+    pubs = []
+    for i in range(5):
+        src = torch.arange(4096, dtype=torch.uint8) + i
+        dst = torch.full((4096,), 7, dtype=torch.uint8)
+        fut = b.dev_subscribe([f"k{i}"], [[dst]], timeout=WAIT)[0]
+        _later(0.03, lambda s=src, i=i: pubs.append(a.dev_publish([f"k{i}"], [[s]])[0]))
+        assert fut.result(WAIT) is None and torch.equal(dst, src)
+    assert set(seen.values()) == {threading.current_thread().name}  # no other thread of b touched a match
+    deadline = time.monotonic() + WAIT
+    while len(pubs) < 5 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for p in pubs:
+        assert p.result(WAIT) is None  # the completions reached the broker (the event thread's next poll)
+    assert b._role.leader() is None  # given back: the event thread reads again
+
+
+def test_publisher_first_and_no_lead_when_turned_off(make, monkeypatch):
+    a, b = make(), make()
+    src = torch.arange(64, dtype=torch.int64)
+    pub = a.dev_publish(["p"], [[src]])[0]
+    dst = torch.zeros(64, dtype=torch.int64)
+    assert b.dev_subscribe(["p"], [[dst]], timeout=WAIT)[0].result(WAIT) is None and torch.equal(dst, src)
+    assert pub.result(WAIT) is None
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_LEAD", "0")
+    c = make()
+    assert c._role is None
+    seen = _who_starts(c)
+    fut = c.dev_subscribe(["q"], [[dst]], timeout=WAIT)[0]
+    _later(0.03, a.dev_publish, ["q"], [[src + 1]])
+    assert fut.result(WAIT) is None and torch.equal(dst, src + 1)
+    assert seen["q"] == "kvstrata-devobj-poll"
+
+
+def test_result_timeout_gives_the_role_back_and_the_match_still_lands(make):
+    a, b = make(), make()
+    dst = torch.zeros(16)
+    fut = b.dev_subscribe(["late"], [[dst]], timeout=WAIT)[0]
+    t0 = time.monotonic()
+    with pytest.raises(cf.TimeoutError):
+        fut.result(0.05)
+    assert time.monotonic() - t0 < 2.0
+    assert b._role.leader() is None
+    src = torch.arange(16, dtype=torch.float32)
+    a.dev_publish(["late"], [[src]])
+    deadline = time.monotonic() + WAIT
+    while not fut.done() and time.monotonic() < deadline:  # nobody in result(): the event thread copies it
+        time.sleep(0.005)
+    assert fut.result(0) is None and torch.equal(dst, src)
+
+
+def test_subscribe_timeout_while_leading(make):
+    b = make()
+    fut = b.dev_subscribe(["never"], [[torch.zeros(4)]], timeout=0.1)[0]
+    t0 = time.monotonic()
+    with pytest.raises(errors.Timeout):
+        fut.result(WAIT)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_cancel_from_another_thread_wakes_the_leader(make):
+    a, b = make(), make()
+    dst = torch.full((8,), 7.0)
+    fut = b.dev_subscribe(["c"], [[dst]], timeout=WAIT)[0]
+    _later(0.05, fut.cancel)
+    t0 = time.monotonic()
+    with pytest.raises(cf.CancelledError):
+        fut.result(WAIT)
+    assert time.monotonic() - t0 < 5.0
+    a.dev_publish(["c"], [[torch.ones(8)]])  # withdrawn: the object stays for the next subscriber
+    other = torch.zeros(8)
+    assert b.dev_subscribe(["c"], [[other]], timeout=WAIT)[0].result(WAIT) is None
+    assert torch.equal(other, torch.ones(8)) and bool((dst == 7).all())
+
+
+def test_close_from_another_thread_wakes_the_leader(make):
+    b = make()
+    fut = b.dev_subscribe(["gone"], [[torch.zeros(4)]])  # no timeout: only the close can end it
+    _later(0.05, b.close)
+    t0 = time.monotonic()
+    with pytest.raises(errors.ClosedError):
+        fut[0].result(WAIT)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_several_waiters_one_leads_all_land(make):
+    a, b = make(), make()
+    n = 6
+    dsts = [torch.full((256,), -1, dtype=torch.int32) for _ in range(n)]
+    futs = [b.dev_subscribe([f"w{i}"], [[dsts[i]]], timeout=WAIT)[0] for i in range(n)]
+    out: list = [None] * n
+
+    def wait(i):
+        try:
+            out[i] = futs[i].result(WAIT)
+        except BaseException as exc:  # reported below
+            out[i] = exc
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.02)
+    for i in range(n):
+        a.dev_publish([f"w{i}"], [[torch.full((256,), i, dtype=torch.int32)]])
+    for t in threads:
+        t.join(WAIT)
+    assert out == [None] * n
+    assert all(bool((d == i).all()) for i, d in enumerate(dsts))
+
+
+def test_many_pairs_both_directions_with_leading_waiters(make):
+    """Each client publishes to the other and waits on its own receives from several threads: no deadlock."""
+    a, b = make(), make()
+    errs: list = []
+
+    def side(me, peer, tag, i):
+        try:
+            dst = torch.zeros(32, dtype=torch.int64)
+            fut = me.dev_subscribe([f"{tag}{i}"], [[dst]], timeout=WAIT)[0]
+            peer.dev_publish([f"{'ba'[tag == 'b']}{i}"], [[torch.full((32,), i, dtype=torch.int64)]])
+            fut.result(WAIT)
+            assert bool((dst == i).all())
+        except BaseException as exc:
+            errs.append(exc)
+
+    threads = [
+        threading.Thread(target=side, args=(me, peer, tag, i))
+        for i in range(8)
+        for me, peer, tag in ((a, b, "a"), (b, a, "b"))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert not any(t.is_alive() for t in threads) and errs == []
+
+
+def _owner(address: str, go, ready) -> None:
+    import kvstrata
+
+    c = kvstrata.connect(address)
+    c.device_objects(device="cpu", config=DeviceObjectConfig(allow_cpu=True))
+    go.wait(WAIT)
+    c.dev_publish(["doomed"], [[torch.arange(512, dtype=torch.uint8)]])
+    ready.set()
+    time.sleep(60)  # killed by the test
+
+
+def test_owner_killed_mid_hand_off_fails_the_leading_waiter(make, worker):
+    ctx = mp.get_context("spawn")
+    go, ready = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_owner, args=(worker.address, go, ready), daemon=True)
+    p.start()
+    try:
+        b = make()
+        dst = torch.full((512,), 7, dtype=torch.uint8)
+
+        def sources(src, peer, reuse=False):  # the CUDA IPC import's stand-in: the owner dies as we copy
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(WAIT)
+            return [torch.arange(512, dtype=torch.uint8)], []
+
+        b._sources = sources
+        seen = _who_starts(b)
+        fut = b.dev_subscribe(["doomed"], [[dst]], timeout=WAIT)[0]
+        go.set()
+        with pytest.raises(errors.KvstrataError, match=r"went away|gone"):
+            fut.result(WAIT)  # never reported done: the owner died before the copy was known good
+        assert seen["doomed"] == threading.current_thread().name  # the waiter read the match itself
+        deadline = time.monotonic() + WAIT
+        while "doomed" in worker.devobj_broker.snapshot()["objects"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker drops the dead owner's keys once it sees its connection end
+        assert "doomed" not in worker.devobj_broker.snapshot()["objects"]
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(WAIT)
+
+
+def test_poll_role_hands_over_and_wakes():
+    r, w = os.pipe()
+    try:
+        role = PollRole(r)
+        stop = threading.Event()
+        assert role.take_for_events(stop.is_set)
+        got = []
+        t = threading.Thread(target=lambda: got.append(role.take_for_waiter(time.monotonic() + WAIT)))
+        t.start()
+        assert not role.wait_readable(WAIT)  # the waiter's wish wakes the holder (the connection has no data)
+        role.give_back()
+        t.join(WAIT)
+        assert got == [True] and role.leader() is t
+        assert not role.take_for_waiter(time.monotonic() + 0.01)  # one leader at a time
+        role.give_back()
+        os.write(w, b"x")
+        assert role.take_for_events(stop.is_set) and role.wait_readable(0.0, spin=1e-3)
+        role.give_back()
+        role.close()
+        assert not role.take_for_waiter(None)
+    finally:
+        os.close(r)
+        os.close(w)
