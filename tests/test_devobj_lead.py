@@ -278,3 +278,42 @@ def test_poll_role_hands_over_and_wakes():
     finally:
         os.close(r)
         os.close(w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "devices", [pytest.param((0, 0), id="gpu0"), pytest.param((0, 1), id="gpu0-gpu1", marks=pytest.mark.multigpu)]
+)
+def test_gpu_waiter_copies_its_own_match_on_the_clients_gpu(worker, devices):
+    """The leading waiter runs the copy with the receiving client's GPU current, whatever its own thread's is;
+    exact bytes, nothing outside the destination touched, the source unchanged."""
+    from kvstrata.devobj.service import WorkerBrokerLink
+
+    src_dev, dst_dev = devices
+    if torch.cuda.device_count() <= max(devices):
+        pytest.skip(f"needs {max(devices) + 1} GPUs")
+    made = []
+    try:
+        for dev in (src_dev, dst_dev):
+            link = WorkerBrokerLink(worker.address)
+            made.append((DeviceObjects(link, device=dev), link))
+        (a, _), (b, _) = made
+        seen = _who_starts(b)
+        torch.cuda.set_device(src_dev)  # this thread's current GPU is the publisher's, not the receiver's
+        for i, n in enumerate((4096, 1 << 20, 12345)):
+            src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=src_dev)
+            keep = src.clone()
+            whole = torch.full((n + 512,), 7, dtype=torch.uint8, device=dst_dev)
+            fut = b.dev_subscribe([f"g{i}"], [[whole[256 : 256 + n]]], timeout=WAIT)[0]
+            _later(0.05, a.dev_publish, [f"g{i}"], [[src]])
+            assert fut.result(WAIT) is None
+            torch.cuda.synchronize(dst_dev)
+            assert torch.equal(whole[256 : 256 + n].cpu(), keep.cpu())
+            assert bool((whole[:256] == 7).all()) and bool((whole[256 + n :] == 7).all())
+            assert torch.equal(src, keep)
+            assert seen[f"g{i}"] == threading.current_thread().name
+            assert torch.cuda.current_device() == src_dev  # the guard gave the thread its GPU back
+    finally:
+        for c, link in made:
+            c.close()
+            link.close()
