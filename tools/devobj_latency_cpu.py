@@ -14,6 +14,7 @@ the event thread, settling and completions all run as on the GPU machine.
 
 Run: ``PYTHONPATH=src python tools/devobj_latency_cpu.py [--iters 300] [--trace]``
 (``--trace`` sets ``KVSTRATA_DEVOBJ_TRACE=1`` and prints both processes' steps of the last round).
+A/B of the leading waiter (:mod:`kvstrata.devobj.lead`): run it with ``KVSTRATA_DEVOBJ_LEAD=0`` and ``=1`` in turn.
 """
 
 from __future__ import annotations
@@ -210,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     o, r = results
     sub_first = [d - p for d, p in zip(r["t_done"], o["t_pub"])]
     skip = min(10, args.iters // 5)
-    print(f"4 KiB hand-off on CPU, {args.iters} rounds (first {skip} dropped), worker in the parent process")
+    from kvstrata.devobj.lead import lead_enabled
+
+    print(
+        f"4 KiB hand-off on CPU, {args.iters} rounds (first {skip} dropped), worker in the parent process, "
+        f"leading waiter {'on' if lead_enabled() else 'off'}"
+    )
     print(f"  subscriber first, publish call -> reader's future done:  {_pct(sub_first[skip:])}")
     print(f"  subscriber first, publish call -> owner's future done:   {_pct(o['t_rel'][skip:])}")
     print(f"  publisher first, subscribe call -> future done:          {_pct(r['pub_first'][skip:])}")

@@ -6,6 +6,10 @@ broker link, lock and tables). One thread per client long-polls the broker (``wa
 carries the completions of the receives finished since the last (see
 :class:`~kvstrata.devobj.receive.CopyReceiver`), and every other request carries those the broker may not
 have read yet (:meth:`EventThread._call`). Whatever ends the thread unexpectedly fails every pending future.
+
+Where the link's event connection can be waited on (a worker's), a thread waiting in a receive future's
+``result()`` reads it instead while its receive waits in the broker (:meth:`EventThread._lead`, see
+:mod:`kvstrata.devobj.lead`): it copies its own match, with no wake-up of this thread or by it on the way.
 """
 
 from __future__ import annotations

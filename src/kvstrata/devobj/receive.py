@@ -6,7 +6,8 @@ import cache, transfer streams, event pool, in-flight table, broker link). The c
 as one batch (:meth:`CopyReceiver._enqueue_batch`: one ``cudaMemcpyBatchAsync`` per source GPU, pushed
 by that GPU's copy engine); a future settles once its bytes are in and its owner is still alive, and
 the broker hears of it off the caller's path (carried by the event thread's next poll, or one-way).
-Small copies run on the event thread itself (the 4 KiB latency path), others on the copy pool.
+Small copies run on the thread reading events (the event thread, or a waiter leading: the 4 KiB
+latency path), others on the copy pool.
 """
 
 from __future__ import annotations
