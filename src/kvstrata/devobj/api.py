@@ -132,6 +132,9 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         self._poll_carried: list[dict[str, Any]] | None = None
         self._poll_over = False
         self._lead_spin = lead_spin_seconds()
+        #: whether a thread waiting for a receive may read its match itself (where the link allows it at all);
+        #: switched call by call by A/B probes (tools/devobj_latency_cpu.py --ab)
+        self.lead_waiters = True
         self._poller = threading.Thread(target=self._poll_main, name="kvstrata-devobj-poll", daemon=True)
         self._poller.start()
 

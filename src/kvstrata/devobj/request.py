@@ -217,7 +217,7 @@ class Requester:
                     self._wants[r["wid"]] = want
                     early = self._early.pop(("wid", r["wid"]), [])
                 want.future.add_done_callback(lambda f, wid=r["wid"]: self._on_cancel(f, wid))
-                if self._role is not None:  # its waiter may read the match itself (kvstrata.devobj.lead)
+                if self._role is not None and self.lead_waiters:  # its waiter may read the match itself (.lead)
                     want.future._lead = self._lead
                 for ev in early:
                     self._dispatch(ev)
