@@ -374,9 +374,14 @@ class CopyReceiver:
             self._flush_done()
             return
         # The caller's own thread (a small receive copied inline): its futures are settled, and the send
-        # (pack, system call: ~50 us on the 4 KiB path) would hold up the call's return. A copy thread
-        # sends them; a request of this client made meanwhile carries them itself (see _call), so the
-        # broker still learns of each before any later request.
+        # (pack, system call: ~50 us on the 4 KiB path) would hold up the call's return. The thread reading
+        # events sends them (woken through its role's pipe: one write here, where handing the send to a copy
+        # thread cost the caller ~20-50 us), else a copy thread; a request of this client made meanwhile
+        # carries them itself (see _call), so the broker still learns of each before any later request.
+        role = self._role
+        if role is not None and not self._poll_over and role.holder is not None:
+            role.wake()
+            return
         try:
             self._run_in_pool(self._flush_done)
         except RuntimeError:  # the pool is shut down (closing): send them here
