@@ -38,9 +38,9 @@ def make(worker):
 
     made = []
 
-    def _make() -> DeviceObjects:
+    def _make(config: DeviceObjectConfig = CFG) -> DeviceObjects:
         link = WorkerBrokerLink(worker.address)
-        c = DeviceObjects(link, device="cpu", config=CFG)
+        c = DeviceObjects(link, device="cpu", config=config)
         made.append((c, link))
         return c
 
@@ -108,6 +108,32 @@ def test_publisher_first_and_no_lead_when_turned_off(make, monkeypatch):
     _later(0.03, a.dev_publish, ["q"], [[src + 1]])
     assert fut.result(WAIT) is None and torch.equal(dst, src + 1)
     assert seen["q"] == "kvstrata-devobj-poll"
+
+
+@pytest.mark.parametrize("publisher_first", [False, True])
+def test_completions_reach_the_broker_at_once_either_side_first(make, publisher_first):
+    """The publisher's future completes without waiting for the reader's next poll (5 s away here): after a
+    led receive the event thread's next poll carries the completion; after one copied inline on the caller's
+    thread, the thread reading events is woken to send it."""
+    slow = DeviceObjectConfig(allow_cpu=True, poll_seconds=5.0)
+    a, b = make(slow), make(slow)
+    for i in range(3):
+        src = torch.arange(100, dtype=torch.int32) * (i + 1)
+        dst = torch.zeros(100, dtype=torch.int32)
+        if publisher_first:
+            pub = a.dev_publish([f"c{i}"], [[src]])[0]
+            fut = b.dev_subscribe([f"c{i}"], [[dst]], timeout=WAIT)[0]
+        else:
+            fut = b.dev_subscribe([f"c{i}"], [[dst]], timeout=WAIT)[0]
+            box = []
+            _later(0.02, lambda s=src, i=i, box=box: box.append(a.dev_publish([f"c{i}"], [[s]])[0]))
+        assert fut.result(WAIT) is None and torch.equal(dst, src)
+        if not publisher_first:
+            deadline = time.monotonic() + WAIT
+            while not box and time.monotonic() < deadline:
+                time.sleep(0.002)
+            pub = box[0]
+        assert pub.result(2.0) is None  # well before the 5 s poll would have carried it
 
 
 def test_result_timeout_gives_the_role_back_and_the_match_still_lands(make):
