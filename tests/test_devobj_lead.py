@@ -343,3 +343,25 @@ def test_gpu_waiter_copies_its_own_match_on_the_clients_gpu(worker, devices):
         for c, link in made:
             c.close()
             link.close()
+
+
+def test_events_after_an_interrupted_dispatch_go_to_the_next_holder(make):
+    b = make()
+    seen = []
+    real = b._dispatch
+
+    def dispatch(ev):
+        if ev.get("boom"):
+            raise KeyboardInterrupt
+        seen.append(ev["n"])
+
+    b._dispatch = dispatch
+    evs = [{"type": "x", "n": 0}, {"type": "x", "boom": True}, {"type": "x", "n": 2}, {"type": "x", "n": 3}]
+    with pytest.raises(KeyboardInterrupt):
+        b._dispatch_all(evs)
+    assert seen == [0] and b._leftover == evs[2:]
+    b._dispatch = lambda ev: seen.append(ev["n"]) if "n" in ev else real(ev)
+    fut = b.dev_subscribe(["after"], [[torch.zeros(4)]], timeout=0.2)[0]
+    with pytest.raises(errors.Timeout):  # events keep flowing; the leftovers were dispatched by the next holder
+        fut.result(WAIT)
+    assert seen == [0, 2, 3] and b._leftover == []

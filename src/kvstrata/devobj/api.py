@@ -131,6 +131,7 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         self._role = PollRole(fd) if fd is not None and lead_enabled() else None
         self._poll_carried: list[dict[str, Any]] | None = None
         self._poll_over = False
+        self._leftover: list[dict[str, Any]] = []  # events of an answer whose reader was interrupted
         self._lead_spin = lead_spin_seconds()
         #: whether a thread waiting for a receive may read its match itself (where the link allows it at all);
         #: switched call by call by A/B probes (tools/devobj_latency_cpu.py --ab)

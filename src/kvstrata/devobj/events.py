@@ -81,7 +81,7 @@ class EventThread:
             self._dispatch_all(r["events"])
 
     def _dispatch_all(self, events: list[dict[str, Any]]) -> None:
-        for ev in events:
+        for i, ev in enumerate(events):
             trace(f"event {ev.get('type')}")
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("devobj: event %s", brief(ev))
@@ -89,6 +89,9 @@ class EventThread:
                 self._dispatch(ev)
             except Exception:  # one bad event must not stop the others
                 log.exception("devobj: event %s", ev.get("type"))
+            except BaseException:  # e.g. Ctrl-C in a leading caller's thread: the next holder dispatches the rest
+                self._leftover.extend(events[i + 1 :])
+                raise
 
     # -- the event connection read by whoever holds the role (see kvstrata.devobj.lead) ---------------
     def _poll_events(self) -> None:
@@ -108,10 +111,13 @@ class EventThread:
     def _poll_step(self, spin: float, timeout: float | None) -> bool:
         """As the role's holder: send a poll if none is out, wait for its answer up to ``timeout`` (or a wake
         of the role) and dispatch its events; False when the event connection is over for good."""
+        if self._leftover:  # left by a holder interrupted mid-answer (see _dispatch_all)
+            left, self._leftover = self._leftover, []
+            self._dispatch_all(left)
         try:
             if self._poll_carried is None:
                 self._send_poll()
-            if not self._role.wait_readable(timeout, spin):
+            if not self._role.wait_readable(timeout, spin, self.link.poll_buffered):
                 if self._done_items:  # woken to send receives finished on another thread (_notify_done)
                     self._flush_done()
                 return True

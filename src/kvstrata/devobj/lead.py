@@ -29,6 +29,7 @@ import os
 import select
 import threading
 import time
+from typing import Any
 
 from kvstrata.devobj.futures import SPIN_SLACK_NS, _pause, _slack_set, spin_seconds
 
@@ -124,9 +125,12 @@ class PollRole:
         except (BlockingIOError, OSError):
             pass
 
-    def wait_readable(self, timeout: float | None, spin: float = 0.0) -> bool:
+    def wait_readable(self, timeout: float | None, spin: float = 0.0, buffered: Any = None) -> bool:
         """Until the connection has data (True) or the pipe was written / ``timeout`` passed (False).
-        ``spin``: seconds of polling first (short sleeps with the GIL released between polls)."""
+        ``spin``: seconds of polling first (short sleeps with the GIL released between polls); ``buffered()``:
+        whether the connection holds bytes read already (``select`` cannot see those)."""
+        if buffered is not None and buffered():
+            return True
         fds = [self._fd, self._rfd]
         if spin > 0.0:
             end = time.monotonic() + (spin if timeout is None else min(spin, timeout))

@@ -220,6 +220,11 @@ class WorkerBrokerLink:
         conn = self._conns[1]
         return conn.fileno() if isinstance(conn, StreamConnection) else None
 
+    def poll_buffered(self) -> bool:
+        """Whether the event connection holds bytes read from its socket already (a read cut short)."""
+        buffered = getattr(self._conns[1], "buffered", None)
+        return bool(buffered()) if buffered is not None else False
+
     def send_poll(self, args: dict[str, Any]) -> None:
         """Send a long poll of events (``args["timeout"]`` seconds); its answer comes through :meth:`recv_poll`."""
         self._conns[1].send({"op": "dev", "dop": "wait_events", "cid": self.client_id, "a": args, "t": args["timeout"]})
