@@ -365,3 +365,44 @@ def test_events_after_an_interrupted_dispatch_go_to_the_next_holder(make):
     with pytest.raises(errors.Timeout):  # events keep flowing; the leftovers were dispatched by the next holder
         fut.result(WAIT)
     assert seen == [0, 2, 3] and b._leftover == []
+
+
+def test_worker_polls_request_connections_when_asked(tmp_path, monkeypatch):
+    """KVSTRATA_DEVOBJ_WORKER_SPIN_US: the worker thread of a device-object request connection polls it for the
+    next request before blocking; hand-offs both ways still land, and the worker stops cleanly."""
+    from kvstrata.devobj import service
+    from kvstrata.devobj.service import WorkerBrokerLink
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_WORKER_SPIN_US", "3000")
+    monkeypatch.setattr(service, "_worker_spin", [])
+    polled = []
+    real = service._idle_wait
+    monkeypatch.setattr(service, "_idle_wait", lambda conn: (polled.append(1), real(conn)))
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
+    made = []
+    try:
+        for _ in range(2):
+            link = WorkerBrokerLink(w.address)
+            made.append((DeviceObjects(link, device="cpu", config=CFG), link))
+        (a, _), (b, _) = made
+        for i in range(6):
+            src = torch.full((64,), i, dtype=torch.int16)
+            dst = torch.zeros(64, dtype=torch.int16)
+            if i % 2:
+                pub = a.dev_publish([f"s{i}"], [[src]])[0]
+                fut = b.dev_subscribe([f"s{i}"], [[dst]], timeout=WAIT)[0]
+            else:
+                fut = b.dev_subscribe([f"s{i}"], [[dst]], timeout=WAIT)[0]
+                _later(0.01, a.dev_publish, [f"s{i}"], [[src]])
+                pub = None
+            assert fut.result(WAIT) is None and torch.equal(dst, src)
+            if pub is not None:
+                assert pub.result(WAIT) is None
+        assert service._worker_spin == [pytest.approx(3e-3)] and polled
+    finally:
+        for c, link in made:
+            c.close()
+            link.close()
+        w.stop()

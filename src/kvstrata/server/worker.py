@@ -247,6 +247,9 @@ class Session:
         self.validity = worker.validity
         self.lane: _lane.Lane | None = None
         self._drained = False  # whether the connection's read buffer was found empty since its last read
+        #: a module's wait for this connection's next request, before the plain blocking read (set by
+        #: kvstrata.devobj.service on device-object request connections; None: none)
+        self.idle_wait: Any = None
 
     def open_lane(self) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -288,6 +291,8 @@ class Session:
         if lane is None or spin <= 0.0:
             if lane is not None:
                 lane.set_polling(False)
+            if self.idle_wait is not None:
+                self.idle_wait(self.conn)
             return self._recv(self.conn.recv(spin=spin)), False
         # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
         lane.set_polling(True)
