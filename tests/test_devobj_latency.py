@@ -245,6 +245,7 @@ def test_hand_offs_through_a_worker_with_polling_waiters(tmp_path, monkeypatch, 
     from kvstrata.server.worker import Worker
 
     monkeypatch.setenv("KVSTRATA_DEVOBJ_EVENT_SPIN_US", event_spin_us)
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_LEAD", "0")  # the event thread settles every receive (no leading waiter)
     old = futures.set_result_spin(2e-3)
     w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
     made = []

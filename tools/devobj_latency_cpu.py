@@ -14,6 +14,8 @@ the event thread, settling and completions all run as on the GPU machine.
 
 Run: ``PYTHONPATH=src python tools/devobj_latency_cpu.py [--iters 300] [--trace]``
 (``--trace`` sets ``KVSTRATA_DEVOBJ_TRACE=1`` and prints both processes' steps of the last round).
+A/B of the leading waiter (:mod:`kvstrata.devobj.lead`): ``--ab`` alternates rounds with and without it in the
+same processes (robust to a noisy host); or runs with ``KVSTRATA_DEVOBJ_LEAD=0`` and ``=1`` in turn.
 """
 
 from __future__ import annotations
@@ -90,17 +92,20 @@ def owner(address: str, iters: int, ctl, res) -> None:
     c.close()
 
 
-def reader(address: str, iters: int, ctl, res) -> None:
+def reader(address: str, iters: int, ctl, res, ab: bool = False) -> None:
     import torch
 
     from kvstrata.devobj import debug
 
     c = _client(address)
+    objs = c.device_objects()
     want = _pattern()
     d = torch.zeros(NBYTES, dtype=torch.uint8)
     t_done, traces = [], []
     u0 = _usage()
     for i in range(iters):
+        if ab:  # even rounds with the leading waiter, odd ones without (same processes, same minutes)
+            objs.lead_waiters = i % 2 == 0
         (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=30)
         debug.trace_take()
         ctl.send(i)
@@ -113,6 +118,8 @@ def reader(address: str, iters: int, ctl, res) -> None:
     u1 = _usage()
     pub_first, traces2 = [], []
     for i in range(iters):
+        if ab:
+            objs.lead_waiters = i % 2 == 0
         d.zero_()
         ctl.send(i)
         ctl.recv()
@@ -141,9 +148,9 @@ def reader(address: str, iters: int, ctl, res) -> None:
     c.close()
 
 
-def _run(fn, address, iters, ctl, res) -> None:
+def _run(fn, address, iters, ctl, res, ab=False) -> None:
     try:
-        fn(address, iters, ctl, res)
+        fn(address, iters, ctl, res, **({"ab": ab} if fn is reader else {}))
     except BaseException as exc:
         res.send({"error": f"{fn.__name__}: {type(exc).__name__}: {exc}"})
         raise
@@ -169,6 +176,7 @@ def _pct(xs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--ab", action="store_true", help="alternate rounds with and without the leading waiter")
     ap.add_argument("--trace", action="store_true", help="KVSTRATA_DEVOBJ_TRACE=1: print the last round's steps")
     args = ap.parse_args(argv)
     if args.trace:
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         ctl_o, ctl_r = ctx.Pipe()  # owner <-> reader
         res = [ctx.Pipe() for _ in range(2)]  # child -> this process
         procs = [
-            ctx.Process(target=_run, args=(fn, worker.address, args.iters, ctl, res[i][1]))
+            ctx.Process(target=_run, args=(fn, worker.address, args.iters, ctl, res[i][1], args.ab))
             for i, (fn, ctl) in enumerate(((owner, ctl_o), (reader, ctl_r)))
         ]
         for p in procs:
@@ -210,10 +218,23 @@ def main(argv: list[str] | None = None) -> int:
     o, r = results
     sub_first = [d - p for d, p in zip(r["t_done"], o["t_pub"])]
     skip = min(10, args.iters // 5)
-    print(f"4 KiB hand-off on CPU, {args.iters} rounds (first {skip} dropped), worker in the parent process")
-    print(f"  subscriber first, publish call -> reader's future done:  {_pct(sub_first[skip:])}")
-    print(f"  subscriber first, publish call -> owner's future done:   {_pct(o['t_rel'][skip:])}")
-    print(f"  publisher first, subscribe call -> future done:          {_pct(r['pub_first'][skip:])}")
+    from kvstrata.devobj.lead import lead_enabled
+
+    print(
+        f"4 KiB hand-off on CPU, {args.iters} rounds (first {skip} dropped), worker in the parent process, "
+        f"leading waiter {'on' if lead_enabled() else 'off'}"
+    )
+    rows = [
+        ("subscriber first, publish call -> reader's future done:", sub_first),
+        ("subscriber first, publish call -> owner's future done: ", o["t_rel"]),
+        ("publisher first, subscribe call -> future done:        ", r["pub_first"]),
+    ]
+    for what, xs in rows:
+        if not args.ab:
+            print(f"  {what}  {_pct(xs[skip:])}")
+            continue
+        for name, parity in (("lead", 0), ("no lead", 1)):
+            print(f"  {what} {name:7s}  {_pct([x for j, x in enumerate(xs) if j >= skip and j % 2 == parity])}")
     n = args.iters
     for name, res in (("owner", o), ("reader", r)):
         (c0, s0), (c1, s1), (c2, s2) = res["usage"]

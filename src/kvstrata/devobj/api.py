@@ -29,6 +29,7 @@ Example (two processes on one node, through a worker)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -46,6 +47,7 @@ from kvstrata.devobj.broadcast import BroadcastReceiver
 from kvstrata.devobj.debug import configure_from_env
 from kvstrata.devobj.events import EventThread
 from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet
+from kvstrata.devobj.lead import PollRole, lead_enabled, lead_spin_seconds
 from kvstrata.devobj.link import (
     BrokerLink,
     DeviceObjectConfig,
@@ -121,6 +123,19 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         self._hook = hasattr(link, "on_poll_sent")
         if self._hook:
             link.on_poll_sent = self._poll_sent
+        # Leader/follower (kvstrata.devobj.lead): where the event connection can be waited on, a thread
+        # waiting for a receive reads it itself. The poll sent and not yet answered (the completions it
+        # carries; None: none out) and whether the connection is over are the role holder's.
+        fileno = getattr(link, "poll_fileno", None)
+        fd = fileno() if callable(fileno) else None
+        self._role = PollRole(fd) if fd is not None and lead_enabled() else None
+        self._poll_carried: list[dict[str, Any]] | None = None
+        self._poll_over = False
+        self._leftover: list[dict[str, Any]] = []  # events of an answer whose reader was interrupted
+        self._lead_spin = lead_spin_seconds()
+        #: whether a thread waiting for a receive may read its match itself (where the link allows it at all);
+        #: switched call by call by A/B probes (tools/devobj_latency_cpu.py --ab)
+        self.lead_waiters = True
         self._poller = threading.Thread(target=self._poll_main, name="kvstrata-devobj-poll", daemon=True)
         self._poller.start()
 
@@ -226,6 +241,8 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         except Exception as exc:  # the worker may be gone already
             log.debug("devobj goodbye: %s", exc)
         self._fail_all(errors.ClosedError("device-object client closed"))
+        if self._role is not None:
+            self._role.close()
         if threading.current_thread() is not self._poller:  # close() may run in a future's callback
             self._poller.join(timeout=self.config.poll_seconds + 1)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -253,6 +270,12 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
                 "early": {f"{k[0]}:{k[1]}": [e.get("type") for e in v] for k, v in self._early.items()},
                 "copy_queue": self._pool._work_queue.qsize(),
             }
+
+    def _device_guard(self) -> Any:
+        """This client's GPU current for the block, where the calling thread has another (a leading waiter)."""
+        if self._cuda and torch.cuda.current_device() != self.device.index:
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
 
     def _thread_init(self) -> None:
         self._helper.on = True  # this client's event or copy thread (see _notify_done)

@@ -6,11 +6,16 @@ broker link, lock and tables). One thread per client long-polls the broker (``wa
 carries the completions of the receives finished since the last (see
 :class:`~kvstrata.devobj.receive.CopyReceiver`), and every other request carries those the broker may not
 have read yet (:meth:`EventThread._call`). Whatever ends the thread unexpectedly fails every pending future.
+
+Where the link's event connection can be waited on (a worker's), a thread waiting in a receive future's
+``result()`` reads it instead while its receive waits in the broker (:meth:`EventThread._lead`, see
+:mod:`kvstrata.devobj.lead`): it copies its own match, with no wake-up of this thread or by it on the way.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -52,7 +57,10 @@ class EventThread:
             self._fail_all(errors.ServerError(f"device-object event thread died: {type(exc).__name__}: {exc}"))
 
     def _poll(self) -> None:
-        while not self._closed:
+        if self._role is not None:
+            self._poll_events()
+            return
+        while not self._closed:  # a link without a pollable event connection (in process, tests)
             args: dict[str, Any] = {"timeout": self.config.poll_seconds}
             done = self._take_done() if (self._done_items or self._unacked) else []
             if done:  # the receives this thread just finished: no message of their own
@@ -70,14 +78,105 @@ class EventThread:
             if r.get("closed"):
                 self._fail_all(errors.ClosedError("the broker forgot this client"))
                 return
-            for ev in r["events"]:
-                trace(f"event {ev.get('type')}")
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("devobj: event %s", brief(ev))
-                try:
-                    self._dispatch(ev)
-                except Exception:  # one bad event must not stop the others
-                    log.exception("devobj: event %s", ev.get("type"))
+            self._dispatch_all(r["events"])
+
+    def _dispatch_all(self, events: list[dict[str, Any]]) -> None:
+        for i, ev in enumerate(events):
+            trace(f"event {ev.get('type')}")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("devobj: event %s", brief(ev))
+            try:
+                self._dispatch(ev)
+            except Exception:  # one bad event must not stop the others
+                log.exception("devobj: event %s", ev.get("type"))
+            except BaseException:  # e.g. Ctrl-C in a leading caller's thread: the next holder dispatches the rest
+                self._leftover.extend(events[i + 1 :])
+                raise
+
+    # -- the event connection read by whoever holds the role (see kvstrata.devobj.lead) ---------------
+    def _poll_events(self) -> None:
+        """The event thread's loop where the link's event connection can be waited on: it holds the role
+        whenever no waiter takes it (:meth:`_lead`), one event answer at a time."""
+        role = self._role
+        stop = lambda: self._closed or self._poll_over
+        while not stop():
+            if not role.take_for_events(stop):
+                return
+            try:
+                if not self._poll_step(self.link.event_spin, None):
+                    return
+            finally:
+                role.give_back()
+
+    def _poll_step(self, spin: float, timeout: float | None) -> bool:
+        """As the role's holder: send a poll if none is out, wait for its answer up to ``timeout`` (or a wake
+        of the role) and dispatch its events; False when the event connection is over for good."""
+        if self._leftover:  # left by a holder interrupted mid-answer (see _dispatch_all)
+            left, self._leftover = self._leftover, []
+            self._dispatch_all(left)
+        try:
+            if self._poll_carried is None:
+                self._send_poll()
+            if not self._role.wait_readable(timeout, spin, self.link.poll_buffered):
+                if self._done_items:  # woken to send receives finished on another thread (_notify_done)
+                    self._flush_done()
+                return True
+            r = self.link.recv_poll()
+        except Exception as exc:
+            self._poll_over = True
+            if not self._closed:
+                log.error("devobj: lost the broker: %s", exc)
+                self._fail_all(errors.ConnectionLost(f"device-object broker unreachable: {exc}"))
+            return False
+        done, self._poll_carried = self._poll_carried, None
+        self._acked(done)
+        if r.get("closed"):
+            self._poll_over = True
+            self._fail_all(errors.ClosedError("the broker forgot this client"))
+            return False
+        self._dispatch_all(r["events"])
+        return True
+
+    def _send_poll(self) -> None:
+        """As the role's holder, with no poll out: send one, carrying the receives finished since the last."""
+        args: dict[str, Any] = {"timeout": self.config.poll_seconds}
+        done = self._take_done() if (self._done_items or self._unacked) else []
+        if done:  # the receives just finished: no message of their own
+            args["done"] = done
+        self.link.send_poll(args)
+        self._poll_carried = done
+        if threading.current_thread() is self._poller:
+            self._poll_sent()
+
+    def _lead(self, future: Any, timeout: float | None) -> float | None:
+        """Called by ``future.result()`` / ``.exception()`` while the receive waits in the broker: this thread
+        reads the event connection itself until the future is matched or done, or ``timeout`` passes (see
+        :mod:`kvstrata.devobj.lead`); returns the timeout left. Returns at once where it cannot lead."""
+        role = self._role
+        if role is None or self._closed or self._poll_over or getattr(self._helper, "on", False):
+            return timeout
+        end = None if timeout is None else time.monotonic() + timeout
+        if not role.take_for_waiter(end):
+            return timeout if end is None else max(0.0, end - time.monotonic())
+        try:
+            with self._device_guard():
+                while future._state == "PENDING" and not (self._closed or self._poll_over):
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    if not self._poll_step(self._lead_spin, left):
+                        break
+        finally:
+            # The event thread takes over, and sends the next poll with this receive's completion: off the
+            # caller's path (sending it here cost the caller 30-50 us on a 2-core host; the publisher's
+            # release then waits until the event thread gets the GIL, +80-300 us there).
+            role.give_back()
+        return None if end is None else max(0.0, end - time.monotonic())
+
+    def _is_event_thread(self) -> bool:
+        """Whether this thread reads events now: the event thread, or a waiter leading (see _lead)."""
+        me = threading.current_thread()
+        return me is self._poller or (self._role is not None and self._role.leader() is me)
 
     def _park(self, key: tuple[str, int], ev: dict[str, Any]) -> None:
         """Keep ``ev`` for the receive, transfer or object ``key`` not known here yet (under the lock); drop
@@ -171,6 +270,8 @@ class EventThread:
             self._free(o)
             if o.future is not None and o.mode != "mset":
                 _settle(o.future, exc)
+        if self._role is not None:  # a leading waiter's future is settled: it stops reading events
+            self._role.wake()
 
 
 __all__ = ["EventThread"]

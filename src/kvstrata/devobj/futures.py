@@ -124,6 +124,9 @@ class SpinFuture(Future):
         self._watchers = 0  # waiters asleep until the future runs (see set_running_or_notify_cancel)
         self._inside = 0  # threads in result() / exception()
         self._out: threading.Event | None = None  # set when one of them came out (see handoff)
+        #: ``lead(future, timeout) -> timeout left``: lets a waiter read the match itself while the receive
+        #: waits in the broker (kvstrata.devobj.lead); set by the client, None where it cannot
+        self._lead: Any = None
 
     def set_running_or_notify_cancel(self) -> bool:
         running = super().set_running_or_notify_cancel()
@@ -133,6 +136,8 @@ class SpinFuture(Future):
         return running
 
     def result(self, timeout: float | None = None) -> Any:
+        if self._lead is not None and self._state == PENDING:
+            timeout = self._lead(self, timeout)
         if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either
             return super().result(timeout)
         self._enter()
@@ -142,6 +147,8 @@ class SpinFuture(Future):
             self._leave()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._lead is not None and self._state == PENDING:
+            timeout = self._lead(self, timeout)
         if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either
             return super().exception(timeout)
         self._enter()

@@ -6,14 +6,14 @@ import cache, transfer streams, event pool, in-flight table, broker link). The c
 as one batch (:meth:`CopyReceiver._enqueue_batch`: one ``cudaMemcpyBatchAsync`` per source GPU, pushed
 by that GPU's copy engine); a future settles once its bytes are in and its owner is still alive, and
 the broker hears of it off the caller's path (carried by the event thread's next poll, or one-way).
-Small copies run on the event thread itself (the 4 KiB latency path), others on the copy pool.
+Small copies run on the thread reading events (the event thread, or a waiter leading: the 4 KiB
+latency path), others on the copy pool.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -132,7 +132,7 @@ class CopyReceiver:
             self._start_nccl_recv(t, want)
         elif t["kind"] == "bcast":
             self._start_bcast(t, want)
-        elif threading.current_thread() is self._poller and _nbytes(t) <= INLINE_COPY_BYTES:
+        elif self._is_event_thread() and _nbytes(t) <= INLINE_COPY_BYTES:
             # A small copy costs less than a hand-off to the pool: do it here (the 4 KiB latency path).
             try:
                 self._copy(t, want)
@@ -339,7 +339,7 @@ class CopyReceiver:
         threads waiting on them take the GIL before this one goes on (:func:`_handoff`). The event thread
         does the latter right after sending its next poll (:meth:`_poll_sent`), so that poll, which carries
         the completions, never waits behind a woken waiter's own work."""
-        if threading.current_thread() is self._poller:
+        if self._is_event_thread():
             if any(getattr(f, "_inside", 0) for f in futures):
                 if len(self._handoffs) > 256:  # a link that never calls _poll_sent (a test's): stay bounded
                     self._handoffs.clear()
@@ -368,15 +368,20 @@ class CopyReceiver:
             self._notify_done()
 
     def _notify_done(self) -> None:
-        if threading.current_thread() is self._poller:  # the event thread's next poll carries them
+        if self._is_event_thread():  # the event thread's next poll carries them
             return
         if getattr(self._helper, "on", False):  # a copy thread: nothing waits on it
             self._flush_done()
             return
         # The caller's own thread (a small receive copied inline): its futures are settled, and the send
-        # (pack, system call: ~50 us on the 4 KiB path) would hold up the call's return. A copy thread
-        # sends them; a request of this client made meanwhile carries them itself (see _call), so the
-        # broker still learns of each before any later request.
+        # (pack, system call: ~50 us on the 4 KiB path) would hold up the call's return. The thread reading
+        # events sends them (woken through its role's pipe: one write here, where handing the send to a copy
+        # thread cost the caller ~20-50 us), else a copy thread; a request of this client made meanwhile
+        # carries them itself (see _call), so the broker still learns of each before any later request.
+        role = self._role
+        if role is not None and not self._poll_over and role.holder is not None:
+            role.wake()
+            return
         try:
             self._run_in_pool(self._flush_done)
         except RuntimeError:  # the pool is shut down (closing): send them here

@@ -217,6 +217,8 @@ class Requester:
                     self._wants[r["wid"]] = want
                     early = self._early.pop(("wid", r["wid"]), [])
                 want.future.add_done_callback(lambda f, wid=r["wid"]: self._on_cancel(f, wid))
+                if self._role is not None and self.lead_waiters:  # its waiter may read the match itself (.lead)
+                    want.future._lead = self._lead
                 for ev in early:
                     self._dispatch(ev)
             else:
@@ -263,6 +265,8 @@ class Requester:
             gone = self._wants.pop(wid, None)
             if gone is not None:
                 self._cancelled.add(wid)  # a match already on its way is declined (see _dispatch)
+        if self._role is not None:  # a thread leading for this future stops reading events
+            self._role.wake()
         if gone is not None and not self._closed:
             try:
                 reply = self._call("cancel", {"wids": [wid]})

@@ -87,6 +87,21 @@ def handle(session: Any, msg: dict) -> dict:
     return _handle(session, msg)
 
 
+#: microseconds a worker thread polls a device-object client's request connection for its next request,
+#: after each (KVSTRATA_DEVOBJ_WORKER_SPIN_US; 0: never, the default). An experiment knob for the hand-off:
+#: the publish of a subscriber-first hand-off finds that thread asleep, and a thread woken after ~1 ms idle
+#: costs tens to ~150 us on the H200 host. Polls sleep a few microseconds between them, GIL released.
+WORKER_SPIN_US = 0.0
+_worker_spin: list[float] = []
+
+
+def _idle_wait(conn: Any) -> None:
+    """A device-object request connection's wait for its next request (see :data:`WORKER_SPIN_US`)."""
+    from kvstrata.devobj.lead import poll_readable
+
+    poll_readable(conn, _worker_spin[0])
+
+
 def _handle(session: Any, msg: dict) -> dict:
     cid, op = msg.get("cid"), msg.get("dop")
     if not isinstance(cid, str) or not cid:
@@ -94,7 +109,12 @@ def _handle(session: Any, msg: dict) -> dict:
     if not isinstance(op, str):
         raise ValueError("dop: a device-object operation name (str) is required")
     cids = session.__dict__.setdefault("devobj_clients", set())
-    cids.add(cid)
+    if cid not in cids:
+        cids.add(cid)
+        if not _worker_spin:
+            _worker_spin.append(spin_seconds("KVSTRATA_DEVOBJ_WORKER_SPIN_US", WORKER_SPIN_US, min_cpus=None))
+        if _worker_spin[0] > 0.0 and getattr(session, "idle_wait", False) is None:
+            session.idle_wait = _idle_wait
     args = msg.get("a") or {}
     if not isinstance(args, dict):
         raise TypeError("a: the operation's arguments must be a map")
@@ -204,6 +224,34 @@ class WorkerBrokerLink:
                 # The late reply would answer the next call: this connection is out of step for good.
                 conn.close()
                 raise errors.ConnectionLost(f"device objects: no reply to {op!r} within {timeout} s") from None
+        if "err" in reply:
+            from kvstrata.server import protocol as P
+
+            raise P.error_from_record(reply["err"])
+        return reply["r"]
+
+    # The event connection read by whichever thread of the client holds its poll role (leader/follower,
+    # kvstrata.devobj.lead): one poll out at a time, each answered by exactly one frame.
+    def poll_fileno(self) -> int | None:
+        """The event connection's descriptor, to wait on; None where it has none (the client then polls
+        through :meth:`call`)."""
+        from kvstrata.transport.stream import StreamConnection
+
+        conn = self._conns[1]
+        return conn.fileno() if isinstance(conn, StreamConnection) else None
+
+    def poll_buffered(self) -> bool:
+        """Whether the event connection holds bytes read from its socket already (a read cut short)."""
+        buffered = getattr(self._conns[1], "buffered", None)
+        return bool(buffered()) if buffered is not None else False
+
+    def send_poll(self, args: dict[str, Any]) -> None:
+        """Send a long poll of events (``args["timeout"]`` seconds); its answer comes through :meth:`recv_poll`."""
+        self._conns[1].send({"op": "dev", "dop": "wait_events", "cid": self.client_id, "a": args, "t": args["timeout"]})
+
+    def recv_poll(self) -> dict[str, Any]:
+        """The answer to the poll sent (call once the descriptor is readable: it blocks until it is whole)."""
+        reply, _ = self._conns[1].recv(None)
         if "err" in reply:
             from kvstrata.server import protocol as P
 

@@ -84,6 +84,10 @@ class StreamConnection(Connection):
     def fileno(self) -> int:
         return self._sock.fileno()
 
+    def buffered(self) -> bool:
+        """Whether bytes read from the socket wait in this connection's buffer (``select`` cannot see them)."""
+        return self._rpos != self._rend
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"connection to {self._address} is closed")

@@ -1,0 +1,199 @@
+"""Who reads a device-object client's event connection: its event thread, or a thread waiting for a receive.
+
+Leader/follower, for the 4 KiB hand-off's last wake-ups. A subscriber's future whose key is not published
+yet completes when the broker's ``matched`` event arrives on the client's event connection, is copied,
+and is settled. With the event thread reading that connection, the waiter pays two thread wake-ups in a
+row (the event thread's, by the socket, then its own, by the settled future) and, in between, competes
+with the event thread for the GIL. Instead, the thread that waits in ``result()`` takes the *role* of
+reading the connection (:class:`PollRole`): it receives the event, copies and settles its own future,
+and returns; no other thread of the process runs on that path. The event thread keeps the role
+whenever no thread waits that way (a caller that never calls ``result()``, callbacks, owners' events),
+and gets it back as soon as the waiter is done.
+
+The role is a small state under a condition: its holder (a thread, or None), and how many waiters want
+it. The event thread waits on the connection *and* a wake pipe (:meth:`PollRole.wait_readable`); a
+waiter that wants the role writes to the pipe, the event thread steps aside between two events (a poll
+sent stays outstanding: its answer is read by whoever holds the role next). Only one waiter leads at a
+time; others wait on their futures as before (the leader dispatches every event, theirs too). The pipe
+also wakes a leader whose future was cancelled or whose client closed.
+
+A leader may busy-poll the connection for :func:`lead_spin_seconds` before sleeping in ``select``
+(on hosts with at least :data:`~kvstrata.devobj.futures.SPIN_MIN_CPUS` CPUs; it is then the only thread
+of the process on the hand-off's path, so its polls, which sleep a few microseconds with the GIL
+released in between, compete with nobody for the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from typing import Any
+
+from kvstrata.devobj.futures import SPIN_SLACK_NS, _pause, _slack_set, spin_seconds
+
+#: default busy-polling budget of a leading waiter (microseconds), on hosts with enough CPUs: a subscriber
+#: that waits for a publish about to come (the hand-off's shape) sees it without a thread wake-up
+LEAD_SPIN_US = 1000.0
+
+
+def lead_spin_seconds() -> float:
+    """Seconds a leading waiter polls its connection before sleeping: ``KVSTRATA_DEVOBJ_LEAD_SPIN_US``, else
+    :data:`LEAD_SPIN_US` on hosts with at least 8 CPUs and 0 on smaller ones (a polling thread holds a core)."""
+    return spin_seconds("KVSTRATA_DEVOBJ_LEAD_SPIN_US", LEAD_SPIN_US)
+
+
+def lead_enabled() -> bool:
+    """Whether waiters may lead: ``KVSTRATA_DEVOBJ_LEAD=0`` turns it off (the event thread alone reads events)."""
+    return os.environ.get("KVSTRATA_DEVOBJ_LEAD", "1").strip() not in ("0", "off", "false", "no")
+
+
+def poll_readable(conn: Any, seconds: float) -> bool:
+    """Poll ``conn`` (a stream connection) up to ``seconds`` for data, sleeping a few microseconds between polls
+    with the GIL released; True when it has some. For a thread that will block reading it next."""
+    buffered = getattr(conn, "buffered", None)
+    if buffered is not None and buffered():
+        return True
+    fds = [conn.fileno()]
+    end = time.monotonic() + seconds
+    slack = _slack_set(SPIN_SLACK_NS)
+    try:
+        while True:
+            if select.select(fds, (), (), 0)[0]:
+                return True
+            if time.monotonic() >= end:
+                return False
+            _pause()
+    except (OSError, ValueError):  # closed meanwhile: the blocking read that follows says so
+        return True
+    finally:
+        if slack is not None:
+            _slack_set(slack)
+
+
+class PollRole:
+    """The right to read a client's event connection (module docstring). Thread-safe."""
+
+    def __init__(self, fileno: int) -> None:
+        self._fd = fileno
+        self._cond = threading.Condition(threading.Lock())
+        self.holder: threading.Thread | None = None
+        self._leader: threading.Thread | None = None  # the holder when it is a waiter
+        self._wanted = 0  # waiters waiting to take the role
+        self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._closed = False
+
+    # -- taking and giving back -------------------------------------------------------------------
+    def take_for_events(self, should_stop) -> bool:
+        """The event thread: wait until no waiter leads or wants the role, then hold it; False when
+        ``should_stop()`` became true meanwhile (checked whenever the role changes hands)."""
+        me = threading.current_thread()
+        with self._cond:
+            while self._wanted or (self.holder is not None and self.holder is not me):
+                if should_stop() or self._closed:
+                    return False
+                self._cond.wait(0.5)  # bounded: should_stop may turn true with no notify
+            self.holder = me
+            return True
+
+    def take_for_waiter(self, deadline: float | None) -> bool:
+        """A waiter: hold the role, once the event thread stepped aside; False when another waiter leads or
+        wants it, this thread holds it already (a ``result()`` called from an event's callback: never nest),
+        the role is closed, or ``deadline`` (monotonic) passes first."""
+        me = threading.current_thread()
+        with self._cond:
+            if self._closed or self.holder is me or self._wanted or self._leader is not None:
+                return False
+            self._wanted += 1
+            try:
+                if self.holder is not None:
+                    self._signal()
+                while self.holder is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if (left is not None and left <= 0) or self._closed:
+                        return False
+                    self._cond.wait(left)
+                self.holder = self._leader = me
+                return True
+            finally:
+                self._wanted -= 1
+
+    def give_back(self) -> None:
+        """The holder is done for now; the event thread or a waiting waiter takes over."""
+        with self._cond:
+            self.holder = self._leader = None
+            self._cond.notify_all()
+
+    def leader(self) -> threading.Thread | None:
+        """The waiter holding the role now (None: the event thread or nobody)."""
+        return self._leader
+
+    # -- waking and waiting -----------------------------------------------------------------------
+    def wake(self) -> None:
+        """Wake the holder from :meth:`wait_readable` (it then rechecks why it waits)."""
+        if self.holder is not None and self.holder is not threading.current_thread():
+            self._signal()
+
+    def _signal(self) -> None:
+        try:
+            os.write(self._wfd, b"x")
+        except (BlockingIOError, OSError):  # full (a wake is pending anyway) or closed
+            pass
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._rfd, 64):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def wait_readable(self, timeout: float | None, spin: float = 0.0, buffered: Any = None) -> bool:
+        """Until the connection has data (True) or the pipe was written / ``timeout`` passed (False).
+        ``spin``: seconds of polling first (short sleeps with the GIL released between polls); ``buffered()``:
+        whether the connection holds bytes read already (``select`` cannot see those)."""
+        if buffered is not None and buffered():
+            return True
+        fds = [self._fd, self._rfd]
+        if spin > 0.0:
+            end = time.monotonic() + (spin if timeout is None else min(spin, timeout))
+            slack = _slack_set(SPIN_SLACK_NS)
+            try:
+                while True:
+                    ready = select.select(fds, (), (), 0)[0]
+                    if ready:
+                        break
+                    if time.monotonic() >= end:
+                        break
+                    _pause()
+            finally:
+                if slack is not None:
+                    _slack_set(slack)
+            if not ready and timeout is not None:
+                timeout = max(0.0, timeout - spin)
+        else:
+            ready = []
+        if not ready:
+            ready = select.select(fds, (), (), timeout)[0]
+        if self._rfd in ready:
+            self._drain()
+            return self._fd in ready
+        return bool(ready)
+
+    def close(self) -> None:
+        """Wake everyone for good (the client closes); the pipe is closed once nobody can use it (finalizer)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._signal()
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_rfd", -1), getattr(self, "_wfd", -1)):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+__all__ = ["LEAD_SPIN_US", "PollRole", "lead_enabled", "lead_spin_seconds", "poll_readable"]
