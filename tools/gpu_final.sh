@@ -29,6 +29,11 @@
 #           with and without lingering hints, tools/probe_store_ab.py, tools/trace_store_device.py
 #   PART=s7b: client-device, reservation, linger and landing GPU tests, tools/probe_store_ab.py (with the commit
 #           ahead of the last copies and without), tools/probe_call_phases.py, tools/trace_store_device.py
+#   PART=s7f: session 7's closing call: every GPU test, tools/probe_store_ab.py, bench store's device rows twice,
+#           tools/trace_store_device.py, bench device --quick (2 GiB broadcast) with a waiting subscriber leading
+#           its receive and without (KVSTRATA_DEVOBJ_LEAD=1/0)
+#   PART=s7g: bench device --quick --broadcast-gib 8 (final code), the same with KVSTRATA_DEVOBJ_WORKER_SPIN_US=2000,
+#           tools/devobj_latency_cpu.py --ab, tools/probe_worker_phases.py, bench gather --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -141,6 +146,29 @@ elif [ "${PART}" = s7b ]; then
   echo "=== tools/probe_store_ab.py --iters 150" >> "$LOG"; timeout 200 python3 tools/probe_store_ab.py --iters 150 >> "$LOG" 2>&1
   echo "=== tools/probe_call_phases.py" >> "$LOG"; timeout 60 python3 tools/probe_call_phases.py --iters 100 >> "$LOG" 2>&1
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s7f ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 270 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests.log" 2>&1
+  tail -15 "$OUT/gpu_tests.log"
+  echo "=== tools/probe_store_ab.py --iters 120" >> "$LOG"; timeout 120 python3 tools/probe_store_ab.py --iters 120 >> "$LOG" 2>&1
+  store_twice
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  for lead in 0 1; do
+    echo "=== KVSTRATA_DEVOBJ_LEAD=$lead" >> "$LOG"
+    KVSTRATA_DEVOBJ_LEAD=$lead bench 90 device --quick --broadcast-gib 2 --wait 30
+    cp "$OUT/device_quick.json" "$OUT/device_quick_lead$lead.json"
+  done
+elif [ "${PART}" = s7g ]; then
+  bench 120 device --quick --broadcast-gib 8 --wait 30
+  cp "$OUT/device_quick.json" "$OUT/device_quick_final.json"
+  echo "=== KVSTRATA_DEVOBJ_WORKER_SPIN_US=2000" >> "$LOG"
+  KVSTRATA_DEVOBJ_WORKER_SPIN_US=2000 bench 90 device --quick --broadcast-gib 2 --wait 30
+  for i in 1 2; do
+    echo "=== tools/devobj_latency_cpu.py --iters 600 --ab" >> "$LOG"
+    timeout 60 python3 tools/devobj_latency_cpu.py --iters 600 --ab >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_worker_phases.py" >> "$LOG"; timeout 90 python3 tools/probe_worker_phases.py --iters 200 >> "$LOG" 2>&1
+  bench 60 gather --quick
 elif [ "${PART}" = s6a ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
     tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"
