@@ -32,7 +32,8 @@
 #   PART=s7f: session 7's closing call: every GPU test, tools/probe_store_ab.py, bench store's device rows twice,
 #           tools/trace_store_device.py, bench device --quick (2 GiB broadcast) with a waiting subscriber leading
 #           its receive and without (KVSTRATA_DEVOBJ_LEAD=1/0)
-#   PART=s7g: bench device --quick --broadcast-gib 8 (final code), the same with KVSTRATA_DEVOBJ_WORKER_SPIN_US=2000,
+#   PART=s7g: bench device --quick --broadcast-gib 8 (final code), the same with KVSTRATA_DEVOBJ_WORKER_SPIN_US=2000
+#           (a knob of the session's, measured no faster and removed after this call),
 #           tools/devobj_latency_cpu.py --ab, tools/probe_worker_phases.py, bench gather --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)

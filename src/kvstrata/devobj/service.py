@@ -87,21 +87,6 @@ def handle(session: Any, msg: dict) -> dict:
     return _handle(session, msg)
 
 
-#: microseconds a worker thread polls a device-object client's request connection for its next request,
-#: after each (KVSTRATA_DEVOBJ_WORKER_SPIN_US; 0: never, the default). An experiment knob for the hand-off:
-#: the publish of a subscriber-first hand-off finds that thread asleep, and a thread woken after ~1 ms idle
-#: costs tens to ~150 us on the H200 host. Polls sleep a few microseconds between them, GIL released.
-WORKER_SPIN_US = 0.0
-_worker_spin: list[float] = []
-
-
-def _idle_wait(conn: Any) -> None:
-    """A device-object request connection's wait for its next request (see :data:`WORKER_SPIN_US`)."""
-    from kvstrata.devobj.lead import poll_readable
-
-    poll_readable(conn, _worker_spin[0])
-
-
 def _handle(session: Any, msg: dict) -> dict:
     cid, op = msg.get("cid"), msg.get("dop")
     if not isinstance(cid, str) or not cid:
@@ -111,10 +96,6 @@ def _handle(session: Any, msg: dict) -> dict:
     cids = session.__dict__.setdefault("devobj_clients", set())
     if cid not in cids:
         cids.add(cid)
-        if not _worker_spin:
-            _worker_spin.append(spin_seconds("KVSTRATA_DEVOBJ_WORKER_SPIN_US", WORKER_SPIN_US, min_cpus=None))
-        if _worker_spin[0] > 0.0 and getattr(session, "idle_wait", False) is None:
-            session.idle_wait = _idle_wait
     args = msg.get("a") or {}
     if not isinstance(args, dict):
         raise TypeError("a: the operation's arguments must be a map")

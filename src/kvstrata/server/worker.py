@@ -261,9 +261,6 @@ class Session:
         # perf_counter time until which this connection polls for its next request whatever worker.spin says
         # (a request's "linger": the client said another request follows by then, e.g. a device write's commit)
         self.linger_until = 0.0
-        #: a module's wait for this connection's next request, before the plain blocking read (set by
-        #: kvstrata.devobj.service on device-object request connections; None: none)
-        self.idle_wait: Any = None
 
     def open_lane(self) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -315,8 +312,6 @@ class Session:
         if lane is None or spin <= 0.0:
             if lane is not None:
                 lane.set_polling(False)
-            if self.idle_wait is not None:
-                self.idle_wait(self.conn)
             return self._recv(self.conn.recv(spin=spin)), False
         # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
         lane.set_polling(True)
