@@ -49,29 +49,6 @@ def lead_enabled() -> bool:
     return os.environ.get("KVSTRATA_DEVOBJ_LEAD", "1").strip() not in ("0", "off", "false", "no")
 
 
-def poll_readable(conn: Any, seconds: float) -> bool:
-    """Poll ``conn`` (a stream connection) up to ``seconds`` for data, sleeping a few microseconds between polls
-    with the GIL released; True when it has some. For a thread that will block reading it next."""
-    buffered = getattr(conn, "buffered", None)
-    if buffered is not None and buffered():
-        return True
-    fds = [conn.fileno()]
-    end = time.monotonic() + seconds
-    slack = _slack_set(SPIN_SLACK_NS)
-    try:
-        while True:
-            if select.select(fds, (), (), 0)[0]:
-                return True
-            if time.monotonic() >= end:
-                return False
-            _pause()
-    except (OSError, ValueError):  # closed meanwhile: the blocking read that follows says so
-        return True
-    finally:
-        if slack is not None:
-            _slack_set(slack)
-
-
 class PollRole:
     """The right to read a client's event connection (module docstring). Thread-safe."""
 
@@ -196,4 +173,4 @@ class PollRole:
                     pass
 
 
-__all__ = ["LEAD_SPIN_US", "PollRole", "lead_enabled", "lead_spin_seconds", "poll_readable"]
+__all__ = ["LEAD_SPIN_US", "PollRole", "lead_enabled", "lead_spin_seconds"]
