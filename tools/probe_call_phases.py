@@ -64,7 +64,8 @@ def main() -> None:
                 wrap(kv, "_plan")
                 wrap(kv._reservation, "take", "reservation.take")
                 wrap(kv._reservation, "give", "reservation.give")
-                for name in ("commit_start", "commit_finish", "land", "linger", "acquire_start", "acquire_finish"):
+                calls = ("commit_start", "commit_finish", "land", "linger", "acquire_start", "acquire_finish")
+                for name in (*calls, "settle", "release"):
                     wrap(backend, name)
                 wrap(kv, "_release_leases")
                 src = [[torch.randn(SIZE // 4, device="cuda")] for _ in range(N)]
@@ -74,11 +75,15 @@ def main() -> None:
                 cases = {
                     "mset_d2h": lambda it: kv.mset_d2h([f"ph/s/{it}/{i}" for i in range(N)], src),
                     "mget_h2d kept leases": lambda it: kv.mget_h2d(keys, dst),
+                    "mget_h2d after a rewrite": lambda it: kv.mget_h2d(keys, dst),
                 }
                 for label, fn in cases.items():
                     firsts, lasts, counts, totals = (collections.defaultdict(list) for _ in range(4))
                     walls, tails = [], []
                     for it in range(iters + 5):
+                        if label.endswith("rewrite"):  # the keys changed: their kept leases are stale
+                            kv.delete(keys)
+                            kv.mset_d2h(keys, src)
                         torch.cuda.synchronize()
                         stamps.clear()
                         t0 = _clock()
