@@ -252,6 +252,7 @@ class DeviceCallsMixin:
         asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
         ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
         done = 0  # keys [0, done) are counted in ``held`` or ``results``
+        rest: list[tuple[int, int]] = []  # the leases to ask for once the first stage's copies are queued
         covered = 0  # keys [0, covered) have their leases asked for
 
         def ask(lo: int, hi: int) -> None:
@@ -276,9 +277,10 @@ class DeviceCallsMixin:
                     if covered < st.hi:
                         ask(covered, st.hi)
                         if st.lo == 0 and not timeout and not answered(st.hi):
-                            # The worker is asked (keys not read before, or changed): ask for every other
-                            # lease now, in requests it answers in turn, each about three times the keys
-                            # before it (up to 4x the first stage's, 3x that, the rest), so each answer
+                            # The worker is asked (keys not read before, or changed): once the first stage's
+                            # copies are queued (below: its answer first, no other send before it), ask for
+                            # every other lease, in requests it answers in turn, each about three times the
+                            # keys before it (up to 4x the first stage's, 3x that, the rest), so each answer
                             # comes while the bytes of the keys before it move (the worker leases a key
                             # several times faster than its 1 MiB crosses PCIe, but answers a request only
                             # when done). Where the local-read cache served the first stage, each stage
@@ -286,13 +288,11 @@ class DeviceCallsMixin:
                             # so does a call that waits for missing keys, whose every request must carry
                             # what is left of its one timeout when the worker starts on it.
                             b = max(8, 4 * st.hi)
-                            ask(st.hi, min(n, b))
-                            ask(min(n, b), min(n, 3 * b))
-                            ask(min(n, 3 * b), n)
+                            rest = [(st.hi, min(n, b)), (min(n, b), min(n, 3 * b)), (min(n, 3 * b), n)]
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking the next stage while the worker
                 # answers (a stage served by the local-read cache alone goes at once).
-                while ready and (st is None or len(ready) > 1 or answered(ready[0].hi)):
+                while ready and (st is None or len(ready) > 1 or answered(ready[0].hi) or rest):
                     prev = ready.popleft()
                     collect(prev.hi)
                     filled, locs = [], []
@@ -317,6 +317,9 @@ class DeviceCallsMixin:
                     runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
                     _device.enqueue(runs, prev.device, s, first=first)
                     first = False
+                    for lo, hi in rest:  # the first stage's copies are queued: now ask for the others
+                        ask(lo, hi)
+                    rest = []
             event = _device.mark(s)
             backend.settle()  # the local-read entries of this call's leases are made while its copies run
             if event is not None:

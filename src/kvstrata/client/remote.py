@@ -279,11 +279,10 @@ class RemoteBackend(WorkerConnection):
         return out
 
     def settle(self) -> None:
-        """Make the local-read entries that acquires left for later (see :meth:`acquire_finish`); a device call
-        does it while its copies run. Leases it lets go of go back with the next message."""
-        with self._lock:
-            if self._local is not None and not self._closed:
-                self._local.settle()
+        """Make the local-read entries that acquires left for later (see :meth:`acquire_finish`) and give back at
+        once the leases that lets go of (the entries' older versions after a rewrite): a device call does it
+        while its copies run, so neither is left for its end."""
+        self.release([])
 
     def _acquire_columns(self, reply: dict, n: int) -> tuple[list[int], list[int], list[int], list]:
         """The ``ids``, flat ``locs``, ``flags`` and ``errs`` of an ``acquire`` reply for ``n`` keys, checked for
