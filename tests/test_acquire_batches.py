@@ -8,18 +8,16 @@ import time
 import pytest
 
 import kvstrata
+from kv_helpers import worker_config
 from kvstrata.client import local_reads
 from kvstrata.client._shared import Loc
 from kvstrata.errors import ConnectionLost, KeyNotFound, ProtocolError
-from kvstrata.server import Worker, WorkerConfig
+from kvstrata.server import Worker
 
 
 @pytest.fixture
 def worker(tmp_path):
-    config = WorkerConfig.load(
-        {"socket": str(tmp_path / "w.sock"), "memory": "32MiB", "disk_dir": "", "numa_node": "none"}, environ={}
-    )
-    with Worker(config).start() as w:
+    with Worker(worker_config(tmp_path, memory=32 << 20, segment=32 << 20)).start() as w:
         yield w
 
 
