@@ -35,6 +35,8 @@
 #   PART=s7g: bench device --quick --broadcast-gib 8 (final code), the same with KVSTRATA_DEVOBJ_WORKER_SPIN_US=2000
 #           (a knob of the session's, measured no faster and removed after this call),
 #           tools/devobj_latency_cpu.py --ab, tools/probe_worker_phases.py, bench gather --quick
+#   PART=s7z: session 7's last call, final code: every GPU test, tools/probe_store_ab.py, bench store's device rows
+#           twice, tools/trace_store_device.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -170,6 +172,13 @@ elif [ "${PART}" = s7g ]; then
   done
   echo "=== tools/probe_worker_phases.py" >> "$LOG"; timeout 90 python3 tools/probe_worker_phases.py --iters 200 >> "$LOG" 2>&1
   bench 60 gather --quick
+elif [ "${PART}" = s7z ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  echo "=== tools/probe_store_ab.py --iters 100" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 100 >> "$LOG" 2>&1
+  store_twice
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s6a ]; then
   timeout 90 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider tests/test_client_device.py \
     tests/test_client_api.py 2>&1 | tail -3 | tee -a "$LOG"

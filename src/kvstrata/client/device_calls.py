@@ -50,12 +50,13 @@ class DeviceCallsMixin:
         None per stored key. The copies run as copy-engine batches on a copy stream that waits for
         ``stream`` (default: current). Pipelined in stages (:func:`kvstrata.client.device.stages`).
         Stages that fit this client's write reservation (:mod:`kvstrata.client.reservation`) are laid
-        out in it here, with no request, and their copies queued at once; each is committed (made a
-        sealed object per key) once its bytes landed. Other stages are created by the worker (the next
-        stage's create in flight while this process queues the current stage's copies) and sealed once
-        their bytes landed. Commits and seals are sent without waiting, so only the last stage's follows
-        the last copy. An error (a bad tensor in a later stage, a failed copy) waits for the queued copies
-        and aborts every object not sealed yet; reserved bytes not committed go to the next call.
+        out in it here, with no request, and their copies queued at once; the stages whose bytes landed
+        first are committed (made a sealed object per key) then, and every later stage at once, ahead of its
+        copies: the worker shows its objects when this process says, in shared memory, that its bytes landed
+        (:mod:`kvstrata.server.lane`), so no request follows the last copy. Other stages are created by the
+        worker (the next stage's create in flight while this process queues the current stage's copies) and
+        sealed once their bytes landed. An error (a bad tensor in a later stage, a failed copy) waits for the
+        queued copies and aborts every object not shown yet; reserved bytes not committed go to the next call.
         """
         keys = P.check_keys(keys)
         if not keys:
