@@ -13,7 +13,7 @@ import pytest
 
 import kvstrata
 from kvstrata.server import lane as L
-from kvstrata.server.worker import LINGER_MAX_US
+from kvstrata.server.session import LINGER_MAX_US
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_worker_e2e import start_worker, stop

@@ -19,7 +19,7 @@ from kvstrata.server.validity import SLOTS
 from kvstrata.store.tiers.base import Location
 
 if TYPE_CHECKING:
-    from kvstrata.server.worker import Session
+    from kvstrata.server.session import Session
 
 _PAIR_TYPES = frozenset({list, tuple})
 _LOCATION_TYPES = frozenset({Location})
