@@ -79,6 +79,23 @@ def test_failed_copies_free_the_objects_they_never_showed(worker):
         kv.delete(["land/c1"])
 
 
+def test_no_new_landing_word_is_written_before_the_worker_read_the_last(worker):
+    # A word written for a later commit answers for every earlier one: a client that wrote "cancelled" and then,
+    # before the worker read it, "landed" for its next call's commit would show the cancelled objects. So a
+    # client commits ahead of its copies only once the worker has read the words of every such commit before.
+    with kvstrata.connect(worker) as kv:
+        b, loc = _reserve(kv)
+        assert b.can_land
+        token = b.commit_start([("land/h", 1, loc.offset)], OPTS, landing=True)
+        assert b.commit_finish(token)[0] == [None]  # answered: waiting for its word
+        assert not b.can_land  # a call now would commit after its copies
+        b.land(token, ok=False)
+        deadline = time.monotonic() + 10
+        while not b.can_land:  # the worker's thread for this client reads the word promptly
+            assert time.monotonic() < deadline, "the worker never read the landing word"
+        assert b._lane.settled() == token[0] and kv.exists(["land/h"]) == [False]
+
+
 def test_a_landing_commit_needs_a_tag(worker):
     with kvstrata.connect(worker) as kv:
         with pytest.raises(ValueError, match="landing"):
@@ -248,3 +265,13 @@ def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_wo
         with pytest.raises(KvstrataError):
             kv.get("land/f/none")
         kv.delete([*keys, "land/warm2"])
+
+
+def test_a_store_closed_with_a_commit_waiting_drops_it_quietly():
+    from kvstrata.store import ObjectStore, StoreConfig
+
+    store = ObjectStore(StoreConfig(memory_bytes=4 << 20, segment_bytes=1 << 20, numa_node=None, hugepages="off"))
+    loc = store.reserve("w", 4096)
+    assert store.commit("w", [("s/closed", 3, loc.offset)], landed=lambda: None) == [None]
+    store.close()
+    assert store.settle("w") is False and store._lock is store._plain_lock

@@ -94,6 +94,7 @@ class WorkerConnection:
         # kept here by tag until their sender collects them (replies come in request order).
         self._stash: dict[int, dict] = {}
         self._tag = 0
+        self._landing_last = 0  # the tag of the last commit sent ahead of its copies (RemoteBackend.can_land)
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
 
     # plumbing ----------------------------------------------------------------------------------------

@@ -111,12 +111,18 @@ class RemoteBackend(WorkerConnection):
             msg["linger"] = linger_us
         if landing:
             msg["landing"] = True
-        return self.send_tagged(msg), len(items)
+        tag = self.send_tagged(msg)
+        if landing and tag > self._landing_last:
+            self._landing_last = tag
+        return tag, len(items)
 
     @property
     def can_land(self) -> bool:
-        """Whether a commit may go before its copies landed (its objects then wait for :meth:`land`)."""
-        return self._lane is not None
+        """Whether a commit may go before its copies landed (its objects then wait for :meth:`land`): there is a
+        lane, and the worker has read the landing words of every such commit sent before (see
+        :meth:`kvstrata.server.lane.Lane.settled`; it nearly always has, long before the next call)."""
+        lane = self._lane
+        return lane is not None and lane.settled() >= self._landing_last
 
     def land(self, token: Any, ok: bool = True) -> None:
         """Say that the copies of the ``landing`` commit ``token`` (and of every earlier one) landed, or that

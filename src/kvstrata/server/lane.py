@@ -17,7 +17,9 @@ seen in that order by the other process on x86-64 (TSO); elsewhere the lane is n
 
 The page also carries a device write's *landing* words: a client that sent a ``commit`` with ``"landing"``
 before its copies finished stores that request's tag in ``landed`` once its bytes are in host memory (or in
-``cancelled`` if the copies failed; a tag there covers every earlier commit too, as tags grow). The worker
+``cancelled`` if the copies failed; a tag there covers every earlier commit too, as tags grow; the worker says
+in ``settled`` up to which tag it has read them, and a client writes no word for a new call before that covers
+all its earlier ones, so a word is never overwritten before it was read). The worker
 answers such a commit at once, and its objects become visible at the moment the word is written: the store
 reads the word before any operation (``kvstrata.store.reservations``), so the client's call can return as soon
 as it wrote it, with no round trip after its last byte.
@@ -39,7 +41,7 @@ HEADER_BYTES = 64
 REQUEST_BYTES = (64 << 10) + (8 << 10)  # an inline value (protocol.INLINE_MAX) plus its key and fields
 REPLY_BYTES = 8 << 10
 LANE_BYTES = HEADER_BYTES + REQUEST_BYTES + REPLY_BYTES
-_REQ_SEQ, _REQ_LEN, _REP_SEQ, _REP_LEN, _POLLING, _LANDED, _CANCELLED = 0, 8, 16, 24, 32, 40, 48
+_REQ_SEQ, _REQ_LEN, _REP_SEQ, _REP_LEN, _POLLING, _LANDED, _CANCELLED, _SETTLED = 0, 8, 16, 24, 32, 40, 48, 56
 
 
 def supported() -> bool:
@@ -63,6 +65,7 @@ class Lane:
         self._rep_seq, self._rep_len = u64(base + _REP_SEQ), u64(base + _REP_LEN)
         self._polling = u64(base + _POLLING)
         self._landed, self._cancelled = u64(base + _LANDED), u64(base + _CANCELLED)
+        self._settled = u64(base + _SETTLED)
         buf = segment.buffer  # type: ignore[attr-defined]
         self._req = buf[HEADER_BYTES : HEADER_BYTES + REQUEST_BYTES]
         self._rep = buf[HEADER_BYTES + REQUEST_BYTES : LANE_BYTES]
@@ -92,6 +95,13 @@ class Lane:
             raise ProtocolError(f"lane reply of {n} bytes, over its {REPLY_BYTES}-byte area")
         return bytes(self._rep[:n])
 
+    def settled(self) -> int:
+        """The highest commit tag the worker has read its landing word for (0: none yet). A client writes the
+        words of a new call's commits only once every earlier one is read: a word written later (a higher
+        tag) would otherwise answer for an earlier commit still waiting, and a cancelled one could pass for
+        landed."""
+        return self._settled.value
+
     def land(self, tag: int, ok: bool = True) -> None:
         """Say that the copies of the commit request ``tag`` (sent with ``"landing"``) and of every earlier one
         landed, or that those not landed yet failed. Tags grow: each word only moves forward."""
@@ -105,6 +115,11 @@ class Lane:
         if self._cancelled.value >= tag:
             return False
         return None
+
+    def mark_settled(self, tag: int) -> None:
+        """Say that the landing word of commit ``tag`` (and every earlier one) was read (see :meth:`settled`)."""
+        if tag > self._settled.value:
+            self._settled.value = tag
 
     def set_polling(self, on: bool) -> None:
         self._polling.value = 1 if on else 0
@@ -135,7 +150,7 @@ class Lane:
 
     def close(self) -> None:
         self._req_seq = self._req_len = self._rep_seq = self._rep_len = self._polling = None  # type: ignore[assignment]
-        self._landed = self._cancelled = None  # type: ignore[assignment]
+        self._landed = self._cancelled = self._settled = None  # type: ignore[assignment]
         self._req.release()
         self._rep.release()
         self.segment.close()  # type: ignore[attr-defined]

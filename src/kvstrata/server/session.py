@@ -8,7 +8,6 @@ everything back when the client goes (:meth:`Session.cleanup`).
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import logging
 import os
@@ -154,7 +153,15 @@ class Session:
         lane = self.lane
         if lane is None or type(tag) is not int or tag <= 0:
             raise ValueError("landing: a commit ahead of its copies needs the connection's lane and a tag")
-        return functools.partial(lane.landing, tag)
+        landing, settled = lane.landing, lane.mark_settled
+
+        def landed() -> bool | None:
+            got = landing(tag)
+            if got is not None:  # read: the client may write the words of its next call's commits
+                settled(tag)
+            return got
+
+        return landed
 
     def _watch_landings(self) -> None:
         """While commits of this client wait for its word that their copies landed, poll the word (and settle

@@ -258,6 +258,10 @@ class ReservationMixin:
             return any(owner is None or who is owner for _, who, _ in self._landings)
 
     def _settle_locked(self, owner: object = None, *, final: bool = False) -> None:
+        if self._closed:  # the tiers are gone with every object: nothing to show or free
+            self._landings = []
+            self._lock = self._plain_lock
+            return
         keep = []
         for batch in self._landings:
             landed, who, entries = batch
