@@ -275,3 +275,55 @@ def test_a_store_closed_with_a_commit_waiting_drops_it_quietly():
     assert store.commit("w", [("s/closed", 3, loc.offset)], landed=lambda: None) == [None]
     store.close()
     assert store.settle("w") is False and store._lock is store._plain_lock
+
+
+_READER = """
+import sys, time, kvstrata
+kv = kvstrata.connect(sys.argv[1])
+n, size, end = int(sys.argv[2]), int(sys.argv[3]), time.monotonic() + float(sys.argv[4])
+print("ready", flush=True)
+seen = bad = 0
+for i in range(n):  # each key in turn, asked for again and again until it is there
+    while time.monotonic() < end:
+        try:
+            v = kv.get(f"land/race/{i}")
+        except kvstrata.KeyNotFound:
+            continue
+        seen += 1
+        bad += v != bytes([i % 251 + 1]) * size
+        break
+print(seen, bad, flush=True)
+"""
+
+
+def test_a_reader_in_another_process_never_sees_bytes_before_the_word(worker, tmp_path):
+    # The writer commits each object ahead of its "copy" (it fills the bytes only after the worker answered),
+    # then says it landed; a reader asking for each key from its own process, again and again, must find it
+    # whole. (Checked to fail when the objects show at the commit instead of at the word.)
+    n, size = 60, 8192
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath("src"), os.environ.get("PYTHONPATH", "")]))
+    with kvstrata.connect(worker) as kv:
+        kv.delete([f"land/race/{i}" for i in range(n)])
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _READER, worker, str(n), str(size), "60"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert reader.stdout.readline().strip() == "ready"
+            b, loc = _reserve(kv, n * size)
+            for i in range(n):
+                at = loc.offset + i * size
+                token = b.commit_start([(f"land/race/{i}", size, at)], OPTS, landing=True)
+                assert b.commit_finish(token)[0] == [None]
+                view = b.view(type(loc)(loc.segment, at, size))
+                view[: size // 2] = bytes([i % 251 + 1]) * (size // 2)  # half the "copy"...
+                time.sleep(0.002)  # ...while the reader asks...
+                view[size // 2 :] = bytes([i % 251 + 1]) * (size // 2)  # ...then the rest
+                b.land(token)
+            out, _ = reader.communicate(timeout=90)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+        seen, bad = map(int, out.split())
+        assert (seen, bad) == (n, 0)
+        kv.delete([f"land/race/{i}" for i in range(n)])
