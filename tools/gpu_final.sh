@@ -37,6 +37,8 @@
 #           tools/devobj_latency_cpu.py --ab, tools/probe_worker_phases.py, bench gather --quick
 #   PART=s7z: session 7's last call, final code: every GPU test, tools/probe_store_ab.py, bench store's device rows
 #           twice, tools/trace_store_device.py
+#   PART=s8a: session 8's first look: tools/probe_gather_floor.py, bench device --quick traced (the 4 KiB hand-off's
+#           steps), tools/devobj_latency_cpu.py --trace, tools/trace_store_device.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -172,6 +174,12 @@ elif [ "${PART}" = s7g ]; then
   done
   echo "=== tools/probe_worker_phases.py" >> "$LOG"; timeout 90 python3 tools/probe_worker_phases.py --iters 200 >> "$LOG" 2>&1
   bench 60 gather --quick
+elif [ "${PART}" = s8a ]; then
+  echo "=== tools/probe_gather_floor.py" >> "$LOG"; timeout 90 python3 tools/probe_gather_floor.py >> "$LOG" 2>&1
+  KVSTRATA_DEVOBJ_TRACE=1 bench 100 device --quick --broadcast-gib 2 --wait 30
+  echo "=== tools/devobj_latency_cpu.py --iters 400 --trace" >> "$LOG"
+  timeout 60 python3 tools/devobj_latency_cpu.py --iters 400 --trace >> "$LOG" 2>&1
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s7z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
