@@ -22,7 +22,10 @@ def test_bench_gather_quick_on_gpu(tmp_path):
     assert main(["bench", "gather", "--quick", "--rows", "1024", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "gather_quick.json").read_text())
     methods = {r["method"] for r in record["rows"]}
-    assert {"kvstrata", "to_cuda", "dma_ceiling", "index_select_uva", "cpu_gather_pinned"} <= methods
+    assert {"kvstrata", "to_cuda", "dma_ceiling", "dma_same_bytes", "index_select_uva", "cpu_gather_pinned"} <= methods
+    assert all(r["correct"] for r in record["rows"] if "correct" in r)
+    (speedup,) = [t for t in record["targets"] if t["name"] == "speedup_vs_to_cuda_at_1024_rows_1KiB"]
+    assert speedup["dma_same_bytes_x_to_cuda"] > 0 and 0 < speedup["of_dma_same_bytes"] <= 1.5
 
 
 def _tune_tool():

@@ -3,10 +3,10 @@
 Issue 4 asks ``gather`` of 1,024 rows of 1 KiB (1 MiB) for 10x ``table[ids].to("cuda")``. This probe puts the
 gather beside the hardware's floor for the same bytes, each timed two ways:
 
-* ``cold``: ``bench._common.device_time`` as the benchmarks use it (``calls`` back-to-back calls between two
-  events; the first call's host work runs while the GPU waits, so it counts);
+* ``cold``: ``calls`` back-to-back calls between two events (the first call's host work runs while the GPU
+  waits, so it counts; how ``bench._common.device_time`` timed streamed rates up to session 7);
 * ``primed``: one call queued before the start event, so every timed call's host work overlaps the call before
-  it (the rate of an engine that issues gathers back to back).
+  it (the rate of an engine that issues gathers back to back; ``device_time``'s streamed rates since session 8).
 
 Rows: kvstrata ``gather`` (random ids on the device), the same with sorted contiguous ids, torch's
 ``index_select`` on a device view of the table, one pinned DMA of the same number of contiguous bytes, and
@@ -26,24 +26,6 @@ import torch
 from kvstrata.bench._common import device_time
 from kvstrata.memory import alloc_pinned, device_view
 from kvstrata.ops import gather
-
-
-def primed_time(fn, *, iters: int, calls: int) -> float:
-    """Median seconds per call of ``calls`` back-to-back calls timed after one call already queued."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
 
 
 def host_time(fn, iters: int) -> float:
@@ -88,8 +70,8 @@ def main() -> None:
             "one DMA of the same bytes": lambda: sink.copy_(flat, non_blocking=True),
         }
         for name, fn in methods.items():
-            cold = device_time(fn, iters=args.iters, calls=args.calls)
-            primed = primed_time(fn, iters=args.iters, calls=args.calls)
+            cold = device_time(fn, iters=args.iters, calls=args.calls, prime=False)
+            primed = device_time(fn, iters=args.iters, calls=args.calls, prime=True)
             gbs = n * row_bytes / primed / 1e9
             print(f"{n:>6} {name:<28} {cold * 1e6:>8.1f} {primed * 1e6:>8.1f} {gbs:>12.2f} {base / primed:>19.1f}")
         gather(table, out, ids, check=False)

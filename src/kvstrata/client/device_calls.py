@@ -278,9 +278,9 @@ class DeviceCallsMixin:
                     if covered < st.hi:
                         ask(covered, st.hi)
                         if st.lo == 0 and not timeout and not answered(st.hi):
-                            # The worker is asked (keys not read before, or changed): once the first stage's
-                            # copies are queued (below: its answer first, no other send before it), ask for
-                            # every other lease, in requests it answers in turn, each about three times the
+                            # The worker is asked (keys not read before, or changed): ask for every other
+                            # lease (the next group now, the others once the first stage's copies are queued),
+                            # in requests it answers in turn, each about three times the
                             # keys before it (up to 4x the first stage's, 3x that, the rest), so each answer
                             # comes while the bytes of the keys before it move (the worker leases a key
                             # several times faster than its 1 MiB crosses PCIe, but answers a request only
@@ -290,6 +290,13 @@ class DeviceCallsMixin:
                             # what is left of its one timeout when the worker starts on it.
                             b = max(8, 4 * st.hi)
                             rest = [(st.hi, min(n, b)), (min(n, b), min(n, 3 * b)), (min(n, 3 * b), n)]
+                            # While the worker answers the first request, this thread only waits: the second
+                            # goes now (the worker reads it right after its first reply, with no wake-up, so
+                            # its answer is in before the first stage's bytes landed), and the copy stream is
+                            # set to follow the caller's (~25 us of host work off the path to the first byte).
+                            ask(*rest.pop(0))
+                            if s is None and st.device is not None:
+                                s = _device.start(st.device, stream)
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking the next stage while the worker
                 # answers (a stage served by the local-read cache alone goes at once).
