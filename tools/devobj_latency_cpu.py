@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import re
 import resource
 import statistics
 import sys
@@ -156,17 +155,6 @@ def _run(fn, address, iters, ctl, res, ab=False) -> None:
         raise
 
 
-def _median_steps(rounds: list[list[tuple[float, str, str]]]) -> str:
-    """Per step (in the order of the last round): median microseconds since the round's first stamp."""
-    at: dict[tuple[str, str], list[float]] = {}
-    for stamps in rounds:
-        stamps = sorted(stamps)
-        for t, th, step in stamps:
-            at.setdefault((th, re.sub(r"'[^']*'", "'k'", step)), []).append((t - stamps[0][0]) * 1e6)
-    order = sorted(at, key=lambda k: statistics.median(at[k]))
-    return "\n".join(f"{statistics.median(at[k]):9.1f} us  {k[0][-22:]:>22}  {k[1]}" for k in order)
-
-
 def _pct(xs: list[float]) -> str:
     xs = sorted(xs)
     q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e6
@@ -256,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         print(debug.trace_format(r["trace2"]))
         skip = min(10, args.iters // 5)
         print("--- median per step, subscriber first (from the publish call)")
-        print(_median_steps([a + b for a, b in zip(o["traces"][skip:], r["traces"][skip:])]))
+        print(debug.trace_medians([a + b for a, b in zip(o["traces"][skip:], r["traces"][skip:])]))
         print("--- median per step, publisher first (from the subscribe call)")
-        print(_median_steps(r["traces2"][skip:]))
+        print(debug.trace_medians(r["traces2"][skip:]))
     return 0
 
 

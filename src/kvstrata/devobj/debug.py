@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
+import statistics
 import sys
 import threading
 import time
@@ -49,6 +51,20 @@ def trace_format(stamps: list[tuple[float, str, str]]) -> str:
         lines.append(f"{(t - t0) * 1e6:9.1f} us {(t - prev) * 1e6:+8.1f}  {thread[-18:]:>18}  {step}")
         prev = t
     return "\n".join(lines)
+
+
+def trace_medians(rounds: list[list[tuple[float, str, str]]]) -> str:
+    """Per step of many rounds' stamps, in order: the median microseconds since the round's first stamp
+    (quoted keys in a step's text are folded, so the same step of every round counts as one)."""
+    at: dict[tuple[str, str], list[float]] = {}
+    for stamps in rounds:
+        stamps = sorted(stamps)
+        for t, th, step in stamps:
+            at.setdefault((th, re.sub(r"'[^']*'", "'k'", step)), []).append((t - stamps[0][0]) * 1e6)
+    order = sorted(at, key=lambda k: statistics.median(at[k]))
+    return "\n".join(
+        f"{statistics.median(at[k]):9.1f} us  {k[0][-22:]:>22}  {k[1]}  ({len(at[k])} rounds)" for k in order
+    )
 
 
 def configure_from_env() -> None:
