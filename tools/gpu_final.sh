@@ -39,6 +39,9 @@
 #           twice, tools/trace_store_device.py
 #   PART=s8a: session 8's first look: tools/probe_gather_floor.py, bench device --quick traced (the 4 KiB hand-off's
 #           steps), tools/devobj_latency_cpu.py --trace, tools/trace_store_device.py
+#   PART=s8b: client-device, bench and device-object GPU tests; bench device --quick traced (isolated and
+#           back-to-back hand-offs); tools/probe_store_ab.py; bench store's device rows twice; trace_store_device;
+#           bench gather --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -180,6 +183,15 @@ elif [ "${PART}" = s8a ]; then
   echo "=== tools/devobj_latency_cpu.py --iters 400 --trace" >> "$LOG"
   timeout 60 python3 tools/devobj_latency_cpu.py --iters 400 --trace >> "$LOG" 2>&1
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s8b ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    tests/test_client_device.py tests/test_bench_gather.py tests/test_devobj_bench.py tests/test_acquire_batches.py \
+    2>&1 | tail -3 | tee -a "$LOG"
+  KVSTRATA_DEVOBJ_TRACE=1 bench 100 device --quick --broadcast-gib 2 --wait 30
+  echo "=== tools/probe_store_ab.py --iters 100" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 100 >> "$LOG" 2>&1
+  store_twice
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  bench 60 gather --quick
 elif [ "${PART}" = s7z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
