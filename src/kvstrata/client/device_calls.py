@@ -253,8 +253,8 @@ class DeviceCallsMixin:
         asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
         ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
         done = 0  # keys [0, done) are counted in ``held`` or ``results``
-        rest: list[tuple[int, int]] = []  # the leases to ask for once the first stage's copies are queued
         covered = 0  # keys [0, covered) have their leases asked for
+        asked_all = False  # every lease asked for at the start (then each stage waits for its answer in turn)
 
         def ask(lo: int, hi: int) -> None:
             nonlocal covered
@@ -279,28 +279,27 @@ class DeviceCallsMixin:
                         ask(covered, st.hi)
                         if st.lo == 0 and not timeout and not answered(st.hi):
                             # The worker is asked (keys not read before, or changed): ask for every other
-                            # lease (the next group now, the others once the first stage's copies are queued),
-                            # in requests it answers in turn, each about three times the
-                            # keys before it (up to 4x the first stage's, 3x that, the rest), so each answer
-                            # comes while the bytes of the keys before it move (the worker leases a key
-                            # several times faster than its 1 MiB crosses PCIe, but answers a request only
-                            # when done). Where the local-read cache served the first stage, each stage
-                            # asks for its own as it comes (the cache likely serves it too, at no cost);
-                            # so does a call that waits for missing keys, whose every request must carry
-                            # what is left of its one timeout when the worker starts on it.
+                            # lease now, in requests it answers in turn, each about three times the keys before
+                            # it (up to 4x the first stage's, 3x that, the rest). This thread would only wait for
+                            # the first answer meanwhile; the worker reads each next request right after its
+                            # last reply, with no wake-up, so each answer is in while the bytes of the keys
+                            # before it move (it leases a key several times faster than its 1 MiB crosses
+                            # PCIe, but answers a request only when done), and once the first stage's copies
+                            # are queued this thread goes straight on to the next stage's. Where the local-read
+                            # cache served the first stage, each stage asks for its own as it comes (the cache
+                            # likely serves it too, at no cost); so does a call that waits for missing keys,
+                            # whose every request must carry what is left of its one timeout when the worker
+                            # starts on it. The copy stream is set to follow the caller's meanwhile too.
                             b = max(8, 4 * st.hi)
-                            rest = [(st.hi, min(n, b)), (min(n, b), min(n, 3 * b)), (min(n, 3 * b), n)]
-                            # While the worker answers the first request, this thread only waits: the second
-                            # goes now (the worker reads it right after its first reply, with no wake-up, so
-                            # its answer is in before the first stage's bytes landed), and the copy stream is
-                            # set to follow the caller's (~25 us of host work off the path to the first byte).
-                            ask(*rest.pop(0))
+                            for lo, hi in ((st.hi, min(n, b)), (min(n, b), min(n, 3 * b)), (min(n, 3 * b), n)):
+                                ask(lo, hi)
+                            asked_all = True  # nothing left to do before the first answer: wait for it
                             if s is None and st.device is not None:
                                 s = _device.start(st.device, stream)
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking the next stage while the worker
                 # answers (a stage served by the local-read cache alone goes at once).
-                while ready and (st is None or len(ready) > 1 or answered(ready[0].hi) or rest):
+                while ready and (st is None or len(ready) > 1 or answered(ready[0].hi) or asked_all):
                     prev = ready.popleft()
                     collect(prev.hi)
                     filled, locs = [], []
@@ -324,10 +323,7 @@ class DeviceCallsMixin:
                         s = _device.start(prev.device, stream)
                     runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
                     _device.enqueue(runs, prev.device, s, first=first)
-                    first = False
-                    for lo, hi in rest:  # the first stage's copies are queued: now ask for the others
-                        ask(lo, hi)
-                    rest = []
+                    first = asked_all = False  # later stages: the next one is checked while an answer is due
             event = _device.mark(s)
             backend.settle()  # the local-read entries of this call's leases are made while its copies run
             if event is not None:
