@@ -45,6 +45,8 @@
 #   PART=s8c: client-device GPU tests; bench store's device rows with the session's starting code (ab_old/src,
 #           untracked) and the new code in turn (A/B/A/B); tools/trace_store_device.py; tools/probe_store_ab.py;
 #           bench device --quick traced
+#   PART=s8d: client-device GPU tests; bench store's device rows A/B/A/B against ab_old/src (the session's start);
+#           tools/trace_store_device.py; tools/probe_store_ab.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -202,6 +204,12 @@ elif [ "${PART}" = s8c ]; then
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   echo "=== tools/probe_store_ab.py --iters 100" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 100 >> "$LOG" 2>&1
   KVSTRATA_DEVOBJ_TRACE=1 bench 100 device --quick --broadcast-gib 2 --wait 30
+elif [ "${PART}" = s8d ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
+  store_ab ab_old
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  echo "=== tools/probe_store_ab.py --iters 100" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 100 >> "$LOG" 2>&1
 elif [ "${PART}" = s7z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
