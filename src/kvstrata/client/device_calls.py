@@ -254,7 +254,7 @@ class DeviceCallsMixin:
         ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
         done = 0  # keys [0, done) are counted in ``held`` or ``results``
         covered = 0  # keys [0, covered) have their leases asked for
-        first_due = False  # the first stage waits for its answer at once (its leases asked with the next stage's)
+        upfront = 0  # stages of keys < upfront wait for their answers at once (asked for at the start)
 
         def ask(lo: int, hi: int) -> None:
             nonlocal covered
@@ -293,11 +293,12 @@ class DeviceCallsMixin:
                             ask(st.hi, min(n, max(8, 4 * st.hi)))
                             if s is None and st.device is not None:
                                 s = _device.start(st.device, stream)
-                            first_due = True  # nothing else to do before the first answer: wait for it
+                            upfront = covered  # their answers come first: nothing to do before them but wait
                     ready.append(st)
-                # Queue a stage's copies once its leases are in, checking the next stage while the worker
-                # answers (a stage served by the local-read cache alone goes at once).
-                while ready and (st is None or len(ready) > 1 or answered(ready[0].hi) or first_due):
+                # Queue a stage's copies once its leases are in, checking (and asking for) the next stage while the
+                # worker answers; a stage served by the local-read cache alone goes at once, and one whose leases
+                # were asked for at the start waits for them at once (they come first).
+                while ready and (st is None or len(ready) > 1 or ready[0].hi <= upfront or answered(ready[0].hi)):
                     prev = ready.popleft()
                     collect(prev.hi)
                     filled, locs = [], []
@@ -321,7 +322,7 @@ class DeviceCallsMixin:
                         s = _device.start(prev.device, stream)
                     runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
                     _device.enqueue(runs, prev.device, s, first=first)
-                    first = first_due = False  # later stages: the next one is checked and asked for meanwhile
+                    first = False
             event = _device.mark(s)
             backend.settle()  # the local-read entries of this call's leases are made while its copies run
             if event is not None:
