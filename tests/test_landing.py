@@ -267,6 +267,43 @@ def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_wo
         kv.delete([*keys, "land/warm2"])
 
 
+def test_mset_d2h_interrupted_right_after_sending_a_commit_ahead_leaves_no_key_taken(worker, monkeypatch):
+    # A KeyboardInterrupt landing in commit_start after its request went out (the caller never got the token):
+    # the call still tells the worker that every commit sent ahead failed, so those keys are free at once, on
+    # this same connection, instead of taken until the client disconnects.
+    with kvstrata.connect(worker) as kv:
+        assert kv.mset_d2h(["land/warm3"], _lists(1, 0)) == [None]
+        backend = kv._backend
+        real = backend.commit_start
+        landing_sent = []
+
+        def interrupted(*a, **kw):
+            token = real(*a, **kw)
+            if kw.get("landing"):
+                landing_sent.append(token)
+                if len(landing_sent) == 2:
+                    raise KeyboardInterrupt
+            return token
+
+        monkeypatch.setattr(backend, "commit_start", interrupted)
+        monkeypatch.setattr(device, "mark", lambda stream: _Event())
+        monkeypatch.setattr(device, "stages", stages_of(2))
+        keys = [f"land/i/{i}" for i in range(5)]
+        with pytest.raises(KeyboardInterrupt):
+            kv.mset_d2h(keys, _lists(5, 4))
+        monkeypatch.undo()
+        assert len(landing_sent) == 2
+        # the first stage was committed after its bytes landed and stands; the two sent ahead never show
+        assert kv.exists(keys) == [True, True, False, False, False]
+        src = _lists(3, 5)
+        assert kv.mset_d2h(keys[2:], src) == [None] * 3  # free again: no KeyExists, no wait for a disconnect
+        out = [[torch.zeros_like(t[0])] for t in src]
+        assert kv.mget_h2d(keys[2:], out) == [None] * 3
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        assert kv.stats()["creates_in_progress"] == 0
+        kv.delete([*keys, "land/warm3"])
+
+
 def test_a_store_closed_with_a_commit_waiting_drops_it_quietly():
     from kvstrata.store import ObjectStore, StoreConfig
 

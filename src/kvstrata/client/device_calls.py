@@ -75,6 +75,7 @@ class DeviceCallsMixin:
         held = resv.take(backend)
         carving = held
         known = resv.head if held and resv.end else None  # the worker's head, as last heard
+        head_lost = False  # a commit went out whose reply is never read: ``known`` cannot be trusted
         call_bytes = 0
 
         def take(st: Any, token: Any) -> list[int]:
@@ -175,10 +176,12 @@ class DeviceCallsMixin:
                     # remaining stage now. The worker answers at once; each stage's objects become visible when
                     # this process says, in shared memory, that its bytes landed (kvstrata.server.lane), so the
                     # call ends right after its last byte: no request after it.
-                    tokens = [backend.commit_start(m[1], opts, landing=True) for m in rest]
-                    seals.extend((m[0], True, token) for m, token in zip(rest, tokens))
+                    tokens: list[Any] = []
                     landed = False
                     try:
+                        for m in rest:
+                            tokens.append(backend.commit_start(m[1], opts, landing=True))
+                            seals.append((m[0], True, tokens[-1]))
                         for idx, (m, token) in enumerate(zip(rest, tokens)):
                             m[2].synchronize()
                             backend.land(token)
@@ -188,8 +191,14 @@ class DeviceCallsMixin:
                                 finish_one()
                         landed = True
                     finally:
-                        if not landed:  # the worker refuses every held commit not landed yet
-                            backend.land(tokens[-1], ok=False)
+                        # The worker refuses every held commit not landed yet: every one this connection sent,
+                        # even one whose sending a KeyboardInterrupt cut short after the bytes went out (its
+                        # objects would otherwise wait, their keys taken, until this client disconnects).
+                        if not landed:
+                            backend.land_failed()
+                            # A commit cut short there may have gone out with its reply never to be read: the
+                            # worker's head is then unknown here, and this client's reservation is dropped.
+                            head_lost = len(tokens) < len(rest)
                     break
             while seals:
                 finish_one()
@@ -218,7 +227,7 @@ class DeviceCallsMixin:
             raise
         finally:
             if held:
-                resv.give(backend, known, call_bytes)
+                resv.give(backend, None if head_lost else known, call_bytes)
         return results
 
     def mget_h2d(

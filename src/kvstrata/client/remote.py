@@ -132,6 +132,14 @@ class RemoteBackend(WorkerConnection):
         if lane is not None:
             lane.land(token[0], ok)
 
+    def land_failed(self) -> None:
+        """Say that the copies of every ``landing`` commit this connection sent and did not :meth:`land` yet
+        failed (their objects are freed, never shown): the highest tag sent covers them all, as tags grow, even
+        one whose :meth:`commit_start` was interrupted after its request went out."""
+        lane = self._lane
+        if lane is not None:
+            lane.land(self._tag, ok=False)
+
     def linger(self, us: int) -> None:
         """Tell the worker (one-way) that this client's next request follows within ``us`` microseconds, so
         its thread keeps polling (where the worker polls at all) rather than sleep and be woken for it."""
