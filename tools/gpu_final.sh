@@ -47,6 +47,8 @@
 #           bench device --quick traced
 #   PART=s8d: client-device GPU tests; bench store's device rows A/B/A/B against ab_old/src (the session's start);
 #           tools/trace_store_device.py; tools/probe_store_ab.py
+#   PART=s8z: session 8's closing call: every GPU test, bench device --quick with the 8 GiB broadcast, bench store's
+#           device rows twice, tools/trace_store_device.py, bench gather --quick, tools/probe_gather_floor.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -210,6 +212,15 @@ elif [ "${PART}" = s8d ]; then
   store_ab ab_old
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   echo "=== tools/probe_store_ab.py --iters 100" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 100 >> "$LOG" 2>&1
+elif [ "${PART}" = s8z ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  bench 120 device --quick --broadcast-gib 8 --wait 30
+  store_twice
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  bench 60 gather --quick
+  echo "=== tools/probe_gather_floor.py" >> "$LOG"; timeout 90 python3 tools/probe_gather_floor.py >> "$LOG" 2>&1
 elif [ "${PART}" = s7z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
