@@ -18,24 +18,12 @@ Run: ``PYTHONPATH=src python tools/probe_gather_floor.py [--calls 4] [--iters 20
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from kvstrata.bench._common import device_time
+from kvstrata.bench._common import device_time, host_time
 from kvstrata.memory import alloc_pinned, device_view
 from kvstrata.ops import gather
-
-
-def host_time(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -62,7 +50,7 @@ def main() -> None:
             out.copy_(table[ids_cpu].to("cuda"))
             torch.cuda.synchronize()
 
-        base = host_time(to_cuda, max(20, args.iters // 4))
+        base = host_time(to_cuda, warmup=1, iters=max(20, args.iters // 4))
         methods = {
             "kvstrata gather": lambda: gather(table, out, ids, check=False),
             "kvstrata gather, one run": lambda: gather(table, out, ids_sorted_run, check=False),
