@@ -49,6 +49,8 @@
 #           tools/trace_store_device.py; tools/probe_store_ab.py
 #   PART=s8z: session 8's closing call: every GPU test, bench device --quick with the 8 GiB broadcast, bench store's
 #           device rows twice, tools/trace_store_device.py, bench gather --quick, tools/probe_gather_floor.py
+#   PART=s8e: bench device --quick (2 GiB broadcast) and tools/devobj_latency_cpu.py with the worker's device-object
+#           request threads dozing for 5 ms after each request (KVSTRATA_DOZE_US=5000) and without, in turn
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -221,6 +223,12 @@ elif [ "${PART}" = s8z ]; then
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   bench 60 gather --quick
   echo "=== tools/probe_gather_floor.py" >> "$LOG"; timeout 90 python3 tools/probe_gather_floor.py >> "$LOG" 2>&1
+elif [ "${PART}" = s8e ]; then
+  for d in 0 5000; do
+    echo "=== KVSTRATA_DOZE_US=$d" >> "$LOG"
+    KVSTRATA_DOZE_US=$d bench 90 device --quick --broadcast-gib 2 --wait 30
+    KVSTRATA_DOZE_US=$d timeout 60 python3 tools/devobj_latency_cpu.py --iters 400 >> "$LOG" 2>&1
+  done
 elif [ "${PART}" = s7z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
