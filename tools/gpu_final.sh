@@ -50,7 +50,8 @@
 #   PART=s8z: session 8's closing call: every GPU test, bench device --quick with the 8 GiB broadcast, bench store's
 #           device rows twice, tools/trace_store_device.py, bench gather --quick, tools/probe_gather_floor.py
 #   PART=s8e: bench device --quick (2 GiB broadcast) and tools/devobj_latency_cpu.py with the worker's device-object
-#           request threads dozing for 5 ms after each request (KVSTRATA_DOZE_US=5000) and without, in turn
+#           request threads dozing for 5 ms after each request (KVSTRATA_DOZE_US=5000, a knob of the session's,
+#           measured slower in the bench and removed after this call) and without, in turn
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).

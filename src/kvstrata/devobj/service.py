@@ -61,8 +61,6 @@ def handle(session: Any, msg: dict) -> dict:
     ``wait_events`` is parked in the broker (the session's thread goes back to reading its connection;
     see :meth:`DeviceBroker.park_poll`); a one-way request gets no reply, its errors are logged.
     """
-    if msg.get("dop") != "wait_events":  # a request link dozes for its next request (kvstrata.server.session)
-        session.dozes = True
     if msg.get("ow"):
         try:
             _handle(session, msg)

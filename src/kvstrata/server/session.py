@@ -31,8 +31,6 @@ log = logging.getLogger("kvstrata.worker")
 _owner_ids = itertools.count(1)
 #: lane checks per socket check while a connection thread polls both
 _LANE_TURNS = 4
-#: a dozing connection thread's wait per select call (see Session._doze)
-DOZE_STEP_S = 50e-6
 #: the longest a client may ask the worker to keep polling for its next request (``"linger"``, in us)
 LINGER_MAX_US = 5000
 #: a client's word that the copies of its commits sent ahead of them landed (kvstrata.server.lane) is polled for
@@ -64,8 +62,6 @@ class Session:
         # perf_counter time until which this connection polls for its next request whatever worker.spin says
         # (a request's "linger": the client said another request follows by then, e.g. a device write's commit)
         self.linger_until = 0.0
-        #: whether this connection waits for its next request dozing (see _doze; a device-object request link)
-        self.dozes = False
 
     def open_lane(self) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -117,8 +113,6 @@ class Session:
         if lane is None or spin <= 0.0:
             if lane is not None:
                 lane.set_polling(False)
-            if spin <= 0.0 and self.dozes and self.worker.doze > 0.0:
-                return self._doze(self.worker.doze), False
             return self._recv(self.conn.recv(spin=spin)), False
         # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
         lane.set_polling(True)
@@ -152,26 +146,6 @@ class Session:
         if lane.pending():  # handed over while the flag went down
             return unpack(lane.take()), True
         return self._recv(conn.recv()), False
-
-    def _doze(self, seconds: float) -> dict:
-        """The next request, waited for in ``select`` calls of :data:`DOZE_STEP_S` for up to ``seconds``, then in
-        one blocking read. A thread blocked for long sleeps deeply: on a VM its vCPU is descheduled, and waking it
-        for the next request costs 40-80 us (``tools/probe_wake.py`` on the H200 host); waking every 50 us keeps it
-        ready for ~1/20 of the GIL and a few percent of a core."""
-        conn = self.conn
-        if not self._drained:  # frames already read into the connection's buffer show only here, not to select
-            try:
-                return self._recv(conn.recv(timeout=0))
-            except Timeout:
-                self._drained = True
-        clock, select, fd = time.perf_counter, _select, conn.fileno()
-        end = clock() + seconds
-        try:
-            while not select([fd], (), (), DOZE_STEP_S)[0] and clock() < end and not conn.closed:
-                pass
-        except (OSError, ValueError):  # closed meanwhile: the read below says how
-            pass
-        return self._recv(conn.recv())
 
     def landing_check(self, tag: Any) -> Any:
         """For a ``commit`` sent ahead of its copies: the callable the store asks whether they landed (the

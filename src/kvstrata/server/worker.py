@@ -59,8 +59,6 @@ class Worker:
         self._cpus = len(os.sched_getaffinity(0))
         #: seconds a connection thread busy-polls for its next request (see _update_spin)
         self.spin = 0.0
-        #: seconds a device-object request connection's thread dozes for its next request (Session._doze)
-        self.doze = float(os.environ.get("KVSTRATA_DOZE_US", "0")) * 1e-6
 
     # lifecycle -----------------------------------------------------------------------------------
     @property
