@@ -25,7 +25,7 @@ def test_the_readme_has_runnable_examples_and_skips_only_the_multi_gpu_ones():
     blocks = _blocks()
     assert len(blocks) >= 4
     skipped = [b for b in blocks if b not in _runnable()]
-    assert len(skipped) == 2  # the all-gather and device-object sketches (their GPU tests run them for real)
+    assert len(skipped) == 2  # the all-gather and device-object sketches (their features have GPU tests of their own)
 
 
 @pytest.mark.parametrize("index", range(len(_runnable())))
