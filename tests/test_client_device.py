@@ -204,6 +204,8 @@ def test_the_lease_holds_the_bytes_across_the_batched_copy(kv, monkeypatch):
     src = _lists(8, sizes=(200000,))
     assert kv.mset_d2h(keys, src) == [None] * 8
     writer = kv if kv.embedded else kvstrata.connect(kv.address)
+    if not kv.embedded:  # copies only after the leases (early copies: test_early_copies_from_wrong_or_stale_...)
+        monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: [None] * len(ks))
     real_enqueue = device.enqueue
     fired = []
 
@@ -486,12 +488,14 @@ def test_pipelined_mget_h2d_asks_two_groups_up_front_then_a_stage_ahead(kv, monk
     kv.delete([keys[5]])  # a missing key in the middle group: its slot says so, the others are filled
     monkeypatch.setattr(device, "stages", stages_of(2))
     backend = kv._backend
+    remote = type(backend).__name__ == "RemoteBackend"
+    if remote:  # where the worker's placement table has no advice (test_cold_mget_h2d_copies_... has some)
+        monkeypatch.setattr(backend, "placement_hints", lambda ks: [None] * len(ks))
     asked = _count_asks(monkeypatch, backend)
     real_enqueue = device.enqueue
     monkeypatch.setattr(device, "enqueue", lambda *a, **kw: asked.append("copies") or real_enqueue(*a, **kw))
     dst = _poisoned(src)
     res = kv.mget_h2d(keys, dst)
-    remote = type(backend).__name__ == "RemoteBackend"
     # Through a worker: the first stage's 2 keys and at once the next up to 4 x 2 (at least 8) in all (the worker
     # reads that request right after its first answer), the first stage's copies as soon as they are leased, the
     # next stages' at once (their leases are in), then the last stage asks for its own; in-process (no round trip
@@ -516,6 +520,94 @@ def test_pipelined_mget_h2d_asks_two_groups_up_front_then_a_stage_ahead(kv, monk
     monkeypatch.undo()
     kv.delete(keys)  # no lease of the failed call is left: the objects go at once
     assert kv.stats()["leases"] == 0 and kv.exists(keys) == [False] * 9
+
+
+@pytest.fixture
+def writer(worker):
+    """A second client of the worker: objects another process wrote (the reader never leased them)."""
+    other = kvstrata.connect(worker.address, timeout=5)
+    yield other
+    other.close()
+
+
+def _order(monkeypatch, backend) -> list[str]:
+    """What a device read does, in order: ``"copies"`` queued, ``"answer"`` of the worker read."""
+    events: list[str] = []
+    real_enqueue, real_finish = device.enqueue, backend.acquire_finish
+    monkeypatch.setattr(device, "enqueue", lambda *a, **kw: events.append("copies") or real_enqueue(*a, **kw))
+    monkeypatch.setattr(backend, "acquire_finish", lambda tok: events.append("answer") or real_finish(tok))
+    return events
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_cold_mget_h2d_copies_from_the_placement_table_before_its_leases_come_back(kv, writer, monkeypatch):
+    keys = [f"early/{i}" for i in range(9)]
+    kv.delete(keys)
+    src = _lists(9, seed=3)
+    assert writer.mset_d2h(keys, src) == [None] * 9  # written by another client: this one has no lease on them
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    events = _order(monkeypatch, kv._backend)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 9
+    assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
+    # Every stage's copies were queued before the first answer came back; the answers then only confirmed them
+    # (no copy after them: none had to be redone).
+    assert events == ["copies"] * 5 + ["answer"] * 3, events
+    kv.delete(keys)
+    assert kv.stats()["leases"] == 0  # every lease the call took went back (or with its cache entry, now)
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_early_copies_from_wrong_or_stale_advice_are_redone_from_the_lease(kv, writer, monkeypatch):
+    keys = [f"advice/{i}" for i in range(8)]
+    kv.delete(keys)
+    old = _lists(8, seed=4)
+    assert writer.mset_d2h(keys, old) == [None] * 8
+    backend = kv._backend
+    stale = backend.placement_hints(keys)
+    assert None not in stale
+    writer.delete(keys[:2])
+    new = _lists(8, seed=5)
+    assert writer.mset_d2h(keys[:2], new[:2]) == [None] * 2  # rewritten since the advice was read
+    right = backend.placement_hints(keys)
+    seg, off, size, placed = right[2]
+    advice = [
+        stale[0],  # the old version's place and placement: its bytes may be anything by now
+        stale[1],
+        (seg, right[3][1], size, placed),  # the right placement at another key's place (a torn bucket)
+        (right[3][0], right[3][1], size, right[4][3]),  # another key's place and placement
+        (seg, 1 << 40, size, right[4][3]),  # outside every mapped segment: never copied from
+        (seg, off, size, 0),  # no placement: ignored
+        None,
+        right[7],  # right: stands
+    ]
+    monkeypatch.setattr(backend, "placement_hints", lambda ks: advice[len(keys) - len(ks) :][: len(ks)])
+    events = _order(monkeypatch, backend)
+    dst = _poisoned(old)
+    assert kv.mget_h2d(keys, dst) == [None] * 8  # one stage (CPU tensors): advice for all 8 keys at once
+    want = new[:2] + old[2:]
+    assert all(torch.equal(a, b) for w, got in zip(want, dst) for a, b in zip(w, got))
+    assert events == ["copies", "answer", "copies"]  # the early copies, then the redone ones
+    kv.delete(keys)
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_a_key_gone_since_the_advice_was_read_is_reported_missing(kv, writer, monkeypatch):
+    keys = [f"gone/{i}" for i in range(4)]
+    kv.delete(keys)
+    src = _lists(4, seed=6)
+    assert writer.mset_d2h(keys, src) == [None] * 4
+    backend = kv._backend
+    advice = backend.placement_hints(keys)
+    writer.delete([keys[1]])
+    assert backend.placement_hints([keys[1]]) == [None]  # a deleted key leaves the table at once
+    monkeypatch.setattr(backend, "placement_hints", lambda ks: advice)  # a reader that looked just before
+    dst = _poisoned(src)
+    res = kv.mget_h2d(keys, dst)
+    assert isinstance(res[1], KeyNotFound) and [res[0], res[2], res[3]] == [None] * 3
+    assert all(torch.equal(a, b) for i in (0, 2, 3) for a, b in zip(src[i], dst[i]))
+    kv.delete(keys)
+    assert kv.stats()["leases"] == 0
 
 
 def test_a_waiting_mget_h2d_asks_stage_by_stage_within_its_one_timeout(kv, monkeypatch):

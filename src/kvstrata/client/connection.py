@@ -23,6 +23,9 @@ from kvstrata.client.local_reads import MAX_BYTES, LocalReads
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
+from kvstrata.store.placements import BUCKETS as PLACEMENT_BUCKETS
+from kvstrata.store.placements import TABLE_BYTES as PLACEMENT_TABLE_BYTES
+from kvstrata.store.placements import PlacementHints
 from kvstrata.transport.stream import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,17 @@ class WorkerConnection:
             from kvstrata.memory.shm import SharedSegment
 
             self._lane = _lane.Lane(SharedSegment.attach(fds.pop(at), _lane.LANE_BYTES))
+        # Where the worker's objects lie (kvstrata.store.placements): device reads start copies before their leases
+        self.placements: PlacementHints | None = None
+        at = self._conn.peer_info.get("placements")
+        if isinstance(at, int) and 0 < at < len(fds):
+            from kvstrata.memory.shm import SharedSegment
+
+            fd = fds.pop(at)
+            if self._conn.peer_info.get("placement_buckets") == PLACEMENT_BUCKETS:
+                self.placements = PlacementHints(SharedSegment.attach(fd, PLACEMENT_TABLE_BYTES))
+            else:  # another kvstrata version's worker
+                os.close(fd)
         self._local: LocalReads | None = None
         if "generation_page" in self._conn.peer_info and fds:
             from kvstrata.memory.shm import SharedSegment
@@ -276,6 +290,12 @@ class WorkerConnection:
     def segment_nbytes(self, index: int) -> int:
         return self._segment(index).nbytes
 
+    def maps(self, segment: int, offset: int, size: int) -> bool:
+        """Whether ``size`` bytes at ``offset`` of segment ``segment`` lie in memory this process has mapped
+        (what a copy started from a placement hint may read; never raises)."""
+        seg = self._segments.get(segment)
+        return seg is not None and offset >= 0 and offset + size <= seg.nbytes
+
     def release(self, ids: list[int]) -> None:
         with self._lock:
             if self._closed or self._conn.closed:
@@ -322,6 +342,9 @@ class WorkerConnection:
             self._lane = None
         if self._local is not None:
             self._local.close()
+        if self.placements is not None:
+            hints, self.placements = self.placements, None
+            hints.close(_close_segment)
         for seg in self._segments.values():
             _close_segment(seg)
         self._segments.clear()

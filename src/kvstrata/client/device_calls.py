@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstrata.client import device as _device
 from kvstrata.client import reservation as _reservation
+from kvstrata.client._shared import Loc as _Loc
 from kvstrata.server import protocol as P
 
 log = logging.getLogger(__name__)
@@ -241,10 +242,12 @@ class DeviceCallsMixin:
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
         cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
         where the worker must be asked, the first stage's leases and the next keys' (up to 4x as many) are asked
-        for at the start, so the copies start after one round trip and the second stage's go right after the
-        first's; each later stage asks for its own one stage ahead, answered while earlier bytes move. A bad
-        tensor raises when its stage is reached, after the copies already queued landed (the tensors
-        of earlier keys may then hold their data).
+        for at the start; each later stage asks for its own one stage ahead, answered while earlier bytes move.
+        Where the worker's placement table (:mod:`kvstrata.store.placements`) says where a key's bytes lie, its
+        copies start at once, before its lease comes back; the lease then confirms them, or the key is copied
+        again from where the lease says. Elsewhere the copies start after one round trip. A bad tensor raises
+        when its stage is reached, after the copies already queued landed (the tensors of earlier keys may then
+        hold their data); a key that fails (missing, wrong size) may have had its tensors written.
         """
         keys = P.check_keys(keys)
         timeout = P.check_timeout(timeout)
@@ -255,6 +258,12 @@ class DeviceCallsMixin:
         n = len(keys)
         results: list[Result] = [None] * n
         leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back
+        # Early copies (queued before the key's lease came back): {key index: (location, its placement, or None
+        # where a lease held already pins it)}. ``placed``: each lease's placement, as the worker says.
+        early: dict[int, tuple[Any, int | None]] = {}
+        hinted = backend.placement_hints([]) is not None  # the worker keeps a placement table
+        placed: list[int] = [0] * n if hinted else []
+        early_stages: set[int] = set()  # the ``lo`` of stages with early copies
         held: list[int] = []
         deadline = time.monotonic() + timeout
         s = None
@@ -270,7 +279,8 @@ class DeviceCallsMixin:
             if lo < hi:
                 left = max(0.0, deadline - time.monotonic()) if timeout else 0
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
-                asked.append((lo, hi, backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False)))
+                token = backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False, placements=hinted)
+                asked.append((lo, hi, token))
                 covered = hi
 
         def answered(hi: int) -> bool:  # the leases of keys < hi need no worker answer still
@@ -280,6 +290,48 @@ class DeviceCallsMixin:
             while asked and asked[0][0] < hi:
                 lo, top, tok = asked.popleft()  # out first: a reply is read once, even one that raises
                 leases[lo:top] = backend.acquire_finish(tok)
+                got = backend.acquire_placements(tok)
+                if got is not None:
+                    placed[lo:top] = got
+
+        def copy_early(st: Any) -> None:
+            """Queue now the copies of the keys of ``st`` whose bytes' place is known before the worker answers:
+            leases the local-read cache holds, and the placement table's advice (checked by :func:`due`)."""
+            nonlocal s, first
+            where: list[Any] = [None] * (st.hi - st.lo)
+            for lo, top, tok in asked:
+                if top > st.lo and lo < st.hi:
+                    known = backend.acquire_known(tok)
+                    for i in range(max(lo, st.lo), min(top, st.hi)):
+                        lease = known[i - lo]
+                        if lease is not None and not isinstance(lease, BaseException):
+                            where[i - st.lo] = (lease.location, None)
+            need = [j for j, w in enumerate(where) if w is None]
+            if need:
+                for j, hint in zip(need, backend.placement_hints([keys[st.lo + j] for j in need])):
+                    if hint is not None and hint[3] > 0 and backend.maps(hint[0], hint[1], hint[2]):
+                        where[j] = (_Loc(hint[0], hint[1], hint[2]), hint[3])
+            which, locs = [], []
+            for j, w in enumerate(where):
+                if w is not None and w[0].size == st.sizes[j]:
+                    which.append(st.lo + j)
+                    locs.append(w[0])
+                    early[st.lo + j] = w
+            if which:
+                early_stages.add(st.lo)
+                if s is None and st.device is not None:
+                    s = _device.start(st.device, stream)
+                _device.enqueue(
+                    self._plan(which, locs, st.pieces, st.lo, st.device, to_host=False), st.device, s, first=first
+                )
+                first = False
+
+        def due(prev: Any) -> bool:  # whether the oldest stage waiting is checked and its copies queued now
+            if st is None or answered(prev.hi):
+                return True
+            if prev.lo in early_stages:  # its copies run: its leases are read at the end, after every stage's
+                return False
+            return len(ready) > 1 or prev.hi <= upfront
 
         try:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
@@ -303,11 +355,14 @@ class DeviceCallsMixin:
                             if s is None and st.device is not None:
                                 s = _device.start(st.device, stream)
                             upfront = covered  # their answers come first: nothing to do before them but wait
+                    if hinted and not answered(st.hi):
+                        copy_early(st)
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking (and asking for) the next stage while the
                 # worker answers; a stage served by the local-read cache alone goes at once, and one whose leases
-                # were asked for at the start waits for them at once (they come first).
-                while ready and (st is None or len(ready) > 1 or ready[0].hi <= upfront or answered(ready[0].hi)):
+                # were asked for at the start waits for them at once (they come first). A stage with early copies
+                # waits for the end: its leases only confirm copies that run already.
+                while ready and due(ready[0]):
                     prev = ready.popleft()
                     collect(prev.hi)
                     filled, locs = [], []
@@ -319,6 +374,11 @@ class DeviceCallsMixin:
                             continue
                         held.append(lease.lease_id)
                         loc = lease.location
+                        went = early.get(i)
+                        # An early copy stands where the lease pins the very placement it read (see
+                        # kvstrata.store.placements); else the key is copied again, after it on the stream.
+                        if went is not None and went[0] == loc and (went[1] is None or went[1] == placed[i]):
+                            continue
                         if prev.sizes[j] != loc.size:
                             results[i] = ValueError(
                                 f"tensor_lists[{i}]: {prev.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
@@ -327,11 +387,12 @@ class DeviceCallsMixin:
                         filled.append(i)
                         locs.append(loc)
                     done = prev.hi
-                    if s is None and prev.device is not None:
-                        s = _device.start(prev.device, stream)
-                    runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
-                    _device.enqueue(runs, prev.device, s, first=first)
-                    first = False
+                    if filled:
+                        if s is None and prev.device is not None:
+                            s = _device.start(prev.device, stream)
+                        runs = self._plan(filled, locs, prev.pieces, prev.lo, prev.device, to_host=False)
+                        _device.enqueue(runs, prev.device, s, first=first)
+                        first = False
             event = _device.mark(s)
             backend.settle()  # the local-read entries of this call's leases are made while its copies run
             if event is not None:

@@ -96,12 +96,32 @@ class EmbeddedBackend:
     def mseal_start(self, keys: list[str]) -> Any:
         return self.mseal(keys)
 
-    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False, carry: bool = True) -> Any:
+    def acquire_start(
+        self,
+        keys: list[str],
+        timeout: float,
+        *,
+        cache: bool | str = False,
+        carry: bool = True,
+        placements: bool = False,
+    ) -> Any:
         return self.acquire(keys, timeout, cache=cache)
 
     @staticmethod
     def acquire_ready(token: Any) -> bool:
         return True
+
+    @staticmethod
+    def acquire_known(token: Any) -> list[Any]:
+        return token
+
+    @staticmethod
+    def acquire_placements(token: Any) -> None:
+        """Leases here are taken at once: no copy ever starts ahead of one (see RemoteBackend)."""
+
+    @staticmethod
+    def placement_hints(keys: list[str]) -> None:
+        """No placement table in-process: leases cost no round trip here."""
 
     @staticmethod
     def settle() -> None:

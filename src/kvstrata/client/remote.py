@@ -207,10 +207,20 @@ class RemoteBackend(WorkerConnection):
         self.settle()
         return out
 
-    def acquire_start(self, keys: list[str], timeout: float, *, cache: bool | str = False, carry: bool = True) -> Any:
+    def acquire_start(
+        self,
+        keys: list[str],
+        timeout: float,
+        *,
+        cache: bool | str = False,
+        carry: bool = True,
+        placements: bool = False,
+    ) -> Any:
         """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
         (pipelined, ``carry`` as in :meth:`send_tagged`); :meth:`acquire_finish` completes it,
-        :meth:`acquire_ready` says whether that needs the worker's answer still."""
+        :meth:`acquire_ready` says whether that needs the worker's answer still, :meth:`acquire_known` gives the
+        leases known already. ``placements``: the worker also says each lease's placement
+        (:meth:`acquire_placements`, after the finish)."""
         local = self._local
         n = len(keys)
         out: list[Any] = [None] * n
@@ -231,7 +241,7 @@ class RemoteBackend(WorkerConnection):
                                 out[i] = Lease(lease_id, entry[1], False)
         nothing = out.count(None)
         if not nothing:
-            return keys, out, None, None, generation, cache
+            return keys, out, None, None, generation, cache, None
         if nothing == n:  # none kept (a first read, or the keys were rewritten): ask for all, as given
             missing: list[int] | None = None
             msg = {"op": "acquire", "keys": keys, "timeout": timeout}
@@ -240,23 +250,54 @@ class RemoteBackend(WorkerConnection):
             msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
-        return keys, out, missing, (self.send_tagged(msg, carry=carry), timeout), generation, cache
+        placed = None
+        if placements:
+            msg["placements"] = True
+            placed = [0] * n
+        return keys, out, missing, (self.send_tagged(msg, carry=carry), timeout), generation, cache, placed
 
     @staticmethod
     def acquire_ready(token: Any) -> bool:
         """Whether an :meth:`acquire_start` was served by the local-read cache alone (nothing to wait for)."""
         return token[3] is None
 
+    @staticmethod
+    def acquire_known(token: Any) -> list[Any]:
+        """The leases of an :meth:`acquire_start` known before the worker answers (the local-read cache's; None
+        for the keys asked for). Held already: :meth:`acquire_finish` returns them in the same places."""
+        return token[1]
+
+    @staticmethod
+    def acquire_placements(token: Any) -> list[int] | None:
+        """After :meth:`acquire_finish` of one started with ``placements=True`` and sent to the worker: each
+        asked key's lease's placement (0 for the keys the cache served and the refused ones); else None."""
+        return token[6]
+
+    def placement_hints(self, keys: list[str]) -> list[tuple[int, int, int, int] | None] | None:
+        """Where the worker's table says each key's bytes lie now, ``(segment, offset, size, placement)`` or
+        None per key; None where there is no table. Advice only (:mod:`kvstrata.store.placements`)."""
+        hints = self.placements
+        return None if hints is None else hints.lookup(keys)
+
     def acquire_finish(self, token: Any) -> list[Any]:
         """The leases of an :meth:`acquire_start` (a key's error in its slot). The worker's reply is checked for
         shape (ProtocolError, and the connection ends, where it is not what was asked for); leases the local-read
         cache may keep are judged at once and entered at the next :meth:`settle`."""
-        keys, out, missing, sent, generation, cache = token
+        keys, out, missing, sent, generation, cache, placed = token
         if sent is None:
             return out
         reply = self.tagged_reply(*sent)
         asked = keys if missing is None else [keys[i] for i in missing]
         ids, flat, flags, errs = self._acquire_columns(reply, len(asked))
+        if placed is not None:
+            got = reply.get("placed")
+            if type(got) is list and len(got) == len(asked) and _INT.issuperset(map(type, got)):
+                if missing is None:
+                    placed[:] = got
+                else:
+                    for i, p in zip(missing, got):
+                        placed[i] = p
+            # else: an older worker; every early copy is redone from its lease
         locs = list(_locs(flat))
         leases = map(_new, repeat(Lease), zip(ids, locs, map(_ONE.__eq__, flags)))
         if missing is None:

@@ -232,12 +232,15 @@ def _acquire(s: Session, msg: dict) -> dict:
     Reply ``{"ids": [lease id] * n, "locs": [segment, offset, size] * n flat, "flags": [...] * n,
     "errs": [[i, type, message], ...]}``: a flag is ``1`` for a mutable object, ``2 + slot`` for a lease
     the client may keep for local reads (``slot``: the key's counter in :mod:`kvstrata.server.validity`),
-    else ``0``; a refused key has id 0 and zeros.
+    else ``0``; a refused key has id 0 and zeros. With ``"placements": true`` also ``"placed": [...] * n``,
+    each lease's placement (:mod:`kvstrata.store.placements`: the client checks copies it started early).
     """
     if not s.shm:
         raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
     keys = P.check_keys(msg.get("keys", []))
-    ids, locs, mutable, errors = s.store.lease_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
+    ids, locs, mutable, placed, errors = s.store.lease_many(
+        keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))
+    )
     flat = list(chain.from_iterable(locs))
     if msg.get("cache"):  # the client may keep cacheable leases for later local views
         # validity.cacheable and validity.slot_of, inline: sealed (immutable) and TTL-free
@@ -256,6 +259,8 @@ def _acquire(s: Session, msg: dict) -> dict:
         reply["errs"] = errs
     s.new_segments(flat, reply)
     reply["ids"], reply["locs"], reply["flags"] = ids, flat, flags
+    if msg.get("placements"):
+        reply["placed"] = placed
     return reply
 
 

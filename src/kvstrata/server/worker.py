@@ -30,6 +30,8 @@ from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.server.session import Session
 from kvstrata.server.validity import SLOTS_OFFSET, SPIN_HINT_OFFSET, Validity
+from kvstrata.store.placements import BUCKETS as PLACEMENT_BUCKETS
+from kvstrata.store.placements import PlacementTable
 from kvstrata.transport import Connection, Listener, listen
 from kvstrata.transport.stream import MAX_FDS
 
@@ -51,6 +53,7 @@ class Worker:
         self._own_store = store is None
         self._listener: Listener | None = None
         self.validity: Validity | None = None
+        self.placements: PlacementTable | None = None  # where objects lie, for clients' early copies
         self._sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -77,6 +80,9 @@ class Worker:
 
             self._store = ObjectStore(self.config.store_config())
         self.validity = Validity()
+        if hasattr(self._store, "publish_placements"):
+            self.placements = PlacementTable()
+            self._store.publish_placements(self.placements)
         if hasattr(self._store, "add_segment_listener"):
             self._store.add_segment_listener(self._on_segment)
         try:
@@ -133,6 +139,10 @@ class Worker:
         if self.validity is not None:
             self.validity.close()
             self.validity = None  # type: ignore[assignment]
+        if self.placements is not None:
+            self._store.publish_placements(None)  # a shared store outlives this worker: stop its writes here
+            self.placements.close()
+            self.placements = None
 
     def __enter__(self) -> Worker:
         return self if self._listener else self.start()
@@ -162,7 +172,8 @@ class Worker:
         reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
-            segs = list(self._store.segments)[: MAX_FDS - 3]  # room for the page, the lane, devobj's page
+            # room for the page, the placements, the lane, devobj's page
+            segs = list(self._store.segments)[: MAX_FDS - 4]
             reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
             reply["spin_hint"] = SPIN_HINT_OFFSET  # where in that page the polling advice is
@@ -170,6 +181,10 @@ class Worker:
             # what one client may keep leased for local reads (pinned: not evictable while held)
             reply["cache_bytes"] = self.config.memory // CACHE_SHARE
             fds = [self.validity.fd] + [seg.fd for seg in segs]
+            if self.placements is not None:
+                reply["placements"] = len(fds)  # where objects lie (store.placements): early copies
+                reply["placement_buckets"] = PLACEMENT_BUCKETS
+                fds.append(self.placements.fd)
             session.sent_segments.update(range(len(segs)))
             if hello.get("lane") and _lane.supported():
                 session.open_lane()

@@ -239,6 +239,8 @@ class BatchMixin:
                     w[0].notify_all()
         if freed:
             self._free_entries(freed)
+        if self._placements is not None:
+            self._placements.publish(entries)
         if self._mem.used > self._high:
             self._wake.set()
 

@@ -40,6 +40,7 @@ from kvstrata.store.device import DeviceCacheMixin
 from kvstrata.store.eviction import ClockPolicy
 from kvstrata.store.leases import LeaseMixin
 from kvstrata.store.objects import Entry, check_key, check_keys, check_ttl
+from kvstrata.store.placements import PlacementTable
 from kvstrata.store.reads import ReadMixin
 from kvstrata.store.reservations import ReservationMixin, SettlingLock
 from kvstrata.store.tiering import TieringMixin
@@ -67,6 +68,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []
+        self._placements: PlacementTable | None = None  # where sealed objects lie, for clients' copies
         self._announce_lock = threading.RLock()
         self._mem = MemoryTier(
             config.memory_bytes,
@@ -134,6 +136,12 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         """Call ``fn(segment)`` (outside the store's lock) whenever the DRAM tier adds a segment."""
         with self._lock:
             self._listeners.append(fn)
+
+    def publish_placements(self, table: PlacementTable | None) -> None:
+        """Write every placement sealed from now on into ``table`` (:mod:`kvstrata.store.placements`; a
+        worker's clients start copies from it), or stop (None)."""
+        with self._lock:
+            self._placements = table
 
     def _announce_segments(self) -> None:
         # Whoever announces, a segment is announced before the write that made it returns: a

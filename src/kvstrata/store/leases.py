@@ -20,7 +20,7 @@ from kvstrata.store.device import GpuCopy
 from kvstrata.store.objects import ZERO_LOCATION, Entry, Lease, check_key, check_keys, check_timeout
 from kvstrata.store.tiers.base import Location
 
-_LOC, _MUTABLE = operator.attrgetter("loc"), operator.attrgetter("mutable")
+_LOC, _MUTABLE, _PLACED = operator.attrgetter("loc"), operator.attrgetter("mutable"), operator.attrgetter("placed")
 
 
 class LeaseMixin:
@@ -45,7 +45,7 @@ class LeaseMixin:
             if leases is None:
                 leases = self._owner_leases[owner] = set()
             leases.add(lid)
-            lease = Lease(lid, key, e.loc, e.size, e.mutable)
+            lease = Lease(lid, key, e.loc, e.size, e.mutable, e.placed)
         if self._announced < len(self._mem.segments):
             self._announce_segments()
         return lease
@@ -55,21 +55,21 @@ class LeaseMixin:
     ) -> list[Lease | KvstrataError]:
         """Per-key :meth:`acquire`; a failed key yields its exception in place. ``timeout`` bounds the whole call."""
         keys = check_keys(keys)
-        ids, locs, mutable, errors = self.lease_many(keys, owner=owner, timeout=timeout)
+        ids, locs, mutable, placed, errors = self.lease_many(keys, owner=owner, timeout=timeout)
         # tuple.__new__ builds each NamedTuple in C (its generated __new__ is Python code)
-        out: list = list(
-            map(tuple.__new__, itertools.repeat(Lease), zip(ids, keys, locs, [loc.size for loc in locs], mutable))
-        )
+        sizes = [loc.size for loc in locs]
+        out: list = list(map(tuple.__new__, itertools.repeat(Lease), zip(ids, keys, locs, sizes, mutable, placed)))
         for i, exc in errors.items():
             out[i] = exc
         return out
 
     def lease_many(
         self, keys: Iterable[str], *, owner: object, timeout: float | None = 0.0
-    ) -> tuple[list[int], list[Location], list[bool], dict[int, KvstrataError]]:
+    ) -> tuple[list[int], list[Location], list[bool], list[int], dict[int, KvstrataError]]:
         """:meth:`acquire_many` in columns, for a caller answering many keys at once (the worker builds its
-        reply from these without a tuple per key): each key's lease id, location and whether the object is
-        mutable, plus ``{position: exception}`` for refused keys (lease id 0, ``ZERO_LOCATION``, False there).
+        reply from these without a tuple per key): each key's lease id, location, whether the object is
+        mutable and its placement (:mod:`kvstrata.store.placements`), plus ``{position: exception}`` for
+        refused keys (lease id 0, ``ZERO_LOCATION``, False, 0 there).
         """
         keys = check_keys(keys)
         timeout = check_timeout(timeout)
@@ -107,12 +107,13 @@ class LeaseMixin:
                 lids = []
             locs = list(map(_LOC, got))
             mutable = list(map(_MUTABLE, got))
+            placed = list(map(_PLACED, got))
         if slow:
-            it_ids, it_locs, it_mut = iter(lids), iter(locs), iter(mutable)
-            lids, locs, mutable = [0] * n, [ZERO_LOCATION] * n, [False] * n
+            it_ids, it_locs, it_mut, it_placed = iter(lids), iter(locs), iter(mutable), iter(placed)
+            lids, locs, mutable, placed = [0] * n, [ZERO_LOCATION] * n, [False] * n, [0] * n
             for i, e in enumerate(entries):
                 if e is not None:
-                    lids[i], locs[i], mutable[i] = next(it_ids), next(it_locs), next(it_mut)
+                    lids[i], locs[i], mutable[i], placed[i] = next(it_ids), next(it_locs), next(it_mut), next(it_placed)
         errors: dict[int, KvstrataError] = {}
         for i in slow:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -121,10 +122,10 @@ class LeaseMixin:
             except KvstrataError as exc:
                 errors[i] = exc
                 continue
-            lids[i], locs[i], mutable[i] = lease.lease_id, lease.location, lease.mutable
+            lids[i], locs[i], mutable[i], placed[i] = lease.lease_id, lease.location, lease.mutable, lease.placement
         if self._announced < len(self._mem.segments):
             self._announce_segments()
-        return lids, locs, mutable, errors
+        return lids, locs, mutable, placed, errors
 
     def release_many(self, lease_ids: Iterable[int]) -> None:
         """:meth:`release` of each lease, in one critical section."""

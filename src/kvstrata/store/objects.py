@@ -29,6 +29,7 @@ class Lease(NamedTuple):
     location: Location
     size: int
     mutable: bool
+    placement: int = 0  # which placement of the version (kvstrata.store.placements); 0 for HBM copies
 
 
 class Entry:
@@ -48,6 +49,7 @@ class Entry:
         "mutable",
         "on_disk",
         "owner",
+        "placed",
         "ref",
         "referenced",
         "sealed",
@@ -62,6 +64,8 @@ class Entry:
         self.loc = loc
         self.mode = mode
         self.version = version
+        # The placement of these bytes (kvstrata.store.placements): a promotion back from SSD is a new one.
+        self.placed = version
         self.owner = owner
         self.sealed = False  # visible to readers (sealed or published)
         self.mutable = False

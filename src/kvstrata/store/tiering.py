@@ -169,8 +169,11 @@ class TieringMixin:
             self._free_loc(loc)
             self._drop_corrupt(e, error)
         e.loc = loc
+        e.placed = next(self._versions)  # the same version in new bytes: a new placement
         if e.size:
             self._clock.add(e.key, e)
+            if self._placements is not None and e.sealed:
+                self._placements.publish((e,))
         self._counts["promotions"] += 1
         return True
 

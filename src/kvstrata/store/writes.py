@@ -248,6 +248,8 @@ class WriteMixin:
             w = self._waiters.get(key)
             if w is not None:
                 w[0].notify_all()
+        if self._placements is not None and not mutable:
+            self._placements.publish((e,))
         if self._mem.used > self._high:
             self._wake.set()
 
@@ -282,6 +284,8 @@ class WriteMixin:
 
     def _free_locked(self, e: Entry) -> None:
         if e.loc is not None and e.loc.size:
+            if self._placements is not None and not e.dead:  # a dead version's placement went with _retire
+                self._placements.withdraw(e)
             self._mem.free(e.loc)
         e.loc = None
 
@@ -290,6 +294,8 @@ class WriteMixin:
         to free is appended there instead (the caller frees them all with :meth:`_free_entries`)."""
         e.dead = True
         self._evict_blocked = False
+        if self._placements is not None:
+            self._placements.withdraw(e)
         key = e.key
         self._clock.remove(key, e)
         if self._dirty.get(key) is e:

@@ -1,0 +1,133 @@
+"""Where each sealed object lies, in a table the worker writes and every client of the node maps read-only.
+
+A client that must lease a key before copying its bytes (a cold ``mget_h2d``: the key was never read by
+it, or was rewritten since) waits one round trip to the worker before the first byte moves. This table
+lets it start the copy at once, from where the table says the key's bytes are, while the lease is asked
+for; the lease then says whether that was right. The table is advice, never trusted:
+
+- Each **placement** (a version's bytes at one place in DRAM, from the moment they are sealed until they
+  are freed or moved) has an id no other placement ever gets (``Entry.placed``; a promotion back from
+  SSD is a new placement). A lease reply carries its placement's id.
+- The worker writes a bucket only after the placement's bytes are final (sealed, landed, promoted).
+- A copy started from a bucket stands only if the lease names the same placement *and* the same place.
+  Then that placement was alive when the bucket was read (it had been written) and when the lease was
+  taken, so its bytes never left in between (a placement never comes back once ended), and the lease
+  pins them from then on. Otherwise the key is copied again from the leased place, after the first copy
+  on the same stream. A stale, overwritten or torn bucket costs one wasted copy, never a wrong byte.
+
+Layout: ``BUCKETS`` buckets of four 64-bit words, ``[tag, segment << 48 | offset, size, placement]``,
+direct-mapped by a hash every process computes alike (CRC-32 of the key's UTF-8 bytes; Python's own
+``hash`` differs per process). ``tag`` is the CRC and the key's length with the top bit set (0: empty).
+A key whose bucket another key took since is simply not found. Only immutable objects are written.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+BUCKETS = 1 << 16  # 2 MiB: the placements of the last tens of thousands of objects written
+WORDS = 4
+TABLE_BYTES = BUCKETS * WORDS * 8
+_FILLED = 1 << 63
+_OFFSET_BITS = 48
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+
+
+def key_hash(key: str) -> tuple[int, int]:
+    """``(bucket, tag)`` of ``key``."""
+    raw = key.encode()
+    crc = zlib.crc32(raw)
+    return crc & (BUCKETS - 1), _FILLED | (len(raw) & 0xFFFF) << 32 | crc
+
+
+def _hashes(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`key_hash` of each key, as two arrays (bucket indexes, uint64 tags)."""
+    raws = [k.encode() for k in keys]
+    crcs = np.fromiter(map(zlib.crc32, raws), np.int64, len(raws))
+    lengths = np.fromiter(map(len, raws), np.int64, len(raws)) & 0xFFFF
+    return crcs & (BUCKETS - 1), (crcs | lengths << 32).astype(np.uint64) | np.uint64(_FILLED)
+
+
+class PlacementTable:
+    """The worker's side: a shared segment it writes with :meth:`publish` and passes to clients by ``fd``."""
+
+    def __init__(self) -> None:
+        from kvstrata.memory.shm import SharedSegment
+
+        self.segment = SharedSegment.create(TABLE_BYTES, name="kvstrata-placements", hugepages="off", numa_node=None)
+        self._rows = np.frombuffer(self.segment.buffer, dtype=np.uint64).reshape(BUCKETS, WORDS)
+
+    @property
+    def fd(self) -> int:
+        return self.segment.fd
+
+    def publish(self, entries: Iterable[Any]) -> None:
+        """Write the placements of ``entries`` (store Entries whose bytes are final: ``key``, ``loc``, ``placed``).
+        Called under the store's lock by whatever made them so; entries without DRAM bytes are skipped."""
+        rows = self._rows
+        if rows is None:
+            return
+        entries = [e for e in entries if e.loc is not None and e.loc.size and not e.mutable]
+        if not entries:
+            return
+        buckets, tags = _hashes([e.key for e in entries])
+        locs = [e.loc for e in entries]
+        values = np.empty((len(entries), WORDS), dtype=np.uint64)
+        values[:, 0] = tags
+        values[:, 1] = [loc.segment << _OFFSET_BITS | loc.offset for loc in locs]
+        values[:, 2] = [loc.size for loc in locs]
+        values[:, 3] = [e.placed for e in entries]
+        rows[buckets] = values
+
+    def withdraw(self, e: Any) -> None:
+        """``e``'s placement ends (its version retired, or its bytes freed or moved): clear its bucket if that
+        still names it, so readers stop starting copies from it (they would be redone, but a key found missing
+        then would have had its tensors written). Called under the store's lock."""
+        rows = self._rows
+        if rows is None or e.loc is None:
+            return
+        bucket, tag = key_hash(e.key)
+        if int(rows[bucket, 3]) == e.placed and int(rows[bucket, 0]) == tag:
+            rows[bucket, 0] = 0
+
+    def close(self) -> None:
+        self._rows = None  # never a store into an unmapped page
+        self.segment.close()
+
+
+class PlacementHints:
+    """A client's side: the mapped table, read with :meth:`lookup`."""
+
+    def __init__(self, segment: Any) -> None:
+        self.segment = segment
+        self._rows = np.frombuffer(segment.buffer, dtype=np.uint64).reshape(BUCKETS, WORDS)
+
+    def lookup(self, keys: list[str]) -> list[tuple[int, int, int, int] | None]:
+        """Per key, ``(segment, offset, size, placement)`` as the table has it now, or None where it has
+        nothing for that key. Advice only: see the module docstring for what a caller must check."""
+        rows = self._rows
+        if rows is None or not keys:
+            return [None] * len(keys)
+        raws = [k.encode() for k in keys]
+        crcs = list(map(zlib.crc32, raws))
+        got = rows[np.array(crcs, np.int64) & (BUCKETS - 1)].tolist()  # one gather (a bucket may be torn: see above)
+        out: list[tuple[int, int, int, int] | None] = []
+        for raw, crc, (tag, where, size, placed) in zip(raws, crcs, got):
+            if tag == _FILLED | (len(raw) & 0xFFFF) << 32 | crc:
+                out.append((where >> _OFFSET_BITS, where & _OFFSET_MASK, size, placed))
+            else:
+                out.append(None)
+        return out
+
+    def close(self, close_segment: Any = None) -> None:
+        """Unmap the table (``close_segment(segment)`` does it where given: one that copes with a lookup
+        in another thread still holding a view)."""
+        self._rows = None
+        (close_segment or type(self.segment).close)(self.segment)
+
+
+__all__ = ["BUCKETS", "TABLE_BYTES", "PlacementHints", "PlacementTable", "key_hash"]
