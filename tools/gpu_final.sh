@@ -52,6 +52,7 @@
 #   PART=s8e: bench device --quick (2 GiB broadcast) and tools/devobj_latency_cpu.py with the worker's device-object
 #           request threads dozing for 5 ms after each request (KVSTRATA_DOZE_US=5000, a knob of the session's,
 #           measured slower in the bench and removed after this call) and without, in turn
+#   PART=s9a: as s8d, with ab_old/src the code before the placement table (session 9)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -209,7 +210,7 @@ elif [ "${PART}" = s8b ]; then
   store_twice
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   bench 60 gather --quick
-elif [ "${PART}" = s8c ] || [ "${PART}" = s8d ]; then
+elif [ "${PART}" = s8c ] || [ "${PART}" = s8d ] || [ "${PART}" = s9a ]; then
   store_read_ab
   if [ "${PART}" = s8c ]; then KVSTRATA_DEVOBJ_TRACE=1 bench 100 device --quick --broadcast-gib 2 --wait 30; fi
 elif [ "${PART}" = s8z ]; then
