@@ -320,6 +320,8 @@ def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
     src = [[torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")] for _ in keys]
     assert kv.mset_d2h(keys, src) == [None] * 4
     writer = kv if kv.embedded else kvstrata.connect(kv.address)
+    if not kv.embedded:  # copies only after the leases (early copies: test_cuda_cold_read_copies_early_...)
+        monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: [None] * len(ks))
     real_enqueue = device.enqueue
 
     def enqueue_then_overwrite(runs, dev, stream, **kw):
@@ -336,6 +338,30 @@ def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
         if writer is not kv:
             writer.close()
     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+    kv.delete(keys)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_cuda_cold_read_copies_early_and_redoes_stale_advice(kv, writer, monkeypatch):
+    keys = [f"gpu-early/{i}" for i in range(16)]
+    kv.delete(keys)
+    old = [[torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")] for _ in keys]
+    assert writer.mset_d2h(keys, old) == [None] * 16  # another client's objects: no lease kept here
+    backend = kv._backend
+    stale = dict(zip(keys, backend.placement_hints(keys)))
+    assert None not in stale.values()
+    writer.delete(keys[:3])
+    new = [[torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda")] for _ in range(3)]
+    assert writer.mset_d2h(keys[:3], new) == [None] * 3  # rewritten after the advice below was read
+    monkeypatch.setattr(backend, "placement_hints", lambda ks: [stale[k] for k in ks])
+    events = _order(monkeypatch, backend)
+    dst = [[torch.full_like(t[0], 7)] for t in old]
+    assert kv.mget_h2d(keys, dst) == [None] * 16
+    torch.cuda.synchronize()
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(new + old[3:], dst))
+    first_answer = events.index("answer")
+    assert first_answer >= 1 and "copies" in events[first_answer:], events  # early copies, then the 3 redone
     kv.delete(keys)
 
 
