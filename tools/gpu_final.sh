@@ -53,6 +53,8 @@
 #           request threads dozing for 5 ms after each request (KVSTRATA_DOZE_US=5000, a knob of the session's,
 #           measured slower in the bench and removed after this call) and without, in turn
 #   PART=s9a: as s8d, with ab_old/src the code before the placement table (session 9)
+#   PART=s9b: tools/probe_placements.py; bench store's device rows with the new code, the new code with its worker's
+#           placement table off (KVSTRATA_PLACEMENT_TABLE=0) and ab_old/src in turn, twice; trace_store_device --profile
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -213,6 +215,19 @@ elif [ "${PART}" = s8b ]; then
 elif [ "${PART}" = s8c ] || [ "${PART}" = s8d ] || [ "${PART}" = s9a ]; then
   store_read_ab
   if [ "${PART}" = s8c ]; then KVSTRATA_DEVOBJ_TRACE=1 bench 100 device --quick --broadcast-gib 2 --wait 30; fi
+elif [ "${PART}" = s9b ]; then
+  echo "=== tools/probe_placements.py" >> "$LOG"; timeout 60 python3 tools/probe_placements.py >> "$LOG" 2>&1
+  for v in new off old new off old; do
+    case $v in
+      new) export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
+      off) export PYTHONPATH="$PWD/src" KVSTRATA_PLACEMENT_TABLE=0 ;;
+      old) export PYTHONPATH="$PWD/ab_old/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
+    esac
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE
+  echo "=== tools/trace_store_device.py --profile" >> "$LOG"
+  timeout 120 python3 tools/trace_store_device.py --profile >> "$LOG" 2>&1
 elif [ "${PART}" = s8z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -33,6 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         help="busy-poll for a lone client's next request this many microseconds before sleeping (200; 0: off)",
     )
+    p.add_argument(
+        "--no-placement-table",
+        dest="placement_table",
+        action="store_const",
+        const=False,
+        help="no table of where objects lie: cold device reads wait for their leases before copying",
+    )
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--config", help="YAML file of settings (same names as the flags, with underscores)")
     p.set_defaults(func=run)
@@ -56,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             "socket_mode",
             "log_level",
             "spin_us",
+            "placement_table",
         )
     }
     try:

@@ -86,6 +86,9 @@ class WorkerConfig:
     #: microseconds a connection's thread busy-polls for the next request before sleeping (0: never);
     #: it polls only while one client is connected and the machine has a core to spare (see Worker)
     spin_us: float = 200.0
+    #: keep the table of where objects lie that lets clients start device reads before their leases come back
+    #: (kvstrata.store.placements); off, a cold ``mget_h2d`` waits one round trip before its first copy
+    placement_table: bool = True
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:

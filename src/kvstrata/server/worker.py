@@ -80,7 +80,7 @@ class Worker:
 
             self._store = ObjectStore(self.config.store_config())
         self.validity = Validity()
-        if hasattr(self._store, "publish_placements"):
+        if self.config.placement_table and hasattr(self._store, "publish_placements"):
             self.placements = PlacementTable()
             self._store.publish_placements(self.placements)
         if hasattr(self._store, "add_segment_listener"):
