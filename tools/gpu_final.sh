@@ -55,6 +55,8 @@
 #   PART=s9a: as s8d, with ab_old/src the code before the placement table (session 9)
 #   PART=s9b: tools/probe_placements.py; bench store's device rows with the new code, the new code with its worker's
 #           placement table off (KVSTRATA_PLACEMENT_TABLE=0) and ab_old/src in turn, twice; trace_store_device --profile
+#   PART=s9c: bench store's device rows with ab_old/src (before the placement table), ab_fewer/src (that code with
+#           one request for every key left after the first stage's) and the new code in turn, twice; their traces
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -228,6 +230,16 @@ elif [ "${PART}" = s9b ]; then
   export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE
   echo "=== tools/trace_store_device.py --profile" >> "$LOG"
   timeout 120 python3 tools/trace_store_device.py --profile >> "$LOG" 2>&1
+elif [ "${PART}" = s9c ]; then
+  for v in ab_old ab_fewer new ab_old ab_fewer new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  for v in ab_old ab_fewer new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s8z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -302,6 +302,8 @@ class DeviceCallsMixin:
             for lo, top, tok in asked:
                 if top > st.lo and lo < st.hi:
                     known = backend.acquire_known(tok)
+                    if known.count(None) == len(known):  # a cold request: nothing known before its answer
+                        continue
                     for i in range(max(lo, st.lo), min(top, st.hi)):
                         lease = known[i - lo]
                         if lease is not None and not isinstance(lease, BaseException):
