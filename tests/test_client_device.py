@@ -506,7 +506,7 @@ def _count_asks(monkeypatch, backend) -> list[int]:
     return asked
 
 
-def test_pipelined_mget_h2d_asks_two_groups_up_front_then_a_stage_ahead(kv, monkeypatch):
+def test_pipelined_mget_h2d_asks_two_groups_up_front_then_the_rest_at_once(kv, monkeypatch):
     keys = [f"pipe-get/{i}" for i in range(9)]
     kv.delete(keys)
     src = _lists(9)
@@ -523,13 +523,13 @@ def test_pipelined_mget_h2d_asks_two_groups_up_front_then_a_stage_ahead(kv, monk
     dst = _poisoned(src)
     res = kv.mget_h2d(keys, dst)
     # Through a worker: the first stage's 2 keys and at once the next up to 4 x 2 (at least 8) in all (the worker
-    # reads that request right after its first answer), the first stage's copies as soon as they are leased, the
-    # next stages' at once (their leases are in), then the last stage asks for its own; in-process (no round trip
+    # reads that request right after its first answer), the first stage's copies as soon as they are leased, then
+    # every key left in one request, and the next stages' copies as their leases are in; in-process (no round trip
     # to hide) and where the local-read cache serves the first stage: each stage as it comes.
     asks = [x for x in asked if x != "copies"]
     assert asks == ([2, 6, 1] if remote else [2, 2, 2, 2, 1])
     c = "copies"
-    assert asked == ([2, 6, c, c, c, c, 1, c] if remote else [2, c, 2, c, 2, c, 2, c, 1, c])
+    assert asked == ([2, 6, c, 1, c, c, c, c] if remote else [2, c, 2, c, 2, c, 2, c, 1, c])
     monkeypatch.setattr(device, "enqueue", real_enqueue)
     asked.clear()
     assert kv.mget_h2d(keys[:4] + keys[6:], dst[:4] + dst[6:]) == [None] * 7  # kept leases: no worker asked

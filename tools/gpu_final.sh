@@ -57,6 +57,8 @@
 #           placement table off (KVSTRATA_PLACEMENT_TABLE=0) and ab_old/src in turn, twice; trace_store_device --profile
 #   PART=s9c: bench store's device rows with ab_old/src (before the placement table), ab_fewer/src (that code with
 #           one request for every key left after the first stage's) and the new code in turn, twice; their traces
+#   PART=s9d: client-device GPU tests; bench store's device rows with the new code (placement table on), the new
+#           code with the table off (KVSTRATA_PLACEMENT_TABLE=0) and ab_old/src in turn, twice; trace_store_device
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -240,6 +242,19 @@ elif [ "${PART}" = s9c ]; then
     echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s9d ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
+  for v in new off ab_old new off ab_old; do
+    case $v in
+      new) export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
+      off) export PYTHONPATH="$PWD/src" KVSTRATA_PLACEMENT_TABLE=0 ;;
+      ab_old) export PYTHONPATH="$PWD/ab_old/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
+    esac
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s8z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

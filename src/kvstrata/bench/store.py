@@ -177,8 +177,9 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
     ``copy_`` of 64 MiB (``ceiling``) and the same copy from the worker's shared segment as this client
     registered it (``seg_ceiling``: what DMA from that memory allows). ``mget_h2d`` three times: keys read
     before and unchanged since (leases kept by the client: no round trip), the same with another key
-    written before each call (still no round trip: see kvstrata.server.validity), and right after the
-    keys themselves were rewritten (a lease round trip)."""
+    written before each call (still no round trip: see kvstrata.server.validity), right after the keys
+    themselves were rewritten (a lease round trip), and right after another client rewrote them (the worker's
+    placement table lets the copies start before the leases come back: kvstrata.store.placements)."""
     import torch
 
     import kvstrata
@@ -219,6 +220,17 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
         t_get_rt = statistics.median(times[3:])
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         times = []
+        with kvstrata.connect(address) as writer:  # another process's objects: a decode engine reading prefill's
+            for _ in range(23):
+                writer.delete(keys)
+                assert writer.mset_d2h(keys, src) == [None] * n
+                writer.exists(keys[:1])  # the writer's next request: its objects are visible to all by its answer
+                t0 = time.perf_counter()
+                kv.mget_h2d(keys, dst)
+                times.append(time.perf_counter() - t0)
+        t_get_written = statistics.median(times[3:])
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+        times = []
         for it in range(23):  # write-once keys: fresh ones every time, deleted outside the timing
             ks = [f"d2h/{it}/{i}" for i in range(n)]
             t0 = time.perf_counter()
@@ -238,6 +250,7 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
         ("mget_h2d 64x1MiB", t_get, h2d_ceiling, seg_h2d),
         ("mget_h2d 64x1MiB, another key written before each", t_get_other, h2d_ceiling, seg_h2d),
         ("mget_h2d 64x1MiB right after its keys were rewritten", t_get_rt, h2d_ceiling, seg_h2d),
+        ("mget_h2d 64x1MiB of keys another client just wrote", t_get_written, h2d_ceiling, seg_h2d),
         ("mset_d2h 64x1MiB", t_put, d2h_ceiling, seg_d2h),
         (f"async_mget_h2d 64x1MiB, {IN_FLIGHT} in flight", t_get_async, h2d_streamed, None),
         (f"async_mset_d2h 64x1MiB, {IN_FLIGHT} in flight", t_put_async, d2h_streamed, None),

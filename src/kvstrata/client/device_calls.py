@@ -242,7 +242,8 @@ class DeviceCallsMixin:
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
         cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
         where the worker must be asked, the first stage's leases and the next keys' (up to 4x as many) are asked
-        for at the start; each later stage asks for its own one stage ahead, answered while earlier bytes move.
+        for at the start, and every key left in one request once the first stage's copies are queued, answered
+        while earlier bytes move.
         Where the worker's placement table (:mod:`kvstrata.store.placements`) says where a key's bytes lie, its
         copies start at once, before its lease comes back; the lease then confirms them, or the key is copied
         again from where the lease says. Elsewhere the copies start after one round trip. A bad tensor raises
@@ -338,6 +339,11 @@ class DeviceCallsMixin:
         try:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
+                    if st.lo and upfront and covered < n and len(asked) <= 1:
+                        # The up-front requests are in flight or read: every key left in one more request,
+                        # answered while this stage's copies are queued and run (one request instead of one per
+                        # stage: each costs this thread ~30-40 us to send and read, on a path the host bounds).
+                        ask(covered, n)
                     if covered < st.hi:
                         ask(covered, st.hi)
                         if st.lo == 0 and not timeout and not answered(st.hi):
@@ -346,8 +352,8 @@ class DeviceCallsMixin:
                             # stage's (the worker reads that request right after its first reply, with no
                             # wake-up), and sets the copy stream to follow the caller's. Once the first stage's
                             # copies are queued, the second stage's leases are in and its copies go at once;
-                            # each later stage asks for its own leases as it comes, one stage ahead of the
-                            # copies, so every answer comes while earlier bytes move. (Asking for all of them at
+                            # the rest are asked for then, in one request, answered while earlier bytes
+                            # move. (Asking for all of them at
                             # the start put ~100 us of requests before the first copies; asking for the rest
                             # after the first stage's copies put it between the first and second stage's.)
                             # Where the local-read cache served the first stage, each stage asks as it comes
