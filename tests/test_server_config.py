@@ -123,3 +123,24 @@ def test_spin_us(tmp_path):
     for bad in (-1, 1e6, "fast", True):
         with pytest.raises(ValueError, match="spin_us"):
             WorkerConfig.load({**base, "spin_us": bad}, environ={})
+
+
+def test_placement_table_setting_and_a_worker_without_it(tmp_path):
+    import torch
+
+    import kvstrata
+    from kvstrata.server import Worker
+
+    base = {"socket": str(tmp_path / "s.sock"), "memory": "16MiB", "disk_dir": "", "numa_node": "none"}
+    assert WorkerConfig.load(base, environ={}).placement_table is True
+    off = WorkerConfig.load(base, environ={"KVSTRATA_PLACEMENT_TABLE": "0"})
+    assert off.placement_table is False
+    with pytest.raises(ValueError, match="placement_table"):
+        WorkerConfig.load({**base, "placement_table": "sometimes"}, environ={})
+    with Worker(off).start() as w, kvstrata.connect(w.address, timeout=5) as kv:
+        assert kv._backend.placement_hints(["a"]) is None  # no table sent: device reads wait for their leases
+        src = [[torch.arange(100, dtype=torch.uint8)], [torch.arange(7, dtype=torch.uint8)]]
+        assert kv.mset_d2h(["a", "b"], src) == [None, None]
+        dst = [[torch.zeros_like(t[0])] for t in src]
+        assert kv.mget_h2d(["a", "b"], dst) == [None, None]
+        assert all(torch.equal(x[0], y[0]) for x, y in zip(src, dst))

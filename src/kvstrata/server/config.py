@@ -104,6 +104,8 @@ class WorkerConfig:
             raise ValueError(f"log_level: must be one of {', '.join(_LEVELS)}, got {self.log_level!r}")
         if isinstance(self.spin_us, bool) or not isinstance(self.spin_us, int | float) or not 0 <= self.spin_us <= 1e5:
             raise ValueError(f"spin_us: must be a number of microseconds in [0, 100000], got {self.spin_us!r}")
+        if not isinstance(self.placement_table, bool):
+            raise ValueError(f"placement_table: must be true or false, got {self.placement_table!r}")
         if self.disk_dir and self.disk_size == 0:
             object.__setattr__(self, "disk_size", default_disk_bytes(self.disk_dir))
         self.store_config()  # the engine validates its own fields, with their names
