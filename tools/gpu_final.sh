@@ -59,6 +59,8 @@
 #           one request for every key left after the first stage's) and the new code in turn, twice; their traces
 #   PART=s9d: client-device GPU tests; bench store's device rows with the new code (placement table on), the new
 #           code with the table off (KVSTRATA_PLACEMENT_TABLE=0) and ab_old/src in turn, twice; trace_store_device
+#   PART=s9z: session 9's closing call: every GPU test, bench store's device rows twice, trace_store_device,
+#           tools/probe_placements.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -255,6 +257,13 @@ elif [ "${PART}" = s9d ]; then
   done
   export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s9z ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  store_twice
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  echo "=== tools/probe_placements.py" >> "$LOG"; timeout 60 python3 tools/probe_placements.py >> "$LOG" 2>&1
 elif [ "${PART}" = s8z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
