@@ -61,6 +61,8 @@
 #           code with the table off (KVSTRATA_PLACEMENT_TABLE=0) and ab_old/src in turn, twice; trace_store_device
 #   PART=s9z: session 9's closing call: every GPU test, bench store's device rows twice, trace_store_device,
 #           tools/probe_placements.py
+#   PART=s9e: client-device GPU tests; bench store's device rows and trace_store_device with the worker's placement
+#           table on and off (KVSTRATA_PLACEMENT_TABLE=0) in turn, twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -264,6 +266,16 @@ elif [ "${PART}" = s9z ]; then
   store_twice
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   echo "=== tools/probe_placements.py" >> "$LOG"; timeout 60 python3 tools/probe_placements.py >> "$LOG" 2>&1
+elif [ "${PART}" = s9e ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
+  for v in new off new off; do
+    if [ "$v" = off ]; then export KVSTRATA_PLACEMENT_TABLE=0; else unset KVSTRATA_PLACEMENT_TABLE; fi
+    echo "=== ($v: placement table)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+    echo "=== tools/trace_store_device.py ($v: placement table)" >> "$LOG"
+    timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  done
+  unset KVSTRATA_PLACEMENT_TABLE
 elif [ "${PART}" = s8z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 250 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

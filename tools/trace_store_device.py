@@ -62,17 +62,23 @@ def main() -> None:
                 kv.mset_d2h(keys, src)
                 host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
                 big = torch.empty(n * size, dtype=torch.uint8, device="cuda")
+                writer = kvstrata.connect(address)
                 for label, fn in (
                     ("mget_h2d cached", lambda it: kv.mget_h2d(keys, dst)),
                     ("mget_h2d after a rewrite", lambda it: kv.mget_h2d(keys, dst)),
+                    ("mget_h2d after another client's rewrite", lambda it: kv.mget_h2d(keys, dst)),
                     ("mset_d2h", lambda it: kv.mset_d2h([f"p/{it}/{i}" for i in range(n)], src)),
                     ("one 64 MiB copy_", lambda it: big.copy_(host, non_blocking=True)),
                 ):
                     totals, last = [], None
                     for it in range(12):
-                        if label.endswith("rewrite"):  # the keys changed: their kept leases are stale
+                        if label.endswith("after a rewrite"):  # the keys changed: their kept leases are stale
                             kv.delete(keys)
                             kv.mset_d2h(keys, src)
+                        elif label.endswith("client's rewrite"):  # written by another process (prefill, say)
+                            writer.delete(keys)
+                            writer.mset_d2h(keys, src)
+                            writer.exists(keys[:1])  # its answer comes once the objects are visible to all
                         torch.cuda.synchronize()
                         rows.clear()
                         start = torch.cuda.Event(enable_timing=True)

@@ -259,12 +259,16 @@ class DeviceCallsMixin:
         n = len(keys)
         results: list[Result] = [None] * n
         leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back
-        # Early copies (queued before the key's lease came back): {key index: (location, its placement, or None
-        # where a lease held already pins it)}. ``placed``: each lease's placement, as the worker says.
-        early: dict[int, tuple[Any, int | None]] = {}
+        # Early copies (queued before the key's lease came back), per key index: the placement table's
+        # ``(segment, offset, size, placement)`` they read from, or True where a lease held already pins the bytes.
+        # ``placed``: each lease's placement, as the worker says; ``advice``: the table's, looked up ahead.
+        early: dict[int, Any] = {}
         hinted = backend.placement_hints([]) is not None  # the worker keeps a placement table
         placed: list[int] = [0] * n if hinted else []
+        advice: list[Any] = [None] * n if hinted else []
+        advised = 0  # keys [0, advised) were looked up in the table
         early_stages: set[int] = set()  # the ``lo`` of stages with early copies
+        local_any: list[bool] = []  # per ``asked`` request: whether the local-read cache served some of its keys
         held: list[int] = []
         deadline = time.monotonic() + timeout
         s = None
@@ -282,6 +286,9 @@ class DeviceCallsMixin:
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
                 token = backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False, placements=hinted)
                 asked.append((lo, hi, token))
+                if hinted:
+                    known = backend.acquire_known(token)
+                    local_any.append(known.count(None) != len(known))
                 covered = hi
 
         def answered(hi: int) -> bool:  # the leases of keys < hi need no worker answer still
@@ -290,6 +297,8 @@ class DeviceCallsMixin:
         def collect(hi: int) -> None:  # read the acquires covering keys < hi
             while asked and asked[0][0] < hi:
                 lo, top, tok = asked.popleft()  # out first: a reply is read once, even one that raises
+                if local_any:
+                    del local_any[0]
                 leases[lo:top] = backend.acquire_finish(tok)
                 got = backend.acquire_placements(tok)
                 if got is not None:
@@ -297,36 +306,37 @@ class DeviceCallsMixin:
 
         def copy_early(st: Any) -> None:
             """Queue now the copies of the keys of ``st`` whose bytes' place is known before the worker answers:
-            leases the local-read cache holds, and the placement table's advice (checked by :func:`due`)."""
-            nonlocal s, first
-            where: list[Any] = [None] * (st.hi - st.lo)
-            for lo, top, tok in asked:
-                if top > st.lo and lo < st.hi:
-                    known = backend.acquire_known(tok)
-                    if known.count(None) == len(known):  # a cold request: nothing known before its answer
-                        continue
-                    for i in range(max(lo, st.lo), min(top, st.hi)):
-                        lease = known[i - lo]
-                        if lease is not None and not isinstance(lease, BaseException):
-                            where[i - st.lo] = (lease.location, None)
-            need = [j for j, w in enumerate(where) if w is None]
-            if need:
-                for j, hint in zip(need, backend.placement_hints([keys[st.lo + j] for j in need])):
-                    if hint is not None and hint[3] > 0 and backend.maps(hint[0], hint[1], hint[2]):
-                        where[j] = (_Loc(hint[0], hint[1], hint[2]), hint[3])
+            leases the local-read cache holds, and the placement table's advice (checked by the leases, below).
+            The first stage looks up its own keys; the next, every key left (one lookup while bytes move)."""
+            nonlocal s, first, advised
+            lo, hi = st.lo, st.hi
+            if advised < hi:
+                top = hi if lo == 0 else n
+                advice[advised:top] = backend.placement_hints(keys[advised:top])
+                advised = top
             which, locs = [], []
-            for j, w in enumerate(where):
-                if w is not None and w[0].size == st.sizes[j]:
-                    which.append(st.lo + j)
-                    locs.append(w[0])
-                    early[st.lo + j] = w
+            sizes = st.sizes
+            for i in range(lo, hi):
+                got = advice[i]
+                if got is not None and got[2] == sizes[i - lo] and got[3] > 0 and backend.maps(*got[:3]):
+                    which.append(i)
+                    locs.append(_Loc(*got[:3]))
+                    early[i] = got
+            for (first_key, top, tok), some in zip(asked, local_any):
+                if some and top > lo and first_key < hi:  # leases the local-read cache holds: no check needed
+                    known = backend.acquire_known(tok)
+                    for i in range(max(first_key, lo), min(top, hi)):
+                        lease = known[i - first_key]
+                        if lease is not None and i not in early and lease.location.size == sizes[i - lo]:
+                            which.append(i)
+                            locs.append(lease.location)
+                            early[i] = True
             if which:
-                early_stages.add(st.lo)
+                early_stages.add(lo)
                 if s is None and st.device is not None:
                     s = _device.start(st.device, stream)
-                _device.enqueue(
-                    self._plan(which, locs, st.pieces, st.lo, st.device, to_host=False), st.device, s, first=first
-                )
+                runs = self._plan(which, locs, st.pieces, lo, st.device, to_host=False)
+                _device.enqueue(runs, st.device, s, first=first)
                 first = False
 
         def due(prev: Any) -> bool:  # whether the oldest stage waiting is checked and its copies queued now
@@ -339,7 +349,7 @@ class DeviceCallsMixin:
         try:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
-                    if st.lo and upfront and covered < n and len(asked) <= 1:
+                    if st.lo and upfront and covered < n:
                         # The up-front requests are in flight or read: every key left in one more request,
                         # answered while this stage's copies are queued and run (one request instead of one per
                         # stage: each costs this thread ~30-40 us to send and read, on a path the host bounds).
@@ -385,7 +395,7 @@ class DeviceCallsMixin:
                         went = early.get(i)
                         # An early copy stands where the lease pins the very placement it read (see
                         # kvstrata.store.placements); else the key is copied again, after it on the stream.
-                        if went is not None and went[0] == loc and (went[1] is None or went[1] == placed[i]):
+                        if went is not None and (went is True or went == (*loc, placed[i])):
                             continue
                         if prev.sizes[j] != loc.size:
                             results[i] = ValueError(
