@@ -306,14 +306,12 @@ class DeviceCallsMixin:
 
         def copy_early(st: Any) -> None:
             """Queue now the copies of the keys of ``st`` whose bytes' place is known before the worker answers:
-            leases the local-read cache holds, and the placement table's advice (checked by the leases, below).
-            The first stage looks up its own keys; the next, every key left (one lookup while bytes move)."""
+            leases the local-read cache holds, and the placement table's advice (checked by the leases, below)."""
             nonlocal s, first, advised
             lo, hi = st.lo, st.hi
             if advised < hi:
-                top = hi if lo == 0 else n
-                advice[advised:top] = backend.placement_hints(keys[advised:top])
-                advised = top
+                advice[advised:hi] = backend.placement_hints(keys[advised:hi])
+                advised = hi
             which, locs = [], []
             sizes = st.sizes
             for i in range(lo, hi):
@@ -349,32 +347,32 @@ class DeviceCallsMixin:
         try:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
-                    if st.lo and upfront and covered < n:
-                        # The up-front requests are in flight or read: every key left in one more request,
-                        # answered while this stage's copies are queued and run (one request instead of one per
-                        # stage: each costs this thread ~30-40 us to send and read, on a path the host bounds).
-                        ask(covered, n)
                     if covered < st.hi:
                         ask(covered, st.hi)
-                        if st.lo == 0 and not timeout and not answered(st.hi):
-                            # The worker is asked (keys not read before, or changed). This thread would only
-                            # wait for the first answer: it asks now for the next keys too, up to 4x the first
-                            # stage's (the worker reads that request right after its first reply, with no
-                            # wake-up), and sets the copy stream to follow the caller's. Once the first stage's
-                            # copies are queued, the second stage's leases are in and its copies go at once;
-                            # the rest are asked for then, in one request, answered while earlier bytes
-                            # move. (Asking for all of them at
-                            # the start put ~100 us of requests before the first copies; asking for the rest
-                            # after the first stage's copies put it between the first and second stage's.)
-                            # Where the local-read cache served the first stage, each stage asks as it comes
-                            # (the cache likely serves it too, at no cost); so does a call that waits for
-                            # missing keys, whose every request must carry what is left of its one timeout.
-                            ask(st.hi, min(n, max(8, 4 * st.hi)))
-                            if s is None and st.device is not None:
-                                s = _device.start(st.device, stream)
-                            upfront = covered  # their answers come first: nothing to do before them but wait
-                    if hinted and not answered(st.hi):
-                        copy_early(st)
+                    cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
+                    if cold and hinted:
+                        copy_early(st)  # before any further request: nothing in front of these bytes
+                    if st.lo == 0 and cold and not timeout and covered < n:
+                        # The worker is asked (keys not read before, or changed). This thread would only wait for
+                        # the first answer: it asks now for the next keys too, up to 4x the first stage's (the
+                        # worker reads that request right after its first reply, with no wake-up), and sets the
+                        # copy stream to follow the caller's. Once the first stage's copies are queued, the second
+                        # stage's leases are in and its copies go at once. (Asking for all of them at the start
+                        # put ~100 us of requests before the first copies; asking for the rest after the first
+                        # stage's copies put it between the first and second stage's.) Where the local-read cache
+                        # served the first stage, each stage asks as it comes (the cache likely serves it too, at
+                        # no cost); so does a call that waits for missing keys, whose every request must carry
+                        # what is left of its one timeout.
+                        ask(st.hi, min(n, max(8, 4 * st.hi)))
+                        if s is None and st.device is not None:
+                            s = _device.start(st.device, stream)
+                        upfront = covered  # their answers come first: nothing to do before them but wait
+                    elif st.lo and upfront and covered < n:
+                        # The up-front requests are in flight or read: every key left in one more request, sent
+                        # once this stage's copies (early ones) are queued and answered while bytes move (one
+                        # request instead of one per stage: each costs this thread ~30-40 us to send and read, on
+                        # a path the host bounds).
+                        ask(covered, n)
                     ready.append(st)
                 # Queue a stage's copies once its leases are in, checking (and asking for) the next stage while the
                 # worker answers; a stage served by the local-read cache alone goes at once, and one whose leases
