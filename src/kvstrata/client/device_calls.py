@@ -260,15 +260,14 @@ class DeviceCallsMixin:
         results: list[Result] = [None] * n
         leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back
         # Early copies (queued before the key's lease came back), per key index: the placement table's
-        # ``(segment, offset, size, placement)`` they read from, or True where a lease held already pins the bytes.
-        # ``placed``: each lease's placement, as the worker says; ``advice``: the table's, looked up ahead.
+        # ``(segment, offset, size, placement)`` they read from. ``placed``: each lease's placement, as the worker
+        # says; ``advice``: the table's, per key, as looked up.
         early: dict[int, Any] = {}
         hinted = backend.placement_hints([]) is not None  # the worker keeps a placement table
         placed: list[int] = [0] * n if hinted else []
         advice: list[Any] = [None] * n if hinted else []
         advised = 0  # keys [0, advised) were looked up in the table
         early_stages: set[int] = set()  # the ``lo`` of stages with early copies
-        local_any: list[bool] = []  # per ``asked`` request: whether the local-read cache served some of its keys
         held: list[int] = []
         deadline = time.monotonic() + timeout
         s = None
@@ -286,9 +285,6 @@ class DeviceCallsMixin:
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
                 token = backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False, placements=hinted)
                 asked.append((lo, hi, token))
-                if hinted:
-                    known = backend.acquire_known(token)
-                    local_any.append(known.count(None) != len(known))
                 covered = hi
 
         def answered(hi: int) -> bool:  # the leases of keys < hi need no worker answer still
@@ -297,16 +293,14 @@ class DeviceCallsMixin:
         def collect(hi: int) -> None:  # read the acquires covering keys < hi
             while asked and asked[0][0] < hi:
                 lo, top, tok = asked.popleft()  # out first: a reply is read once, even one that raises
-                if local_any:
-                    del local_any[0]
                 leases[lo:top] = backend.acquire_finish(tok)
                 got = backend.acquire_placements(tok)
                 if got is not None:
                     placed[lo:top] = got
 
         def copy_early(st: Any) -> None:
-            """Queue now the copies of the keys of ``st`` whose bytes' place is known before the worker answers:
-            leases the local-read cache holds, and the placement table's advice (checked by the leases, below)."""
+            """Queue now the copies of the keys of ``st`` whose bytes' place the worker's placement table advises
+            (checked against their leases once those come back, below)."""
             nonlocal s, first, advised
             lo, hi = st.lo, st.hi
             if advised < hi:
@@ -320,15 +314,6 @@ class DeviceCallsMixin:
                     which.append(i)
                     locs.append(_Loc(*got[:3]))
                     early[i] = got
-            for (first_key, top, tok), some in zip(asked, local_any):
-                if some and top > lo and first_key < hi:  # leases the local-read cache holds: no check needed
-                    known = backend.acquire_known(tok)
-                    for i in range(max(first_key, lo), min(top, hi)):
-                        lease = known[i - first_key]
-                        if lease is not None and i not in early and lease.location.size == sizes[i - lo]:
-                            which.append(i)
-                            locs.append(lease.location)
-                            early[i] = True
             if which:
                 early_stages.add(lo)
                 if s is None and st.device is not None:
@@ -393,7 +378,7 @@ class DeviceCallsMixin:
                         went = early.get(i)
                         # An early copy stands where the lease pins the very placement it read (see
                         # kvstrata.store.placements); else the key is copied again, after it on the stream.
-                        if went is not None and (went is True or went == (*loc, placed[i])):
+                        if went is not None and went == (*loc, placed[i]):
                             continue
                         if prev.sizes[j] != loc.size:
                             results[i] = ValueError(

@@ -112,10 +112,6 @@ class EmbeddedBackend:
         return True
 
     @staticmethod
-    def acquire_known(token: Any) -> list[Any]:
-        return token
-
-    @staticmethod
     def acquire_placements(token: Any) -> None:
         """Leases here are taken at once: no copy ever starts ahead of one (see RemoteBackend)."""
 

@@ -218,9 +218,8 @@ class RemoteBackend(WorkerConnection):
     ) -> Any:
         """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
         (pipelined, ``carry`` as in :meth:`send_tagged`); :meth:`acquire_finish` completes it,
-        :meth:`acquire_ready` says whether that needs the worker's answer still, :meth:`acquire_known` gives the
-        leases known already. ``placements``: the worker also says each lease's placement
-        (:meth:`acquire_placements`, after the finish)."""
+        :meth:`acquire_ready` says whether that needs the worker's answer still. ``placements``: the worker also
+        says each lease's placement (:meth:`acquire_placements`, after the finish)."""
         local = self._local
         n = len(keys)
         out: list[Any] = [None] * n
@@ -260,12 +259,6 @@ class RemoteBackend(WorkerConnection):
     def acquire_ready(token: Any) -> bool:
         """Whether an :meth:`acquire_start` was served by the local-read cache alone (nothing to wait for)."""
         return token[3] is None
-
-    @staticmethod
-    def acquire_known(token: Any) -> list[Any]:
-        """The leases of an :meth:`acquire_start` known before the worker answers (the local-read cache's; None
-        for the keys asked for). Held already: :meth:`acquire_finish` returns them in the same places."""
-        return token[1]
 
     @staticmethod
     def acquire_placements(token: Any) -> list[int] | None:
