@@ -132,6 +132,8 @@ class Worker:
         deadline = time.monotonic() + 5  # let requests in flight finish before the store goes
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
+        if self.placements is not None and self._store is not None:
+            self._store.publish_placements(None)  # a shared store outlives this worker: stop its writes here
         if self._store is not None and self._own_store:
             self._store.close()
             log.info("worker stopped; write-back data flushed")
@@ -140,7 +142,6 @@ class Worker:
             self.validity.close()
             self.validity = None  # type: ignore[assignment]
         if self.placements is not None:
-            self._store.publish_placements(None)  # a shared store outlives this worker: stop its writes here
             self.placements.close()
             self.placements = None
 

@@ -108,7 +108,8 @@ class WriteMixin:
                     # Nobody holds the old version's bytes (readers, local-read caches, the flusher and
                     # spills all pin with a lease) and its block is the size the new one needs: write
                     # the new version there instead of allocating and freeing. Under the lock, so no
-                    # reader sees the bytes change; the new version is still a new Entry (version, TTL).
+                    # reader sees the bytes change; the new version is still a new Entry (version, TTL,
+                    # placement: a device read that copied early from the old one, unpinned, is redone).
                     loc = old.loc
                     if loc.size != size:
                         loc = Location(loc.segment, loc.offset, size)
