@@ -559,6 +559,15 @@ def writer(worker):
     other.close()
 
 
+def _written_by(writer, kv, prefix: str, n: int, seed: int):
+    """``n`` keys ``prefix/i`` of fresh CPU tensors, written by ``writer`` (``kv`` holds no lease on them)."""
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    kv.delete(keys)
+    src = _lists(n, seed=seed)
+    assert writer.mset_d2h(keys, src) == [None] * n
+    return keys, src
+
+
 def _order(monkeypatch, backend) -> list[str]:
     """What a device read does, in order: ``"copies"`` queued, ``"answer"`` of the worker read."""
     events: list[str] = []
@@ -570,10 +579,7 @@ def _order(monkeypatch, backend) -> list[str]:
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
 def test_cold_mget_h2d_copies_from_the_placement_table_before_its_leases_come_back(kv, writer, monkeypatch):
-    keys = [f"early/{i}" for i in range(9)]
-    kv.delete(keys)
-    src = _lists(9, seed=3)
-    assert writer.mset_d2h(keys, src) == [None] * 9  # written by another client: this one has no lease on them
+    keys, src = _written_by(writer, kv, "early", 9, seed=3)
     monkeypatch.setattr(device, "stages", stages_of(2))
     events = _order(monkeypatch, kv._backend)
     dst = _poisoned(src)
@@ -588,10 +594,7 @@ def test_cold_mget_h2d_copies_from_the_placement_table_before_its_leases_come_ba
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
 def test_early_copies_from_wrong_or_stale_advice_are_redone_from_the_lease(kv, writer, monkeypatch):
-    keys = [f"advice/{i}" for i in range(8)]
-    kv.delete(keys)
-    old = _lists(8, seed=4)
-    assert writer.mset_d2h(keys, old) == [None] * 8
+    keys, old = _written_by(writer, kv, "advice", 8, seed=4)
     backend = kv._backend
     stale = backend.placement_hints(keys)
     assert None not in stale
@@ -622,10 +625,7 @@ def test_early_copies_from_wrong_or_stale_advice_are_redone_from_the_lease(kv, w
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
 def test_a_key_gone_since_the_advice_was_read_is_reported_missing(kv, writer, monkeypatch):
-    keys = [f"gone/{i}" for i in range(4)]
-    kv.delete(keys)
-    src = _lists(4, seed=6)
-    assert writer.mset_d2h(keys, src) == [None] * 4
+    keys, src = _written_by(writer, kv, "gone", 4, seed=6)
     backend = kv._backend
     advice = backend.placement_hints(keys)
     writer.delete([keys[1]])

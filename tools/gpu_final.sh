@@ -85,6 +85,19 @@ store_ab() {  # store_ab <dir>: bench store's device rows with <dir>/src and the
   done
   export PYTHONPATH="$PWD/src"
 }
+table_ab() {  # table_ab <variant>...: bench store's device rows per variant in turn: new (the placement table on),
+  # off (the same code, KVSTRATA_PLACEMENT_TABLE=0), or a folder holding another version's src
+  local v
+  for v in "$@"; do
+    case $v in
+      new) export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
+      off) export PYTHONPATH="$PWD/src" KVSTRATA_PLACEMENT_TABLE=0 ;;
+      *) export PYTHONPATH="$PWD/$v/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
+    esac
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE
+}
 store_twice() {  # bench store's device rows twice on the current code, both JSONs kept
   local v
   for v in 1 2; do bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1; cp "$OUT/store.json" "$OUT/store_$v.json"; done
@@ -225,15 +238,7 @@ elif [ "${PART}" = s8c ] || [ "${PART}" = s8d ] || [ "${PART}" = s9a ]; then
   if [ "${PART}" = s8c ]; then KVSTRATA_DEVOBJ_TRACE=1 bench 100 device --quick --broadcast-gib 2 --wait 30; fi
 elif [ "${PART}" = s9b ]; then
   echo "=== tools/probe_placements.py" >> "$LOG"; timeout 60 python3 tools/probe_placements.py >> "$LOG" 2>&1
-  for v in new off old new off old; do
-    case $v in
-      new) export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
-      off) export PYTHONPATH="$PWD/src" KVSTRATA_PLACEMENT_TABLE=0 ;;
-      old) export PYTHONPATH="$PWD/ab_old/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
-    esac
-    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE
+  table_ab new off ab_old new off ab_old
   echo "=== tools/trace_store_device.py --profile" >> "$LOG"
   timeout 120 python3 tools/trace_store_device.py --profile >> "$LOG" 2>&1
 elif [ "${PART}" = s9c ]; then
@@ -249,15 +254,7 @@ elif [ "${PART}" = s9c ]; then
 elif [ "${PART}" = s9d ]; then
   KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
-  for v in new off ab_old new off ab_old; do
-    case $v in
-      new) export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
-      off) export PYTHONPATH="$PWD/src" KVSTRATA_PLACEMENT_TABLE=0 ;;
-      ab_old) export PYTHONPATH="$PWD/ab_old/src"; unset KVSTRATA_PLACEMENT_TABLE ;;
-    esac
-    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  export PYTHONPATH="$PWD/src"; unset KVSTRATA_PLACEMENT_TABLE
+  table_ab new off ab_old new off ab_old
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s9z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
