@@ -202,30 +202,34 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
         dst = [[torch.empty_like(t[0])] for t in src]
         t_get = host_time(lambda: kv.mget_h2d(keys, dst), warmup=3, iters=20)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
-
-        def reads_after(before: Any) -> float:
-            """Median seconds of 20 ``mget_h2d`` calls (after 3 untimed), each right after ``before(it)``."""
-            times = []
-            for it in range(23):
-                before(it)
+        times = []
+        for it in range(23):
+            kv.set(f"h2d/other/{it}", b"x")  # writes to other keys leave the kept leases good
+            t0 = time.perf_counter()
+            kv.mget_h2d(keys, dst)
+            times.append(time.perf_counter() - t0)
+        t_get_other = statistics.median(times[3:])
+        kv.delete([f"h2d/other/{it}" for it in range(23)])
+        times = []
+        for _ in range(23):
+            kv.delete(keys)  # rewritten: the kept leases are stale, this read leases through the worker
+            assert kv.mset_d2h(keys, src) == [None] * n
+            t0 = time.perf_counter()
+            kv.mget_h2d(keys, dst)
+            times.append(time.perf_counter() - t0)
+        t_get_rt = statistics.median(times[3:])
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+        times = []
+        with kvstrata.connect(address) as writer:  # another process's objects: a decode engine reading prefill's
+            for _ in range(23):
+                writer.delete(keys)
+                assert writer.mset_d2h(keys, src) == [None] * n
+                writer.exists(keys[:1])  # the writer's next request: its objects are visible to all by its answer
                 t0 = time.perf_counter()
                 kv.mget_h2d(keys, dst)
                 times.append(time.perf_counter() - t0)
-            assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
-            return statistics.median(times[3:])
-
-        def rewrite(client: Any) -> None:
-            client.delete(keys)  # the reader's kept leases go stale: it leases through the worker
-            assert client.mset_d2h(keys, src) == [None] * n
-            if client is not kv:
-                client.exists(keys[:1])  # the writer's next request: its objects are visible to all by its answer
-
-        # writes to other keys leave the kept leases good
-        t_get_other = reads_after(lambda it: kv.set(f"h2d/other/{it}", b"x"))
-        kv.delete([f"h2d/other/{it}" for it in range(23)])
-        t_get_rt = reads_after(lambda it: rewrite(kv))
-        with kvstrata.connect(address) as writer:  # another process's objects: a decode engine reading prefill's
-            t_get_written = reads_after(lambda it: rewrite(writer))
+        t_get_written = statistics.median(times[3:])
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         times = []
         for it in range(23):  # write-once keys: fresh ones every time, deleted outside the timing
             ks = [f"d2h/{it}/{i}" for i in range(n)]
