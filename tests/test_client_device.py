@@ -624,6 +624,52 @@ def test_early_copies_from_wrong_or_stale_advice_are_redone_from_the_lease(kv, w
 
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_garbage_in_the_placement_table_never_reaches_the_caller(kv, writer, worker, monkeypatch):
+    import numpy as np
+
+    from kvstrata.store.placements import key_hash
+
+    keys, src = _written_by(writer, kv, "garbage", 16, seed=7)
+    rows = worker.placements._rows  # the worker's own table: every client maps these pages
+    rng = np.random.default_rng(0)
+    segment = kv._backend.segment_nbytes(0)
+    for i, key in enumerate(keys):  # each key's bucket names it, with a random place and placement
+        bucket, tag = key_hash(key)
+        offset = int(rng.integers(0, segment - 1100))
+        rows[bucket] = (tag, offset, sum(t.numel() for t in src[i]), int(rng.integers(1, 1 << 62)))
+    events = _order(monkeypatch, kv._backend)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 16  # every early copy read garbage and was redone from its lease
+    assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
+    assert events == ["copies", "answer", "copies"]
+    kv.delete(keys)
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
+@pytest.mark.parametrize("placed", [None, "not a list", ["x"] * 6, [1, 2]])
+def test_a_reply_without_sound_placements_redoes_every_early_copy(kv, writer, monkeypatch, placed):
+    keys, src = _written_by(writer, kv, "unsound", 6, seed=8)
+    backend = kv._backend
+    real = backend.tagged_reply
+
+    def reply(*args):  # an older worker (no "placed"), or one that answers it malformed
+        got = real(*args)
+        if "ids" in got:
+            got.pop("placed", None)
+            if placed is not None:
+                got["placed"] = placed
+        return got
+
+    monkeypatch.setattr(backend, "tagged_reply", reply)
+    events = _order(monkeypatch, backend)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 6
+    assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
+    assert events == ["copies", "answer", "copies"]  # nothing confirmed: every key copied again from its lease
+    kv.delete(keys)
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
 def test_a_key_gone_since_the_advice_was_read_is_reported_missing(kv, writer, monkeypatch):
     keys, src = _written_by(writer, kv, "gone", 4, seed=6)
     backend = kv._backend
