@@ -10,7 +10,7 @@ for; the lease then says whether that was right. The table is advice, never trus
   SSD is a new placement). A lease reply carries its placement's id.
 - The worker writes a bucket only after the placement's bytes are final (sealed, landed, promoted).
 - A copy started from a bucket stands only if the lease names the same placement *and* the same place.
-  Then that placement was alive when the bucket was read (it had been written) and when the lease was
+  Then that placement was alive when the bucket was written (before the copy began) and when the lease was
   taken, so its bytes never left in between (a placement never comes back once ended), and the lease
   pins them from then on. Otherwise the key is copied again from the leased place, after the first copy
   on the same stream. A stale, overwritten or torn bucket costs one wasted copy, never a wrong byte.
