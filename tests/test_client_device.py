@@ -568,12 +568,21 @@ def _written_by(writer, kv, prefix: str, n: int, seed: int):
     return keys, src
 
 
-def _order(monkeypatch, backend) -> list[str]:
-    """What a device read does, in order: ``"copies"`` queued, ``"answer"`` of the worker read."""
+def _order(monkeypatch, backend, *, requests: bool = False) -> list[str]:
+    """What a device read does, in order: ``"copies"`` queued, ``"answer"`` of the worker read (and with
+    ``requests``, ``"request"``: a lease request sent)."""
     events: list[str] = []
-    real_enqueue, real_finish = device.enqueue, backend.acquire_finish
+    real_enqueue, real_finish, real_send = device.enqueue, backend.acquire_finish, backend.send_tagged
     monkeypatch.setattr(device, "enqueue", lambda *a, **kw: events.append("copies") or real_enqueue(*a, **kw))
     monkeypatch.setattr(backend, "acquire_finish", lambda tok: events.append("answer") or real_finish(tok))
+    if requests:
+
+        def send(msg, **kw):
+            if msg.get("op") == "acquire":
+                events.append("request")
+            return real_send(msg, **kw)
+
+        monkeypatch.setattr(backend, "send_tagged", send)
     return events
 
 
@@ -581,15 +590,65 @@ def _order(monkeypatch, backend) -> list[str]:
 def test_cold_mget_h2d_copies_from_the_placement_table_before_its_leases_come_back(kv, writer, monkeypatch):
     keys, src = _written_by(writer, kv, "early", 9, seed=3)
     monkeypatch.setattr(device, "stages", stages_of(2))
-    events = _order(monkeypatch, kv._backend)
+    events = _order(monkeypatch, kv._backend, requests=True)
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 9
     assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
-    # Every stage's copies were queued before the first answer came back; the answers then only confirmed them
-    # (no copy after them: none had to be redone).
-    assert events == ["copies"] * 5 + ["answer"] * 3, events
+    # The first stage's copies went before any request; then its request and one for every key left (the table
+    # placed the whole first stage); every later stage's copies before the first answer came back. The answers only
+    # confirmed them (no copy after them: none had to be redone).
+    assert events == ["copies", "request", "request"] + ["copies"] * 4 + ["answer"] * 2, events
     kv.delete(keys)
     assert kv.stats()["leases"] == 0  # every lease the call took went back (or with its cache entry, now)
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_a_client_reads_its_own_writes_early_before_the_worker_shows_them(kv, writer, monkeypatch):
+    keys = [f"own/{i}" for i in range(9)]
+    kv.delete(keys)
+    src = _lists(9, seed=11)
+    assert kv.mset_d2h(keys, src) == [None] * 9  # takes a reservation (the create path)
+    kv.delete(keys)
+    assert kv.mset_d2h(keys, src) == [None] * 9  # laid out in the reservation: committed, placements noted
+    backend = kv._backend
+    table = backend.placements
+    assert [backend.written[k] for k in keys] == table.lookup(keys)  # what the worker's table says, once it shows them
+    monkeypatch.setattr(table, "lookup", lambda ks: [None] * len(ks))  # the worker has not shown them yet
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    events = _order(monkeypatch, backend, requests=True)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 9
+    assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
+    # as from the table: copies first, every one confirmed by its lease
+    assert events == ["copies", "request", "request"] + ["copies"] * 4 + ["answer"] * 2, events
+    monkeypatch.undo()
+    # Rewritten by another client: the note is stale (and the table, looked up first, names the new placement).
+    writer.delete(keys[:3])
+    new = _lists(3, seed=12)
+    assert writer.mset_d2h(keys[:3], new) == [None] * 3
+    assert backend.placement_hints(keys[:3]) != [backend.written[k] for k in keys[:3]]
+    monkeypatch.setattr(backend.placements, "lookup", lambda ks: [None] * len(ks))  # only the stale note
+    events = _order(monkeypatch, backend)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 9
+    want = new + src[3:]
+    assert all(torch.equal(a, b) for w, got in zip(want, dst) for a, b in zip(w, got))
+    assert events == ["copies", "answer", "copies"]  # one stage: the 3 stale ones redone from their leases
+    monkeypatch.undo()
+    kv.delete(keys)
+
+
+def test_a_client_keeps_a_bounded_note_of_its_own_writes(worker, monkeypatch):
+    from kvstrata.client import remote
+
+    monkeypatch.setattr(remote, "MAX_WRITTEN", 8)
+    with kvstrata.connect(worker.address, timeout=5) as kv:
+        for i in range(4):
+            keys = [f"own-bound/{i}/{j}" for j in range(6)]
+            assert kv.mset_d2h(keys, _lists(6, seed=i)) == [None] * 6
+            assert len(kv._backend.written) <= 8
+        assert all(k.startswith("own-bound/3/") for k in list(kv._backend.written)[-6:])  # the latest kept
+        kv.delete([f"own-bound/{i}/{j}" for i in range(4) for j in range(6)])
 
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)

@@ -63,6 +63,8 @@
 #           tools/probe_placements.py
 #   PART=s9e: client-device GPU tests; bench store's device rows and trace_store_device with the worker's placement
 #           table on and off (KVSTRATA_PLACEMENT_TABLE=0) in turn, twice
+#   PART=s10a: client-device GPU tests; bench store's device rows and trace_store_device with ab_old/src (the
+#           session's start) and the new code in turn, twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -263,6 +265,15 @@ elif [ "${PART}" = s9z ]; then
   store_twice
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   echo "=== tools/probe_placements.py" >> "$LOG"; timeout 60 python3 tools/probe_placements.py >> "$LOG" 2>&1
+elif [ "${PART}" = s10a ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
+  for v in ab_old new ab_old new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+    echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s9e ]; then
   KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"

@@ -166,7 +166,7 @@ class DeviceCallsMixin:
                     # another commit follows once the bytes still moving land: the worker polls until then
                     linger = _linger_us(sum(m[3] for m in marks[k:])) if k < len(marks) else 0
                     items = [it for m in carved for it in m[1]]
-                    seals.append((which, True, backend.commit_start(items, opts, linger)))
+                    seals.append((which, True, backend.commit_start(items, opts, linger, segment=resv.segment)))
                 which = [i for m in marks[j:k] if m[1] is None for i in m[0]]
                 if which:
                     seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
@@ -181,7 +181,7 @@ class DeviceCallsMixin:
                     landed = False
                     try:
                         for m in rest:
-                            tokens.append(backend.commit_start(m[1], opts, landing=True))
+                            tokens.append(backend.commit_start(m[1], opts, landing=True, segment=resv.segment))
                             seals.append((m[0], True, tokens[-1]))
                         for idx, (m, token) in enumerate(zip(rest, tokens)):
                             m[2].synchronize()
@@ -278,14 +278,20 @@ class DeviceCallsMixin:
         covered = 0  # keys [0, covered) have their leases asked for
         upfront = 0  # stages of keys < upfront wait for their answers at once (asked for at the start)
 
-        def ask(lo: int, hi: int) -> None:
+        def ask(lo: int, hi: int, *, send: bool = True) -> None:
             nonlocal covered
             if lo < hi:
                 left = max(0.0, deadline - time.monotonic()) if timeout else 0
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
-                token = backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False, placements=hinted)
+                token = backend.acquire_start(
+                    keys[lo:hi], left, cache="fit", carry=False, placements=hinted, send=send
+                )
                 asked.append((lo, hi, token))
                 covered = hi
+
+        def send_asked() -> None:  # send the requests that ask(send=False) made ready
+            for j, (lo, hi, token) in enumerate(asked):
+                asked[j] = (lo, hi, backend.acquire_send(token))
 
         def answered(hi: int) -> bool:  # the leases of keys < hi need no worker answer still
             return all(backend.acquire_ready(tok) for lo, _, tok in asked if lo < hi)
@@ -333,11 +339,22 @@ class DeviceCallsMixin:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
                     if covered < st.hi:
-                        ask(covered, st.hi)
+                        # The first stage's request is only made ready here (what the local-read cache serves is
+                        # known then) and sent after its early copies: nothing goes in front of its first bytes.
+                        ask(covered, st.hi, send=not (hinted and st.lo == 0))
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
                     if cold and hinted:
                         copy_early(st)  # before any further request: nothing in front of these bytes
-                    if st.lo == 0 and cold and not timeout and covered < n:
+                    if st.lo == 0 and hinted:
+                        send_asked()
+                    if st.lo == 0 and cold and hinted and not timeout and len(early) == st.hi and covered < n:
+                        # The table placed every key of the first stage, so likely the others too: each stage's
+                        # copies go as it is checked, and their leases only confirm them at the end. Every key
+                        # left is asked for now, in one request, answered while the bytes move (keys the table
+                        # does not place wait for it).
+                        ask(covered, n)
+                        upfront = n
+                    elif st.lo == 0 and cold and not timeout and covered < n:
                         # The worker is asked (keys not read before, or changed). This thread would only wait for
                         # the first answer: it asks now for the next keys too, up to 4x the first stage's (the
                         # worker reads that request right after its first reply, with no wake-up), and sets the

@@ -104,8 +104,14 @@ class EmbeddedBackend:
         cache: bool | str = False,
         carry: bool = True,
         placements: bool = False,
+        send: bool = True,
     ) -> Any:
         return self.acquire(keys, timeout, cache=cache)
+
+    @staticmethod
+    def acquire_send(token: Any) -> Any:
+        """Leases here are taken by the start: nothing to send."""
+        return token
 
     @staticmethod
     def acquire_ready(token: Any) -> bool:
@@ -136,7 +142,13 @@ class EmbeddedBackend:
     can_land = False
 
     def commit_start(
-        self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0, *, landing: bool = False
+        self,
+        items: list[tuple[str, int, int]],
+        opts: dict,
+        linger_us: int = 0,
+        *,
+        landing: bool = False,
+        segment: int | None = None,
     ) -> Any:
         store = self._check()
         results = store.commit(self.owner, items, **self._opts(opts))

@@ -8,10 +8,11 @@ segments are :class:`~kvstrata.client.connection.WorkerConnection`'s.
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
@@ -24,6 +25,8 @@ _SEQ = frozenset({list, tuple})
 _INT = frozenset({int})
 #: builds a NamedTuple from a tuple in C (its generated __new__ is Python: twice the cost over a 64-key reply)
 _new = tuple.__new__
+#: own writes :attr:`RemoteBackend.written` keeps at most (then the oldest half goes)
+MAX_WRITTEN = 1 << 16
 
 
 def _lengths(*cols: Any) -> str:
@@ -33,6 +36,14 @@ def _lengths(*cols: Any) -> str:
 def _locs(flat: list[int]) -> Any:
     """The :class:`Loc` of each ``[segment, offset, size]`` of a flat reply list."""
     return map(_new, repeat(Loc), zip(flat[0::3], flat[1::3], flat[2::3]))
+
+
+class _Unsent(NamedTuple):
+    """A lease request made ready by ``acquire_start(send=False)`` and not sent yet."""
+
+    msg: dict
+    carry: bool
+    timeout: float
 
 
 class RemoteBackend(WorkerConnection):
@@ -96,14 +107,23 @@ class RemoteBackend(WorkerConnection):
         return self._loc(self.tagged_reply(token)["loc"])
 
     def commit_start(
-        self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0, *, landing: bool = False
+        self,
+        items: list[tuple[str, int, int]],
+        opts: dict,
+        linger_us: int = 0,
+        *,
+        landing: bool = False,
+        segment: int | None = None,
     ) -> Any:
         """Commit ``(key, size, offset)`` s carved from this client's reservation, not waited for;
         :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``.
         ``linger_us``: another commit follows within that many microseconds (see :meth:`linger`).
         ``landing`` (where :attr:`can_land`): sent before the copies into the objects finished; answered at
         once, its objects visible only once :meth:`land` says the copies did (freed if it says they failed),
-        which the caller must then say."""
+        which the caller must then say. ``segment``: the reservation's; where the worker keeps a placement
+        table, the finish then notes where each committed object lies (:attr:`written`, read by
+        :meth:`placement_hints`) -- only once its bytes are in place (the caller finishes a commit after its
+        copies landed)."""
         msg = {"op": "commit", "items": items}
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
@@ -111,10 +131,13 @@ class RemoteBackend(WorkerConnection):
             msg["linger"] = linger_us
         if landing:
             msg["landing"] = True
+        noted = segment is not None and self.placements is not None
+        if noted:
+            msg["placements"] = True
         tag = self.send_tagged(msg)
         if landing and tag > self._landing_last:
             self._landing_last = tag
-        return tag, len(items)
+        return tag, len(items), items if noted else None, segment
 
     @property
     def can_land(self) -> bool:
@@ -148,12 +171,26 @@ class RemoteBackend(WorkerConnection):
                 self._conn.send({"op": "linger", "linger": us})
 
     def commit_finish(self, token: Any) -> tuple[list[Any], int | None]:
-        tag, n = token
+        tag, n, items, segment = token
         reply = self.tagged_reply(tag)
         out: list[Any] = [None] * n
         for i, name, message in reply.get("errs", ()):
             out[i] = P.error_from_record((name, message))
+        placed = reply.get("placed")
+        if items is not None and type(placed) is list and len(placed) == n:
+            self._note_written(items, placed, segment, out)
         return out, reply.get("head")
+
+    def _note_written(self, items: list[Any], placed: list[Any], segment: int, results: list[Any]) -> None:
+        """Keep where this client's committed objects lie (advice only: a read checks it against its lease)."""
+        written = self.written
+        for (key, size, offset), p, r in zip(items, placed, results):
+            if r is None and type(p) is int and p > 0 and size:
+                written[key] = (segment, offset, size, p)
+        if len(written) > MAX_WRITTEN:
+            with self._lock:  # one trim at a time; other threads only add and read single keys
+                for key in list(itertools.islice(written, len(written) - MAX_WRITTEN // 2)):
+                    written.pop(key, None)
 
     def get(self, key: str, timeout: float) -> bytes:
         local = self._local
@@ -215,11 +252,14 @@ class RemoteBackend(WorkerConnection):
         cache: bool | str = False,
         carry: bool = True,
         placements: bool = False,
+        send: bool = True,
     ) -> Any:
         """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
         (pipelined, ``carry`` as in :meth:`send_tagged`); :meth:`acquire_finish` completes it,
         :meth:`acquire_ready` says whether that needs the worker's answer still. ``placements``: the worker also
-        says each lease's placement (:meth:`acquire_placements`, after the finish)."""
+        says each lease's placement (:meth:`acquire_placements`, after the finish). ``send=False``: the request
+        is only made ready; :meth:`acquire_send` sends it (the finish does, where nothing did), so a caller
+        can learn what the cache serves and do other work before the request goes."""
         local = self._local
         n = len(keys)
         out: list[Any] = [None] * n
@@ -253,7 +293,16 @@ class RemoteBackend(WorkerConnection):
         if placements:
             msg["placements"] = True
             placed = [0] * n
-        return keys, out, missing, (self.send_tagged(msg, carry=carry), timeout), generation, cache, placed
+        sent = (self.send_tagged(msg, carry=carry), timeout) if send else _Unsent(msg, carry, timeout)
+        return keys, out, missing, sent, generation, cache, placed
+
+    def acquire_send(self, token: Any) -> Any:
+        """Send the request of an :meth:`acquire_start` made with ``send=False`` (if it needs one, and not sent
+        yet); the token to use from then on."""
+        sent = token[3]
+        if type(sent) is not _Unsent:
+            return token
+        return (*token[:3], (self.send_tagged(sent.msg, carry=sent.carry), sent.timeout), *token[4:])
 
     @staticmethod
     def acquire_ready(token: Any) -> bool:
@@ -268,14 +317,26 @@ class RemoteBackend(WorkerConnection):
 
     def placement_hints(self, keys: list[str]) -> list[tuple[int, int, int, int] | None] | None:
         """Where the worker's table says each key's bytes lie now, ``(segment, offset, size, placement)`` or
-        None per key; None where there is no table. Advice only (:mod:`kvstrata.store.placements`)."""
+        None per key, else where this client last wrote the key (:attr:`written`: its own latest writes, which
+        the worker may not show in the table yet); None where there is no table. Advice only
+        (:mod:`kvstrata.store.placements`)."""
         hints = self.placements
-        return None if hints is None else hints.lookup(keys)
+        if hints is None:
+            return None
+        got = hints.lookup(keys)
+        written = self.written
+        if written and None in got:
+            for i, g in enumerate(got):
+                if g is None:
+                    got[i] = written.get(keys[i])
+        return got
 
     def acquire_finish(self, token: Any) -> list[Any]:
         """The leases of an :meth:`acquire_start` (a key's error in its slot). The worker's reply is checked for
         shape (ProtocolError, and the connection ends, where it is not what was asked for); leases the local-read
         cache may keep are judged at once and entered at the next :meth:`settle`."""
+        if type(token[3]) is _Unsent:
+            token = self.acquire_send(token)
         keys, out, missing, sent, generation, cache, placed = token
         if sent is None:
             return out
