@@ -267,7 +267,9 @@ class DeviceCallsMixin:
         placed: list[int] = [0] * n if hinted else []
         advice: list[Any] = [None] * n if hinted else []
         advised = 0  # keys [0, advised) were looked up in the table
+        kept: list[Any] = [None] * n if hinted else []  # the leases the local-read cache served (no early copy)
         early_stages: set[int] = set()  # the ``lo`` of stages with early copies
+        table_first = False  # one request for every key, sent once the first two stages' copies are queued
         held: list[int] = []
         deadline = time.monotonic() + timeout
         s = None
@@ -283,11 +285,11 @@ class DeviceCallsMixin:
             if lo < hi:
                 left = max(0.0, deadline - time.monotonic()) if timeout else 0
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
-                token = backend.acquire_start(
-                    keys[lo:hi], left, cache="fit", carry=False, placements=hinted, send=send
-                )
+                token = backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False, placements=hinted, send=send)
                 asked.append((lo, hi, token))
                 covered = hi
+                if hinted:
+                    kept[lo:hi] = backend.acquire_local(token)
 
         def send_asked() -> None:  # send the requests that ask(send=False) made ready
             for j, (lo, hi, token) in enumerate(asked):
@@ -304,22 +306,32 @@ class DeviceCallsMixin:
                 if got is not None:
                     placed[lo:top] = got
 
-        def copy_early(st: Any) -> None:
-            """Queue now the copies of the keys of ``st`` whose bytes' place the worker's placement table advises
-            (checked against their leases once those come back, below)."""
-            nonlocal s, first, advised
+        def advise(st: Any) -> list[int]:
+            """The keys of ``st`` whose bytes' place the placement table (or this client's own writes) advises,
+            usable as it says (the sizes agree, the place is in a segment this client maps)."""
+            nonlocal advised
             lo, hi = st.lo, st.hi
             if advised < hi:
                 advice[advised:hi] = backend.placement_hints(keys[advised:hi])
                 advised = hi
-            which, locs = [], []
-            sizes = st.sizes
+            sizes, maps = st.sizes, backend.maps
+            out = []
             for i in range(lo, hi):
                 got = advice[i]
-                if got is not None and got[2] == sizes[i - lo] and got[3] > 0 and backend.maps(*got[:3]):
-                    which.append(i)
-                    locs.append(_Loc(*got[:3]))
-                    early[i] = got
+                if got is not None and got[2] == sizes[i - lo] and got[3] > 0 and maps(*got[:3]):
+                    out.append(i)
+            return out
+
+        def copy_early(st: Any, which: list[int] | None = None) -> None:
+            """Queue now the copies of the keys of ``st`` that :func:`advise` places (``which``, where already
+            known) and the local-read cache did not serve (checked against their leases once those come back)."""
+            nonlocal s, first
+            lo = st.lo
+            which = [i for i in (advise(st) if which is None else which) if kept[i] is None]
+            locs = []
+            for i in which:
+                got = early[i] = advice[i]
+                locs.append(_Loc(*got[:3]))
             if which:
                 early_stages.add(lo)
                 if s is None and st.device is not None:
@@ -338,22 +350,31 @@ class DeviceCallsMixin:
         try:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
+                    placed_first = None
                     if covered < st.hi:
                         # The first stage's request is only made ready here (what the local-read cache serves is
                         # known then) and sent after its early copies: nothing goes in front of its first bytes.
                         ask(covered, st.hi, send=not (hinted and st.lo == 0))
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
+                    if st.lo == 0 and cold and hinted and not timeout and st.hi < n:
+                        placed_first = advise(st)
+                        if len(placed_first) == st.hi and kept[: st.hi].count(None) == st.hi:
+                            # The table (or this client's own writes) places every key of the first stage, and
+                            # the local-read cache served none: likely the same holds for the others. Every key is
+                            # asked for in one request instead (the first stage's, unsent and holding nothing, is
+                            # dropped), sent once the first two stages' copies are queued: a request costs this
+                            # thread ~40 us, the first stage's bytes take ~75 us. Its answer comes while the bytes
+                            # move and only confirms the early copies; keys the table does not place wait for it.
+                            asked.clear()
+                            ask(0, n, send=False)
+                            table_first = True
+                            upfront = n
                     if cold and hinted:
-                        copy_early(st)  # before any further request: nothing in front of these bytes
-                    if st.lo == 0 and hinted:
+                        copy_early(st, placed_first)  # before any further request: nothing in front of these bytes
+                    if hinted and (st.lo > 0 if table_first else st.lo == 0):
                         send_asked()
-                    if st.lo == 0 and cold and hinted and not timeout and len(early) == st.hi and covered < n:
-                        # The table placed every key of the first stage, so likely the others too: each stage's
-                        # copies go as it is checked, and their leases only confirm them at the end. Every key
-                        # left is asked for now, in one request, answered while the bytes move (keys the table
-                        # does not place wait for it).
-                        ask(covered, n)
-                        upfront = n
+                    if table_first:
+                        pass  # every key asked for already
                     elif st.lo == 0 and cold and not timeout and covered < n:
                         # The worker is asked (keys not read before, or changed). This thread would only wait for
                         # the first answer: it asks now for the next keys too, up to 4x the first stage's (the

@@ -310,6 +310,12 @@ class RemoteBackend(WorkerConnection):
         return token[3] is None
 
     @staticmethod
+    def acquire_local(token: Any) -> list[Any]:
+        """The leases the local-read cache served an :meth:`acquire_start` at once, per key (None for the keys
+        the worker is asked for). Read only."""
+        return token[1]
+
+    @staticmethod
     def acquire_placements(token: Any) -> list[int] | None:
         """After :meth:`acquire_finish` of one started with ``placements=True`` and sent to the worker: each
         asked key's lease's placement (0 for the keys the cache served and the refused ones); else None."""

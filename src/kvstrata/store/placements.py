@@ -120,21 +120,26 @@ class PlacementHints:
 
     def __init__(self, segment: Any) -> None:
         self.segment = segment
-        self._rows = np.frombuffer(segment.buffer, dtype=np.uint64).reshape(BUCKETS, WORDS)
+        # Read word by word: a device read looks up a stage's few keys at a time, and a numpy gather's fixed
+        # costs (the index array, the fancy index, tolist) made that ~12 us for 4 keys, against ~1.5 us so.
+        self._words: memoryview | None = memoryview(segment.buffer).cast("Q")
 
     def lookup(self, keys: list[str]) -> list[tuple[int, int, int, int] | None]:
         """Per key, ``(segment, offset, size, placement)`` as the table has it now, or None where it has
-        nothing for that key. Advice only: see the module docstring for what a caller must check."""
-        rows = self._rows
-        if rows is None or not keys:
+        nothing for that key. Advice only: see the module docstring for what a caller must check (a bucket
+        may be torn: its words are read one by one while the worker may write them)."""
+        words = self._words
+        if words is None or not keys:
             return [None] * len(keys)
-        raws = [k.encode() for k in keys]
-        crcs = list(map(zlib.crc32, raws))
-        got = rows[np.array(crcs, np.int64) & (BUCKETS - 1)].tolist()  # one gather (a bucket may be torn: see above)
         out: list[tuple[int, int, int, int] | None] = []
-        for raw, crc, (tag, where, size, placed) in zip(raws, crcs, got):
-            if tag == _FILLED | (len(raw) & 0xFFFF) << 32 | crc:
-                out.append((where >> _OFFSET_BITS, where & _OFFSET_MASK, size, placed))
+        crc32, mask = zlib.crc32, BUCKETS - 1
+        for key in keys:
+            raw = key.encode()
+            crc = crc32(raw)
+            at = (crc & mask) * WORDS
+            if words[at] == _FILLED | (len(raw) & 0xFFFF) << 32 | crc:
+                where = words[at + 1]
+                out.append((where >> _OFFSET_BITS, where & _OFFSET_MASK, words[at + 2], words[at + 3]))
             else:
                 out.append(None)
         return out
@@ -142,7 +147,7 @@ class PlacementHints:
     def close(self, close_segment: Any = None) -> None:
         """Unmap the table (``close_segment(segment)`` does it where given: one that copes with a lookup
         in another thread still holding a view)."""
-        self._rows = None
+        self._words = None
         (close_segment or type(self.segment).close)(self.segment)
 
 
