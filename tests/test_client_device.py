@@ -603,6 +603,41 @@ def test_cold_mget_h2d_copies_from_the_placement_table_before_its_leases_come_ba
 
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_keys_the_table_does_not_place_wait_for_the_one_request_of_a_table_first_read(kv, writer, monkeypatch):
+    keys, src = _written_by(writer, kv, "unplaced", 9, seed=13)
+    backend = kv._backend
+    table = backend.placements
+    real = table.lookup
+    gone = set(keys[4:6])  # the third stage's keys: not in the table (say, their buckets taken by other keys)
+    monkeypatch.setattr(table, "lookup", lambda ks: [None if k in gone else h for k, h in zip(ks, real(ks))])
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    events = _order(monkeypatch, backend, requests=True)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 9
+    assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
+    # the first two stages early, the one request; the third stage waits for its answer, the later ones go early
+    assert events == ["copies", "copies", "request", "answer", "copies", "copies", "copies"], events
+    kv.delete(keys)
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
+def test_keys_the_local_read_cache_serves_are_never_copied_early(kv, writer, monkeypatch):
+    keys, src = _written_by(writer, kv, "mixed", 8, seed=14)
+    assert kv.mget_h2d(keys[2:], _poisoned(src[2:])) == [None] * 6  # leases kept for all but the first two
+    monkeypatch.setattr(device, "stages", stages_of(4))
+    backend = kv._backend
+    events = _order(monkeypatch, backend, requests=True)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 8
+    assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
+    # The cache serves half of the first stage: no table-first read. The two cold keys go early, then their request
+    # (the next stage's keys need none); the second stage's copies from the cache once the first answer is in; the
+    # first stage's cached keys last, and no key twice.
+    assert events == ["copies", "request", "answer", "answer", "copies", "copies"], events
+    kv.delete(keys)
+
+
+@pytest.mark.parametrize("kv", ["unix"], indirect=True)
 def test_a_client_reads_its_own_writes_early_before_the_worker_shows_them(kv, writer, monkeypatch):
     keys = [f"own/{i}" for i in range(9)]
     kv.delete(keys)

@@ -276,7 +276,7 @@ class DeviceCallsMixin:
         first = True
         asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
         ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
-        done = 0  # keys [0, done) are counted in ``held`` or ``results``
+        confirm: list[Any] = []  # checked stages with early copies: their leases are read at the end
         covered = 0  # keys [0, covered) have their leases asked for
         upfront = 0  # stages of keys < upfront wait for their answers at once (asked for at the start)
 
@@ -343,8 +343,6 @@ class DeviceCallsMixin:
         def due(prev: Any) -> bool:  # whether the oldest stage waiting is checked and its copies queued now
             if st is None or answered(prev.hi):
                 return True
-            if prev.lo in early_stages:  # its copies run: its leases are read at the end, after every stage's
-                return False
             return len(ready) > 1 or prev.hi <= upfront
 
         try:
@@ -358,19 +356,20 @@ class DeviceCallsMixin:
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
                     if st.lo == 0 and cold and hinted and not timeout and st.hi < n:
                         placed_first = advise(st)
-                        if len(placed_first) == st.hi and kept[: st.hi].count(None) == st.hi:
-                            # The table (or this client's own writes) places every key of the first stage, and
-                            # the local-read cache served none: likely the same holds for the others. Every key is
-                            # asked for in one request instead (the first stage's, unsent and holding nothing, is
-                            # dropped), sent once the first two stages' copies are queued: a request costs this
-                            # thread ~40 us, the first stage's bytes take ~75 us. Its answer comes while the bytes
-                            # move and only confirms the early copies; keys the table does not place wait for it.
-                            asked.clear()
-                            ask(0, n, send=False)
-                            table_first = True
-                            upfront = n
+                        # The table (or this client's own writes) places every key of the first stage, and the
+                        # local-read cache served none: likely the same holds for the others.
+                        table_first = len(placed_first) == st.hi and kept[: st.hi].count(None) == st.hi
                     if cold and hinted:
                         copy_early(st, placed_first)  # before any further request: nothing in front of these bytes
+                    if table_first and st.lo == 0:
+                        # Every key is asked for in one request instead (the first stage's, unsent and holding
+                        # nothing, is dropped), made ready while the first bytes move and sent once the first two
+                        # stages' copies are queued: a request costs this thread ~40 us, the first stage's bytes
+                        # take ~75 us. Its answer comes while the bytes move and only confirms the early copies;
+                        # keys the table does not place wait for it.
+                        asked.clear()
+                        ask(0, n, send=False)
+                        upfront = n
                     if hinted and (st.lo > 0 if table_first else st.lo == 0):
                         send_asked()
                     if table_first:
@@ -396,18 +395,21 @@ class DeviceCallsMixin:
                         # request instead of one per stage: each costs this thread ~30-40 us to send and read, on
                         # a path the host bounds).
                         ask(covered, n)
-                    ready.append(st)
+                    # A stage with early copies waits for the end, out of the way of later stages that wait for their
+                    # leases: its leases only confirm copies that run already.
+                    (confirm if st.lo in early_stages else ready).append(st)
+                else:
+                    ready.extend(confirm)
                 # Queue a stage's copies once its leases are in, checking (and asking for) the next stage while the
                 # worker answers; a stage served by the local-read cache alone goes at once, and one whose leases
-                # were asked for at the start waits for them at once (they come first). A stage with early copies
-                # waits for the end: its leases only confirm copies that run already.
+                # were asked for at the start waits for them at once (they come first).
                 while ready and due(ready[0]):
                     prev = ready.popleft()
                     collect(prev.hi)
                     filled, locs = [], []
                     for j in range(prev.hi - prev.lo):
                         i = prev.lo + j
-                        lease = leases[i]
+                        lease, leases[i] = leases[i], None  # counted in ``held`` or ``results`` from here on
                         if isinstance(lease, BaseException):
                             results[i] = lease
                             continue
@@ -425,7 +427,6 @@ class DeviceCallsMixin:
                             continue
                         filled.append(i)
                         locs.append(loc)
-                    done = prev.hi
                     if filled:
                         if s is None and prev.device is not None:
                             s = _device.start(prev.device, stream)
@@ -440,7 +441,7 @@ class DeviceCallsMixin:
             if s is not None:
                 s.synchronize()  # the leases below must outlive every queued copy
             # Leases read but not yet counted as held, and leases requested and not read yet, go back too.
-            held.extend(x.lease_id for x in leases[done:] if x is not None and not isinstance(x, BaseException))
+            held.extend(x.lease_id for x in leases if x is not None and not isinstance(x, BaseException))
             while asked:
                 _, _, tok = asked.popleft()
                 try:
