@@ -280,12 +280,14 @@ class DeviceCallsMixin:
         covered = 0  # keys [0, covered) have their leases asked for
         upfront = 0  # stages of keys < upfront wait for their answers at once (asked for at the start)
 
-        def ask(lo: int, hi: int, *, send: bool = True) -> None:
+        def ask(lo: int, hi: int, *, send: bool = True, local: bool = True) -> None:
             nonlocal covered
             if lo < hi:
                 left = max(0.0, deadline - time.monotonic()) if timeout else 0
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
-                token = backend.acquire_start(keys[lo:hi], left, cache="fit", carry=False, placements=hinted, send=send)
+                token = backend.acquire_start(
+                    keys[lo:hi], left, cache="fit", carry=False, placements=hinted, send=send, local=local
+                )
                 asked.append((lo, hi, token))
                 covered = hi
                 if hinted:
@@ -366,9 +368,11 @@ class DeviceCallsMixin:
                         # nothing, is dropped), made ready while the first bytes move and sent once the first two
                         # stages' copies are queued: a request costs this thread ~40 us, the first stage's bytes
                         # take ~75 us. Its answer comes while the bytes move and only confirms the early copies;
-                        # keys the table does not place wait for it.
+                        # keys the table does not place wait for it. The local-read cache is not looked up again:
+                        # the keys likely changed too, and dropping their stale entries one by one here cost the
+                        # next stage's copies tens of microseconds (the new leases replace them later).
                         asked.clear()
-                        ask(0, n, send=False)
+                        ask(0, n, send=False, local=False)
                         upfront = n
                     if hinted and (st.lo > 0 if table_first else st.lo == 0):
                         send_asked()

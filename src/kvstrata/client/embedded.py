@@ -105,6 +105,7 @@ class EmbeddedBackend:
         carry: bool = True,
         placements: bool = False,
         send: bool = True,
+        local: bool = True,
     ) -> Any:
         return self.acquire(keys, timeout, cache=cache)
 

@@ -253,13 +253,17 @@ class RemoteBackend(WorkerConnection):
         carry: bool = True,
         placements: bool = False,
         send: bool = True,
+        local: bool = True,
     ) -> Any:
         """:meth:`acquire`: the local-read cache's leases now, the worker's requested and not waited for
         (pipelined, ``carry`` as in :meth:`send_tagged`); :meth:`acquire_finish` completes it,
         :meth:`acquire_ready` says whether that needs the worker's answer still. ``placements``: the worker also
         says each lease's placement (:meth:`acquire_placements`, after the finish). ``send=False``: the request
         is only made ready; :meth:`acquire_send` sends it (the finish does, where nothing did), so a caller
-        can learn what the cache serves and do other work before the request goes."""
+        can learn what the cache serves and do other work before the request goes. ``local=False``: every key
+        is asked for, none looked up in the cache (for keys likely changed: their stale entries are then
+        replaced when the new leases are entered, off the caller's path, instead of dropped here)."""
+        cached = local
         local = self._local
         n = len(keys)
         out: list[Any] = [None] * n
@@ -267,7 +271,7 @@ class RemoteBackend(WorkerConnection):
         if local is not None:
             generation = local.generation()  # read before the request: see kvstrata.server.validity
             with self._lock:
-                if len(local) and not self._closed and self._pid == os.getpid():
+                if cached and len(local) and not self._closed and self._pid == os.getpid():
                     got = local.entries(keys)
                     # Served only while the worker is there (a dead one makes its socket readable at EOF); where no
                     # entry is current (a cold read) the request finds out, with no system call here.
