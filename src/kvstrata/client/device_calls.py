@@ -27,6 +27,9 @@ Result = Any  # per-key: None on success, the KvstrataError instance on failure 
 #: GB/s, so the worker polls a little longer than the bytes take rather than sleep just before the commit
 LINGER_BYTES_PER_US = 40_000
 LINGER_SLACK_US = 100
+#: a cold ``mget_h2d`` whose first stage the placement table places whole makes one request for every key, after
+#: its first two stages' copies (see ``mget_h2d``); off: it asks stage by stage ahead (tools/probe_cold_ab.py)
+TABLE_FIRST = True
 
 
 def _linger_us(nbytes: int) -> int:
@@ -356,7 +359,7 @@ class DeviceCallsMixin:
                         # known then) and sent after its early copies: nothing goes in front of its first bytes.
                         ask(covered, st.hi, send=not (hinted and st.lo == 0))
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
-                    if st.lo == 0 and cold and hinted and not timeout and st.hi < n:
+                    if st.lo == 0 and cold and hinted and not timeout and st.hi < n and TABLE_FIRST:
                         placed_first = advise(st)
                         # The table (or this client's own writes) places every key of the first stage, and the
                         # local-read cache served none: likely the same holds for the others.
