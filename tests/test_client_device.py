@@ -638,55 +638,6 @@ def test_keys_the_local_read_cache_serves_are_never_copied_early(kv, writer, mon
 
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
-def test_a_client_reads_its_own_writes_early_before_the_worker_shows_them(kv, writer, monkeypatch):
-    keys = [f"own/{i}" for i in range(9)]
-    kv.delete(keys)
-    src = _lists(9, seed=11)
-    assert kv.mset_d2h(keys, src) == [None] * 9  # takes a reservation (the create path)
-    kv.delete(keys)
-    assert kv.mset_d2h(keys, src) == [None] * 9  # laid out in the reservation: committed, placements noted
-    backend = kv._backend
-    table = backend.placements
-    assert [backend.written[k] for k in keys] == table.lookup(keys)  # what the worker's table says, once it shows them
-    monkeypatch.setattr(table, "lookup", lambda ks: [None] * len(ks))  # the worker has not shown them yet
-    monkeypatch.setattr(device, "stages", stages_of(2))
-    events = _order(monkeypatch, backend, requests=True)
-    dst = _poisoned(src)
-    assert kv.mget_h2d(keys, dst) == [None] * 9
-    assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
-    # as from the table: copies first, every one confirmed by its lease
-    assert events == ["copies", "copies", "request"] + ["copies"] * 3 + ["answer"], events
-    monkeypatch.undo()
-    # Rewritten by another client: the note is stale (and the table, looked up first, names the new placement).
-    writer.delete(keys[:3])
-    new = _lists(3, seed=12)
-    assert writer.mset_d2h(keys[:3], new) == [None] * 3
-    assert backend.placement_hints(keys[:3]) != [backend.written[k] for k in keys[:3]]
-    monkeypatch.setattr(backend.placements, "lookup", lambda ks: [None] * len(ks))  # only the stale note
-    events = _order(monkeypatch, backend)
-    dst = _poisoned(src)
-    assert kv.mget_h2d(keys, dst) == [None] * 9
-    want = new + src[3:]
-    assert all(torch.equal(a, b) for w, got in zip(want, dst) for a, b in zip(w, got))
-    assert events == ["copies", "answer", "copies"]  # one stage: the 3 stale ones redone from their leases
-    monkeypatch.undo()
-    kv.delete(keys)
-
-
-def test_a_client_keeps_a_bounded_note_of_its_own_writes(worker, monkeypatch):
-    from kvstrata.client import remote
-
-    monkeypatch.setattr(remote, "MAX_WRITTEN", 8)
-    with kvstrata.connect(worker.address, timeout=5) as kv:
-        for i in range(4):
-            keys = [f"own-bound/{i}/{j}" for j in range(6)]
-            assert kv.mset_d2h(keys, _lists(6, seed=i)) == [None] * 6
-            assert len(kv._backend.written) <= 8
-        assert all(k.startswith("own-bound/3/") for k in list(kv._backend.written)[-6:])  # the latest kept
-        kv.delete([f"own-bound/{i}/{j}" for i in range(4) for j in range(6)])
-
-
-@pytest.mark.parametrize("kv", ["unix"], indirect=True)
 def test_early_copies_from_wrong_or_stale_advice_are_redone_from_the_lease(kv, writer, monkeypatch):
     keys, old = _written_by(writer, kv, "advice", 8, seed=4)
     backend = kv._backend

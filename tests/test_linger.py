@@ -100,9 +100,9 @@ def test_commits_carry_a_linger_only_while_more_follow(worker):
         sent = []
         real = kv._backend.commit_start
 
-        def spy(items, opts, linger_us=0, **kw):
+        def spy(items, opts, linger_us=0, *, landing=False):
             sent.append((len(items), linger_us))
-            return real(items, opts, linger_us, **kw)
+            return real(items, opts, linger_us, landing=landing)
 
         kv._backend.commit_start = spy
         ts = [[torch.arange(i, i + 64, dtype=torch.int32)] for i in range(12)]

@@ -1,9 +1,9 @@
 """Cold ``mget_h2d`` of 64 x 1 MiB (GPU machine), variants switched call by call so every one sees the same host
 speed (the GPU host's Python speed drifts 2x between machine draws and within runs): the keys read before and
 unchanged (leases kept: no request), right after this client rewrote them, and right after another client did;
-each cold case with the table-first read on and off (``device_calls.TABLE_FIRST``), and with this client's notes
-of its own writes on and off (``RemoteBackend.written``); against one 64 MiB pinned ``copy_``. Median and
-quartiles of the wall time over ``--iters`` rounds, and the ratio of the copy's median to each.
+each cold case with the table-first read on and off (``device_calls.TABLE_FIRST``); against one 64 MiB pinned
+``copy_``. Median and quartiles of the wall time over ``--iters`` rounds, and the ratio of the copy's median to
+each.
 
     PYTHONPATH=src python3 tools/probe_cold_ab.py [--iters 60]
 """
@@ -21,7 +21,6 @@ import torch
 import kvstrata
 from kvstrata.bench.store import _start_worker
 from kvstrata.client import device_calls
-from kvstrata.client.remote import RemoteBackend
 
 N, SIZE = 64, 1 << 20
 
@@ -34,17 +33,15 @@ def main() -> None:
     host = torch.empty(N * SIZE, dtype=torch.uint8)
     host = host.pin_memory() if gpu else host
     big = torch.empty(N * SIZE, dtype=torch.uint8, device=where)
-    cases = {  # name: (rewritten by, table first, own notes)
-        "kept leases": (None, True, True),
-        "own rewrite, table first": ("self", True, True),
-        "own rewrite, table first, no own notes": ("self", True, False),
-        "own rewrite, stage by stage": ("self", False, True),
-        "another client's rewrite, table first": ("other", True, True),
-        "another client's rewrite, stage by stage": ("other", False, True),
-        "one 64 MiB copy_": ("copy", True, True),
+    cases = {  # name: (rewritten by, table first)
+        "kept leases": (None, True),
+        "own rewrite, table first": ("self", True),
+        "own rewrite, stage by stage": ("self", False),
+        "another client's rewrite, table first": ("other", True),
+        "another client's rewrite, stage by stage": ("other", False),
+        "one 64 MiB copy_": ("copy", True),
     }
     times: dict[str, list[float]] = {c: [] for c in cases}
-    note = RemoteBackend._note_written
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = _start_worker(Path(tmp), 4 << 30)
         try:
@@ -55,11 +52,8 @@ def main() -> None:
                 kv.mset_d2h(keys, src)
                 kv.mset_d2h(["cold/reserve"], src[:1])  # this client's rewrites go through its reservation
                 for it in range(iters + 3):
-                    for name, (by, first, notes) in cases.items():
+                    for name, (by, first) in cases.items():
                         device_calls.TABLE_FIRST = first
-                        RemoteBackend._note_written = note if notes else (lambda *a: None)
-                        if not notes:
-                            kv._backend.written.clear()
                         if by == "self":
                             kv.delete(keys)
                             kv.mset_d2h(keys, src)
@@ -76,7 +70,7 @@ def main() -> None:
                             kv.mget_h2d(keys, dst)
                         if it >= 3:
                             times[name].append(time.perf_counter() - t0)
-                device_calls.TABLE_FIRST, RemoteBackend._note_written = True, note
+                device_calls.TABLE_FIRST = True
                 assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         finally:
             proc.terminate()

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from kvstrata.store import ObjectStore
-from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.placements import BUCKETS, PlacementHints, PlacementTable, key_hash
 
 KB = 1024
@@ -50,11 +49,6 @@ def _attached(table: PlacementTable) -> PlacementHints:
 def _where(lease) -> tuple:
     loc = lease.location
     return (loc.segment, loc.offset, loc.size, lease.placement)
-
-
-def rounded(size: int) -> int:
-    """The bytes an object of ``size`` takes in a reservation."""
-    return (size + ALIGNMENT - 1) & -ALIGNMENT
 
 
 def _colliding(key: str) -> str:
@@ -143,21 +137,3 @@ def test_a_closed_table_answers_nothing_and_takes_no_writes(table, store_with):
     fresh = _attached(table)
     assert fresh.lookup(["a"]) == [None]
     fresh.close()
-
-
-def test_a_commit_names_each_object_s_placement_for_its_writer(table, store_with):
-    s = store_with(table)
-    loc = s.reserve("w", 64 * KB)
-    placed = [0, 0, 0]
-    y_at = loc.offset + rounded(3000)
-    items = [("x", 3000, loc.offset), ("y", 100, y_at), ("z", 0, y_at + rounded(100))]
-    assert s.commit("w", items, placements=placed) == [None] * 3
-    leases = s.acquire_many(["x", "y", "z"], owner="r")
-    assert placed == [lease.placement for lease in leases] and 0 not in placed  # what leases (and the table) carry
-    assert [_where(lease)[:2] for lease in leases[:2]] == [(loc.segment, loc.offset), (loc.segment, y_at)]
-    s.release_many([lease.lease_id for lease in leases])
-    refused = [0, 0]
-    at = items[2][2]
-    got = s.commit("w", [("x", 10, at), ("v", 10, at + rounded(10))], nx=True, placements=refused)
-    assert got[0] is not None and got[1] is None  # x exists: its slot left alone
-    assert refused[0] == 0 and refused[1] == s.acquire("v", owner="r").placement

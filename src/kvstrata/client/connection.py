@@ -78,9 +78,6 @@ class WorkerConnection:
                 self.placements = PlacementHints(SharedSegment.attach(fd, PLACEMENT_TABLE_BYTES))
             else:  # another kvstrata version's worker
                 os.close(fd)
-        #: where this client's own latest device writes lie, ``key -> (segment, offset, size, placement)``, from
-        #: their commits' replies: advice for reads that come before the worker shows them in its table
-        self.written: dict[str, tuple[int, int, int, int]] = {}
         self._local: LocalReads | None = None
         if "generation_page" in self._conn.peer_info and fds:
             from kvstrata.memory.shm import SharedSegment

@@ -169,7 +169,7 @@ class DeviceCallsMixin:
                     # another commit follows once the bytes still moving land: the worker polls until then
                     linger = _linger_us(sum(m[3] for m in marks[k:])) if k < len(marks) else 0
                     items = [it for m in carved for it in m[1]]
-                    seals.append((which, True, backend.commit_start(items, opts, linger, segment=resv.segment)))
+                    seals.append((which, True, backend.commit_start(items, opts, linger)))
                 which = [i for m in marks[j:k] if m[1] is None for i in m[0]]
                 if which:
                     seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
@@ -184,7 +184,7 @@ class DeviceCallsMixin:
                     landed = False
                     try:
                         for m in rest:
-                            tokens.append(backend.commit_start(m[1], opts, landing=True, segment=resv.segment))
+                            tokens.append(backend.commit_start(m[1], opts, landing=True))
                             seals.append((m[0], True, tokens[-1]))
                         for idx, (m, token) in enumerate(zip(rest, tokens)):
                             m[2].synchronize()
@@ -312,7 +312,7 @@ class DeviceCallsMixin:
                     placed[lo:top] = got
 
         def advise(st: Any) -> list[int]:
-            """The keys of ``st`` whose bytes' place the placement table (or this client's own writes) advises,
+            """The keys of ``st`` whose bytes' place the placement table advises,
             usable as it says (the sizes agree, the place is in a segment this client maps)."""
             nonlocal advised
             lo, hi = st.lo, st.hi
@@ -361,7 +361,7 @@ class DeviceCallsMixin:
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
                     if st.lo == 0 and cold and hinted and not timeout and st.hi < n and TABLE_FIRST:
                         placed_first = advise(st)
-                        # The table (or this client's own writes) places every key of the first stage, and the
+                        # The table places every key of the first stage, and the
                         # local-read cache served none: likely the same holds for the others.
                         table_first = len(placed_first) == st.hi and kept[: st.hi].count(None) == st.hi
                     if cold and hinted:

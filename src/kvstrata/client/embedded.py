@@ -148,13 +148,7 @@ class EmbeddedBackend:
     can_land = False
 
     def commit_start(
-        self,
-        items: list[tuple[str, int, int]],
-        opts: dict,
-        linger_us: int = 0,
-        *,
-        landing: bool = False,
-        segment: int | None = None,
+        self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0, *, landing: bool = False
     ) -> Any:
         store = self._check()
         results = store.commit(self.owner, items, **self._opts(opts))

@@ -8,7 +8,6 @@ segments are :class:`~kvstrata.client.connection.WorkerConnection`'s.
 
 from __future__ import annotations
 
-import itertools
 import os
 import select
 from itertools import repeat
@@ -25,8 +24,6 @@ _SEQ = frozenset({list, tuple})
 _INT = frozenset({int})
 #: builds a NamedTuple from a tuple in C (its generated __new__ is Python: twice the cost over a 64-key reply)
 _new = tuple.__new__
-#: own writes :attr:`RemoteBackend.written` keeps at most (then the oldest half goes)
-MAX_WRITTEN = 1 << 16
 
 
 def _lengths(*cols: Any) -> str:
@@ -107,23 +104,14 @@ class RemoteBackend(WorkerConnection):
         return self._loc(self.tagged_reply(token)["loc"])
 
     def commit_start(
-        self,
-        items: list[tuple[str, int, int]],
-        opts: dict,
-        linger_us: int = 0,
-        *,
-        landing: bool = False,
-        segment: int | None = None,
+        self, items: list[tuple[str, int, int]], opts: dict, linger_us: int = 0, *, landing: bool = False
     ) -> Any:
         """Commit ``(key, size, offset)`` s carved from this client's reservation, not waited for;
         :meth:`commit_finish` gives ``(per-item results, the reservation's head after it or None)``.
         ``linger_us``: another commit follows within that many microseconds (see :meth:`linger`).
         ``landing`` (where :attr:`can_land`): sent before the copies into the objects finished; answered at
         once, its objects visible only once :meth:`land` says the copies did (freed if it says they failed),
-        which the caller must then say. ``segment``: the reservation's; where the worker keeps a placement
-        table, the finish then notes where each committed object lies (:attr:`written`, read by
-        :meth:`placement_hints`) -- only once its bytes are in place (the caller finishes a commit after its
-        copies landed)."""
+        which the caller must then say."""
         msg = {"op": "commit", "items": items}
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
@@ -131,13 +119,10 @@ class RemoteBackend(WorkerConnection):
             msg["linger"] = linger_us
         if landing:
             msg["landing"] = True
-        noted = segment is not None and self.placements is not None
-        if noted:
-            msg["placements"] = True
         tag = self.send_tagged(msg)
         if landing and tag > self._landing_last:
             self._landing_last = tag
-        return tag, len(items), items if noted else None, segment
+        return tag, len(items)
 
     @property
     def can_land(self) -> bool:
@@ -171,26 +156,12 @@ class RemoteBackend(WorkerConnection):
                 self._conn.send({"op": "linger", "linger": us})
 
     def commit_finish(self, token: Any) -> tuple[list[Any], int | None]:
-        tag, n, items, segment = token
+        tag, n = token
         reply = self.tagged_reply(tag)
         out: list[Any] = [None] * n
         for i, name, message in reply.get("errs", ()):
             out[i] = P.error_from_record((name, message))
-        placed = reply.get("placed")
-        if items is not None and type(placed) is list and len(placed) == n:
-            self._note_written(items, placed, segment, out)
         return out, reply.get("head")
-
-    def _note_written(self, items: list[Any], placed: list[Any], segment: int, results: list[Any]) -> None:
-        """Keep where this client's committed objects lie (advice only: a read checks it against its lease)."""
-        written = self.written
-        for (key, size, offset), p, r in zip(items, placed, results):
-            if r is None and type(p) is int and p > 0 and size:
-                written[key] = (segment, offset, size, p)
-        if len(written) > MAX_WRITTEN:
-            with self._lock:  # one trim at a time; other threads only add and read single keys
-                for key in list(itertools.islice(written, len(written) - MAX_WRITTEN // 2)):
-                    written.pop(key, None)
 
     def get(self, key: str, timeout: float) -> bytes:
         local = self._local
@@ -327,19 +298,9 @@ class RemoteBackend(WorkerConnection):
 
     def placement_hints(self, keys: list[str]) -> list[tuple[int, int, int, int] | None] | None:
         """Where the worker's table says each key's bytes lie now, ``(segment, offset, size, placement)`` or
-        None per key, else where this client last wrote the key (:attr:`written`: its own latest writes, which
-        the worker may not show in the table yet); None where there is no table. Advice only
-        (:mod:`kvstrata.store.placements`)."""
+        None per key; None where there is no table. Advice only (:mod:`kvstrata.store.placements`)."""
         hints = self.placements
-        if hints is None:
-            return None
-        got = hints.lookup(keys)
-        written = self.written
-        if written and None in got:
-            for i, g in enumerate(got):
-                if g is None:
-                    got[i] = written.get(keys[i])
-        return got
+        return None if hints is None else hints.lookup(keys)
 
     def acquire_finish(self, token: Any) -> list[Any]:
         """The leases of an :meth:`acquire_start` (a key's error in its slot). The worker's reply is checked for

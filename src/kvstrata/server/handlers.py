@@ -183,18 +183,15 @@ def _commit(s: Session, msg: dict) -> dict:
     head is now (None: the client holds none), and the refused items (absent when every one was sealed).
     ``"landing": true``: sent before the copies into the objects finished; answered at once, the objects made
     visible when the client says in the lane page that the copies landed (``store.reservations``; every
-    request of anyone after that sees them), freed if it says they failed. ``"placements": true``: the reply's
-    ``"placed"`` gives each item's placement id (0 for a refused one; see ``store.placements``), so the writer
-    can read its objects back early, as from the placement table, before the worker shows them there."""
+    request of anyone after that sees them), freed if it says they failed."""
     opts = s.write_options(msg)
     items = msg.get("items", [])
     if type(items) is not list or len(items) > P.MAX_BATCH:
         raise TypeError(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
     landed = s.landing_check(msg.get("tag")) if msg.get("landing") else None
     keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
-    placed = [0] * len(items) if msg.get("placements") else None
     with _sealing(s.validity, keys):
-        results = s.store.commit(s.owner, items, **opts, landed=landed, placements=placed)
+        results = s.store.commit(s.owner, items, **opts, landed=landed)
         if landed is not None and None in results:
             s.landing_tags.append(msg["tag"])  # the session watches for the word (Session._next)
         ok = [it[0] for it, r in zip(items, results) if r is None]  # a sealed item is a well-formed one
@@ -203,12 +200,6 @@ def _commit(s: Session, msg: dict) -> dict:
     reply: dict = {"head": None if rest is None else rest.offset}
     if results.count(None) != len(results):
         reply["errs"] = [[i, *P.error_record(r)["err"]] for i, r in enumerate(results) if r is not None]
-        if placed is not None:
-            for i, r in enumerate(results):
-                if r is not None:
-                    placed[i] = 0  # refused after its placement was made (e.g. a full SSD tier)
-    if placed is not None:
-        reply["placed"] = placed
     return reply
 
 

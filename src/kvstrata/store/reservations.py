@@ -144,7 +144,6 @@ class ReservationMixin:
         write_mode: WriteMode | str = WriteMode.MEMORY,
         nx: bool = False,
         landed: Callable[[], bool | None] | None = None,
-        placements: list[int] | None = None,
     ) -> list[KvstrataError | ValueError | TypeError | None]:
         """Make each ``(key, size, offset)`` a sealed object at ``offset`` of ``owner``'s reservation, whose
         bytes the owner wrote there; per item None or the exception. With ``landed`` (write mode ``memory``
@@ -157,9 +156,7 @@ class ReservationMixin:
         none of them is carved. A key refused otherwise (``nx`` and it exists, a bad key, an SSD tier full
         for a write-through) gets its exception and its piece is freed. Committed objects are as if created
         and sealed: new versions, waiters woken, TTLs started, written through to SSD where ``write_mode``
-        says so. ``placements`` (a list of one int per item): each committed object's placement id is written
-        in its item's slot (see :mod:`kvstrata.store.placements`; at its offset of the reservation's segment),
-        so the writer may read it back early from where it wrote it; a refused item's slot is left alone.
+        says so.
         """
         items = items if isinstance(items, list) else list(items)
         n = len(items)
@@ -230,8 +227,6 @@ class ReservationMixin:
                         mem.free(loc)
                     continue
                 e = Entry(key, size, loc, mode, next(versions), owner)
-                if placements is not None:
-                    placements[i] = e.placed
                 if ttl_s:
                     e.ttl = ttl_s
                 if mode is WriteMode.WRITE_THROUGH:
