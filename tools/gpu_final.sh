@@ -66,6 +66,8 @@
 #   PART=s10a: client-device GPU tests; bench store's device rows and trace_store_device with ab_old/src (the
 #           session's start) and the new code in turn, twice
 #   PART=s10b: client-device GPU tests; tools/probe_cold_ab.py twice; tools/trace_store_device.py
+#   PART=s10z: session 10's closing call (nvidia-h200-x2): every GPU test, bench store's device rows twice,
+#           tools/probe_cold_ab.py, tools/trace_store_device.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -281,6 +283,13 @@ elif [ "${PART}" = s10b ]; then
   for v in 1 2; do
     echo "=== tools/probe_cold_ab.py --iters 100 ($v)" >> "$LOG"; timeout 120 python3 tools/probe_cold_ab.py --iters 100 >> "$LOG" 2>&1
   done
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s10z ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  store_twice
+  echo "=== tools/probe_cold_ab.py --iters 100" >> "$LOG"; timeout 120 python3 tools/probe_cold_ab.py --iters 100 >> "$LOG" 2>&1
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s9e ]; then
   KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
