@@ -243,13 +243,15 @@ class DeviceCallsMixin:
         otherwise). Waits up to ``timeout`` for missing keys. The copies run as copy-engine batches on
         a copy stream that waits for ``stream`` (default: current); the call returns once they have
         landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
-        cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`):
-        where the worker must be asked, the first stage's leases and the next keys' (up to 4x as many) are asked
-        for at the start, and every key left in one request once the first stage's copies are queued, answered
-        while earlier bytes move.
+        cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`).
         Where the worker's placement table (:mod:`kvstrata.store.placements`) says where a key's bytes lie, its
         copies start at once, before its lease comes back; the lease then confirms them, or the key is copied
-        again from where the lease says. Elsewhere the copies start after one round trip. A bad tensor raises
+        again from where the lease says. Where the table places the whole first stage (keys another client or
+        this one just wrote), every stage's copies go as the stage is checked, and one request for every key,
+        sent once the first two stages' copies are queued, confirms them while the bytes move: such a cold read
+        takes as long as one whose leases this client kept. Elsewhere the first stage's leases and the next
+        keys' (up to 4x as many) are asked for at the start, and every key left in one request once the first
+        stage's copies are queued, answered while earlier bytes move. A bad tensor raises
         when its stage is reached, after the copies already queued landed (the tensors of earlier keys may then
         hold their data); a key that fails (missing, wrong size) may have had its tensors written.
         """
@@ -312,8 +314,8 @@ class DeviceCallsMixin:
                     placed[lo:top] = got
 
         def advise(st: Any) -> list[int]:
-            """The keys of ``st`` whose bytes' place the placement table advises,
-            usable as it says (the sizes agree, the place is in a segment this client maps)."""
+            """The keys of ``st`` whose bytes' place the placement table advises, usable as it says (the sizes
+            agree, the place is in a segment this client maps)."""
             nonlocal advised
             lo, hi = st.lo, st.hi
             if advised < hi:
@@ -361,8 +363,8 @@ class DeviceCallsMixin:
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
                     if st.lo == 0 and cold and hinted and not timeout and st.hi < n and TABLE_FIRST:
                         placed_first = advise(st)
-                        # The table places every key of the first stage, and the
-                        # local-read cache served none: likely the same holds for the others.
+                        # The table places every key of the first stage, and the local-read cache served none:
+                        # likely the same holds for the others.
                         table_first = len(placed_first) == st.hi and kept[: st.hi].count(None) == st.hi
                     if cold and hinted:
                         copy_early(st, placed_first)  # before any further request: nothing in front of these bytes
