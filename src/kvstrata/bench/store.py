@@ -170,17 +170,18 @@ def _start_worker(tmp: Path, memory: int) -> tuple[subprocess.Popen, str]:
 
 # ------------------------------------------------------------------------------------- device rows
 IN_FLIGHT = 4  # async calls in flight for the streamed device rows
-READ_ROUNDS = 40  # timed rounds of the four mget_h2d rows (after 3 untimed)
+READ_ROUNDS = 40  # timed rounds of the four mget_h2d rows and the mset_d2h row (after 3 untimed)
 
 
 def _device_rows(address: str) -> list[dict[str, Any]]:
     """``mget_h2d`` / ``mset_d2h`` of 64 x 1 MiB beside two DMA ceilings measured here: one pinned
     ``copy_`` of 64 MiB (``ceiling``) and the same copy from the worker's shared segment as this client
-    registered it (``seg_ceiling``: what DMA from that memory allows). ``mget_h2d`` four ways, in turn round by
-    round: keys read before and unchanged since (leases kept by the client: no round trip), the same with
-    another key written before each call (still no round trip: see kvstrata.server.validity), right after the
-    keys themselves were rewritten, and right after another client rewrote them (both cold: the worker's
-    placement table lets the copies start before the leases come back: kvstrata.store.placements)."""
+    registered it (``seg_ceiling``: what DMA from that memory allows). ``mget_h2d`` four ways and ``mset_d2h`` of
+    fresh keys, in turn round by round: keys read before and unchanged since (leases kept by the client: no round
+    trip), the same with another key written before each call (still no round trip: see
+    kvstrata.server.validity), right after the keys themselves were rewritten, and right after another client
+    rewrote them (both cold: the worker's placement table lets the copies start before the leases come back:
+    kvstrata.store.placements)."""
     import torch
 
     import kvstrata
@@ -201,39 +202,39 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
         keys = [f"h2d/{i}" for i in range(n)]
         assert kv.mset_d2h(keys, src) == [None] * n
         dst = [[torch.empty_like(t[0])] for t in src]
-        # The four reads in turn, round by round, so each sees the same host speed (the GPU host's Python speed
-        # drifts within a run; measured one after the other, a row could read 0.05 of the ceiling off another).
-        reads = ("kept", "other key", "own rewrite", "written")
-        read_times: dict[str, list[float]] = {r: [] for r in reads}
+        # The four reads and the write in turn, round by round, so each sees the same host state (the GPU host's
+        # Python speed drifts within a run, and a call right after a spell of heavy calls runs slower: measured one
+        # row after the other, a row could read 0.05-0.15 of the ceiling off another).
+        cases = ("kept", "other key", "own rewrite", "written", "write")
+        times: dict[str, list[float]] = {c: [] for c in cases}
         with kvstrata.connect(address) as writer:  # another process's objects: a decode engine reading prefill's
             kv.mget_h2d(keys, dst)
             for it in range(READ_ROUNDS + 3):
-                for read in reads:
-                    if read == "other key":
+                for case in cases:
+                    if case == "other key":
                         kv.set(f"h2d/other/{it}", b"x")  # writes to other keys leave the kept leases good
-                    elif read == "own rewrite":
+                    elif case == "own rewrite":
                         kv.delete(keys)  # rewritten: the kept leases are stale, this read leases through the worker
                         assert kv.mset_d2h(keys, src) == [None] * n
-                    elif read == "written":
+                    elif case == "written":
                         writer.delete(keys)
                         assert writer.mset_d2h(keys, src) == [None] * n
                         # the writer's next request: its objects are visible to all by its answer
                         writer.exists(keys[:1])
+                    if case == "write":  # write-once keys: fresh ones every time, deleted outside the timing
+                        ks = [f"d2h/{it}/{i}" for i in range(n)]
+                        t0 = time.perf_counter()
+                        assert kv.mset_d2h(ks, src) == [None] * n
+                        times[case].append(time.perf_counter() - t0)
+                        kv.delete(ks)
+                        continue
                     t0 = time.perf_counter()
                     kv.mget_h2d(keys, dst)
-                    read_times[read].append(time.perf_counter() - t0)
+                    times[case].append(time.perf_counter() - t0)
                     if it == 0:
-                        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst)), read
+                        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst)), case
         kv.delete([f"h2d/other/{it}" for it in range(READ_ROUNDS + 3)])
-        t_get, t_get_other, t_get_rt, t_get_written = (statistics.median(read_times[r][3:]) for r in reads)
-        times = []
-        for it in range(23):  # write-once keys: fresh ones every time, deleted outside the timing
-            ks = [f"d2h/{it}/{i}" for i in range(n)]
-            t0 = time.perf_counter()
-            assert kv.mset_d2h(ks, src) == [None] * n
-            times.append(time.perf_counter() - t0)
-            kv.delete(ks)
-        t_put = statistics.median(times[3:])
+        t_get, t_get_other, t_get_rt, t_get_written, t_put = (statistics.median(times[c][3:]) for c in cases)
         try:
             t_get_async, t_put_async = _streamed(kv, keys, src, n)
         except Exception as exc:  # reported in the table, the other rows stand
