@@ -68,6 +68,8 @@
 #   PART=s10b: client-device GPU tests; tools/probe_cold_ab.py twice; tools/trace_store_device.py
 #   PART=s10z: session 10's closing call (nvidia-h200-x2): every GPU test, bench store's device rows twice,
 #           tools/probe_cold_ab.py, tools/trace_store_device.py
+#   PART=s10y: session 10's last call: the store, client-device, landing, reservation and bench GPU tests, bench
+#           store's device rows twice, tools/probe_cold_ab.py, tools/probe_mset_tail.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -291,6 +293,13 @@ elif [ "${PART}" = s10z ]; then
   store_twice
   echo "=== tools/probe_cold_ab.py --iters 100" >> "$LOG"; timeout 120 python3 tools/probe_cold_ab.py --iters 100 >> "$LOG" 2>&1
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s10y ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/store tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \
+    tests/test_reservations.py tests/test_bench_store.py 2>&1 | tail -3 | tee -a "$LOG"
+  store_twice
+  echo "=== tools/probe_cold_ab.py --iters 100" >> "$LOG"; timeout 120 python3 tools/probe_cold_ab.py --iters 100 >> "$LOG" 2>&1
+  echo "=== tools/probe_mset_tail.py --calls 30" >> "$LOG"; timeout 90 python3 tools/probe_mset_tail.py --calls 30 >> "$LOG" 2>&1
 elif [ "${PART}" = s9e ]; then
   KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
