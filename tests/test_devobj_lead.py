@@ -250,7 +250,10 @@ def _owner(address: str, go, ready) -> None:
     time.sleep(60)  # killed by the test
 
 
-def test_owner_killed_mid_hand_off_fails_the_leading_waiter(make, worker):
+def test_owner_killed_mid_hand_off_fails_the_leading_waiter(make, worker, monkeypatch):
+    # The owner sends no offer (kvstrata.devobj.offers): the copy killing it is the match's, after its publish
+    # (an offer's copy could kill it before its publish reached the broker; test_devobj_offers covers that).
+    monkeypatch.setenv("KVSTRATA_DEVOBJ_OFFERS", "0")
     ctx = mp.get_context("spawn")
     go, ready = ctx.Event(), ctx.Event()
     p = ctx.Process(target=_owner, args=(worker.address, go, ready), daemon=True)

@@ -70,6 +70,8 @@
 #           tools/probe_cold_ab.py, tools/trace_store_device.py
 #   PART=s10y: session 10's last call: the store, client-device, landing, reservation and bench GPU tests, bench
 #           store's device rows twice, tools/probe_cold_ab.py, tools/probe_mset_tail.py
+#   PART=s11a: session 11's first check (nvidia-h200-x2): the device-object GPU tests, tools/probe_handoff.py (direct
+#           offers on and off, round by round) GPU0 -> GPU0 and GPU0 -> GPU1 traced, bench device --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -293,6 +295,14 @@ elif [ "${PART}" = s10z ]; then
   store_twice
   echo "=== tools/probe_cold_ab.py --iters 100" >> "$LOG"; timeout 120 python3 tools/probe_cold_ab.py --iters 100 >> "$LOG" 2>&1
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s11a ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_devobj_*.py 2>&1 | tail -15 | tee -a "$LOG"
+  for d in 0,0 0,1; do
+    echo "=== tools/probe_handoff.py --devices $d --iters 150 --trace" >> "$LOG"
+    timeout 120 python3 tools/probe_handoff.py --devices $d --iters 150 --trace >> "$LOG" 2>&1
+  done
+  bench 150 device --quick --wait 30
 elif [ "${PART}" = s10y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/store tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \

@@ -99,6 +99,7 @@ class Want:
     transfer: dict[str, Any] | None = None
     chain: ChainLink | None = None  # broadcast: what the successor reads, kept until the broadcast ends
     chain_events: list[Any] | None = None  # broadcast: chunk-end events not yet seen complete
+    offer: Any = None  # (record, queued copies, end event) of a publisher's offer copied ahead of the match
 
 
 _SPECS: dict[tuple[torch.Size, torch.dtype], list[dict[str, Any]]] = {}

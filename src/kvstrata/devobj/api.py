@@ -57,6 +57,7 @@ from kvstrata.devobj.link import (
     error_from,
 )
 from kvstrata.devobj.nccl_ends import NcclEnds
+from kvstrata.devobj.offers import OfferBox, offers_enabled
 from kvstrata.devobj.publish import Publisher, _Owned
 from kvstrata.devobj.receive import CopyReceiver
 from kvstrata.devobj.request import Requester
@@ -128,7 +129,22 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         # carries; None: none out) and whether the connection is over are the role holder's.
         fileno = getattr(link, "poll_fileno", None)
         fd = fileno() if callable(fileno) else None
-        self._role = PollRole(fd) if fd is not None and lead_enabled() else None
+        # Direct offers (kvstrata.devobj.offers): where the worker shares its hints of waiting subscribers and
+        # this client's events are read by whoever holds the role, which then watches the offer box too.
+        self._offer_table = getattr(link, "offer_table", None) if fd is not None and lead_enabled() else None
+        self._offer_box: OfferBox | None = None
+        if self._offer_table is not None and offers_enabled():
+            try:
+                self._offer_box = OfferBox(link.client_id)
+            except OSError as exc:
+                log.info("devobj: no offer box (%s); hand-offs go through the broker alone", exc)
+        #: whether this client's publishes send offers (where it has a box); switched call by call by A/B probes
+        #: (tools/probe_handoff.py)
+        self.send_offers = True
+        self.offers_taken = 0  # offers whose copy started here (for tests and benchmarks)
+        self.offers_used = 0  # of those, receives finished from the offer's copy
+        box_fd = self._offer_box.fileno() if self._offer_box is not None else None
+        self._role = PollRole(fd, box_fd) if fd is not None and lead_enabled() else None
         self._poll_carried: list[dict[str, Any]] | None = None
         self._poll_over = False
         self._leftover: list[dict[str, Any]] = []  # events of an answer whose reader was interrupted
@@ -245,6 +261,8 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
             self._role.close()
         if threading.current_thread() is not self._poller:  # close() may run in a future's callback
             self._poller.join(timeout=self.config.poll_seconds + 1)
+        if self._offer_box is not None and not self._poller.is_alive():  # else it goes with the process
+            self._offer_box.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._nccl is not None:
             self._nccl.close()

@@ -85,6 +85,7 @@ from kvstrata.devobj._broker_types import (  # noqa: F401 (the error codes are t
 from kvstrata.devobj.bcast_plan import BroadcastPlanner
 from kvstrata.devobj.broker_events import EventQueues, _deliver
 from kvstrata.devobj.broker_match import Matcher
+from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
 
 #: record fields shared by every object of one client and mode: sent once per reply, not once per key
 #: (see :meth:`DeviceBroker._wire`)
@@ -133,11 +134,14 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
         self._shared: dict[tuple[str, str], tuple[tuple, dict[str, Any]]] = {}
         self._paths: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}  # see _start_transfer
         self._gen_fd, self._gen_map, self._gen = _generation_page()
+        #: hints of waiting subscribers for publishers' direct offers (kvstrata.devobj.offers), after the page
+        self._offers = OfferTable(memoryview(self._gen_map)[mmap.PAGESIZE :])
         weakref.finalize(self, os.close, self._gen_fd)
 
     @property
     def generation_fd(self) -> int:
-        """The memfd of the generation page (8 bytes at offset 0), for the worker to hand to clients."""
+        """The memfd of the generation page (8 bytes at offset 0) and the offer table (from the second page on),
+        for the worker to hand to clients."""
         return self._gen_fd
 
     @property
@@ -216,6 +220,7 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
                         },
                     )
                 del self._objects[key]
+                self._hint(key)
             for tid, t in list(self._transfers.items()):
                 if t["dst"] == client:
                     self._transfers.pop(tid)
@@ -276,6 +281,7 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
             del lean["events"]
         self._objects[key] = _Object(record, lean, shared)
         if key in self._waiters:
+            self._offers.clear(key)  # the publisher read the hint before this: no later one may
             self._match_locked(key)
         return {"ok": True, "obj": record["obj"]}
 
@@ -379,6 +385,7 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
 
     def _forget_locked(self, key: str, obj: _Object, *, reason: str, notify_owner: bool = True) -> None:
         del self._objects[key]
+        self._hint(key)  # a subscriber still waiting for the key can be offered the next object
         if notify_owner:
             released = {"type": "released", "key": key, "obj": obj.record["obj"], "reason": reason}
             self._push(obj.record["owner"], released)
@@ -425,11 +432,13 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
 
 
 def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:
-    """A one-page memfd holding the generation (starts at 1; 0 never means "valid")."""
+    """A memfd holding the generation (8 bytes at offset 0; starts at 1, 0 never means "valid") in its first
+    page, and the offer table (:class:`~kvstrata.devobj.offers.OfferTable`) from its second page on."""
     fd = os.memfd_create("kvstrata-devobj-generation", os.MFD_CLOEXEC)
+    size = mmap.PAGESIZE + TABLE_BYTES
     try:
-        os.ftruncate(fd, mmap.PAGESIZE)
-        mm = mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise

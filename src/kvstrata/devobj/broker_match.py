@@ -86,6 +86,8 @@ class Matcher:
                     self._plan_timer_locked(deadline)
             # Answer at once when the object is there: the common case costs no event round trip.
             immediate = self._match_locked(key, only=w.wid)
+            if immediate is None:
+                self._hint(key)
             out.append(immediate if immediate is not None else {"status": "waiting", "wid": w.wid})
         return out
 
@@ -134,6 +136,17 @@ class Matcher:
                 pass
             if not q:
                 del self._waiters[w.key]
+        self._hint(w.key)
+
+    def _hint(self, key: str) -> None:
+        """Keep the offer table's hint for ``key`` true (see :mod:`kvstrata.devobj.offers`): the first waiter's
+        receive while it is a subscribe and the key has no object yet, else none."""
+        q = self._waiters.get(key)
+        head = q[0] if q else None
+        if head is not None and head.kind == "sub" and key not in self._objects:
+            self._offers.put(key, head.wid, head.client)
+        else:
+            self._offers.clear(key)
 
     def _expire_locked(self) -> None:
         now = self._clock()

@@ -117,7 +117,10 @@ class EventThread:
         try:
             if self._poll_carried is None:
                 self._send_poll()
-            if not self._role.wait_readable(timeout, spin, self.link.poll_buffered):
+            readable = self._role.wait_readable(timeout, spin, self.link.poll_buffered)
+            if self._role.offers_ready:  # before the connection's events: an offer comes ahead of its match
+                self._take_offers()
+            if not readable:
                 if self._done_items:  # woken to send receives finished on another thread (_notify_done)
                     self._flush_done()
                 return True
@@ -160,7 +163,10 @@ class EventThread:
             return timeout if end is None else max(0.0, end - time.monotonic())
         try:
             with self._device_guard():
-                while future._state == "PENDING" and not (self._closed or self._poll_over):
+                # (a receive running on an offer waits for its match: kvstrata.devobj.offers)
+                while (future._state == "PENDING" or getattr(future, "_offered", False)) and not (
+                    self._closed or self._poll_over
+                ):
                     left = None if end is None else end - time.monotonic()
                     if left is not None and left <= 0:
                         break
@@ -208,6 +214,7 @@ class EventThread:
             if kind == "matched":
                 self._start(ev["transfer"], want)
             else:
+                self._end_offer(want)  # no copy may still write into the caller's tensors once it fails
                 _settle(want.future, error_from(ev.get("error"), ev.get("message", "")))
         elif kind == "error":  # a transfer in flight broke (its source went away)
             with self._lock:
@@ -265,6 +272,7 @@ class EventThread:
             self._inflight.clear()
             self._owned.clear()
         for w in wants:
+            self._end_offer(w)
             self._bcast_done(w, exc)  # settles; a broadcast receiver's export is released too
         for o in owned:
             self._free(o)

@@ -52,8 +52,11 @@ def lead_enabled() -> bool:
 class PollRole:
     """The right to read a client's event connection (module docstring). Thread-safe."""
 
-    def __init__(self, fileno: int) -> None:
+    def __init__(self, fileno: int, offers: int | None = None) -> None:
         self._fd = fileno
+        self._offers_fd = offers  # the client's offer box (kvstrata.devobj.offers), waited on beside the connection
+        #: whether the last :meth:`wait_readable` saw offers queued in the box
+        self.offers_ready = False
         self._cond = threading.Condition(threading.Lock())
         self.holder: threading.Thread | None = None
         self._leader: threading.Thread | None = None  # the holder when it is a waiter
@@ -126,12 +129,14 @@ class PollRole:
             pass
 
     def wait_readable(self, timeout: float | None, spin: float = 0.0, buffered: Any = None) -> bool:
-        """Until the connection has data (True) or the pipe was written / ``timeout`` passed (False).
+        """Until the connection has data (True) or the pipe was written / ``timeout`` passed / offers came
+        (False; :attr:`offers_ready` says the latter, which may also come with True).
         ``spin``: seconds of polling first (short sleeps with the GIL released between polls); ``buffered()``:
         whether the connection holds bytes read already (``select`` cannot see those)."""
+        self.offers_ready = False
         if buffered is not None and buffered():
             return True
-        fds = [self._fd, self._rfd]
+        fds = [self._fd, self._rfd] if self._offers_fd is None else [self._fd, self._rfd, self._offers_fd]
         if spin > 0.0:
             end = time.monotonic() + (spin if timeout is None else min(spin, timeout))
             slack = _slack_set(SPIN_SLACK_NS)
@@ -152,10 +157,11 @@ class PollRole:
             ready = []
         if not ready:
             ready = select.select(fds, (), (), timeout)[0]
+        if self._offers_fd is not None and self._offers_fd in ready:
+            self.offers_ready = True
         if self._rfd in ready:
             self._drain()
-            return self._fd in ready
-        return bool(ready)
+        return self._fd in ready
 
     def close(self) -> None:
         """Wake everyone for good (the client closes); the pipe is closed once nobody can use it (finalizer)."""

@@ -25,6 +25,7 @@ from kvstrata.devobj._core import specs_of
 from kvstrata.devobj.debug import trace, wait_event
 from kvstrata.devobj.ipc import export_tensor
 from kvstrata.devobj.link import error_from
+from kvstrata.devobj.offers import OFFER_MAX_KEYS
 from kvstrata.ops import current_stream
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class Publisher:
         trace(f"{op}: stream reached the publish point")
         exported = [self._export(k, ts, op, ready) for k, ts in zip(keys, lists)]
         trace(f"{op}: exported")
+        if op == "publish" and self._offer_box is not None and self.send_offers and len(exported) <= OFFER_MAX_KEYS:
+            self._offer(exported)
         try:
             if op == "broadcast":
                 item = dict(exported[0][0], **extra)
@@ -138,6 +141,18 @@ class Publisher:
                     self._dispatch(ev)
             futures.append(owned.future)
         return futures
+
+    def _offer(self, exported: list[tuple[dict[str, Any], _Owned]]) -> None:
+        """Offer each key that a subscriber waits for (the broker's hint) to that subscriber, before the
+        broker hears of the publish: its copy then runs while the broker matches (kvstrata.devobj.offers)."""
+        me = self.link.client_id
+        for item, _ in exported:
+            if item["transport"] == "nccl":
+                continue
+            hint = self._offer_table.lookup(item["key"])
+            if hint is not None and hint[1] != me:
+                self._offer_box.send(hint[1], {"w": hint[0], "k": item["key"], "r": dict(item, owner=me)})
+                trace(f"offered {item['key']!r}")
 
     def _free(self, owned: _Owned) -> None:
         _LOCAL.pop(owned.token, None)

@@ -24,6 +24,8 @@ from kvstrata.devobj import broker as B
 from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj._core import settle as _settle
+from kvstrata.devobj._core import specs_of
+from kvstrata.devobj.broker_match import _mismatch
 from kvstrata.devobj.debug import CopyRates, trace, wait_event
 from kvstrata.devobj.futures import HANDOFF_S
 from kvstrata.devobj.ipc import copy_into
@@ -128,7 +130,9 @@ class CopyReceiver:
         with self._lock:
             self._inflight[t["tid"]] = want
             early = self._early.pop(("tid", t["tid"]), [])
-        if t["path"] == "nccl":
+        if want.offer is not None and self._use_offer(t, want):
+            pass  # copied from the publisher's offer, ahead of this match
+        elif t["path"] == "nccl":
             self._start_nccl_recv(t, want)
         elif t["kind"] == "bcast":
             self._start_bcast(t, want)
@@ -142,6 +146,87 @@ class CopyReceiver:
             self._submit(t, want, self._copy)
         for ev in early:
             self._dispatch(ev)
+
+    # -- offers: a publisher's record copied ahead of the broker's match (kvstrata.devobj.offers) --------
+    def _take_offers(self) -> None:
+        """As the event connection's reader: start the copies of the offers queued in this client's box (never
+        raises: whatever goes wrong with an offer, the broker's match copies as usual)."""
+        try:
+            offers = self._offer_box.take()
+        except Exception:
+            log.exception("devobj: offer box")
+            return
+        for offer in offers:
+            try:
+                self._on_offer(offer)
+            except Exception:  # a bad offer must not stop the reader: the match copies as usual
+                log.exception("devobj: offer of %r", offer.get("k"))
+
+    def _on_offer(self, offer: dict[str, Any]) -> None:
+        """Queue the copy of an offered record into receive ``offer["w"]`` if it still waits for that key,
+        matches the record's tensors and is small; it settles when the broker's match names the same export
+        (:meth:`_use_offer`). Set running first: from then on the caller cannot cancel it and reuse its
+        tensors under the copy."""
+        wid, key = offer["w"], offer["k"]
+        with self._lock:
+            want = self._wants.get(wid)
+        if want is None or want.key != key or want.offer is not None or want.tid is not None:
+            return  # matched, timed out or cancelled already, or not this client's receive: the broker decides
+        rec = dict(offer["r"], key=key, mode="oneshot")
+        if _mismatch(rec.get("tensors") or [], specs_of(want.tensors)) or not self._inline_ok([(rec, want)]):
+            return
+        if not (want.future.running() or want.future.set_running_or_notify_cancel()):
+            return  # cancelled: the broker hears of it from the cancel
+        failed: list[BaseException] = []
+        queued, done = self._enqueue_batch([(rec, want)], lambda r, w, exc: failed.append(exc))
+        if not queued:
+            log.debug("devobj: offer of %r not copied: %s", key, failed[0] if failed else "?")
+            return
+        want.offer = (rec, queued, done)
+        want.future._offered = True
+        self.offers_taken += 1
+        trace(f"offer of {key!r}: copies queued")
+
+    def _use_offer(self, t: dict[str, Any], want: _Want) -> bool:
+        """The match of a receive that copied an offer: finish it from that copy when the match names the same
+        export (the same owner, process and export token); else wait that copy out, and False."""
+        rec, queued, done = want.offer
+        r = t.get("record") or {}
+        if (
+            t["kind"] != "sub"
+            or t["path"] == "nccl"
+            or (r.get("owner"), r.get("pid"), r.get("local"))
+            != (
+                rec["owner"],
+                rec.get("pid"),
+                rec.get("local"),
+            )
+        ):
+            self._end_offer(want)
+            return False
+        want.offer = None
+        self.offers_used += 1
+        try:
+            self._finish_batch(queued, done, {id(rec): t})
+        except BaseException as exc:
+            self._fail_transfer(t, want, exc)
+        finally:
+            want.future._offered = False
+        return True
+
+    def _end_offer(self, want: _Want) -> None:
+        """Drop a receive's offer copy, once it ended (no copy may write into the caller's tensors after)."""
+        offer, want.offer = want.offer, None
+        if offer is None:
+            return
+        done = offer[2]
+        if done is not None:
+            try:
+                wait_event(done[0], self.config.copy_timeout, "an offered copy")
+                self._events.put([done[0]], done[1])
+            except BaseException as exc:  # stuck: the receive fails anyway; its event is not reused
+                log.warning("devobj: offered copy of %r did not end: %s", want.key, exc)
+        want.future._offered = False
 
     def _submit(self, t: dict[str, Any], want: _Want, fn, *args: Any) -> None:
         def run() -> None:

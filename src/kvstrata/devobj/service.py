@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kvstrata import errors
 from kvstrata.devobj.broker import DeviceBroker
 from kvstrata.devobj.futures import spin_seconds
+from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
 
 if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
     from kvstrata.devobj.api import DeviceObjects
@@ -165,7 +166,10 @@ class WorkerBrokerLink:
         self.on_poll_sent: Any = None
         #: the broker's generation (``.value``), mapped from the page the worker sent; None where it sent none
         self.generation_counter: ctypes.c_uint64 | None = None
+        #: the broker's hints of waiting subscribers (kvstrata.devobj.offers); None where the worker sent none
+        self.offer_table: OfferTable | None = None
         self._page: mmap.mmap | None = None
+        self._table_map: mmap.mmap | None = None
         conn = self._conns[0]
         at = conn.peer_info.get("devobj_generation")
         fds = list(getattr(conn, "handshake_fds", ()) or ())
@@ -176,6 +180,14 @@ class WorkerBrokerLink:
                 self.generation_counter = ctypes.c_uint64.from_buffer(self._page)
             except (OSError, ValueError) as exc:
                 log.info("device objects: no generation page (%s); every read asks the worker", exc)
+            try:
+                if os.fstat(fds[at]).st_size >= mmap.PAGESIZE + TABLE_BYTES:  # read-only here: the broker writes
+                    self._table_map = mmap.mmap(
+                        fds[at], TABLE_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=mmap.PAGESIZE
+                    )
+                    self.offer_table = OfferTable(self._table_map)
+            except (OSError, ValueError) as exc:
+                log.info("device objects: no offer table (%s); publishers send no offers", exc)
         for fd in fds:
             os.close(fd)
 

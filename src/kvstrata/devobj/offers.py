@@ -1,0 +1,225 @@
+"""Direct offers: a publisher tells a waiting subscriber about its object itself, beside the broker.
+
+The 4 KiB hand-off's longest step is the broker's hop: a publish reaches the worker, which wakes, matches
+and pushes the ``matched`` event to the subscriber, which wakes in turn (two cross-process wake-ups, each
+tens of microseconds on the H200 hosts, before the subscriber can start its copy). An offer lets that hop
+run *beside* the copy instead of before it:
+
+* The broker keeps, in shared memory, a hint per key with a subscriber waiting and no object yet: the
+  first waiter's receive id and client id (:class:`OfferTable`, written under the broker's lock, read
+  by every client of the node with no lock; a seqlock per slot).
+* A publisher that finds a hint for a key it publishes sends that subscriber an *offer* (the record it
+  registers) as a datagram (:class:`OfferBox`, an abstract Unix socket per client), then registers the
+  object with the broker as before.
+* The subscriber starts copying from the offered export at once, if that receive still waits, and
+  settles the receive only once the broker's ``matched`` event names the same export: the broker
+  stays the one that decides who gets an object (a timeout, a cancel or a waiter ahead in the queue
+  win as before); an offer that the match does not confirm is waited out and the match is copied as
+  usual. So a hint or an offer can be late, lost, stale or forged and still never deliver wrong data.
+
+Offers are a same-node path between processes of one user: the socket takes datagrams only from
+processes of this user (``SO_PASSCRED``), and clients of other network namespaces simply never
+receive them. ``KVSTRATA_DEVOBJ_OFFERS=0`` turns them off (the broker alone, as before).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+#: hint slots in the table, and bytes per slot: ``seq``, ``key hash``, ``wid`` (8 bytes each), then the
+#: client id (a length byte and up to :data:`CID_MAX` bytes)
+SLOTS = 4096
+SLOT_BYTES = 64
+CID_MAX = SLOT_BYTES - 25
+TABLE_BYTES = SLOTS * SLOT_BYTES
+#: a publish of more keys than this sends no offers (the lookups would cost more than they save: the offer
+#: path is for small hand-offs, whose time is the host's)
+OFFER_MAX_KEYS = 8
+#: an offer datagram larger than this is not sent (a record of many tensors: the broker's path carries it)
+DATAGRAM_MAX = 16 << 10
+_ADDRESS_PREFIX = b"\0kvstrata-devobj/"
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def offers_enabled() -> bool:
+    """Whether publishers send and subscribers take offers: ``KVSTRATA_DEVOBJ_OFFERS=0`` turns them off."""
+    return os.environ.get("KVSTRATA_DEVOBJ_OFFERS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def key_hash(key: str) -> int:
+    """A 64-bit hash of ``key``, the same in every process (Python's ``hash`` of a str is not), never 0."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") or 1
+
+
+class OfferTable:
+    """Hints of waiting subscribers, in ``buffer`` (:data:`TABLE_BYTES` bytes, shared memory).
+
+    One writer (the broker, under its lock) and any number of readers, in any process. A slot holds one
+    key's hint (``key_hash % SLOTS``); a key whose slot another key holds gets no hint (hints are optional).
+    A writer makes ``seq`` odd, writes the fields, makes it even again; a reader takes the slot only if
+    ``seq`` was even and unchanged around its reads. (Stores and loads of the aligned 8-byte words keep
+    their order between processes on x86-64 and are checked again by the subscriber: see the module.)
+    """
+
+    def __init__(self, buffer: Any) -> None:
+        view = memoryview(buffer)
+        if view.nbytes < TABLE_BYTES:
+            raise ValueError(f"buffer: the offer table needs {TABLE_BYTES} bytes, got {view.nbytes}")
+        self._bytes = view[:TABLE_BYTES].cast("B")
+        self._words = self._bytes.cast("Q")
+        self._held: dict[int, str] = {}  # writer side: slot -> the key whose hint it holds
+
+    # -- the broker's side ------------------------------------------------------------------------
+    def put(self, key: str, wid: int, client: str) -> bool:
+        """Hint that receive ``wid`` of ``client`` waits for ``key``; False when the slot is another key's or
+        the client id does not fit (no hint then)."""
+        cid = client.encode()
+        h = key_hash(key)
+        slot = h % SLOTS
+        holder = self._held.get(slot)
+        if (holder is not None and holder != key) or len(cid) > CID_MAX:
+            return False
+        self._held[slot] = key
+        w, b = self._words, self._bytes
+        base = slot * (SLOT_BYTES // 8)
+        w[base] += 1  # odd: being written
+        w[base + 1] = h
+        w[base + 2] = wid
+        at = slot * SLOT_BYTES + 24
+        b[at] = len(cid)
+        b[at + 1 : at + 1 + len(cid)] = cid
+        w[base] += 1
+        return True
+
+    def clear(self, key: str) -> None:
+        """No hint for ``key`` (from now on)."""
+        slot = key_hash(key) % SLOTS
+        if self._held.get(slot) != key:
+            return
+        del self._held[slot]
+        w = self._words
+        base = slot * (SLOT_BYTES // 8)
+        w[base] += 1
+        w[base + 1] = 0
+        w[base + 2] = 0
+        w[base] += 1
+
+    # -- a publisher's side -----------------------------------------------------------------------
+    def lookup(self, key: str) -> tuple[int, str] | None:
+        """``(wid, client id)`` of the receive hinted for ``key``, or None (no hint, or one being written)."""
+        h = key_hash(key)
+        slot = h % SLOTS
+        w = self._words
+        base = slot * (SLOT_BYTES // 8)
+        seq = w[base]
+        if seq & 1 or w[base + 1] != h:
+            return None
+        wid = w[base + 2]
+        at = slot * SLOT_BYTES + 24
+        n = self._bytes[at]
+        cid = bytes(self._bytes[at + 1 : at + 1 + min(n, CID_MAX)])
+        if w[base] != seq or not wid:
+            return None
+        return wid, cid.decode(errors="replace")
+
+
+def address(client_id: str) -> bytes:
+    """The abstract socket address of a client's offer box."""
+    return _ADDRESS_PREFIX + client_id.encode()
+
+
+class OfferBox:
+    """A client's datagram socket: offers to other clients go out through it, offers to this one come in.
+
+    Non-blocking both ways: a send to a box that is gone or full is dropped (the broker's path delivers),
+    and :meth:`take` returns what is queued now.
+    """
+
+    def __init__(self, client_id: str) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.bind(address(client_id))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._uid = os.getuid()
+        self.sent = 0
+        self.refused = 0  # datagrams dropped on arrival: another user's, or not an offer
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def send(self, client_id: str, offer: dict[str, Any]) -> bool:
+        """Send ``offer`` to ``client_id``'s box; False when it could not go (gone, full, too large)."""
+        data = msgpack.packb(offer)
+        if len(data) > DATAGRAM_MAX:
+            return False
+        try:
+            self._sock.sendto(data, address(client_id))
+        except OSError as exc:  # gone (refused), its queue full, another namespace: the broker delivers
+            log.debug("devobj: offer to %s not sent: %s", client_id, exc)
+            return False
+        self.sent += 1
+        return True
+
+    def take(self) -> list[dict[str, Any]]:
+        """The offers queued now (from processes of this user; anything else is dropped and counted)."""
+        out = []
+        space = socket.CMSG_SPACE(_UCRED.size)
+        while True:
+            try:
+                data, anc, _, _ = self._sock.recvmsg(DATAGRAM_MAX, space)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError as exc:  # closed meanwhile
+                log.debug("devobj: offer box: %s", exc)
+                return out
+            uid = None
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
+                    uid = _UCRED.unpack_from(payload)[1]
+            try:
+                offer = msgpack.unpackb(data) if uid == self._uid else None
+            except Exception:  # not msgpack: not one of ours
+                offer = None
+            if not _well_formed(offer):
+                self.refused += 1
+                continue
+            out.append(offer)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _well_formed(offer: Any) -> bool:
+    """Whether ``offer`` has the shape a publisher sends: ``{"w": wid, "k": key, "r": record}``."""
+    return (
+        isinstance(offer, dict)
+        and isinstance(offer.get("w"), int)
+        and isinstance(offer.get("k"), str)
+        and isinstance(offer.get("r"), dict)
+        and isinstance(offer["r"].get("owner"), str)
+    )
+
+
+__all__ = [
+    "OFFER_MAX_KEYS",
+    "SLOTS",
+    "TABLE_BYTES",
+    "OfferBox",
+    "OfferTable",
+    "address",
+    "key_hash",
+    "offers_enabled",
+]

@@ -1,0 +1,141 @@
+"""The 4 KiB hand-off with and without direct offers (kvstrata.devobj.offers), switched round by round in one pair
+of processes (so both variants see the same host speed), isolated and back to back, subscriber first.
+
+Isolated: each side idle ``QUIET_S`` and the previous hand-off over on both sides (the owner's release
+included) before the next; back to back: the next subscribe as soon as the reader has its bytes. End to end:
+the owner's publish call to the reader's future done (one monotonic clock for the node). Variants go in the
+order on, off, off, on, ... so neither always runs first. ``--trace`` prints the median per step of the
+isolated rounds with offers (``KVSTRATA_DEVOBJ_TRACE=1`` in the children).
+
+    PYTHONPATH=src python3 tools/probe_handoff.py [--devices 0,0] [--iters 200] [--trace]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvstrata.bench._procs import device_client
+from kvstrata.bench.device import QUIET_S, _ctx, _get, _pattern, _spawn, _wait
+
+MODES = ("isolated", "back to back")
+ORDER = ("on", "off", "off", "on")
+
+
+def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
+    import torch
+
+    from kvstrata.devobj import debug
+
+    c = device_client(address, device)
+    dev = c.device_objects()
+    src = _pattern(4096, device)
+    torch.cuda.synchronize()
+    t_pub, traces = {}, {}
+    prev = None
+    for _ in range(rounds):
+        i, mode, variant = _get(ctl["req"], "owner: next hand-off")
+        if mode == "isolated" and prev is not None:
+            _wait(prev, f"owner: release of h/{i - 1}")
+            time.sleep(QUIET_S)
+        dev.send_offers = variant == "on"
+        debug.trace_take()
+        t_pub[i] = time.perf_counter()
+        (prev,) = c.dev_publish([f"h/{i}"], [[src]])
+        traces[i] = [(t, f"owner {th}", step) for t, th, step in debug.trace_take()]
+    _wait(prev, "owner: release of the last hand-off")
+    if not ctl["done"].wait(600):
+        raise RuntimeError("owner: the reader did not finish")
+    out = {"t_pub": t_pub, "traces": traces, "sent": dev._offer_box.sent if dev._offer_box else 0}
+    c.close()
+    return out
+
+
+def reader(address: str, device: int, iters: int, ctl: dict) -> dict:
+    import torch
+
+    from kvstrata.devobj import debug
+
+    c = device_client(address, device)
+    dev = c.device_objects()
+    d = torch.zeros(4096, dtype=torch.uint8, device=device)
+    want = _pattern(4096, device)
+    done, traces = {}, {}
+    i = 0
+    for mode in MODES:
+        for k in range(2 * iters):
+            variant = ORDER[k % len(ORDER)]
+            if mode == "isolated":
+                time.sleep(QUIET_S)
+            d.zero_()
+            (f,) = c.dev_subscribe([f"h/{i}"], [[d]], timeout=600)
+            debug.trace_take()
+            ctl["req"].put((i, mode, variant))
+            _wait(f, f"reader: h/{i}")
+            done[i] = (mode, variant, time.perf_counter())
+            traces[i] = [(t, f"reader {th}", step) for t, th, step in debug.trace_take()]
+            traces[i].append((done[i][2], "reader main", "future done"))
+            if not torch.equal(d, want):
+                raise AssertionError(f"h/{i}: wrong bytes")
+            i += 1
+    ctl["done"].set()
+    out = {"done": done, "traces": traces, "taken": dev.offers_taken, "used": dev.offers_used}
+    c.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="0,0", help="owner's and reader's GPUs (default 0,0)")
+    ap.add_argument("--iters", type=int, default=200, help="hand-offs per variant and mode")
+    ap.add_argument("--trace", action="store_true", help="median per step of the isolated rounds with offers")
+    args = ap.parse_args()
+    if args.trace:
+        os.environ["KVSTRATA_DEVOBJ_TRACE"] = "1"  # the spawned children read it at import
+    from kvstrata.devobj import debug
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    own_dev, read_dev = (int(x) for x in args.devices.split(","))
+    rounds = len(MODES) * 2 * args.iters
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = Worker(WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="")).start()
+        try:
+            ctx = _ctx()
+            ctl = {"req": ctx.Queue(), "done": ctx.Event()}
+            got = _spawn(
+                [(owner, worker.address, own_dev, rounds, ctl), (reader, worker.address, read_dev, args.iters, ctl)]
+            )
+        finally:
+            worker.stop()
+    own, rd = got["owner"][0], got["reader"][0]
+    skip = 10  # per (mode, variant): warm-up
+    print(f"4 KiB hand-off, GPU{own_dev} -> GPU{read_dev}, {args.iters} per variant and mode (first {skip} dropped);")
+    print(f"offers sent {own['sent']}, copied by the reader {rd['taken']}, used {rd['used']}")
+    print(f"{'mode':>14} {'offers':>7} {'median us':>10} {'p10':>8} {'p90':>8}")
+    for mode in MODES:
+        for variant in ("on", "off"):
+            lat = [
+                (t - own["t_pub"][i]) * 1e6 for i, (m, v, t) in sorted(rd["done"].items()) if m == mode and v == variant
+            ][skip:]
+            q = statistics.quantiles(lat, n=10)
+            print(f"{mode:>14} {variant:>7} {statistics.median(lat):10.1f} {q[0]:8.1f} {q[-1]:8.1f}")
+    if args.trace:
+        for variant in ("on", "off"):
+            rounds_ = [
+                own["traces"][i] + rd["traces"][i]
+                for i, (m, v, _) in sorted(rd["done"].items())
+                if m == "isolated" and v == variant
+            ][skip:]
+            print(f"--- median per step, isolated, offers {variant} (from the publish call)")
+            print(debug.trace_medians(rounds_))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
