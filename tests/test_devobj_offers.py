@@ -41,6 +41,7 @@ def make(worker):
     def _make(config: DeviceObjectConfig = CFG) -> DeviceObjects:
         link = WorkerBrokerLink(worker.address)
         c = DeviceObjects(link, device="cpu", config=config)
+        c.offer_before_request = True  # the subscriber sees every offer before its match (else a race, on CPU)
         made.append((c, link))
         return c
 
@@ -142,6 +143,21 @@ def test_a_waiting_subscriber_copies_the_offer_and_settles_on_its_match(make):
         assert torch.equal(dst, src)
     assert a._offer_box.sent == 4
     assert b.offers_taken == 4 and b.offers_used == 4
+    assert not b._wants and not b._inflight
+
+
+def test_offers_sent_after_the_request_race_the_match_and_every_receive_is_whole(make):
+    a, b = make(), make()
+    a.offer_before_request = False  # the default: the match may reach the subscriber first
+    for i in range(20):
+        dst = torch.zeros(64)
+        fut = b.dev_subscribe([f"r{i}"], [[dst]], timeout=WAIT)[0]
+        _waiting_wid(b, f"r{i}")
+        src = torch.arange(64.0) * i
+        a.dev_publish([f"r{i}"], [[src]])[0].result(WAIT)
+        fut.result(WAIT)
+        assert torch.equal(dst, src)
+    assert b.offers_used <= b.offers_taken <= a._offer_box.sent == 20
     assert not b._wants and not b._inflight
 
 
@@ -249,7 +265,7 @@ def _owner(address: str, go, published) -> None:
     import kvstrata
 
     c = kvstrata.connect(address)
-    c.device_objects(device="cpu", config=DeviceObjectConfig(allow_cpu=True))
+    c.device_objects(device="cpu", config=DeviceObjectConfig(allow_cpu=True)).offer_before_request = True
     go.wait(WAIT)
     c.dev_publish(["doomed"], [[torch.arange(512, dtype=torch.uint8)]])
     published.set()

@@ -72,6 +72,9 @@
 #           store's device rows twice, tools/probe_cold_ab.py, tools/probe_mset_tail.py
 #   PART=s11a: session 11's first check (nvidia-h200-x2): the device-object GPU tests, tools/probe_handoff.py (direct
 #           offers on and off, round by round) GPU0 -> GPU0 and GPU0 -> GPU1 traced, bench device --quick
+#   PART=s11b: the device-object GPU tests, tools/probe_pause.py, tools/probe_handoff.py (offers after the request,
+#           none, before it) GPU0 -> GPU0 and GPU0 -> GPU1 traced, the same GPU0 -> GPU1 with the leader pausing by
+#           sched_yield (KVSTRATA_DEVOBJ_LEAD_PAUSE=yield), bench device --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -302,6 +305,17 @@ elif [ "${PART}" = s11a ]; then
     echo "=== tools/probe_handoff.py --devices $d --iters 150 --trace" >> "$LOG"
     timeout 120 python3 tools/probe_handoff.py --devices $d --iters 150 --trace >> "$LOG" 2>&1
   done
+  bench 150 device --quick --wait 30
+elif [ "${PART}" = s11b ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_devobj_*.py 2>&1 | tail -15 | tee -a "$LOG"
+  echo "=== tools/probe_pause.py" >> "$LOG"; timeout 30 python3 tools/probe_pause.py >> "$LOG" 2>&1
+  for d in 0,0 0,1; do
+    echo "=== tools/probe_handoff.py --devices $d --iters 120 --variants on,off,first --trace" >> "$LOG"
+    timeout 120 python3 tools/probe_handoff.py --devices $d --iters 120 --variants on,off,first --trace >> "$LOG" 2>&1
+  done
+  echo "=== KVSTRATA_DEVOBJ_LEAD_PAUSE=yield tools/probe_handoff.py --devices 0,1 --iters 120 --trace" >> "$LOG"
+  KVSTRATA_DEVOBJ_LEAD_PAUSE=yield timeout 120 python3 tools/probe_handoff.py --devices 0,1 --iters 120 --trace >> "$LOG" 2>&1
   bench 150 device --quick --wait 30
 elif [ "${PART}" = s10y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \

@@ -5,9 +5,10 @@ Isolated: each side idle ``QUIET_S`` and the previous hand-off over on both side
 included) before the next; back to back: the next subscribe as soon as the reader has its bytes. End to end:
 the owner's publish call to the reader's future done (one monotonic clock for the node). Variants go in the
 order on, off, off, on, ... so neither always runs first. ``--trace`` prints the median per step of the
-isolated rounds with offers (``KVSTRATA_DEVOBJ_TRACE=1`` in the children).
+isolated rounds per variant (``KVSTRATA_DEVOBJ_TRACE=1`` in the children). Variants: ``on`` (offers sent right
+after the publish request, the default), ``first`` (before it), ``off`` (no offers).
 
-    PYTHONPATH=src python3 tools/probe_handoff.py [--devices 0,0] [--iters 200] [--trace]
+    PYTHONPATH=src python3 tools/probe_handoff.py [--devices 0,0] [--iters 200] [--variants on,off,first] [--trace]
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kvstrata.bench._procs import device_client
 from kvstrata.bench.device import QUIET_S, _ctx, _get, _pattern, _spawn, _wait
 
 MODES = ("isolated", "back to back")
-ORDER = ("on", "off", "off", "on")
+#: on: offers sent right after the publish request (the default); first: before it; off: no offers
+VARIANTS = ("on", "off", "first")
 
 
 def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
@@ -43,7 +45,8 @@ def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
         if mode == "isolated" and prev is not None:
             _wait(prev, f"owner: release of h/{i - 1}")
             time.sleep(QUIET_S)
-        dev.send_offers = variant == "on"
+        dev.send_offers = variant != "off"
+        dev.offer_before_request = variant == "first"
         debug.trace_take()
         t_pub[i] = time.perf_counter()
         (prev,) = c.dev_publish([f"h/{i}"], [[src]])
@@ -56,7 +59,7 @@ def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
     return out
 
 
-def reader(address: str, device: int, iters: int, ctl: dict) -> dict:
+def reader(address: str, device: int, iters: int, variants: list[str], ctl: dict) -> dict:
     import torch
 
     from kvstrata.devobj import debug
@@ -68,8 +71,9 @@ def reader(address: str, device: int, iters: int, ctl: dict) -> dict:
     done, traces = {}, {}
     i = 0
     for mode in MODES:
-        for k in range(2 * iters):
-            variant = ORDER[k % len(ORDER)]
+        order = variants + variants[::-1]  # a, b, c, c, b, a: no variant always first
+        for k in range(len(variants) * iters):
+            variant = order[k % len(order)]
             if mode == "isolated":
                 time.sleep(QUIET_S)
             d.zero_()
@@ -93,7 +97,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="0,0", help="owner's and reader's GPUs (default 0,0)")
     ap.add_argument("--iters", type=int, default=200, help="hand-offs per variant and mode")
-    ap.add_argument("--trace", action="store_true", help="median per step of the isolated rounds with offers")
+    ap.add_argument("--variants", default="on,off", help=f"comma-separated, of {', '.join(VARIANTS)} (default on,off)")
+    ap.add_argument("--trace", action="store_true", help="median per step of the isolated rounds, per variant")
     args = ap.parse_args()
     if args.trace:
         os.environ["KVSTRATA_DEVOBJ_TRACE"] = "1"  # the spawned children read it at import
@@ -102,37 +107,43 @@ def main() -> int:
     from kvstrata.server.worker import Worker
 
     own_dev, read_dev = (int(x) for x in args.devices.split(","))
-    rounds = len(MODES) * 2 * args.iters
+    variants = args.variants.split(",")
+    if not variants or any(v not in VARIANTS for v in variants):
+        ap.error(f"--variants: of {', '.join(VARIANTS)}")
+    rounds = len(MODES) * len(variants) * args.iters
     with tempfile.TemporaryDirectory() as tmp:
         worker = Worker(WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="")).start()
         try:
             ctx = _ctx()
             ctl = {"req": ctx.Queue(), "done": ctx.Event()}
             got = _spawn(
-                [(owner, worker.address, own_dev, rounds, ctl), (reader, worker.address, read_dev, args.iters, ctl)]
+                [
+                    (owner, worker.address, own_dev, rounds, ctl),
+                    (reader, worker.address, read_dev, args.iters, variants, ctl),
+                ]
             )
         finally:
             worker.stop()
     own, rd = got["owner"][0], got["reader"][0]
     skip = 10  # per (mode, variant): warm-up
-    print(f"4 KiB hand-off, GPU{own_dev} -> GPU{read_dev}, {args.iters} per variant and mode (first {skip} dropped);")
+    print(f"4 KiB hand-off, GPU{own_dev} -> GPU{read_dev}, {args.iters} per variant and mode (first {skip} dropped)")
     print(f"offers sent {own['sent']}, copied by the reader {rd['taken']}, used {rd['used']}")
     print(f"{'mode':>14} {'offers':>7} {'median us':>10} {'p10':>8} {'p90':>8}")
     for mode in MODES:
-        for variant in ("on", "off"):
+        for variant in variants:
             lat = [
                 (t - own["t_pub"][i]) * 1e6 for i, (m, v, t) in sorted(rd["done"].items()) if m == mode and v == variant
             ][skip:]
             q = statistics.quantiles(lat, n=10)
             print(f"{mode:>14} {variant:>7} {statistics.median(lat):10.1f} {q[0]:8.1f} {q[-1]:8.1f}")
     if args.trace:
-        for variant in ("on", "off"):
+        for variant in variants:
             rounds_ = [
                 own["traces"][i] + rd["traces"][i]
                 for i, (m, v, _) in sorted(rd["done"].items())
                 if m == "isolated" and v == variant
             ][skip:]
-            print(f"--- median per step, isolated, offers {variant} (from the publish call)")
+            print(f"--- median per step, isolated, variant {variant} (from the publish call)")
             print(debug.trace_medians(rounds_))
     return 0
 

@@ -141,6 +141,9 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         #: whether this client's publishes send offers (where it has a box); switched call by call by A/B probes
         #: (tools/probe_handoff.py)
         self.send_offers = True
+        #: send offers before the publish request instead of right after it (the subscriber then sees the offer
+        #: before the match, always: tests rely on it; after is faster, the broker's hop being the longer path)
+        self.offer_before_request = False
         self.offers_taken = 0  # offers whose copy started here (for tests and benchmarks)
         self.offers_used = 0  # of those, receives finished from the offer's copy
         box_fd = self._offer_box.fileno() if self._offer_box is not None else None

@@ -36,14 +36,16 @@ _clock = time.monotonic  # (tests move it)
 class EventThread:
     """The event-thread methods of :class:`~kvstrata.devobj.api.DeviceObjects`."""
 
-    def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    def _call(self, op: str, args: dict[str, Any], timeout: float | None = None, sent: Any = None) -> dict[str, Any]:
+        """A request to the broker; ``sent()``, where given (a worker link only), runs once the request went out,
+        before its reply is waited for."""
         if self._flush_lock.locked():  # a one-way send of completions in progress: this request goes after it
             with self._flush_lock:
                 pass
         done = self._take_done() if (self._done_items or self._unacked) else []
         if done:  # a later request must see every receive reported done: it carries those not yet known read
             args = dict(args, done=done)
-        r = self.link.call(op, args, timeout)
+        r = self.link.call(op, args, timeout) if sent is None else self.link.call(op, args, timeout, sent=sent)
         self._acked(done)
         return r
 

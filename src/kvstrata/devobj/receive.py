@@ -186,6 +186,17 @@ class CopyReceiver:
         want.future._offered = True
         self.offers_taken += 1
         trace(f"offer of {key!r}: copies queued")
+        # Wait for the copy here, while the broker's match is on its way (a small copy ends within tens of
+        # microseconds; the match comes after the broker's hop): the match then only settles the receive.
+        if done is not None:
+            try:
+                self._wait_copies(done[0], queued)
+            except BaseException as exc:  # stuck: the match copies again, after waiting this one out
+                log.warning("devobj: offered copy of %r: %s", key, exc)
+                return
+            self._events.put([done[0]], done[1])
+            want.offer = (rec, queued, None)
+            trace(f"offer of {key!r}: copies done")
 
     def _use_offer(self, t: dict[str, Any], want: _Want) -> bool:
         """The match of a receive that copied an offer: finish it from that copy when the match names the same
