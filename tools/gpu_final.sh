@@ -75,6 +75,8 @@
 #   PART=s11b: the device-object GPU tests, tools/probe_pause.py, tools/probe_handoff.py (offers after the request,
 #           none, before it) GPU0 -> GPU0 and GPU0 -> GPU1 traced, the same GPU0 -> GPU1 with the leader pausing by
 #           sched_yield (KVSTRATA_DEVOBJ_LEAD_PAUSE=yield), bench device --quick
+#   PART=s11c: tools/probe_handoff.py (offers after the request, none, before it) GPU0 -> GPU1 and GPU0 -> GPU0,
+#           traced with the worker's steps
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -317,6 +319,11 @@ elif [ "${PART}" = s11b ]; then
   echo "=== KVSTRATA_DEVOBJ_LEAD_PAUSE=yield tools/probe_handoff.py --devices 0,1 --iters 120 --trace" >> "$LOG"
   KVSTRATA_DEVOBJ_LEAD_PAUSE=yield timeout 120 python3 tools/probe_handoff.py --devices 0,1 --iters 120 --trace >> "$LOG" 2>&1
   bench 150 device --quick --wait 30
+elif [ "${PART}" = s11c ]; then
+  for d in 0,1 0,0; do
+    echo "=== tools/probe_handoff.py --devices $d --iters 120 --variants on,off,first --trace" >> "$LOG"
+    timeout 120 python3 tools/probe_handoff.py --devices $d --iters 120 --variants on,off,first --trace >> "$LOG" 2>&1
+  done
 elif [ "${PART}" = s10y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/store tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \

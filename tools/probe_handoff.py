@@ -100,9 +100,11 @@ def main() -> int:
     ap.add_argument("--variants", default="on,off", help=f"comma-separated, of {', '.join(VARIANTS)} (default on,off)")
     ap.add_argument("--trace", action="store_true", help="median per step of the isolated rounds, per variant")
     args = ap.parse_args()
+    from kvstrata.devobj import debug
+
     if args.trace:
         os.environ["KVSTRATA_DEVOBJ_TRACE"] = "1"  # the spawned children read it at import
-    from kvstrata.devobj import debug
+        debug.TRACING = True  # and the worker, hosted here
     from kvstrata.server.config import WorkerConfig
     from kvstrata.server.worker import Worker
 
@@ -125,6 +127,13 @@ def main() -> int:
         finally:
             worker.stop()
     own, rd = got["owner"][0], got["reader"][0]
+    if args.trace:  # the worker's stamps go to the round whose window (publish call .. future done) holds them
+        windows = sorted((own["t_pub"][i], t, i) for i, (_, _, t) in rd["done"].items())
+        for t, th, step in debug.trace_take():
+            for start, end, i in windows:
+                if start <= t <= end:
+                    rd["traces"][i].append((t, f"worker {th}", step))
+                    break
     skip = 10  # per (mode, variant): warm-up
     print(f"4 KiB hand-off, GPU{own_dev} -> GPU{read_dev}, {args.iters} per variant and mode (first {skip} dropped)")
     print(f"offers sent {own['sent']}, copied by the reader {rd['taken']}, used {rd['used']}")

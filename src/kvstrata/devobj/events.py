@@ -126,6 +126,7 @@ class EventThread:
                 if self._done_items:  # woken to send receives finished on another thread (_notify_done)
                     self._flush_done()
                 return True
+            trace("events readable")
             r = self.link.recv_poll()
         except Exception as exc:
             self._poll_over = True

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata import errors
 from kvstrata.devobj.broker import DeviceBroker
+from kvstrata.devobj.debug import trace
 from kvstrata.devobj.futures import spin_seconds
 from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
 
@@ -76,6 +77,7 @@ def handle(session: Any, msg: dict) -> dict:
         def deliver(r: dict) -> None:
             try:
                 conn.send({"r": r})
+                trace("worker: events sent")
             except Exception as exc:  # the client went away meanwhile: its session cleanup forgets it
                 log.debug("device objects: event delivery to %s failed: %s", msg["cid"], exc)
 
@@ -100,6 +102,7 @@ def _handle(session: Any, msg: dict) -> dict:
     args = msg.get("a") or {}
     if not isinstance(args, dict):
         raise TypeError("a: the operation's arguments must be a map")
+    trace(f"worker: {op} read")
     r = broker_of(session.worker).handle(cid, op, args, msg.get("t"))
     if op != "wait_events" and log.isEnabledFor(logging.DEBUG):
         log.debug("broker: %s %s -> %.300r", cid, op, r)
