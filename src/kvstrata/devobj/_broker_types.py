@@ -41,6 +41,7 @@ class _Waiter:
     kind: str  # sub | get
     specs: list[dict[str, Any]] | None
     deadline: float | None
+    offerable: bool = False  # hinted to publishers while first in line (a subscribe of few keys, see offers)
 
 
 def _err(code: str, message: str) -> dict[str, Any]:

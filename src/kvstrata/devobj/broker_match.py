@@ -15,6 +15,7 @@ from collections import deque
 from typing import Any
 
 from kvstrata.devobj._broker_types import E_MISMATCH, E_TIMEOUT, _Object, _Waiter
+from kvstrata.devobj.offers import OFFER_MAX_KEYS
 
 
 class Matcher:
@@ -63,6 +64,9 @@ class Matcher:
         timeout = args.get("timeout")
         specs = args.get("specs") or [None] * len(args["keys"])
         known = args.get("known") or ()  # per key: the object id whose record the reader already holds
+        # Publishers offer only small publishes: a subscribe of many keys is not hinted (it would cost every
+        # waiter a table write and its publisher the lookups, for copies that the broker's batch does better).
+        offerable = kind == "sub" and len(args["keys"]) <= OFFER_MAX_KEYS
         out = []
         for i, (key, spec) in enumerate(zip(args["keys"], specs, strict=True)):
             obj = self._objects.get(key)
@@ -77,7 +81,7 @@ class Matcher:
                     out.append(self._claim_now(client, key, obj, spec))
                     continue
             deadline = None if timeout is None else self._clock() + max(0.0, float(timeout))
-            w = _Waiter(next(self._ids), client, key, kind, spec, deadline)
+            w = _Waiter(next(self._ids), client, key, kind, spec, deadline, offerable)
             self._waiters.setdefault(key, deque()).append(w)
             self._waiter_by_id[w.wid] = w
             if deadline is not None:
@@ -143,7 +147,7 @@ class Matcher:
         receive while it is a subscribe and the key has no object yet, else none."""
         q = self._waiters.get(key)
         head = q[0] if q else None
-        if head is not None and head.kind == "sub" and key not in self._objects:
+        if head is not None and head.offerable and key not in self._objects:
             self._offers.put(key, head.wid, head.client)
         else:
             self._offers.clear(key)

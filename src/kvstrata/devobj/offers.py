@@ -24,6 +24,7 @@ receive them. ``KVSTRATA_DEVOBJ_OFFERS=0`` turns them off (the broker alone, as 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -55,8 +56,10 @@ def offers_enabled() -> bool:
     return os.environ.get("KVSTRATA_DEVOBJ_OFFERS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def key_hash(key: str) -> int:
-    """A 64-bit hash of ``key``, the same in every process (Python's ``hash`` of a str is not), never 0."""
+    """A 64-bit hash of ``key``, the same in every process (Python's ``hash`` of a str is not), never 0 (kept
+    for the keys seen last: the broker hashes a key as its waiters come and go, a publisher as it publishes)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") or 1
 
 
@@ -77,6 +80,7 @@ class OfferTable:
         self._bytes = view[:TABLE_BYTES].cast("B")
         self._words = self._bytes.cast("Q")
         self._held: dict[int, str] = {}  # writer side: slot -> the key whose hint it holds
+        self._keys: set[str] = set()  # writer side: the keys with a hint (clearing any other costs nothing)
 
     # -- the broker's side ------------------------------------------------------------------------
     def put(self, key: str, wid: int, client: str) -> bool:
@@ -89,6 +93,7 @@ class OfferTable:
         if (holder is not None and holder != key) or len(cid) > CID_MAX:
             return False
         self._held[slot] = key
+        self._keys.add(key)
         w, b = self._words, self._bytes
         base = slot * (SLOT_BYTES // 8)
         w[base] += 1  # odd: being written
@@ -102,9 +107,10 @@ class OfferTable:
 
     def clear(self, key: str) -> None:
         """No hint for ``key`` (from now on)."""
-        slot = key_hash(key) % SLOTS
-        if self._held.get(slot) != key:
+        if key not in self._keys:
             return
+        self._keys.discard(key)
+        slot = key_hash(key) % SLOTS
         del self._held[slot]
         w = self._words
         base = slot * (SLOT_BYTES // 8)
