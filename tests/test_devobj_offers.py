@@ -110,6 +110,9 @@ def test_broker_hints_the_first_waiting_subscriber_while_the_key_has_no_object()
     assert table.lookup("k") == (w1, "s1")  # the first in line
     b.handle("s3", "mget", {"keys": ["m"], "timeout": 5.0})
     assert table.lookup("m") is None  # reads of registered objects are not offered
+    many = [f"many/{i}" for i in range(OFFER_MAX_KEYS + 1)]
+    b.handle("s3", "subscribe", {"keys": many, "timeout": 5.0})
+    assert all(table.lookup(k) is None for k in many)  # nor subscribes of many keys
     b.handle("p", "publish", {"items": [rec]})
     assert table.lookup("k") is None  # the object is there (claimed by s1): nothing to offer
     tid = b.handle("s1", "wait_events", {"timeout": 0}, 0)["events"][0]["transfer"]["tid"]
