@@ -77,6 +77,7 @@
 #           sched_yield (KVSTRATA_DEVOBJ_LEAD_PAUSE=yield), bench device --quick
 #   PART=s11c: tools/probe_handoff.py (offers after the request, none, before it) GPU0 -> GPU1 and GPU0 -> GPU0,
 #           traced with the worker's steps
+#   PART=s11d: tools/probe_cold_copy.py GPU0 -> GPU0 and GPU0 -> GPU1, tools/probe_pause.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -324,6 +325,11 @@ elif [ "${PART}" = s11c ]; then
     echo "=== tools/probe_handoff.py --devices $d --iters 120 --variants on,off,first --trace" >> "$LOG"
     timeout 120 python3 tools/probe_handoff.py --devices $d --iters 120 --variants on,off,first --trace >> "$LOG" 2>&1
   done
+elif [ "${PART}" = s11d ]; then
+  for d in "--dst 0" "--dst 1" "--dst 1 --idle 0.005"; do
+    echo "=== tools/probe_cold_copy.py $d" >> "$LOG"; timeout 60 python3 tools/probe_cold_copy.py $d >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_pause.py" >> "$LOG"; timeout 30 python3 tools/probe_pause.py >> "$LOG" 2>&1
 elif [ "${PART}" = s10y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/store tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \
