@@ -301,3 +301,52 @@ def test_owner_killed_while_its_offer_is_copied_fails_the_receive(make, worker):
         if p.is_alive():
             p.kill()
         p.join(WAIT)
+
+
+def _gpu_owner(address: str, device: int, n: int, ctl) -> None:
+    import kvstrata
+
+    torch.cuda.set_device(device)
+    c = kvstrata.connect(address)
+    dev = c.device_objects(device=device)
+    for _ in range(n):
+        i = ctl["req"].get(timeout=WAIT)
+        src = torch.full((1024,), i, dtype=torch.int32, device=device)
+        (f,) = c.dev_publish([f"g{i}"], [[src]])
+        f.result(WAIT)  # released: the reader's receive reached the broker
+    ctl["sent"].put(dev._offer_box.sent)
+    c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "devices", [pytest.param((0, 0), id="gpu0"), pytest.param((0, 1), id="gpu0-gpu1", marks=pytest.mark.multigpu)]
+)
+def test_hand_offs_between_processes_use_offers_and_deliver_whole(worker, devices):
+    """Two processes on GPUs: every subscriber-first hand-off delivers the publisher's bytes, and the receiver
+    copies offers (most, or all: an offer sent after the publish may lose to the match, then it is not used)."""
+    import kvstrata
+
+    n = 30
+    ctx = mp.get_context("spawn")
+    ctl = {"req": ctx.Queue(), "sent": ctx.Queue()}
+    p = ctx.Process(target=_gpu_owner, args=(worker.address, devices[0], n, ctl), daemon=True)
+    p.start()
+    c = kvstrata.connect(worker.address)
+    try:
+        torch.cuda.set_device(devices[1])
+        dev = c.device_objects(device=devices[1])
+        for i in range(n):
+            dst = torch.full((1024,), -1, dtype=torch.int32, device=devices[1])
+            (f,) = c.dev_subscribe([f"g{i}"], [[dst]], timeout=WAIT)
+            _waiting_wid(dev, f"g{i}")
+            ctl["req"].put(i)
+            f.result(WAIT)
+            assert bool((dst == i).all()), f"hand-off {i}: wrong bytes"
+        sent = ctl["sent"].get(timeout=WAIT)
+        assert sent == n and 0 < dev.offers_used <= dev.offers_taken <= n
+    finally:
+        c.close()
+        p.join(WAIT)
+        if p.is_alive():
+            p.kill()

@@ -74,10 +74,13 @@
 #           offers on and off, round by round) GPU0 -> GPU0 and GPU0 -> GPU1 traced, bench device --quick
 #   PART=s11b: the device-object GPU tests, tools/probe_pause.py, tools/probe_handoff.py (offers after the request,
 #           none, before it) GPU0 -> GPU0 and GPU0 -> GPU1 traced, the same GPU0 -> GPU1 with the leader pausing by
-#           sched_yield (KVSTRATA_DEVOBJ_LEAD_PAUSE=yield), bench device --quick
+#           sched_yield (KVSTRATA_DEVOBJ_LEAD_PAUSE=yield, a knob of this call's code, removed after it), bench
+#           device --quick
 #   PART=s11c: tools/probe_handoff.py (offers after the request, none, before it) GPU0 -> GPU1 and GPU0 -> GPU0,
 #           traced with the worker's steps
 #   PART=s11d: tools/probe_cold_copy.py GPU0 -> GPU0 and GPU0 -> GPU1, tools/probe_pause.py
+#   PART=s11z: session 11's closing call (nvidia-h200-x2): every GPU test, tools/probe_handoff.py GPU0 -> GPU1 (offers
+#           on and off), bench device --quick --broadcast-gib 8, bench store's device rows twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -330,6 +333,14 @@ elif [ "${PART}" = s11d ]; then
     echo "=== tools/probe_cold_copy.py $d" >> "$LOG"; timeout 60 python3 tools/probe_cold_copy.py $d >> "$LOG" 2>&1
   done
   echo "=== tools/probe_pause.py" >> "$LOG"; timeout 30 python3 tools/probe_pause.py >> "$LOG" 2>&1
+elif [ "${PART}" = s11z ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  echo "=== tools/probe_handoff.py --devices 0,1 --iters 150" >> "$LOG"
+  timeout 120 python3 tools/probe_handoff.py --devices 0,1 --iters 150 >> "$LOG" 2>&1
+  bench 150 device --quick --broadcast-gib 8 --wait 30
+  store_twice
 elif [ "${PART}" = s10y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/store tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \

@@ -44,17 +44,6 @@ def lead_spin_seconds() -> float:
     return spin_seconds("KVSTRATA_DEVOBJ_LEAD_SPIN_US", LEAD_SPIN_US)
 
 
-def _lead_pause():
-    """The leader's pause between two polls: ``KVSTRATA_DEVOBJ_LEAD_PAUSE=yield`` (``os.sched_yield``, GIL let
-    go for the call) or ``sleep`` (the default: a few microseconds' sleep, see ``futures._pause``). Where a short
-    sleep lasts tens of microseconds (virtual machines' timers, ``tools/probe_pause.py``), a sleeping poll sees
-    the event that much later."""
-    return os.sched_yield if os.environ.get("KVSTRATA_DEVOBJ_LEAD_PAUSE", "").strip() == "yield" else _pause
-
-
-_LEAD_PAUSE = _lead_pause()
-
-
 def lead_enabled() -> bool:
     """Whether waiters may lead: ``KVSTRATA_DEVOBJ_LEAD=0`` turns it off (the event thread alone reads events)."""
     return os.environ.get("KVSTRATA_DEVOBJ_LEAD", "1").strip() not in ("0", "off", "false", "no")
@@ -158,7 +147,7 @@ class PollRole:
                         break
                     if time.monotonic() >= end:
                         break
-                    _LEAD_PAUSE()
+                    _pause()
             finally:
                 if slack is not None:
                     _slack_set(slack)

@@ -203,16 +203,8 @@ class CopyReceiver:
         export (the same owner, process and export token); else wait that copy out, and False."""
         rec, queued, done = want.offer
         r = t.get("record") or {}
-        if (
-            t["kind"] != "sub"
-            or t["path"] == "nccl"
-            or (r.get("owner"), r.get("pid"), r.get("local"))
-            != (
-                rec["owner"],
-                rec.get("pid"),
-                rec.get("local"),
-            )
-        ):
+        same = (r.get("owner"), r.get("pid"), r.get("local")) == (rec["owner"], rec.get("pid"), rec.get("local"))
+        if t["kind"] != "sub" or t["path"] == "nccl" or not same:
             self._end_offer(want)
             return False
         want.offer = None
