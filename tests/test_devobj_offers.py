@@ -285,9 +285,10 @@ def test_owner_killed_while_its_offer_is_copied_fails_the_receive(make, worker):
         dst = torch.full((512,), 7, dtype=torch.uint8)
 
         def sources(src, peer, reuse=False):  # the CUDA IPC import's stand-in: the owner dies as we copy
-            published.wait(WAIT)
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(WAIT)
+            if p.is_alive():
+                published.wait(WAIT)
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(WAIT)
             return [torch.arange(512, dtype=torch.uint8)], []
 
         b._sources = sources

@@ -81,6 +81,8 @@
 #   PART=s11d: tools/probe_cold_copy.py GPU0 -> GPU0 and GPU0 -> GPU1, tools/probe_pause.py
 #   PART=s11z: session 11's closing call (nvidia-h200-x2): every GPU test, tools/probe_handoff.py GPU0 -> GPU1 (offers
 #           on and off), bench device --quick --broadcast-gib 8, bench store's device rows twice
+#   PART=s11e: session 11's last call (the offered copy's owner checked before the match): the device-object GPU
+#           tests, tools/probe_handoff.py GPU0 -> GPU1 and GPU0 -> GPU0 (offers on and off), bench device --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -341,6 +343,14 @@ elif [ "${PART}" = s11z ]; then
   timeout 120 python3 tools/probe_handoff.py --devices 0,1 --iters 150 >> "$LOG" 2>&1
   bench 150 device --quick --broadcast-gib 8 --wait 30
   store_twice
+elif [ "${PART}" = s11e ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_devobj_*.py 2>&1 | tail -3 | tee -a "$LOG"
+  for d in 0,1 0,0; do
+    echo "=== tools/probe_handoff.py --devices $d --iters 150" >> "$LOG"
+    timeout 120 python3 tools/probe_handoff.py --devices $d --iters 150 >> "$LOG" 2>&1
+  done
+  bench 150 device --quick --wait 30
 elif [ "${PART}" = s10y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/store tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \

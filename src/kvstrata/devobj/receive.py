@@ -186,8 +186,9 @@ class CopyReceiver:
         want.future._offered = True
         self.offers_taken += 1
         trace(f"offer of {key!r}: copies queued")
-        # Wait for the copy here, while the broker's match is on its way (a small copy ends within tens of
-        # microseconds; the match comes after the broker's hop): the match then only settles the receive.
+        # Wait for the copy and check its source's owner here, while the broker's match is on its way (a small
+        # copy ends within tens of microseconds; the match comes after the broker's hop): the match then only
+        # settles the receive. An owner gone by then: the match (or its error) decides, as without the offer.
         if done is not None:
             try:
                 self._wait_copies(done[0], queued)
@@ -195,8 +196,10 @@ class CopyReceiver:
                 log.warning("devobj: offered copy of %r: %s", key, exc)
                 return
             self._events.put([done[0]], done[1])
-            want.offer = (rec, queued, None)
-            trace(f"offer of {key!r}: copies done")
+        trace(f"offer of {key!r}: copies done")
+        want.offer = (rec, queued, None) if not self._lost_owners([rec]) else None
+        if want.offer is None:
+            want.future._offered = False
 
     def _use_offer(self, t: dict[str, Any], want: _Want) -> bool:
         """The match of a receive that copied an offer: finish it from that copy when the match names the same
@@ -210,7 +213,10 @@ class CopyReceiver:
         want.offer = None
         self.offers_used += 1
         try:
-            self._finish_batch(queued, done, {id(rec): t})
+            if done is None:  # copied, and its owner outlived the copy (checked in _on_offer)
+                self._settle_received([(t["tid"], want)])
+            else:
+                self._finish_batch(queued, done, {id(rec): t})
         except BaseException as exc:
             self._fail_transfer(t, want, exc)
         finally:
@@ -411,6 +417,10 @@ class CopyReceiver:
                 self._fail_transfer(t, want, error_from(B.E_OWNER_GONE, f"owner of {rec['key']!r} went away"))
                 continue
             good.append((t["tid"], want))
+        self._settle_received(good)
+
+    def _settle_received(self, good: list[tuple[int, _Want]]) -> None:
+        """``(tid, want)`` whose bytes are in and whose owners outlived the copies: done, here and at the broker."""
         with self._lock:
             for tid, _ in good:
                 self._inflight.pop(tid, None)
