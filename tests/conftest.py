@@ -41,3 +41,40 @@ def seeded() -> torch.Generator:
     """A fixed-seed generator so a failing random case can be replayed."""
     torch.manual_seed(0)
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def worker(tmp_path):
+    """A real worker on a Unix socket in ``tmp_path`` (16 MiB of memory, no disk tier), stopped after the test.
+    Modules that need another worker define their own ``worker`` fixture, which takes precedence."""
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+
+    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def make(worker, request):
+    """``make(config=...)``: a device-object client on CPU of ``worker`` through its own broker link, closed after
+    the test. The default config is the test module's ``CFG``; its ``setup_client(client)``, where defined, runs
+    on every client made."""
+    from kvstrata.devobj import DeviceObjects
+    from kvstrata.devobj.service import WorkerBrokerLink
+
+    made = []
+    setup = getattr(request.module, "setup_client", None)
+
+    def _make(config=None) -> DeviceObjects:
+        link = WorkerBrokerLink(worker.address)
+        c = DeviceObjects(link, device="cpu", config=config or request.module.CFG)
+        made.append((c, link))
+        if setup is not None:
+            setup(c)
+        return c
+
+    yield _make
+    for c, link in made:
+        c.close()
+        link.close()

@@ -22,34 +22,6 @@ CFG = DeviceObjectConfig(allow_cpu=True, poll_seconds=0.2)
 WAIT = 20.0
 
 
-@pytest.fixture
-def worker(tmp_path):
-    from kvstrata.server.config import WorkerConfig
-    from kvstrata.server.worker import Worker
-
-    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
-    yield w
-    w.stop()
-
-
-@pytest.fixture
-def make(worker):
-    from kvstrata.devobj.service import WorkerBrokerLink
-
-    made = []
-
-    def _make(config: DeviceObjectConfig = CFG) -> DeviceObjects:
-        link = WorkerBrokerLink(worker.address)
-        c = DeviceObjects(link, device="cpu", config=config)
-        made.append((c, link))
-        return c
-
-    yield _make
-    for c, link in made:
-        c.close()
-        link.close()
-
-
 def _who_starts(c: DeviceObjects) -> dict[str, str]:
     """Key -> name of the thread that started its copy (the match's reader)."""
     seen: dict[str, str] = {}

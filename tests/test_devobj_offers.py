@@ -22,33 +22,9 @@ CFG = DeviceObjectConfig(allow_cpu=True, poll_seconds=0.2)
 WAIT = 20.0
 
 
-@pytest.fixture
-def worker(tmp_path):
-    from kvstrata.server.config import WorkerConfig
-    from kvstrata.server.worker import Worker
-
-    w = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start()
-    yield w
-    w.stop()
-
-
-@pytest.fixture
-def make(worker):
-    from kvstrata.devobj.service import WorkerBrokerLink
-
-    made = []
-
-    def _make(config: DeviceObjectConfig = CFG) -> DeviceObjects:
-        link = WorkerBrokerLink(worker.address)
-        c = DeviceObjects(link, device="cpu", config=config)
-        c.offer_before_request = True  # the subscriber sees every offer before its match (else a race, on CPU)
-        made.append((c, link))
-        return c
-
-    yield _make
-    for c, link in made:
-        c.close()
-        link.close()
+def setup_client(c: DeviceObjects) -> None:
+    """(the ``make`` fixture's, in conftest) The subscriber sees every offer before its match: else, on CPU, a race."""
+    c.offer_before_request = True
 
 
 def _waiting_wid(c: DeviceObjects, key: str) -> int:
