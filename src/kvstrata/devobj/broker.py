@@ -281,7 +281,9 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
             del lean["events"]
         self._objects[key] = _Object(record, lean, shared)
         if key in self._waiters:
-            self._offers.clear(key)  # the publisher read the hint before this: no later one may
+            # No hint once the key has an object (its publisher read the hint before this). Here too because
+            # a broadcast's receivers leave the queue without _drop_waiter, which would clear it.
+            self._offers.clear(key)
             self._match_locked(key)
         return {"ok": True, "obj": record["obj"]}
 
