@@ -84,6 +84,7 @@ def test_broker_hints_the_first_waiting_subscriber_while_the_key_has_no_object()
     w1 = b.handle("s1", "subscribe", {"keys": ["k"], "timeout": 5.0})["results"][0]["wid"]
     w2 = b.handle("s2", "subscribe", {"keys": ["k"], "timeout": 1.0})["results"][0]["wid"]
     assert table.lookup("k") == (w1, "s1")  # the first in line
+    assert b.snapshot()["offer_hints"] == 1
     b.handle("s3", "mget", {"keys": ["m"], "timeout": 5.0})
     assert table.lookup("m") is None  # reads of registered objects are not offered
     many = [f"many/{i}" for i in range(OFFER_MAX_KEYS + 1)]
@@ -122,6 +123,7 @@ def test_a_waiting_subscriber_copies_the_offer_and_settles_on_its_match(make):
         assert torch.equal(dst, src)
     assert a._offer_box.sent == 4
     assert b.offers_taken == 4 and b.offers_used == 4
+    assert b.debug_state()["offers"] == {"box": True, "sent": 0, "refused": 0, "taken": 4, "used": 4}
     assert not b._wants and not b._inflight
 
 

@@ -290,6 +290,13 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
                 "owned": {o: (x.key, x.mode) for o, x in self._owned.items()},
                 "early": {f"{k[0]}:{k[1]}": [e.get("type") for e in v] for k, v in self._early.items()},
                 "copy_queue": self._pool._work_queue.qsize(),
+                "offers": {
+                    "box": self._offer_box is not None,
+                    "sent": self._offer_box.sent if self._offer_box is not None else 0,
+                    "refused": self._offer_box.refused if self._offer_box is not None else 0,
+                    "taken": self.offers_taken,
+                    "used": self.offers_used,
+                },
             }
 
     def _device_guard(self) -> Any:

@@ -377,6 +377,7 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
                     for k, o in self._objects.items()
                 },
                 "waiters": sum(len(q) for q in self._waiters.values()),
+                "offer_hints": self._offers.hinted,
                 "transfers": len(self._transfers),
                 "clients": sorted(self._clients),
             }

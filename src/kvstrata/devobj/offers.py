@@ -119,6 +119,11 @@ class OfferTable:
         w[base + 2] = 0
         w[base] += 1
 
+    @property
+    def hinted(self) -> int:
+        """How many keys have a hint now (the writer's count)."""
+        return len(self._keys)
+
     # -- a publisher's side -----------------------------------------------------------------------
     def lookup(self, key: str) -> tuple[int, str] | None:
         """``(wid, client id)`` of the receive hinted for ``key``, or None (no hint, or one being written)."""
