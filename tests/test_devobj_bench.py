@@ -33,3 +33,11 @@ def test_broadcast_finish_times_by_chain_position():
     out = device.bcast_finish_ms(sender, receivers)["memcpy"]
     assert [(r["position"], r["device"]) for r in out] == [(0, 0), (1, 1)]
     assert out[0]["ms"] == 6.0 and out[1]["ms"] == 6.0
+
+
+def test_hand_offs_alternate_offers_on_and_off_evenly():
+    from kvstrata.bench.device import offers_on
+
+    pattern = [offers_on(i) for i in range(8)]
+    assert pattern == [True, False, False, True] * 2  # neither variant always goes first
+    assert sum(offers_on(i) for i in range(200)) == 100

@@ -83,6 +83,8 @@
 #           on and off), bench device --quick --broadcast-gib 8, bench store's device rows twice
 #   PART=s11e: session 11's last call (the offered copy's owner checked before the match): the device-object GPU
 #           tests, tools/probe_handoff.py GPU0 -> GPU1 and GPU0 -> GPU0 (offers on and off), bench device --quick
+#   PART=s11f: session 11's last call (bench device measures the hand-off with offers and without, round by
+#           round): the device-object GPU tests, bench device --quick --broadcast-gib 8
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -351,6 +353,10 @@ elif [ "${PART}" = s11e ]; then
     timeout 120 python3 tools/probe_handoff.py --devices $d --iters 150 >> "$LOG" 2>&1
   done
   bench 150 device --quick --wait 30
+elif [ "${PART}" = s11f ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_devobj_*.py 2>&1 | tail -3 | tee -a "$LOG"
+  bench 150 device --quick --broadcast-gib 8 --wait 30
 elif [ "${PART}" = s10y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/store tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \

@@ -10,7 +10,8 @@ One run measures, on the same machine and in this order:
    in one process to the subscriber's future done in the other; clocks are the node's monotonic clock):
    isolated (the target's figure: each hand-off starts once the previous one is over on both sides, the
    owner's release included, and both were idle 1 ms), and back to back (the next subscribe and publish
-   start as soon as the reader has its bytes, while both sides still finish the previous one);
+   start as soon as the reader has its bytes, while both sides still finish the previous one), each with the
+   publisher's direct offers (``kvstrata.devobj.offers``) and without, round by round (:func:`offers_on`);
 4. ``dev_broadcast`` of 8 GiB (``--broadcast-gib``; ``--quick``: 2 GiB) from GPU0 to 3 receiver
    processes (GPU1, GPU0, GPU1) against a single peer copy of the same bytes (measured in step 1 of
    this run), for each variant: same-GPU copies (a GPU's leader pulling from the sender's GPU memory,
@@ -68,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 CALL_BYTES = 2 * GiB  # bytes per timed call: per-call control costs are paid once per 2 GiB at most
+
+
+def offers_on(i: int) -> bool:
+    """Whether the owner's publish of 4 KiB hand-off ``i`` sends an offer (kvstrata.devobj.offers): on, off, off,
+    on, ... so that neither variant always goes first; both are measured in the same run, round by round."""
+    return i % 4 in (0, 3)
 
 
 def keys_per_call(size: int, quick: bool) -> int:
@@ -216,26 +223,30 @@ def kv_owner(address: str, sizes: list[int], quick: bool, rounds: int, lat_iters
             c.dev_publish([f"s{size}/{i}/{j}" for j in range(k)], views)
     ctl["ready"].set()
     src = _pattern(4 * KiB, 0)
+    dev = c.device_objects()
     t_pub = []
     with _profiled("owner, 4 KiB publishes (subscriber first)") as profile:
-        for _ in range(lat_iters):  # subscriber first: time from the publish call
+        for _ in range(2 * lat_iters):  # subscriber first: time from the publish call
             i = _get(ctl["req"], "owner: latency request (subscriber first)")
+            dev.send_offers = offers_on(i)
             debug.trace_take()
             t_pub.append(time.perf_counter())
             c.dev_publish([f"lat/{i}"], [[src]])
     trace = [(t, f"owner {th}", step) for t, th, step in debug.trace_take()]
     t_pub_iso, rounds = [], []
     prev = None
-    for _ in range(lat_iters):  # subscriber first, isolated: the previous hand-off over on both sides first
+    for _ in range(2 * lat_iters):  # subscriber first, isolated: the previous hand-off over on both sides first
         i = _get(ctl["req"], "owner: latency request (isolated)")
         if prev is not None:
             _wait(prev, f"owner: release of lati/{i - 1}")
         time.sleep(QUIET_S)
+        dev.send_offers = offers_on(i)
         debug.trace_take()  # the previous round's release
         t_pub_iso.append(time.perf_counter())
         (prev,) = c.dev_publish([f"lati/{i}"], [[src]])
         rounds.append([(t, f"owner {th}", step) for t, th, step in debug.trace_take()])
     _wait(prev, "owner: release of the last isolated hand-off")
+    dev.send_offers = True
     for _ in range(lat_iters):  # publisher first
         i = _get(ctl["req"], "owner: latency request (publisher first)")
         c.dev_publish([f"latp/{i}"], [[src]])
@@ -281,7 +292,7 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
     d = torch.zeros(4 * KiB, dtype=torch.uint8, device=1)
     t_done = []
     with _profiled("reader, 4 KiB subscribes (subscriber first)") as profile:
-        for i in range(lat_iters):
+        for i in range(2 * lat_iters):
             (f,) = c.dev_subscribe([f"lat/{i}"], [[d]], timeout=WAIT)
             debug.trace_take()
             ctl["req"].put(i)
@@ -291,7 +302,7 @@ def kv_reader(address: str, sizes: list[int], quick: bool, rounds: int, lat_iter
         (t, f"reader {th}", step) for t, th, step in debug.trace_take()
     ] + [(t_done[-1], "reader main", "future done")]
     t_done_iso, rounds = [], []
-    for i in range(lat_iters):
+    for i in range(2 * lat_iters):
         time.sleep(QUIET_S)  # this side's reports of the previous hand-off sent
         (f,) = c.dev_subscribe([f"lati/{i}"], [[d]], timeout=WAIT)
         debug.trace_take()  # the subscribe call's own steps
@@ -530,13 +541,20 @@ def run(args: argparse.Namespace) -> int:
             if stamps:
                 print(f"--- trace: {name}\n{debug.trace_format(stamps)}", flush=True)
         skip = min(10, len(owner["rounds"]) // 5)
-        merged = [a + b for a, b in zip(owner["rounds"][skip:], reader["rounds"][skip:])]
-        print(f"--- median per step, isolated 4 KiB hand-offs (from the publish call)\n{debug.trace_medians(merged)}")
+        pairs = enumerate(zip(owner["rounds"], reader["rounds"]))
+        merged = [a + b for i, (a, b) in pairs if i >= skip and offers_on(i)]
+        what = "isolated 4 KiB hand-offs with offers (from the publish call)"
+        print(f"--- median per step, {what}\n{debug.trace_medians(merged)}")
     for text in owner.get("profile", []) + reader.get("profile", []):
         print(text, flush=True)
-    latency = [d - p for d, p in zip(reader["t_done"], owner["t_pub"])]
+
+    def split(done: list[float], pub: list[float]) -> tuple[list[float], list[float]]:  # (offers on, off)
+        lat = [d - p for d, p in zip(done, pub)]
+        return [x for i, x in enumerate(lat) if offers_on(i)], [x for i, x in enumerate(lat) if not offers_on(i)]
+
+    latency, latency_no = split(reader["t_done"], owner["t_pub"])
     lat_us = statistics.median(latency) * 1e6
-    latency_iso = [d - p for d, p in zip(reader["t_done_iso"], owner["t_pub_iso"])]
+    latency_iso, latency_iso_no = split(reader["t_done_iso"], owner["t_pub_iso"])
     lat_iso_us = statistics.median(latency_iso) * 1e6
     lat_iso_p90_us = sorted(latency_iso)[int(0.9 * (len(latency_iso) - 1))] * 1e6
     lat_pub_first_us = statistics.median(reader["pub_first"]) * 1e6
@@ -575,6 +593,12 @@ def run(args: argparse.Namespace) -> int:
             "subscriber_first_end_to_end_isolated_p90": round(lat_iso_p90_us, 1),
             "publisher_first_subscribe_call": round(lat_pub_first_us, 1),
             "samples": len(latency),
+            # the same hand-offs without direct offers, in the same run, round by round (the broker alone)
+            "without_offers": {
+                "subscriber_first_end_to_end": round(statistics.median(latency_no) * 1e6, 1),
+                "subscriber_first_end_to_end_isolated": round(statistics.median(latency_iso_no) * 1e6, 1),
+                "samples": len(latency_no),
+            },
         },
         "broadcast": {
             "bytes": bcast_bytes,
@@ -603,7 +627,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"results: {path}")
     print(
         f"4 KiB hand-off: {lat_iso_us:.0f} us end to end (subscriber first; p90 {lat_iso_p90_us:.0f}), {lat_us:.0f} us "
-        f"with the next started as each ends, {lat_pub_first_us:.0f} us subscribe call "
+        f"with the next started as each ends (without offers: {statistics.median(latency_iso_no) * 1e6:.0f} / "
+        f"{statistics.median(latency_no) * 1e6:.0f} us), {lat_pub_first_us:.0f} us subscribe call "
         f"(publisher first); broadcast {fmt_size(bcast_bytes)} to 3: {bcast_time * 1e3:.1f} ms = "
         f"{bcast_time / single:.2f}x one peer copy ({single * 1e3:.1f} ms; same-GPU hops by {bcast_mode}, "
         f"ratios {result['broadcast']['ratio_by_same_gpu_copy']}); targets {result['targets']}"
