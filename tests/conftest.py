@@ -58,20 +58,16 @@ def worker(tmp_path):
 @pytest.fixture
 def make(worker, request):
     """``make(config=...)``: a device-object client on CPU of ``worker`` through its own broker link, closed after
-    the test. The default config is the test module's ``CFG``; its ``setup_client(client)``, where defined, runs
-    on every client made."""
+    the test. The default config is the test module's ``CFG``."""
     from kvstrata.devobj import DeviceObjects
     from kvstrata.devobj.service import WorkerBrokerLink
 
     made = []
-    setup = getattr(request.module, "setup_client", None)
 
     def _make(config=None) -> DeviceObjects:
         link = WorkerBrokerLink(worker.address)
         c = DeviceObjects(link, device="cpu", config=config or request.module.CFG)
         made.append((c, link))
-        if setup is not None:
-            setup(c)
         return c
 
     yield _make

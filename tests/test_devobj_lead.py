@@ -45,10 +45,28 @@ def _later(delay: float, fn, *args) -> threading.Thread:
     return t
 
 
-def test_the_waiter_copies_its_own_match_and_the_owner_is_released(make):
+def _who_takes_offers(c: DeviceObjects) -> list[str]:
+    """Names of the threads that took offers (kvstrata.devobj.offers)."""
+    seen: list[str] = []
+    real = c._on_offer
+
+    def on_offer(offer):
+        seen.append(threading.current_thread().name)
+        return real(offer)
+
+    c._on_offer = on_offer
+    return seen
+
+
+@pytest.mark.parametrize("offers", [False, True], ids=["match", "offer"])
+def test_the_waiter_copies_its_own_match_and_the_owner_is_released(make, offers):
+    """The waiter copies its match itself, or the publisher's offer (the match then only confirms it, read by
+    whichever thread reads events next)."""
     a, b = make(), make()
+    a.send_offers = offers
     assert b._role is not None
     seen = _who_starts(b)
+    took = _who_takes_offers(b)
     pubs = []
     for i in range(5):
         src = torch.arange(4096, dtype=torch.uint8) + i
@@ -56,7 +74,11 @@ def test_the_waiter_copies_its_own_match_and_the_owner_is_released(make):
         fut = b.dev_subscribe([f"k{i}"], [[dst]], timeout=WAIT)[0]
         _later(0.03, lambda s=src, i=i: pubs.append(a.dev_publish([f"k{i}"], [[s]])[0]))
         assert fut.result(WAIT) is None and torch.equal(dst, src)
-    assert set(seen.values()) == {threading.current_thread().name}  # no other thread of b touched a match
+    me = threading.current_thread().name
+    if offers:
+        assert took == [me] * 5 and b.offers_used == 5
+    else:
+        assert set(seen.values()) == {me} and not took  # no other thread of b touched a match
     deadline = time.monotonic() + WAIT
     while len(pubs) < 5 and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -5,10 +5,10 @@ Isolated: each side idle ``QUIET_S`` and the previous hand-off over on both side
 included) before the next; back to back: the next subscribe as soon as the reader has its bytes. End to end:
 the owner's publish call to the reader's future done (one monotonic clock for the node). Variants go in the
 order on, off, off, on, ... so neither always runs first. ``--trace`` prints the median per step of the
-isolated rounds per variant (``KVSTRATA_DEVOBJ_TRACE=1`` in the children). Variants: ``on`` (offers sent right
-after the publish request, the default), ``first`` (before it), ``off`` (no offers).
+isolated rounds per variant (``KVSTRATA_DEVOBJ_TRACE=1`` in the children). Variants: ``on`` (the publisher
+offers, the default) and ``off`` (no offers: the broker's match alone).
 
-    PYTHONPATH=src python3 tools/probe_handoff.py [--devices 0,0] [--iters 200] [--variants on,off,first] [--trace]
+    PYTHONPATH=src python3 tools/probe_handoff.py [--devices 0,0] [--iters 200] [--variants on,off] [--trace]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from kvstrata.bench._procs import device_client
 from kvstrata.bench.device import QUIET_S, _ctx, _get, _pattern, _spawn, _wait
 
 MODES = ("isolated", "back to back")
-#: on: offers sent right after the publish request (the default); first: before it; off: no offers
-VARIANTS = ("on", "off", "first")
+#: on: the publisher offers (the default); off: no offers
+VARIANTS = ("on", "off")
 
 
 def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
@@ -46,7 +46,6 @@ def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
             _wait(prev, f"owner: release of h/{i - 1}")
             time.sleep(QUIET_S)
         dev.send_offers = variant != "off"
-        dev.offer_before_request = variant == "first"
         debug.trace_take()
         t_pub[i] = time.perf_counter()
         (prev,) = c.dev_publish([f"h/{i}"], [[src]])

@@ -26,11 +26,14 @@ class _Object:
     record: dict[str, Any]
     lean: dict[str, Any]  # the record less SHARED_FIELDS, "key", "tensors" (the receiver knows them), empty "events"
     shared: dict[str, Any]  # SHARED_FIELDS of the record, one dict for all objects of its client and mode
-    state: str = "ready"  # ready | claimed | deleting
+    state: str = "ready"  # ready | claimed | deleting | offered (its fate asked of offered_to's client)
     transfers: set[int] = field(default_factory=set)  # tids in flight reading this object
     readers: set[str] = field(default_factory=set)  # clients that read it (to invalidate their caches)
     pending: list[tuple[str, int]] = field(default_factory=list)  # broadcast: (client, wid) in arrival order
     done: set[int] = field(default_factory=set)  # broadcast: positions that completed
+    #: a publish whose offer went to a receive that no longer waits: (that client, wid), until it says whether it
+    #: took the offer (kvstrata.devobj.offers); ``state`` is ``offered`` meanwhile, or the object is a side object
+    offered_to: tuple[str, int] | None = None
 
 
 @dataclass

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -141,11 +141,11 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         #: whether this client's publishes send offers (where it has a box); switched call by call by A/B probes
         #: (tools/probe_handoff.py)
         self.send_offers = True
-        #: send offers before the publish request instead of right after it (the subscriber then sees the offer
-        #: before the match, always: tests rely on it; after is faster, the broker's hop being the longer path)
-        self.offer_before_request = False
         self.offers_taken = 0  # offers whose copy started here (for tests and benchmarks)
         self.offers_used = 0  # of those, receives finished from the offer's copy
+        #: receives that took an offer, their match not seen yet: wid -> (key, the export taken); see
+        #: CopyReceiver._on_offer and _offer_fate
+        self._taken: OrderedDict[int, tuple] = OrderedDict()
         box_fd = self._offer_box.fileno() if self._offer_box is not None else None
         self._role = PollRole(fd, box_fd) if fd is not None and lead_enabled() else None
         self._poll_carried: list[dict[str, Any]] | None = None
@@ -255,8 +255,13 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         self._flush_done()  # the broker hears of every finished receive before this client leaves
         with self._lock:  # and of those sent with a poll it may not have read yet (it ignores repeats)
             unacked = list(self._unacked.values())
+            # and of offers taken here whose match it has not confirmed: the objects they took are received
+            taken = [[wid, key, list(export)] for wid, (key, export) in self._taken.items()]
+        args: dict[str, Any] = {"done": unacked} if unacked else {}
+        if taken:
+            args["taken"] = taken
         try:
-            self.link.call("goodbye", {"done": unacked} if unacked else {})
+            self.link.call("goodbye", args)
         except Exception as exc:  # the worker may be gone already
             log.debug("devobj goodbye: %s", exc)
         self._fail_all(errors.ClosedError("device-object client closed"))

@@ -36,16 +36,15 @@ _clock = time.monotonic  # (tests move it)
 class EventThread:
     """The event-thread methods of :class:`~kvstrata.devobj.api.DeviceObjects`."""
 
-    def _call(self, op: str, args: dict[str, Any], timeout: float | None = None, sent: Any = None) -> dict[str, Any]:
-        """A request to the broker; ``sent()``, where given (a worker link only), runs once the request went out,
-        before its reply is waited for."""
+    def _call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """A request to the broker, carrying the receives finished here that it may not know of yet."""
         if self._flush_lock.locked():  # a one-way send of completions in progress: this request goes after it
             with self._flush_lock:
                 pass
         done = self._take_done() if (self._done_items or self._unacked) else []
         if done:  # a later request must see every receive reported done: it carries those not yet known read
             args = dict(args, done=done)
-        r = self.link.call(op, args, timeout) if sent is None else self.link.call(op, args, timeout, sent=sent)
+        r = self.link.call(op, args, timeout)
         self._acked(done)
         return r
 
@@ -121,6 +120,7 @@ class EventThread:
                 self._send_poll()
             readable = self._role.wait_readable(timeout, spin, self.link.poll_buffered)
             if self._role.offers_ready:  # before the connection's events: an offer comes ahead of its match
+                trace("offers readable")
                 self._take_offers()
             if not readable:
                 if self._done_items:  # woken to send receives finished on another thread (_notify_done)
@@ -166,10 +166,7 @@ class EventThread:
             return timeout if end is None else max(0.0, end - time.monotonic())
         try:
             with self._device_guard():
-                # (a receive running on an offer waits for its match: kvstrata.devobj.offers)
-                while (future._state == "PENDING" or getattr(future, "_offered", False)) and not (
-                    self._closed or self._poll_over
-                ):
+                while future._state == "PENDING" and not (self._closed or self._poll_over):
                     left = None if end is None else end - time.monotonic()
                     if left is not None and left <= 0:
                         break
@@ -245,9 +242,13 @@ class EventThread:
                 exc = errors.ServerError(f"broadcast of {ev['key']!r} failed: {ev.get('message')}")
             elif ev.get("reason") == "deleted":
                 exc = errors.KeyNotFound(f"device object {ev['key']!r} was deleted before anyone received it")
+            elif ev.get("reason") == "exists":  # its offer was not taken, and the key has another object
+                exc = errors.KeyExists(f"device object {ev['key']!r} already exists")
             else:
                 exc = None
             self._release(ev["obj"], exc)
+        elif kind == "offer_fate":
+            self._offer_fate(ev)
         elif kind == "send":
             self._nccl_send(ev)
         elif kind == "invalidate":

@@ -127,8 +127,6 @@ class SpinFuture(Future):
         #: ``lead(future, timeout) -> timeout left``: lets a waiter read the match itself while the receive
         #: waits in the broker (kvstrata.devobj.lead); set by the client, None where it cannot
         self._lead: Any = None
-        #: running on a publisher's offer, its match not read yet (kvstrata.devobj.offers): a waiter goes on leading
-        self._offered = False
 
     def set_running_or_notify_cancel(self) -> bool:
         running = super().set_running_or_notify_cancel()
@@ -138,7 +136,7 @@ class SpinFuture(Future):
         return running
 
     def result(self, timeout: float | None = None) -> Any:
-        if self._lead is not None and (self._state == PENDING or self._offered):
+        if self._lead is not None and self._state == PENDING:
             timeout = self._lead(self, timeout)
         if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either
             return super().result(timeout)
@@ -149,7 +147,7 @@ class SpinFuture(Future):
             self._leave()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self._lead is not None and (self._state == PENDING or self._offered):
+        if self._lead is not None and self._state == PENDING:
             timeout = self._lead(self, timeout)
         if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either
             return super().exception(timeout)

@@ -435,6 +435,7 @@ def copy_into(dst: list[torch.Tensor], src: list[torch.Tensor], streams: StreamS
         try:
             # On the transfer stream's raw handle (never the legacy default stream, never captured): no
             # torch stream context, which cost more host time than the copy call itself.
+            trace("copy call")
             if torch.cuda.current_device() == dev:
                 copy_engine.memcpy_raw(dptrs, sptrs, sizes, stream.cuda_stream)
             else:

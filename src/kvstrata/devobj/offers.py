@@ -2,24 +2,38 @@
 
 The 4 KiB hand-off's longest step is the broker's hop: a publish reaches the worker, which wakes, matches
 and pushes the ``matched`` event to the subscriber, which wakes in turn (two cross-process wake-ups, each
-tens of microseconds on the H200 hosts, before the subscriber can start its copy). An offer lets that hop
-run *beside* the copy instead of before it:
+tens of microseconds on the H200 hosts, before the subscriber can start its copy). An offer takes that hop
+off the hand-off's path:
 
 * The broker keeps, in shared memory, a hint per key with a subscriber waiting and no object yet: the
   first waiter's receive id and client id (:class:`OfferTable`, written under the broker's lock, read
   by every client of the node with no lock; a seqlock per slot).
 * A publisher that finds a hint for a key it publishes sends that subscriber an *offer* (the record it
   registers) as a datagram (:class:`OfferBox`, an abstract Unix socket per client), then registers the
-  object with the broker as before.
-* The subscriber starts copying from the offered export at once, if that receive still waits, and
-  settles the receive only once the broker's ``matched`` event names the same export: the broker
-  stays the one that decides who gets an object (a timeout, a cancel or a waiter ahead in the queue
-  win as before); an offer that the match does not confirm is waited out and the match is copied as
-  usual. So a hint or an offer can be late, lost, stale or forged and still never deliver wrong data.
+  object with the broker, saying whom it offered it to.
+* The subscriber takes the offer if that receive still waits, matches the record's tensors and is small:
+  it copies from the offered export at once, and once the copy ended with the export's owner alive, the
+  receive is done. The broker's hop is off the hand-off's path.
+* The broker reconciles. A publish says whom its offer went to (``offered``):
+
+  - where that receive still waits first in line, the broker matches the two as usual, and the match only
+    confirms what the receive took;
+  - a receive that took an offer hands any *other* object matched with it back to the broker, whole, for
+    the next receive;
+  - where the receive no longer waits (it timed out, was matched with another object, cancelled) or waits
+    behind the key's other object, the broker holds the publish, asks that client whether it took the
+    offer (``offer_fate``), and then marks the object received or gives it to the next receive (a publish
+    held aside because its key had another object fails with ``KeyExists`` unless it was taken);
+  - a client leaving says which offers it took whose match it has not seen (``goodbye``), so an object
+    taken is never delivered twice, and its publisher is released.
+
+  Whatever the order of offers, publishes, timeouts and matches, each object goes to one receive, and a
+  receive gets each byte of one object. An offer is trusted as its publish is: it comes from a process of
+  the same user, who could connect to the worker as any of its clients anyway.
 
 Offers are a same-node path between processes of one user: the socket takes datagrams only from
 processes of this user (``SO_PASSCRED``), and clients of other network namespaces simply never
-receive them. ``KVSTRATA_DEVOBJ_OFFERS=0`` turns them off (the broker alone, as before).
+receive them. ``KVSTRATA_DEVOBJ_OFFERS=0`` turns them off (the broker alone).
 """
 
 from __future__ import annotations

@@ -113,21 +113,16 @@ class Publisher:
         trace(f"{op}: stream reached the publish point")
         exported = [self._export(k, ts, op, ready) for k, ts in zip(keys, lists)]
         trace(f"{op}: exported")
-        offer = None
         if op == "publish" and self._offer_box is not None and self.send_offers and len(exported) <= OFFER_MAX_KEYS:
-            # The hints are read before the publish goes out (the broker drops them as it registers the keys);
-            # the offers go right after it, before its reply: the broker's hop, the longer path, starts first.
-            hinted = self._hinted(exported)
-            if hinted and self.offer_before_request:
-                self._send_offers(hinted)
-            elif hinted:
-                offer = lambda: self._send_offers(hinted)
+            # Before the request: the hints are dropped as the broker registers the keys, and an offer taken is
+            # the hand-off itself (the broker's hop is then off its path).
+            self._offer(exported)
         try:
             if op == "broadcast":
                 item = dict(exported[0][0], **extra)
                 results = self._call("broadcast", {"item": item})["results"]
             else:
-                results = self._call(op, {"items": [e[0] for e in exported]}, sent=offer)["results"]
+                results = self._call(op, {"items": [e[0] for e in exported]})["results"]
         except BaseException:
             for _, owned in exported:
                 self._free(owned)
@@ -149,22 +144,20 @@ class Publisher:
             futures.append(owned.future)
         return futures
 
-    def _hinted(self, exported: list[tuple[dict[str, Any], _Owned]]) -> list[tuple[str, dict[str, Any]]]:
-        """``(client id, offer)`` for each key a subscriber waits for (the broker's hints), to offer it the key
-        directly: its copy then runs while the broker matches (kvstrata.devobj.offers)."""
-        me, out = self.link.client_id, []
+    def _offer(self, exported: list[tuple[dict[str, Any], _Owned]]) -> None:
+        """Offer each key a subscriber waits for (the broker's hints) to that subscriber directly, and note in
+        the key's item whom it went to (``offered``: the broker then asks that subscriber whether it took it
+        if its receive no longer waits; kvstrata.devobj.offers)."""
+        me = self.link.client_id
         for item, _ in exported:
             if item["transport"] == "nccl":
                 continue
             hint = self._offer_table.lookup(item["key"])
-            if hint is not None and hint[1] != me:
-                out.append((hint[1], {"w": hint[0], "k": item["key"], "r": dict(item, owner=me)}))
-        return out
-
-    def _send_offers(self, hinted: list[tuple[str, dict[str, Any]]]) -> None:
-        for client, offer in hinted:
-            self._offer_box.send(client, offer)
-            trace(f"offered {offer['k']!r}")
+            if hint is None or hint[1] == me:
+                continue
+            if self._offer_box.send(hint[1], {"w": hint[0], "k": item["key"], "r": dict(item, owner=me)}):
+                item["offered"] = [hint[1], hint[0]]
+                trace(f"offered {item['key']!r}")
 
     def _free(self, owned: _Owned) -> None:
         _LOCAL.pop(owned.token, None)

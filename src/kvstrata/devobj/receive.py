@@ -37,8 +37,15 @@ log = logging.getLogger(__name__)
 INLINE_COPY_BYTES = 1 << 20
 #: batches up to this many bytes are pulled on this client's own stream instead of pushed by the sources' GPUs
 PULL_MAX_BYTES = 256 << 10
+#: receives that took an offer, kept for the broker's question of their fate (oldest dropped beyond this)
+TAKEN_KEEP = 4096
 #: copy rates seen per path in this process: how long to sleep before polling a copy's end
 _RATES = CopyRates()
+
+
+def _export(rec: dict[str, Any]) -> tuple:
+    """What names one export of a publisher: its owner, process and export token."""
+    return (rec.get("owner"), rec.get("pid"), rec.get("local"))
 
 
 def _nbytes(t: dict[str, Any]) -> int:
@@ -117,6 +124,11 @@ class CopyReceiver:
                     _settle(w.future, exc)
 
     def _start(self, t: dict[str, Any], want: _Want) -> None:
+        if want.offer is not None:
+            if want.future.done():  # its receive took a publisher's offer: this match only confirms it (or not)
+                self._match_of_taken(t, want)
+                return
+            self._end_offer(want)  # an offered copy that failed: waited out, then the match is copied as usual
         if not (want.future.running() or want.future.set_running_or_notify_cancel()):
             # Cancelled just as it matched: hand the object back untouched (a broadcast aborts).
             try:
@@ -130,9 +142,7 @@ class CopyReceiver:
         with self._lock:
             self._inflight[t["tid"]] = want
             early = self._early.pop(("tid", t["tid"]), [])
-        if want.offer is not None and self._use_offer(t, want):
-            pass  # copied from the publisher's offer, ahead of this match
-        elif t["path"] == "nccl":
+        if t["path"] == "nccl":
             self._start_nccl_recv(t, want)
         elif t["kind"] == "bcast":
             self._start_bcast(t, want)
@@ -149,13 +159,14 @@ class CopyReceiver:
 
     # -- offers: a publisher's record copied ahead of the broker's match (kvstrata.devobj.offers) --------
     def _take_offers(self) -> None:
-        """As the event connection's reader: start the copies of the offers queued in this client's box (never
-        raises: whatever goes wrong with an offer, the broker's match copies as usual)."""
+        """As the event connection's reader: copy the offers queued in this client's box (never raises: whatever
+        goes wrong with an offer, the broker's match copies as usual)."""
         try:
             offers = self._offer_box.take()
         except Exception:
             log.exception("devobj: offer box")
             return
+        trace("offers received")
         for offer in offers:
             try:
                 self._on_offer(offer)
@@ -163,10 +174,10 @@ class CopyReceiver:
                 log.exception("devobj: offer of %r", offer.get("k"))
 
     def _on_offer(self, offer: dict[str, Any]) -> None:
-        """Queue the copy of an offered record into receive ``offer["w"]`` if it still waits for that key,
-        matches the record's tensors and is small; it settles when the broker's match names the same export
-        (:meth:`_use_offer`). Set running first: from then on the caller cannot cancel it and reuse its
-        tensors under the copy."""
+        """Take an offered record for receive ``offer["w"]`` if it still waits for that key, matches the
+        record's tensors and is small: copy it, and once the copy ended with its owner alive, the receive is
+        done. Set running first: from then on the caller cannot cancel it and reuse its tensors under the copy.
+        Where the copy fails or its owner died meanwhile, the receive runs on and the broker's match decides."""
         wid, key = offer["w"], offer["k"]
         with self._lock:
             want = self._wants.get(wid)
@@ -177,65 +188,82 @@ class CopyReceiver:
             return
         if not (want.future.running() or want.future.set_running_or_notify_cancel()):
             return  # cancelled: the broker hears of it from the cancel
+        trace(f"offer of {key!r}: receive running")
         failed: list[BaseException] = []
         queued, done = self._enqueue_batch([(rec, want)], lambda r, w, exc: failed.append(exc))
         if not queued:
             log.debug("devobj: offer of %r not copied: %s", key, failed[0] if failed else "?")
             return
-        want.offer = (rec, queued, done)
-        want.future._offered = True
+        want.offer = (rec, done)
         self.offers_taken += 1
-        trace(f"offer of {key!r}: copies queued")
-        # Wait for the copy and check its source's owner here, while the broker's match is on its way (a small
-        # copy ends within tens of microseconds; the match comes after the broker's hop): the match then only
-        # settles the receive. An owner gone by then: the match (or its error) decides, as without the offer.
         if done is not None:
             try:
                 self._wait_copies(done[0], queued)
-            except BaseException as exc:  # stuck: the match copies again, after waiting this one out
+            except BaseException as exc:  # stuck: the match waits this copy out (_end_offer), then copies again
                 log.warning("devobj: offered copy of %r: %s", key, exc)
                 return
             self._events.put([done[0]], done[1])
         trace(f"offer of {key!r}: copies done")
-        want.offer = (rec, queued, None) if not self._lost_owners([rec]) else None
-        if want.offer is None:
-            want.future._offered = False
-
-    def _use_offer(self, t: dict[str, Any], want: _Want) -> bool:
-        """The match of a receive that copied an offer: finish it from that copy when the match names the same
-        export (the same owner, process and export token); else wait that copy out, and False."""
-        rec, queued, done = want.offer
-        r = t.get("record") or {}
-        same = (r.get("owner"), r.get("pid"), r.get("local")) == (rec["owner"], rec.get("pid"), rec.get("local"))
-        if t["kind"] != "sub" or t["path"] == "nccl" or not same:
-            self._end_offer(want)
-            return False
-        want.offer = None
+        if self._lost_owners([rec]):  # its memory may have gone mid-copy: never report it done
+            want.offer = None
+            return
+        # Taken: the receive is done. The broker hears of it from this receive's match, or, where the receive no
+        # longer waits there (or waits behind another object), by asking (offer_fate, answered from _taken).
+        want.offer = (rec, None)
+        with self._lock:
+            self._taken[wid] = (key, _export(rec))
+            while len(self._taken) > TAKEN_KEEP:
+                self._taken.popitem(last=False)
         self.offers_used += 1
+        _settle(want.future)
+        trace("offer taken: settled")
+        self._after_settle([want.future], notify=False)
+
+    def _match_of_taken(self, t: dict[str, Any], want: _Want) -> None:
+        """The broker's match of a receive that took an offer: complete it where it names the offered export
+        (the normal case), else hand that other object back (``ok=False``: the broker keeps it for the next
+        receive, whole)."""
+        rec, want.offer = want.offer[0], None
+        if t["kind"] == "sub" and _export(t.get("record") or {}) == _export(rec):
+            with self._lock:
+                self._taken.pop(t["wid"], None)
+            self._report_done([t["tid"]])
+            return
         try:
-            if done is None:  # copied, and its owner outlived the copy (checked in _on_offer)
-                self._settle_received([(t["tid"], want)])
-            else:
-                self._finish_batch(queued, done, {id(rec): t})
-        except BaseException as exc:
-            self._fail_transfer(t, want, exc)
-        finally:
-            want.future._offered = False
-        return True
+            self._call("complete", {"tid": t["tid"], "ok": False, "error": "the receive took a publisher's offer"})
+        except Exception as exc:  # the broker gets it back when this client goes
+            log.warning("devobj: could not hand back %r (transfer %s): %s", t["key"], t["tid"], exc)
+
+    def _offer_fate(self, ev: dict[str, Any]) -> None:
+        """The broker asks whether receive ``ev["wid"]`` took the offer of ``ev["export"]`` (that publish came
+        when the receive no longer waited there, or waited behind another object). Offers sent before that
+        publish are in the box by now: they are decided first."""
+        self._take_offers()
+        wid = ev["wid"]
+        with self._lock:
+            entry = self._taken.get(wid)
+            took = entry is not None and entry[1] == tuple(ev.get("export") or ())
+            if took:
+                del self._taken[wid]
+                self._wants.pop(wid, None)  # done here; the broker drops it there (no event comes for it)
+        args = {"obj": ev["obj"], "key": ev["key"], "took": took}
+        notify = getattr(self.link, "notify", None)
+        try:
+            notify("offer_fate", args) if notify is not None else self._call("offer_fate", args)
+        except Exception as exc:  # the broker settles it when this client goes
+            log.warning("devobj: could not answer the fate of the offer of %r: %s", ev["key"], exc)
 
     def _end_offer(self, want: _Want) -> None:
         """Drop a receive's offer copy, once it ended (no copy may write into the caller's tensors after)."""
         offer, want.offer = want.offer, None
-        if offer is None:
+        if offer is None or offer[1] is None:
             return
-        done = offer[2]
-        if done is not None:
-            try:
-                wait_event(done[0], self.config.copy_timeout, "an offered copy")
-                self._events.put([done[0]], done[1])
-            except BaseException as exc:  # stuck: the receive fails anyway; its event is not reused
-                log.warning("devobj: offered copy of %r did not end: %s", want.key, exc)
-        want.future._offered = False
+        done = offer[1]
+        try:
+            wait_event(done[0], self.config.copy_timeout, "an offered copy")
+            self._events.put([done[0]], done[1])
+        except BaseException as exc:  # stuck: the receive fails anyway; its event is not reused
+            log.warning("devobj: offered copy of %r did not end: %s", want.key, exc)
 
     def _submit(self, t: dict[str, Any], want: _Want, fn, *args: Any) -> None:
         def run() -> None:

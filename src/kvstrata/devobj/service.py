@@ -201,9 +201,8 @@ class WorkerBrokerLink:
         self._conns[0].send(msg)  # frames are whole (the connection's send lock); a reply-less frame may
         # go out while another thread waits for its reply on this connection
 
-    def call(self, op: str, args: dict[str, Any], timeout: float | None = None, *, sent: Any = None) -> dict[str, Any]:
-        """Request ``op`` and wait for its reply; ``sent()``, where given, runs once the request went out (its
-        errors are logged: the reply must still be read)."""
+    def call(self, op: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Request ``op`` and wait for its reply."""
         i = 1 if op == "wait_events" else 0
         msg = {"op": "dev", "dop": op, "cid": self.client_id, "a": args}
         if op == "wait_events":
@@ -211,11 +210,6 @@ class WorkerBrokerLink:
         with self._locks[i]:
             conn = self._conns[i]
             conn.send(msg)
-            if sent is not None:
-                try:
-                    sent()
-                except Exception:
-                    log.exception("device objects: a callback after sending %r failed", op)
             if i == 1 and self.on_poll_sent is not None:
                 try:
                     self.on_poll_sent()
