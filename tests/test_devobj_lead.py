@@ -45,13 +45,13 @@ def _later(delay: float, fn, *args) -> threading.Thread:
     return t
 
 
-def _who_takes_offers(c: DeviceObjects) -> list[str]:
-    """Names of the threads that took offers (kvstrata.devobj.offers)."""
-    seen: list[str] = []
+def _who_takes_offers(c: DeviceObjects) -> dict[str, str]:
+    """Key -> name of the thread that took its offer (kvstrata.devobj.offers)."""
+    seen: dict[str, str] = {}
     real = c._on_offer
 
     def on_offer(offer):
-        seen.append(threading.current_thread().name)
+        seen[offer["k"]] = threading.current_thread().name
         return real(offer)
 
     c._on_offer = on_offer
@@ -76,7 +76,7 @@ def test_the_waiter_copies_its_own_match_and_the_owner_is_released(make, offers)
         assert fut.result(WAIT) is None and torch.equal(dst, src)
     me = threading.current_thread().name
     if offers:
-        assert took == [me] * 5 and b.offers_used == 5
+        assert took == {f"k{i}": me for i in range(5)} and b.offers_used == 5
     else:
         assert set(seen.values()) == {me} and not took  # no other thread of b touched a match
     deadline = time.monotonic() + WAIT
@@ -308,8 +308,9 @@ def test_poll_role_hands_over_and_wakes():
     "devices", [pytest.param((0, 0), id="gpu0"), pytest.param((0, 1), id="gpu0-gpu1", marks=pytest.mark.multigpu)]
 )
 def test_gpu_waiter_copies_its_own_match_on_the_clients_gpu(worker, devices):
-    """The leading waiter runs the copy with the receiving client's GPU current, whatever its own thread's is;
-    exact bytes, nothing outside the destination touched, the source unchanged."""
+    """The leading waiter runs the copy (of the match, or of the publisher's offer) with the receiving client's GPU
+    current, whatever its own thread's is; exact bytes, nothing outside the destination touched, the source
+    unchanged."""
     from kvstrata.devobj.service import WorkerBrokerLink
 
     src_dev, dst_dev = devices
@@ -321,7 +322,7 @@ def test_gpu_waiter_copies_its_own_match_on_the_clients_gpu(worker, devices):
             link = WorkerBrokerLink(worker.address)
             made.append((DeviceObjects(link, device=dev), link))
         (a, _), (b, _) = made
-        seen = _who_starts(b)
+        seen, took = _who_starts(b), _who_takes_offers(b)
         torch.cuda.set_device(src_dev)  # this thread's current GPU is the publisher's, not the receiver's
         for i, n in enumerate((4096, 1 << 20, 12345)):
             src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=src_dev)
@@ -334,7 +335,7 @@ def test_gpu_waiter_copies_its_own_match_on_the_clients_gpu(worker, devices):
             assert torch.equal(whole[256 : 256 + n].cpu(), keep.cpu())
             assert bool((whole[:256] == 7).all()) and bool((whole[256 + n :] == 7).all())
             assert torch.equal(src, keep)
-            assert seen[f"g{i}"] == threading.current_thread().name
+            assert took.get(f"g{i}", seen.get(f"g{i}")) == threading.current_thread().name
             assert torch.cuda.current_device() == src_dev  # the guard gave the thread its GPU back
     finally:
         for c, link in made:
