@@ -13,13 +13,14 @@ import socket
 import threading
 import time
 
+import msgpack
 import pytest
 import torch
 
 from kvstrata import errors
 from kvstrata.devobj import DeviceBroker, DeviceObjectConfig, DeviceObjects
 from kvstrata.devobj._core import LOCAL_EXPORTS, specs_of
-from kvstrata.devobj.offers import OFFER_MAX_KEYS, SLOTS, TABLE_BYTES, OfferTable, address, key_hash
+from kvstrata.devobj.offers import OFFER_MAX_KEYS, SLOTS, TABLE_BYTES, OfferBox, OfferTable, address, key_hash
 
 CFG = DeviceObjectConfig(allow_cpu=True, poll_seconds=0.2)
 WAIT = 20.0
@@ -70,6 +71,27 @@ def test_table_hints_one_key_per_slot_and_readers_skip_slots_being_written():
     assert t.lookup(twin) is None
     with pytest.raises(ValueError, match="buffer"):
         OfferTable(bytearray(16))
+
+
+def test_box_packs_a_buffers_shared_fields_once_and_never_serves_a_stale_pack():
+    tx, rx = OfferBox("test-tx-box"), OfferBox("test-rx-box")
+    try:
+        specs, dev = [{"shape": [4], "dtype": "uint8", "nbytes": 4}], {"uuid": "GPU-a", "index": 0}
+        h1, h2 = {"handle": b"a" * 64}, {"handle": b"b" * 64}
+        item = {"key": "k", "tensors": specs, "handles": [h1], "events": [], "device": dev, "node_id": "n",
+                "pid": 7, "transport": "ipc", "owner": "o", "local": "t1"}  # fmt: skip
+        got = []
+        for handles, pid, local in (([h1], 7, "t1"), ([h1], 7, "t2"), ([h2], 7, "t3"), ([h1], 8, "t4")):
+            assert tx.send("test-rx-box", 3, "k", dict(item, handles=handles, pid=pid, local=local))
+        _until(lambda: got.extend(rx.take()) or len(got) == 4, "the offers")
+        assert [(o["r"]["handles"][0]["handle"][:1], o["r"]["pid"], o["r"]["local"]) for o in got] == [
+            (b"a", 7, "t1"), (b"a", 7, "t2"), (b"b", 7, "t3"), (b"a", 8, "t4")]  # fmt: skip
+        # the second offer reused the first's pack; the fourth, another process's, re-packed the first's entry
+        assert len(tx._packed_cache) == 2 and len(rx._unpacked) == 3
+        assert all(o["w"] == 3 and o["k"] == "k" and o["r"]["owner"] == "o" for o in got)
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_broker_hints_the_first_waiting_subscriber_while_the_key_has_no_object():
@@ -262,7 +284,7 @@ def test_a_receive_that_took_an_offer_hands_another_object_back_whole(make):
     offered = torch.full((32,), -1.0)
     LOCAL_EXPORTS["offered-token"] = ([offered], [])
     try:
-        assert a._offer_box.send(b.link.client_id, {"w": wid, "k": "k", "r": _record(a, "k", "offered-token", offered)})
+        assert a._offer_box.send(b.link.client_id, wid, "k", _record(a, "k", "offered-token", offered))
         fut.result(WAIT)  # taken: done once the copy ended
         assert torch.equal(dst, offered) and b.offers_used == 1
         a._offer = lambda exported: None  # this publish sends no offer of its own: the broker matches it with b
@@ -307,9 +329,9 @@ def test_an_offer_arriving_after_its_receive_timed_out_is_not_taken_and_the_obje
     _waiting_wid(b, "gone")
     send = a._offer_box.send
 
-    def slow_send(client, offer):  # read the hint while b waited; the offer arrives after its deadline
+    def slow_send(*args):  # read the hint while b waited; the offer arrives after its deadline
         time.sleep(0.5)
-        return send(client, offer)
+        return send(*args)
 
     a._offer_box.send = slow_send
     src = torch.arange(16.0)
@@ -356,7 +378,7 @@ def test_a_receive_can_take_an_offer_whose_publish_never_reaches_the_broker(make
     src = torch.ones(8)
     LOCAL_EXPORTS["never-published"] = ([src], [])
     try:
-        a._offer_box.send(b.link.client_id, {"w": wid, "k": "never", "r": _record(a, "never", "never-published", src)})
+        a._offer_box.send(b.link.client_id, wid, "never", _record(a, "never", "never-published", src))
         fut.result(WAIT)
         assert torch.equal(dst, src) and b.offers_used == 1
         _until(lambda: not b._wants, "the broker's timeout")
@@ -373,10 +395,12 @@ def test_offers_of_other_shapes_or_unknown_receives_and_bad_datagrams_are_ignore
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.sendto(b"\xc1 not msgpack", address(b.link.client_id))
     s.sendto(b"\x93\x01\x02\x03", address(b.link.client_id))  # msgpack, not an offer
+    s.sendto(msgpack.packb((1, "k", "t", msgpack.packb({"owner": 5}))), address(b.link.client_id))  # owner not str
+    s.sendto(msgpack.packb(("w", "k", "t", msgpack.packb({"owner": "x"}))), address(b.link.client_id))  # wid not int
     s.close()
     record = {"tensors": specs_of([torch.zeros(8)]), "handles": [], "pid": os.getpid(), "local": "none"}
-    a._offer_box.send(b.link.client_id, {"w": 999_999, "k": "k", "r": dict(record, owner="x")})  # no such receive
-    _until(lambda: b._offer_box.refused == 2, "the bad datagrams")
+    a._offer_box.send(b.link.client_id, 999_999, "k", dict(record, owner="x"))  # no such receive
+    _until(lambda: b._offer_box.refused == 4, "the bad datagrams")
     with pytest.raises(ValueError, match="tensor"):
         a.dev_publish(["k"], [[torch.zeros(16)]])  # offered, not taken (other shape): the broker says why
         fut.result(WAIT)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import os
 import socket
 import struct
@@ -63,6 +64,12 @@ OFFER_MAX_KEYS = 8
 DATAGRAM_MAX = 16 << 10
 _ADDRESS_PREFIX = b"\0kvstrata-devobj/"
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+#: record fields that differ between offers of one buffer (sent beside its packed shared fields)
+_PER_OFFER = frozenset(("key", "local", "offered"))
+#: a publisher's item's fields that offers of one buffer share, those compared by identity first
+_SHARED_GET = operator.itemgetter("tensors", "handles", "events", "device", "node_id", "pid", "transport", "owner")
+#: packed / unpacked shared fields kept per box (the oldest dropped beyond this)
+_CACHE_MAX = 1024
 
 
 def offers_enabled() -> bool:
@@ -181,13 +188,16 @@ class OfferBox:
         self._uid = os.getuid()
         self.sent = 0
         self.refused = 0  # datagrams dropped on arrival: another user's, or not an offer
+        self._packed_cache: dict[tuple, tuple[bytes, tuple]] = {}
+        self._unpacked: dict[bytes, dict[str, Any]] = {}
 
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def send(self, client_id: str, offer: dict[str, Any]) -> bool:
-        """Send ``offer`` to ``client_id``'s box; False when it could not go (gone, full, too large)."""
-        data = msgpack.packb(offer)
+    def send(self, client_id: str, wid: int, key: str, record: dict[str, Any]) -> bool:
+        """Offer ``record`` (a publish's item, with its ``owner``) for receive ``wid`` of ``key`` to ``client_id``'s
+        box; False when it could not go (gone, full, too large)."""
+        data = msgpack.packb((wid, key, record.get("local"), self._packed(record)))
         if len(data) > DATAGRAM_MAX:
             return False
         try:
@@ -198,8 +208,30 @@ class OfferBox:
         self.sent += 1
         return True
 
+    def _packed(self, record: dict[str, Any]) -> bytes:
+        """The fields of ``record`` that a publisher's offers of one buffer share (all but the key and export
+        token), packed once per buffer: a buffer published again and again has the same field objects (the
+        publisher caches its exports, specs and device record), checked by identity, so a hit is never stale."""
+        try:
+            values = _SHARED_GET(record)
+        except KeyError:  # not a publisher's item (a test's): packed every time
+            return msgpack.packb({k: v for k, v in record.items() if k not in _PER_OFFER})
+        handles = values[1]
+        ident = (id(values[0]), id(handles[0]) if len(handles) == 1 else tuple(map(id, handles)), id(values[3]))
+        hit = self._packed_cache.get(ident)
+        plain = (values[2], *values[4:])  # events, node, process, transport, owner: compared by value
+        if hit is not None and hit[1] == plain and _same(hit[2], values):
+            return hit[0]
+        blob = msgpack.packb({k: v for k, v in record.items() if k not in _PER_OFFER})
+        if len(self._packed_cache) >= _CACHE_MAX:
+            self._packed_cache.pop(next(iter(self._packed_cache)))
+        # The objects held: their ids cannot be reused while the entry lives.
+        self._packed_cache[ident] = (blob, plain, values)
+        return blob
+
     def take(self) -> list[dict[str, Any]]:
-        """The offers queued now (from processes of this user; anything else is dropped and counted)."""
+        """The offers queued now, each ``{"w": wid, "k": key, "r": record}`` (from processes of this user; anything
+        else is dropped and counted)."""
         out = []
         space = socket.CMSG_SPACE(_UCRED.size)
         while True:
@@ -214,27 +246,41 @@ class OfferBox:
             for level, kind, payload in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size:
                     uid = _UCRED.unpack_from(payload)[1]
-            try:
-                offer = msgpack.unpackb(data) if uid == self._uid else None
-            except Exception:  # not msgpack: not one of ours
-                offer = None
-            if not _well_formed(offer):
+            offer = self._decode(data) if uid == self._uid else None
+            if offer is None:
                 self.refused += 1
                 continue
             out.append(offer)
+
+    def _decode(self, data: bytes) -> dict[str, Any] | None:
+        """An offer from a datagram, or None where it is not one. A buffer's shared fields are unpacked once."""
+        try:
+            wid, key, local, blob = msgpack.unpackb(data, use_list=False)
+            shared = self._unpacked.get(blob) if type(blob) is bytes else None
+            if shared is None:
+                shared = msgpack.unpackb(blob)
+                if not isinstance(shared, dict) or not isinstance(shared.get("owner"), str):
+                    return None
+                if len(self._unpacked) >= _CACHE_MAX:
+                    self._unpacked.pop(next(iter(self._unpacked)))
+                self._unpacked[blob] = shared
+        except Exception:  # not msgpack, or not shaped as an offer: not one of ours
+            return None
+        if type(wid) is not int or type(key) is not str:
+            return None
+        return {"w": wid, "k": key, "r": dict(shared, local=local)}  # shared: read, never changed
 
     def close(self) -> None:
         self._sock.close()
 
 
-def _well_formed(offer: Any) -> bool:
-    """Whether ``offer`` has the shape a publisher sends: ``{"w": wid, "k": key, "r": record}``."""
+def _same(held: tuple, values: tuple) -> bool:
+    """Whether a record's specs, exports and device record are the very objects ``held`` (see OfferBox._packed)."""
     return (
-        isinstance(offer, dict)
-        and isinstance(offer.get("w"), int)
-        and isinstance(offer.get("k"), str)
-        and isinstance(offer.get("r"), dict)
-        and isinstance(offer["r"].get("owner"), str)
+        held[0] is values[0]
+        and held[3] is values[3]
+        and len(held[1]) == len(values[1])
+        and all(a is b for a, b in zip(held[1], values[1]))
     )
 
 

@@ -155,7 +155,7 @@ class Publisher:
             hint = self._offer_table.lookup(item["key"])
             if hint is None or hint[1] == me:
                 continue
-            if self._offer_box.send(hint[1], {"w": hint[0], "k": item["key"], "r": dict(item, owner=me)}):
+            if self._offer_box.send(hint[1], hint[0], item["key"], dict(item, owner=me)):
                 item["offered"] = [hint[1], hint[0]]
                 trace(f"offered {item['key']!r}")
 

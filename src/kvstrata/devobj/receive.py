@@ -190,7 +190,7 @@ class CopyReceiver:
             return  # cancelled: the broker hears of it from the cancel
         trace(f"offer of {key!r}: receive running")
         failed: list[BaseException] = []
-        queued, done = self._enqueue_batch([(rec, want)], lambda r, w, exc: failed.append(exc))
+        queued, done = self._enqueue_batch([(rec, want)], lambda r, w, exc: failed.append(exc), end_event=False)
         if not queued:
             log.debug("devobj: offer of %r not copied: %s", key, failed[0] if failed else "?")
             return
@@ -198,11 +198,12 @@ class CopyReceiver:
         self.offers_taken += 1
         if done is not None:
             try:
-                self._wait_copies(done[0], queued)
+                wait_event(done[0], self.config.copy_timeout, _what(queued))  # an event, or the stream itself
             except BaseException as exc:  # stuck: the match waits this copy out (_end_offer), then copies again
                 log.warning("devobj: offered copy of %r: %s", key, exc)
                 return
-            self._events.put([done[0]], done[1])
+            if done[1] is not None:
+                self._events.put([done[0]], done[1])
         trace(f"offer of {key!r}: copies done")
         if self._lost_owners([rec]):  # its memory may have gone mid-copy: never report it done
             want.offer = None
@@ -261,7 +262,8 @@ class CopyReceiver:
         done = offer[1]
         try:
             wait_event(done[0], self.config.copy_timeout, "an offered copy")
-            self._events.put([done[0]], done[1])
+            if done[1] is not None:  # an event of the pool (else the stream itself)
+                self._events.put([done[0]], done[1])
         except BaseException as exc:  # stuck: the receive fails anyway; its event is not reused
             log.warning("devobj: offered copy of %r did not end: %s", want.key, exc)
 
@@ -305,11 +307,15 @@ class CopyReceiver:
         # Exports are complete when registered (see _ready_event): nothing to wait for on the device.
         return self._imports.tensors(peer, src, reuse=reuse), []
 
-    def _enqueue_batch(self, items: list[tuple[dict[str, Any], _Want]], fail) -> tuple[list, Any]:
+    def _enqueue_batch(
+        self, items: list[tuple[dict[str, Any], _Want]], fail, *, end_event: bool = True
+    ) -> tuple[list, Any]:
         """Queue the copies of ``(record, want)`` items as one batch on this client's transfer streams,
         after the callers' streams reached their calls; returns the queued items and ``(end event, its
         device)`` (None on CPU, copied already), the event from :attr:`_events`, to go back to it on that
-        device. An item that cannot be queued goes to ``fail(record, want, exc)``."""
+        device. ``end_event=False``: for a batch pulled on this client's own stream, ``(that stream, None)``
+        instead, to wait for the stream itself (one CUDA call less: the small offer's path). An item that
+        cannot be queued goes to ``fail(record, want, exc)``."""
         queued, dsts, srcs = [], [], []
         for rec, want in items:
             try:
@@ -349,6 +355,7 @@ class CopyReceiver:
                 group[0].append(d)
                 group[1].append(x)
         ends = []
+        pulled = len(by_src) == 1 and self.device.index in by_src
         for src_dev, (group_dst, group_src) in by_src.items():
             ss = self._streams.get(src_dev)
             for ev in afters:
@@ -356,6 +363,8 @@ class CopyReceiver:
             trace("copy streams wait for the callers'")
             copy_into(group_dst, group_src, self._streams, src_dev)
             trace("copies handed to the copy engine")
+            if pulled and not end_event:
+                return queued, (ss, None)
             # The end is recorded where the copies ran: the host waits for it, nothing on our own stream
             # needs to (no extra event per call and no cross-device stream wait).
             end = self._events.get(src_dev)
