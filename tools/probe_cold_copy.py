@@ -4,7 +4,8 @@ The 4 KiB hand-off's traces show the reader's steps at tens of microseconds each
 (``tools/probe_handoff.py --trace``). This times, per call, after ``--idle`` seconds of sleep (cold) and back to
 back (warm): a stream query, an event record and query, a 4 KiB ``cudaMemcpyAsync`` through cuda-bindings
 (``kvstrata.ops.copy_engine.memcpy_raw``, what ``kvstrata.devobj.ipc.copy_into`` does), the same copy by torch's
-``copy_``, and a stream-wait on an event; GPU ``--src`` to GPU ``--dst`` (0 -> 0 by default).
+``copy_`` and by the driver API (``cuMemcpyAsync``, ``cuMemcpyDtoDAsync``), a driver stream query, and a
+stream-wait on an event; GPU ``--src`` to GPU ``--dst`` (0 -> 0 by default).
 
     PYTHONPATH=src python3 tools/probe_cold_copy.py [--src 0] [--dst 1] [--idle 0.001] [--n 200]
 """
@@ -39,6 +40,17 @@ def main() -> None:
     def memcpy_raw():
         copy_engine.memcpy_raw([dst.data_ptr()], [src.data_ptr()], [4096], handle)
 
+    from cuda.bindings import driver as cu
+
+    cu_stream = cu.CUstream(handle)
+    dptr, sptr = dst.data_ptr(), src.data_ptr()
+
+    def cu_memcpy():  # the driver API straight (cuda-bindings' runtime module is a layer over it)
+        cu.cuMemcpyAsync(dptr, sptr, 4096, cu_stream)
+
+    def cu_dtod():
+        cu.cuMemcpyDtoDAsync(dptr, sptr, 4096, cu_stream)
+
     def torch_copy():
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -59,6 +71,9 @@ def main() -> None:
         "stream.wait_event(event)": lambda: stream.wait_event(ev),
         "memcpy_raw 4 KiB (cuda-bindings)": memcpy_raw,
         "torch copy_ 4 KiB (side stream)": torch_copy,
+        "cuMemcpyAsync 4 KiB (driver)": cu_memcpy,
+        "cuMemcpyDtoDAsync 4 KiB (driver)": cu_dtod,
+        "cuStreamQuery (driver)": lambda: cu.cuStreamQuery(cu_stream),
     }
     for fn in steps.values():  # warm everything up once
         fn()
