@@ -79,6 +79,8 @@
 #   PART=s11c: tools/probe_handoff.py (offers after the request, none, before it) GPU0 -> GPU1 and GPU0 -> GPU0,
 #           traced with the worker's steps
 #   PART=s11d: tools/probe_cold_copy.py GPU0 -> GPU0 and GPU0 -> GPU1, tools/probe_pause.py
+#   PART=s12z: session 12's closing call (nvidia-h200-x2): every GPU test, tools/probe_handoff.py GPU0 -> GPU1 and
+#           GPU0 -> GPU0 (offers on and off), bench device --quick --broadcast-gib 8
 #   PART=s12b: as s12a without bench device (offers' packing cache, the offered copy waited on its stream)
 #   PART=s12a: session 12 (offers taken: the receive is done at its copy's end): the device-object GPU tests,
 #           tools/probe_handoff.py GPU0 -> GPU1 and GPU0 -> GPU0 (offers on and off, traced), bench device --quick
@@ -340,6 +342,15 @@ elif [ "${PART}" = s11d ]; then
     echo "=== tools/probe_cold_copy.py $d" >> "$LOG"; timeout 60 python3 tools/probe_cold_copy.py $d >> "$LOG" 2>&1
   done
   echo "=== tools/probe_pause.py" >> "$LOG"; timeout 30 python3 tools/probe_pause.py >> "$LOG" 2>&1
+elif [ "${PART}" = s12z ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  for d in 0,1 0,0; do
+    echo "=== tools/probe_handoff.py --devices $d --iters 150" >> "$LOG"
+    timeout 120 python3 tools/probe_handoff.py --devices $d --iters 150 2>&1 | grep -v Producer >> "$LOG"
+  done
+  bench 150 device --quick --broadcast-gib 8 --wait 30
 elif [ "${PART}" = s12a ] || [ "${PART}" = s12b ]; then
   KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_devobj_*.py > "$OUT/gpu_tests_devobj.log" 2>&1
