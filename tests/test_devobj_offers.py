@@ -6,12 +6,14 @@ their exports resolve in-process), plus the table and broker on their own."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import multiprocessing as mp
 import os
 import signal
 import socket
 import threading
 import time
+from concurrent.futures import Future
 
 import msgpack
 import pytest
@@ -385,6 +387,72 @@ def test_a_receive_can_take_an_offer_whose_publish_never_reaches_the_broker(make
         assert fut.exception() is None
     finally:
         LOCAL_EXPORTS.pop("never-published", None)
+
+
+def test_racing_publishers_subscribers_timeouts_and_cancels_deliver_each_object_once_whole(make):
+    """Publishers and subscribers of a few shared keys in threads, with short timeouts and cancels, offers on: each
+    publish is received at most once, whole; one whose future says received was received exactly once; one that
+    failed (KeyExists) never was; every subscriber's receive ends; after the subscribers leave, every publish that
+    was received has been released."""
+    import random
+
+    keys = [f"race/{i}" for i in range(4)]
+    pubs, subs = [make() for _ in range(3)], [make() for _ in range(3)]
+    published: list[tuple[int, Future]] = []  # (payload id, the publish's future)
+    received: list[int] = []
+    lock = threading.Lock()
+    ids = iter(range(1, 1_000_000))
+    stop = time.monotonic() + 3.0
+
+    def publisher(c: DeviceObjects, seed: int) -> None:
+        rnd = random.Random(seed)
+        while time.monotonic() < stop:
+            with lock:
+                pid = next(ids)
+            (f,) = c.dev_publish([rnd.choice(keys)], [[torch.full((64,), float(pid))]])
+            with lock:
+                published.append((pid, f))
+            time.sleep(rnd.uniform(0, 0.004))
+
+    def subscriber(c: DeviceObjects, seed: int) -> None:
+        rnd = random.Random(seed)
+        while time.monotonic() < stop:
+            dst = torch.full((64,), -1.0)
+            (f,) = c.dev_subscribe([rnd.choice(keys)], [[dst]], timeout=rnd.uniform(0.001, 0.05))
+            if rnd.random() < 0.2:
+                f.cancel()
+            try:
+                f.result(WAIT)
+            except (errors.Timeout, cf.CancelledError):
+                continue
+            v = dst[0].item()
+            assert v > 0 and bool((dst == v).all()), f"a receive got a mix of objects: {dst.unique()}"
+            with lock:
+                received.append(int(v))
+
+    threads = [threading.Thread(target=publisher, args=(c, i)) for i, c in enumerate(pubs)]
+    threads += [threading.Thread(target=subscriber, args=(c, 10 + i)) for i, c in enumerate(subs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert not any(t.is_alive() for t in threads)
+    assert len(received) == len(set(received)), "an object was received twice"
+    for c in subs:  # their goodbyes say which offers they took
+        c.close()
+    outcome = {}
+    for pid, f in published:
+        try:
+            f.result(WAIT if pid in set(received) else 0.5)
+            outcome[pid] = "released"
+        except errors.KeyExists:
+            outcome[pid] = "exists"
+        except cf.TimeoutError:
+            outcome[pid] = "waiting"  # nobody received it (yet): published, still held by its owner
+    got = set(received)
+    assert all(outcome[pid] == "released" for pid in got), {p: outcome[p] for p in got if outcome[p] != "released"}
+    assert not [pid for pid, o in outcome.items() if o == "released" and pid not in got], "released, never received"
+    assert len(got) > 10 and sum(s.offers_used for s in subs) > 0  # the race ran, offers included
 
 
 def test_offers_of_other_shapes_or_unknown_receives_and_bad_datagrams_are_ignored(make):
