@@ -91,6 +91,10 @@ def test_box_packs_a_buffers_shared_fields_once_and_never_serves_a_stale_pack():
         # the second offer reused the first's pack; the fourth, another process's, re-packed the first's entry
         assert len(tx._packed_cache) == 2 and len(rx._unpacked) == 3
         assert all(o["w"] == 3 and o["k"] == "k" and o["r"]["owner"] == "o" for o in got)
+        for local in ("t5", "t6"):
+            assert tx.send("test-rx-box", 4, "k", dict(item, local=local))
+        _until(lambda: len(rx.take(first=True)) == 1, "the first of two offers")  # one at a time when asked
+        assert [o["r"]["local"] for o in rx.take()] == ["t6"] and rx.take() == []
     finally:
         tx.close()
         rx.close()

@@ -79,6 +79,8 @@
 #   PART=s11c: tools/probe_handoff.py (offers after the request, none, before it) GPU0 -> GPU1 and GPU0 -> GPU0,
 #           traced with the worker's steps
 #   PART=s11d: tools/probe_cold_copy.py GPU0 -> GPU0 and GPU0 -> GPU1, tools/probe_pause.py
+#   PART=s12y: session 12's last call (final code): the device-object GPU tests, tools/probe_handoff.py GPU0 -> GPU1
+#           and GPU0 -> GPU0 (offers on and off, traced), bench device --quick --broadcast-gib 8
 #   PART=s12z: session 12's closing call (nvidia-h200-x2): every GPU test, tools/probe_handoff.py GPU0 -> GPU1 and
 #           GPU0 -> GPU0 (offers on and off), bench device --quick --broadcast-gib 8
 #   PART=s12b: as s12a without bench device (offers' packing cache, the offered copy waited on its stream)
@@ -351,7 +353,7 @@ elif [ "${PART}" = s12z ]; then
     timeout 120 python3 tools/probe_handoff.py --devices $d --iters 150 2>&1 | grep -v Producer >> "$LOG"
   done
   bench 150 device --quick --broadcast-gib 8 --wait 30
-elif [ "${PART}" = s12a ] || [ "${PART}" = s12b ]; then
+elif [ "${PART}" = s12a ] || [ "${PART}" = s12b ] || [ "${PART}" = s12y ]; then
   KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_devobj_*.py > "$OUT/gpu_tests_devobj.log" 2>&1
   tail -3 "$OUT/gpu_tests_devobj.log" | tee -a "$LOG"
@@ -360,6 +362,7 @@ elif [ "${PART}" = s12a ] || [ "${PART}" = s12b ]; then
     timeout 120 python3 tools/probe_handoff.py --devices $d --iters 120 --trace 2>&1 | grep -v Producer >> "$LOG"
   done
   [ "${PART}" = s12a ] && bench 150 device --quick --wait 30
+  [ "${PART}" = s12y ] && bench 150 device --quick --broadcast-gib 8 --wait 30
 elif [ "${PART}" = s11z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -64,6 +64,7 @@ OFFER_MAX_KEYS = 8
 DATAGRAM_MAX = 16 << 10
 _ADDRESS_PREFIX = b"\0kvstrata-devobj/"
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_CMSG_SPACE = socket.CMSG_SPACE(_UCRED.size)
 #: record fields that differ between offers of one buffer (sent beside its packed shared fields)
 _PER_OFFER = frozenset(("key", "local", "offered"))
 #: a publisher's item's fields that offers of one buffer share, those compared by identity first
@@ -229,14 +230,14 @@ class OfferBox:
         self._packed_cache[ident] = (blob, plain, values)
         return blob
 
-    def take(self) -> list[dict[str, Any]]:
+    def take(self, *, first: bool = False) -> list[dict[str, Any]]:
         """The offers queued now, each ``{"w": wid, "k": key, "r": record}`` (from processes of this user; anything
-        else is dropped and counted)."""
+        else is dropped and counted). ``first``: only up to the first offer (the caller's next wait for the box
+        sees any other: no read that finds the box empty, one system call and one exception less)."""
         out = []
-        space = socket.CMSG_SPACE(_UCRED.size)
-        while True:
+        while not (first and out):
             try:
-                data, anc, _, _ = self._sock.recvmsg(DATAGRAM_MAX, space)
+                data, anc, _, _ = self._sock.recvmsg(DATAGRAM_MAX, _CMSG_SPACE)
             except (BlockingIOError, InterruptedError):
                 return out
             except OSError as exc:  # closed meanwhile
@@ -251,6 +252,7 @@ class OfferBox:
                 self.refused += 1
                 continue
             out.append(offer)
+        return out
 
     def _decode(self, data: bytes) -> dict[str, Any] | None:
         """An offer from a datagram, or None where it is not one. A buffer's shared fields are unpacked once."""

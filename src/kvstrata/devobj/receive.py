@@ -158,11 +158,12 @@ class CopyReceiver:
             self._dispatch(ev)
 
     # -- offers: a publisher's record copied ahead of the broker's match (kvstrata.devobj.offers) --------
-    def _take_offers(self) -> None:
-        """As the event connection's reader: copy the offers queued in this client's box (never raises: whatever
-        goes wrong with an offer, the broker's match copies as usual)."""
+    def _take_offers(self, *, first: bool = True) -> None:
+        """As the event connection's reader: copy the offers queued in this client's box (``first``: the first one
+        only; the reader's next wait sees the box readable while others are queued). Never raises: whatever goes
+        wrong with an offer, the broker's match copies as usual."""
         try:
-            offers = self._offer_box.take()
+            offers = self._offer_box.take(first=first)
         except Exception:
             log.exception("devobj: offer box")
             return
@@ -183,8 +184,12 @@ class CopyReceiver:
             want = self._wants.get(wid)
         if want is None or want.key != key or want.offer is not None or want.tid is not None:
             return  # matched, timed out or cancelled already, or not this client's receive: the broker decides
-        rec = dict(offer["r"], key=key, mode="oneshot")
-        if _mismatch(rec.get("tensors") or [], specs_of(want.tensors)) or not self._inline_ok([(rec, want)]):
+        rec = offer["r"]  # the box's own dict for this offer
+        rec["key"], rec["mode"] = key, "oneshot"
+        specs = specs_of(want.tensors)
+        if (rec.get("tensors") != specs and _mismatch(rec.get("tensors") or [], specs)) or not self._inline_ok(
+            [(rec, want)]
+        ):
             return
         if not (want.future.running() or want.future.set_running_or_notify_cancel()):
             return  # cancelled: the broker hears of it from the cancel
@@ -239,7 +244,7 @@ class CopyReceiver:
         """The broker asks whether receive ``ev["wid"]`` took the offer of ``ev["export"]`` (that publish came
         when the receive no longer waited there, or waited behind another object). Offers sent before that
         publish are in the box by now: they are decided first."""
-        self._take_offers()
+        self._take_offers(first=False)
         wid = ev["wid"]
         with self._lock:
             entry = self._taken.get(wid)

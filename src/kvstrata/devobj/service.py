@@ -300,39 +300,44 @@ class DeviceObjectsMixin:
                 raise ValueError("device/config: this client's device objects already started with other settings")
             return self._devobj
 
+    def _devobjs(self) -> DeviceObjects:
+        """The started :class:`DeviceObjects`, without the lock once it is there (the 4 KiB hand-off's path)."""
+        devobj = self._devobj
+        return devobj if devobj is not None else self.device_objects()
+
     def dev_publish(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]]) -> list[Future]:
         """See :meth:`DeviceObjects.dev_publish`."""
-        return self.device_objects().dev_publish(keys, tensor_lists)
+        return self._devobjs().dev_publish(keys, tensor_lists)
 
     def dev_subscribe(
         self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], timeout: float | None = None
     ) -> list[Future]:
         """See :meth:`DeviceObjects.dev_subscribe`."""
-        return self.device_objects().dev_subscribe(keys, tensor_lists, timeout)
+        return self._devobjs().dev_subscribe(keys, tensor_lists, timeout)
 
     def dev_mset(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]]) -> list[Exception | None]:
         """See :meth:`DeviceObjects.dev_mset`."""
-        return self.device_objects().dev_mset(keys, tensor_lists)
+        return self._devobjs().dev_mset(keys, tensor_lists)
 
     def dev_mget(
         self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], timeout: float | None = None
     ) -> list[Future]:
         """See :meth:`DeviceObjects.dev_mget`."""
-        return self.device_objects().dev_mget(keys, tensor_lists, timeout)
+        return self._devobjs().dev_mget(keys, tensor_lists, timeout)
 
     def dev_broadcast(
         self, key: str, tensor_list: Sequence[Any], receivers: int, chunk_bytes: int | None = None
     ) -> Future:
         """See :meth:`DeviceObjects.dev_broadcast`."""
-        return self.device_objects().dev_broadcast(key, tensor_list, receivers, chunk_bytes)
+        return self._devobjs().dev_broadcast(key, tensor_list, receivers, chunk_bytes)
 
     def dev_delete(self, keys: Sequence[str]) -> list[Exception | None]:
         """See :meth:`DeviceObjects.dev_delete`."""
-        return self.device_objects().dev_delete(keys)
+        return self._devobjs().dev_delete(keys)
 
     def dev_local_delete(self, keys: Sequence[str]) -> None:
         """See :meth:`DeviceObjects.dev_local_delete`."""
-        return self.device_objects().dev_local_delete(keys)
+        return self._devobjs().dev_local_delete(keys)
 
     def _close_device_objects(self) -> None:
         devobj, link = self._devobj, self._devobj_link
