@@ -5,9 +5,10 @@ The 4 KiB hand-off's traces show the reader's steps at tens of microseconds each
 back (warm): a stream query, an event record and query, a 4 KiB ``cudaMemcpyAsync`` through cuda-bindings
 (``kvstrata.ops.copy_engine.memcpy_raw``, what ``kvstrata.devobj.ipc.copy_into`` does), the same copy by torch's
 ``copy_`` and by the driver API (``cuMemcpyAsync``, ``cuMemcpyDtoDAsync``), a driver stream query, and a
-stream-wait on an event; GPU ``--src`` to GPU ``--dst`` (0 -> 0 by default).
+stream-wait on an event; GPU ``--src`` to GPU ``--dst`` (0 -> 0 by default); ``--ipc``: from memory another process
+exported (CUDA IPC), as in a hand-off.
 
-    PYTHONPATH=src python3 tools/probe_cold_copy.py [--src 0] [--dst 1] [--idle 0.001] [--n 200]
+    PYTHONPATH=src python3 tools/probe_cold_copy.py [--src 0] [--dst 1] [--idle 0.001] [--n 200] [--ipc]
 """
 
 from __future__ import annotations
@@ -27,9 +28,20 @@ def main() -> None:
     ap.add_argument("--dst", type=int, default=0)
     ap.add_argument("--idle", type=float, default=0.001)
     ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--ipc", action="store_true", help="the source exported by another process (CUDA IPC)")
     args = ap.parse_args()
     torch.cuda.set_device(args.dst)
-    src = torch.arange(4096, dtype=torch.uint8, device=args.src)
+    owner = None
+    if args.ipc:
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        q, done = ctx.Queue(), ctx.Event()
+        owner = ctx.Process(target=_export, args=(args.src, q, done), daemon=True)
+        owner.start()
+        src = q.get(timeout=120)  # mapped here through CUDA IPC
+    else:
+        src = torch.arange(4096, dtype=torch.uint8, device=args.src)
     dst = torch.zeros(4096, dtype=torch.uint8, device=args.dst)
     stream = torch.cuda.Stream(args.dst)
     ev = torch.cuda.Event()
@@ -96,6 +108,17 @@ def main() -> None:
         qc, qw = statistics.quantiles(cold, n=10), statistics.quantiles(warm, n=10)
         mc, mw = statistics.median(cold), statistics.median(warm)
         print(f"{name:>36} {mc:12.1f} ({qc[-1]:6.1f}) {mw:10.1f} ({qw[-1]:6.1f})")
+    if owner is not None:
+        assert torch.equal(dst.cpu(), torch.arange(4096, dtype=torch.uint8))
+        done.set()
+        owner.join(30)
+
+
+def _export(device: int, q, done) -> None:
+    t = torch.arange(4096, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)
+    q.put(t)
+    done.wait(600)
 
 
 if __name__ == "__main__":
