@@ -4,7 +4,8 @@ The broker holds metadata only (shapes, dtypes, exported handles); the bytes nev
 It lives in the worker process (one per node) and is pure Python, thread-safe and deterministic.
 This module holds the registry (clients, objects, their lifecycles, the generation page); the rest is in
 parts mixed into :class:`DeviceBroker`: :mod:`~kvstrata.devobj.broker_match` (readers' requests,
-waiters, matching, transfers), :mod:`~kvstrata.devobj.broker_events` (event queues, long and parked
+waiters, matching, transfers), :mod:`~kvstrata.devobj.broker_offers` (publishes whose direct offer a
+receive may have taken), :mod:`~kvstrata.devobj.broker_events` (event queues, long and parked
 polls, the timer) and :mod:`~kvstrata.devobj.bcast_plan` (broadcast chains).
 
 Why cycles cannot form
@@ -85,7 +86,8 @@ from kvstrata.devobj._broker_types import (  # noqa: F401 (the error codes are t
 from kvstrata.devobj.bcast_plan import BroadcastPlanner
 from kvstrata.devobj.broker_events import EventQueues, _deliver
 from kvstrata.devobj.broker_match import Matcher
-from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
+from kvstrata.devobj.broker_offers import OfferReconciler, offered_to
+from kvstrata.devobj.offers import TABLE_BYTES, OfferTable, export_id
 
 #: record fields shared by every object of one client and mode: sent once per reply, not once per key
 #: (see :meth:`DeviceBroker._wire`)
@@ -94,11 +96,9 @@ SHARED_FIELDS = ("owner", "mode", "pid", "node_id", "device", "transport")
 #: means they are equal)
 _LEAN_DROP = (*SHARED_FIELDS, "key", "tensors")
 _shared_values = operator.itemgetter(*SHARED_FIELDS)
-#: exports the broker keeps as taken by receives of clients that left, for publishes yet to come
-TAKEN_KEEP = 4096
 
 
-class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
+class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
     """Registry of device objects and the meeting point of their readers (thread-safe).
 
     The worker calls :meth:`handle` for every ``dev.*`` request and :meth:`owner_gone` when a client's
@@ -193,43 +193,6 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
             out = self._take_due_locked()
         _deliver(out)
 
-    def taken(self, client: str, items: list[Any]) -> None:
-        """Receives of ``client`` that took offers whose match it has not confirmed (it is leaving): each
-        ``[wid, key, [owner, pid, local]]``. The object each took is received, whatever state it is in here, or,
-        not published here yet, will be as soon as its publish comes."""
-        with self._lock:
-            for item in items if isinstance(items, list) else ():
-                if isinstance(item, list) and len(item) == 3 and isinstance(item[2], list):
-                    self._taken_locked(client, item[0], item[1], tuple(item[2]))
-            out = self._take_due_locked()
-        _deliver(out)
-
-    def _taken_locked(self, client: str, wid: Any, key: Any, export: tuple) -> None:
-        obj = self._objects.get(key) if isinstance(key, str) else None
-        if obj is not None and _export(obj.record) == export and obj.record["mode"] == "oneshot":
-            if obj.state == "offered" and obj.offered_to is not None and obj.offered_to[0] == client:
-                self._settle_offer_locked(obj, True, False)
-                return
-            for tid in list(obj.transfers):
-                t = self._transfers.get(tid)
-                if t is not None and t["dst"] == client and t["kind"] == "sub":
-                    self.op_complete(client, {"tid": tid, "ok": True})
-                    return
-            if obj.state == "ready":  # its receive timed out here before the match: received all the same
-                self._forget_locked(key, obj, reason="received")
-                return
-        for side in list(self._side.values()):
-            if side.offered_to == (client, wid) and _export(side.record) == export:
-                self._settle_offer_locked(side, True, True)
-                return
-        w = self._waiter_by_id.get(wid)
-        if w is not None and w.client == client:
-            self._drop_waiter(w)
-        # Its publish is not here yet: received as soon as it comes (bounded: the oldest go first).
-        self._taken_exports[export] = True
-        while len(self._taken_exports) > TAKEN_KEEP:
-            del self._taken_exports[next(iter(self._taken_exports))]
-
     def _completed_locked(self, client: str, items: list[dict[str, Any]] | None) -> None:
         for item in items or ():
             if isinstance(item, dict) and item.get("ok") and item.get("tid") in self._transfers:
@@ -246,16 +209,7 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
         """Forget ``client`` (its connection dropped or it died): its keys vanish, its peers get errors."""
         with self._lock:
             self._clients.pop(client, None)
-            for export in [e for e in self._taken_exports if e[0] == client]:
-                del self._taken_exports[export]
-            for oid, obj in list(self._side.items()):
-                if obj.record["owner"] == client:
-                    del self._side[oid]
-                elif obj.offered_to is not None and obj.offered_to[0] == client:
-                    self._settle_offer_locked(obj, False, True)
-            for obj in list(self._objects.values()):  # offered to it: it took nothing any more
-                if obj.state == "offered" and obj.offered_to[0] == client and obj.record["owner"] != client:
-                    self._settle_offer_locked(obj, False, False)
+            self._offers_client_gone_locked(client)
             if any(o.record["owner"] == client and o.record["mode"] == "mset" for o in self._objects.values()):
                 self._bump_locked()  # cached readers of its keys stop trusting them (see the module doc)
             for key, obj in list(self._objects.items()):
@@ -315,7 +269,7 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
 
     def _register(self, client: str, item: dict[str, Any], mode: str) -> dict[str, Any]:
         key = item["key"]
-        offered = _offered(item) if mode == "oneshot" else None
+        offered = offered_to(item) if mode == "oneshot" else None
         if key in self._objects and offered is None:
             return _err(E_EXISTS, f"device object {key!r} already exists")
         record = dict(item, owner=client, mode=mode, obj=next(self._ids))
@@ -338,7 +292,7 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
         if "events" in lean and not lean["events"]:  # none (always, today): nothing to send
             del lean["events"]
         obj = _Object(record, lean, shared)
-        if offered is not None and self._taken_exports.pop(_export(record), None):
+        if offered is not None and self._taken_exports.pop(export_id(record), None):
             # Taken by a receive whose client left before the broker asked (see taken): received already.
             self._push(client, {"type": "released", "key": key, "obj": record["obj"], "reason": "received"})
             return {"ok": True, "obj": record["obj"]}
@@ -358,79 +312,6 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
             self._offers.clear(key)
             self._match_locked(key)
         return {"ok": True, "obj": record["obj"]}
-
-    # -- offers whose receive no longer waits (kvstrata.devobj.offers) ---------------------------------
-    def _offer_waits(self, offered: tuple[str, int], key: str) -> bool:
-        w = self._waiter_by_id.get(offered[1])
-        return w is not None and w.client == offered[0] and w.key == key
-
-    def _ask_offer_fate(self, key: str, obj: _Object, offered: tuple[str, int]) -> dict[str, Any] | None:
-        """Hold ``obj`` (one-shot, its offer went to receive ``offered``) until that receive's client says
-        whether it took the offer: under its key in state ``offered`` (no one else is matched with it
-        meanwhile), or, where the key has an object already, aside (a side object, whose publisher hears
-        ``released`` when it was taken, else ``KeyExists``). None: that client is gone (nobody took it)."""
-        rec = obj.record
-        if offered[0] not in self._clients:
-            return None
-        obj.offered_to = offered
-        if key in self._objects:
-            self._side[rec["obj"]] = obj
-        else:
-            obj.state = "offered"
-            self._objects[key] = obj
-            self._hint(key)  # the key has an object now: no more offers for it
-        self._push(
-            offered[0],
-            {
-                "type": "offer_fate",
-                "wid": offered[1],
-                "key": key,
-                "obj": rec["obj"],
-                "export": [rec["owner"], rec.get("pid"), rec.get("local")],
-            },
-        )
-        return {"ok": True, "obj": rec["obj"]}
-
-    def op_offer_fate(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        """The client a publish's offer went to says whether its receive took it (``took``): the object is then
-        received (its publisher gets ``released``) and that receive stops waiting; else the object is there for
-        the next receive (a side object: its publisher gets ``KeyExists``, the key having another object)."""
-        oid, took = args.get("obj"), args.get("took")
-        if not isinstance(oid, int) or not isinstance(took, bool):
-            return _err(E_BAD_REQUEST, "offer_fate: expected obj (int) and took (bool)")
-        obj = self._side.get(oid)
-        side = obj is not None
-        if obj is None:
-            obj = self._objects.get(args.get("key")) if isinstance(args.get("key"), str) else None
-            if obj is None or obj.record["obj"] != oid or obj.state != "offered":
-                return {"ok": True, "stale": True}
-        if obj.offered_to is None or obj.offered_to[0] != client:
-            return _err(E_NOT_OWNER, f"offer_fate: object {oid} was not offered to this client")
-        self._settle_offer_locked(obj, took, side)
-        return {"ok": True}
-
-    def _settle_offer_locked(self, obj: _Object, took: bool, side: bool) -> None:
-        rec = obj.record
-        key, wid = rec["key"], obj.offered_to[1]
-        obj.offered_to = None
-        if took:
-            w = self._waiter_by_id.get(wid)
-            if w is not None and w.key == key:  # still queued (behind the key's other object): it has its bytes
-                self._drop_waiter(w)
-            if side:
-                del self._side[rec["obj"]]
-                self._push(rec["owner"], {"type": "released", "key": key, "obj": rec["obj"], "reason": "received"})
-            else:
-                self._forget_locked(key, obj, reason="received")
-        elif side:
-            del self._side[rec["obj"]]
-            self._push(
-                rec["owner"],
-                {"type": "released", "key": key, "obj": rec["obj"], "reason": "exists"},
-            )
-        else:
-            obj.state = "ready"
-            self._match_locked(key)
 
     def op_delete(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         results = []
@@ -578,19 +459,6 @@ class DeviceBroker(Matcher, EventQueues, BroadcastPlanner):
             )
         elif obj.state == "deleting" and not obj.transfers:
             self._forget_locked(t["key"], obj, reason="deleted")
-
-
-def _export(rec: dict[str, Any]) -> tuple:
-    """What names one export of a publisher: its owner, process and export token."""
-    return (rec.get("owner"), rec.get("pid"), rec.get("local"))
-
-
-def _offered(item: dict[str, Any]) -> tuple[str, int] | None:
-    """The ``(client, wid)`` a publish item says its offer went to (``offered``), or None (none, or malformed)."""
-    o = item.get("offered")
-    if isinstance(o, (list, tuple)) and len(o) == 2 and isinstance(o[0], str) and isinstance(o[1], int):
-        return o[0], o[1]
-    return None
 
 
 def _generation_page() -> tuple[int, mmap.mmap, ctypes.c_uint64]:

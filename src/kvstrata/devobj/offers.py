@@ -14,7 +14,8 @@ off the hand-off's path:
 * The subscriber takes the offer if that receive still waits, matches the record's tensors and is small:
   it copies from the offered export at once, and once the copy ended with the export's owner alive, the
   receive is done. The broker's hop is off the hand-off's path.
-* The broker reconciles. A publish says whom its offer went to (``offered``):
+* The broker reconciles (:mod:`kvstrata.devobj.broker_offers`). A publish says whom its offer went to
+  (``offered``):
 
   - where that receive still waits first in line, the broker matches the two as usual, and the match only
     confirms what the receive took;
@@ -83,6 +84,11 @@ def key_hash(key: str) -> int:
     """A 64-bit hash of ``key``, the same in every process (Python's ``hash`` of a str is not), never 0 (kept
     for the keys seen last: the broker hashes a key as its waiters come and go, a publisher as it publishes)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") or 1
+
+
+def export_id(rec: dict[str, Any]) -> tuple:
+    """What names one export of a publisher in a record or offer: its owner, process and export token."""
+    return (rec.get("owner"), rec.get("pid"), rec.get("local"))
 
 
 class OfferTable:
@@ -293,6 +299,7 @@ __all__ = [
     "OfferBox",
     "OfferTable",
     "address",
+    "export_id",
     "key_hash",
     "offers_enabled",
 ]

@@ -30,6 +30,7 @@ from kvstrata.devobj.debug import CopyRates, trace, wait_event
 from kvstrata.devobj.futures import HANDOFF_S
 from kvstrata.devobj.ipc import copy_into
 from kvstrata.devobj.link import error_from
+from kvstrata.devobj.offers import export_id
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,6 @@ PULL_MAX_BYTES = 256 << 10
 TAKEN_KEEP = 4096
 #: copy rates seen per path in this process: how long to sleep before polling a copy's end
 _RATES = CopyRates()
-
-
-def _export(rec: dict[str, Any]) -> tuple:
-    """What names one export of a publisher: its owner, process and export token."""
-    return (rec.get("owner"), rec.get("pid"), rec.get("local"))
 
 
 def _nbytes(t: dict[str, Any]) -> int:
@@ -217,7 +213,7 @@ class CopyReceiver:
         # longer waits there (or waits behind another object), by asking (offer_fate, answered from _taken).
         want.offer = (rec, None)
         with self._lock:
-            self._taken[wid] = (key, _export(rec))
+            self._taken[wid] = (key, export_id(rec))
             while len(self._taken) > TAKEN_KEEP:
                 self._taken.popitem(last=False)
         self.offers_used += 1
@@ -230,7 +226,7 @@ class CopyReceiver:
         (the normal case), else hand that other object back (``ok=False``: the broker keeps it for the next
         receive, whole)."""
         rec, want.offer = want.offer[0], None
-        if t["kind"] == "sub" and _export(t.get("record") or {}) == _export(rec):
+        if t["kind"] == "sub" and export_id(t.get("record") or {}) == export_id(rec):
             with self._lock:
                 self._taken.pop(t["wid"], None)
             self._report_done([t["tid"]])
