@@ -105,7 +105,7 @@ class OfferReconciler:
                 "wid": offered[1],
                 "key": key,
                 "obj": rec["obj"],
-                "export": [rec["owner"], rec.get("pid"), rec.get("local")],
+                "export": list(export_id(rec)),
             },
         )
         return {"ok": True, "obj": rec["obj"]}
@@ -136,17 +136,12 @@ class OfferReconciler:
             w = self._waiter_by_id.get(wid)
             if w is not None and w.key == key:  # still queued (behind the key's other object): it has its bytes
                 self._drop_waiter(w)
-            if side:
-                del self._side[rec["obj"]]
-                self._push(rec["owner"], {"type": "released", "key": key, "obj": rec["obj"], "reason": "received"})
-            else:
-                self._forget_locked(key, obj, reason="received")
-        elif side:
+        if side:  # never under its key: its publisher hears the outcome
             del self._side[rec["obj"]]
-            self._push(
-                rec["owner"],
-                {"type": "released", "key": key, "obj": rec["obj"], "reason": "exists"},
-            )
+            reason = "received" if took else "exists"
+            self._push(rec["owner"], {"type": "released", "key": key, "obj": rec["obj"], "reason": reason})
+        elif took:
+            self._forget_locked(key, obj, reason="received")
         else:
             obj.state = "ready"
             self._match_locked(key)
