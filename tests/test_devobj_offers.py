@@ -255,6 +255,31 @@ def test_broker_takes_the_reports_of_a_leaving_client_whose_receives_took_offers
     assert _events(b, "v") == []  # never delivered twice
 
 
+def test_broker_counts_publishes_receives_reads_timeouts_failures_and_offer_fates():
+    b, now = _broker("p", "s", "v")
+    wid = b.handle("s", "subscribe", {"keys": ["k"], "timeout": None})["results"][0]["wid"]
+    b.handle("p", "publish", {"items": [_item("k", "t1")]})
+    (m,) = _events(b, "s")
+    b.handle("s", "complete", {"tid": m["transfer"]["tid"], "ok": False, "error": "x"})  # failed: back to ready
+    w2 = b.handle("v", "subscribe", {"keys": ["k"], "timeout": None})["results"][0]
+    b.handle("v", "complete", {"tid": w2["transfer"]["tid"], "ok": True})
+    b.handle("p", "mset", {"items": [_item("m", "t2")]})
+    r = b.handle("v", "mget", {"keys": ["m"], "timeout": None})["results"][0]
+    b.handle("v", "complete", {"tid": r["transfer"]["tid"], "ok": True})
+    assert b.handle("p", "publish", {"items": [_item("m", "t3")]})["results"][0]["error"] == "KeyExists"
+    b.handle("s", "subscribe", {"keys": ["late"], "timeout": 1.0})
+    now[0] = 2.0
+    _events(b, "s")
+    o = b.handle("p", "publish", {"items": [_item("late", "t4", offered=["s", wid])]})["results"][0]["obj"]
+    b.handle("s", "offer_fate", {"obj": o, "key": "late", "took": True})
+    stats = b.stats()
+    assert {k: stats[k] for k in ("published", "registered", "received", "reads", "timeouts", "receives_failed")} == {
+        "published": 2, "registered": 1, "received": 2, "reads": 1, "timeouts": 1, "receives_failed": 1}  # fmt: skip
+    assert (stats["offer_fates_taken"], stats["offer_fates_not_taken"], stats["objects"], stats["waiters"]) == (
+        1, 0, 1, 0)  # fmt: skip
+    assert stats["clients"] == 3 and stats["transfers"] == 0 and stats["broadcasts"] == 0
+
+
 # -- offers between clients -----------------------------------------------------------------------
 def test_a_waiting_subscriber_takes_the_offer_and_the_match_confirms_it(make):
     a, b = make(), make()

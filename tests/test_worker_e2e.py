@@ -161,10 +161,29 @@ def test_status_command(worker):
     out = subprocess.run(base, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert "memory" in out.stdout and "hits" in out.stdout and "clients" in out.stdout
+    assert "device objects" not in out.stdout  # no device-object client yet
+    # A device-object hand-off between two CPU clients of this process: the broker's counts show up.
+    import torch
+
+    from kvstrata.devobj import DeviceObjectConfig
+
+    cfg = DeviceObjectConfig(allow_cpu=True)
+    with kvstrata.connect(worker) as a, kvstrata.connect(worker) as b:
+        a.device_objects(device="cpu", config=cfg)
+        b.device_objects(device="cpu", config=cfg)
+        dst = torch.zeros(8)
+        (f,) = b.dev_subscribe(["h"], [[dst]], timeout=30)
+        a.dev_publish(["h"], [[torch.ones(8)]])[0].result(30)
+        f.result(30)
+        assert b.stats()["device_objects"]["received"] == 1
+    out = subprocess.run(base, env=env, capture_output=True, text=True, timeout=30)
+    assert "device objects 0 (0 receives waiting, 0 copies in flight)   published 1   received 1" in out.stdout
     prom = subprocess.run([*base, "--prometheus"], env=env, capture_output=True, text=True, timeout=30)
     assert prom.returncode == 0
     assert 'kvstrata_tier_capacity_bytes{tier="memory"} 50331648' in prom.stdout
     assert "# TYPE kvstrata_hits_total counter" in prom.stdout
+    assert "kvstrata_device_objects_received_total 1" in prom.stdout.splitlines()
+    assert "# TYPE kvstrata_device_objects_waiters gauge" in prom.stdout
     missing = subprocess.run(
         [*base[:-1], worker + ".nope", "--timeout", "0.2"], env=env, capture_output=True, text=True, timeout=30
     )

@@ -54,4 +54,15 @@ def render(stats: dict[str, Any], address: str) -> str:
         )
     )
     lines.append(f"  requests {stats.get('requests', 0)}   refused {stats.get('request_errors', 0)}")
+    d = stats.get("device_objects")
+    if d:
+        lines.append(
+            f"  device objects {d.get('objects', 0)} ({d.get('waiters', 0)} receives waiting, "
+            f"{d.get('transfers', 0)} copies in flight)   published {d.get('published', 0)}   "
+            f"received {d.get('received', 0)}   reads {d.get('reads', 0)}   timeouts {d.get('timeouts', 0)}"
+        )
+        lines.append(
+            "  offers whose publish came after their receive stopped waiting: "
+            f"taken {d.get('offer_fates_taken', 0)}, not taken {d.get('offer_fates_not_taken', 0)}"
+        )
     return "\n".join(lines)

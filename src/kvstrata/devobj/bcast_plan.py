@@ -24,7 +24,9 @@ class BroadcastPlanner:
         receivers = item.get("receivers")
         if not isinstance(receivers, int) or receivers < 1:
             return {"results": [_err(E_BAD_REQUEST, "receivers must be a positive int")]}
-        return {"results": [self._register(client, item, "broadcast")]}
+        result = self._register(client, item, "broadcast")
+        self.counts["broadcasts"] += 1 if result.get("ok") else 0
+        return {"results": [result]}
 
     def op_chain_ready(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
         """A broadcast group's leader exported its buffers and progress counter (as it starts copying):

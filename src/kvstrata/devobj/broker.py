@@ -96,6 +96,21 @@ SHARED_FIELDS = ("owner", "mode", "pid", "node_id", "device", "transport")
 #: means they are equal)
 _LEAN_DROP = (*SHARED_FIELDS, "key", "tensors")
 _shared_values = operator.itemgetter(*SHARED_FIELDS)
+#: what the broker counts (only up): accepted publishes, registrations (``dev_mset``) and broadcasts; objects
+#: received (a one-shot by its receive, a broadcast by all); reads of registered objects done; receives timed
+#: out; receives that failed or were handed back; offers whose publish came when their receive no longer waited,
+#: by whether it had taken them (its client said so: kvstrata.devobj.broker_offers)
+COUNTERS = (
+    "published",
+    "registered",
+    "broadcasts",
+    "received",
+    "reads",
+    "timeouts",
+    "receives_failed",
+    "offer_fates_taken",
+    "offer_fates_not_taken",
+)
 
 
 class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
@@ -117,6 +132,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._objects: dict[str, _Object] = {}
+        self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # see COUNTERS; under the lock
         #: side objects by object id: publishes whose offer a receive may have taken while their key had
         #: another object (see _ask_offer_fate)
         self._side: dict[int, _Object] = {}
@@ -262,10 +278,14 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
 
     # -- writers ----------------------------------------------------------------------------------
     def op_publish(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return {"results": [self._register(client, item, "oneshot") for item in args["items"]]}
+        results = [self._register(client, item, "oneshot") for item in args["items"]]
+        self.counts["published"] += sum(1 for r in results if r.get("ok"))
+        return {"results": results}
 
     def op_mset(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
-        return {"results": [self._register(client, item, "mset") for item in args["items"]]}
+        results = [self._register(client, item, "mset") for item in args["items"]]
+        self.counts["registered"] += sum(1 for r in results if r.get("ok"))
+        return {"results": results}
 
     def _register(self, client: str, item: dict[str, Any], mode: str) -> dict[str, Any]:
         key = item["key"]
@@ -294,6 +314,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         obj = _Object(record, lean, shared)
         if offered is not None and self._taken_exports.pop(export_id(record), None):
             # Taken by a receive whose client left before the broker asked (see taken): received already.
+            self.counts["received"] += 1
             self._push(client, {"type": "released", "key": key, "obj": record["obj"], "reason": "received"})
             return {"ok": True, "obj": record["obj"]}
         if offered is not None and (key in self._objects or not self._offer_waits(offered, key)):
@@ -363,6 +384,8 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
             return {"ok": True, "pending": True}
         self._transfers.pop(t["tid"])
         obj.transfers.discard(t["tid"])
+        if t["kind"] == "get":
+            self.counts["reads"] += 1
         if t["kind"] == "sub":
             self._forget_locked(t["key"], obj, reason="received")
         elif obj.state == "deleting" and not obj.transfers:
@@ -388,6 +411,19 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         for t in pair.pop("queued", []):
             self._push(t["src"], {"type": "send", "transfer": t, "uid": pair["uid"]})
         return {"ok": True}
+
+    def stats(self) -> dict[str, Any]:
+        """What the broker holds now and has counted (:data:`COUNTERS`), for the worker's stats and metrics."""
+        with self._lock:
+            return {
+                "objects": len(self._objects),
+                "waiters": len(self._waiter_by_id),
+                "transfers": len(self._transfers),
+                "clients": len(self._clients),
+                "offer_hints": self._offers.hinted,
+                "side_objects": len(self._side),
+                **self.counts,
+            }
 
     def snapshot(self) -> dict[str, Any]:
         """Registry contents for status pages and tests (msgpack-able)."""
@@ -415,6 +451,8 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
 
     def _forget_locked(self, key: str, obj: _Object, *, reason: str, notify_owner: bool = True) -> None:
         del self._objects[key]
+        if reason == "received":
+            self.counts["received"] += 1
         self._hint(key)  # a subscriber still waiting for the key can be offered the next object
         if notify_owner:
             released = {"type": "released", "key": key, "obj": obj.record["obj"], "reason": reason}
@@ -438,6 +476,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         obj.pending.clear()
 
     def _receiver_failed_locked(self, t: dict[str, Any], message: str) -> None:
+        self.counts["receives_failed"] += 1
         obj = self._objects.get(t["key"])
         self._push(t["dst"], self._error_event(t, E_ABORTED, message))
         if obj is None:

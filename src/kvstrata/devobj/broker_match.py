@@ -160,6 +160,7 @@ class Matcher:
             if w is None:
                 continue
             self._drop_waiter(w)
+            self.counts["timeouts"] += 1
             obj = self._objects.get(w.key)
             if obj is not None and obj.record["mode"] == "broadcast":
                 obj.pending[:] = [(c, x) for c, x in obj.pending if x != wid]

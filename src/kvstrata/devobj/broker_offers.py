@@ -132,12 +132,14 @@ class OfferReconciler:
         rec = obj.record
         key, wid = rec["key"], obj.offered_to[1]
         obj.offered_to = None
+        self.counts["offer_fates_taken" if took else "offer_fates_not_taken"] += 1
         if took:
             w = self._waiter_by_id.get(wid)
             if w is not None and w.key == key:  # still queued (behind the key's other object): it has its bytes
                 self._drop_waiter(w)
         if side:  # never under its key: its publisher hears the outcome
             del self._side[rec["obj"]]
+            self.counts["received"] += 1 if took else 0
             reason = "received" if took else "exists"
             self._push(rec["owner"], {"type": "released", "key": key, "obj": rec["obj"], "reason": reason})
         elif took:

@@ -23,6 +23,16 @@ WORKER_COUNTERS = frozenset(
         "deletes",
         "bytes_written",
         "bytes_read",
+        # the device-object broker's (kvstrata.devobj.broker.COUNTERS), under "device_objects"
+        "device_objects_published",
+        "device_objects_registered",
+        "device_objects_broadcasts",
+        "device_objects_received",
+        "device_objects_reads",
+        "device_objects_timeouts",
+        "device_objects_receives_failed",
+        "device_objects_offer_fates_taken",
+        "device_objects_offer_fates_not_taken",
     }
 )
 

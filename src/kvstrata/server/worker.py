@@ -161,6 +161,9 @@ class Worker:
         stats["request_errors"] = self.counters["errors"]
         stats["connections"] = self.counters["connections"]
         stats["uptime_seconds"] = round(time.time() - self.started_at, 3)
+        broker = getattr(self, "devobj_broker", None)  # started by the first device-object client
+        if broker is not None:
+            stats["device_objects"] = broker.stats()
         return stats
 
     # connections ---------------------------------------------------------------------------------
