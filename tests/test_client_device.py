@@ -158,6 +158,7 @@ def test_cached_keys_cost_no_round_trip(worker):
         kv.delete(keys)
         src = _lists(16, sizes=(100000,))
         assert kv.mset_d2h(keys, src) == [None] * 16
+        assert kv.exists(keys) == [True] * 16  # shown before the read (see _written_by)
         dst = _poisoned(src)
         assert kv.mget_h2d(keys, dst) == [None] * 16  # leases taken and kept
         before = worker.counters["requests"]
@@ -565,6 +566,10 @@ def _written_by(writer, kv, prefix: str, n: int, seed: int):
     kv.delete(keys)
     src = _lists(n, seed=seed)
     assert writer.mset_d2h(keys, src) == [None] * n
+    # The write's objects show once the worker reads its landing word, which it does before its next operation of
+    # anyone's. Done here, not during the test's first read: a change during a read's request (this one's seals
+    # bump the generation) makes the local-read cache refuse that read's leases, and the test's order with them.
+    assert writer.exists(keys) == [True] * n
     return keys, src
 
 
