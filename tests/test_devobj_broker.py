@@ -3,6 +3,7 @@ mset/mget readers, owner death, broadcast planning, NCCL pairing, serializable r
 
 from __future__ import annotations
 
+import re
 import threading
 
 import msgpack
@@ -435,3 +436,43 @@ def test_source_gpu_hidden_from_reader_uses_nccl():
     b.handle("p", "mset", {"items": [item("w")]})  # on GPU-a
     assert b.handle("q", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "nccl"
     assert b.handle("r", "mget", {"keys": ["w"]})["results"][0]["transfer"]["path"] == "ipc"
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "exc", "field"),
+    [
+        ("publish", {"items": [item("ok"), {**item("bad"), "tensors": 5}]}, TypeError, "a.items[1].tensors"),
+        ("publish", {"items": [item("ok"), {**item("bad"), "device": ["GPU-a"]}]}, TypeError, "a.items[1].device"),
+        ("mset", {"items": [item("ok"), item("")]}, ValueError, "a.items[1].key"),
+        ("mset", {"items": [item("ok", shape=(4, -8))]}, ValueError, "a.items[0].tensors[0].shape[1]"),
+        ("broadcast", {"item": {**item("b", receivers=2), "tensors": []}}, ValueError, "a.item.tensors"),
+        ("subscribe", {"keys": ["k", 3], "timeout": 1}, TypeError, "a.keys[1]"),
+        ("subscribe", {"keys": ["k"], "specs": [spec(), spec()]}, ValueError, "a.specs: 2 spec lists for 1 keys"),
+        ("mget", {"keys": ["k"], "timeout": float("nan")}, ValueError, "a.timeout"),
+        ("mget", {"keys": ["k"], "known": ["7"]}, TypeError, "a.known[0]"),
+        ("cancel", {"wids": [1, "2"]}, TypeError, "a.wids[1]"),
+        ("delete", {}, TypeError, "a.keys"),
+        ("complete", {"ok": True}, TypeError, "a.tid"),
+        ("complete_many", {"items": [{"tid": 1}, {"tid": True}]}, TypeError, "a.items[1].tid"),
+        ("pair_uid", {"src": "pub"}, TypeError, "a.uid"),
+        ("member_ready", {"tid": 1, "export": "x"}, TypeError, "a.export"),
+        ("wait_events", {"timeout": "soon"}, TypeError, "a.timeout"),
+        ("goodbye", {"done": 5}, TypeError, "a.done"),
+    ],
+)
+def test_malformed_arguments_are_refused_whole_before_anything_changes(broker, op, args, exc, field):
+    before = broker.snapshot()
+    with pytest.raises(exc, match=re.escape(field)):
+        broker.handle("pub", op, args)
+    assert broker.snapshot() == before  # the good item before the bad one was not registered either
+    assert broker.stats()["clients"] == 4
+
+
+def test_a_record_refused_for_its_device_never_reaches_a_subscriber(broker):
+    # Stored, a device that is not a map would have failed the subscriber's own request at its match.
+    with pytest.raises(TypeError, match=r"a\.items\[0\]\.device"):
+        broker.handle("pub", "publish", {"items": [{**item("k"), "device": "GPU-a"}]})
+    r = broker.handle("sub", "subscribe", {"keys": ["k"], "specs": [spec()], "timeout": 1})["results"][0]
+    assert r["status"] == "waiting"
+    assert broker.handle("pub", "publish", {"items": [item("k")]})["results"][0]["ok"]
+    assert [e["type"] for e in events(broker, "sub")] == ["matched"]

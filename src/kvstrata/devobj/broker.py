@@ -84,6 +84,7 @@ from kvstrata.devobj._broker_types import (  # noqa: F401 (the error codes are t
     _Waiter,
 )
 from kvstrata.devobj.bcast_plan import BroadcastPlanner
+from kvstrata.devobj.broker_args import check_args
 from kvstrata.devobj.broker_events import EventQueues, _deliver
 from kvstrata.devobj.broker_match import Matcher
 from kvstrata.devobj.broker_offers import OfferReconciler, offered_to
@@ -181,6 +182,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         fn = getattr(self, f"op_{op}", None)
         if fn is None and op != "goodbye":
             raise ValueError(f"op: unknown device-object operation {op!r}")
+        check_args(op, args)  # whole, before anything changes here
         if op in ("wait_events", "goodbye"):
             self.completed(client, args.get("done"))
         if op == "goodbye" and args.get("taken"):

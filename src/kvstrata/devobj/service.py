@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata import errors
 from kvstrata.devobj.broker import DeviceBroker
+from kvstrata.devobj.broker_args import check_args, check_seconds
 from kvstrata.devobj.debug import trace
 from kvstrata.devobj.futures import spin_seconds
 from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
@@ -73,17 +74,21 @@ def handle(session: Any, msg: dict) -> dict:
         conn = session.conn
         cids = session.__dict__.setdefault("devobj_clients", set())
         cids.add(msg["cid"])
+        tag = msg.get("tag")  # a parked poll's answer carries its request's tag too, as every reply does
 
         def deliver(r: dict) -> None:
             try:
-                conn.send({"r": r})
+                conn.send({"r": r} if tag is None else {"r": r, "tag": tag})
                 trace("worker: events sent")
             except Exception as exc:  # the client went away meanwhile: its session cleanup forgets it
                 log.debug("device objects: event delivery to %s failed: %s", msg["cid"], exc)
 
         broker = broker_of(session.worker)
         args = msg.get("a")
-        if isinstance(args, dict) and args.get("done"):
+        if args is not None:
+            check_args("wait_events", args)
+        check_seconds(msg.get("t"), "t")
+        if args is not None and args.get("done"):
             broker.completed(msg["cid"], args["done"])
         r = broker.park_poll(msg["cid"], msg.get("t"), deliver)
         return DEFERRED if r is None else {"r": r}

@@ -56,9 +56,16 @@ def _mput(s: Session, msg: dict) -> dict:
     opts = s.write_options(msg)
     items = []
     written: list[str] = []  # the keys changed, read when the change ends
+    pairs = msg.get("items", [])
+    if type(pairs) is not list and type(pairs) is not tuple:
+        raise TypeError(f"items: expected a list of [key, value] pairs, got {type(pairs).__name__}")
     with s.validity.change(written):
-        for key, value in msg.get("items", []):
+        for i, pair in enumerate(pairs):
             try:
+                if type(pair) not in _PAIR_TYPES or len(pair) != 2:
+                    got = f"a list of {len(pair)}" if type(pair) in _PAIR_TYPES else type(pair).__name__
+                    raise TypeError(f"items[{i}]: expected a [key, value] pair, got {got}")
+                key, value = pair
                 _put_one(s, key, value, opts)
                 written.append(key)
                 items.append({})
@@ -205,7 +212,7 @@ def _commit(s: Session, msg: dict) -> dict:
 
 def _get(s: Session, msg: dict) -> dict:
     key = P.check_key(msg.get("key"))
-    lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout")))
+    lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0)))
     reply: dict = {}
     if msg.get("cache") and s.shm and lease.size < P.INLINE_MAX and s.validity.cacheable(key, lease):
         # The client keeps this lease and serves later gets from shared memory (see server.validity).
@@ -220,7 +227,7 @@ def _mget(s: Session, msg: dict) -> dict:
     keys = P.check_keys(msg.get("keys", []))
     reply: dict = {}
     items = []
-    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))):
+    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0))):
         items.append(P.error_record(result) if isinstance(result, BaseException) else s.lease_item(result, reply))
     reply["items"] = items
     return reply
@@ -239,7 +246,7 @@ def _acquire(s: Session, msg: dict) -> dict:
         raise ServerError("zero-copy buffers need shared memory: connect over unix:// on the worker's node")
     keys = P.check_keys(msg.get("keys", []))
     ids, locs, mutable, placed, errors = s.store.lease_many(
-        keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout"))
+        keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0))
     )
     flat = list(chain.from_iterable(locs))
     if msg.get("cache"):  # the client may keep cacheable leases for later local views
@@ -266,7 +273,7 @@ def _acquire(s: Session, msg: dict) -> dict:
 
 def release(s: Session, msg: dict) -> dict:
     leases = s.leases
-    mine = leases.intersection(msg.get("ids", ()))  # only what this client was given
+    mine = leases.intersection(P.check_ids(msg.get("ids", ())))  # only what this client was given
     leases -= mine
     if hasattr(s.store, "release_many"):
         s.store.release_many(mine)
@@ -314,7 +321,7 @@ def _flush(s: Session, msg: dict) -> dict:
 
 def _segments(s: Session, msg: dict) -> dict:
     """Descriptors of segments the client lacks (after a reconnect, say)."""
-    want = [int(i) for i in msg.get("indices", [])]
+    want = P.check_ids(msg.get("indices", []), "indices")
     n = len(s.store.segments)
     reply: dict = {"_segs": [i for i in want if 0 <= i < n]}
     return reply

@@ -9,6 +9,8 @@ with ``"cache": true`` mark leases the client may keep for local reads (``kvstra
 A request may carry ``"tag": n``: its reply then carries the same tag, so a client can keep several
 requests in flight on one connection (replies still come in request order) and match each reply to
 its sender (``RemoteBackend.send_tagged``; the device calls pipeline their stages this way).
+A read's ``"timeout"`` (``get``, ``mget``, ``acquire``) is seconds to wait for a missing key: left out, 0 (do not
+wait); ``None``, until the key exists.
 ``reserve`` gives a client an extent of shared memory to lay new objects in without asking where, and
 ``commit`` makes the objects it wrote there sealed objects (``kvstrata.store.reservations``).
 A ``commit`` with ``"landing": true`` may go before the copies into its objects finished: it is answered at
@@ -34,6 +36,7 @@ MAX_KEY_BYTES = 1024
 WRITE_MODES = ("memory", "write_through", "write_back", "evictable")
 ONE_WAY_OPS = frozenset({"release", "linger"})
 _STR = frozenset({str})
+_INT = frozenset({int})
 
 _ERROR_TYPES: dict[str, type[BaseException]] = {
     name: getattr(kverrors, name) for name in kverrors.__all__ if isinstance(getattr(kverrors, name), type)
@@ -95,13 +98,23 @@ def check_keys(keys: Any, name: str = "keys") -> list[str]:
     return keys
 
 
+def check_ids(ids: Any, name: str = "ids") -> list[int]:
+    """A list of ids (lease ids, segment indices): ints, as the client sends them."""
+    if type(ids) is not list and type(ids) is not tuple:
+        raise TypeError(f"{name}: expected a list of ints, got {type(ids).__name__}")
+    if not _INT.issuperset(map(type, ids)):  # bool is not int here: True is no id
+        bad = next(i for i, x in enumerate(ids) if type(x) is not int)
+        raise TypeError(f"{name}[{bad}]: expected an int, got {type(ids[bad]).__name__}")
+    return ids if type(ids) is list else list(ids)
+
+
 def check_ttl(ttl: Any) -> float | None:
     """Seconds to live; None or 0 means until deleted."""
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
         raise TypeError(f"ttl: must be seconds (a number) or None, got {type(ttl).__name__}")
-    if ttl < 0:
+    if not ttl >= 0:  # NaN too
         raise ValueError(f"ttl: must be >= 0 seconds, got {ttl}")
     return float(ttl) or None
 
@@ -112,7 +125,7 @@ def check_timeout(timeout: Any) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout: must be seconds (a number), got {type(timeout).__name__}")
-    if timeout < 0:
+    if not timeout >= 0:  # NaN too
         raise ValueError(f"timeout: must be >= 0 seconds, got {timeout}")
     return float(timeout)
 

@@ -232,13 +232,15 @@ class Session:
             if linger:  # another request of this client follows within this many us: poll until then
                 self.linger_until = time.perf_counter() + min(P.check_size(linger, "linger"), LINGER_MAX_US) * 1e-6
             if msg.get("rel"):  # releases deferred by the client's garbage collector
-                release(self, {"ids": msg["rel"]})
-            for key in msg.get("abort_keys") or ():  # writes whose buffers were dropped unsealed
-                try:
-                    self.store.abort(key, owner=self.owner)
-                    self.writes.pop(key, None)
-                except (KvstrataError, ValueError, TypeError):
-                    pass
+                release(self, {"ids": P.check_ids(msg["rel"], "rel")})
+            aborts = msg.get("abort_keys")
+            if aborts:  # writes whose buffers were dropped unsealed
+                for key in P.check_keys(aborts, "abort_keys"):
+                    try:
+                        self.store.abort(key, owner=self.owner)
+                        self.writes.pop(key, None)
+                    except (KvstrataError, ValueError, TypeError):
+                        pass  # not this client's unsealed write (any more): nothing to abort
             reply = handler(self, msg)
         except (KvstrataError, ValueError, TypeError, KeyError) as exc:
             self.worker.counters["errors"] += 1
