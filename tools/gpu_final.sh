@@ -79,8 +79,6 @@
 #   PART=s11c: tools/probe_handoff.py (offers after the request, none, before it) GPU0 -> GPU1 and GPU0 -> GPU0,
 #           traced with the worker's steps
 #   PART=s11d: tools/probe_cold_copy.py GPU0 -> GPU0 and GPU0 -> GPU1, tools/probe_pause.py
-#   PART=s13a: session 13's first look: tools/probe_handoff_floor.py GPU0 -> GPU1 and GPU0 -> GPU0 (a bare two-process
-#           4 KiB hand-off), tools/probe_handoff.py GPU0 -> GPU1 (offers on and off, traced), trace_store_device
 #   PART=s12y: session 12's last call (final code): the device-object GPU tests, tools/probe_handoff.py GPU0 -> GPU1
 #           and GPU0 -> GPU0 (offers on and off, traced), bench device --quick --broadcast-gib 8
 #   PART=s12z: session 12's closing call (nvidia-h200-x2): every GPU test, tools/probe_handoff.py GPU0 -> GPU1 and
@@ -346,14 +344,6 @@ elif [ "${PART}" = s11d ]; then
     echo "=== tools/probe_cold_copy.py $d" >> "$LOG"; timeout 60 python3 tools/probe_cold_copy.py $d >> "$LOG" 2>&1
   done
   echo "=== tools/probe_pause.py" >> "$LOG"; timeout 30 python3 tools/probe_pause.py >> "$LOG" 2>&1
-elif [ "${PART}" = s13a ]; then
-  for d in 0,1 0,0 0,1; do
-    echo "=== tools/probe_handoff_floor.py --devices $d --iters 150" >> "$LOG"
-    timeout 100 python3 tools/probe_handoff_floor.py --devices $d --iters 150 2>&1 | grep -v Producer >> "$LOG"
-  done
-  echo "=== tools/probe_handoff.py --devices 0,1 --iters 120 --trace" >> "$LOG"
-  timeout 120 python3 tools/probe_handoff.py --devices 0,1 --iters 120 --trace 2>&1 | grep -v Producer >> "$LOG"
-  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -152,7 +152,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         write_mode: str = "memory",
     ) -> list[Result]:
         """Store many values; returns None per stored key, the exception where a key was refused."""
-        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        pairs = _pairs(items)
         keys = P.check_keys([k for k, _ in pairs])
         views = [byte_view(v, f"items[{k!r}]") for k, v in pairs]
         opts = self._write_opts(ttl, nx, write_mode)
@@ -290,3 +290,18 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
     def ping(self) -> None:
         if isinstance(self._b(), RemoteBackend):
             self._backend.request({"op": "ping"})
+
+
+def _pairs(items: Any) -> list[tuple[Any, Any]]:
+    """``mset``'s items as a list of ``(key, value)``: a mapping's, or the pairs given (TypeError naming the item
+    that is not a pair)."""
+    if isinstance(items, Mapping):
+        return list(items.items())
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise TypeError(f"items: expected a mapping or an iterable of (key, value) pairs, got {type(items).__name__}")
+    pairs = list(items)
+    for i, pair in enumerate(pairs):
+        if (type(pair) is not tuple and type(pair) is not list) or len(pair) != 2:
+            got = f"{len(pair)} items" if isinstance(pair, tuple | list) else type(pair).__name__
+            raise TypeError(f"items[{i}]: expected a (key, value) pair, got {got}")
+    return pairs

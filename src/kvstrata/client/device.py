@@ -22,6 +22,7 @@ import ctypes
 import itertools
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[tuple]
 
 def check_outer(n_keys: int, tensor_lists: Any) -> None:
     """The container: one entry per key (each entry is checked by :func:`check_key`)."""
-    if isinstance(tensor_lists, str | bytes) or not hasattr(tensor_lists, "__len__"):
+    if isinstance(tensor_lists, str | bytes | Mapping) or not (
+        hasattr(tensor_lists, "__len__") and hasattr(tensor_lists, "__getitem__")
+    ):
         raise TypeError(f"tensor_lists: need one list of tensors per key, got {type(tensor_lists).__name__}")
     if len(tensor_lists) != n_keys:
         raise ValueError(f"tensor_lists: need one list of tensors per key ({n_keys} keys, got {len(tensor_lists)})")
