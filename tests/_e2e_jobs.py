@@ -82,3 +82,117 @@ def hold_views_and_die(address: str, key: str) -> None:
     views = [kv.get_buffers(key)[0] for _ in range(3)]
     assert all(len(v) for v in views)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- churn: overwrites, deletes and reads of shared keys under memory pressure --------------------------------------
+#: a churned value: the key's digest, its writer and write number, the body's length, the body, then a digest of all
+#: that, so a reader can tell a whole value of the right key from a torn, stale-and-reused or foreign one
+CHURN_HEAD = "<16sIQI"
+CHURN_SIZES = (50, 3000, 70_000, 300_000, 1 << 20)  # inline, shared memory, across the inline limit, large
+
+
+def churn_value(key: str, writer: int, seq: int, size: int, rng) -> bytes:
+    import struct
+
+    head = struct.pack(CHURN_HEAD, hashlib.blake2b(key.encode(), digest_size=16).digest(), writer, seq, size)
+    body = head + rng.randbytes(size)
+    return body + hashlib.blake2b(body, digest_size=16).digest()
+
+
+def churn_check(key: str, value) -> str | None:
+    """None when ``value`` is a whole churned value of ``key``; else what is wrong with it."""
+    import struct
+
+    v = bytes(value)
+    n_head = struct.calcsize(CHURN_HEAD)
+    if len(v) < n_head + 16:
+        return f"{key}: {len(v)} bytes, shorter than any value"
+    digest, writer, seq, size = struct.unpack_from(CHURN_HEAD, v)
+    if digest != hashlib.blake2b(key.encode(), digest_size=16).digest():
+        return f"{key}: another key's value (writer {writer}, write {seq})"
+    if len(v) != n_head + size + 16:
+        return f"{key}: {len(v)} bytes, the value says {n_head + size + 16}"
+    if hashlib.blake2b(v[:-16], digest_size=16).digest() != v[-16:]:
+        return f"{key}: torn or overwritten bytes (writer {writer}, write {seq})"
+    return None
+
+
+def churn_writer(address: str, me: int, keys: list[str], seconds: float, mode: str) -> int:
+    """Overwrite, batch-write, device-write (CPU tensors) and delete random keys for ``seconds``; writes made."""
+    import random
+
+    import torch
+
+    import kvstrata
+    from kvstrata.errors import CapacityError, KeyExists
+
+    rng = random.Random(me)
+    made = 0
+    with kvstrata.connect(address, timeout=20, name=f"churn-writer-{me}") as kv:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            key, op = rng.choice(keys), rng.random()
+            try:
+                if op < 0.5:
+                    kv.set(key, churn_value(key, me, made, rng.choice(CHURN_SIZES), rng), write_mode=mode)
+                elif op < 0.6:  # write-once: the key is deleted first (another writer may win the race)
+                    kv.delete(key)
+                    value = bytearray(churn_value(key, me, made, rng.choice(CHURN_SIZES), rng))
+                    kv.mset_d2h([key], [[torch.frombuffer(value, dtype=torch.uint8)]])
+                elif op < 0.8:
+                    batch = rng.sample(keys, 3)
+                    kv.mset({k: churn_value(k, me, made, rng.choice(CHURN_SIZES), rng) for k in batch}, write_mode=mode)
+                else:
+                    kv.delete(key)
+            except (CapacityError, KeyExists):  # memory full of pinned values, or a write-once race lost
+                pass
+            made += 1
+    return made
+
+
+def churn_reader(address: str, me: int, keys: list[str], seconds: float) -> tuple[dict[str, int], list[str]]:
+    """Read random keys every way for ``seconds`` and check each value found; values checked per way, and what
+    was wrong (at most 5)."""
+    import random
+
+    import torch
+
+    import kvstrata
+    from kvstrata.errors import KeyNotFound
+
+    rng = random.Random(1000 + me)
+    checked = {"get": 0, "mget": 0, "get_buffers": 0, "mget_h2d": 0}
+    bad: list[str] = []
+
+    def check(how: str, key: str, value) -> None:
+        checked[how] += 1
+        wrong = churn_check(key, value)
+        if wrong is not None:
+            bad.append(f"{how}: {wrong}")
+
+    with kvstrata.connect(address, timeout=20, name=f"churn-reader-{me}") as kv:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and len(bad) < 5:
+            key, op = rng.choice(keys), rng.random()
+            try:
+                if op < 0.35:
+                    check("get", key, kv.get(key))  # small values: from the local-read cache once leased
+                elif op < 0.5:
+                    size = kv.size(key)
+                    if size is not None:  # rewritten meanwhile to another size: ValueError in its slot, skipped
+                        t = torch.empty(size, dtype=torch.uint8)
+                        if kv.mget_h2d([key], [[t]])[0] is None:
+                            check("mget_h2d", key, t.numpy().tobytes())
+                elif op < 0.75:
+                    batch = rng.sample(keys, 4)
+                    for k, v in zip(batch, kv.mget(batch)):
+                        if not isinstance(v, Exception):
+                            check("mget", k, v)
+                else:
+                    for buf in kv.get_buffers([key]):  # a missing key's slot holds its KeyNotFound
+                        if not isinstance(buf, Exception):
+                            with buf:
+                                check("get_buffers", key, buf)
+            except KeyNotFound:
+                pass
+    return checked, bad

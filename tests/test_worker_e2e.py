@@ -245,3 +245,33 @@ def test_worker_killed_in_a_pipelined_device_call_raises_connection_lost(tmp_pat
         kv.mget_h2d([f"pipe/{i}" for i in range(6)], [[torch.empty(100, dtype=torch.int32)] for _ in range(6)])
     assert time.monotonic() - t0 < 30
     kv.close()
+
+
+@pytest.mark.parametrize("mode", ["memory", "write_back"])
+def test_churn_under_memory_pressure_never_shows_a_torn_stale_or_foreign_value(tmp_path, mode):
+    """Two processes overwrite, batch-write, device-write and delete 100 shared keys of up to 1 MiB in 16 MiB of
+    memory (so values are evicted, spilled and promoted all the time) while two others read them every way; each
+    value read is whole and its key's, and the worker ends with no lease left."""
+    proc, address = start_worker(tmp_path, "--memory", "16MiB")
+    try:
+        keys = [f"churn/{i}" for i in range(100)]
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(4) as pool:
+            writers = [pool.apply_async(jobs.churn_writer, (address, w, keys, 3.0, mode)) for w in range(2)]
+            readers = [pool.apply_async(jobs.churn_reader, (address, r, keys, 3.0)) for r in range(2)]
+            made = [w.get(90) for w in writers]
+            reads = [r.get(90) for r in readers]
+        for checked, bad in reads:
+            assert not bad, bad
+            assert all(n > 0 for n in checked.values()), checked  # every way of reading was exercised
+        assert min(made) > 20, made
+        with kvstrata.connect(address) as kv:
+            stats = kv.stats()
+            assert stats["evictions"] > 0, stats  # the pressure was real
+            assert wait_for(lambda: kv.stats()["leases"] == 0)
+            for key in keys:  # what is left is whole too (one at a time: 100 values of 1 MiB exceed the memory)
+                if kv.exists(key):
+                    assert jobs.churn_check(key, kv.get(key)) is None
+    finally:
+        log = stop(proc)
+    assert proc.returncode == 0, log
