@@ -17,6 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 _NONE = type(None)
+_SEQ = (list, tuple)
+_STRS = frozenset((str,))
+_INTS = frozenset((int,))  # bool is not int here: True is no id
+_INTS_OR_NONE = frozenset((int, _NONE))
 
 
 def _fail(name: str, what: str, value: Any, error: type[Exception] = TypeError) -> None:
@@ -30,10 +34,12 @@ def _key(value: Any, name: str) -> None:
         _fail(name, "a non-empty str", value, ValueError if type(value) is str else TypeError)
 
 
+# The checks below test the common, well-formed case with C loops (a many-key request costs the broker a few
+# microseconds here) and build field names only to say what is wrong.
 def _keys(value: Any, name: str) -> None:
-    if type(value) is not list and type(value) is not tuple:
+    if type(value) not in _SEQ:
         _fail(name, "a list of keys", value)
-    if not all(type(k) is str and k for k in value):
+    if not (_STRS.issuperset(map(type, value)) and all(value)):
         for i, k in enumerate(value):
             _key(k, f"{name}[{i}]")
 
@@ -44,15 +50,16 @@ def _int(value: Any, name: str) -> None:
 
 
 def _ints(value: Any, name: str) -> None:
-    if type(value) is not list and type(value) is not tuple:
+    if type(value) not in _SEQ:
         _fail(name, "a list of ints", value)
-    for i, x in enumerate(value):
-        _int(x, f"{name}[{i}]")
+    if not _INTS.issuperset(map(type, value)):
+        for i, x in enumerate(value):
+            _int(x, f"{name}[{i}]")
 
 
 def check_seconds(value: Any, name: str) -> None:
     """A timeout: None (no limit) or a number of seconds >= 0 (TypeError / ValueError naming ``name``)."""
-    if value is None:
+    if value is None or ((type(value) is float or type(value) is int) and value >= 0):  # NaN fails
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(name, "a number of seconds >= 0 or None", value)
@@ -60,60 +67,58 @@ def check_seconds(value: Any, name: str) -> None:
         _fail(name, "a number of seconds >= 0 or None", value, ValueError)
 
 
-def _optional(kind: type | tuple[type, ...], what: str) -> Callable[[Any, str], None]:
-    def check(value: Any, name: str) -> None:
-        if value is not None and not isinstance(value, kind):
-            _fail(name, f"{what} or None", value)
-
-    return check
-
-
-def _specs(value: Any, name: str, seen: set[int]) -> None:
-    """A key's tensor specs: a non-empty list of ``{"shape": [int >= 0, ...], "dtype": str}`` (``seen``: ids
-    of spec lists checked already in this request: a many-key call repeats one list object)."""
-    if id(value) in seen:
-        return
-    if type(value) is not list and type(value) is not tuple:
+def _specs(value: Any, name: str) -> None:
+    """A key's tensor specs: a non-empty list of ``{"shape": [int >= 0, ...], "dtype": non-empty str}``."""
+    if type(value) not in _SEQ:
         _fail(name, "a non-empty list of tensor specs", value)
     if not value:
         _fail(name, "a non-empty list of tensor specs", value, ValueError)
     for j, spec in enumerate(value):
-        where = f"{name}[{j}]"
         if type(spec) is not dict:
-            _fail(where, "a tensor spec (a map)", spec)
+            _fail(f"{name}[{j}]", "a tensor spec (a map)", spec)
         shape, dtype = spec.get("shape"), spec.get("dtype")
-        if type(shape) is not list and type(shape) is not tuple:
-            _fail(f"{where}.shape", "a list of ints", shape)
-        for k, d in enumerate(shape):
-            if type(d) is not int or d < 0:
-                _fail(f"{where}.shape[{k}]", "an int >= 0", d, ValueError if type(d) is int else TypeError)
-        _key(dtype, f"{where}.dtype")
-    seen.add(id(value))
+        if type(shape) not in _SEQ or not _INTS.issuperset(map(type, shape)) or (shape and min(shape) < 0):
+            if type(shape) not in _SEQ:
+                _fail(f"{name}[{j}].shape", "a list of ints", shape)
+            for k, d in enumerate(shape):
+                if type(d) is not int or d < 0:
+                    _fail(f"{name}[{j}].shape[{k}]", "an int >= 0", d, ValueError if type(d) is int else TypeError)
+        if type(dtype) is not str or not dtype:
+            _key(dtype, f"{name}[{j}].dtype")
 
 
-def _record(item: Any, name: str, seen: set[int]) -> None:
-    """A publish / mset / broadcast item: what the broker stores and reads of it later."""
-    if type(item) is not dict:
-        _fail(name, "a record (a map)", item)
-    _key(item.get("key"), f"{name}.key")
-    _specs(item.get("tensors"), f"{name}.tensors", seen)
-    for field, check in _RECORD_FIELDS:
-        if field in item:
-            check(item[field], f"{name}.{field}")
-
-
-_RECORD_FIELDS: tuple[tuple[str, Callable[[Any, str], None]], ...] = (
-    ("device", _optional(dict, "a device record (a map)")),
-    ("node_id", _optional(str, "a str")),
-    ("pid", _optional(int, "an int")),
-    ("transport", _optional(str, "a str")),
-    ("handles", _optional(list | tuple, "a list")),
-    ("events", _optional(list | tuple, "a list")),
+#: a record's fields the broker reads besides its key and tensors: (field, types allowed besides None, what)
+_RECORD_FIELDS = (
+    ("device", (dict,), "a device record (a map)"),
+    ("node_id", (str,), "a str"),
+    ("pid", (int,), "an int"),
+    ("transport", (str,), "a str"),
+    ("handles", _SEQ, "a list"),
+    ("events", _SEQ, "a list"),
 )
 
 
+def _record(item: Any, name: str, seen: set[int]) -> None:
+    """A publish / mset / broadcast item: what the broker stores and reads of it later (``seen``: ids of spec
+    lists checked already in this request: a client's items of one shape share one list object)."""
+    if type(item) is not dict:
+        _fail(name, "a record (a map)", item)
+    get = item.get
+    key = get("key")
+    if type(key) is not str or not key:
+        _key(key, f"{name}.key")
+    tensors = get("tensors")
+    if id(tensors) not in seen:
+        _specs(tensors, f"{name}.tensors")
+        seen.add(id(tensors))
+    for field, types, what in _RECORD_FIELDS:
+        value = get(field)
+        if value is not None and type(value) not in types:
+            _fail(f"{name}.{field}", f"{what} or None", value)
+
+
 def _items(value: Any, name: str) -> None:
-    if type(value) is not list and type(value) is not tuple:
+    if type(value) not in _SEQ:
         _fail(name, "a list of records", value)
     seen: set[int] = set()
     for i, item in enumerate(value):
@@ -126,29 +131,41 @@ def _waits(args: dict[str, Any]) -> None:
     _keys(keys, "a.keys")
     specs = args.get("specs")
     if specs is not None:
-        if type(specs) is not list and type(specs) is not tuple:
+        if type(specs) not in _SEQ:
             _fail("a.specs", "a list of spec lists (one per key) or None", specs)
         if len(specs) != len(keys):
             raise ValueError(f"a.specs: {len(specs)} spec lists for {len(keys)} keys (expected one per key)")
-        seen: set[int] = set()
-        for i, s in enumerate(specs):
-            if s is not None:
-                _specs(s, f"a.specs[{i}]", seen)
+        if specs and specs.count(specs[0]) == len(specs):  # one shape for every key (C loop; equal, equally good)
+            if specs[0] is not None:
+                _specs(specs[0], "a.specs[0]")
+        else:
+            for i, spec in {id(s): (i, s) for i, s in enumerate(specs)}.values():
+                if spec is not None:
+                    _specs(spec, f"a.specs[{i}]")
     check_seconds(args.get("timeout"), "a.timeout")
     known = args.get("known")
     if known is not None:
-        if type(known) is not list and type(known) is not tuple:
+        if type(known) not in _SEQ:
             _fail("a.known", "a list of object ids (or None per key)", known)
-        for i, k in enumerate(known):
-            if k is not None and type(k) is not int:
-                _fail(f"a.known[{i}]", "an object id (int) or None", k)
+        if not _INTS_OR_NONE.issuperset(map(type, known)):
+            for i, k in enumerate(known):
+                if k is not None and type(k) is not int:
+                    _fail(f"a.known[{i}]", "an object id (int) or None", k)
+
+
+def _optional(types: tuple[type, ...], what: str) -> Callable[[Any, str], None]:
+    def check(value: Any, name: str) -> None:
+        if value is not None and type(value) not in types:
+            _fail(name, f"{what} or None", value)
+
+    return check
 
 
 def _completion(item: Any, name: str) -> None:
     if type(item) is not dict:
         _fail(name, "a completion (a map)", item)
     _int(item.get("tid"), f"{name}.tid")
-    _optional(str, "a str")(item.get("error"), f"{name}.error")
+    _optional((str,), "a str")(item.get("error"), f"{name}.error")
 
 
 def _field(name: str, check: Callable[[Any, str], None]) -> Callable[[dict[str, Any]], None]:
@@ -170,7 +187,7 @@ def _map(value: Any, name: str) -> None:
 
 def _list_of(check: Callable[[Any, str], None], what: str) -> Callable[[Any, str], None]:
     def check_all(value: Any, name: str) -> None:
-        if type(value) is not list and type(value) is not tuple:
+        if type(value) not in _SEQ:
             _fail(name, what, value)
         for i, x in enumerate(value):
             check(x, f"{name}[{i}]")
@@ -184,7 +201,7 @@ def _broadcast(args: dict[str, Any]) -> None:
 
 #: per operation, the checks of its arguments (``done``, which any request may carry, is checked for all)
 CHECKS: dict[str, tuple[Callable[[dict[str, Any]], None], ...]] = {
-    "hello": (_field("info", _optional(dict, "a map")),),
+    "hello": (_field("info", _optional((dict,), "a map")),),
     "publish": (_field("items", _items),),
     "mset": (_field("items", _items),),
     "broadcast": (_broadcast,),
@@ -199,7 +216,7 @@ CHECKS: dict[str, tuple[Callable[[dict[str, Any]], None], ...]] = {
     "chain_ready": (_field("tid", _int), _field("export", _map)),
     "member_ready": (_field("tid", _int), _field("export", _map)),
     "wait_events": (_field("timeout", check_seconds),),
-    "goodbye": (_field("taken", _optional(list | tuple, "a list")),),
+    "goodbye": (_field("taken", _optional(_SEQ, "a list")),),
     # offer_fate checks its own (a stale or bad answer is an answer, not an error: kvstrata.devobj.broker_offers)
 }
 
@@ -210,7 +227,7 @@ def check_args(op: str, args: Any) -> None:
     if type(args) is not dict:
         _fail("a", "the operation's arguments (a map)", args)
     done = args.get("done")
-    if done is not None and type(done) is not list and type(done) is not tuple:
+    if done is not None and type(done) not in _SEQ:
         _fail("a.done", "a list of completions", done)
     for check in CHECKS.get(op, ()):
         check(args)
