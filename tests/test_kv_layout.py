@@ -65,6 +65,10 @@ def test_host_pool_from_a_typed_tensor():
     assert pool.num_blocks == 2 and pool.matches(lay)
 
 
+def _cpu_layout() -> KVLayout:
+    return KVLayout.from_vllm([torch.zeros(2, 4, 4, 2, 8)])
+
+
 @pytest.mark.parametrize(
     ("build", "exc", "word"),
     [
@@ -91,6 +95,10 @@ def test_host_pool_from_a_typed_tensor():
         (lambda: HostPool(torch.zeros(12, dtype=torch.uint8), "block_first", 0, 4), ValueError, "num_segments"),
         (lambda: HostPool(torch.zeros(24, dtype=torch.uint8)[::2], "block_first", 3, 4), ValueError, "contiguous"),
         (lambda: HostPool([0] * 12, "block_first", 3, 4), TypeError, "tensor"),
+        (lambda: HostPool.allocate(None, 3), TypeError, "device_layout: expected a KVLayout"),
+        (lambda: HostPool.allocate(_cpu_layout(), True), TypeError, "num_blocks: expected an int"),
+        (lambda: HostPool.allocate(_cpu_layout(), 0), ValueError, "num_blocks"),
+        (lambda: HostPool.allocate(_cpu_layout(), 1 << 50), MemoryError, "do not fit in host memory"),
     ],
 )
 def test_bad_layouts(build, exc, word):

@@ -146,6 +146,8 @@ def test_alloc_pinned_bad_arguments():
         alloc_pinned(0)
     with pytest.raises(ValueError, match="hugepages"):
         alloc_pinned(4096, hugepages="yes")
+    with pytest.raises(MemoryError, match=f"could not map {1 << 60} bytes"):  # beyond any address space
+        alloc_pinned(1 << 60)
 
 
 @pytest.mark.parametrize("accepted", [True, False])

@@ -451,7 +451,10 @@ def alloc_pinned(
     else:
         node = numa
 
-    mapping, huge_kind = _map(nbytes, hugepages, fallbacks)
+    try:
+        mapping, huge_kind = _map(nbytes, hugepages, fallbacks)
+    except OSError as exc:  # ENOMEM and the like: say how much was asked for
+        raise MemoryError(f"alloc_pinned: could not map {nbytes} bytes of host memory ({exc.strerror})") from exc
     tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
     addr = tensor.data_ptr()
     bound = False

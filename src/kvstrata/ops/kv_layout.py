@@ -319,12 +319,25 @@ class HostPool:
         Pinned (``kvstrata.memory.alloc_pinned``: NUMA-local, registered, device-addressable) when the
         layout is on a GPU or ``pinned=True``; plain host memory otherwise.
         """
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if not isinstance(device_layout, KVLayout):
+            raise TypeError(f"device_layout: expected a KVLayout, got {type(device_layout).__name__}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks: expected an int, got {type(num_blocks).__name__}")
+        if num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         nbytes = num_blocks * device_layout.block_bytes
         if pinned is None:
             pinned = device_layout.device.type == "cuda"
-        tensor = _alloc_pinned(nbytes, device_layout.device) if pinned else torch.zeros(nbytes, dtype=torch.uint8)
+        if pinned:
+            tensor = _alloc_pinned(nbytes, device_layout.device)
+        else:
+            try:
+                tensor = torch.zeros(nbytes, dtype=torch.uint8)
+            except RuntimeError as exc:  # torch's allocator refused: say what was asked for
+                raise MemoryError(
+                    f"num_blocks: {num_blocks} blocks of {device_layout.block_bytes} bytes ({nbytes} bytes) "
+                    f"do not fit in host memory"
+                ) from exc
         return cls(tensor, layout, device_layout.num_segments, device_layout.chunk_bytes, num_blocks)
 
 
