@@ -179,6 +179,34 @@ def test_spill_and_promotion_io_do_not_block_other_readers(tmp_path, make_config
     s.close()
 
 
+def test_a_write_waits_for_the_write_back_flush_that_holds_the_room_it_needs(tmp_path, make_config, monkeypatch):
+    """The only objects that could make room are being flushed to SSD (pinned while their files are written, the
+    lock released): the write waits for the flush and then drops them, instead of failing with CapacityError."""
+    import threading
+
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    for i in range(9):
+        s.put(f"wb{i}", bytes([i]) * (100 * KB), write_mode="write_back")  # dirty: a spill or a flush must write them
+    disk = s._disk
+    slow_write = disk.write_temp
+    writing = threading.Event()
+
+    def write_temp(*a, **kw):
+        writing.set()
+        time.sleep(0.02)
+        return slow_write(*a, **kw)
+
+    monkeypatch.setattr(disk, "write_temp", write_temp)
+    flusher = threading.Thread(target=s._flush_pass)  # what the background write-back thread does
+    flusher.start()
+    assert writing.wait(5)
+    s.put("big", b"B" * (500 * KB))  # needs five of them gone: all pinned by the flush now
+    flusher.join()
+    assert s.get_bytes("big") == b"B" * (500 * KB)
+    assert all(s.get_bytes(f"wb{i}") == bytes([i]) * (100 * KB) for i in range(9))  # flushed, dropped, read back
+    s.close()
+
+
 def test_spilled_object_read_from_ssd_when_dram_is_all_leased(tmp_path, make_config):
     s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
     s.put("cold", b"C" * (300 * KB))

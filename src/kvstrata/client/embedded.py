@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from kvstrata.client._shared import Lease, Loc, _segment_tensor
-from kvstrata.errors import ClosedError, KvstrataError
+from kvstrata.errors import CapacityError, ClosedError, KvstrataError
 
 _embedded_owners = itertools.count(1)
 
@@ -176,7 +176,14 @@ class EmbeddedBackend:
 
     def mget(self, keys: list[str], timeout: float) -> list[Any]:
         out = []
-        for r in self._check().acquire_many(keys, owner=self.owner, timeout=timeout):
+        store = self._check()
+        for key, r in zip(keys, store.acquire_many(keys, owner=self.owner, timeout=timeout)):
+            if isinstance(r, CapacityError):  # on SSD only, and DRAM full of leased bytes: read from SSD, as get does
+                try:
+                    out.append(store.get_bytes(key, timeout=0))
+                except KvstrataError as exc:
+                    out.append(exc)
+                continue
             if isinstance(r, BaseException):
                 out.append(r)
                 continue

@@ -13,7 +13,7 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import KvstrataError, ServerError
+from kvstrata.errors import CapacityError, KvstrataError, ServerError
 from kvstrata.server import protocol as P
 from kvstrata.server.validity import SLOTS
 from kvstrata.store.tiers.base import Location
@@ -210,9 +210,24 @@ def _commit(s: Session, msg: dict) -> dict:
     return reply
 
 
+def _copied(s: Session, key: str) -> dict:
+    """A read whose object is on SSD only and cannot come back into DRAM (every byte there leased): its bytes in
+    the reply, read straight from SSD, as a copying read in process gets them (``ObjectStore.get_bytes``)."""
+    try:
+        return {"v": s.store.get_bytes(key, timeout=0)}
+    except (KvstrataError, ValueError) as exc:
+        return P.error_record(exc)
+
+
 def _get(s: Session, msg: dict) -> dict:
     key = P.check_key(msg.get("key"))
-    lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0)))
+    try:
+        lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0)))
+    except CapacityError:
+        reply = _copied(s, key)
+        if "err" in reply:
+            raise P.error_from_record(reply["err"]) from None
+        return reply
     reply: dict = {}
     if msg.get("cache") and s.shm and lease.size < P.INLINE_MAX and s.validity.cacheable(key, lease):
         # The client keeps this lease and serves later gets from shared memory (see server.validity).
@@ -227,8 +242,12 @@ def _mget(s: Session, msg: dict) -> dict:
     keys = P.check_keys(msg.get("keys", []))
     reply: dict = {}
     items = []
-    for result in s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0))):
-        items.append(P.error_record(result) if isinstance(result, BaseException) else s.lease_item(result, reply))
+    results = s.store.acquire_many(keys, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0)))
+    for key, result in zip(keys, results):
+        if isinstance(result, CapacityError):
+            items.append(_copied(s, key))
+        else:
+            items.append(P.error_record(result) if isinstance(result, BaseException) else s.lease_item(result, reply))
     reply["items"] = items
     return reply
 

@@ -108,6 +108,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._counts = dict.fromkeys(STORE_COUNTERS, 0)
         self._flush_lock = threading.Lock()
         self._evict_blocked = False
+        self._moving = 0  # resident objects being written to SSD outside the lock (spills, write-back flushes)
         self._flush_warned = -1e9
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt

@@ -21,6 +21,11 @@ from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import ZERO_LOCATION, Entry
 from kvstrata.store.tiers.base import Location
 
+#: how long an allocation waits for objects another thread is writing to SSD (they can then be dropped to make
+#: room) before it gives up, and how often it looks again meanwhile
+MOVE_WAIT_S = 10.0
+MOVE_POLL_S = 0.0005
+
 log = logging.getLogger(__name__)
 
 
@@ -29,21 +34,37 @@ class TieringMixin:
 
     # -- DRAM allocation and eviction --------------------------------------------------------------
     def _allocate(self, size: int) -> Location:
-        """A DRAM range of ``size`` bytes, evicting as needed. Under the lock; may release the lock."""
+        """A DRAM range of ``size`` bytes, evicting as needed (and waiting, up to :data:`MOVE_WAIT_S`, for objects
+        another thread is writing to SSD, which can be dropped then). Under the lock; may release the lock."""
         if size == 0:
             return ZERO_LOCATION
         mem = self._mem
+        deadline = None
         while True:
             loc = mem.allocate(size)
             if loc is not None:
                 if mem.used > self._high:
                     self._wake.set()
                 return loc
-            if not self._make_room(size):
-                raise CapacityError(
-                    f"no room for {size} bytes: memory tier {mem.used} of {mem.capacity} bytes used and nothing "
-                    f"more can be evicted (leased, unsealed, being moved, or no SSD room to spill)"
-                )
+            if self._make_room(size):
+                continue
+            if self._moving:
+                # The objects that could make room are being written to SSD by another thread (a write-back
+                # flush, the background eviction): they become free to drop once written, within milliseconds.
+                # Wait for them rather than refuse a write that fits.
+                now = time.monotonic()
+                deadline = now + MOVE_WAIT_S if deadline is None else deadline
+                if now < deadline:
+                    self._lock.release()
+                    try:
+                        time.sleep(MOVE_POLL_S)
+                    finally:
+                        self._lock.acquire()
+                    continue
+            raise CapacityError(
+                f"no room for {size} bytes: memory tier {mem.used} of {mem.capacity} bytes used and nothing "
+                f"more can be evicted (leased, unsealed, or no SSD room to spill)"
+            )
 
     def _can_evict(self, e: Entry) -> bool:
         if e.leases or e.loc is None:
@@ -82,13 +103,19 @@ class TieringMixin:
                 e.leases += 1
                 jobs.append((e, nbytes))
                 pending += e.size
+        written = 0
         if jobs:
-            freed += self._spill(jobs)
-        return freed > 0
+            spilled, written = self._spill(jobs)
+            freed += spilled
+        # A victim written to SSD but kept in DRAM (another thread pinned it meanwhile: a reader, a write-back flush)
+        # is progress too: it is clean now, dropped at the next call without a write.
+        return freed > 0 or written > 0
 
-    def _spill(self, jobs: list[tuple[Entry, int]]) -> int:
-        """Write pinned victims to SSD without the lock, then free their DRAM; returns bytes freed."""
+    def _spill(self, jobs: list[tuple[Entry, int]]) -> tuple[int, int]:
+        """Write pinned victims to SSD without the lock, then free their DRAM; returns the bytes freed and how many
+        victims were written."""
         disk = self._disk
+        self._moving += len(jobs)
         self._lock.release()
         try:
             written = []
@@ -101,6 +128,7 @@ class TieringMixin:
                     written.append(None)
         finally:
             self._lock.acquire()
+            self._moving -= len(jobs)
         freed = 0
         for (e, nbytes), pending in zip(jobs, written):
             e.leases -= 1
@@ -126,7 +154,7 @@ class TieringMixin:
             self._free_locked(e)
             if current:
                 self._counts["spills"] += 1
-        return freed
+        return freed, len(written) - written.count(None)
 
     def _evict_to_low(self) -> None:
         """Hysteresis: start above the high watermark, stop at the low one."""
@@ -235,6 +263,7 @@ class TieringMixin:
                     e.flushing = True
                     e.leases += 1
                     batch.append((e, nbytes))
+                self._moving += len(batch)
                 now = time.monotonic()
                 if postponed and now - self._flush_warned > 10.0:  # at most one warning per 10 s
                     self._flush_warned = now
@@ -246,6 +275,7 @@ class TieringMixin:
                 except Exception as exc:  # the pin below must be undone whatever went wrong
                     log.error("write-back of %r failed: %s; will retry", e.key, exc)
                 with self._lock:
+                    self._moving -= 1
                     e.flushing = False
                     e.leases -= 1
                     if pending is None:
