@@ -185,3 +185,67 @@ def test_copying_reads_of_a_spilled_value_come_from_ssd_when_dram_is_all_leased(
         for view in views:
             view.release()
         kv.delete(["m/cold", *(f"m/hot/{i}" for i in range(40))])
+
+
+def _tensors(rng: random.Random, seed: int) -> list:
+    import torch
+
+    out = []
+    for j in range(rng.randrange(1, 4)):
+        n = rng.choice((10, 1000, 20_000, 70_000))
+        out.append(torch.arange(n, dtype=torch.uint8) + (seed * 7 + j) % 251)
+    return out
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_device_calls_match_the_model_across_clients_rewrites_and_spills(kv, worker, seed, monkeypatch):
+    """``mset_d2h`` / ``mget_h2d`` (CPU tensors, cut in stages of 2 keys as a GPU call's are) by two clients in turn,
+    with rewrites by ``set`` between them: every read gets the current bytes (never a kept lease's or an early copy's
+    stale ones), write-once is kept, and a missing key is ``KeyNotFound``, while values spill and come back."""
+    import torch
+
+    from _stages import stages_of
+    from kvstrata.client import device
+
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    other = kv if kv.embedded else kvstrata.connect(worker.address, timeout=10)
+    rng = random.Random(seed)
+    model: dict[str, list] = {}
+    try:
+        for step in range(800):
+            client, op = rng.choice((kv, other)), rng.randrange(6)
+            where = f"step {step}: op {op}"
+            if op == 0:
+                batch = rng.sample(KEYS, rng.randrange(1, 6))
+                lists = [_tensors(rng, step + i) for i in range(len(batch))]
+                for k, ts, r in zip(batch, lists, client.mset_d2h(batch, lists)):
+                    if k in model:
+                        assert isinstance(r, KeyExists), f"{where}: {k}: {r!r}"
+                    else:
+                        assert r is None, f"{where}: {k}: {r!r}"
+                        model[k] = [t.clone() for t in ts]
+            elif op in (1, 2):
+                batch = rng.sample(KEYS, rng.randrange(1, 8))
+                dst = [[torch.empty_like(t) for t in model[k]] if k in model else [torch.empty(5)] for k in batch]
+                for k, d, r in zip(batch, dst, client.mget_h2d(batch, dst)):
+                    if k in model:
+                        assert r is None, f"{where}: {k}: {r!r}"
+                        assert all(torch.equal(a, b) for a, b in zip(d, model[k])), f"{where}: wrong bytes for {k}"
+                    else:
+                        assert isinstance(r, KeyNotFound), f"{where}: {k}: {r!r}"
+            elif op == 3:
+                batch = rng.sample(KEYS, 3)
+                assert client.delete(batch) == [model.pop(k, None) is not None for k in batch], where
+            elif op == 4:
+                key = rng.choice(KEYS)
+                if key in model:  # rewritten: the other client's kept lease and the placement table move on
+                    value = bytes(rng.randrange(256) for _ in range(rng.choice((3, 5000))))
+                    client.set(key, value)
+                    model[key] = [torch.frombuffer(bytearray(value), dtype=torch.uint8)]
+            else:
+                key = rng.choice(KEYS)
+                if key in model:
+                    assert client.get(key) == b"".join(t.numpy().tobytes() for t in model[key]), where
+    finally:
+        if other is not kv:
+            other.close()
