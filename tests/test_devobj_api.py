@@ -511,3 +511,37 @@ def test_events_for_transfers_never_known_here_are_dropped_after_a_while(make, m
     now[0] += events.EARLY_KEEP_S / 2 + 1
     c._dispatch({"type": "chain_pred", "tid": 92})
     assert set(c._early) == {("obj", 5), ("tid", 92)}  # the oldest went
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_registrations_reads_and_deletes_by_two_owners_match_a_model(make, seed):
+    """Seeded random ``dev_mset`` / ``dev_mget`` / ``dev_delete`` by two owners and two readers over a few keys, each
+    re-registered with another size and content after its delete: every read gets the current registration's bytes
+    (never a record a reader kept from before), a deleted key is never read, and a second registration is KeyExists."""
+    import random
+
+    owners, readers = [make("o1"), make("o2")], [make("r1"), make("r2")]
+    rng = random.Random(seed)
+    model: dict[str, tuple[int, list[torch.Tensor]]] = {}  # key -> (its owner, its tensors)
+    for step in range(300):
+        key, op = f"k{rng.randrange(6)}", rng.randrange(5)
+        if op == 0:
+            who = rng.randrange(2)
+            src = [torch.arange(rng.choice((3, 17, 100)), dtype=torch.float32) + step]
+            got = owners[who].dev_mset([key], [src])[0]
+            if key in model:
+                assert isinstance(got, errors.KeyExists), (step, got)
+            else:
+                assert got is None, (step, got)
+                model[key] = (who, src)
+        elif op == 4:
+            if key in model:
+                assert owners[model.pop(key)[0]].dev_delete([key])[0] is None, step
+        elif key in model:
+            src = model[key][1]
+            dst = poisoned_like(src)
+            rng.choice(readers).dev_mget([key], [dst], timeout=WAIT)[0].result(WAIT)
+            assert all(torch.equal(d, s) for d, s in zip(dst, src)), f"step {step}: stale bytes for {key}"
+        else:
+            with pytest.raises((errors.Timeout, errors.KeyNotFound)):
+                rng.choice(readers).dev_mget([key], [[torch.zeros(3)]], timeout=0.0)[0].result(WAIT)
