@@ -2,7 +2,8 @@
 
 * :mod:`~kvstrata.devobj.broker`: the registry and meeting point, hosted in the worker.
   Its parts: :mod:`~kvstrata.devobj.broker_match`, :mod:`~kvstrata.devobj.broker_events`,
-  :mod:`~kvstrata.devobj.bcast_plan`.
+  :mod:`~kvstrata.devobj.broker_offers`, :mod:`~kvstrata.devobj.bcast_plan`, and the checks of every request's
+  arguments before any of them acts, :mod:`~kvstrata.devobj.broker_args`.
 * :mod:`~kvstrata.devobj.api`: the client side (:class:`DeviceObjects`, the ``dev_*`` methods).
   Its parts: :mod:`~kvstrata.devobj.publish`, :mod:`~kvstrata.devobj.request`,
   :mod:`~kvstrata.devobj.receive`, :mod:`~kvstrata.devobj.events`, :mod:`~kvstrata.devobj.broadcast`,

@@ -6,7 +6,8 @@ This module holds the registry (clients, objects, their lifecycles, the generati
 parts mixed into :class:`DeviceBroker`: :mod:`~kvstrata.devobj.broker_match` (readers' requests,
 waiters, matching, transfers), :mod:`~kvstrata.devobj.broker_offers` (publishes whose direct offer a
 receive may have taken), :mod:`~kvstrata.devobj.broker_events` (event queues, long and parked
-polls, the timer) and :mod:`~kvstrata.devobj.bcast_plan` (broadcast chains).
+polls, the timer) and :mod:`~kvstrata.devobj.bcast_plan` (broadcast chains). Every request's arguments are
+checked whole before it acts (:mod:`~kvstrata.devobj.broker_args`).
 
 Why cycles cannot form
 ----------------------
