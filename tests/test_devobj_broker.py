@@ -180,6 +180,36 @@ def test_delete_waits_for_reads_in_flight_and_invalidates_readers(broker):
     assert [e["type"] for e in events(broker, "sub")] == ["invalidate"]
 
 
+def test_a_key_deleted_while_read_can_be_registered_again_at_once(broker):
+    """The deleted object waits, out of the key's way, for the read in flight; the new one is the key's meanwhile,
+    and the old read's completion releases the old object only."""
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    old = broker.handle("sub", "mget", {"keys": ["w"], "timeout": 0})["results"][0]["transfer"]
+    assert broker.handle("pub", "delete", {"keys": ["w"]})["results"][0]["pending"]
+    assert broker.stats()["deleted_still_read"] == 1
+    new = broker.handle("sub2", "mset", {"items": [item("w", shape=(2, 2))]})["results"][0]  # another owner, even
+    assert new["ok"]
+    r = broker.handle("sub3", "mget", {"keys": ["w"], "specs": [spec((2, 2))], "timeout": 0})["results"][0]
+    assert r["status"] == "matched" and r["transfer"]["record"]["obj"] == new["obj"]
+    assert broker.handle("sub", "complete", {"tid": old["tid"], "ok": True})["ok"]
+    (ev,) = events(broker, "pub")
+    assert (ev["type"], ev["obj"], ev["reason"]) == ("released", old["record"]["obj"], "deleted")
+    assert broker.snapshot()["objects"]["w"]["owner"] == "sub2" and broker.stats()["deleted_still_read"] == 0
+    assert events(broker, "sub2") == []  # the new object's owner hears nothing of the old one
+    assert broker.handle("sub3", "complete", {"tid": r["transfer"]["tid"], "ok": True})["ok"]
+    assert broker.snapshot()["objects"]["w"]["transfers"] == 0
+
+
+def test_the_owner_of_a_deleted_object_still_read_going_away_fails_that_read(broker):
+    broker.handle("pub", "mset", {"items": [item("w")]})
+    t = broker.handle("sub", "mget", {"keys": ["w"], "timeout": 0})["results"][0]["transfer"]
+    broker.handle("pub", "delete", {"keys": ["w"]})
+    broker.owner_gone("pub")
+    ev = events(broker, "sub")
+    assert ev[0]["type"] == "error" and ev[0]["tid"] == t["tid"] and ev[0]["error"] == B.E_OWNER_GONE
+    assert broker.stats()["deleted_still_read"] == 0 and broker.stats()["transfers"] == 0
+
+
 def test_delete_by_other_client_and_missing_key(broker):
     broker.handle("pub", "mset", {"items": [item("w")]})
     r = broker.handle("sub", "delete", {"keys": ["w", "nope"]})["results"]

@@ -58,7 +58,7 @@ class BroadcastPlanner:
 
     def _bcast_peer_locked(self, t: dict[str, Any], pick) -> dict[str, Any] | None:
         """The transfer of ``t``'s broadcast that ``pick`` selects (None: none, or the object is gone)."""
-        obj = self._objects.get(t["key"])
+        obj = self._object_of(t)
         if obj is None:
             return None
         return next((x for x in map(self._transfers.get, obj.transfers) if x is not None and pick(x)), None)

@@ -138,6 +138,9 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         #: side objects by object id: publishes whose offer a receive may have taken while their key had
         #: another object (see _ask_offer_fate)
         self._side: dict[int, _Object] = {}
+        #: deleted objects by object id whose reads in flight have not all completed: out of ``_objects``, so the key
+        #: is free for a new registration at once; released to their owner when the last read completes
+        self._deleting: dict[int, _Object] = {}
         #: exports taken by receives of clients that left before their publish came (see taken), oldest first
         self._taken_exports: dict[tuple, bool] = {}
         self._waiters: dict[str, deque[_Waiter]] = {}
@@ -250,6 +253,12 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
                     )
                 del self._objects[key]
                 self._hint(key)
+            for oid, obj in list(self._deleting.items()):  # deleted, still read: those reads fail too
+                if obj.record["owner"] == client:
+                    for tid in obj.transfers:
+                        t = self._transfers.pop(tid)
+                        self._push(t["dst"], self._error_event(t, E_OWNER_GONE, f"owner of {t['key']!r} went away"))
+                    del self._deleting[oid]
             for tid, t in list(self._transfers.items()):
                 if t["dst"] == client:
                     self._transfers.pop(tid)
@@ -349,8 +358,11 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
                 continue
             if obj.record["mode"] == "mset":
                 self._bump_locked()  # before the owner hears back, so before it may reuse the memory
-            if obj.transfers:
-                obj.state = "deleting"  # released once the reads in flight complete
+            if obj.transfers:  # released once the reads in flight complete; the key is free now
+                obj.state = "deleting"
+                del self._objects[key]
+                self._deleting[obj.record["obj"]] = obj
+                self._hint(key)
                 results.append({"ok": True, "obj": obj.record["obj"], "pending": True})
             else:  # the owner learns it from this answer, not from an event
                 self._forget_locked(key, obj, reason="deleted", notify_owner=False)
@@ -371,7 +383,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         t = self._transfers.get(args["tid"])
         if t is None or t["dst"] != client:
             return _err(E_NOT_FOUND, f"transfer {args['tid']} is not in flight")
-        obj = self._objects.get(t["key"])
+        obj = self._object_of(t)
         if not args.get("ok"):
             self._transfers.pop(t["tid"])
             self._receiver_failed_locked(t, args.get("error") or "receive failed")
@@ -425,6 +437,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
                 "clients": len(self._clients),
                 "offer_hints": self._offers.hinted,
                 "side_objects": len(self._side),
+                "deleted_still_read": len(self._deleting),
                 **self.counts,
             }
 
@@ -452,8 +465,21 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
     def _error_event(self, t: dict[str, Any], code: str, message: str) -> dict[str, Any]:
         return {"type": "error", "wid": t["wid"], "tid": t["tid"], "key": t["key"], "error": code, "message": message}
 
+    def _object_of(self, t: dict[str, Any]) -> _Object | None:
+        """The object transfer ``t`` reads: its key's, or a deleted one still read (the key may have a new one)."""
+        oid = t["record"]["obj"]
+        obj = self._objects.get(t["key"])
+        return obj if obj is not None and obj.record["obj"] == oid else self._deleting.get(oid)
+
+    def _drop_locked(self, key: str, obj: _Object) -> None:
+        """Take ``obj`` out of the registry: from under its key, or from the deleted objects still read."""
+        if self._objects.get(key) is obj:
+            del self._objects[key]
+        else:
+            self._deleting.pop(obj.record["obj"], None)
+
     def _forget_locked(self, key: str, obj: _Object, *, reason: str, notify_owner: bool = True) -> None:
-        del self._objects[key]
+        self._drop_locked(key, obj)
         if reason == "received":
             self.counts["received"] += 1
         self._hint(key)  # a subscriber still waiting for the key can be offered the next object
@@ -480,7 +506,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
 
     def _receiver_failed_locked(self, t: dict[str, Any], message: str) -> None:
         self.counts["receives_failed"] += 1
-        obj = self._objects.get(t["key"])
+        obj = self._object_of(t)
         self._push(t["dst"], self._error_event(t, E_ABORTED, message))
         if obj is None:
             return
@@ -495,7 +521,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
             for tid in list(obj.transfers):
                 tt = self._transfers.pop(tid)
                 self._push(tt["dst"], self._error_event(tt, E_ABORTED, f"broadcast of {t['key']!r} failed: {message}"))
-            del self._objects[t["key"]]
+            self._drop_locked(t["key"], obj)
             self._push(
                 obj.record["owner"], {"type": "failed", "key": t["key"], "obj": obj.record["obj"], "message": message}
             )
