@@ -220,7 +220,8 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         return self._register("broadcast", keys, lists, receivers=receivers, chunk_bytes=chunk)[0]
 
     def dev_delete(self, keys: Sequence[str]) -> list[Exception | None]:
-        """Remove keys this client registered or published; in-flight reads finish first."""
+        """Remove keys this client registered or published. Each key is free for a new registration at once; reads
+        of the deleted object already in flight finish first, and its tensors stay referenced here until they did."""
         keys = self._check_keys(keys)
         results = self._call("delete", {"keys": keys})["results"]
         out: list[Exception | None] = []
