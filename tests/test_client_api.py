@@ -174,6 +174,33 @@ def test_create_seal_publish_abort(kv):
     assert kv.get("empty") == b""
 
 
+def test_a_second_create_of_a_key_waits_for_the_first_buffer(kv):
+    """A create of a key while this client's earlier buffer for it is open is refused (KeyExists): replacing it would
+    free memory that buffer still writes into (another object's, later)."""
+    first = kv.create("twice", 4096)
+    first.write(b"a" * 4096)
+    with pytest.raises(KeyExists, match="still open"):
+        kv.create("twice", 4096)
+    got = kv.mset({"twice": b"b" * (INLINE_MAX + 1), "other": b"c" * (INLINE_MAX + 1)})
+    # Through a worker a large value is created in shared memory (refused here); embedded it is put, which frees no
+    # open create (the first buffer's seal, later, wins).
+    assert (got[0] is None or isinstance(got[0], KeyExists)) and got[1] is None
+    kv.set("victim", b"v" * 4096)
+    first.write(b"A" * 4096)  # still its own bytes
+    first.seal()
+    assert kv.get("twice") == b"A" * 4096 and kv.get("victim") == b"v" * 4096
+    with kv.create("twice", 3) as again:  # sealed: the key can be created again
+        again.write(b"xyz")
+    assert kv.get("twice") == b"xyz"
+    dropped = kv.create("gone", 8)
+    del dropped  # dropped unsealed: aborted on the next call, after which the key is free
+    gc.collect()
+    with kv.create("gone", 2) as buf:
+        buf.write(b"ok")
+    assert kv.get("gone") == b"ok"
+    kv.delete(["twice", "victim", "other", "gone"])
+
+
 def test_zero_copy_buffers_hold_leases(kv):
     arr = np.random.default_rng(1).random(100_000)
     kv.set("arr", arr)

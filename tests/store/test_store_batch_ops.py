@@ -82,10 +82,14 @@ def test_create_many_same_key_twice_nx_and_not(store):
     locs = store.create_many([("dup", 8), ("dup", 8)], owner=1, nx=True)
     assert not isinstance(locs[0], BaseException) and isinstance(locs[1], KeyExists)
     assert store.seal_many(["dup"], owner=1) == [None]
-    locs = store.create_many([("twice", 8), ("twice", 16)], owner=1)  # the second create replaces the first
-    assert [loc.size for loc in locs] == [8, 16]
+    used = store.stats()["tiers"]["memory"]["used"]
+    locs = store.create_many([("twice", 8), ("twice", 16)], owner=1)  # the first stays open: the second is refused
+    assert locs[0].size == 8 and isinstance(locs[1], KeyExists) and "still open" in str(locs[1])
+    assert store.stats()["creates_in_progress"] == 1
     assert store.seal_many(["twice", "twice"], owner=1)[1].__class__ is KeyNotFound
-    assert store.sizes(["twice"]) == [16] and store.stats()["creates_in_progress"] == 0
+    assert store.sizes(["twice"]) == [8] and store.stats()["creates_in_progress"] == 0
+    store.delete(["twice"])
+    assert store.stats()["tiers"]["memory"]["used"] == used  # the refused create's bytes went back too
 
 
 def test_create_many_owner_gone_aborts_all_and_frees(store):
@@ -129,11 +133,11 @@ def test_batch_of_plain_keys_replaces_visible_versions_and_wakes_waiters(store):
 def test_batch_of_plain_keys_second_create_nx_ttl_and_write_back(dstore):
     keys = [f"p/{i}" for i in range(5)]
     first = dstore.create_many([(k, 100) for k in keys], owner=1)
-    again = dstore.create_many([(k, 200) for k in keys], owner=1)  # the second create aborts the first
-    assert [loc.size for loc in again] == [200] * 5 and first != again
+    again = dstore.create_many([(k, 200) for k in keys], owner=1)  # refused: the first creates are still open
+    assert all(isinstance(r, KeyExists) for r in again) and all(loc.size == 100 for loc in first)
     assert all(isinstance(r, KeyExists) for r in dstore.create_many([(k, 8) for k in keys], owner=2, nx=True))
     assert dstore.seal_many(keys, owner=1) == [None] * 5 and dstore.stats()["creates_in_progress"] == 0
-    assert dstore.sizes(keys) == [200] * 5
+    assert dstore.sizes(keys) == [100] * 5
     short = [f"ttl/{i}" for i in range(3)]
     dstore.create_many([(k, 4) for k in short], owner=1, ttl=0.05)
     assert dstore.seal_many(short, owner=1) == [None] * 3

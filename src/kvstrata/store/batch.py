@@ -38,6 +38,7 @@ from kvstrata.store.objects import (
     check_ttl,
 )
 from kvstrata.store.tiers.base import Location
+from kvstrata.store.writes import _OPEN_CREATE
 
 
 class BatchMixin:
@@ -140,9 +141,10 @@ class BatchMixin:
                 e = Entry(key, size, loc, mode, next(versions), owner)
                 if ttl_s:
                     e.ttl = ttl_s
-                old = pending.pop((key, owner), None)
-                if old is not None:
-                    self._abort_locked(old)
+                if (key, owner) in pending:  # this owner's earlier create of it is open (named twice, say)
+                    self._abort_locked(e)
+                    out[i] = KeyExists(_OPEN_CREATE.format(key=key))
+                    continue
                 pending[(key, owner)] = e
                 creates.add(key)
         if self._announced < len(self._mem.segments):

@@ -30,6 +30,12 @@ _ALIGN_SHIFT = ALIGNMENT.bit_length() - 1  # blocks are whole ALIGNMENT units: s
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
 
 
+#: why a create of a key is refused while the same owner's earlier create of it is open
+_OPEN_CREATE = (
+    "key {key!r}: this client's earlier create of it is still open (seal, publish or abort that buffer first)"
+)
+
+
 class WriteMixin:
     """``create`` / ``seal`` / ``publish`` / ``abort`` / ``put`` of the engine, and retiring versions (see the
     module docstring)."""
@@ -47,13 +53,15 @@ class WriteMixin:
         """Reserve ``size`` bytes for a new version of ``key``; fill them, then :meth:`seal` or :meth:`publish`.
 
         KeyExists if ``nx`` and the key is present or being created; CapacityError when there is no
-        room even after eviction. A second create of the same key by the same owner aborts the first.
+        room even after eviction. KeyExists too while the same owner's earlier create of ``key`` is open: that
+        create's bytes stay its writer's until it seals or aborts it (replacing it would free memory the writer's
+        buffer still points into).
         """
         e = self._reserve(key, size, owner, ttl, write_mode, nx)
         with self._lock:
-            old = self._pending.pop((key, owner), None)
-            if old is not None:
-                self._abort_locked(old)
+            if (key, owner) in self._pending:
+                self._abort_locked(e)
+                raise KeyExists(_OPEN_CREATE.format(key=key))
             self._pending[(key, owner)] = e
             self._owner_creates.setdefault(owner, set()).add(key)
         if self._announced < len(self._mem.segments):
