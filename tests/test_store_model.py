@@ -86,7 +86,8 @@ def _one_step(kv, model: Model, rng: random.Random, step: int) -> None:
     elif op == 1:
         batch = rng.sample(KEYS, 3)
         items = {k: _value(rng, step) for k in batch}
-        assert kv.mset(items, write_mode=mode) == [None] * 3, where
+        got = kv.mset(items, write_mode=mode)
+        assert got == [None] * 3, f"{where}: {got!r:.300}"
         for k, v in items.items():
             model.write(k, v)
     elif op == 2:
