@@ -92,6 +92,20 @@
 #           tests, tools/probe_handoff.py GPU0 -> GPU1 and GPU0 -> GPU0 (offers on and off), bench device --quick
 #   PART=s11f: session 11's last call (bench device measures the hand-off with offers and without, round by
 #           round): the device-object GPU tests, bench device --quick --broadcast-gib 8
+#   PART=s14a: session 14's first call (nvidia-h200-x2): every GPU test, tools/probe_handoff_floor.py GPU0 -> GPU1
+#           and GPU0 -> GPU0, tools/probe_handoff.py GPU0 -> GPU1 traced, bench store's device rows twice
+#   PART=s14b: tools/probe_handoff_steps.py (the hand-off's primitives alone)
+#   PART=s14c: the host's idle states, then tools/probe_handoff_floor.py and tools/probe_handoff.py GPU0 -> GPU1
+#           with and without a PM QoS request of 0 us held on /dev/cpu_dma_latency (no deep idle while held)
+#   PART=s14d: tools/probe_async_calls.py (async device calls, 4 in flight: timeline), tools/trace_store_device.py
+#   PART=s14e: client GPU tests, tools/probe_async_calls.py, bench store's device rows twice (async mget_h2d's
+#           completion thread)
+#   PART=s14f: client GPU tests, bench store's device rows with ab_old/src (the session's start) and the new code
+#           in turn (A/B/A/B: async mget_h2d's issuing and completion threads), tools/probe_async_calls.py
+#   PART=s14g: session 14's closing call (nvidia-h200-x2): every GPU test, bench store's device rows with
+#           ab_old/src (the session's start) and the final code in turn (A/B/A/B), tools/probe_async_calls.py,
+#           bench device --quick --broadcast-gib 8
+#   PART=s14h: as s14f on the final code (async_mset_d2h back on its two pool threads)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -344,6 +358,63 @@ elif [ "${PART}" = s11d ]; then
     echo "=== tools/probe_cold_copy.py $d" >> "$LOG"; timeout 60 python3 tools/probe_cold_copy.py $d >> "$LOG" 2>&1
   done
   echo "=== tools/probe_pause.py" >> "$LOG"; timeout 30 python3 tools/probe_pause.py >> "$LOG" 2>&1
+elif [ "${PART}" = s14a ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  for d in 0,1 0,0; do
+    echo "=== tools/probe_handoff_floor.py --devices $d --iters 100" >> "$LOG"
+    timeout 90 python3 tools/probe_handoff_floor.py --devices $d --iters 100 >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_handoff.py --devices 0,1 --iters 120 --trace" >> "$LOG"
+  timeout 100 python3 tools/probe_handoff.py --devices 0,1 --iters 120 --trace 2>&1 | grep -v Producer >> "$LOG"
+  store_twice
+elif [ "${PART}" = s14b ]; then
+  echo "=== tools/probe_handoff_steps.py --reps 3000" >> "$LOG"
+  timeout 120 python3 tools/probe_handoff_steps.py --reps 3000 >> "$LOG" 2>&1
+elif [ "${PART}" = s14c ]; then
+  { echo "=== host idle states"; cat /sys/devices/system/cpu/cpuidle/current_driver /sys/devices/system/cpu/cpuidle/current_governor* 2>&1
+    grep -H . /sys/devices/system/cpu/cpu0/cpuidle/state*/name /sys/devices/system/cpu/cpu0/cpuidle/state*/latency 2>&1
+    cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>&1; ls -l /dev/cpu_dma_latency 2>&1; id -u
+    grep -m1 "model name" /proc/cpuinfo; grep -c processor /proc/cpuinfo; grep -o hypervisor /proc/cpuinfo | head -1; } >> "$LOG"
+  for hold in 0 1 0 1; do
+    pid=
+    if [ $hold = 1 ]; then
+      python3 -c "import os,struct,time; fd=os.open('/dev/cpu_dma_latency',os.O_WRONLY); os.write(fd,struct.pack('i',0)); print('held', flush=True); time.sleep(900)" >> "$LOG" 2>&1 &
+      pid=$!; sleep 1
+    fi
+    echo "=== PM QoS hold $hold: tools/probe_handoff_floor.py --devices 0,1 --iters 60" >> "$LOG"
+    timeout 80 python3 tools/probe_handoff_floor.py --devices 0,1 --iters 60 >> "$LOG" 2>&1
+    echo "=== PM QoS hold $hold: tools/probe_handoff.py --devices 0,1 --iters 60" >> "$LOG"
+    timeout 90 python3 tools/probe_handoff.py --devices 0,1 --iters 60 2>&1 | grep -v Producer >> "$LOG"
+    [ -n "$pid" ] && kill $pid
+  done
+elif [ "${PART}" = s14d ]; then
+  echo "=== tools/probe_async_calls.py --iters 8" >> "$LOG"
+  timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s14e ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_api.py tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \
+    tests/test_reservations.py tests/test_copies_future.py 2>&1 | tail -3 | tee -a "$LOG"
+  echo "=== tools/probe_async_calls.py --iters 8" >> "$LOG"
+  timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
+  store_twice
+elif [ "${PART}" = s14f ] || [ "${PART}" = s14h ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_api.py tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py \
+    tests/test_reservations.py tests/test_copies_future.py 2>&1 | tail -3 | tee -a "$LOG"
+  store_ab ab_old
+  echo "=== tools/probe_async_calls.py --iters 8" >> "$LOG"
+  timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
+elif [ "${PART}" = s14g ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_final.log" 2>&1
+  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  store_ab ab_old
+  echo "=== tools/probe_async_calls.py --iters 8" >> "$LOG"
+  timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
+  bench 150 device --quick --broadcast-gib 8 --wait 30
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -1,0 +1,125 @@
+"""Timeline of ``async_mget_h2d`` / ``async_mset_d2h`` with several calls in flight (GPU machine), as
+``kvstrata bench store`` times them: 64 x 1 MiB per call, 4 calls submitted back to back, through a real
+worker. Per call: the thread that ran it, when it started and returned on the host, when its copy
+batches were queued (host) and ran (device, CUDA events), relative to the submission of the first call (an async
+``mget_h2d`` in its two parts: its copies queued on the issuing thread, then waited for on the completion
+thread); then the device's idle gaps. Shows whether the copy engine waits for the host between calls, and where.
+
+    PYTHONPATH=src python3 tools/probe_async_calls.py [--iters 8] [--in-flight 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import kvstrata
+from kvstrata.bench.store import _start_worker
+from kvstrata.client import device
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--in-flight", type=int, default=4)
+    args = ap.parse_args()
+    n, size, flight = 64, 1 << 20, args.in_flight
+    batches: list[tuple] = []
+    calls: list[tuple] = []
+    real_enqueue = device.enqueue
+
+    def traced(runs, dev, stream, **kw):
+        h0 = time.perf_counter()
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        if stream is not None:
+            e0.record(stream)
+        real_enqueue(runs, dev, stream, **kw)
+        if stream is not None:
+            e1.record(stream)
+        batches.append((threading.current_thread().name, h0, time.perf_counter(), e0, e1, len(runs.device)))
+
+    device.enqueue = traced
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = _start_worker(Path(tmp), 4 << 30)
+        try:
+            with kvstrata.connect(address) as kv:
+                src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
+                keys = [f"k/{i}" for i in range(n)]
+                kv.mset_d2h(keys, src)
+                dsts = [[[torch.empty_like(t[0])] for t in src] for _ in range(flight)]
+                real_get, real_put = kv.mget_h2d, kv.mset_d2h
+
+                def stamped(fn, what):
+                    def call(*a, **kw):
+                        h0 = time.perf_counter()
+                        try:
+                            return fn(*a, **kw)
+                        finally:
+                            calls.append((what, threading.current_thread().name, h0, time.perf_counter()))
+
+                    return call
+
+                # the calls as a whole; an async mget_h2d's two parts (its copies queued, then waited for)
+                kv.mget_h2d, kv.mset_d2h = stamped(real_get, "call"), stamped(real_put, "call")
+                kv._mget_h2d_queue = stamped(kv._mget_h2d_queue, "copies queued")
+                kv._complete = stamped(kv._complete, "completed")
+                kv.mget_h2d(keys, dsts[0])
+                for label in ("async_mget_h2d", "async_mset_d2h"):
+                    totals, last = [], None
+                    for it in range(args.iters):
+                        torch.cuda.synchronize()
+                        batches.clear()
+                        calls.clear()
+                        start = torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        t0 = time.perf_counter()
+                        if label == "async_mget_h2d":
+                            futs = [kv.async_mget_h2d(keys, d) for d in dsts]
+                        else:
+                            fresh = [[f"p/{it}/{j}/{i}" for i in range(n)] for j in range(flight)]
+                            futs = [kv.async_mset_d2h(ks, src) for ks in fresh]
+                        for f in futs:
+                            f.result()
+                        totals.append(time.perf_counter() - t0)
+                        torch.cuda.synchronize()
+                        last = (t0, start, list(batches), list(calls))
+                        if label == "async_mset_d2h":
+                            kv.delete([f"p/{it}/{j}/{i}" for j in range(flight) for i in range(n)])
+                    dma = flight * n * size / 55e9 * 1e6
+                    med = statistics.median(totals[2:]) * 1e6
+                    print(f"== {label}, {flight} in flight: median {med:.0f} us per {flight} calls "
+                          f"({flight} x 64 MiB at 55 GB/s: {dma:.0f} us)")  # fmt: skip
+                    t0, start, bs, cs = last
+                    for what, th, h0, h1 in sorted(cs, key=lambda c: c[2]):
+                        span = f"{(h0 - t0) * 1e6:8.1f} .. {(h1 - t0) * 1e6:8.1f} us"
+                        print(f"  {what:>13} on {th[-20:]:>20}: host {span}")
+                    spans = []
+                    for th, h0, h1, e0, e1, nruns in bs:
+                        d0, d1 = start.elapsed_time(e0) * 1e3, start.elapsed_time(e1) * 1e3
+                        spans.append((d0, d1))
+                        print(f"    {th[-20:]:>20} {nruns:2d} runs: host {(h0 - t0) * 1e6:8.1f}..{(h1 - t0) * 1e6:8.1f}"
+                              f"  device {d0:8.1f}..{d1:8.1f}")  # fmt: skip
+                    spans.sort()
+                    gaps, end = [], spans[0][1] if spans else 0.0
+                    for d0, d1 in spans[1:]:
+                        if d0 > end + 5:
+                            gaps.append((end, d0))
+                        end = max(end, d1)
+                    print(
+                        f"  device busy from {spans[0][0]:.1f} to {end:.1f} us; idle gaps over 5 us: "
+                        + (", ".join(f"{a:.0f}..{b:.0f}" for a, b in gaps) or "none")
+                    )
+        finally:
+            proc.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
