@@ -280,6 +280,55 @@ def test_mset_d2h_mget_h2d_cpu(kv):
     assert _stats(kv)["leases"] == 0
 
 
+def test_async_mget_h2d_calls_in_flight_settle_in_any_order_and_give_their_leases_back(kv):
+    # One thread queues each call's copies and a completion thread waits for them: calls overlap.
+    g = torch.Generator().manual_seed(3)
+    keys = [f"am/{i}" for i in range(16)]
+    src = [[torch.randn(1000 + i, generator=g)] for i in range(16)]
+    assert kv.mset_d2h(keys, src) == [None] * 16
+    dsts = [[[torch.zeros_like(t[0])] for t in src] for _ in range(8)]
+    futs = [kv.async_mget_h2d(keys[c:] + keys[:c], d[c:] + d[:c]) for c, d in enumerate(dsts)]
+    for c, fut in enumerate(futs):
+        assert fut.result(timeout=30) == [None] * 16, c
+    assert all(torch.equal(a[0], b[0]) for d in dsts for a, b in zip(src, d))
+    # A call refused whole (a tensor list too short) fails its Future alone; the next call is served.
+    bad = kv.async_mget_h2d(keys, dsts[0][:3])
+    with pytest.raises(ValueError, match="tensor_lists"):
+        bad.result(timeout=30)
+    part = kv.async_mget_h2d([keys[0], "am/missing"], [dsts[1][0], [torch.empty(1)]])
+    got = part.result(timeout=30)
+    assert got[0] is None and isinstance(got[1], KeyNotFound)
+    kv.delete(keys)
+    assert _stats(kv)["leases"] == 0
+
+
+@pytest.mark.parametrize("mode", ["embedded", "unix"])
+def test_async_mget_h2d_waiting_calls_can_be_cancelled_and_close_settles_every_call(mode, worker):
+    kv = client_for(mode, worker, memory=MEMORY, segment=8 << 20)
+    # A worker client's waiting get holds its connection: the key comes from another client there.
+    writer = kv if mode == "embedded" else kvstrata.connect(worker.address, timeout=5)
+    try:
+        out = [[torch.zeros(64)] for _ in range(3)]
+        # The first call waits for a key not written yet, holding up the calls after it: a queued one can be cancelled.
+        waiting = [kv.async_mget_h2d(["ac/late"], [out[i]], timeout=20) for i in range(2)]
+        queued = kv.async_mget_h2d(["ac/late"], [out[2]], timeout=20)
+        assert queued.cancel()
+        time.sleep(0.05)
+        assert writer.mset_d2h(["ac/late"], [[torch.arange(64.0)]]) == [None]
+        assert [f.result(timeout=30) for f in waiting] == [[None], [None]]
+        assert torch.equal(out[0][0], torch.arange(64.0)) and torch.equal(out[1][0], torch.arange(64.0))
+        assert queued.cancelled() and not out[2][0].any()
+        more = [kv.async_mget_h2d(["ac/late"], [[torch.zeros(64)]]) for _ in range(6)]
+    finally:
+        kv.close()
+        if writer is not kv:
+            writer.delete("ac/late")
+            writer.close()
+    for fut in more:  # served, or refused because the client closed: never left pending
+        assert fut.done()
+        assert fut.exception() is None or isinstance(fut.exception(), ClosedError)
+
+
 @pytest.mark.gpu
 def test_mset_d2h_mget_h2d_cuda(kv):
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -51,7 +51,9 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._backend = backend
         self._reservation = _reservation.WriteReservation(reserve_bytes)
         self._closed = False
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # async_mset_d2h
+        self._issuer: concurrent.futures.ThreadPoolExecutor | None = None  # async_mget_h2d's copies queued
+        self._completer: concurrent.futures.ThreadPoolExecutor | None = None  # and waited for
         self._exec_lock = threading.Lock()
         self._registrations = _device.Registrations()
         self._counter = itertools.count()
@@ -78,8 +80,9 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
             return
         self._closed = True
         self._close_device_objects()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        for pool in (self._executor, self._issuer, self._completer):  # the issuer hands its calls' waits on
+            if pool is not None:
+                pool.shutdown(wait=True)
         self._registrations.undo()  # before the segments are unmapped
         self._backend.close()
 

@@ -18,6 +18,7 @@ from typing import Any
 from kvstrata.client import device as _device
 from kvstrata.client import reservation as _reservation
 from kvstrata.client._shared import Loc as _Loc
+from kvstrata.client.copies_future import CopiesFuture
 from kvstrata.server import protocol as P
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class DeviceCallsMixin:
 
     Uses the client's ``_b()``, ``_backend``, ``_reservation`` (its write reservation), ``_registrations``
     (segments registered with CUDA), ``_release_leases``, ``_abort_quietly``, and its background
-    executor (``_executor``, ``_exec_lock``; shut down by ``close``).
+    executors for async calls (``_executor`` for ``async_mset_d2h``, ``_issuer`` and ``_completer`` for
+    ``async_mget_h2d``, made under ``_exec_lock``; shut down by ``close``).
     """
 
     def mset_d2h(
@@ -255,11 +257,25 @@ class DeviceCallsMixin:
         when its stage is reached, after the copies already queued landed (the tensors of earlier keys may then
         hold their data); a key that fails (missing, wrong size) may have had its tensors written.
         """
+        results, event, held = self._mget_h2d_queue(keys, tensor_lists, timeout=timeout, stream=stream)
+        try:
+            if event is not None:
+                event.synchronize()  # the leases pin the source bytes until the copies are done
+        finally:
+            if held:
+                self._release_leases(held)
+        return results
+
+    def _mget_h2d_queue(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float, stream: Any
+    ) -> tuple[list[Result], Any, list[int]]:
+        """:meth:`mget_h2d` up to its copies queued: ``(results, the copies' end event or None, the leases to
+        release once it completed)``. On an error the queued copies are waited for and the leases released here."""
         keys = P.check_keys(keys)
         timeout = P.check_timeout(timeout)
         if not keys:
             _device.check_outer(0, tensor_lists)
-            return []
+            return [], None, []
         backend = self._b()
         n = len(keys)
         results: list[Result] = [None] * n
@@ -444,8 +460,6 @@ class DeviceCallsMixin:
                         first = False
             event = _device.mark(s)
             backend.settle()  # the local-read entries of this call's leases are made while its copies run
-            if event is not None:
-                event.synchronize()  # the leases pin the source bytes until the copies are done
         except BaseException:
             if s is not None:
                 s.synchronize()  # the leases below must outlive every queued copy
@@ -457,11 +471,10 @@ class DeviceCallsMixin:
                     held.extend(x.lease_id for x in backend.acquire_finish(tok) if not isinstance(x, BaseException))
                 except Exception as exc:
                     log.debug("mget_h2d: lease reply lost while undoing (%s)", exc)
-            raise
-        finally:
             if held:
                 self._release_leases(held)
-        return results
+            raise
+        return results, event, held
 
     def _plan(
         self, which: list[int], locs: list[Any], pieces: list[Any], lo: int, device: Any, *, to_host: bool
@@ -486,15 +499,74 @@ class DeviceCallsMixin:
     def async_mset_d2h(
         self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
     ) -> concurrent.futures.Future:
-        """:meth:`mset_d2h` in the background; the Future's result is its per-key list."""
+        """:meth:`mset_d2h` in the background (two pool threads per client); the Future's result is its per-key
+        list."""
         return self._submit(self.mset_d2h, keys, tensor_lists, stream=self._caller_stream(stream, tensor_lists))
 
     def async_mget_h2d(
         self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
     ) -> concurrent.futures.Future:
-        """:meth:`mget_h2d` in the background; don't read the tensors before the Future is done."""
+        """:meth:`mget_h2d` in the background; don't read the tensors before the Future is done.
+
+        One thread per client queues the calls' copies, in call order, and goes on to the next call at once; one
+        completion thread waits for them, releases their leases and settles the Futures. So calls issued back to
+        back keep the copy engine busy: the next call's copies are queued while this one's run. (On the H200
+        host, two pool threads that also waited for their copies left the copy engine idle while they started
+        their next calls, and queued their copies slower than the copy engine ran them: each took the GIL from
+        the other between two batches.) A call that waits for missing keys (``timeout``) holds up the calls
+        after it, as a worker client's waiting request holds up its connection anyway. The Future is a
+        :class:`~kvstrata.client.copies_future.CopiesFuture`: ``result()`` waits for the copies on the device. Its
+        done-callbacks run on the completion thread: one must not wait there for another async call's result."""
         stream = self._caller_stream(stream, tensor_lists)
-        return self._submit(self.mget_h2d, keys, tensor_lists, timeout=timeout, stream=stream)
+        future = CopiesFuture()
+
+        def queue() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                results, event, held = self._mget_h2d_queue(keys, tensor_lists, timeout=timeout, stream=stream)
+            except BaseException as exc:
+                future.set_exception(exc)
+                return
+            future.copies_queued(event)
+            try:
+                self._single("_completer", "kvstrata-complete").submit(self._complete, future, results, event, held)
+            except RuntimeError:  # the interpreter is shutting down (no new threads): complete it here
+                self._complete(future, results, event, held)
+
+        self._b()
+        self._single("_issuer", "kvstrata-issue").submit(queue)
+        return future
+
+    def _complete(self, future: concurrent.futures.Future, results: list[Result], event: Any, held: list[int]) -> None:
+        """The end of an async :meth:`mget_h2d` (on the completion thread): wait for its copies, release its
+        leases, settle its Future."""
+        try:
+            if event is not None:
+                event.synchronize()
+        except BaseException as exc:
+            future.set_exception(exc)
+            return
+        finally:
+            if held:
+                self._release_leases(held)
+        future.set_result(results)
+
+    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        self._b()
+        with self._exec_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvstrata-client")
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def _single(self, attr: str, name: str) -> concurrent.futures.ThreadPoolExecutor:
+        """The client's one-thread executor kept at ``attr`` (``_issuer``, ``_completer``), made on first use."""
+        with self._exec_lock:
+            pool = getattr(self, attr)
+            if pool is None:
+                pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+                setattr(self, attr, pool)
+            return pool
 
     @staticmethod
     def _caller_stream(stream: Any, tensor_lists: Any) -> Any:
@@ -508,10 +580,3 @@ class DeviceCallsMixin:
                 if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                     return torch.cuda.current_stream(t.device)
         return None
-
-    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        self._b()
-        with self._exec_lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvstrata-client")
-        return self._executor.submit(fn, *args, **kwargs)

@@ -108,6 +108,11 @@ _OVER = frozenset((FINISHED, CANCELLED, CANCELLED_AND_NOTIFIED))
 _SPIN = [result_spin_seconds()]  # read once per process (tests set it through set_result_spin)
 
 
+def current_result_spin() -> float:
+    """This process's polling budget per phase (seconds; 0: waiters never poll)."""
+    return _SPIN[0]
+
+
 def set_result_spin(seconds: float) -> float:
     """Set this process's polling budget (seconds, >= 0); returns the previous one. For tests and benchmarks."""
     if seconds < 0:
@@ -227,4 +232,12 @@ class SpinFuture(Future):
         return None if end is None else max(0.0, end - time.monotonic())
 
 
-__all__ = ["HANDOFF_S", "RESULT_SPIN_US", "SPIN_MIN_CPUS", "SpinFuture", "result_spin_seconds", "set_result_spin"]
+__all__ = [
+    "HANDOFF_S",
+    "RESULT_SPIN_US",
+    "SPIN_MIN_CPUS",
+    "SpinFuture",
+    "current_result_spin",
+    "result_spin_seconds",
+    "set_result_spin",
+]
