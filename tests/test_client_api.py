@@ -280,7 +280,7 @@ def test_mset_d2h_mget_h2d_cpu(kv):
     assert _stats(kv)["leases"] == 0
 
 
-def test_async_mget_h2d_calls_in_flight_settle_in_any_order_and_give_their_leases_back(kv):
+def test_async_mget_h2d_calls_in_flight_fill_every_tensor_and_give_their_leases_back(kv):
     # One thread queues each call's copies and a completion thread waits for them: calls overlap.
     g = torch.Generator().manual_seed(3)
     keys = [f"am/{i}" for i in range(16)]
@@ -348,6 +348,33 @@ def test_mset_d2h_mget_h2d_cuda(kv):
     assert kv.async_mget_h2d(keys, dst2).result() == [None] * 64
     assert all(torch.equal(x, y) for a, b in zip(src, dst2) for x, y in zip(a, b))
     kv.delete(keys)
+
+
+@pytest.mark.gpu
+def test_async_mget_h2d_cuda_calls_in_flight_follow_the_callers_stream(kv):
+    # Each call's copies wait for the caller's stream as it was at the call (here: a long sleep, then a fill of
+    # the destinations that the copies must overwrite); result() waits for the copies on the device.
+    g = torch.Generator(device="cuda").manual_seed(1)
+    keys = [f"amc/{i}" for i in range(32)]
+    kv.delete(keys)
+    src = [[torch.randn(1 << 16, device="cuda", generator=g)] for _ in keys]
+    assert kv.mset_d2h(keys, src) == [None] * 32
+    dsts = [[[torch.empty_like(t[0])] for t in src] for _ in range(6)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)
+        for d in dsts:
+            for t in d:
+                t[0].fill_(7.0)
+        futs = [kv.async_mget_h2d(keys, d) for d in dsts]
+    done = threading.Event()
+    futs[-1].add_done_callback(lambda f: done.set())
+    assert [f.result() for f in futs] == [[None] * 32] * 6
+    assert done.wait(10)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a[0], b[0]) for d in dsts for a, b in zip(src, d))
+    kv.delete(keys)
+    assert _stats(kv)["leases"] == 0
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,7 @@
 #           ab_old/src (the session's start) and the final code in turn (A/B/A/B), tools/probe_async_calls.py,
 #           bench device --quick --broadcast-gib 8
 #   PART=s14h: as s14f on the final code (async_mset_d2h back on its two pool threads)
+#   PART=s14i: the client API's GPU tests (a new one: async mget_h2d calls in flight on CUDA tensors)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -415,6 +416,9 @@ elif [ "${PART}" = s14g ]; then
   echo "=== tools/probe_async_calls.py --iters 8" >> "$LOG"
   timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
   bench 150 device --quick --broadcast-gib 8 --wait 30
+elif [ "${PART}" = s14i ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_api.py tests/test_copies_future.py tests/test_client_device.py 2>&1 | tail -5 | tee -a "$LOG"
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
