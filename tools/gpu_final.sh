@@ -107,6 +107,8 @@
 #           bench device --quick --broadcast-gib 8
 #   PART=s14h: as s14f on the final code (async_mset_d2h back on its two pool threads)
 #   PART=s14i: the client API's GPU tests (a new one: async mget_h2d calls in flight on CUDA tensors)
+#   PART=s14j: bench store's device rows with ab_old/src (the session's start) and the final code in turn (A/B/A/B),
+#           on nvidia-h200 (one GPU)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -419,6 +421,8 @@ elif [ "${PART}" = s14g ]; then
 elif [ "${PART}" = s14i ]; then
   KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_client_api.py tests/test_copies_future.py tests/test_client_device.py 2>&1 | tail -5 | tee -a "$LOG"
+elif [ "${PART}" = s14j ]; then
+  store_ab ab_old
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
