@@ -13,7 +13,7 @@ import torch
 
 import kvstrata
 from kv_helpers import client_for, worker_config
-from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound, ServerError, Timeout
+from kvstrata.errors import CapacityError, ClosedError, ConnectionLost, KeyExists, KeyNotFound, ServerError, Timeout
 from kvstrata.server import Worker, WorkerConfig
 from kvstrata.server.protocol import INLINE_MAX
 
@@ -300,6 +300,25 @@ def test_async_mget_h2d_calls_in_flight_fill_every_tensor_and_give_their_leases_
     assert got[0] is None and isinstance(got[1], KeyNotFound)
     kv.delete(keys)
     assert _stats(kv)["leases"] == 0
+
+
+def test_async_mget_h2d_settles_its_future_when_giving_the_leases_back_fails(kv, monkeypatch):
+    # The connection lost between the copies and the release: the Future fails as mget_h2d would raise, never hangs.
+    keys = [f"ar/{i}" for i in range(4)]
+    assert kv.mset_d2h(keys, [[torch.ones(8)] for _ in keys]) == [None] * 4
+    kv.delete(keys)  # no local-read entry keeps a lease: the call's leases all go back at its end
+    assert kv.mset_d2h(keys, [[torch.ones(8)] for _ in keys]) == [None] * 4
+
+    def lost(ids):
+        raise ConnectionLost("lost connection to the worker while sending")
+
+    monkeypatch.setattr(kv, "_release_leases", lost)
+    fut = kv.async_mget_h2d(keys, [[torch.zeros(8)] for _ in keys])
+    with pytest.raises(ConnectionLost):
+        fut.result(timeout=30)
+    monkeypatch.undo()
+    assert kv.async_mget_h2d(keys, [[torch.zeros(8)] for _ in keys]).result(timeout=30) == [None] * 4
+    kv.delete(keys)
 
 
 @pytest.mark.parametrize("mode", ["embedded", "unix"])

@@ -540,17 +540,23 @@ class DeviceCallsMixin:
 
     def _complete(self, future: concurrent.futures.Future, results: list[Result], event: Any, held: list[int]) -> None:
         """The end of an async :meth:`mget_h2d` (on the completion thread): wait for its copies, release its
-        leases, settle its Future."""
+        leases, settle its Future, whatever fails (a failed copy, or a release on a connection just lost, is the
+        Future's exception, as :meth:`mget_h2d` would raise it)."""
+        error: BaseException | None = None
         try:
             if event is not None:
                 event.synchronize()
         except BaseException as exc:
-            future.set_exception(exc)
-            return
-        finally:
+            error = exc
+        try:
             if held:
                 self._release_leases(held)
-        future.set_result(results)
+        except BaseException as exc:
+            error = error or exc
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(results)
 
     def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         self._b()
