@@ -196,3 +196,32 @@ def churn_reader(address: str, me: int, keys: list[str], seconds: float) -> tupl
             except KeyNotFound:
                 pass
     return checked, bad
+
+
+def small_writer(address: str, me: int, n: int, seconds: float = 0.0) -> tuple[int, int]:
+    """Small sets (the lane's requests) mixed with large ones, overwrites, deletes and reads of my own keys,
+    each checked; returns (values checked, requests that went through the lane). With ``seconds`` the job
+    loops over its keys until then (a job to be killed midway)."""
+    import kvstrata
+
+    with kvstrata.connect(address, timeout=20, name=f"small-{me}") as kv:
+        lane = kv._backend._lane
+        before = lane.seq if lane is not None else 0
+        checked = 0
+        end = time.monotonic() + seconds
+        rounds = 0
+        while rounds == 0 or time.monotonic() < end:
+            for i in range(n):
+                key = f"s{me}/{i % 16}"
+                value = payload(me, i + rounds)[:200] if i % 7 else payload(me, i)  # every 7th over the lane's size
+                kv.set(key, value)
+                if i % 5 == 0:
+                    kv.delete([key])
+                    value = b""
+                    kv.set(key, value)  # empty values are values too
+                got = kv.get(key)
+                if got != value:
+                    raise AssertionError(f"job {me}: {key} read back {len(got)} bytes, wrote {len(value)}")
+                checked += 1
+            rounds += 1
+        return checked, (lane.seq if lane is not None else 0) - before

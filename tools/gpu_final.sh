@@ -109,6 +109,11 @@
 #   PART=s14i: the client API's GPU tests (a new one: async mget_h2d calls in flight on CUDA tensors)
 #   PART=s14j: bench store's device rows with ab_old/src (the session's start) and the final code in turn (A/B/A/B),
 #           on nvidia-h200 (one GPU)
+#   PART=s15a: session 15's first call (nvidia-h200-x2): every GPU test, tools/probe_worker_clients.py (small sets from
+#           1-8 client processes) with the worker's default polling, polling for up to 8 clients (XSPIN_N=8) and none,
+#           bench store's 4 KiB rows (1 and 8 clients, kvstrata alone) and device rows
+#   PART=s15b: tools/probe_worker_clients.py with ab_old/src (the session's start) and the lane poller's code in turn
+#           (A/B/A/B, 1-16 clients), bench store's device rows A/B/A/B the same way, bench device --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -423,6 +428,27 @@ elif [ "${PART}" = s14i ]; then
     tests/test_client_api.py tests/test_copies_future.py tests/test_client_device.py 2>&1 | tail -5 | tee -a "$LOG"
 elif [ "${PART}" = s14j ]; then
   store_ab ab_old
+elif [ "${PART}" = s15a ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_s15a.log" 2>&1
+  tail -3 "$OUT/gpu_tests_s15a.log" | tee -a "$LOG"
+  nproc >> "$LOG"
+  for v in "1 200" "8 200" "1 0"; do
+    set -- $v
+    echo "=== tools/probe_worker_clients.py XSPIN_N=$1 --spin-us $2" >> "$LOG"
+    XSPIN_N=$1 timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8 --spin-us $2 >> "$LOG" 2>&1
+  done
+  bench 120 store --no-redis --no-mooncake --sizes 4KiB,1MiB --clients 1,8
+elif [ "${PART}" = s15b ]; then
+  nproc >> "$LOG"
+  for v in ab_old new ab_old new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
+    timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
+  store_ab ab_old
+  bench 200 device --quick
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -18,6 +18,8 @@ WORKER_COUNTERS = frozenset(
         "requests",
         "request_errors",
         "connections",
+        "lane_requests_polled",
+        "lane_wakeups",
         "puts",
         "gets",
         "deletes",

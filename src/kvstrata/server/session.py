@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import select
+import threading
 import time
 from select import select as _select
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,9 @@ class Session:
         self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
         self.validity = worker.validity
         self.lane: _lane.Lane | None = None
+        # Held while this lane's request is taken and answered, by this thread or the worker's lane poller
+        # (kvstrata.server.lane_poller): each request is served once, and the lane is never closed mid-request.
+        self.lane_lock = threading.Lock()
         self._drained = False  # whether the connection's read buffer was found empty since its last read
         self.landing_tags: collections.deque[int] = collections.deque()  # commits waiting for the lane's word
         # perf_counter time until which this connection polls for its next request whatever worker.spin says
@@ -76,15 +80,21 @@ class Session:
             if op == "bye":  # a clean close, as opposed to a crash
                 return
             if op == "lane":  # the client stopped waiting on the lane: answer its request, then say so here
-                lane = self.lane
-                if lane is not None and lane.pending():
-                    self._answer_lane(lane)
-                self.send({"seq": lane.last_answered() if lane is not None else 0})
+                self.worker.counters["lane_wakeups"] += 1
+                with self.lane_lock:  # (or the lane poller is answering it: wait for that)
+                    lane = self.lane
+                    if lane is not None and lane.pending():
+                        self.answer_lane(lane)
+                    seq = lane.last_answered() if lane is not None else 0
+                self.send({"seq": seq})
                 continue
             if from_lane:
                 self._lane_reply(self._handle_lane(msg))
                 continue
             reply = self.handle(msg)
+            if self.lane is not None and type(op) is str and op in _lane.LANE_OPS and "tag" not in msg:
+                # the client found its lane unpolled: poll the lanes again while several clients are on
+                self.worker.lane_poller.kick()
             if reply is None:
                 continue
             try:
@@ -111,7 +121,7 @@ class Session:
             spin = max(spin, self.linger_until - time.perf_counter())
             self.linger_until = 0.0
         if lane is None or spin <= 0.0:
-            if lane is not None:
+            if lane is not None and not self.worker.lane_poller.spelling:  # (the poller's flag while it polls)
                 lane.set_polling(False)
             return self._recv(self.conn.recv(spin=spin)), False
         # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
@@ -128,7 +138,9 @@ class Session:
             # the lane is checked every turn (a memory load), the socket every few (a system call)
             for _ in range(_LANE_TURNS):
                 if pending():
-                    return unpack(lane.take()), True
+                    taken = self._take_lane(lane)
+                    if taken is not None:
+                        return taken, True
                 yield_cpu()
             try:
                 readable = select([fd], (), (), 0)[0]
@@ -142,10 +154,18 @@ class Session:
                 raise ClosedError("connection closed by the worker")
             if clock() >= end:
                 break
-        lane.set_polling(False)
+        if not self.worker.lane_poller.spelling:  # (else the poller raised the flag and polls the lane now)
+            lane.set_polling(False)
         if lane.pending():  # handed over while the flag went down
-            return unpack(lane.take()), True
+            taken = self._take_lane(lane)
+            if taken is not None:
+                return taken, True
         return self._recv(conn.recv()), False
+
+    def _take_lane(self, lane: _lane.Lane) -> dict | None:
+        """The lane's pending request, taken under its lock; None if the lane poller took it first."""
+        with self.lane_lock:
+            return unpack(lane.take()) if lane.pending() else None
 
     def landing_check(self, tag: Any) -> Any:
         """For a ``commit`` sent ahead of its copies: the callable the store asks whether they landed (the
@@ -169,6 +189,7 @@ class Session:
         none waits. Returns with commits still waiting when a request came: the next wait goes on watching."""
         lane, tags, conn = self.lane, self.landing_tags, self.conn
         landing, settle = lane.landing, self.store.settle  # type: ignore[union-attr]
+        lane_poller = self.worker.lane_poller  # while it serves, it answers the lane: keep watching here
         yield_cpu, clock = os.sched_yield, time.perf_counter
         start = clock()
         poller = select.poll()
@@ -180,7 +201,7 @@ class Session:
                     while tags and landing(tags[0]) is not None:
                         tags.popleft()
                     break
-                if lane.pending():  # type: ignore[union-attr]
+                if lane.pending() and not lane_poller.on:  # type: ignore[union-attr]
                     return
                 yield_cpu()  # releases the GIL: the worker's other connections go on meanwhile
             if not tags or poller.poll(0):
@@ -195,7 +216,8 @@ class Session:
             _close(fd)
         return msg
 
-    def _answer_lane(self, lane: _lane.Lane) -> None:
+    def answer_lane(self, lane: _lane.Lane) -> None:
+        """Take, serve and answer the lane's pending request (under :attr:`lane_lock`)."""
         self._lane_reply(self._handle_lane(unpack(lane.take())))
 
     def _handle_lane(self, msg: dict) -> dict:

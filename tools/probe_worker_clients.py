@@ -1,0 +1,121 @@
+"""Small writes from several client processes through one worker: ops/s, p50 and the worker's CPU per op.
+
+    PYTHONPATH=src python tools/probe_worker_clients.py [--clients 1,2,4,8] [--spin-us 200] [--size 4096] [--ops 20000]
+
+Starts a ``kvstrata worker`` (its own socket and disk folder), then for each client count runs that many
+client processes, each doing ``--ops / clients`` ``set`` calls of ``--size`` bytes on 256 keys of its own,
+all starting at one moment. Prints, per count: total ops/s (ops over the slowest client's wall time), the
+median call, the worker process's CPU seconds (user + system, all its threads) per op, and how many
+requests the worker's lane poller served and how many lane requests a client had to wake the worker for
+(``kvstrata.server.lane_poller``; both 0 with a worker older than it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _client(address: str, me: int, n: int, start_at: float, size: int, op: str) -> tuple[list[float], float]:
+    import kvstrata
+
+    kv = kvstrata.connect(address, timeout=30)
+    value = os.urandom(size)
+    keys = [f"probe/{me}/{i}" for i in range(256)]
+    for k in keys:
+        kv.set(k, value)
+    do = (lambda k: kv.set(k, value)) if op == "set" else kv.get
+    while time.time() < start_at:
+        time.sleep(0.001)
+    times = []
+    t_start = time.perf_counter()
+    for i in range(n):
+        t0 = time.perf_counter()
+        do(keys[i % 256])
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_start
+    kv.close()
+    return times, wall
+
+
+def _worker_stats(address: str) -> dict:
+    import kvstrata
+
+    with kvstrata.connect(address) as kv:
+        return kv.stats()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--spin-us", default="200")
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--ops", type=int, default=20000)
+    ap.add_argument("--op", choices=("set", "get"), default="set")
+    args = ap.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    tmp = tempfile.mkdtemp(prefix="kvstrata-probe-")
+    sock = os.path.join(tmp, "worker.sock")
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstrata.cli.main",
+            "worker",
+            "--socket",
+            sock,
+            "--memory",
+            "1GiB",
+            "--disk-dir",
+            os.path.join(tmp, "disk"),
+            "--spin-us",
+            args.spin_us,
+            "--log-level",
+            "warning",
+        ],
+    )
+    try:
+        deadline = time.time() + 30
+        while not os.path.exists(sock):
+            if worker.poll() is not None or time.time() > deadline:
+                raise SystemExit("the worker did not start")
+            time.sleep(0.05)
+        time.sleep(0.3)
+        with mp.get_context("spawn").Pool(max(counts)) as pool:
+            for c in counts:
+                n = max(args.ops // c, 100)
+                stats0 = _worker_stats(sock)
+                cpu0 = _cpu_seconds(worker.pid)
+                start_at = time.time() + 0.5
+                res = pool.starmap(_client, [(sock, m, n, start_at, args.size, args.op) for m in range(c)])
+                cpu1 = _cpu_seconds(worker.pid)
+                stats1 = _worker_stats(sock)
+                lanes = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in ("lane_requests_polled", "lane_wakeups")}
+                wall = max(r[1] for r in res)
+                p50 = statistics.median(x for r in res for x in r[0]) * 1e6
+                print(
+                    f"{args.op} {args.size} B, spin {args.spin_us} us, {c} client(s): {n * c / wall:9.0f} ops/s,"
+                    f" p50 {p50:6.1f} us, worker CPU {(cpu1 - cpu0) / (n * c) * 1e6:6.1f} us/op,"
+                    f" polled {lanes['lane_requests_polled']}, lane wake-ups {lanes['lane_wakeups']}",
+                    flush=True,
+                )
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
