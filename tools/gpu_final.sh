@@ -114,6 +114,10 @@
 #           bench store's 4 KiB rows (1 and 8 clients, kvstrata alone) and device rows
 #   PART=s15b: tools/probe_worker_clients.py with ab_old/src (the session's start) and the lane poller's code in turn
 #           (A/B/A/B, 1-16 clients), bench store's device rows A/B/A/B the same way, bench device --quick
+#   PART=s15c: tools/probe_worker_clients.py with ab_old/src (the session's start), ab_poll/src (the lane poller) and
+#           the current code (the client waits longer for a polled lane's answer) in turn, twice, 1-24 clients
+#   PART=s15d: tools/probe_worker_clients.py, the current code three times (its lane poller's spells and kicks shown),
+#           then ab_poll/src (the poller's first commit) once, 1-24 clients
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -449,6 +453,21 @@ elif [ "${PART}" = s15b ]; then
   export PYTHONPATH="$PWD/src"
   store_ab ab_old
   bench 200 device --quick
+elif [ "${PART}" = s15c ]; then
+  nproc >> "$LOG"
+  for v in ab_old ab_poll new ab_old ab_poll new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
+    timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s15d ]; then
+  for v in new new new ab_poll; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
+    timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -4,10 +4,11 @@
 
 Starts a ``kvstrata worker`` (its own socket and disk folder), then for each client count runs that many
 client processes, each doing ``--ops / clients`` ``set`` calls of ``--size`` bytes on 256 keys of its own,
-all starting at one moment. Prints, per count: total ops/s (ops over the slowest client's wall time), the
-median call, the worker process's CPU seconds (user + system, all its threads) per op, and how many
-requests the worker's lane poller served and how many lane requests a client had to wake the worker for
-(``kvstrata.server.lane_poller``; both 0 with a worker older than it).
+all starting together once every one is connected and warmed up. Prints, per count: total ops/s (ops over
+the slowest client's wall time), the median call, the worker process's CPU seconds (user + system, all its
+threads) per op, what the worker's lane poller did (``kvstrata.server.lane_poller``: requests served,
+polling spells, kicks) and how many lane requests a client had to wake the worker for (0 where a worker
+older than the poller lacks the count).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 
-def _client(address: str, me: int, n: int, start_at: float, size: int, op: str) -> tuple[list[float], float]:
+def _client(address: str, me: int, n: int, ready: Any, size: int, op: str) -> tuple[list[float], float]:
     import kvstrata
 
     kv = kvstrata.connect(address, timeout=30)
@@ -31,8 +33,7 @@ def _client(address: str, me: int, n: int, start_at: float, size: int, op: str) 
     for k in keys:
         kv.set(k, value)
     do = (lambda k: kv.set(k, value)) if op == "set" else kv.get
-    while time.time() < start_at:
-        time.sleep(0.001)
+    ready.wait(120)  # every client of the row connected and warmed up (a fresh process imports kvstrata first)
     times = []
     t_start = time.perf_counter()
     for i in range(n):
@@ -42,6 +43,10 @@ def _client(address: str, me: int, n: int, start_at: float, size: int, op: str) 
     wall = time.perf_counter() - t_start
     kv.close()
     return times, wall
+
+
+#: the worker's lane counters shown per row (kvstrata.server.lane_poller)
+_LANE_STATS = ("lane_requests_polled", "lane_poll_spells", "lane_poll_kicks", "lane_wakeups")
 
 
 def _worker_stats(address: str) -> dict:
@@ -93,22 +98,24 @@ def main() -> int:
                 raise SystemExit("the worker did not start")
             time.sleep(0.05)
         time.sleep(0.3)
-        with mp.get_context("spawn").Pool(max(counts)) as pool:
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as manager, ctx.Pool(max(counts)) as pool:
             for c in counts:
                 n = max(args.ops // c, 100)
                 stats0 = _worker_stats(sock)
                 cpu0 = _cpu_seconds(worker.pid)
-                start_at = time.time() + 0.5
-                res = pool.starmap(_client, [(sock, m, n, start_at, args.size, args.op) for m in range(c)])
+                ready = manager.Barrier(c)
+                res = pool.starmap(_client, [(sock, m, n, ready, args.size, args.op) for m in range(c)])
                 cpu1 = _cpu_seconds(worker.pid)
                 stats1 = _worker_stats(sock)
-                lanes = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in ("lane_requests_polled", "lane_wakeups")}
+                lanes = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in _LANE_STATS}
                 wall = max(r[1] for r in res)
                 p50 = statistics.median(x for r in res for x in r[0]) * 1e6
                 print(
                     f"{args.op} {args.size} B, spin {args.spin_us} us, {c} client(s): {n * c / wall:9.0f} ops/s,"
                     f" p50 {p50:6.1f} us, worker CPU {(cpu1 - cpu0) / (n * c) * 1e6:6.1f} us/op,"
-                    f" polled {lanes['lane_requests_polled']}, lane wake-ups {lanes['lane_wakeups']}",
+                    f" polled {lanes['lane_requests_polled']} in {lanes['lane_poll_spells']} spells"
+                    f" ({lanes['lane_poll_kicks']} kicks), lane wake-ups {lanes['lane_wakeups']}",
                     flush=True,
                 )
     finally:

@@ -52,8 +52,9 @@ def _ops_for(size: int, seconds: float) -> int:
 
 
 # ------------------------------------------------------------------------------------- client jobs
-def _job(system: str, address: str, op: str, me: int, size: int, n: int, start_at: float) -> list[float]:
-    """One client process: n ops of ``op`` on its own keys; returns per-op seconds (first op after start_at)."""
+def _job(system: str, address: str, op: str, me: int, size: int, n: int, ready: Any) -> list[float]:
+    """One client process: n ops of ``op`` on its own keys, started once every client of the row is connected
+    and warmed up (``ready``: a barrier of them all); returns per-op seconds."""
     value = os.urandom(size)
     keys = [f"bench/{me}/{i}" for i in range(KEYS_PER_CLIENT)]
     if system == "redis":
@@ -82,8 +83,9 @@ def _job(system: str, address: str, op: str, me: int, size: int, n: int, start_a
         after = do(k)
         if callable(after):
             after()
-    while time.time() < start_at:
-        time.sleep(0.001)
+    # A fresh pool process imports kvstrata (and torch) first, for longer than a row takes: without the barrier,
+    # a row's clients could run one after another and report each one's solo rate as concurrent.
+    ready.wait(120)
     times = []
     for i in range(n):
         t0 = time.perf_counter()
@@ -95,9 +97,11 @@ def _job(system: str, address: str, op: str, me: int, size: int, n: int, start_a
     return times
 
 
-def _measure(pool: Any, system: str, address: str, op: str, size: int, clients: int, n: int) -> dict[str, Any]:
-    start_at = time.time() + 0.3  # every client starts its loop at the same moment
-    results = pool.starmap(_job, [(system, address, op, me, size, n, start_at) for me in range(clients)])
+def _measure(
+    pool: Any, manager: Any, system: str, address: str, op: str, size: int, clients: int, n: int
+) -> dict[str, Any]:
+    ready = manager.Barrier(clients)  # every client starts its loop at the same moment
+    results = pool.starmap(_job, [(system, address, op, me, size, n, ready) for me in range(clients)])
     return _row(system, op, size, clients, results)
 
 
@@ -334,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         redis_srv = None if args.no_redis else _start_redis(tmp)
         mooncake = None if args.no_mooncake else _start_mooncake(tmp, memory)
-        with ctx.Pool(max(client_counts)) as pool:
+        with ctx.Manager() as manager, ctx.Pool(max(client_counts)) as pool:
             for size in sizes:
                 n = _ops_for(size, args.seconds)
                 for clients in client_counts:
@@ -343,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
                         for system, address in systems:
                             if system == "redis" and op == "get_buffers":
                                 continue
-                            row = _measure(pool, system, address, op, size, clients, n)
+                            row = _measure(pool, manager, system, address, op, size, clients, n)
                             rows.append(row)
                             print(f"  {system:8} {op:11} {size:>9} B x{clients}: {row['ops_per_s']} ops/s", flush=True)
                         if mooncake:

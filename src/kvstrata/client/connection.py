@@ -31,6 +31,10 @@ from kvstrata.transport.stream import pack, unpack
 log = logging.getLogger(__name__)
 #: seconds a lane request is polled for before the worker is asked over the socket, at least
 _LANE_MIN_POLL = 50e-6
+#: ... and at most, while the worker's polling flag stays up and this host has a core for every client (the
+#: worker's lane poller serves many clients' lanes in turn, kvstrata.server.lane_poller: an answer can take a
+#: few of their requests' time, and waking the worker over the socket instead costs it more than the wait)
+_LANE_POLLED_MAX = 2e-3
 
 
 class WorkerConnection:
@@ -212,7 +216,7 @@ class WorkerConnection:
         tell the worker over the socket and wait for its word there (see :mod:`kvstrata.server.lane`)."""
         seq = lane.submit(payload)
         clock, yield_cpu = time.perf_counter, os.sched_yield
-        end = clock() + max(spin, _LANE_MIN_POLL)
+        end = clock() + (_LANE_POLLED_MAX if spin > 0.0 else _LANE_MIN_POLL)
         while not lane.answered(seq):
             if clock() >= end or not lane.polling():
                 self._conn.send({"op": "lane", "seq": seq})

@@ -49,9 +49,10 @@ class LanePoller:
         self.spelling = False
         self._stopped = False
         self._thread: threading.Thread | None = None
-        #: requests served and polling spells begun (the worker's stats)
+        #: requests served, polling spells begun and kicks taken while serving (the worker's stats)
         self.served = 0
         self.spells = 0
+        self.kicks = 0
 
     @property
     def on(self) -> bool:
@@ -79,6 +80,7 @@ class LanePoller:
     def kick(self) -> None:
         """Begin a polling spell if serving and asleep (a client just found its lane unpolled)."""
         if self._on:
+            self.kicks += 1
             self._wake.set()
 
     def stop(self) -> None:

@@ -20,6 +20,8 @@ WORKER_COUNTERS = frozenset(
         "connections",
         "lane_requests_polled",
         "lane_wakeups",
+        "lane_poll_spells",
+        "lane_poll_kicks",
         "puts",
         "gets",
         "deletes",

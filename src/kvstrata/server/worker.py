@@ -170,6 +170,8 @@ class Worker:
         stats["request_errors"] = self.counters["errors"]
         stats["connections"] = self.counters["connections"]
         stats["lane_requests_polled"] = self.lane_poller.served
+        stats["lane_poll_spells"] = self.lane_poller.spells
+        stats["lane_poll_kicks"] = self.lane_poller.kicks
         stats["lane_wakeups"] = self.counters["lane_wakeups"]  # lane requests the client had to wake us for
         stats["uptime_seconds"] = round(time.time() - self.started_at, 3)
         broker = getattr(self, "devobj_broker", None)  # started by the first device-object client
