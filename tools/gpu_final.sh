@@ -118,6 +118,10 @@
 #           the current code (the client waits longer for a polled lane's answer) in turn, twice, 1-24 clients
 #   PART=s15d: tools/probe_worker_clients.py, the current code three times (its lane poller's spells and kicks shown),
 #           then ab_poll/src (the poller's first commit) once, 1-24 clients
+#   PART=s15e: session 15's closing call (nvidia-h200-x2): every GPU test, tools/probe_worker_clients.py (clients started
+#           together) with ab_old/src (the session's start) and the final code in turn, twice, 1-24 clients, bench
+#           store's 4 KiB rows (1 and 8 clients, kvstrata alone) and device rows
+#   PART=s15f: bench device --quick on the final code (the 4 KiB hand-off beside the lane poller)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -468,6 +472,19 @@ elif [ "${PART}" = s15d ]; then
     timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s15e ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_s15e.log" 2>&1
+  tail -3 "$OUT/gpu_tests_s15e.log" | tee -a "$LOG"
+  for v in ab_old new ab_old new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
+    timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
+  bench 120 store --no-redis --no-mooncake --sizes 4KiB --clients 1,8
+elif [ "${PART}" = s15f ]; then
+  bench 200 device --quick
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -5,8 +5,9 @@ A lone client's connection thread busy-polls its own lane (:mod:`kvstrata.server
 connection threads cannot each poll (they would pass the GIL among themselves between any two requests), and
 until now none did: every request woke a sleeping thread in the worker and another in the client, and the
 code after each wake-up runs several times slower than when hot on these VMs. Measured on the 2 x H200 host
-(32 CPUs, ``tools/probe_worker_clients.py``, 4 KiB ``set``): 54k ops/s from one client, 30k from four and
-12.5k from eight (p50 455 us).
+(32 CPUs, ``tools/probe_worker_clients.py``, 4 KiB ``set``, clients started together): 52-54k ops/s from one
+client, but 21-24k from two, 15-18k from eight and 11k from 24 (p50 1.4 ms). With the poller: 79k from two,
+73-80k from eight, 47-57k from 24 (its one thread serves ~80k requests a second).
 
 The poller is one thread for all of them. While lane requests come, it checks every polled client's lane in
 turn (a memory load each) and serves what it finds on its own thread; after ``spin`` seconds without one it

@@ -38,7 +38,7 @@ from kvstrata.transport.stream import MAX_FDS
 
 log = logging.getLogger("kvstrata.worker")
 #: the lane poller serves while at most this many clients per CPU are connected (on the 2-CPU development VM, 4
-#: clients' 4 KiB sets went from 11k to 18-22k ops/s with it, and 8 clients' from 12k to 8-15k)
+#: clients' 4 KiB sets went from 9-10k to 16-18k ops/s with it; past that its clients' polling starves it)
 POLLED_CLIENTS_PER_CPU = 2
 #: one client's local-read cache may pin 1/CACHE_SHARE of the memory tier (kvstrata.client.local_reads)
 CACHE_SHARE = 16
