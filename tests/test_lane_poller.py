@@ -60,7 +60,7 @@ def test_several_clients_small_sets_go_through_their_lanes(worker):
         # The first set after an idle spell goes over the socket and wakes the poller; then the lanes carry
         # them (how many exactly is timing: a loaded machine can outlast the poller's spell between two).
         assert all(n > 0 for n in through_lane), through_lane
-        assert _polled(a) - polled >= sum(through_lane) // 2
+        assert _polled(a) > polled  # served by the poller (a request whose client gave up waiting: by its thread)
         # Once they stop, the poller lowers the flags: the clients use their sockets, nothing is stranded.
         assert wait_for(lambda: not a._backend._lane.polling() and not b._backend._lane.polling(), 5)
         a.set("after/idle", b"socket")
