@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from kvstrata.transport.stream import pack
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _e2e_jobs as jobs
-from test_worker_e2e import start_worker, stop, wait_for
+from test_worker_e2e import SRC, start_worker, stop, wait_for
 
 pytestmark = pytest.mark.skipif(not L.supported(), reason="the lane is offered on x86-64 only")
 
@@ -65,6 +66,19 @@ def test_several_clients_small_sets_go_through_their_lanes(worker):
         assert wait_for(lambda: not a._backend._lane.polling() and not b._backend._lane.polling(), 5)
         a.set("after/idle", b"socket")
         assert b.get("after/idle") == b"socket"
+
+
+def test_status_and_metrics_show_the_pollers_work(worker):
+    with kvstrata.connect(worker) as a, kvstrata.connect(worker) as b:
+        _burst([a, b], 20)
+        env = {**os.environ, "PYTHONPATH": SRC}
+        base = [sys.executable, "-m", "kvstrata.cli.main", "status", "--address", worker]
+        out = subprocess.run(base, env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "lane requests served by the poller" in out.stdout
+        out = subprocess.run([*base, "--prometheus"], env=env, capture_output=True, text=True, timeout=30)
+        polled = [line for line in out.stdout.splitlines() if line.startswith("kvstrata_lane_requests_polled_total ")]
+        assert len(polled) == 1 and float(polled[0].split()[1]) > 0, out.stdout
 
 
 def test_a_lone_client_is_served_by_its_own_thread_again(worker):

@@ -54,6 +54,11 @@ def render(stats: dict[str, Any], address: str) -> str:
         )
     )
     lines.append(f"  requests {stats.get('requests', 0)}   refused {stats.get('request_errors', 0)}")
+    if stats.get("lane_requests_polled") or stats.get("lane_wakeups"):  # several clients' small requests
+        lines.append(
+            f"  lane requests served by the poller {stats['lane_requests_polled']}"
+            f" in {stats.get('lane_poll_spells', 0)} spells   clients' wake-ups {stats.get('lane_wakeups', 0)}"
+        )
     d = stats.get("device_objects")
     if d:
         lines.append(
