@@ -24,7 +24,6 @@ and keeps a departing client's lane from being closed under the poller (:meth:`L
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -33,6 +32,9 @@ if TYPE_CHECKING:
     from kvstrata.server.session import Session
 
 log = logging.getLogger("kvstrata.worker")
+#: the GIL switch interval of a worker process (CPython's default is 5 ms): about the longest a connection
+#: thread waits for the GIL while the poller serves lanes (see LanePoller._spell)
+GIL_SWITCH_S = 100e-6
 
 
 class LanePoller:
@@ -43,7 +45,8 @@ class LanePoller:
         #: seconds without a lane request after which a polling spell ends
         self.spin = spin
         self._sessions: tuple[Session, ...] = ()
-        self._turn = threading.Lock()  # held by the poller through each turn over its sessions
+        self._attach_lock = threading.Lock()  # between connection threads attaching and detaching
+        self._turns = 0  # turns begun (detach waits for the poller to begin a turn on the new sessions)
         self._wake = threading.Event()
         self._on = False
         #: whether a polling spell is on (its flags up): a connection thread leaves the flags to it meanwhile
@@ -70,13 +73,18 @@ class LanePoller:
 
     def attach(self, session: Session) -> None:
         """Poll ``session``'s lane from the next spell on (``session.lane`` must be open)."""
-        with self._turn:
+        with self._attach_lock:
             self._sessions = (*self._sessions, session)
 
     def detach(self, session: Session) -> None:
         """Stop polling ``session``'s lane; on return the poller no longer touches it (so it may be closed)."""
-        with self._turn:  # a turn that read the old tuple is over once this is held
+        with self._attach_lock:
             self._sessions = tuple(s for s in self._sessions if s is not session)
+        # A turn that read the old tuple may still touch the lane: wait until two more began (each reads the
+        # tuple anew), or the poller is between spells. No lock the poller holds: it would keep taking it first.
+        turns = self._turns
+        while self.spelling and self._turns - turns < 2:
+            time.sleep(50e-6)
 
     def kick(self) -> None:
         """Begin a polling spell if serving and asleep (a client just found its lane unpolled)."""
@@ -106,41 +114,50 @@ class LanePoller:
                 self._spell()
             except Exception:  # a bug: say so, and keep the worker serving (the clients fall back to sockets)
                 log.exception("lane poller failed; clients use their sockets until the next spell")
-                with self._turn:
-                    self._flags(False, self._sessions)
+                self._flags(False, self._sessions)
             finally:
                 self.spelling = False
 
     def _spell(self) -> None:
-        """Poll every attached lane until none brought a request for ``spin`` seconds, or serving stops."""
-        clock, yield_cpu, turn, kicked = time.perf_counter, os.sched_yield, self._turn, self._wake.is_set
+        """Poll every attached lane until none brought a request for ``spin`` seconds, or serving stops.
+
+        The loop never gives up the GIL of its own accord. A first version yielded the CPU every turn
+        (``sched_yield``, GIL released and retaken): but each retake also resets CPython's forced switch for
+        every thread waiting for the GIL, and on an idle many-core host the poller retakes it before a woken
+        thread runs, so that thread waited for as long as the spell lasted (measured on the 32-CPU H200 host
+        beside 8 writing clients: a socket request waited up to 2.5 s). Held without a break, the GIL goes to
+        a waiting thread after the switch interval, which a worker process sets to :data:`GIL_SWITCH_S`.
+        (A spell that slept ~60 us every 500 us instead bounded the wait too, but cost its clients 10-40% of
+        their rate on the 2-CPU VM.)
+        """
+        clock, kicked = time.perf_counter, self._wake.is_set
         sessions: tuple[Session, ...] = ()
         end = clock() + self.spin
         while self._on:
             served = False
-            with turn:
-                # Raise the flags of sessions attached since, and all of them after a kick: a client found its
-                # flag down (a connection thread that stopped polling lowered it as this spell began).
-                if self._sessions is not sessions or kicked():
-                    self._wake.clear()
-                    sessions = self._sessions
-                    self._flags(True, sessions)
-                for s in sessions:
-                    lane = s.lane
-                    if lane is not None and lane.pending() and self._serve(s):
-                        served = True
+            self._turns += 1
+            # Raise the flags of sessions attached since, and all of them after a kick: a client found its
+            # flag down (a connection thread that stopped polling lowered it as this spell began).
+            if self._sessions is not sessions or kicked():
+                self._wake.clear()
+                sessions = self._sessions
+                self._flags(True, sessions)
+            for s in sessions:
+                lane = s.lane
+                if lane is not None and lane.pending() and self._serve(s):
+                    served = True
             now = clock()
             if served:
                 end = now + self.spin
             elif now >= end:
                 break
-            yield_cpu()  # releases the GIL: connection threads woken by their sockets run meanwhile
-        with turn:
-            self._flags(False, self._sessions)
-            for s in self._sessions:  # handed over as the flag went down: served now, not at the client's timeout
-                lane = s.lane
-                if lane is not None and lane.pending():
-                    self._serve(s)
+        self._turns += 1
+        sessions = self._sessions
+        self._flags(False, sessions)
+        for s in sessions:  # handed over as the flag went down: served now, not at the client's timeout
+            lane = s.lane
+            if lane is not None and lane.pending():
+                self._serve(s)
 
     @staticmethod
     def _flags(on: bool, sessions: tuple[Session, ...]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -28,7 +29,7 @@ from kvstrata.errors import ClosedError, ConnectionLost, TransportError
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
-from kvstrata.server.lane_poller import LanePoller
+from kvstrata.server.lane_poller import GIL_SWITCH_S, LanePoller
 from kvstrata.server.session import Session
 from kvstrata.server.validity import SLOTS_OFFSET, SPIN_HINT_OFFSET, Validity
 from kvstrata.store.placements import BUCKETS as PLACEMENT_BUCKETS
@@ -116,6 +117,7 @@ class Worker:
         """Block until stop() or SIGTERM/SIGINT (when called from the main thread), then shut down."""
         if threading.current_thread() is threading.main_thread():
             _tune_gc()
+            sys.setswitchinterval(GIL_SWITCH_S)  # the lane poller never pauses on its own (lane_poller._spell)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda signum, frame: self._on_signal(signum))
         while not self._stopped.wait(0.5):
