@@ -124,8 +124,6 @@
 #   PART=s15f: bench device --quick on the final code (the 4 KiB hand-off beside the lane poller)
 #   PART=s15g: tools/probe_worker_mixed.py (a socket request beside 8 writing clients) with ab_old/src (the session's
 #           start), the final code, and the final code with a 0.5 ms GIL switch interval in the worker (XSW), twice
-#   PART=s15h: the poller without voluntary GIL drops: tools/probe_worker_mixed.py (8 writers), then
-#           tools/probe_worker_clients.py (1-8 clients)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -501,11 +499,6 @@ elif [ "${PART}" = s15g ]; then
     timeout 60 python3 tools/probe_worker_mixed.py --writers 8 --seconds 6 >> "$LOG" 2>&1
   done
   unset XSW; export PYTHONPATH="$PWD/src"
-elif [ "${PART}" = s15h ]; then
-  echo "=== tools/probe_worker_mixed.py --writers 8" >> "$LOG"
-  timeout 30 python3 tools/probe_worker_mixed.py --writers 8 --seconds 5 --calls 1500 >> "$LOG" 2>&1
-  echo "=== tools/probe_worker_clients.py" >> "$LOG"
-  timeout 40 python3 tools/probe_worker_clients.py --clients 1,2,4,8 >> "$LOG" 2>&1
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

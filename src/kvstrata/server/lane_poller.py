@@ -6,8 +6,9 @@ connection threads cannot each poll (they would pass the GIL among themselves be
 until now none did: every request woke a sleeping thread in the worker and another in the client, and the
 code after each wake-up runs several times slower than when hot on these VMs. Measured on the 2 x H200 host
 (32 CPUs, ``tools/probe_worker_clients.py``, 4 KiB ``set``, clients started together): 52-54k ops/s from one
-client, but 21-24k from two, 15-18k from eight and 11k from 24 (p50 1.4 ms). With the poller: 79k from two,
-73-80k from eight, 47-57k from 24 (its one thread serves ~80k requests a second).
+client, but 21-24k from two, 15-18k from eight and 11k from 24 (p50 1.4 ms). With the poller's first version
+(which yielded the GIL every turn, see :meth:`LanePoller._spell`): 79k from two, 73-80k from eight, 47-57k
+from 24.
 
 The poller is one thread for all of them. While lane requests come, it checks every polled client's lane in
 turn (a memory load each) and serves what it finds on its own thread; after ``spin`` seconds without one it
