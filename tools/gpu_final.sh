@@ -124,6 +124,10 @@
 #   PART=s15f: bench device --quick on the final code (the 4 KiB hand-off beside the lane poller)
 #   PART=s15g: tools/probe_worker_mixed.py (a socket request beside 8 writing clients) with ab_old/src (the session's
 #           start), the final code, and the final code with a 0.5 ms GIL switch interval in the worker (XSW), twice
+#   PART=s16a: session 16's first call (nvidia-h200-x2): every GPU test, tools/probe_worker_mixed.py --writers 8
+#           with ab_poll/src (the first, yielding poller) and the final code in turn, twice; the same probe's new
+#           --connect mode beside 0 and 1 writers; tools/probe_worker_clients.py 1-24 clients (final, ab_poll, final);
+#           bench device --quick
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -499,6 +503,28 @@ elif [ "${PART}" = s15g ]; then
     timeout 60 python3 tools/probe_worker_mixed.py --writers 8 --seconds 6 >> "$LOG" 2>&1
   done
   unset XSW; export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s16a ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_s16a.log" 2>&1
+  tail -3 "$OUT/gpu_tests_s16a.log" | tee -a "$LOG"
+  nproc >> "$LOG"
+  for v in ab_poll new ab_poll new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_mixed.py --writers 8 ($v code)" >> "$LOG"
+    timeout 60 python3 tools/probe_worker_mixed.py --writers 8 --seconds 6 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
+  for w in 0 1 0 1; do
+    echo "=== tools/probe_worker_mixed.py --writers $w --connect" >> "$LOG"
+    timeout 60 python3 tools/probe_worker_mixed.py --writers $w --connect --calls 300 --seconds 6 >> "$LOG" 2>&1
+  done
+  for v in new ab_poll new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
+    timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
+  bench 150 device --quick
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1
