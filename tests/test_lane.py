@@ -161,3 +161,96 @@ def test_no_lane_when_the_client_does_not_ask(worker, monkeypatch):
         assert kv._backend._lane is None
         kv.set("plain", b"socket")
         assert kv.get("plain") == b"socket"
+        # a lone client without a lane: the worker's thread polls its socket alone, then waits on it
+        for i in range(50):
+            kv.set(f"plain/{i}", bytes([i]) * (i * 1500))
+            assert kv.get(f"plain/{i}") == bytes([i]) * (i * 1500)
+            if i % 10 == 9:
+                time.sleep(0.01)  # past the worker's spin: the next request wakes its thread
+        assert kv.exists([f"plain/{i}" for i in range(50)]) == [True] * 50
+
+
+class _SlowLane:
+    """A lane page whose worker answers ``delay`` seconds after a request, polling until ``polled_for``."""
+
+    def __init__(self, delay: float, polled_for: float = 1.0) -> None:
+        self.delay, self.polled_for, self.sent = delay, polled_for, 0.0
+
+    def submit(self, payload: bytes) -> int:
+        self.sent = time.perf_counter()
+        return 1
+
+    def answered(self, seq: int) -> bool:
+        return time.perf_counter() - self.sent >= self.delay
+
+    def polling(self) -> bool:
+        return time.perf_counter() - self.sent < self.polled_for
+
+    def reply(self) -> bytes:
+        return pack({"ok": 1})
+
+
+class _SocketSide:
+    """The connection's socket as _lane_request uses it: records the ``lane`` messages it is sent."""
+
+    def __init__(self, lane: _SlowLane) -> None:
+        self.lane, self.sent = lane, []
+
+    def send(self, msg: dict) -> None:
+        self.sent.append(msg)
+        self.lane.delay = 0.0  # the worker answers the lane request before its word on the socket
+
+
+def _client_side(lane: _SlowLane):
+    from kvstrata.client.connection import WorkerConnection
+
+    conn = object.__new__(WorkerConnection)
+    conn._conn = _SocketSide(lane)
+    conn._untagged_reply = lambda msg, spin: {"seq": 1}
+    return conn
+
+
+def test_a_slow_answer_under_the_flag_is_waited_for_with_the_gil_let_go():
+    """A polled lane request answered after 5 ms is not handed to the socket (that would wake the worker's
+    thread and slow its poller), and the client's other threads run meanwhile (its naps release the GIL; a
+    wait that held it would fail here; one that only yielded starves them on an idle many-core host, not on a
+    small VM: tools/probe_worker_clients.py --tick measures that on the GPU host)."""
+    import threading
+
+    lane = _SlowLane(delay=5e-3)
+    conn = _client_side(lane)
+    ticks, done = [], threading.Event()
+
+    def other_thread() -> None:  # the application's: it needs the GIL for every turn
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(100e-6)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # no forced switch: the other thread runs only when the GIL is let go
+    thread = threading.Thread(target=other_thread)
+    try:
+        thread.start()
+        time.sleep(0.01)
+        start = time.perf_counter()
+        assert conn._lane_request(lane, b"req", spin=200e-6) == {"ok": 1}
+        end = time.perf_counter()
+    finally:
+        done.set()
+        sys.setswitchinterval(old)
+        thread.join(5)
+    assert conn._conn.sent == []
+    assert end - start >= 5e-3
+    assert sum(start < t < end for t in ticks) >= 5, "the other thread was starved during the wait"
+
+
+@pytest.mark.parametrize(("spin", "polled_for"), [(200e-6, 1e-3), (0.0, 1.0)])
+def test_an_unpolled_or_unadvised_lane_request_asks_over_the_socket(spin, polled_for):
+    """The flag came down (the worker stopped polling), or the worker advises no polling: the client asks for
+    its answer over the socket instead of waiting for it."""
+    lane = _SlowLane(delay=1.0, polled_for=polled_for)
+    conn = _client_side(lane)
+    start = time.perf_counter()
+    assert conn._lane_request(lane, b"req", spin=spin) == {"ok": 1}
+    assert time.perf_counter() - start < 0.5
+    assert conn._conn.sent == [{"op": "lane", "seq": 1}]

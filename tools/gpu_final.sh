@@ -128,6 +128,21 @@
 #           with ab_poll/src (the first, yielding poller) and the final code in turn, twice; the same probe's new
 #           --connect mode beside 0 and 1 writers; tools/probe_worker_clients.py 1-24 clients (final, ab_poll, final);
 #           bench device --quick
+#   PART=s17a: session 17's call (nvidia-h200-x2): every GPU test; with ab_old/src (session 16's code) and the
+#           current code in turn: tools/probe_worker_mixed.py --connect beside 1 writer (twice each) and beside
+#           none, --writers 8 (once each), tools/probe_worker_clients.py 1-24 clients (new, old, new); bench device
+#           --quick
+#   PART=s17b: session 17's second call (nvidia-h200-x2): tools/probe_worker_clients.py --tick, 1-24 clients, with the
+#           current code, ab_nonap/src (the same without the client's naps in long lane waits) and ab_old/src
+#           (session 16's code) in turn, three rounds
+#   PART=s17c: session 17's last call (nvidia-h200-x2, final code): every GPU test, tools/probe_worker_mixed.py
+#           --connect beside 1 writer (twice) and --writers 8; tools/probe_worker_clients.py --tick with the current
+#           code and ab_old/src (session 16's) in turn, three rounds; bench device --quick
+#   PART=s17d: session 17 (nvidia-h200-x2): tools/probe_worker_clients.py --clients 1,2,4 with ab_old/src (session
+#           16's code), the current code and ab_mix/src (the current worker, session 16's client), in balanced orders
+#   PART=s17e: session 17 (nvidia-h200-x2): tools/probe_worker_clients.py --clients 1, four rounds of ab_old/src
+#           (session 16's), the current code and ab_ysched/src (the current code, sched_yield with the GIL held
+#           between socket checks), order rotated
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -525,6 +540,76 @@ elif [ "${PART}" = s16a ]; then
   done
   export PYTHONPATH="$PWD/src"
   bench 150 device --quick
+elif [ "${PART}" = s17a ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_s17a.log" 2>&1
+  tail -3 "$OUT/gpu_tests_s17a.log" | tee -a "$LOG"
+  nproc >> "$LOG"
+  use() { if [ "$1" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$1/src"; fi; }
+  for v in ab_old new ab_old new; do
+    use $v; echo "=== tools/probe_worker_mixed.py --writers 1 --connect ($v code)" >> "$LOG"
+    timeout 60 python3 tools/probe_worker_mixed.py --writers 1 --connect --calls 300 --seconds 6 >> "$LOG" 2>&1
+  done
+  for v in ab_old new; do
+    use $v; echo "=== tools/probe_worker_mixed.py --writers 0 --connect ($v code)" >> "$LOG"
+    timeout 60 python3 tools/probe_worker_mixed.py --writers 0 --connect --calls 300 --seconds 6 >> "$LOG" 2>&1
+  done
+  for v in ab_old new; do
+    use $v; echo "=== tools/probe_worker_mixed.py --writers 8 ($v code)" >> "$LOG"
+    timeout 60 python3 tools/probe_worker_mixed.py --writers 8 --seconds 6 >> "$LOG" 2>&1
+  done
+  for v in new ab_old new; do
+    use $v; echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
+    timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
+  done
+  use new
+  bench 150 device --quick
+elif [ "${PART}" = s17b ]; then
+  nproc >> "$LOG"
+  for r in 1 2 3; do
+    for v in new ab_nonap ab_old; do
+      if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+      echo "=== tools/probe_worker_clients.py --tick ($v code, round $r)" >> "$LOG"
+      timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,24 --tick >> "$LOG" 2>&1
+    done
+  done
+  export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s17c ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/gpu_tests_s17c.log" 2>&1
+  tail -3 "$OUT/gpu_tests_s17c.log" | tee -a "$LOG"
+  nproc >> "$LOG"
+  for r in 1 2; do
+    echo "=== tools/probe_worker_mixed.py --writers 1 --connect (round $r)" >> "$LOG"
+    timeout 60 python3 tools/probe_worker_mixed.py --writers 1 --connect --calls 300 --seconds 6 >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_worker_mixed.py --writers 8" >> "$LOG"
+  timeout 60 python3 tools/probe_worker_mixed.py --writers 8 --seconds 6 >> "$LOG" 2>&1
+  for r in 1 2 3; do
+    for v in new ab_old; do
+      if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+      echo "=== tools/probe_worker_clients.py --tick ($v code, round $r)" >> "$LOG"
+      timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,24 --tick >> "$LOG" 2>&1
+    done
+  done
+  export PYTHONPATH="$PWD/src"
+  bench 150 device --quick
+elif [ "${PART}" = s17d ]; then
+  nproc >> "$LOG"
+  for v in ab_old new ab_mix ab_mix new ab_old new ab_old ab_mix ab_old ab_mix new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_clients.py --clients 1,2,4 ($v code)" >> "$LOG"
+    timeout 60 python3 tools/probe_worker_clients.py --clients 1,2,4 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s17e ]; then
+  nproc >> "$LOG"
+  for v in ab_old new ab_ysched new ab_ysched ab_old ab_ysched ab_old new ab_old ab_ysched new; do
+    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    echo "=== tools/probe_worker_clients.py --clients 1 ($v code)" >> "$LOG"
+    timeout 40 python3 tools/probe_worker_clients.py --clients 1 >> "$LOG" 2>&1
+  done
+  export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s12z ]; then
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests_final.log" 2>&1

@@ -33,9 +33,6 @@ if TYPE_CHECKING:
     from kvstrata.server.session import Session
 
 log = logging.getLogger("kvstrata.worker")
-#: the GIL switch interval of a worker process (CPython's default is 5 ms): about the longest a connection
-#: thread waits for the GIL while the poller serves lanes (see LanePoller._spell)
-GIL_SWITCH_S = 100e-6
 
 
 class LanePoller:
@@ -127,7 +124,8 @@ class LanePoller:
         every thread waiting for the GIL, and on an idle many-core host the poller retakes it before a woken
         thread runs, so that thread waited for as long as the spell lasted (measured on the 32-CPU H200 host
         beside 8 writing clients: a socket request waited up to 2.5 s). Held without a break, the GIL goes to
-        a waiting thread after the switch interval, which a worker process sets to :data:`GIL_SWITCH_S`.
+        a waiting thread after the switch interval, which a worker process sets to
+        :data:`kvstrata.server.gil_spin.GIL_SWITCH_S`.
         (A spell that slept ~60 us every 500 us instead bounded the wait too, but cost its clients 10-40% of
         their rate on the 2-CPU VM.)
         """

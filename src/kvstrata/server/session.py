@@ -14,13 +14,13 @@ import os
 import select
 import threading
 import time
-from select import select as _select
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
 from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, Timeout
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
+from kvstrata.server.gil_spin import ReadyCheck
 from kvstrata.server.handlers import HANDLERS, release
 from kvstrata.transport import Connection
 from kvstrata.transport.stream import MAX_FDS, pack, unpack
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstrata.worker")
 _owner_ids = itertools.count(1)
-#: lane checks per socket check while a connection thread polls both
-_LANE_TURNS = 4
+#: lane checks per socket check while a connection thread polls both (a check: ~0.1 us, against ~1 us)
+_LANE_TURNS = 8
 #: the longest a client may ask the worker to keep polling for its next request (``"linger"``, in us)
 LINGER_MAX_US = 5000
 #: a client's word that the copies of its commits sent ahead of them landed (kvstrata.server.lane) is polled for
@@ -66,6 +66,7 @@ class Session:
         # perf_counter time until which this connection polls for its next request whatever worker.spin says
         # (a request's "linger": the client said another request follows by then, e.g. a device write's commit)
         self.linger_until = 0.0
+        self._ready: ReadyCheck | None = None  # the socket's readiness, checked while polling (made on first use)
 
     def open_lane(self) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -106,8 +107,8 @@ class Session:
     def _next(self) -> tuple[dict, bool]:
         """The next request: ``(message, came through the lane)``.
 
-        With a lane and a worker that busy-polls, both the lane and the socket are polled for
-        ``worker.spin`` seconds (the lane advertised as polled meanwhile), then the socket is waited on.
+        With a worker that busy-polls, the socket and the lane (if any) are polled for ``worker.spin`` seconds
+        (the lane advertised as polled meanwhile), then the socket is waited on.
         """
         if self.landing_tags:
             if not self._drained:  # a request may be read already: serve it first
@@ -120,47 +121,65 @@ class Session:
         if spin > 0.0 and self.linger_until:
             spin = max(spin, self.linger_until - time.perf_counter())
             self.linger_until = 0.0
-        if lane is None or spin <= 0.0:
+        conn = self.conn
+        if spin <= 0.0 or not hasattr(conn, "fileno"):  # (an in-process connection: its client shares our GIL)
             if lane is not None and not self.worker.lane_poller.spelling:  # (the poller's flag while it polls)
                 lane.set_polling(False)
-            return self._recv(self.conn.recv(spin=spin)), False
-        # The flag stays up while a request is handled too: the client polls for the answer meanwhile.
-        lane.set_polling(True)
-        conn = self.conn
-        if not self._drained:  # frames already read into the connection's buffer show only here, not to select
+            return self._recv(conn.recv(spin=spin)), False
+        if lane is not None:  # the flag stays up while a request is handled too: the client polls for the answer
+            lane.set_polling(True)
+        if not self._drained:  # frames already read into the connection's buffer show only here, not to poll
             try:
                 return self._recv(conn.recv(timeout=0)), False
             except Timeout:  # ~7 us: not repeated until a socket read could have buffered another frame
                 self._drained = True
-        clock, yield_cpu, pending, select, fd = time.perf_counter, os.sched_yield, lane.pending, _select, conn.fileno()
+        got = self._poll_for_request(lane, spin)
+        if got is not None:
+            return got
+        if lane is not None:
+            if not self.worker.lane_poller.spelling:  # (else the poller raised the flag and polls the lane now)
+                lane.set_polling(False)
+            if lane.pending():  # handed over while the flag went down
+                taken = self._take_lane(lane)
+                if taken is not None:
+                    return taken, True
+        return self._recv(conn.recv()), False
+
+    def _poll_for_request(self, lane: _lane.Lane | None, spin: float) -> tuple[dict, bool] | None:
+        """The next request if one comes within ``spin`` seconds of polling the lane (if any) and the socket.
+
+        The GIL is never given up here (kvstrata.server.gil_spin): the worker's other threads get it at the
+        switch interval. A loop that yielded each turn kept a new client's connect waiting for tens of ms.
+        """
+        conn = self.conn
+        clock, ready = time.perf_counter, self._ready
+        if ready is None:
+            try:
+                ready = self._ready = ReadyCheck(conn.fileno())
+            except (OSError, ValueError) as exc:  # closed meanwhile: its descriptor reads -1
+                raise ClosedError("connection closed by the worker") from exc
+        pending = lane.pending if lane is not None else None
         end = clock() + spin
         while True:
             # the lane is checked every turn (a memory load), the socket every few (a system call)
-            for _ in range(_LANE_TURNS):
-                if pending():
-                    taken = self._take_lane(lane)
-                    if taken is not None:
-                        return taken, True
-                yield_cpu()
+            if pending is not None:
+                for _ in range(_LANE_TURNS):
+                    if pending():
+                        taken = self._take_lane(lane)  # type: ignore[arg-type]
+                        if taken is not None:
+                            return taken, True
+            if conn.closed:  # its descriptor may be another file's by now: never poll it again
+                raise ClosedError("connection closed by the worker")
             try:
-                readable = select([fd], (), (), 0)[0]
-            except (OSError, ValueError) as exc:  # the worker closed the connection (shutting down) meanwhile
+                readable = ready()
+            except OSError as exc:  # the worker closed the connection (shutting down) meanwhile
                 if conn.closed:
                     raise ClosedError("connection closed by the worker") from exc
                 raise ConnectionLost(f"connection of client {self.name} failed: {exc}") from exc
             if readable:
                 return self._recv(conn.recv()), False
-            if conn.closed:  # its descriptor may be another file's by now: never poll it again
-                raise ClosedError("connection closed by the worker")
             if clock() >= end:
-                break
-        if not self.worker.lane_poller.spelling:  # (else the poller raised the flag and polls the lane now)
-            lane.set_polling(False)
-        if lane.pending():  # handed over while the flag went down
-            taken = self._take_lane(lane)
-            if taken is not None:
-                return taken, True
-        return self._recv(conn.recv()), False
+                return None
 
     def _take_lane(self, lane: _lane.Lane) -> dict | None:
         """The lane's pending request, taken under its lock; None if the lane poller took it first."""

@@ -29,7 +29,8 @@ from kvstrata.errors import ClosedError, ConnectionLost, TransportError
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
-from kvstrata.server.lane_poller import GIL_SWITCH_S, LanePoller
+from kvstrata.server.gil_spin import GIL_SWITCH_S
+from kvstrata.server.lane_poller import LanePoller
 from kvstrata.server.session import Session
 from kvstrata.server.validity import SLOTS_OFFSET, SPIN_HINT_OFFSET, Validity
 from kvstrata.store.placements import BUCKETS as PLACEMENT_BUCKETS
@@ -117,7 +118,7 @@ class Worker:
         """Block until stop() or SIGTERM/SIGINT (when called from the main thread), then shut down."""
         if threading.current_thread() is threading.main_thread():
             _tune_gc()
-            sys.setswitchinterval(GIL_SWITCH_S)  # the lane poller never pauses on its own (lane_poller._spell)
+            sys.setswitchinterval(GIL_SWITCH_S)  # polling threads never pause on their own (server.gil_spin)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda signum, frame: self._on_signal(signum))
         while not self._stopped.wait(0.5):

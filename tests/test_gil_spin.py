@@ -1,0 +1,78 @@
+"""kvstrata.server.gil_spin: a socket readiness check for busy-polling threads that keeps the GIL."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from kvstrata.server.gil_spin import ReadyCheck
+
+
+def test_ready_when_data_or_hang_up_and_not_before():
+    a, b = socket.socketpair()
+    ready = ReadyCheck(a.fileno())
+    assert not ready()
+    b.send(b"x")
+    assert ready()
+    assert a.recv(1) == b"x"
+    assert not ready()
+    b.close()  # a read would not block (it returns EOF): ready
+    assert ready()
+    a.close()
+
+
+def test_a_closed_descriptor_is_an_error_not_a_silent_false():
+    a, b = socket.socketpair()
+    ready = ReadyCheck(a.fileno())
+    a.close()
+    with pytest.raises(OSError, match="not open"):
+        ready()
+    b.close()
+
+
+@pytest.mark.parametrize("fd", [-1, "3", None])
+def test_bad_descriptors_are_refused(fd):
+    with pytest.raises(ValueError, match="fd"):
+        ReadyCheck(fd)
+
+
+def test_the_check_keeps_the_gil():
+    """While one thread polls with the check, a thread woken meanwhile runs only once the poller lets go:
+    the check itself never hands the GIL over (with a 10 s switch interval, CPython takes it away later)."""
+    a, b = socket.socketpair()
+    r, w = os.pipe()
+    woke: list[float] = []
+
+    def sleeper() -> None:
+        os.read(r, 1)  # blocks without the GIL
+        woke.append(time.perf_counter())
+
+    ready = ReadyCheck(a.fileno())
+    old = sys.getswitchinterval()
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    time.sleep(0.05)  # the sleeper is in its read
+    sys.setswitchinterval(10.0)
+    try:
+        os.write(w, b"x")  # the sleeper's read returns; it now waits for the GIL
+        end = time.perf_counter() + 0.1
+        polls = 0
+        while time.perf_counter() < end:
+            assert not ready()
+            polls += 1
+        spun_until = time.perf_counter()
+        assert not woke, "the sleeper ran while the poller held the GIL"
+    finally:
+        sys.setswitchinterval(old)
+    thread.join(5)  # releases the GIL
+    assert woke and woke[0] >= spun_until
+    assert polls > 100
+    for fd in (r, w):
+        os.close(fd)
+    a.close()
+    b.close()
