@@ -150,6 +150,25 @@ set -uo pipefail
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/kvstrata-out}"; mkdir -p "$OUT"
 LOG="$OUT/part_${PART:-a}.log"
+use() {  # use <variant>: run the current src (new) or <variant>/src (another version's) from here on
+  if [ "$1" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$1/src"; fi
+}
+gpu_tests() {  # gpu_tests <name>: every GPU test, the log in $OUT/<name>.log, its last lines in the combined log
+  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    > "$OUT/$1.log" 2>&1
+  tail -3 "$OUT/$1.log" | tee -a "$LOG"
+}
+tick_rounds() {  # tick_rounds <rounds> <variant>...: tools/probe_worker_clients.py --tick per variant, round by round
+  local rounds=$1 r v; shift
+  for r in $(seq "$rounds"); do
+    for v in "$@"; do
+      use "$v"
+      echo "=== tools/probe_worker_clients.py --tick ($v code, round $r)" >> "$LOG"
+      timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,24 --tick >> "$LOG" 2>&1
+    done
+  done
+  use new
+}
 bench() {  # bench <seconds> <job> [args...]
   local limit=$1; shift
   echo "=== kvstrata bench $* ($(date -u +%FT%TZ))" | tee -a "$LOG"
@@ -160,7 +179,7 @@ bench() {  # bench <seconds> <job> [args...]
 store_ab() {  # store_ab <dir>: bench store's device rows with <dir>/src and the current src in turn, twice each
   local v
   for v in "$1" new "$1" new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   done
   export PYTHONPATH="$PWD/src"
@@ -323,11 +342,11 @@ elif [ "${PART}" = s9b ]; then
   timeout 120 python3 tools/trace_store_device.py --profile >> "$LOG" 2>&1
 elif [ "${PART}" = s9c ]; then
   for v in ab_old ab_fewer new ab_old ab_fewer new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   done
   for v in ab_old ab_fewer new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
@@ -347,7 +366,7 @@ elif [ "${PART}" = s10a ]; then
   KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_client_device.py tests/test_acquire_batches.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
   for v in ab_old new ab_old new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
     echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"; timeout 40 python3 tools/trace_store_device.py >> "$LOG" 2>&1
   done
@@ -396,9 +415,7 @@ elif [ "${PART}" = s11d ]; then
   done
   echo "=== tools/probe_pause.py" >> "$LOG"; timeout 30 python3 tools/probe_pause.py >> "$LOG" 2>&1
 elif [ "${PART}" = s14a ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_final.log" 2>&1
-  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_final
   for d in 0,1 0,0; do
     echo "=== tools/probe_handoff_floor.py --devices $d --iters 100" >> "$LOG"
     timeout 90 python3 tools/probe_handoff_floor.py --devices $d --iters 100 >> "$LOG" 2>&1
@@ -445,9 +462,7 @@ elif [ "${PART}" = s14f ] || [ "${PART}" = s14h ]; then
   echo "=== tools/probe_async_calls.py --iters 8" >> "$LOG"
   timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
 elif [ "${PART}" = s14g ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_final.log" 2>&1
-  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_final
   store_ab ab_old
   echo "=== tools/probe_async_calls.py --iters 8" >> "$LOG"
   timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
@@ -458,9 +473,7 @@ elif [ "${PART}" = s14i ]; then
 elif [ "${PART}" = s14j ]; then
   store_ab ab_old
 elif [ "${PART}" = s15a ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_s15a.log" 2>&1
-  tail -3 "$OUT/gpu_tests_s15a.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_s15a
   nproc >> "$LOG"
   for v in "1 200" "8 200" "1 0"; do
     set -- $v
@@ -471,7 +484,7 @@ elif [ "${PART}" = s15a ]; then
 elif [ "${PART}" = s15b ]; then
   nproc >> "$LOG"
   for v in ab_old new ab_old new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
     timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16 >> "$LOG" 2>&1
   done
@@ -481,24 +494,22 @@ elif [ "${PART}" = s15b ]; then
 elif [ "${PART}" = s15c ]; then
   nproc >> "$LOG"
   for v in ab_old ab_poll new ab_old ab_poll new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
     timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s15d ]; then
   for v in new new new ab_poll; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
     timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s15e ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_s15e.log" 2>&1
-  tail -3 "$OUT/gpu_tests_s15e.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_s15e
   for v in ab_old new ab_old new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
     timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
   done
@@ -519,12 +530,10 @@ elif [ "${PART}" = s15g ]; then
   done
   unset XSW; export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s16a ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_s16a.log" 2>&1
-  tail -3 "$OUT/gpu_tests_s16a.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_s16a
   nproc >> "$LOG"
   for v in ab_poll new ab_poll new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_mixed.py --writers 8 ($v code)" >> "$LOG"
     timeout 60 python3 tools/probe_worker_mixed.py --writers 8 --seconds 6 >> "$LOG" 2>&1
   done
@@ -534,18 +543,15 @@ elif [ "${PART}" = s16a ]; then
     timeout 60 python3 tools/probe_worker_mixed.py --writers $w --connect --calls 300 --seconds 6 >> "$LOG" 2>&1
   done
   for v in new ab_poll new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_clients.py ($v code)" >> "$LOG"
     timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,16,24 >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
   bench 150 device --quick
 elif [ "${PART}" = s17a ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_s17a.log" 2>&1
-  tail -3 "$OUT/gpu_tests_s17a.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_s17a
   nproc >> "$LOG"
-  use() { if [ "$1" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$1/src"; fi; }
   for v in ab_old new ab_old new; do
     use $v; echo "=== tools/probe_worker_mixed.py --writers 1 --connect ($v code)" >> "$LOG"
     timeout 60 python3 tools/probe_worker_mixed.py --writers 1 --connect --calls 300 --seconds 6 >> "$LOG" 2>&1
@@ -566,18 +572,9 @@ elif [ "${PART}" = s17a ]; then
   bench 150 device --quick
 elif [ "${PART}" = s17b ]; then
   nproc >> "$LOG"
-  for r in 1 2 3; do
-    for v in new ab_nonap ab_old; do
-      if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
-      echo "=== tools/probe_worker_clients.py --tick ($v code, round $r)" >> "$LOG"
-      timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,24 --tick >> "$LOG" 2>&1
-    done
-  done
-  export PYTHONPATH="$PWD/src"
+  tick_rounds 3 new ab_nonap ab_old
 elif [ "${PART}" = s17c ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_s17c.log" 2>&1
-  tail -3 "$OUT/gpu_tests_s17c.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_s17c
   nproc >> "$LOG"
   for r in 1 2; do
     echo "=== tools/probe_worker_mixed.py --writers 1 --connect (round $r)" >> "$LOG"
@@ -585,19 +582,12 @@ elif [ "${PART}" = s17c ]; then
   done
   echo "=== tools/probe_worker_mixed.py --writers 8" >> "$LOG"
   timeout 60 python3 tools/probe_worker_mixed.py --writers 8 --seconds 6 >> "$LOG" 2>&1
-  for r in 1 2 3; do
-    for v in new ab_old; do
-      if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
-      echo "=== tools/probe_worker_clients.py --tick ($v code, round $r)" >> "$LOG"
-      timeout 90 python3 tools/probe_worker_clients.py --clients 1,2,4,8,24 --tick >> "$LOG" 2>&1
-    done
-  done
-  export PYTHONPATH="$PWD/src"
+  tick_rounds 3 new ab_old
   bench 150 device --quick
 elif [ "${PART}" = s17d ]; then
   nproc >> "$LOG"
   for v in ab_old new ab_mix ab_mix new ab_old new ab_old ab_mix ab_old ab_mix new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_clients.py --clients 1,2,4 ($v code)" >> "$LOG"
     timeout 60 python3 tools/probe_worker_clients.py --clients 1,2,4 >> "$LOG" 2>&1
   done
@@ -605,15 +595,13 @@ elif [ "${PART}" = s17d ]; then
 elif [ "${PART}" = s17e ]; then
   nproc >> "$LOG"
   for v in ab_old new ab_ysched new ab_ysched ab_old ab_ysched ab_old new ab_old ab_ysched new; do
-    if [ "$v" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$v/src"; fi
+    use "$v"
     echo "=== tools/probe_worker_clients.py --clients 1 ($v code)" >> "$LOG"
     timeout 40 python3 tools/probe_worker_clients.py --clients 1 >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
 elif [ "${PART}" = s12z ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_final.log" 2>&1
-  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_final
   for d in 0,1 0,0; do
     echo "=== tools/probe_handoff.py --devices $d --iters 150" >> "$LOG"
     timeout 120 python3 tools/probe_handoff.py --devices $d --iters 150 2>&1 | grep -v Producer >> "$LOG"
@@ -630,9 +618,7 @@ elif [ "${PART}" = s12a ] || [ "${PART}" = s12b ] || [ "${PART}" = s12y ]; then
   [ "${PART}" = s12a ] && bench 150 device --quick --wait 30
   [ "${PART}" = s12y ] && bench 150 device --quick --broadcast-gib 8 --wait 30
 elif [ "${PART}" = s11z ]; then
-  KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
-    > "$OUT/gpu_tests_final.log" 2>&1
-  tail -3 "$OUT/gpu_tests_final.log" | tee -a "$LOG"
+  gpu_tests gpu_tests_final
   echo "=== tools/probe_handoff.py --devices 0,1 --iters 150" >> "$LOG"
   timeout 120 python3 tools/probe_handoff.py --devices 0,1 --iters 150 >> "$LOG" 2>&1
   bench 150 device --quick --broadcast-gib 8 --wait 30
