@@ -45,6 +45,26 @@ def test_repeated_gets_skip_the_worker(worker):
         assert kv._backend._local.hits >= 200
 
 
+def test_a_pipelined_reply_waiting_on_the_socket_does_not_turn_the_cache_off(worker):
+    # A cached read checks that the worker is there by the socket not being readable (EOF); a reply to an
+    # earlier pipelined request, already in, makes it readable too, and must not send the read to the worker
+    # (a batched device read asks for its cold keys, then looks up the next stage's while that answer comes).
+    import select
+
+    with kvstrata.connect(worker.address) as kv:
+        kv.set("hot", b"v" * 4096)
+        assert kv.get("hot") == b"v" * 4096  # leases it
+        backend = kv._backend
+        tag = backend.send_tagged({"op": "ping"})
+        assert select.select([backend._conn.fileno()], [], [], 5)[0]  # the reply is in, not read yet
+        before = requests(worker)
+        assert kv.get("hot") == b"v" * 4096
+        assert requests(worker) == before  # the ping's alone
+        backend.tagged_reply(tag)
+        assert kv.get("hot") == b"v" * 4096
+        assert requests(worker) == before
+
+
 def test_changes_by_others_are_seen_at_once(worker):
     with kvstrata.connect(worker.address) as reader, kvstrata.connect(worker.address) as writer:
         writer.set("k", b"one")

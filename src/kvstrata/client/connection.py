@@ -14,6 +14,7 @@ import itertools
 import logging
 import operator
 import os
+import select
 import threading
 import time
 from typing import Any
@@ -122,6 +123,7 @@ class WorkerConnection:
         # kept here by tag until their sender collects them (replies come in request order).
         self._stash: dict[int, dict] = {}
         self._tag = 0
+        self._read_tag = 0  # the tag of the last pipelined reply read off the connection
         self._landing_last = 0  # the tag of the last commit sent ahead of its copies (RemoteBackend.can_land)
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
 
@@ -171,6 +173,7 @@ class WorkerConnection:
                     self._conn.close()
                     raise ProtocolError(f"worker sent a reply nobody asked for while {tag} was awaited")
                 self._stash[got] = reply
+                self._read_tag = got
             reply = self._stash.pop(tag)
         if "err" in reply:
             raise P.error_from_record(reply["err"])
@@ -204,6 +207,13 @@ class WorkerConnection:
             if tag is None:
                 return reply
             self._stash[tag] = reply
+            self._read_tag = tag
+
+    def _worker_there(self) -> bool:
+        """Whether the worker is still there, as far as this client can tell with no round trip (call under the
+        lock): a dead one makes the socket readable at EOF. A socket readable while a pipelined reply is due
+        holds that reply; the worker is taken as there (the reply, or the loss, comes to whoever reads it)."""
+        return self._read_tag != self._tag or not select.select([self._conn.fileno()], [], [], 0)[0]
 
     def _read_reply(self, msg: dict, spin: float) -> dict:
         """The next reply on the connection, its new segments mapped (call under the lock)."""

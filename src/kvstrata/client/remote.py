@@ -9,7 +9,6 @@ segments are :class:`~kvstrata.client.connection.WorkerConnection`'s.
 from __future__ import annotations
 
 import os
-import select
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -173,7 +172,7 @@ class RemoteBackend(WorkerConnection):
                 loc = local.lookup(key)
                 # Still current, and the worker still there (a dead one makes its socket readable at EOF):
                 # straight out of shared memory, no round trip.
-                if loc is not None and not select.select([self._conn.fileno()], [], [], 0)[0]:
+                if loc is not None and self._worker_there():
                     return bytes(self._segments[loc.segment].buffer[loc.offset : loc.offset + loc.size])
         reply = self.request({"op": "get", "key": key, "timeout": timeout, "cache": True})
         if not reply.get("cache"):
@@ -246,7 +245,7 @@ class RemoteBackend(WorkerConnection):
                     got = local.entries(keys)
                     # Served only while the worker is there (a dead one makes its socket readable at EOF); where no
                     # entry is current (a cold read) the request finds out, with no system call here.
-                    if got.count(None) != n and not select.select([self._conn.fileno()], [], [], 0)[0]:
+                    if got.count(None) != n and self._worker_there():
                         holders = self._holders
                         for i, entry in enumerate(got):
                             if entry is not None:
