@@ -143,6 +143,27 @@
 #   PART=s17e: session 17 (nvidia-h200-x2): tools/probe_worker_clients.py --clients 1, four rounds of ab_old/src
 #           (session 16's), the current code and ab_ysched/src (the current code, sched_yield with the GIL held
 #           between socket checks), order rotated
+#   PART=s18a: session 18's first look (nvidia-h200, one GPU: DEVS=0,0; DEVS=0,1 on the pair): tools/probe_handoff_floor.py
+#           and tools/probe_handoff.py --trace (where the isolated 4 KiB hand-off's time goes now), probe_handoff_steps,
+#           bench store's device rows twice
+#   PART=s18b: tools/probe_handoff.py --variants on,owarm,rhot,hot --trace (DEVS; the host's share of the isolated
+#           hand-off: owner's core kept busy, reader still polling, both), tools/trace_store_device.py and bench
+#           store's device rows, twice
+#   PART=s18c: tools/probe_handoff.py --variants on,off (DEVS) with every busy-poll on (the defaults), the worker's
+#           off (KVSTRATA_SPIN_US=0), the clients' off (device-object reply, lead and result spins 0), and all off
+#   PART=s18z: session 18's closing call (final code): every GPU test, bench store's device rows twice,
+#           tools/trace_store_device.py
+#   PART=s18y: bench store's device rows with ab_old/src (session 17's code, d8cc224) and the final code in turn,
+#           twice each (A/B/A/B), then tools/trace_store_device.py with each
+#   PART=s18x: as s18y in the other order (new, ab_old, ab_old, new): bench store's device rows, then
+#           tools/trace_store_device.py with each
+#   PART=s18w: tools/probe_store_ops.py (the requests behind each bench-store device row, and its time) with
+#           ab_old/src and the final code in turn, twice (call 7 ran a scratch copy that also printed the cache's size)
+#   PART=s18v: tools/probe_handoff.py --variants on (DEVS) with ab_diag/src (the final code, its reader timing the
+#           4 KiB copy call's wall and thread CPU time, untracked diagnostic), twice
+#   PART=s18u: bench store's device rows with ab_old/src and the final code in ABBA order twice (8 runs)
+#   PART=s18t: bench store's device rows with async_mset_d2h on two pool threads (as shipped) and on one
+#           (KVSTRATA_ASYNC_MSET_THREADS=1, an experiment knob of this call's code, removed after it), 2 1 1 2 2 1 1 2
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -600,6 +621,78 @@ elif [ "${PART}" = s17e ]; then
     timeout 40 python3 tools/probe_worker_clients.py --clients 1 >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s18a ]; then
+  nproc >> "$LOG"
+  echo "=== tools/probe_handoff_floor.py --devices ${DEVS} --iters 100" >> "$LOG"
+  timeout 120 python3 tools/probe_handoff_floor.py --devices "${DEVS}" --iters 100 2>&1 | grep -v Producer >> "$LOG"
+  echo "=== tools/probe_handoff.py --devices ${DEVS} --iters 120 --trace" >> "$LOG"
+  timeout 150 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 120 --trace 2>&1 | grep -v Producer >> "$LOG"
+  echo "=== tools/probe_handoff_steps.py" >> "$LOG"
+  timeout 120 python3 tools/probe_handoff_steps.py >> "$LOG" 2>&1
+  store_twice
+elif [ "${PART}" = s18b ]; then
+  nproc >> "$LOG"
+  echo "=== tools/probe_handoff.py --devices ${DEVS} --iters 100 --variants on,owarm,rhot,hot --trace" >> "$LOG"
+  timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 100 --variants on,owarm,rhot,hot --trace 2>&1 \
+    | grep -v Producer >> "$LOG"
+  for r in 1 2; do
+    echo "=== tools/trace_store_device.py (round $r)" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+    bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1; cp "$OUT/store.json" "$OUT/store_$r.json"
+  done
+elif [ "${PART}" = s18c ]; then
+  nproc >> "$LOG"
+  cspin="KVSTRATA_DEVOBJ_SPIN_US=0 KVSTRATA_DEVOBJ_LEAD_SPIN_US=0 KVSTRATA_DEVOBJ_RESULT_SPIN_US=0"
+  for r in 1 2; do
+    for v in default "KVSTRATA_SPIN_US=0" "$cspin" "KVSTRATA_SPIN_US=0 $cspin"; do
+      echo "=== tools/probe_handoff.py --devices ${DEVS} --iters 60 --trace, spins: $v (round $r)" >> "$LOG"
+      # shellcheck disable=SC2086
+      env $( [ "$v" = default ] || echo $v ) timeout 120 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 60 \
+        --trace 2>&1 | grep -v Producer | grep -v "worker:\|kvstrata-devobj-poll" >> "$LOG"
+    done
+  done
+elif [ "${PART}" = s18z ]; then
+  gpu_tests gpu_tests_s18z
+  store_twice
+  echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+elif [ "${PART}" = s18y ]; then
+  store_ab ab_old
+  for v in ab_old new; do
+    use "$v"; echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"
+    timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  done
+  use new
+elif [ "${PART}" = s18x ]; then
+  for v in new ab_old ab_old new; do
+    use "$v"; echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  for v in new ab_old; do
+    use "$v"; echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"
+    timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  done
+  use new
+elif [ "${PART}" = s18w ]; then
+  for v in ab_old new ab_old new; do
+    use "$v"; echo "=== tools/probe_store_ops.py ($v code)" >> "$LOG"; timeout 90 python3 tools/probe_store_ops.py >> "$LOG" 2>&1
+  done
+  use new
+elif [ "${PART}" = s18v ]; then
+  use ab_diag
+  for r in 1 2; do
+    echo "=== tools/probe_handoff.py --devices ${DEVS} --iters 100 --variants on (ab_diag code, round $r)" >> "$LOG"
+    timeout 120 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 100 --variants on 2>&1 | grep -v Producer >> "$LOG"
+  done
+  use new
+elif [ "${PART}" = s18u ]; then
+  for v in ab_old new new ab_old ab_old new new ab_old; do
+    use "$v"; echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  use new
+elif [ "${PART}" = s18t ]; then
+  for t in 2 1 1 2 2 1 1 2; do
+    export KVSTRATA_ASYNC_MSET_THREADS=$t; echo "=== (async_mset_d2h threads: $t)" >> "$LOG"
+    bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  unset KVSTRATA_ASYNC_MSET_THREADS
 elif [ "${PART}" = s12z ]; then
   gpu_tests gpu_tests_final
   for d in 0,1 0,0; do

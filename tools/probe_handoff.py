@@ -6,7 +6,10 @@ included) before the next; back to back: the next subscribe as soon as the reade
 the owner's publish call to the reader's future done (one monotonic clock for the node). Variants go in the
 order on, off, off, on, ... so neither always runs first. ``--trace`` prints the median per step of the
 isolated rounds per variant (``KVSTRATA_DEVOBJ_TRACE=1`` in the children). Variants: ``on`` (the publisher
-offers, the default) and ``off`` (no offers: the broker's match alone).
+offers, the default) and ``off`` (no offers: the broker's match alone); and, to tell the host's share of an
+isolated hand-off from kvstrata's (offers on in each): ``owarm`` (the owner busy-waits its quiet time instead of
+sleeping, so its core never idles), ``rhot`` (the reader's leading waiter polls up to 20 ms instead of its
+default budget, so it is still polling when the offer comes) and ``hot`` (both).
 
     PYTHONPATH=src python3 tools/probe_handoff.py [--devices 0,0] [--iters 200] [--variants on,off] [--trace]
 """
@@ -25,8 +28,19 @@ from kvstrata.bench._procs import device_client
 from kvstrata.bench.device import QUIET_S, _ctx, _get, _pattern, _spawn, _wait
 
 MODES = ("isolated", "back to back")
-#: on: the publisher offers (the default); off: no offers
-VARIANTS = ("on", "off")
+#: on: the publisher offers (the default); off: no offers; owarm / rhot / hot: on, with the owner's core kept busy
+#: through its quiet time / the reader polling until the offer comes / both (see the module's docstring)
+VARIANTS = ("on", "off", "owarm", "rhot", "hot")
+_OWNER_WARM = ("owarm", "hot")
+_READER_HOT = ("rhot", "hot")
+#: the reader's leading-waiter polling budget in the rhot / hot variants (seconds)
+_HOT_SPIN_S = 0.02
+
+
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
@@ -44,7 +58,10 @@ def owner(address: str, device: int, rounds: int, ctl: dict) -> dict:
         i, mode, variant = _get(ctl["req"], "owner: next hand-off")
         if mode == "isolated" and prev is not None:
             _wait(prev, f"owner: release of h/{i - 1}")
-            time.sleep(QUIET_S)
+            if variant in _OWNER_WARM:
+                _busy_wait(QUIET_S)
+            else:
+                time.sleep(QUIET_S)
         dev.send_offers = variant != "off"
         debug.trace_take()
         t_pub[i] = time.perf_counter()
@@ -68,6 +85,7 @@ def reader(address: str, device: int, iters: int, variants: list[str], ctl: dict
     d = torch.zeros(4096, dtype=torch.uint8, device=device)
     want = _pattern(4096, device)
     done, traces = {}, {}
+    spin = dev._lead_spin
     i = 0
     for mode in MODES:
         order = variants + variants[::-1]  # a, b, c, c, b, a: no variant always first
@@ -76,6 +94,7 @@ def reader(address: str, device: int, iters: int, variants: list[str], ctl: dict
             if mode == "isolated":
                 time.sleep(QUIET_S)
             d.zero_()
+            dev._lead_spin = _HOT_SPIN_S if variant in _READER_HOT else spin
             (f,) = c.dev_subscribe([f"h/{i}"], [[d]], timeout=600)
             debug.trace_take()
             ctl["req"].put((i, mode, variant))
@@ -113,7 +132,10 @@ def main() -> int:
         ap.error(f"--variants: of {', '.join(VARIANTS)}")
     rounds = len(MODES) * len(variants) * args.iters
     with tempfile.TemporaryDirectory() as tmp:
-        worker = Worker(WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="")).start()
+        # KVSTRATA_SPIN_US, as for `kvstrata worker` and bench device: how long connection threads poll (0: never)
+        spin = float(os.environ.get("KVSTRATA_SPIN_US", WorkerConfig.spin_us))
+        config = WorkerConfig(socket=str(Path(tmp) / "kv.sock"), memory=64 << 20, disk_dir="", spin_us=spin)
+        worker = Worker(config).start()
         try:
             ctx = _ctx()
             ctl = {"req": ctx.Queue(), "done": ctx.Event()}

@@ -40,8 +40,8 @@ def _client(address: str, me: int, n: int, ready: Any, size: int, op: str, tick:
     ready.wait(120)  # every client of the row connected and warmed up (a fresh process imports kvstrata first)
     late: list[float] = []
     done = threading.Event()
-    ticker = threading.Thread(target=_tick, args=(done, late), daemon=True)
-    if tick:
+    ticker = threading.Thread(target=_tick, args=(done, late), daemon=True) if tick else None
+    if ticker is not None:
         ticker.start()
     times = []
     t_start = time.perf_counter()
@@ -51,7 +51,7 @@ def _client(address: str, me: int, n: int, ready: Any, size: int, op: str, tick:
         times.append(time.perf_counter() - t0)
     wall = time.perf_counter() - t_start
     done.set()
-    if tick:
+    if ticker is not None:
         ticker.join()
     kv.close()
     return times, wall, late
