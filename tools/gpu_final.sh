@@ -197,13 +197,24 @@ bench() {  # bench <seconds> <job> [args...]
   echo "rc=$?" >> "$LOG"
   rm -f "$OUT"/*.png
 }
-store_ab() {  # store_ab <dir>: bench store's device rows with <dir>/src and the current src in turn, twice each
+store_rows() {  # store_rows <variant>...: bench store's device rows with each variant's code (see use), in order
   local v
-  for v in "$1" new "$1" new; do
+  for v in "$@"; do
     use "$v"
     echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   done
-  export PYTHONPATH="$PWD/src"
+  use new
+}
+store_traces() {  # store_traces <variant>...: tools/trace_store_device.py with each variant's code, in order
+  local v
+  for v in "$@"; do
+    use "$v"; echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"
+    timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
+  done
+  use new
+}
+store_ab() {  # store_ab <dir>: bench store's device rows with <dir>/src and the current src in turn, twice each
+  store_rows "$1" new "$1" new
 }
 table_ab() {  # table_ab <variant>...: bench store's device rows per variant in turn: new (the placement table on),
   # off (the same code, KVSTRATA_PLACEMENT_TABLE=0), or a folder holding another version's src
@@ -656,20 +667,10 @@ elif [ "${PART}" = s18z ]; then
   echo "=== tools/trace_store_device.py" >> "$LOG"; timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
 elif [ "${PART}" = s18y ]; then
   store_ab ab_old
-  for v in ab_old new; do
-    use "$v"; echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"
-    timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
-  done
-  use new
+  store_traces ab_old new
 elif [ "${PART}" = s18x ]; then
-  for v in new ab_old ab_old new; do
-    use "$v"; echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  for v in new ab_old; do
-    use "$v"; echo "=== tools/trace_store_device.py ($v code)" >> "$LOG"
-    timeout 60 python3 tools/trace_store_device.py >> "$LOG" 2>&1
-  done
-  use new
+  store_rows new ab_old ab_old new
+  store_traces new ab_old
 elif [ "${PART}" = s18w ]; then
   for v in ab_old new ab_old new; do
     use "$v"; echo "=== tools/probe_store_ops.py ($v code)" >> "$LOG"; timeout 90 python3 tools/probe_store_ops.py >> "$LOG" 2>&1
@@ -683,10 +684,7 @@ elif [ "${PART}" = s18v ]; then
   done
   use new
 elif [ "${PART}" = s18u ]; then
-  for v in ab_old new new ab_old ab_old new new ab_old; do
-    use "$v"; echo "=== ($v code)" >> "$LOG"; bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
-  done
-  use new
+  store_rows ab_old new new ab_old ab_old new new ab_old
 elif [ "${PART}" = s18t ]; then
   for t in 2 1 1 2 2 1 1 2; do
     export KVSTRATA_ASYNC_MSET_THREADS=$t; echo "=== (async_mset_d2h threads: $t)" >> "$LOG"
