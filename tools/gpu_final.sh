@@ -164,6 +164,8 @@
 #   PART=s18u: bench store's device rows with ab_old/src and the final code in ABBA order twice (8 runs)
 #   PART=s18t: bench store's device rows with async_mset_d2h on two pool threads (as shipped) and on one
 #           (KVSTRATA_ASYNC_MSET_THREADS=1, an experiment knob of this call's code, removed after it), 2 1 1 2 2 1 1 2
+#   PART=s18s: tools/probe_async_calls.py (4 async calls in flight: where async_mset_d2h's time goes) twice,
+#           tools/trace_store_device.py between
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -691,6 +693,12 @@ elif [ "${PART}" = s18t ]; then
     bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   done
   unset KVSTRATA_ASYNC_MSET_THREADS
+elif [ "${PART}" = s18s ]; then
+  for r in 1 2; do
+    echo "=== tools/probe_async_calls.py --iters 8 (round $r)" >> "$LOG"
+    timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
+    [ "$r" = 1 ] && store_traces new
+  done
 elif [ "${PART}" = s12z ]; then
   gpu_tests gpu_tests_final
   for d in 0,1 0,0; do
