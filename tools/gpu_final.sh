@@ -166,6 +166,8 @@
 #           (KVSTRATA_ASYNC_MSET_THREADS=1, an experiment knob of this call's code, removed after it), 2 1 1 2 2 1 1 2
 #   PART=s18s: tools/probe_async_calls.py (4 async calls in flight: where async_mset_d2h's time goes) twice,
 #           tools/trace_store_device.py between
+#   PART=s18r: tools/probe_async_calls.py --tail (async_mset_d2h threads' waits: lock, copies landing, requests),
+#           twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -698,6 +700,11 @@ elif [ "${PART}" = s18s ]; then
     echo "=== tools/probe_async_calls.py --iters 8 (round $r)" >> "$LOG"
     timeout 120 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
     [ "$r" = 1 ] && store_traces new
+  done
+elif [ "${PART}" = s18r ]; then
+  for r in 1 2; do
+    echo "=== tools/probe_async_calls.py --iters 6 --tail (round $r)" >> "$LOG"
+    timeout 120 python3 tools/probe_async_calls.py --iters 6 --tail >> "$LOG" 2>&1
   done
 elif [ "${PART}" = s12z ]; then
   gpu_tests gpu_tests_final
