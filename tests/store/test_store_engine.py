@@ -193,8 +193,9 @@ def test_ttl_expiry_lazy_and_sweeper(store):
     with pytest.raises(KeyNotFound):
         store.get_bytes("short")
     store.put("swept", b"y" * 1000, ttl=0.02)
-    deadline = time.monotonic() + 5  # the background sweeper frees it without any access (within a flush
-    while store.stats()["objects"] > 2 and time.monotonic() < deadline:  # interval; later on a loaded machine)
+    # the background sweeper frees it without any access (within a flush interval; later on a loaded machine)
+    deadline = time.monotonic() + 5
+    while store.stats()["objects"] > 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     st = store.stats()
     assert st["expired"] >= 3 and st["objects"] == 2
