@@ -149,6 +149,30 @@ def test_pid_watch_tells_live_dead_and_zombie_processes():
     w.close()
 
 
+def test_pid_watch_answers_threads_asking_for_one_pid_at_once():
+    """Copy threads and the event thread check an owner after their copies at the same time: one pidfd's poll object
+    serves them all (a poll object refuses a second concurrent poll() with RuntimeError)."""
+    w = PidWatch()
+    errors_seen: list[BaseException] = []
+    go = threading.Barrier(8)
+
+    def ask() -> None:
+        go.wait()
+        try:
+            for _ in range(5000):
+                assert w.alive(os.getpid())
+        except BaseException as exc:
+            errors_seen.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    w.close()
+    assert not errors_seen, errors_seen[:1]
+
+
 @pytest.mark.parametrize("event_spin_us", ["", "2000"])
 def test_worker_link_parks_polls_and_one_way_errors_keep_the_connection_in_step(tmp_path, monkeypatch, event_spin_us):
     from kvstrata.devobj.service import WorkerBrokerLink

@@ -68,7 +68,8 @@ class PidWatch:
                 evicted = [self._polls.popitem(last=False)[1] for _ in range(len(self._polls) - self._max)]
             for e in ([old] if old else []) + evicted:
                 os.close(e[0])
-        ready = entry[1].poll(0)
+        with self._lock:  # a poll object takes one poll() at a time (RuntimeError otherwise)
+            ready = entry[1].poll(0)
         if not ready:
             return True
         if ready[0][1] & select.POLLNVAL:  # closed under us (evicted, or close()): ask the slow way
