@@ -57,6 +57,20 @@ def test_repeated_gets_skip_the_worker(worker):
         assert kv._backend._local.hits >= 200
 
 
+def test_a_worker_whose_table_has_another_slot_count_is_asked_every_time(worker, monkeypatch):
+    """A client never indexes a table laid out otherwise (another kvstrata version's worker): no local reads."""
+    import kvstrata.server.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "SLOTS", local_reads.SLOTS // 16)  # what this worker's hello now says
+    with kvstrata.connect(worker.address) as kv:
+        assert kv._backend._local is None
+        kv.set("hot", b"v" * 4096)
+        before = requests(worker)
+        for _ in range(5):
+            assert kv.get("hot") == b"v" * 4096
+        assert requests(worker) >= before + 5
+
+
 def test_a_pipelined_reply_waiting_on_the_socket_does_not_turn_the_cache_off(worker):
     # A cached read checks that the worker is there by the socket not being readable (EOF); a reply to an
     # earlier pipelined request, already in, makes it readable too, and must not send the read to the worker

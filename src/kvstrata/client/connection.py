@@ -96,7 +96,7 @@ class WorkerConnection:
         self._local: LocalReads | None = None
         if "generation_page" in self._conn.peer_info and fds:
             from kvstrata.memory.shm import SharedSegment
-            from kvstrata.server.validity import PAGE_BYTES, SLOTS_OFFSET, TABLE_BYTES
+            from kvstrata.server.validity import PAGE_BYTES, SLOTS, SLOTS_OFFSET, TABLE_BYTES
 
             spin_offset = self._conn.peer_info.get("spin_hint")
             if not isinstance(spin_offset, int) or not 0 <= spin_offset <= PAGE_BYTES - 8 or spin_offset % 8:
@@ -105,7 +105,8 @@ class WorkerConnection:
                 spin_offset = None
             cache_bytes = self._conn.peer_info.get("cache_bytes")
             page_fd = fds.pop(0)
-            if self._conn.peer_info.get("slots") != SLOTS_OFFSET:  # another kvstrata version's worker
+            info = self._conn.peer_info
+            if info.get("slots") != SLOTS_OFFSET or info.get("slot_count") != SLOTS:  # another version's worker
                 os.close(page_fd)
                 log.warning("worker at %s lays out its local-read table differently: every read asks it", address)
             else:

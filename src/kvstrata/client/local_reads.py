@@ -21,10 +21,11 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from kvstrata.server.validity import SLOTS  # the worker's slot numbers index this table
+
 MAX_ENTRIES = 256
 MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
 SWEEP_S = 0.01  # stale entries pin old versions: looked for at most this often while writes happen
-SLOTS = 8192  # as kvstrata.server.validity.SLOTS (the worker's slot numbers index this table)
 
 # An entry: [lease id, location, slot, the slot's count when leased, generation when last found current]
 _LEASE, _LOC, _SLOT, _COUNT, _SEEN = range(5)

@@ -6,10 +6,12 @@ through a shared table every client maps read-only:
 
 - one 64-bit **generation**, bumped before and after every change the worker makes (put, seal,
   delete, expire, decref): "something changed somewhere";
-- **slots**: 8,192 64-bit counters, the slot of a key chosen by the worker (``slot_of``, sent to
-  the client with each cacheable lease). Inside a change, after the engine made it, the slot of each
+- **slots**: 131,072 64-bit counters (1 MiB), the slot of a key chosen by the worker (``slot_of``, sent
+  to the client with each cacheable lease). Inside a change, after the engine made it, the slot of each
   key it touched is bumped. Keys share slots: a change to one makes the others of its slot look
-  changed too, which costs a round trip, never a wrong answer.
+  changed too, which costs a round trip, never a wrong answer. (With 8,192 slots, a round of 64 keys
+  written and deleted elsewhere made one of 64 kept keys need a lease again in ~40% of rounds of
+  ``kvstrata bench store``'s device rows, 2026-12-01, ``tools/probe_store_ops.py``; with 131,072, ~3%.)
 
 A client keeps, per entry, its slot's count and the generation at which it last found that count
 unchanged. An entry is good while the generation is still that one (one load); once the generation
@@ -42,7 +44,7 @@ _STRIPES = 64
 SPIN_HINT_OFFSET = 8
 MAX_TRACKED_KEYS = 1_000_000  # beyond this many, new keys are just not cacheable (bounded memory)
 PAGE_BYTES = 4096  # the generation and the spin hint
-SLOTS = 8192  # per-key counters after the first page (a power of two: a slot is a hash's low bits)
+SLOTS = 1 << 17  # per-key counters after the first page (a power of two: a slot is a hash's low bits)
 SLOTS_OFFSET = PAGE_BYTES
 TABLE_BYTES = PAGE_BYTES + 8 * SLOTS
 _LOOP_MAX = 8  # a change of more keys bumps their slots with numpy

@@ -32,7 +32,7 @@ from kvstrata.server.config import WorkerConfig
 from kvstrata.server.gil_spin import GIL_SWITCH_S
 from kvstrata.server.lane_poller import LanePoller
 from kvstrata.server.session import Session
-from kvstrata.server.validity import SLOTS_OFFSET, SPIN_HINT_OFFSET, Validity
+from kvstrata.server.validity import SLOTS, SLOTS_OFFSET, SPIN_HINT_OFFSET, Validity
 from kvstrata.store.placements import BUCKETS as PLACEMENT_BUCKETS
 from kvstrata.store.placements import PlacementTable
 from kvstrata.transport import Connection, Listener, listen
@@ -198,6 +198,7 @@ class Worker:
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
             reply["spin_hint"] = SPIN_HINT_OFFSET  # where in that page the polling advice is
             reply["slots"] = SLOTS_OFFSET  # where in it the per-key counters start
+            reply["slot_count"] = SLOTS  # and how many there are
             # what one client may keep leased for local reads (pinned: not evictable while held)
             reply["cache_bytes"] = self.config.memory // CACHE_SHARE
             fds = [self.validity.fd] + [seg.fd for seg in segs]
