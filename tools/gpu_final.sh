@@ -168,6 +168,19 @@
 #           tools/trace_store_device.py between
 #   PART=s18r: tools/probe_async_calls.py --tail (async_mset_d2h threads' waits: lock, copies landing, requests),
 #           twice
+#   PART=s19a-s19f: session 19's calls with the push experiment (branch push-experiment, whose tools/gpu_final.sh
+#           has them as run): a publisher copying a small object into the armed receive of a waiting subscriber,
+#           against offers and the broker, round by round (tools/probe_handoff.py), and its GPU tests; s19c and s19d
+#           ran that branch's tools/probe_push_copy.py, main's tools/probe_timeslice_copy.py less its variant on the
+#           push's stream. Here s19c runs probe_timeslice_copy twice, s19d with --peer-busy (the peer process runs a
+#           small kernel every 0.5 ms: the GPU time-slices two processes' contexts), without, and with again
+#   PART=s19z: session 19's closing call (final code): tools/probe_timeslice_copy.py with and without --peer-busy,
+#           tools/probe_handoff.py (offers on and off), every GPU test
+#   PART=s19y: tools/probe_store_ops.py --before none / sleep / request, twice in turn (why the bench's "leases kept"
+#           mget_h2d row reads below "another key written before each")
+#   PART=s19x: with 131,072 validity slots (8,192 before): tools/probe_store_ops.py --before none and request, then
+#           bench store's device rows
+#   PART=s19w: session 19's last call (final code): every GPU test
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -636,6 +649,36 @@ elif [ "${PART}" = s17e ]; then
     timeout 40 python3 tools/probe_worker_clients.py --clients 1 >> "$LOG" 2>&1
   done
   export PYTHONPATH="$PWD/src"
+elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
+  flags="--peer-busy"
+  [ "${PART}" = s19c ] && flags="- -"
+  [ "${PART}" = s19d ] && flags="--peer-busy - --peer-busy"
+  [ "${PART}" = s19z ] && flags="--peer-busy -"
+  for f in $flags; do
+    [ "$f" = - ] && f=""
+    echo "=== tools/probe_timeslice_copy.py --devices ${DEVS} --iters 200 $f" >> "$LOG"
+    timeout 120 python3 tools/probe_timeslice_copy.py --devices "${DEVS}" --iters 200 $f 2>&1 | grep -v Producer >> "$LOG"
+  done
+  if [ "${PART}" = s19z ]; then
+    echo "=== tools/probe_handoff.py --devices ${DEVS} --iters 150" >> "$LOG"
+    timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
+    gpu_tests gpu_tests_s19z
+  fi
+elif [ "${PART}" = s19w ]; then
+  gpu_tests gpu_tests_s19w
+elif [ "${PART}" = s19x ]; then
+  for b in none request none; do
+    echo "=== tools/probe_store_ops.py --before $b" >> "$LOG"
+    timeout 90 python3 tools/probe_store_ops.py --before $b >> "$LOG" 2>&1
+  done
+  bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+elif [ "${PART}" = s19y ]; then
+  for r in 1 2; do
+    for b in none sleep request; do
+      echo "=== tools/probe_store_ops.py --before $b (round $r)" >> "$LOG"
+      timeout 90 python3 tools/probe_store_ops.py --before $b >> "$LOG" 2>&1
+    done
+  done
 elif [ "${PART}" = s18a ]; then
   nproc >> "$LOG"
   echo "=== tools/probe_handoff_floor.py --devices ${DEVS} --iters 100" >> "$LOG"

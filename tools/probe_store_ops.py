@@ -6,7 +6,10 @@ started as the bench starts it, counting the requests the client sends in each c
 plain, by operation). Two code versions that send the same requests per case differ in host work only; a run
 whose every case is slower, requests unchanged, drew a slower host (the H200 host drifts for minutes).
 
-    PYTHONPATH=src python3 tools/probe_store_ops.py [--rounds 23]
+``--before sleep`` sleeps 2 ms before each timed call, ``--before request`` sends a one-key ``exists`` first (is a
+case slower for what ran just before it: work left over in the client or worker, or a thread gone cold?).
+
+    PYTHONPATH=src python3 tools/probe_store_ops.py [--rounds 23] [--before none|sleep|request]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ CASES = ("kept", "other key", "own rewrite", "written", "write")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=23, help="rounds of the five cases (the first 3 untimed)")
+    ap.add_argument("--before", choices=("none", "sleep", "request"), default="none", help="before each timed call")
     args = ap.parse_args()
     import torch
 
@@ -67,6 +71,10 @@ def main() -> None:
                             assert writer.mset_d2h(keys, src) == [None] * n
                             writer.exists(keys[:1])
                         fresh = [f"d2h/{it}/{i}" for i in range(n)]
+                        if args.before == "sleep":
+                            time.sleep(0.002)
+                        elif args.before == "request":
+                            kv.exists(keys[:1])
                         sent.clear()
                         t0 = time.perf_counter()
                         if case == "write":
@@ -77,6 +85,7 @@ def main() -> None:
                         ops[case].append(dict(sent))
                         if case == "write":
                             kv.delete(fresh)
+                print(f"before each timed call: {args.before}")
                 for case in CASES:
                     med = statistics.median(times[case][3:]) * 1e6
                     print(f"{case:12} median {med:7.0f} us  requests of the last 3 calls: {ops[case][-3:]}")
