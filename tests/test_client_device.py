@@ -829,6 +829,32 @@ def test_pipelined_requests_keep_their_replies_across_other_requests(worker):
         kv.delete(keys)
 
 
+def test_a_thread_waiting_for_a_pipelined_reply_does_not_hold_up_another_threads_sends(worker):
+    """An async call's completion thread waits for its commits' answers while the issuing thread sends the next
+    call's requests: the reader holds only the connection's reading."""
+    import threading
+
+    with kvstrata.connect(worker.address) as kv, kvstrata.connect(worker.address) as writer:
+        b = kv._backend
+        kv.delete(["tagged/late", "tagged/other"])
+        tag = b.send_tagged({"op": "get", "key": "tagged/late", "timeout": 10.0})  # the worker waits for the key
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(b.tagged_reply(tag, 10.0)))
+        reader.start()
+        time.sleep(0.2)  # the reader is blocked on the socket by now
+        t0 = time.monotonic()
+        b.linger(100)  # one-way
+        other = b.send_tagged({"op": "exists", "keys": ["tagged/other"]})
+        sent = time.monotonic() - t0
+        writer.set("tagged/late", b"here")
+        reader.join(10)
+        assert sent < 0.5 and not reader.is_alive()
+        assert got and got[0]["v"] == b"here"
+        assert b.tagged_reply(other)["r"] == [False]
+        assert kv.exists(["tagged/late"]) == [True] and b._stash == {} and not b._untagged and not b._untagged_due
+        kv.delete(["tagged/late"])
+
+
 def test_a_refused_pipelined_request_raises_when_collected_and_leaves_the_connection_usable(worker):
     with kvstrata.connect(worker.address) as kv:
         b = kv._backend

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ import kvstrata
 from _stages import copies_pending, stages_of
 from kv_helpers import client_for, worker_config
 from kvstrata.client import device
+from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
 from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
 from kvstrata.server import Worker
 from kvstrata.store import ObjectStore, StoreConfig
@@ -470,6 +472,188 @@ def test_reservations_off_and_concurrent_calls_take_the_create_path(worker, monk
             assert all(torch.equal(a, b) for s, d in zip(_lists(5, seed=t), dst) for a, b in zip(s, d))
         assert kv.stats()["creates_in_progress"] == 0
         kv.delete([f"rv-conc/{t}/{i}" for t in range(6) for i in range(5)] + ["rv-conc/warm"])
+
+
+# ------------------------------------------------------------------------- the async calls' chain
+class _FakeBackend:
+    """``reserve_start`` / ``reserve_finish`` of a worker granting what is asked at a fresh place."""
+
+    def __init__(self):
+        self.asked = []
+
+    def reserve_start(self, nbytes):
+        self.asked.append(nbytes)
+        return nbytes
+
+    def reserve_finish(self, token):
+        return Location(0, 1 << 20, token)
+
+
+def test_a_chain_carves_on_and_only_its_last_holder_asks_for_a_new_reservation():
+    b = _FakeBackend()
+    r = WriteReservation(1 << 20)
+    assert r.take(b) and r.remaining == 0
+    r.give(b, None, 4096)  # none held yet: a plain call asks for one (room for two such calls, at least the floor)
+    assert b.asked == [min(max(2 * 4096, FLOOR_BYTES), 1 << 20)]
+    assert r.take(b, chain_bytes=4096) and r.remaining == 1 << 20  # read the reply: a chain's first call
+    first = r.carve([4096])
+    assert r.take(b, chain_bytes=4096)  # carves on while the first call's commits are still to come
+    second = r.carve([4000, 96])
+    assert second[0].offset == first[0].offset + 4096 and second[1].offset == second[0].offset + 4032
+    assert not r.take(b)  # a plain call never joins a chain: it takes the create path
+    r.give(b, first[0].offset + 4096, 4096, (first[0].offset, first[0].offset + 4096))  # committed where carved
+    assert r.head == second[1].offset + 128  # the local head stands while a later call holds it
+    r.give(b, r.head, 4096, (second[0].offset, r.head))
+    assert r.take(b) and r.head == second[1].offset + 128
+    r.give(b, r.head, 4096)
+
+
+def test_a_chained_call_waits_for_the_chain_when_the_rest_is_too_small_and_a_lost_head_is_forgotten():
+    b = _FakeBackend()
+    r = WriteReservation(8192)
+    assert r.take(b)
+    r.give(b, None, 4096)
+    assert r.take(b, chain_bytes=4096)
+    r.carve([4096])
+    assert r.take(b, chain_bytes=4096)
+    r.carve([4096])
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(r.take(b, chain_bytes=4096)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # no room left: it waits for the chain to end
+    r.give(b, 1 << 20, 4096, (1 << 20, (1 << 20) + 4096))  # the first call's commits left the head elsewhere
+    r.give(b, 1 << 20, 4096, ((1 << 20) + 4096, (1 << 20) + 8192))  # the last holder forgets it and asks anew
+    waiter.join(5)
+    assert got == [True] and b.asked[-1] == 8192 and r.remaining == 8192 and r.head == 1 << 20
+    assert r.take(b, chain_bytes=4096)  # a chain again, from the new reservation
+    start = r.head
+    r.carve([4096])
+    r.give(b, start, 4096, (start, r.head))  # committed nothing (it failed), the last to carve: rewound
+    assert r.head == start and not r._lost
+    r.give(b, r.head, 4096, (r.head, r.head))
+    with pytest.raises(ValueError, match="reserve_bytes"):
+        WriteReservation(-1)
+
+
+def _gate_completions(kv):
+    """Hold the client's completion thread until the returned event is set."""
+    gate = threading.Event()
+    started = threading.Event()
+    kv._single("_completer", "kvstrata-complete").submit(lambda: started.set() or gate.wait(30))
+    assert started.wait(10)
+    return gate
+
+
+def _issued(kv):
+    """Wait until the client's issuing thread has issued every async call made so far."""
+    kv._single("_issuer", "kvstrata-issue").submit(lambda: None).result(30)
+
+
+def test_async_mset_d2h_calls_carve_one_after_another_before_earlier_ones_commit(kv, monkeypatch):
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    copies_pending(monkeypatch)
+    kv.mset_d2h(["rv-chain/warm"], _lists(1))  # asks for a reservation
+    calls = _count_calls(monkeypatch, kv._backend)
+    srcs = [_lists(5, seed=10 + r) for r in range(4)]
+    keys = [[f"rv-chain/{r}/{i}" for i in range(5)] for r in range(4)]
+    kv.delete([k for ks in keys for k in ks])
+    gate = _gate_completions(kv)
+    futs = [kv.async_mset_d2h(keys[r], srcs[r]) for r in range(4)]
+    _issued(kv)
+    # every call laid out in the reservation and its copies queued; none committed yet
+    assert calls == [] and kv._reservation._holders == 4 and not any(f.done() for f in futs)
+    gate.set()
+    assert [f.result(30) for f in futs] == [[None] * 5] * 4
+    assert "mcreate" not in calls and calls.count("commit") == 4 * 3  # one per stage (copies still landing)
+    for r in range(4):
+        dst = _poisoned(srcs[r])
+        assert kv.mget_h2d(keys[r], dst) == [None] * 5
+        assert all(torch.equal(a, b) for s, d in zip(srcs[r], dst) for a, b in zip(s, d))
+    assert kv._reservation._holders == 0 and kv.stats()["creates_in_progress"] == 0
+    assert kv.mset_d2h(["rv-chain/after"], _lists(1)) == [None] and calls.count("mcreate") == 0
+    kv.delete([k for ks in keys for k in ks] + ["rv-chain/warm", "rv-chain/after"])
+
+
+def test_a_chained_call_that_does_not_fit_waits_for_the_chain_then_takes_a_new_reservation(worker, monkeypatch):
+    per_call = 5 * ALIGNMENT * 17  # 5 keys of 1,027 bytes, each rounded to 1,088
+    with kvstrata.connect(worker.address, reserve_bytes=2 * per_call) as kv:
+        kv.mset_d2h(["rv-wait/warm"], _lists(1))  # asks for two calls' room
+        calls = _count_calls(monkeypatch, kv._backend)
+        srcs = [_lists(5, seed=20 + r) for r in range(3)]
+        keys = [[f"rv-wait/{r}/{i}" for i in range(5)] for r in range(3)]
+        kv.delete([k for ks in keys for k in ks])
+        gate = _gate_completions(kv)
+        futs = [kv.async_mset_d2h(keys[r], srcs[r]) for r in range(3)]
+        deadline = time.monotonic() + 10
+        while kv._reservation._holders < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        # the third call waits for the first two to commit: a new reservation would free where they are copied
+        assert kv._reservation._holders == 2 and calls == [] and not futs[2].done()
+        gate.set()
+        assert [f.result(30) for f in futs] == [[None] * 5] * 3
+        assert "mcreate" not in calls and calls.count("reserve") >= 1
+        for r in range(3):
+            dst = _poisoned(srcs[r])
+            assert kv.mget_h2d(keys[r], dst) == [None] * 5
+            assert all(torch.equal(a, b) for s, d in zip(srcs[r], dst) for a, b in zip(s, d))
+        kv.delete([k for ks in keys for k in ks] + ["rv-wait/warm"])
+
+
+def test_a_bad_call_in_a_chain_fails_alone_and_a_failed_commit_stores_nothing_wrong(kv, monkeypatch):
+    monkeypatch.setattr(device, "stages", stages_of(2))
+    copies_pending(monkeypatch)
+    kv.mset_d2h(["rv-cbad/warm"], _lists(1))
+    srcs = [_lists(5, seed=30 + r) for r in range(4)]
+    keys = [[f"rv-cbad/{r}/{i}" for i in range(5)] for r in range(4)]
+    kv.delete([k for ks in keys for k in ks])
+    bad = [list(ts) for ts in srcs[1]]
+    bad[3] = [torch.zeros(4, 4).t()]  # the second stage's: the first is carved and copied by then
+    gate = _gate_completions(kv)
+    futs = [kv.async_mset_d2h(keys[0], srcs[0]), kv.async_mset_d2h(keys[1], bad), kv.async_mset_d2h(keys[2], srcs[2])]
+    _issued(kv)
+    gate.set()
+    assert futs[0].result(30) == [None] * 5 and futs[2].result(30) == [None] * 5
+    with pytest.raises(ValueError, match=r"tensor_lists\[3\]\[0\]"):
+        futs[1].result(30)
+    assert kv.exists(keys[1]) == [False] * 5
+    for r in (0, 2):
+        dst = _poisoned(srcs[r])
+        assert kv.mget_h2d(keys[r], dst) == [None] * 5
+        assert all(torch.equal(a, b) for s, d in zip(srcs[r], dst) for a, b in zip(s, d))
+    # A call whose commits fail after later calls carved on: those report errors, none stores wrong bytes, and
+    # the chain after them starts from a new reservation.
+    real = kv._backend.commit_start
+    failing = {"left": 1}
+
+    def commit_start(items, *a, **kw):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise KvstrataError("simulated lost commit")
+        return real(items, *a, **kw)
+
+    monkeypatch.setattr(kv._backend, "commit_start", commit_start)
+    keys3 = [f"rv-cbad/late/{i}" for i in range(5)]
+    kv.delete(keys3)
+    gate = _gate_completions(kv)
+    futs = [kv.async_mset_d2h(keys[3], srcs[3]), kv.async_mset_d2h(keys3, srcs[0])]
+    _issued(kv)
+    gate.set()
+    with pytest.raises(KvstrataError, match="simulated"):
+        futs[0].result(30)
+    later = futs[1].result(30)
+    assert kv.exists(keys[3]) == [False] * 5 and kv.exists(keys3) == [False] * 5
+    assert all(isinstance(r, KvstrataError) and "earlier async_mset_d2h" in str(r) for r in later)
+    assert kv._reservation._holders == 0
+    again = [f"rv-cbad/again/{i}" for i in range(5)]
+    kv.delete(again)
+    assert kv.async_mset_d2h(again, srcs[2]).result(30) == [None] * 5
+    dst = _poisoned(srcs[2])
+    assert kv.mget_h2d(again, dst) == [None] * 5
+    assert all(torch.equal(a, b) for s, d in zip(srcs[2], dst) for a, b in zip(s, d))
+    assert kv.stats()["creates_in_progress"] == 0
+    kv.delete([k for ks in keys for k in ks] + keys3 + again + ["rv-cbad/warm"])
 
 
 @pytest.mark.gpu

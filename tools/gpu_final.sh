@@ -181,6 +181,13 @@
 #   PART=s19x: with 131,072 validity slots (8,192 before): tools/probe_store_ops.py --before none and request, then
 #           bench store's device rows
 #   PART=s19w: session 19's last call (final code): every GPU test
+#   PART=s20a: async_mset_d2h on the issuing and completion threads (a chain carving on in the reservation):
+#           every GPU test, bench store's device rows with session 19's code (ab_old/src) and the new one in turn
+#           (A/B/A/B), tools/probe_async_calls.py on the new code
+#   PART=s20b: as s20a with a chain's refill at CHAIN_CALLS calls, without the GPU tests; probe_async_calls --tail
+#   PART=s20c: as s20b with pipelined replies read under a lock of their own (sends go on meanwhile), the rows
+#           A/B/B/A/A/B
+#   PART=s20d: session 20's closing call (final code): every GPU test, bench store's device rows twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -664,6 +671,22 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s20d ]; then
+  gpu_tests gpu_tests_s20d
+  store_twice
+elif [ "${PART}" = s20c ]; then
+  store_rows ab_old new new ab_old ab_old new
+  echo "=== tools/probe_async_calls.py --iters 8 --tail (new code)" >> "$LOG"
+  timeout 60 python3 tools/probe_async_calls.py --iters 8 --tail >> "$LOG" 2>&1
+elif [ "${PART}" = s20b ]; then
+  store_rows ab_old new ab_old new
+  echo "=== tools/probe_async_calls.py --iters 8 --tail (new code)" >> "$LOG"
+  timeout 60 python3 tools/probe_async_calls.py --iters 8 --tail >> "$LOG" 2>&1
+elif [ "${PART}" = s20a ]; then
+  gpu_tests gpu_tests_s20a
+  store_rows ab_old new ab_old new
+  echo "=== tools/probe_async_calls.py --iters 8 (new code)" >> "$LOG"
+  timeout 60 python3 tools/probe_async_calls.py --iters 8 >> "$LOG" 2>&1
 elif [ "${PART}" = s19w ]; then
   gpu_tests gpu_tests_s19w
 elif [ "${PART}" = s19x ]; then

@@ -1,12 +1,13 @@
 """Timeline of ``async_mget_h2d`` / ``async_mset_d2h`` with several calls in flight (GPU machine), as
 ``kvstrata bench store`` times them: 64 x 1 MiB per call, 4 calls submitted back to back, through a real
 worker. Per call: the thread that ran it, when it started and returned on the host, when its copy
-batches were queued (host) and ran (device, CUDA events), relative to the submission of the first call (an async
-``mget_h2d`` in its two parts: its copies queued on the issuing thread, then waited for on the completion
-thread); then the device's idle gaps. Shows whether the copy engine waits for the host between calls, and where.
-``--tail``: also each ``async_mset_d2h`` thread's waits of 20 us or more in the last round, in time order: for the
-connection's lock, for a stage's copies to land (``synchronize``), and the worker requests (sent, answer read),
-to see what a call does between its last copy and its return.
+batches were queued (host) and ran (device, CUDA events), relative to the submission of the first call (an
+async call in its two parts: its copies queued on the issuing thread, then waited for, and an ``mset_d2h``'s
+objects committed, on the completion thread); then the device's idle gaps. Shows whether the copy engine
+waits for the host between calls, and where. ``--tail``: also the waits of 20 us or more of the threads
+running ``async_mset_d2h`` in the last round, in time order: for the connection's lock, for a stage's copies
+to land (``synchronize``), and the worker requests (sent, answer read), to see what a call does between its
+last copy and its return.
 
     PYTHONPATH=src python3 tools/probe_async_calls.py [--iters 8] [--in-flight 4] [--tail]
 """
@@ -111,6 +112,7 @@ def main() -> int:
                 kv.mget_h2d, kv.mset_d2h = stamped(real_get, "call"), stamped(real_put, "call")
                 kv._mget_h2d_queue = stamped(kv._mget_h2d_queue, "copies queued")
                 kv._complete = stamped(kv._complete, "completed")
+                kv._complete_steps = stamped(kv._complete_steps, "completed")  # an async mset_d2h's second part
                 kv.mget_h2d(keys, dsts[0])
                 if args.tail:
                     backend = kv._backend

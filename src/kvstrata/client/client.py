@@ -51,8 +51,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._backend = backend
         self._reservation = _reservation.WriteReservation(reserve_bytes)
         self._closed = False
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # async_mset_d2h
-        self._issuer: concurrent.futures.ThreadPoolExecutor | None = None  # async_mget_h2d's copies queued
+        self._issuer: concurrent.futures.ThreadPoolExecutor | None = None  # async calls' copies queued
         self._completer: concurrent.futures.ThreadPoolExecutor | None = None  # and waited for
         self._exec_lock = threading.Lock()
         self._registrations = _device.Registrations()
@@ -80,7 +79,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
             return
         self._closed = True
         self._close_device_objects()
-        for pool in (self._executor, self._issuer, self._completer):  # the issuer hands its calls' waits on
+        for pool in (self._issuer, self._completer):  # the issuer hands its calls' waits on
             if pool is not None:
                 pool.shutdown(wait=True)
         self._registrations.undo()  # before the segments are unmapped

@@ -123,6 +123,14 @@ class WorkerConnection:
         # Pipelined requests (:meth:`send_tagged`): replies read by whoever reads the connection next and
         # kept here by tag until their sender collects them (replies come in request order).
         self._stash: dict[int, dict] = {}
+        # Replies are read under _read_lock alone by a thread collecting a pipelined reply, so another thread may
+        # send meanwhile (an async call's completion thread waits for its commits' answers while the issuing
+        # thread queues the next call's requests). An ordinary request holds _lock from its send to its reply,
+        # and _read_lock while it reads: one is outstanding at a time, and a pipelined reader that comes upon its
+        # reply first leaves it in _untagged.
+        self._read_lock = threading.Lock()
+        self._untagged: list[dict] = []
+        self._untagged_due = False  # an ordinary request was sent and its reply not read yet
         self._tag = 0
         self._read_tag = 0  # the tag of the last pipelined reply read off the connection
         self._landing_last = 0  # the tag of the last commit sent ahead of its copies (RemoteBackend.can_land)
@@ -141,6 +149,7 @@ class WorkerConnection:
                     if "err" in reply:
                         raise P.error_from_record(reply["err"])
                     return reply
+            self._untagged_due = True
             self._conn.send(msg)
             reply = self._untagged_reply(msg, spin)
         if "err" in reply:
@@ -161,15 +170,21 @@ class WorkerConnection:
 
     def tagged_reply(self, tag: int, wait: float | None = 0) -> dict:
         """The reply to the pipelined request ``tag`` (raising its error), reading the connection as far
-        as needed; ``wait``: the seconds that request asked the worker to wait (None: no limit)."""
-        with self._lock:
-            spin = self._local.spin() if self._local is not None else 0.0
+        as needed; ``wait``: the seconds that request asked the worker to wait (None: no limit). Other threads
+        may send meanwhile (only the connection's reading is held)."""
+        spin = self._local.spin() if self._local is not None else 0.0
+        with self._read_lock:
             while tag not in self._stash:
                 if self._broken:
                     raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken})")
-                reply = self._read_reply({"op": "pipelined request", "timeout": wait}, spin)
+                # an ordinary request sent before ours may wait on the worker for as long as it asked
+                limit = None if self._untagged_due else wait
+                reply = self._read_reply({"op": "pipelined request", "timeout": limit}, spin)
                 got = reply.get("tag")
                 if got is None:
+                    if self._untagged_due and not self._untagged:
+                        self._untagged.append(reply)  # its sender, waiting for _read_lock, takes it
+                        continue
                     self._broken = "an unexpected reply"
                     self._conn.close()
                     raise ProtocolError(f"worker sent a reply nobody asked for while {tag} was awaited")
@@ -202,13 +217,18 @@ class WorkerConnection:
     def _untagged_reply(self, msg: dict, spin: float) -> dict:
         """The reply to the ordinary request ``msg`` just sent (call under the lock). Replies of pipelined
         requests sent before it come first: they are kept for their senders."""
-        while True:
-            reply = self._read_reply(msg, spin)
-            tag = reply.get("tag")
-            if tag is None:
-                return reply
-            self._stash[tag] = reply
-            self._read_tag = tag
+        with self._read_lock:
+            while True:
+                if self._untagged:  # a pipelined reader read it first
+                    self._untagged_due = False
+                    return self._untagged.pop()
+                reply = self._read_reply(msg, spin)
+                tag = reply.get("tag")
+                if tag is None:
+                    self._untagged_due = False
+                    return reply
+                self._stash[tag] = reply
+                self._read_tag = tag
 
     def _worker_there(self) -> bool:
         """Whether the worker is still there, as far as this client can tell with no round trip (call under the
@@ -217,7 +237,7 @@ class WorkerConnection:
         return self._read_tag != self._tag or not select.select([self._conn.fileno()], [], [], 0)[0]
 
     def _read_reply(self, msg: dict, spin: float) -> dict:
-        """The next reply on the connection, its new segments mapped (call under the lock)."""
+        """The next reply on the connection, its new segments mapped (call under ``_read_lock``)."""
         try:
             wait = msg.get("timeout", 0)  # None: the worker waits until the key exists, and so do we
             reply, fds = self._conn.recv(timeout=None if wait is None else self.request_timeout + wait, spin=spin)
@@ -251,6 +271,7 @@ class WorkerConnection:
         else:
             return unpack(lane.reply())
         if not lane.answered(seq):  # the worker stopped polling, or is slow: ask it over the socket
+            self._untagged_due = True
             self._conn.send({"op": "lane", "seq": seq})
             reply = self._untagged_reply({"op": "lane"}, 0.0)
             if "err" in reply:

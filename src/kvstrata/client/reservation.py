@@ -8,7 +8,15 @@ After a call the client takes the worker's word (so a call that failed between c
 just leaves those bytes to the next call), and asks for a new reservation, without waiting, when what is
 left would not hold a call like this one; the next call reads that reply first.
 
-One call at a time holds it: a concurrent call (``async_mset_d2h`` threads) takes the create path.
+One call at a time holds it, and a concurrent call takes the create path, with one exception: a *chain* of
+``async_mset_d2h`` calls. Those are issued one after another by the client's issuing thread and finished
+(committed) in the same order by its completion thread, so call N+1 may carve on from where call N's carving
+ended while N's commits are still to be sent: the worker sees the commits in carving order, as one call's
+would be. Only the chain's last holder asks for a new reservation (which frees the old one's rest, where a
+later call's copies might still be landing), so a call that finds too little room waits for the chain to end
+(:meth:`WriteReservation.take` with ``chain_bytes``). A chained call whose commits leave the worker's head
+elsewhere than its carving ended (a failed call) marks the reservation lost: no call chains on, and the
+last holder forgets it (the next reservation replaces it) instead of trusting the local head.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ log = logging.getLogger(__name__)
 RESERVE_BYTES = 256 << 20
 #: a reservation asked for holds at least this much (or two calls like the last one, if more)
 FLOOR_BYTES = 64 << 20
+#: the calls of a chain of async calls (module docstring) a reservation should hold at its start
+CHAIN_CALLS = 4
 #: seconds before asking again after the worker refused a reservation (memory full)
 RETRY_SECONDS = 1.0
 _MASK = ALIGNMENT - 1
@@ -39,13 +49,17 @@ def rounded(size: int) -> int:
 
 
 class WriteReservation:
-    """This client's reservation as last heard from the worker, and the lock a call holds it under."""
+    """This client's reservation as last heard from the worker, and who holds it: one call, or a chain of
+    async calls (module docstring)."""
 
     def __init__(self, limit: int = RESERVE_BYTES) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"reserve_bytes: must be an int >= 0, got {limit!r}")
         self.limit = limit
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._holders = 0  # calls holding it: one, or more along a chain
+        self._chained = False  # the holders are a chain of async calls
+        self._lost = False  # a chained call left the worker's head elsewhere: nobody chains on, the last forgets it
         self._pending: Any = None  # a reserve request sent, its reply not read yet
         self._retry_at = 0.0
         self.segment = self.head = self.end = 0  # end == head: none held (or used up)
@@ -54,12 +68,33 @@ class WriteReservation:
     def remaining(self) -> int:
         return self.end - self.head
 
-    def take(self, backend: Any) -> bool:
+    @property
+    def lost(self) -> bool:
+        """Whether a chained call failed after later ones carved on: their commits would be refused."""
+        return self._lost
+
+    def take(self, backend: Any, *, chain_bytes: int | None = None) -> bool:
         """Hold the reservation for one call (reading a pending reserve's reply first); False when another
-        call holds it or reservations are off. A holder must call :meth:`give`."""
-        if self.limit <= 0 or not self._lock.acquire(blocking=False):
+        call holds it or reservations are off. A holder must call :meth:`give`.
+
+        ``chain_bytes`` (an async call of that many bytes, rounded as :func:`rounded`, issued by the one thread
+        that issues the chain): join the chain of async calls holding it when what is left holds the call;
+        otherwise wait until every holder gave it back, then hold it (a new reservation asked for meanwhile is
+        read then). Always True while reservations are on."""
+        if self.limit <= 0:
             return False
-        token, self._pending = self._pending, None
+        with self._cond:
+            if self._holders:
+                if chain_bytes is None:
+                    return False
+                if self._chained and not self._lost and self.end and self.end - self.head >= chain_bytes:
+                    self._holders += 1
+                    return True
+                while self._holders:
+                    self._cond.wait()
+            self._holders = 1
+            self._chained = chain_bytes is not None
+            token, self._pending = self._pending, None
         if token is not None:
             try:
                 loc = backend.reserve_finish(token)
@@ -84,21 +119,43 @@ class WriteReservation:
         self.head = head
         return out
 
-    def give(self, backend: Any, head: int | None, call_bytes: int) -> None:
+    def give(
+        self,
+        backend: Any,
+        head: int | None,
+        call_bytes: int,
+        carved: tuple[int, int] | None = None,
+    ) -> None:
         """End a call: ``head`` is where the worker's head is now (None: unknown, or the worker holds none),
-        ``call_bytes`` what the call wrote. Asks for a new reservation, not waiting, when what is left
-        would not hold another such call."""
-        try:
-            if head is None or not self.end or head > self.end:
-                self.head = self.end = 0  # forget it: the next reservation replaces the worker's
-            else:
-                self.head = head
-            if self.remaining < call_bytes and time.monotonic() >= self._retry_at:
-                want = min(max(2 * call_bytes, FLOOR_BYTES), self.limit)
-                try:
-                    self._pending = backend.reserve_start(want)
-                    self.head = self.end = 0  # the worker frees what was left when it replaces it
-                except Exception as exc:  # a broken connection: the call's own error says so
-                    log.debug("write reservation not asked for: %s", exc)
-        finally:
-            self._lock.release()
+        ``call_bytes`` what the call wrote, ``carved`` the local head before and after its carving (a chained
+        call's). The last holder asks for a new reservation, not waiting, when what is left would not hold
+        another such call (a chain: :data:`CHAIN_CALLS` of them)."""
+        with self._cond:
+            if self._holders > 1:  # a chained call ended while others hold it: the local head stands
+                self._holders -= 1
+                if carved is None or head != carved[1]:
+                    if carved is not None and head == carved[0] and self.head == carved[1]:
+                        self.head = carved[0]  # it committed nothing and nobody carved after it: rewind
+                    else:
+                        self._lost = True
+                return
+            try:
+                if self._lost or head is None or not self.end or head > self.end:
+                    self.head = self.end = 0  # forget it: the next reservation replaces the worker's
+                else:
+                    self.head = head
+                # A chain asks again while what is left would not hold CHAIN_CALLS calls: the next chain then
+                # carves them all without waiting for the chain to end in the middle (a drain: H200 host, 64 x 1 MiB
+                # calls, the copy engine idle ~500 us).
+                calls = CHAIN_CALLS if self._chained else 1
+                want = min(max(2 * calls * call_bytes, FLOOR_BYTES), self.limit)
+                if self.remaining < min(calls * call_bytes, want) and time.monotonic() >= self._retry_at:
+                    try:
+                        self._pending = backend.reserve_start(want)
+                        self.head = self.end = 0  # the worker frees what was left when it replaces it
+                    except Exception as exc:  # a broken connection: the call's own error says so
+                        log.debug("write reservation not asked for: %s", exc)
+            finally:
+                self._holders = 0
+                self._chained = self._lost = False
+                self._cond.notify_all()
