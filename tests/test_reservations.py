@@ -339,6 +339,19 @@ def test_a_client_killed_with_a_reservation_gives_it_back(worker, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ mset_d2h
+def _lands(kv):
+    """Whether ``kv`` commits stages ahead of their copies (the worker watches the lane for the word they landed)."""
+    return getattr(kv._backend, "_lane", None) is not None
+
+
+def _commits(kv, stages):
+    """The commit requests a reserved call of ``stages`` stages may send, each stage's copies still in flight when
+    looked at: one per stage, or, where it commits ahead of copies, the first stage's once it landed and one for
+    all the rest (when the worker has read the previous call's word that its copies landed: it nearly always has)."""
+    per_stage = [["commit"] * stages]
+    return [["commit"] * 2, *per_stage] if _lands(kv) and stages > 1 else per_stage
+
+
 def _count_calls(monkeypatch, backend):
     calls = []
     for name in ("mcreate", "mseal", "commit", "reserve"):
@@ -362,7 +375,8 @@ def test_mset_d2h_lays_later_calls_out_in_the_reservation(kv, monkeypatch):
     for r in (1, 2):
         calls.clear()
         assert kv.mset_d2h(keys[r], srcs[r]) == [None] * 7
-        assert calls == ["commit"] * 3  # no create, no seal, no refill: the reservation holds it
+        # no create, no seal, no refill: the reservation holds it
+        assert calls in _commits(kv, 3)
     assert kv.stats()["carved"] == carved + 14
     for r in range(3):
         dst = _poisoned(srcs[r])
@@ -409,7 +423,7 @@ def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(k
     calls = _count_calls(monkeypatch, kv._backend)
     src = _lists(6, seed=3)
     assert kv.mset_d2h(keys, src) == [None] * 6
-    assert calls == ["commit"] * 3  # the rewound head: the worker agrees, nothing refused
+    assert calls in _commits(kv, 3)  # the rewound head: the worker agrees, nothing refused
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 6
     assert all(torch.equal(a, b) for s, d in zip(src, dst) for a, b in zip(s, d))
@@ -565,7 +579,8 @@ def test_async_mset_d2h_calls_carve_one_after_another_before_earlier_ones_commit
     assert calls == [] and kv._reservation._holders == 4 and not any(f.done() for f in futs)
     gate.set()
     assert [f.result(30) for f in futs] == [[None] * 5] * 4
-    assert "mcreate" not in calls and calls.count("commit") == 4 * 3  # one per stage (copies still landing)
+    # per call, as _commits says: no create, no seal, no refill
+    assert set(calls) == {"commit"} and (8 if _lands(kv) else 12) <= len(calls) <= 12
     for r in range(4):
         dst = _poisoned(srcs[r])
         assert kv.mget_h2d(keys[r], dst) == [None] * 5
