@@ -191,6 +191,7 @@
 #   PART=s20e: a reserved mset_d2h's stages after the first in one commit ahead of their copies: the client-device
 #           GPU tests, bench store's device rows with 48d8175 (ab_mid/src) and the new code A/B/B/A/A/B,
 #           tools/probe_async_calls.py --tail
+#   PART=s20f: session 20's closing call (final code, 4b148d1): every GPU test, bench store's device rows twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -674,6 +675,9 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s20f ]; then
+  gpu_tests gpu_tests_s20f
+  store_twice
 elif [ "${PART}" = s20e ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_client_device.py tests/test_reservations.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
