@@ -564,14 +564,27 @@ def _issued(kv):
     kv._single("_issuer", "kvstrata-issue").submit(lambda: None).result(30)
 
 
+def _calls_input(kv, prefix, calls, seed):
+    """Tensors and fresh keys for ``calls`` calls of 5 keys each."""
+    srcs = [_lists(5, seed=seed + r) for r in range(calls)]
+    keys = [[f"{prefix}/{r}/{i}" for i in range(5)] for r in range(calls)]
+    kv.delete([k for ks in keys for k in ks])
+    return srcs, keys
+
+
+def _read_back(kv, keys, src):
+    """Assert that ``keys`` hold ``src``'s bytes, read into poisoned tensors."""
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * len(keys)
+    assert all(torch.equal(a, b) for s, d in zip(src, dst) for a, b in zip(s, d))
+
+
 def test_async_mset_d2h_calls_carve_one_after_another_before_earlier_ones_commit(kv, monkeypatch):
     monkeypatch.setattr(device, "stages", stages_of(2))
     copies_pending(monkeypatch)
     kv.mset_d2h(["rv-chain/warm"], _lists(1))  # asks for a reservation
     calls = _count_calls(monkeypatch, kv._backend)
-    srcs = [_lists(5, seed=10 + r) for r in range(4)]
-    keys = [[f"rv-chain/{r}/{i}" for i in range(5)] for r in range(4)]
-    kv.delete([k for ks in keys for k in ks])
+    srcs, keys = _calls_input(kv, "rv-chain", 4, seed=10)
     gate = _gate_completions(kv)
     futs = [kv.async_mset_d2h(keys[r], srcs[r]) for r in range(4)]
     _issued(kv)
@@ -582,9 +595,7 @@ def test_async_mset_d2h_calls_carve_one_after_another_before_earlier_ones_commit
     # per call, as _commits says: no create, no seal, no refill
     assert set(calls) == {"commit"} and (8 if _lands(kv) else 12) <= len(calls) <= 12
     for r in range(4):
-        dst = _poisoned(srcs[r])
-        assert kv.mget_h2d(keys[r], dst) == [None] * 5
-        assert all(torch.equal(a, b) for s, d in zip(srcs[r], dst) for a, b in zip(s, d))
+        _read_back(kv, keys[r], srcs[r])
     assert kv._reservation._holders == 0 and kv.stats()["creates_in_progress"] == 0
     assert kv.mset_d2h(["rv-chain/after"], _lists(1)) == [None] and calls.count("mcreate") == 0
     kv.delete([k for ks in keys for k in ks] + ["rv-chain/warm", "rv-chain/after"])
@@ -595,9 +606,7 @@ def test_a_chained_call_that_does_not_fit_waits_for_the_chain_then_takes_a_new_r
     with kvstrata.connect(worker.address, reserve_bytes=2 * per_call) as kv:
         kv.mset_d2h(["rv-wait/warm"], _lists(1))  # asks for two calls' room
         calls = _count_calls(monkeypatch, kv._backend)
-        srcs = [_lists(5, seed=20 + r) for r in range(3)]
-        keys = [[f"rv-wait/{r}/{i}" for i in range(5)] for r in range(3)]
-        kv.delete([k for ks in keys for k in ks])
+        srcs, keys = _calls_input(kv, "rv-wait", 3, seed=20)
         gate = _gate_completions(kv)
         futs = [kv.async_mset_d2h(keys[r], srcs[r]) for r in range(3)]
         deadline = time.monotonic() + 10
@@ -610,9 +619,7 @@ def test_a_chained_call_that_does_not_fit_waits_for_the_chain_then_takes_a_new_r
         assert [f.result(30) for f in futs] == [[None] * 5] * 3
         assert "mcreate" not in calls and calls.count("reserve") >= 1
         for r in range(3):
-            dst = _poisoned(srcs[r])
-            assert kv.mget_h2d(keys[r], dst) == [None] * 5
-            assert all(torch.equal(a, b) for s, d in zip(srcs[r], dst) for a, b in zip(s, d))
+            _read_back(kv, keys[r], srcs[r])
         kv.delete([k for ks in keys for k in ks] + ["rv-wait/warm"])
 
 
@@ -620,9 +627,7 @@ def test_a_bad_call_in_a_chain_fails_alone_and_a_failed_commit_stores_nothing_wr
     monkeypatch.setattr(device, "stages", stages_of(2))
     copies_pending(monkeypatch)
     kv.mset_d2h(["rv-cbad/warm"], _lists(1))
-    srcs = [_lists(5, seed=30 + r) for r in range(4)]
-    keys = [[f"rv-cbad/{r}/{i}" for i in range(5)] for r in range(4)]
-    kv.delete([k for ks in keys for k in ks])
+    srcs, keys = _calls_input(kv, "rv-cbad", 4, seed=30)
     bad = [list(ts) for ts in srcs[1]]
     bad[3] = [torch.zeros(4, 4).t()]  # the second stage's: the first is carved and copied by then
     gate = _gate_completions(kv)
@@ -634,9 +639,7 @@ def test_a_bad_call_in_a_chain_fails_alone_and_a_failed_commit_stores_nothing_wr
         futs[1].result(30)
     assert kv.exists(keys[1]) == [False] * 5
     for r in (0, 2):
-        dst = _poisoned(srcs[r])
-        assert kv.mget_h2d(keys[r], dst) == [None] * 5
-        assert all(torch.equal(a, b) for s, d in zip(srcs[r], dst) for a, b in zip(s, d))
+        _read_back(kv, keys[r], srcs[r])
     # A call whose commits fail after later calls carved on: those report errors, none stores wrong bytes, and
     # the chain after them starts from a new reservation.
     real = kv._backend.commit_start
@@ -664,9 +667,7 @@ def test_a_bad_call_in_a_chain_fails_alone_and_a_failed_commit_stores_nothing_wr
     again = [f"rv-cbad/again/{i}" for i in range(5)]
     kv.delete(again)
     assert kv.async_mset_d2h(again, srcs[2]).result(30) == [None] * 5
-    dst = _poisoned(srcs[2])
-    assert kv.mget_h2d(again, dst) == [None] * 5
-    assert all(torch.equal(a, b) for s, d in zip(srcs[2], dst) for a, b in zip(s, d))
+    _read_back(kv, again, srcs[2])
     assert kv.stats()["creates_in_progress"] == 0
     kv.delete([k for ks in keys for k in ks] + keys3 + again + ["rv-cbad/warm"])
 
