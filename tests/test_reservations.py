@@ -467,6 +467,13 @@ def test_reservations_off_and_concurrent_calls_take_the_create_path(worker, monk
         for r in range(2):
             assert kv.mset_d2h([f"rv-off/{r}"], _lists(1)) == [None]
         assert "reserve" not in calls and "commit" not in calls
+        lists = [_lists(3, seed=40 + r) for r in range(3)]
+        futs = [kv.async_mset_d2h([f"rv-off/a{r}/{i}" for i in range(3)], lists[r]) for r in range(3)]
+        assert [f.result(30) for f in futs] == [[None] * 3] * 3  # async calls too, through creates and seals
+        assert "reserve" not in calls and "commit" not in calls
+        for r in range(3):
+            _read_back(kv, [f"rv-off/a{r}/{i}" for i in range(3)], lists[r])
+        kv.delete([f"rv-off/a{r}/{i}" for r in range(3) for i in range(3)])
         # None held by anyone: an earlier test's client, closed just before, lets go of its own once the worker
         # sees it leave (its session ends on its own thread), which may come a moment after this call.
         deadline = time.monotonic() + 10
