@@ -192,6 +192,14 @@
 #           GPU tests, bench store's device rows with 48d8175 (ab_mid/src) and the new code A/B/B/A/A/B,
 #           tools/probe_async_calls.py --tail
 #   PART=s20f: session 20's closing call (final code, 4b148d1): every GPU test, bench store's device rows twice
+#   PART=s21a: the host cost of the calls that queue copies (tools/probe_copy_calls.py: cuda-bindings against
+#           ctypes on libcudart), a device call's steps (tools/probe_first_copy.py), tools/trace_store_device.py
+#   PART=s21b: a reserved mset_d2h's commit ahead of its copies (one for the first 3 stages while the rest are queued,
+#           one for the rest, no wait for the first stage's bytes): the client-device, landing and reservation GPU
+#           tests, bench store's device rows with e8b3cf9 (ab_old/src) and the new code A/B/B/A/A/B,
+#           tools/probe_first_copy.py with the commit while stages are queued off (--commit-ahead 0) and on
+#   PART=s21c: tools/probe_commit_ahead.py (the commit while stages are queued off and on, call by call) twice, bench
+#           store's device rows with e8b3cf9 (ab_old/src) and the new code B/A/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -675,6 +683,24 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s21c ]; then
+  for r in 1 2; do
+    echo "=== tools/probe_commit_ahead.py --calls 150 (round $r)" >> "$LOG"
+    timeout 120 python3 tools/probe_commit_ahead.py --calls 150 >> "$LOG" 2>&1
+  done
+  store_rows new ab_old ab_old new
+elif [ "${PART}" = s21b ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_device.py tests/test_reservations.py tests/test_landing.py 2>&1 | tail -3 | tee -a "$LOG"
+  store_rows ab_old new new ab_old ab_old new
+  for c in 0 3; do
+    echo "=== tools/probe_first_copy.py --iters 100 --commit-ahead $c" >> "$LOG"
+    timeout 90 python3 tools/probe_first_copy.py --iters 100 --commit-ahead $c 2>&1 | grep -v check_key >> "$LOG"
+  done
+elif [ "${PART}" = s21a ]; then
+  echo "=== tools/probe_copy_calls.py" >> "$LOG"; timeout 90 python3 tools/probe_copy_calls.py >> "$LOG" 2>&1
+  echo "=== tools/probe_first_copy.py" >> "$LOG"; timeout 120 python3 tools/probe_first_copy.py >> "$LOG" 2>&1
+  store_traces new
 elif [ "${PART}" = s20f ]; then
   gpu_tests gpu_tests_s20f
   store_twice
