@@ -243,12 +243,9 @@ def test_mset_d2h_sends_one_commit_ahead_of_its_copies(worker, monkeypatch):
         kv.delete([*keys, "land/warm"])
 
 
-def test_a_longer_mset_d2h_commits_its_first_stages_while_it_queues_the_rest(worker, monkeypatch):
-    # Once COMMIT_AHEAD_STAGES stages' copies are queued, their commit goes (ahead of their copies) before the next
-    # stage is queued; the rest goes in one more at the end. Nothing shows before this process says the bytes
-    # landed, and everything does once the call returned.
-    from kvstrata.client import device_calls
-
+def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker, monkeypatch):
+    # Five stages: their copies are all queued first, then one commit for every key goes ahead of them; nothing
+    # shows before this process says the bytes landed, and everything does once the call returned.
     with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as other:
         assert kv.mset_d2h(["land/warm4"], _lists(1, 0)) == [None]
         backend = kv._backend
@@ -258,7 +255,7 @@ def test_a_longer_mset_d2h_commits_its_first_stages_while_it_queues_the_rest(wor
 
         def landing(token, ok=True):
             order.append("land")
-            assert other.exists(keys) == [False] * 9  # every commit went ahead of the word: nothing shows yet
+            assert other.exists(keys) == [False] * 9  # the commit went ahead of the word: nothing shows yet
             real_land(token, ok)
 
         monkeypatch.setattr(
@@ -270,77 +267,13 @@ def test_a_longer_mset_d2h_commits_its_first_stages_while_it_queues_the_rest(wor
         monkeypatch.setattr(device, "stages", stages_of(2))
         src = _lists(9, 6)
         assert kv.mset_d2h(keys, src) == [None] * 9
-        n = device_calls.COMMIT_AHEAD_STAGES
-        assert n == 3 and order == [*["copies"] * 3, ("commit", 6), "copies", "copies", ("commit", 3), "land"]
+        assert order == [*["copies"] * 5, ("commit", 9), "land"]
         assert other.exists(keys) == [True] * 9
         monkeypatch.undo()
         out = [[torch.zeros_like(t[0])] for t in src]
         assert other.mget_h2d(keys, out) == [None] * 9
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
         kv.delete([*keys, "land/warm4"])
-
-
-def test_a_bad_tensor_after_the_commit_ahead_shows_nothing_and_the_next_call_works(worker, monkeypatch):
-    # The first three stages went in a commit ahead of their copies; the fifth stage's tensor is bad: the call
-    # raises naming it, says the commit ahead failed (the worker frees its objects), and the next call carves on
-    # from where the worker says its head is.
-    with kvstrata.connect(worker) as kv:
-        assert kv.mset_d2h(["land/warm5"], _lists(1, 0)) == [None]
-        sent = []
-        real = kv._backend.commit_start
-        monkeypatch.setattr(
-            kv._backend, "commit_start", lambda *a, **kw: sent.append(kw.get("landing", False)) or real(*a, **kw)
-        )
-        monkeypatch.setattr(device, "mark", lambda stream: _Event())
-        monkeypatch.setattr(device, "stages", stages_of(2))
-        keys = [f"land/bad/{i}" for i in range(10)]
-        lists = _lists(10, 7)
-        lists[8] = [torch.zeros(4, 4).t()]
-        with pytest.raises(ValueError, match=r"tensor_lists\[8\]\[0\]"):
-            kv.mset_d2h(keys, lists)
-        monkeypatch.undo()
-        assert sent == [True]  # the commit ahead went before the bad stage was reached
-        assert kv.exists(keys) == [False] * 10 and kv.stats()["creates_in_progress"] == 0
-        src = _lists(10, 8)
-        assert kv.mset_d2h(keys, src) == [None] * 10  # free again, laid out where the worker's head is
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert kv.mget_h2d(keys, out) == [None] * 10 and all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
-        kv.delete([*keys, "land/warm5"])
-
-
-def test_stages_created_after_a_commit_ahead_are_sealed_and_the_commit_lands(worker, monkeypatch):
-    # The reservation holds the first three stages only: they go in a commit ahead of their copies, the others are
-    # created by the worker and sealed once their bytes landed, and the commit ahead lands at the end.
-    with kvstrata.connect(worker, reserve_bytes=1 << 20) as kv:
-        assert kv.mset_d2h(["land/warm6"], _lists(1, 0)) == [None]  # asks for a reservation
-        assert kv.mset_d2h(["land/warm7"], _lists(1, 0)) == [None]  # takes it
-        rest = kv._reservation.remaining
-        assert 0 < rest <= 1 << 20
-        size = rest // 3 - 64  # three keys fit (each rounded up to 64 bytes), the fourth does not
-        keys = [f"land/mix/{i}" for i in range(5)]
-        calls = []
-        backend = kv._backend
-        for name in ("commit", "mcreate", "mseal"):
-            real = getattr(backend, f"{name}_start")
-            monkeypatch.setattr(
-                backend,
-                f"{name}_start",
-                lambda *a, _r=real, _n=name, **kw: calls.append((_n, kw.get("landing", False))) or _r(*a, **kw),
-            )
-        landed = []
-        real_land = backend.land
-        monkeypatch.setattr(backend, "land", lambda token, ok=True: landed.append(ok) or real_land(token, ok))
-        monkeypatch.setattr(device, "mark", lambda stream: _Event())
-        monkeypatch.setattr(device, "stages", stages_of(1))
-        src = [[torch.full((size,), i, dtype=torch.uint8)] for i in range(5)]
-        assert kv.mset_d2h(keys, src) == [None] * 5
-        monkeypatch.undo()
-        assert calls[0] == ("commit", True) and ("mcreate", False) in calls and ("mseal", False) in calls
-        assert [c for c in calls if c[0] == "commit"] == [("commit", True)] and landed == [True]
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert kv.mget_h2d(keys, out) == [None] * 5 and all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
-        assert kv.stats()["creates_in_progress"] == 0
-        kv.delete([*keys, "land/warm6", "land/warm7"])
 
 
 def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_works(worker, monkeypatch):

@@ -17,7 +17,7 @@ import torch
 import kvstrata
 from _stages import copies_pending, stages_of
 from kv_helpers import client_for, worker_config
-from kvstrata.client import device, device_calls
+from kvstrata.client import device
 from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
 from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
 from kvstrata.server import Worker
@@ -346,13 +346,10 @@ def _lands(kv):
 
 def _commits(kv, stages):
     """The commit requests a reserved call of ``stages`` stages may send, each stage's copies still in flight when
-    looked at: one per stage, or, where it commits ahead of copies (when the worker has read the previous call's
-    word that its copies landed: it nearly always has), one for them all, or one for the first
-    ``COMMIT_AHEAD_STAGES`` stages while the rest are queued and one for the rest."""
+    looked at: one per stage, or, where it commits ahead of copies, one for them all (when the worker has read the
+    previous call's word that its copies landed: it nearly always has)."""
     per_stage = [["commit"] * stages]
-    if not _lands(kv) or stages < 2:
-        return per_stage
-    return [["commit"], *([["commit"] * 2] if stages > device_calls.COMMIT_AHEAD_STAGES else []), *per_stage]
+    return [["commit"], *per_stage] if _lands(kv) and stages > 1 else per_stage
 
 
 def _count_calls(monkeypatch, backend):

@@ -194,12 +194,13 @@
 #   PART=s20f: session 20's closing call (final code, 4b148d1): every GPU test, bench store's device rows twice
 #   PART=s21a: the host cost of the calls that queue copies (tools/probe_copy_calls.py: cuda-bindings against
 #           ctypes on libcudart), a device call's steps (tools/probe_first_copy.py), tools/trace_store_device.py
-#   PART=s21b: a reserved mset_d2h's commit ahead of its copies (one for the first 3 stages while the rest are queued,
-#           one for the rest, no wait for the first stage's bytes): the client-device, landing and reservation GPU
-#           tests, bench store's device rows with e8b3cf9 (ab_old/src) and the new code A/B/B/A/A/B,
+#   PART=s21b: (code 4804a1e) a reserved mset_d2h's commit ahead of its copies (one for the first 3 stages while the
+#           rest are queued, one for the rest, no wait for the first stage's bytes): the client-device, landing and
+#           reservation GPU tests, bench store's device rows with e8b3cf9 (ab_old/src) and the new code A/B/B/A/A/B,
 #           tools/probe_first_copy.py with the commit while stages are queued off (--commit-ahead 0) and on
-#   PART=s21c: tools/probe_commit_ahead.py (the commit while stages are queued off and on, call by call) twice, bench
-#           store's device rows with e8b3cf9 (ab_old/src) and the new code B/A/A/B
+#   PART=s21c: (code 4804a1e, whose tools/probe_commit_ahead.py switches the commit while stages are queued off and on
+#           call by call) that probe twice, bench store's device rows with e8b3cf9 (ab_old/src) and the new code
+#           B/A/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -695,7 +696,7 @@ elif [ "${PART}" = s21b ]; then
   store_rows ab_old new new ab_old ab_old new
   for c in 0 3; do
     echo "=== tools/probe_first_copy.py --iters 100 --commit-ahead $c" >> "$LOG"
-    timeout 90 python3 tools/probe_first_copy.py --iters 100 --commit-ahead $c 2>&1 | grep -v check_key >> "$LOG"
+    timeout 90 python3 tools/probe_first_copy.py --iters 100 --commit-ahead $c 2>&1 | grep -v check_key >> "$LOG"  # 4804a1e
   done
 elif [ "${PART}" = s21a ]; then
   echo "=== tools/probe_copy_calls.py" >> "$LOG"; timeout 90 python3 tools/probe_copy_calls.py >> "$LOG" 2>&1

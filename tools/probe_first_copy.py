@@ -3,9 +3,7 @@ of each of the client's steps in one ``mget_h2d`` of 64 x 1 MiB whose leases thi
 ``mset_d2h`` of 64 fresh keys, through a real worker. Microseconds from the call's start, the median of
 ``--iters`` calls for each position of the steps' most common sequence.
 
-    PYTHONPATH=src python3 tools/probe_first_copy.py [--iters 200] [--keys 64] [--commit-ahead N]
-
-``--commit-ahead N``: ``device_calls.COMMIT_AHEAD_STAGES`` for this run (0: no commit while stages are queued).
+    PYTHONPATH=src python3 tools/probe_first_copy.py [--iters 200] [--keys 64]
 """
 
 from __future__ import annotations
@@ -58,9 +56,6 @@ def _report(label: str, runs: list[list[tuple[str, float]]]) -> None:
 
 def main() -> None:
     iters, n = _option("--iters", 200), _option("--keys", 64)
-    if "--commit-ahead" in sys.argv:
-        device_calls.COMMIT_AHEAD_STAGES = _option("--commit-ahead", 0)
-        print(f"COMMIT_AHEAD_STAGES = {device_calls.COMMIT_AHEAD_STAGES}")
     size = 1 << 20
     cuda = torch.cuda.is_available()
     for name in ("check_key", "start", "enqueue", "mark", "stages"):

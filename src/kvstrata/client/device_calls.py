@@ -29,10 +29,6 @@ Result = Any  # per-key: None on success, the KvstrataError instance on failure 
 #: GB/s, so the worker polls a little longer than the bytes take rather than sleep just before the commit
 LINGER_BYTES_PER_US = 40_000
 LINGER_SLACK_US = 100
-#: a reserved ``mset_d2h`` (not one of an async chain) commits the stages laid out so far ahead of their copies once
-#: this many stages' copies are queued (0: never), while it goes on with the next stages: the worker then seals
-#: them while the bytes move, and the call's end waits for one commit's answer (the rest's), not two
-COMMIT_AHEAD_STAGES = 3
 #: a cold ``mget_h2d`` whose first stage the placement table places whole makes one request for every key, after
 #: its first two stages' copies (see ``mget_h2d``); off: it asks stage by stage ahead (tools/probe_cold_ab.py)
 TABLE_FIRST = True
@@ -79,14 +75,14 @@ class DeviceCallsMixin:
         None per stored key. The copies run as copy-engine batches on a copy stream that waits for
         ``stream`` (default: current). Pipelined in stages (:func:`kvstrata.client.device.stages`).
         Stages that fit this client's write reservation (:mod:`kvstrata.client.reservation`) are laid
-        out in it here, with no request, and their copies queued at once; they are committed (made a sealed
-        object per key) ahead of their copies: the first :data:`COMMIT_AHEAD_STAGES` while the later ones are
-        queued, the rest once every copy is. The worker shows those objects when this process says, in shared
-        memory, that the bytes landed (:mod:`kvstrata.server.lane`), so no request follows the last copy.
-        Other stages are created by the worker (the next stage's create in flight while this process queues
-        the current stage's copies) and sealed once their bytes landed. An error (a bad tensor in a later
-        stage, a failed copy) waits for the queued copies and aborts every object not shown yet (a commit ahead
-        of its copies shows none of its objects); reserved bytes not committed go to the next call.
+        out in it here, with no request, and their copies queued at once; once every copy is queued they are
+        committed (made a sealed object per key) in one request, ahead of their copies: the worker shows those
+        objects when this process says, in shared memory, that the bytes landed (:mod:`kvstrata.server.lane`),
+        so no request follows the last copy. Other stages are created by the worker (the next stage's create
+        in flight while this process queues the current stage's copies) and sealed once their bytes landed. An
+        error (a bad tensor in a later stage, a failed copy) waits for the queued copies and aborts every object
+        not shown yet (a commit ahead of its copies shows none of its objects); reserved bytes not committed go
+        to the next call.
         """
         return _finish(self._mset_d2h_steps(keys, tensor_lists, stream=stream))
 
@@ -119,9 +115,6 @@ class DeviceCallsMixin:
         carved_from = carved_to = resv.head  # the local head before and after this call's carving
         head_lost = False  # a commit went out whose reply is never read: ``known`` cannot be trusted
         call_bytes = 0
-        ahead = 0  # marks[:ahead] went in a commit ahead of their copies while later stages were queued
-        ahead_token: Any = None
-        landing_open = False  # a commit ahead of its copies went out (or may have) and was not landed or failed yet
 
         def take(st: Any, token: Any) -> list[int]:
             created, where = [], []
@@ -147,16 +140,6 @@ class DeviceCallsMixin:
                 results[i] = r
                 if r is None:
                     sealed.add(keys[i])
-
-        def commit_ahead() -> None:
-            """Commit every stage laid out so far ahead of its copies (where the worker takes such commits now)."""
-            nonlocal ahead, ahead_token, landing_open
-            if not getattr(backend, "can_land", False):
-                return
-            ahead = len(marks)
-            landing_open = True  # before the request: one cut short after it went out is failed all the same
-            ahead_token = backend.commit_start([it for m in marks for it in m[1]], opts, landing=True)
-            seals.append(([i for m in marks for i in m[0]], True, ahead_token))
 
         try:
             # (key indices, commit items or None for created keys, event after their copies, their bytes)
@@ -189,19 +172,6 @@ class DeviceCallsMixin:
                                 # and would take ~100+ us to wake for the first commit: have it wake now and
                                 # poll, while the copies run, for as long as the call's bytes take to land.
                                 backend.linger(_linger_us(nbytes * len(keys) // max(1, hi - lo)))
-                        # Every stage so far laid out (none created), copies queued on a stream: once a few stages'
-                        # copies are queued, their commit goes ahead of them, the worker's work on it overlapping
-                        # this thread's next stages and the bytes still to move (an async chain's calls commit in
-                        # call order on the completion thread, so theirs wait for the next step).
-                        if (
-                            not ahead
-                            and not chain
-                            and marks[-1][2] is not None  # copies that may still be moving
-                            and st.hi < len(keys)
-                            and COMMIT_AHEAD_STAGES
-                            and len(marks) >= COMMIT_AHEAD_STAGES
-                        ):
-                            commit_ahead()
                         continue
                     carving = False  # the rest of the call is created by the worker, in stage order
                     in_flight.append((st, backend.mcreate_start(list(zip(keys[st.lo : st.hi], st.sizes)), opts)))
@@ -235,9 +205,8 @@ class DeviceCallsMixin:
             # copies), each sent without waiting for the worker, whose answers are read at the end. Stages
             # whose copies have all landed by the time one is sent go in that one request (the first of
             # them waited for), so the worker answers a few requests per call, not one per stage.
-            j = ahead  # the stages before were committed ahead of their copies already
-            # (several commits ahead of their copies in one call are safe: one landing word covers them all)
-            land = bool(ahead) or getattr(backend, "can_land", False)
+            j = 0
+            land = getattr(backend, "can_land", False)
             while j < len(marks):
                 rest = marks[j:]
                 if land and all(m[1] is not None and m[2] is not None for m in rest):
@@ -248,7 +217,9 @@ class DeviceCallsMixin:
                     # request or answer after it. (Before, the first stages waited for their bytes and went in a
                     # plain commit of their own: the worker's two answers came 250-300 us apart on the H200 host,
                     # the second one close to the last byte; one commit per stage, each landed as its copies
-                    # did, kept the worker answering a request per stage up to the end.)
+                    # did, kept the worker answering a request per stage up to the end. A commit of the first
+                    # stages sent while the later ones were still being queued brought the answer ~100 us
+                    # earlier but no call sooner: tools/probe_commit_ahead.py at 4804a1e.)
                     token: Any = None
                     landed = False
                     try:
@@ -257,13 +228,12 @@ class DeviceCallsMixin:
                         while seals:
                             finish_one()
                         rest[-1][2].synchronize()  # stream order: the last stage's event follows every copy
-                        backend.land(token)  # and every commit ahead before it: tags grow
+                        backend.land(token)
                         landed = True
                     finally:
                         # The worker refuses every held commit not landed yet: every one this connection sent,
                         # even one whose sending a KeyboardInterrupt cut short after the bytes went out (its
                         # objects would otherwise wait, their keys taken, until this client disconnects).
-                        landing_open = False
                         if not landed:
                             backend.land_failed()
                             # A commit cut short there may have gone out with its reply never to be read: the
@@ -286,12 +256,6 @@ class DeviceCallsMixin:
                 if which:
                     seals.append((which, False, backend.mseal_start([keys[i] for i in which])))
                 j = k
-            if landing_open:  # stages committed ahead, the ones after them sealed or committed once they landed
-                while seals:
-                    finish_one()
-                next(m[2] for m in reversed(marks) if m[2] is not None).synchronize()  # stream order: every copy
-                backend.land(ahead_token)
-                landing_open = False
             while seals:
                 finish_one()
             refused = [k for k in created_keys if k not in sealed]
@@ -300,9 +264,6 @@ class DeviceCallsMixin:
         except BaseException:
             if s is not None:
                 s.synchronize()  # no copy may still write into an object being aborted, or reserved bytes
-            if landing_open:  # the commit ahead of the copies shows nothing: the worker frees its objects
-                backend.land_failed()
-                head_lost = head_lost or ahead_token is None  # its reply may be on the way, never to be read
             for st, token in in_flight:  # creates sent and not read yet: their objects must go too
                 try:
                     take(st, token)
