@@ -315,6 +315,34 @@ def test_cuda_mixed_with_cpu_tensors_and_a_side_stream(kv):
 
 
 @pytest.mark.gpu
+def test_copies_wait_for_the_callers_pending_work_call_after_call(kv):
+    # The copy stream waits for the caller's stream (given, or current) at every call: writes to the sources, and
+    # to the destinations, still queued behind ~1 ms of GPU work come before the copies. Several calls: the first
+    # of a thread makes its wait event, the later ones record it by its raw handle.
+    keys = [f"gpu-order/{i}" for i in range(3)]
+    side = torch.cuda.Stream()
+    for r in range(4):
+        kv.delete(keys)
+        given = {"stream": side} if r % 2 else {}
+        src = [[torch.empty(1 << 16, dtype=torch.uint8, device="cuda")] for _ in keys]
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time ahead of the writes
+            for i, ts in enumerate(src):
+                ts[0].fill_(r * 10 + i)
+            assert kv.mset_d2h(keys, src, **given) == [None] * 3
+        assert [kv.get(k)[:1] for k in keys] == [bytes([r * 10 + i]) for i in range(3)]
+        dst = [[torch.empty(1 << 16, dtype=torch.uint8, device="cuda")] for _ in keys]
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+            for ts in dst:
+                ts[0].fill_(255)  # still queued when the call starts: its copies must land after it
+            assert kv.mget_h2d(keys, dst, **given) == [None] * 3
+        torch.cuda.synchronize()
+        assert all(bool((ts[0] == r * 10 + i).all()) for i, ts in enumerate(dst))
+    kv.delete(keys)
+
+
+@pytest.mark.gpu
 def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
     # One stage for all four keys: the keys are overwritten right after it is queued (in-process, a later
     # stage would lease the new objects, as it should).

@@ -263,6 +263,69 @@ def test_a_dead_worker_is_not_read_from(tmp_path):
     kv.close()
 
 
+def test_cached_reads_look_at_the_worker_once_per_moment(worker, monkeypatch):
+    # A cached read checks the worker is still there (its socket not at EOF); one seen there less than
+    # WORKER_SEEN_S ago is taken as there with no system call, so a device call's stages look once, not per stage.
+    import types
+
+    from kvstrata.client import connection
+
+    looks = []
+
+    def select(*args):
+        looks.append(1)
+        return connection_select(*args)
+
+    connection_select = connection.select.select
+    monkeypatch.setattr(connection, "select", types.SimpleNamespace(select=select))
+    with kvstrata.connect(worker.address) as kv:
+        kv.set("seen", b"cached")
+        assert kv.get("seen") == b"cached"
+        monkeypatch.setattr(connection, "WORKER_SEEN_S", 60.0)
+        looks.clear()
+        kv._backend._there_until = 0.0
+        assert [kv.get("seen") for _ in range(20)] == [b"cached"] * 20
+        assert len(looks) == 1
+        monkeypatch.setattr(connection, "WORKER_SEEN_S", 0.0)
+        looks.clear()
+        kv._backend._there_until = 0.0
+        assert [kv.get("seen") for _ in range(20)] == [b"cached"] * 20
+        assert len(looks) == 20
+
+
+def test_a_client_used_in_a_forked_child_refuses_and_the_parent_goes_on(tmp_path):
+    # The child has the parent's mappings and cached leases but not its connection: a read there, even of a key
+    # the cache holds, raises ClosedError saying why (this process's id is kept current across fork()).
+    from test_worker_e2e import start_worker, stop
+
+    proc, address = start_worker(tmp_path)
+    try:
+        with kvstrata.connect(address) as kv:
+            kv.set("forked", b"parent's")
+            assert kv.get("forked") == b"parent's" and kv.get("forked") == b"parent's"  # cached
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: report what the read did, then leave at once (no finalizers)
+                try:
+                    kv.get("forked")
+                    out = b"served"
+                except kvstrata.ClosedError as exc:
+                    out = b"refused" if "fork" in str(exc) else b"other"
+                except BaseException:
+                    out = b"other"
+                os.write(w, out)
+                os._exit(0)
+            os.close(w)
+            got = os.read(r, 16)
+            os.close(r)
+            os.waitpid(pid, 0)
+            assert got == b"refused"
+            assert kv.get("forked") == b"parent's"
+            kv.delete(["forked"])
+    finally:
+        stop(proc)
+
+
 def leases(w):
     return w.stats()["leases"]
 

@@ -201,6 +201,12 @@
 #   PART=s21c: (code 4804a1e, whose tools/probe_commit_ahead.py switches the commit while stages are queued off and on
 #           call by call) that probe twice, bench store's device rows with e8b3cf9 (ab_old/src) and the new code
 #           B/A/A/B
+#   PART=s21d: session 21's closing call (final code, 6f2291e): every GPU test, bench store's device rows twice,
+#           tools/probe_first_copy.py
+#   PART=s21e: this process's pid kept current across fork() (no getpid per check), the worker's socket looked at once
+#           per ms by cached reads, start()'s record and wait as raw runtime calls: the client-device, local-read,
+#           reservation and landing GPU tests, tools/probe_first_copy.py with 6f2291e (ab_mid/src) and the new code
+#           in turn, twice, bench store's device rows A/B/B/A/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -684,6 +690,24 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s21e ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
+    tests/test_client_device.py tests/test_local_reads.py tests/test_reservations.py tests/test_landing.py 2>&1 \
+    | tail -3 | tee -a "$LOG"
+  for r in 1 2; do
+    for v in ab_mid new; do
+      use "$v"
+      echo "=== tools/probe_first_copy.py --iters 100 ($v code, round $r)" >> "$LOG"
+      timeout 90 python3 tools/probe_first_copy.py --iters 100 2>&1 | grep -v check_key >> "$LOG"
+    done
+  done
+  use new
+  store_rows ab_mid new new ab_mid ab_mid new
+elif [ "${PART}" = s21d ]; then
+  gpu_tests gpu_tests_s21d
+  store_twice
+  echo "=== tools/probe_first_copy.py --iters 100" >> "$LOG"
+  timeout 90 python3 tools/probe_first_copy.py --iters 100 2>&1 | grep -v check_key >> "$LOG"
 elif [ "${PART}" = s21c ]; then
   for r in 1 2; do
     echo "=== tools/probe_commit_ahead.py --calls 150 (round $r)" >> "$LOG"

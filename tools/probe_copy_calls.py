@@ -1,6 +1,7 @@
 """Host cost of the calls that queue a device call's copies (GPU machine): cuda-bindings' batch call as the
 client uses it (``copy_engine.memcpy_raw``), the same runtime calls through ctypes on the process's own
-libcudart, one ``cudaMemcpyAsync`` per run, the client's whole ``device.enqueue`` and ``device.start``.
+libcudart, one ``cudaMemcpyAsync`` per run, the client's whole ``device.enqueue`` and ``device.start`` (since
+session 21 its record and wait go by raw handle: ``copy_engine.stream_wait``, timed alone too).
 Median microseconds of host time per call, the stream drained before each (so each call finds the copy
 engine idle, as a call's first stage does).
 
@@ -102,7 +103,7 @@ def main() -> None:
     event = torch.cuda.Event()
     ev = ctypes.c_void_p(event.cuda_event) if event.cuda_event else None
     start = timed(device.start, dev.device, None)
-    print(f"device.start (torch Event.record + Stream.wait_event): {start:.1f} us")
+    print(f"device.start: {start:.1f} us")
     if ev is None:
         event.record(stream)
         ev = ctypes.c_void_p(event.cuda_event)
@@ -116,6 +117,9 @@ def main() -> None:
         wait(handle, ev, 0)
 
     print(f"ctypes cudaEventRecord + cudaStreamWaitEvent: {timed(raw_start):.1f} us")
+    if hasattr(copy_engine, "stream_wait"):
+        waited = timed(copy_engine.stream_wait, ev.value, cur, handle)
+        print(f"copy_engine.stream_wait (cuda-bindings cudaEventRecord + cudaStreamWaitEvent): {waited:.1f} us")
     print(f"torch.cuda.current_device(): {timed(torch.cuda.current_device):.2f} us")
 
 

@@ -238,7 +238,7 @@ def start(device: Any, stream: Any = None) -> Any:
         return None
     import torch
 
-    from kvstrata.ops import current_stream
+    from kvstrata.ops import copy_engine, current_stream
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _copy_streams.get(index)
@@ -246,18 +246,22 @@ def start(device: Any, stream: Any = None) -> Any:
         side = _copy_streams.setdefault(index, torch.cuda.Stream(device=index))
     # stream.wait_stream(), with an event of this thread's instead of a new one per call (3-5 us of the ~15 the
     # call cost on the H200 host, before the first DMA): the wait takes the event's state when it is queued, so
-    # recording the event again later, in this thread, never changes what an earlier wait waits for.
+    # recording the event again later, in this thread, never changes what an earlier wait waits for. Once the
+    # event exists (torch creates it at its first record), record and wait go as two runtime calls on raw handles.
     events = _wait_events.__dict__
-    event = events.get(index)
-    if event is None:
-        event = events[index] = torch.cuda.Event()
-    event.record(stream or current_stream(index))
-    side.wait_event(event)
+    caller = stream or current_stream(index)
+    got = events.get(index)
+    if got is None or not copy_engine.stream_wait(got[1], caller.cuda_stream, side.cuda_stream):
+        event = torch.cuda.Event() if got is None else got[0]
+        event.record(caller)
+        side.wait_event(event)
+        if got is None:
+            events[index] = (event, event.cuda_event)
     return side
 
 
 _copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls
-_wait_events = threading.local()  # device index -> this thread's event for start()'s wait
+_wait_events = threading.local()  # device index -> this thread's event for start()'s wait, and its raw handle
 
 
 def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False) -> None:

@@ -8,10 +8,10 @@ segments are :class:`~kvstrata.client.connection.WorkerConnection`'s.
 
 from __future__ import annotations
 
-import os
 from itertools import repeat
 from typing import Any, NamedTuple
 
+from kvstrata._proc import PID
 from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
 from kvstrata.errors import ProtocolError
@@ -168,7 +168,7 @@ class RemoteBackend(WorkerConnection):
             return self._value(self.request({"op": "get", "key": key, "timeout": timeout}))
         generation = local.generation()  # read before the request: see kvstrata.server.validity
         with self._lock:
-            if not self._closed and self._pid == os.getpid():
+            if not self._closed and self._pid == PID[0]:
                 loc = local.lookup(key)
                 # Still current, and the worker still there (a dead one makes its socket readable at EOF):
                 # straight out of shared memory, no round trip.
@@ -241,7 +241,7 @@ class RemoteBackend(WorkerConnection):
         if local is not None:
             generation = local.generation()  # read before the request: see kvstrata.server.validity
             with self._lock:
-                if cached and len(local) and not self._closed and self._pid == os.getpid():
+                if cached and len(local) and not self._closed and self._pid == PID[0]:
                     got = local.entries(keys)
                     # Served only while the worker is there (a dead one makes its socket readable at EOF); where no
                     # entry is current (a cold read) the request finds out, with no system call here.

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvstrata._proc import PID
 from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
 from kvstrata.devobj._core import settle as _settle
 from kvstrata.devobj._core import specs_of
@@ -31,8 +31,6 @@ from kvstrata.ops import current_stream
 log = logging.getLogger(__name__)
 
 _TOKENS = itertools.count(1)
-_PID = [os.getpid()]  # this process's id, read per published key (reset in a forked child)
-os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 
 @dataclass
@@ -101,7 +99,7 @@ class Publisher:
             "events": ev_handles,
             "device": self._device_record(),
             "node_id": self.config.node_id,
-            "pid": _PID[0],
+            "pid": PID[0],
             "local": token,
             "transport": self.config.transport,
         }

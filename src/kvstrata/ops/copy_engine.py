@@ -188,6 +188,32 @@ def _raw_calls() -> tuple:
     return rt.cudaMemcpyAsync, batch, rt.cudaMemcpyKind.cudaMemcpyDefault, _batch_attrs(rt) if batch else None
 
 
+def stream_wait(event: int, stream: int, waiter: int) -> bool:
+    """``waiter.wait_stream(stream)`` on raw handles, through the CUDA event ``event`` (raw, created already): the
+    event recorded on ``stream``, and ``waiter`` made to wait for it, in two runtime calls. The wait takes the
+    event's state when it is queued, so recording ``event`` again later never changes what it waits for. False
+    where cuda-bindings is missing (the caller then uses torch's ``Event.record`` and ``Stream.wait_event``,
+    whose Python wrappers cost ~5 us together on the H200 machine against ~2 for the two calls alone)."""
+    calls = _event_calls()
+    if calls is None:
+        return False
+    record, wait = calls
+    err = record(event, stream)[0]
+    if err:
+        raise CopyEngineError(f"cudaEventRecord failed: {err!r}")
+    err = wait(waiter, event, 0)[0]
+    if err:
+        raise CopyEngineError(f"cudaStreamWaitEvent failed: {err!r}")
+    return True
+
+
+@functools.cache
+def _event_calls() -> tuple | None:
+    """(cudaEventRecord, cudaStreamWaitEvent) of cuda-bindings, or None."""
+    rt = _runtime()
+    return None if rt is None else (rt.cudaEventRecord, rt.cudaStreamWaitEvent)
+
+
 def copy_runs_torch(
     dst_flat: torch.Tensor, dst_off: np.ndarray, src_flat: torch.Tensor, src_off: np.ndarray, sizes: np.ndarray
 ) -> None:
@@ -197,4 +223,12 @@ def copy_runs_torch(
         dst_flat[d : d + z].copy_(src_flat[s : s + z], non_blocking=True)
 
 
-__all__ = ["CopyEngineError", "copy_runs_torch", "has_batch_api", "memcpy_batch", "memcpy_raw", "merge_runs"]
+__all__ = [
+    "CopyEngineError",
+    "copy_runs_torch",
+    "has_batch_api",
+    "memcpy_batch",
+    "memcpy_raw",
+    "merge_runs",
+    "stream_wait",
+]
