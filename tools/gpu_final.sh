@@ -207,6 +207,13 @@
 #           per ms by cached reads, start()'s record and wait as raw runtime calls: the client-device, local-read,
 #           reservation and landing GPU tests, tools/probe_first_copy.py with 6f2291e (ab_mid/src) and the new code
 #           in turn, twice, bench store's device rows A/B/B/A/A/B
+#   PART=s21f: session 21's closing call (final code, e2b96d1): every GPU test, bench store's device rows twice,
+#           tools/probe_copy_calls.py, bench store's 4 KiB rows (1 client) with e8b3cf9 (ab_old/src) and the new code
+#           A/B/B/A
+#   PART=s21g: tools/probe_set_get.py (4 KiB set and cached get from one client) with e8b3cf9 (ab_old/src) and the
+#           final code in turn, four times each; then bench store's 4 KiB rows (1 client) B/A
+#   PART=s21h: bench store's 4 KiB rows (1 client, the GPU hidden: no device rows) with e8b3cf9 (ab_old/src) and the
+#           final code in turn, A/B six times
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -690,6 +697,38 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s21h ]; then
+  for r in 1 2 3 4 5 6; do
+    for v in ab_old new; do
+      use "$v"
+      echo "=== ($v code, round $r)" >> "$LOG"
+      CUDA_VISIBLE_DEVICES= bench 60 store --no-redis --no-mooncake --sizes 4KiB --clients 1
+    done
+  done
+  use new
+elif [ "${PART}" = s21g ]; then
+  for r in 1 2 3 4; do
+    for v in ab_old new; do
+      use "$v"
+      echo "=== tools/probe_set_get.py ($v code, round $r)" >> "$LOG"
+      timeout 60 python3 tools/probe_set_get.py --rounds 2 >> "$LOG" 2>&1
+    done
+  done
+  for v in new ab_old; do
+    use "$v"
+    echo "=== ($v code)" >> "$LOG"; bench 90 store --no-redis --no-mooncake --sizes 4KiB --clients 1
+  done
+  use new
+elif [ "${PART}" = s21f ]; then
+  gpu_tests gpu_tests_s21f
+  store_twice
+  echo "=== tools/probe_copy_calls.py" >> "$LOG"; timeout 90 python3 tools/probe_copy_calls.py >> "$LOG" 2>&1
+  for v in ab_old new new ab_old; do
+    use "$v"
+    echo "=== ($v code)" >> "$LOG"; bench 90 store --no-redis --no-mooncake --sizes 4KiB --clients 1
+    cp "$OUT/store.json" "$OUT/store_4k_$v.json"
+  done
+  use new
 elif [ "${PART}" = s21e ]; then
   KVSTRATA_TEST_WAIT=20 timeout 150 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 60 \
     tests/test_client_device.py tests/test_local_reads.py tests/test_reservations.py tests/test_landing.py 2>&1 \
