@@ -214,6 +214,10 @@
 #           final code in turn, four times each; then bench store's 4 KiB rows (1 client) B/A
 #   PART=s21h: bench store's 4 KiB rows (1 client, the GPU hidden: no device rows) with e8b3cf9 (ab_old/src) and the
 #           final code in turn, A/B six times
+#   PART=s21i: lscpu, tools/probe_smt.py (a busy Python loop on one CPU against a plain loop on each other CPU),
+#           tools/probe_kept_after.py (a kept mget_h2d right after a request and after 2 ms quiet, call by call, the
+#           client on any CPU and pinned to a few)
+#   PART=s21j: bench store's device rows once, now with the client's CPU speed over the rounds (host_loop_us)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -697,6 +701,12 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s21j ]; then
+  bench 90 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+elif [ "${PART}" = s21i ]; then
+  lscpu >> "$LOG" 2>&1
+  echo "=== tools/probe_smt.py" >> "$LOG"; timeout 60 python3 tools/probe_smt.py >> "$LOG" 2>&1
+  echo "=== tools/probe_kept_after.py" >> "$LOG"; timeout 120 python3 tools/probe_kept_after.py >> "$LOG" 2>&1
 elif [ "${PART}" = s21h ]; then
   for r in 1 2 3 4 5 6; do
     for v in ab_old new; do

@@ -66,6 +66,22 @@ def host_time(fn: Callable[[], object], *, warmup: int = 2, iters: int = 10) -> 
     return statistics.median(times)
 
 
+def python_loop_us(runs: int = 20) -> float:
+    """Median microseconds of a plain-Python loop of 1,000 additions: how fast the CPU this thread runs on goes
+    right now. Rows bound by host work move with it: on the H200 host's guest the same loop took 31-33 us on
+    some vCPUs and 54-62 on others at the same moment, each vCPU changing within seconds
+    (``tools/probe_smt.py``, session 21), and the store's device rows fell from ~0.92 to ~0.81 of the ceiling
+    with it."""
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(1000):
+            total += i
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """Bytes per second in GB/s (10^9), rounded for tables."""
     return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")

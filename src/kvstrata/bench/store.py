@@ -189,7 +189,7 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
     import torch
 
     import kvstrata
-    from kvstrata.bench._common import device_time
+    from kvstrata.bench._common import device_time, python_loop_us
 
     n, size = 64, 1 << 20
     host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
@@ -211,6 +211,7 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
         # row after the other, a row could read 0.05-0.15 of the ceiling off another).
         cases = ("kept", "other key", "own rewrite", "written", "write")
         times: dict[str, list[float]] = {c: [] for c in cases}
+        loops: list[float] = []  # the host's speed round by round (python_loop_us)
         with kvstrata.connect(address) as writer:  # another process's objects: a decode engine reading prefill's
             kv.mget_h2d(keys, dst)
             for it in range(READ_ROUNDS + 3):
@@ -218,6 +219,9 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
                     if case == "other key":
                         kv.set(f"h2d/other/{it}", b"x")  # writes to other keys leave the kept leases good
                     elif case == "own rewrite":
+                        # the host's speed this round, measured where requests still come between it and the next
+                        # timed call (as before every timed call)
+                        loops.append(python_loop_us())
                         kv.delete(keys)  # rewritten: the kept leases are stale, this read leases through the worker
                         assert kv.mset_d2h(keys, src) == [None] * n
                     elif case == "written":
@@ -266,6 +270,8 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
                 "ceiling_GB/s": gbps(n * size, ceiling),
                 "of_ceiling": round(ceiling / t, 3),
                 "seg_ceiling_GB/s": None if seg is None else gbps(n * size, seg),
+                # this process's CPU speed over the timed rounds (the same rounds for every row)
+                "host_loop_us": round(statistics.median(loops[3:]), 1),
             }
         )
     return rows
@@ -388,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
         "ceiling_GB/s",
         "of_ceiling",
         "seg_ceiling_GB/s",
+        "host_loop_us",
     ]
     print_table(rows, columns)
     return 0
