@@ -4,17 +4,18 @@ process spinning (a Python busy loop, as the worker's polling threads are) pinne
 physical core with CPU 0 (SMT siblings), or a host that gives this guest less than its vCPUs, shows up as a
 slower loop while the spinner runs.
 
-    python3 tools/probe_smt.py [--spinner-cpu 0]
+    PYTHONPATH=src python3 tools/probe_smt.py [--spinner-cpu 0]
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from kvstrata.bench._common import python_loop_us
 
 
 def _topology() -> None:
@@ -42,17 +43,6 @@ def _spin(cpu: int, stop) -> None:
             pass
 
 
-def _loop_us(rounds: int = 300) -> float:
-    ts = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        x = 0
-        for i in range(1000):
-            x += i
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
-
-
 def main() -> None:
     spinner = int(sys.argv[sys.argv.index("--spinner-cpu") + 1]) if "--spinner-cpu" in sys.argv else 0
     _topology()
@@ -70,8 +60,8 @@ def main() -> None:
             if c == spinner and proc is not None:
                 continue
             os.sched_setaffinity(0, {c})
-            _loop_us(20)
-            rows.setdefault(c, {})[label] = _loop_us()
+            python_loop_us(20)
+            rows.setdefault(c, {})[label] = python_loop_us(300)
         if proc is not None:
             stop.set()
             proc.join(5)

@@ -13,13 +13,13 @@ latency path), others on the copy pool.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 import torch
 
 from kvstrata import errors
+from kvstrata._proc import PID
 from kvstrata.devobj import broker as B
 from kvstrata.devobj._core import LOCAL_EXPORTS as _LOCAL
 from kvstrata.devobj._core import Want as _Want
@@ -298,7 +298,7 @@ class CopyReceiver:
 
     def _sources(self, src: dict[str, Any], peer: str, reuse: bool = False) -> tuple[list[torch.Tensor], list[Any]]:
         """The source tensors and readiness events of an export (a record or a chain link)."""
-        if src.get("pid") == os.getpid() and src.get("node_id") == self.config.node_id:
+        if src.get("pid") == PID[0] and src.get("node_id") == self.config.node_id:
             local = _LOCAL.get(src["local"])
             if local is None:
                 raise errors.ServerError(f"source of {src.get('key')!r} was released in this process")
@@ -397,7 +397,7 @@ class CopyReceiver:
         this process) their client released the object; checked once each, after a copy ended."""
         lost: set[str] = set()
         checked: set[str] = set()
-        me = os.getpid()
+        me = PID[0]
         for rec in records:
             owner = rec["owner"]
             if rec.get("pid") == me and rec.get("node_id") == self.config.node_id:
