@@ -247,11 +247,12 @@ class RemoteBackend(WorkerConnection):
                     # entry is current (a cold read) the request finds out, with no system call here.
                     if got.count(None) != n and self._worker_there():
                         holders = self._holders
+                        get = holders.get
                         for i, entry in enumerate(got):
                             if entry is not None:
                                 lease_id = entry[0]
-                                holders[lease_id] = holders.get(lease_id, 0) + 1  # the view's hold
-                                out[i] = Lease(lease_id, entry[1], False)
+                                holders[lease_id] = get(lease_id, 0) + 1  # the view's hold
+                                out[i] = _new(Lease, (lease_id, entry[1], False))  # in C: a device call's every key
         nothing = out.count(None)
         if not nothing:
             return keys, out, None, None, generation, cache, None
