@@ -218,6 +218,7 @@
 #           tools/probe_kept_after.py (a kept mget_h2d right after a request and after 2 ms quiet, call by call, the
 #           client on any CPU and pinned to a few)
 #   PART=s21j: bench store's device rows once, now with the client's CPU speed over the rounds (host_loop_us)
+#   PART=s21k: session 21's last call (final code, 56c6c51): every GPU test
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -701,6 +702,8 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s21k ]; then
+  gpu_tests gpu_tests_s21k
 elif [ "${PART}" = s21j ]; then
   bench 90 store --no-redis --no-mooncake --sizes 1MiB --clients 1
 elif [ "${PART}" = s21i ]; then
