@@ -78,11 +78,12 @@ class DeviceCallsMixin:
         out in it here, with no request, and their copies queued at once; once every copy is queued they are
         committed (made a sealed object per key) in one request, ahead of their copies: the worker shows those
         objects when this process says, in shared memory, that the bytes landed (:mod:`kvstrata.server.lane`),
-        so no request follows the last copy. Other stages are created by the worker (the next stage's create
-        in flight while this process queues the current stage's copies) and sealed once their bytes landed. An
-        error (a bad tensor in a later stage, a failed copy) waits for the queued copies and aborts every object
-        not shown yet (a commit ahead of its copies shows none of its objects); reserved bytes not committed go
-        to the next call.
+        so no request follows the last copy (where the worker has not read this client's previous such word yet,
+        they are committed as their bytes land instead). Other stages are created by the worker (the next stage's
+        create in flight while this process queues the current stage's copies) and sealed once their bytes
+        landed. An error (a bad tensor in a later stage, a failed copy) waits for the queued copies and aborts
+        every object not shown yet (a commit ahead of its copies shows none of its objects); reserved bytes not
+        committed go to the next call.
         """
         return _finish(self._mset_d2h_steps(keys, tensor_lists, stream=stream))
 
