@@ -374,8 +374,11 @@ class WorkerConnection:
             if local is not None and len(local):  # the cache's work left for later, and what it let go of, go too
                 local.settle()
                 self._deferred.extend(local.dropped())
-            self._deferred.extend(ids)
-            ids = self._drain_deferred()
+            if self._deferred:
+                self._deferred.extend(ids)
+                ids = self._drain_deferred()
+            elif self._holders:  # nothing deferred (a device call's end, most often): straight to the holds
+                ids = self._unhold(ids)
             if ids:
                 self._conn.send({"op": "release", "ids": ids})
 
