@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
 import socket
 import sys
@@ -43,9 +45,22 @@ def test_bad_descriptors_are_refused(fd):
 
 def test_the_check_keeps_the_gil():
     """While one thread polls with the check, a thread woken meanwhile runs only once the poller lets go:
-    the check itself never hands the GIL over (with a 10 s switch interval, CPython takes it away later)."""
+    the check itself never hands the GIL over (with a 10 s switch interval, CPython takes it away later).
+
+    The sleeper is woken by another process, in the middle of the poll: a write from this thread would let go of
+    the GIL for its system call, and on a loaded machine the sleeper could take it then (seen in CI). Garbage
+    collection is off meanwhile, so no finalizer's I/O lets go of it either."""
     a, b = socket.socketpair()
     r, w = os.pipe()
+    wrote = mmap.mmap(-1, 1)  # shared with the child: 1 once its write went
+    child = os.fork()
+    if child == 0:  # the child: wake the sleeper well after the poll began, then leave (no finalizers)
+        try:
+            time.sleep(0.5)
+            os.write(w, b"x")
+            wrote[0] = 1
+        finally:
+            os._exit(0)
     woke: list[float] = []
 
     def sleeper() -> None:
@@ -57,19 +72,27 @@ def test_the_check_keeps_the_gil():
     thread = threading.Thread(target=sleeper)
     thread.start()
     time.sleep(0.05)  # the sleeper is in its read
+    gc.collect()
+    gc.disable()
     sys.setswitchinterval(10.0)
     try:
-        os.write(w, b"x")  # the sleeper's read returns; it now waits for the GIL
-        end = time.perf_counter() + 0.1
         polls = 0
+        deadline = time.perf_counter() + 10.0
+        while not wrote[0] and time.perf_counter() < deadline:  # the sleeper's read returns meanwhile
+            assert not ready()
+            polls += 1
+        end = time.perf_counter() + 0.05  # then it waits for the GIL, which this loop keeps
         while time.perf_counter() < end:
             assert not ready()
             polls += 1
         spun_until = time.perf_counter()
+        assert wrote[0], "the child never woke the sleeper"
         assert not woke, "the sleeper ran while the poller held the GIL"
     finally:
         sys.setswitchinterval(old)
+        gc.enable()
     thread.join(5)  # releases the GIL
+    os.waitpid(child, 0)
     assert woke and woke[0] >= spun_until
     assert polls > 100
     for fd in (r, w):
