@@ -1,15 +1,15 @@
 """Test helper: a GPU device call's stages on a machine without a GPU (``kvstrata.client.device.stages``
 cuts a call into stages only once it meets a CUDA tensor; tests patch this in to exercise the pipeline)."""
 
-from kvstrata.client import device
+from kvstrata.client import device, kept_reads
 
 
 def stages_of(n):
     """A ``stages`` replacement that cuts every call into stages of ``n`` keys."""
 
-    def stages(n_keys, tensor_lists):
+    def stages(n_keys, tensor_lists, start=0):
         device.check_outer(n_keys, tensor_lists)
-        for lo in range(0, n_keys, n):
+        for lo in range(start, n_keys, n):
             checked = [device.check_key(tensor_lists[i], i) for i in range(lo, min(lo + n, n_keys))]
             yield device.Stage(lo, lo + len(checked), [c[0] for c in checked], [c[1] for c in checked], None)
 
@@ -30,3 +30,12 @@ def copies_pending(monkeypatch):
     """Each stage's copies still in flight when the call gets to sealing or committing the stage before
     it, as on a GPU: one seal/commit request per stage (CPU copies have all landed: the call sends one)."""
     monkeypatch.setattr(device, "mark", lambda stream: _Landing())
+
+
+def batches_of(monkeypatch, n, key_bytes):
+    """Batches of ``n`` keys in the one-pass paths (a reserved ``mset_d2h``'s keys, a kept ``mget_h2d``'s), where
+    every key's tensors are CPU tensors (no device runs: a batch is then cut by its bytes) of ``key_bytes`` or a
+    little more (fewer than ``n`` keys hold less than ``n * key_bytes``)."""
+    monkeypatch.setattr(kept_reads, "FIRST_RUNS", n)
+    monkeypatch.setattr(device, "BATCH_RUNS", n)
+    monkeypatch.setattr(kept_reads, "RUN_BYTES", key_bytes)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import stages_of
+from _stages import batches_of
 from kvstrata.client import device
 from kvstrata.errors import KeyExists, KvstrataError
 from kvstrata.server import lane as L
@@ -230,11 +230,11 @@ def test_mset_d2h_sends_one_commit_ahead_of_its_copies(worker, monkeypatch):
             kv._backend, "commit_start", lambda *a, **kw: sent.append(kw.get("landing", False)) or real(*a, **kw)
         )
         monkeypatch.setattr(device, "mark", lambda stream: _Event())
-        monkeypatch.setattr(device, "stages", stages_of(2))
+        batches_of(monkeypatch, 2, 100)
         keys = [f"land/m/{i}" for i in range(5)]
         src = _lists(5, 1)
         assert kv.mset_d2h(keys, src) == [None] * 5
-        # three stages, each one's copies "in flight" when looked at: all three go at once in one commit ahead of
+        # three batches, each one's copies "in flight" when looked at: all three go at once in one commit ahead of
         # their copies, shown when this process said they landed
         assert sent == [True]
         out = [[torch.zeros_like(t[0])] for t in src]
@@ -244,7 +244,7 @@ def test_mset_d2h_sends_one_commit_ahead_of_its_copies(worker, monkeypatch):
 
 
 def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker, monkeypatch):
-    # Five stages: their copies are all queued first, then one commit for every key goes ahead of them; nothing
+    # Five batches: their copies are all queued first, then one commit for every key goes ahead of them; nothing
     # shows before this process says the bytes landed, and everything does once the call returned.
     with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as other:
         assert kv.mset_d2h(["land/warm4"], _lists(1, 0)) == [None]
@@ -264,7 +264,7 @@ def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker
         monkeypatch.setattr(device, "enqueue", lambda *a, **kw: order.append("copies") or real_enqueue(*a, **kw))
         monkeypatch.setattr(backend, "land", landing)
         monkeypatch.setattr(device, "mark", lambda stream: _Event())
-        monkeypatch.setattr(device, "stages", stages_of(2))
+        batches_of(monkeypatch, 2, 100)
         src = _lists(9, 6)
         assert kv.mset_d2h(keys, src) == [None] * 9
         assert order == [*["copies"] * 5, ("commit", 9), "land"]
@@ -281,11 +281,11 @@ def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_wo
         assert kv.mset_d2h(["land/warm2"], _lists(1, 0)) == [None]
         events = iter([_Event(), _Event(), _Event(fail=True)])
         monkeypatch.setattr(device, "mark", lambda stream: next(events))
-        monkeypatch.setattr(device, "stages", stages_of(1))
+        batches_of(monkeypatch, 1, 100)
         keys = [f"land/f/{i}" for i in range(3)]
         first = _lists(3, 2)
         with pytest.raises(RuntimeError, match="simulated copy failure"):
-            kv.mset_d2h(keys, first)  # the third stage's copies fail: the commit ahead of all three never shows
+            kv.mset_d2h(keys, first)  # the third batch's copies fail: the commit ahead of all three never shows
         monkeypatch.undo()
         # the objects committed ahead of their copies never became visible, and nothing is left half-made
         assert kv.exists(keys) == [False, False, False] and kv.stats()["creates_in_progress"] == 0
@@ -318,7 +318,7 @@ def test_mset_d2h_interrupted_right_after_sending_a_commit_ahead_leaves_no_key_t
 
         monkeypatch.setattr(backend, "commit_start", interrupted)
         monkeypatch.setattr(device, "mark", lambda stream: _Event())
-        monkeypatch.setattr(device, "stages", stages_of(2))
+        batches_of(monkeypatch, 2, 100)
         keys = [f"land/i/{i}" for i in range(5)]
         with pytest.raises(KeyboardInterrupt):
             kv.mset_d2h(keys, _lists(5, 4))

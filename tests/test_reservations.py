@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import copies_pending, stages_of
+from _stages import batches_of, copies_pending, stages_of
 from kv_helpers import client_for, worker_config
 from kvstrata.client import device
 from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
@@ -363,7 +363,8 @@ def _count_calls(monkeypatch, backend):
 
 
 def test_mset_d2h_lays_later_calls_out_in_the_reservation(kv, monkeypatch):
-    monkeypatch.setattr(device, "stages", stages_of(3))
+    monkeypatch.setattr(device, "stages", stages_of(3))  # the first call's, created by the worker
+    batches_of(monkeypatch, 3, 71005)  # the later calls', laid out in the reservation
     copies_pending(monkeypatch)
     calls = _count_calls(monkeypatch, kv._backend)
     srcs = [_lists(7, sizes=(70000, 5, 1000), seed=r) for r in range(3)]
@@ -392,15 +393,15 @@ def test_mset_d2h_lays_later_calls_out_in_the_reservation(kv, monkeypatch):
     kv.delete([k for ks in keys for k in ks] + ["rv/new"])
 
 
-def test_stages_whose_copies_landed_are_committed_in_one_request(kv, monkeypatch):
-    monkeypatch.setattr(device, "stages", stages_of(3))
+def test_batches_whose_copies_landed_are_committed_in_one_request(kv, monkeypatch):
+    batches_of(monkeypatch, 3, 1027)
     keys = [f"rv-one/{i}" for i in range(7)]
     kv.delete(keys)
     assert kv.mset_d2h(["rv-one/warm"], _lists(1)) == [None]  # now a reservation is held
     calls = _count_calls(monkeypatch, kv._backend)
     src = _lists(7, seed=5)
     assert kv.mset_d2h(keys, src) == [None] * 7
-    assert calls == ["commit"]  # three stages, all landed (CPU copies) by the time the first is committed
+    assert calls == ["commit"]  # three batches, all landed (CPU copies) by the time the first is committed
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 7
     assert all(torch.equal(a, b) for s, d in zip(src, dst) for a, b in zip(s, d))
@@ -408,7 +409,7 @@ def test_stages_whose_copies_landed_are_committed_in_one_request(kv, monkeypatch
 
 
 def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(kv, monkeypatch):
-    monkeypatch.setattr(device, "stages", stages_of(2))
+    batches_of(monkeypatch, 2, 1027)
     copies_pending(monkeypatch)
     keys = [f"rv-bad/{i}" for i in range(6)]
     kv.delete(keys)
@@ -416,7 +417,7 @@ def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(k
     reserved = kv.stats()["reserved_bytes"]
     assert reserved > 0
     lists = _lists(6)
-    lists[3] = [torch.zeros(4, 4).t()]  # the second stage's: the first stage is laid out and copied by then
+    lists[3] = [torch.zeros(4, 4).t()]  # the second batch's: the first batch is laid out and copied by then
     with pytest.raises(ValueError, match=r"tensor_lists\[3\]\[0\]"):
         kv.mset_d2h(keys, lists)
     assert kv.exists(keys) == [False] * 6 and kv.stats()["reserved_bytes"] == reserved
@@ -588,6 +589,7 @@ def _read_back(kv, keys, src):
 
 def test_async_mset_d2h_calls_carve_one_after_another_before_earlier_ones_commit(kv, monkeypatch):
     monkeypatch.setattr(device, "stages", stages_of(2))
+    batches_of(monkeypatch, 2, 1027)
     copies_pending(monkeypatch)
     kv.mset_d2h(["rv-chain/warm"], _lists(1))  # asks for a reservation
     calls = _count_calls(monkeypatch, kv._backend)
@@ -632,11 +634,12 @@ def test_a_chained_call_that_does_not_fit_waits_for_the_chain_then_takes_a_new_r
 
 def test_a_bad_call_in_a_chain_fails_alone_and_a_failed_commit_stores_nothing_wrong(kv, monkeypatch):
     monkeypatch.setattr(device, "stages", stages_of(2))
+    batches_of(monkeypatch, 2, 1027)
     copies_pending(monkeypatch)
     kv.mset_d2h(["rv-cbad/warm"], _lists(1))
     srcs, keys = _calls_input(kv, "rv-cbad", 4, seed=30)
     bad = [list(ts) for ts in srcs[1]]
-    bad[3] = [torch.zeros(4, 4).t()]  # the second stage's: the first is carved and copied by then
+    bad[3] = [torch.zeros(4, 4).t()]  # the second batch's: the first is carved and copied by then
     gate = _gate_completions(kv)
     futs = [kv.async_mset_d2h(keys[0], srcs[0]), kv.async_mset_d2h(keys[1], bad), kv.async_mset_d2h(keys[2], srcs[2])]
     _issued(kv)

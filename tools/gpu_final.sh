@@ -219,6 +219,15 @@
 #           client on any CPU and pinned to a few)
 #   PART=s21j: bench store's device rows once, now with the client's CPU speed over the rounds (host_loop_us)
 #   PART=s21k: session 21's last call (final code, 56c6c51): every GPU test
+#   PART=s22a: session 22's one-pass kept mget_h2d: the client-device/kept-read GPU tests, bench store's device rows
+#     with 11aa0aa (ab_old) and the new code A/B/B/A/A/B
+#   PART=s22b: tools/probe_kept_split.py with 11aa0aa (ab_old) and the new code in turn, three times
+#   PART=s22c: tools/probe_first_copy.py on the new code (the one-pass kept read's steps), twice
+#   PART=s22d: tools/probe_first_batch.py (idle 1 ms and 0.1 ms), tools/probe_copy_calls.py
+#   PART=s22e: one-pass reserved mset_d2h too: every GPU test, bench store's device rows A/B/B/A/A/B against 11aa0aa
+#     (ab_old), tools/probe_kept_split.py A/B twice
+#   PART=s22f: bench store's device rows, the new code and FIRST_RUNS=4 (ab_first4) in turn three times, /proc/stat's
+#     per-CPU steal time before and after each run
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -702,6 +711,51 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s22f ]; then
+  for r in 1 2 3; do
+    for v in new ab_first4; do
+      grep '^cpu' /proc/stat | awk '{print "steal before", $1, $9}' | tr '\n' ' ' >> "$LOG"; echo >> "$LOG"
+      store_rows "$v"
+      grep '^cpu' /proc/stat | awk '{print "steal after", $1, $9}' | tr '\n' ' ' >> "$LOG"; echo >> "$LOG"
+    done
+  done
+elif [ "${PART}" = s22e ]; then
+  gpu_tests gpu_tests_s22e
+  store_rows ab_old new new ab_old ab_old new
+  for r in 1 2; do
+    for v in ab_old new; do
+      use "$v"
+      echo "=== tools/probe_kept_split.py ($v code, round $r)" >> "$LOG"
+      timeout 90 python3 tools/probe_kept_split.py --calls 100 >> "$LOG" 2>&1
+    done
+  done
+  use new
+elif [ "${PART}" = s22d ]; then
+  for idle in 1 0.1; do
+    echo "=== tools/probe_first_batch.py --idle-ms $idle" >> "$LOG"
+    timeout 60 python3 tools/probe_first_batch.py --idle-ms "$idle" >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_copy_calls.py" >> "$LOG"; timeout 60 python3 tools/probe_copy_calls.py >> "$LOG" 2>&1
+elif [ "${PART}" = s22c ]; then
+  for r in 1 2; do
+    echo "=== tools/probe_first_copy.py --iters 100 (round $r)" >> "$LOG"
+    timeout 120 python3 tools/probe_first_copy.py --iters 100 >> "$LOG" 2>&1
+    python3 -c "from kvstrata.bench._common import python_loop_us as f; print('python_loop_us', f())" >> "$LOG" 2>&1
+  done
+elif [ "${PART}" = s22b ]; then
+  for r in 1 2 3; do
+    for v in ab_old new; do
+      use "$v"
+      echo "=== tools/probe_kept_split.py ($v code, round $r)" >> "$LOG"
+      PYTHONPATH="$PYTHONPATH:$PWD/src" timeout 90 python3 tools/probe_kept_split.py --calls 100 >> "$LOG" 2>&1
+    done
+  done
+  use new
+elif [ "${PART}" = s22a ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 \
+    tests/test_client_device.py tests/test_kept_reads.py tests/test_local_reads.py tests/test_landing.py > "$OUT/gpu_tests_s22a.log" 2>&1
+  tail -3 "$OUT/gpu_tests_s22a.log" | tee -a "$LOG"
+  store_rows ab_old new new ab_old ab_old new
 elif [ "${PART}" = s21k ]; then
   gpu_tests gpu_tests_s21k
 elif [ "${PART}" = s21j ]; then

@@ -19,9 +19,14 @@ import torch
 
 import kvstrata
 from kvstrata.bench.store import _start_worker
-from kvstrata.client import device, device_calls, remote, reservation
+from kvstrata.client import device, device_calls, local_reads, remote, reservation
 from kvstrata.client.client import Client
 from kvstrata.ops import copy_engine
+
+try:
+    from kvstrata.client import kept_reads
+except ImportError:  # before session 22
+    kept_reads = None
 
 marks: list[tuple[str, float]] = []
 
@@ -66,6 +71,12 @@ def main() -> None:
                  "commit_finish", "land", "linger", "mcreate_start"):  # fmt: skip
         _wrap(remote.RemoteBackend, name)
     _wrap(device_calls.DeviceCallsMixin, "_plan")
+    _wrap(device_calls.DeviceCallsMixin, "_mget_h2d_queue")
+    if kept_reads is not None:  # session 22 on: kept leases in one pass
+        _wrap(remote.RemoteBackend, "kept_leases")
+        _wrap(local_reads.LocalReads, "entries_if_all")
+    if hasattr(copy_engine, "stream_wait"):
+        _wrap(copy_engine, "stream_wait")
     _wrap(Client, "_release_leases")
     for name in ("take", "carve", "give"):
         _wrap(reservation.WriteReservation, name, f"reservation.{name}")

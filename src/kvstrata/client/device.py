@@ -103,10 +103,10 @@ def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
     ValueError/TypeError naming ``tensor_lists[i][j]``.
 
     The hot path of every device call (once per tensor): one combined test per tensor, each attribute read
-    once; a tensor that fails it is looked at again by :func:`_refuse`, which names what is wrong."""
-    import torch  # lazily: a client without device calls never loads torch
-
-    tensor_type, strided = torch.Tensor, torch.strided
+    once, torch's names looked up once per process; a tensor that fails it is looked at again by :func:`_refuse`,
+    which names what is wrong."""
+    names = _torch_names or _load_torch_names()
+    tensor_type, strided = names
     if type(ts) is not list and not isinstance(ts, list | tuple):
         raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
     device = None
@@ -115,13 +115,7 @@ def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
     total = 0
     for t in ts:
         # `layout` first: a sparse tensor has no is_contiguous
-        if (
-            not isinstance(t, tensor_type)
-            or t.layout is not strided
-            or t.is_quantized
-            or not t.is_contiguous()
-            or not (t.is_cuda or t.is_cpu)
-        ):
+        if not isinstance(t, tensor_type) or t.layout is not strided or t.is_quantized or not t.is_contiguous():
             _refuse(ts, i)
         n = t.nbytes
         if t.is_cuda:
@@ -129,10 +123,23 @@ def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
                 device = t.device
             # a Piece's fields (a plain tuple is cheaper to build); a device piece also names its allocation
             append((t.data_ptr(), n, True, t, t.untyped_storage().data_ptr()))
-        else:
+        elif t.is_cpu:
             append((t.data_ptr(), n, False, t, 0))
+        else:
+            _refuse(ts, i)
         total += n
     return pieces, total, device
+
+
+_torch_names: tuple = ()  # (torch.Tensor, torch.strided) once loaded: a client without device calls never loads torch
+
+
+def _load_torch_names() -> tuple:
+    global _torch_names
+    import torch
+
+    _torch_names = (torch.Tensor, torch.strided)
+    return _torch_names
 
 
 def _refuse(ts: Any, i: int) -> None:
@@ -162,7 +169,7 @@ class Stage(NamedTuple):
     device: Any
 
 
-def stages(n_keys: int, tensor_lists: Any) -> Any:
+def stages(n_keys: int, tensor_lists: Any, start: int = 0) -> Any:
     """Yield a device call's keys as consecutive :class:`Stage` s, each checked only as it is reached.
 
     A call pipelines stage by stage: it acquires or creates a stage's objects and queues its copies,
@@ -172,12 +179,12 @@ def stages(n_keys: int, tensor_lists: Any) -> Any:
     :data:`FIRST_STAGE_BYTES` by half each time up to :data:`MAX_STAGE_BYTES` (each stage's DMA outlasts the
     next stage's host work), and are cut only once a CUDA tensor was met: an all-CPU call (memmoves,
     no DMA to overlap) is one stage. A bad tensor raises when its stage is reached; the caller undoes
-    or waits out what earlier stages queued.
+    or waits out what earlier stages queued. ``start``: the first key (those before it went another way).
     """
     check_outer(n_keys, tensor_lists)
     budget = FIRST_STAGE_BYTES
     device = None
-    lo = 0
+    lo = start
     while lo < n_keys:
         pieces: list[list[tuple]] = []
         sizes: list[int] = []

@@ -16,6 +16,7 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from kvstrata.client import device as _device
+from kvstrata.client import kept_reads as _kept_reads
 from kvstrata.client import reservation as _reservation
 from kvstrata.client._shared import Loc as _Loc
 from kvstrata.client.copies_future import CopiesFuture
@@ -71,19 +72,19 @@ class DeviceCallsMixin:
     ) -> list[Result]:
         """Store each key's tensors (device or CPU), concatenated, as one host object. Write-once.
 
-        A key that already exists is left as it is and reported as KeyExists in its slot. Returns
-        None per stored key. The copies run as copy-engine batches on a copy stream that waits for
-        ``stream`` (default: current). Pipelined in stages (:func:`kvstrata.client.device.stages`).
-        Stages that fit this client's write reservation (:mod:`kvstrata.client.reservation`) are laid
-        out in it here, with no request, and their copies queued at once; once every copy is queued they are
-        committed (made a sealed object per key) in one request, ahead of their copies: the worker shows those
-        objects when this process says, in shared memory, that the bytes landed (:mod:`kvstrata.server.lane`),
-        so no request follows the last copy (where the worker has not read this client's previous such word yet,
-        they are committed as their bytes land instead). Other stages are created by the worker (the next stage's
-        create in flight while this process queues the current stage's copies) and sealed once their bytes
-        landed. An error (a bad tensor in a later stage, a failed copy) waits for the queued copies and aborts
-        every object not shown yet (a commit ahead of its copies shows none of its objects); reserved bytes not
-        committed go to the next call.
+        A key that already exists is left as it is and reported as KeyExists in its slot. Returns None per stored
+        key. The copies run as copy-engine batches on a copy stream that waits for ``stream`` (default: current).
+        Keys that fit this client's write reservation (:mod:`kvstrata.client.reservation`) are laid out in it here
+        one after another, with no request, and their copies queued in batches as they fill (the first after two
+        keys); once every copy is queued they are committed (made a sealed object per key) in one request, ahead
+        of their copies: the worker shows those objects when this process says, in shared memory, that the bytes
+        landed (:mod:`kvstrata.server.lane`), so no request follows the last copy (where the worker has not read
+        this client's previous such word yet, they are committed batch by batch as their bytes land instead). Keys
+        past what the reservation holds are created by the worker in stages
+        (:func:`kvstrata.client.device.stages`; the next stage's create in flight while this process queues the
+        current stage's copies) and sealed once their bytes landed. An error (a bad tensor, a failed copy) waits
+        for the queued copies and aborts every object not shown yet (a commit ahead of its copies shows none of
+        its objects); reserved bytes not committed go to the next call.
         """
         return _finish(self._mset_d2h_steps(keys, tensor_lists, stream=stream))
 
@@ -101,6 +102,7 @@ class DeviceCallsMixin:
             _device.check_outer(0, tensor_lists)
             return []
         backend = self._b()
+        n = len(keys)
         opts = {"ttl": None, "nx": True, "mode": "memory"}
         results: list[Result] = [None] * len(keys)
         created_keys: list[str] = []
@@ -111,7 +113,6 @@ class DeviceCallsMixin:
         seals: collections.deque = collections.deque()
         resv = self._reservation
         held = resv.take(backend, chain_bytes=_chain_bytes(tensor_lists) if chain else None)
-        carving = held
         known = resv.head if held and resv.end else None  # the worker's head, as last heard
         carved_from = carved_to = resv.head  # the local head before and after this call's carving
         head_lost = False  # a commit went out whose reply is never read: ``known`` cannot be trusted
@@ -142,39 +143,71 @@ class DeviceCallsMixin:
                 if r is None:
                     sealed.add(keys[i])
 
+        # (key indices, commit items or None for created keys, event after their copies, their bytes)
+        marks: list[tuple[list[int], Any, Any, int]] = []
+
+        def lay_out() -> int:
+            """Lay the call's keys out in the reservation one after another from the first, queuing their copies
+            as batches fill (as :mod:`kvstrata.client.kept_reads` does: two runs, then twice as many up to
+            ``device.BATCH_RUNS``), with a mark per batch; no stages, no request. Ends at the first key that does
+            not fit (the worker creates the rest). Returns how many keys were laid out."""
+            nonlocal s, call_bytes, carved_to
+            if not resv.end:
+                return 0
+            check, plan, enqueue, mark = _device.check_key, _device.plan, _device.enqueue, _device.mark
+            segment, head, end = resv.segment, resv.head, resv.end
+            base = backend.segment_address(segment)
+            runs = _device.new_runs()
+            which: list[int] = []
+            items: list[tuple[str, int, int]] = []
+            cut, pending = _kept_reads.FIRST_RUNS, 0
+            device = None
+            laid = 0
+
+            def flush() -> None:
+                nonlocal runs, which, items, cut, pending
+                if runs.device:
+                    self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
+                enqueue(runs, device, s, first=not marks)
+                marks.append((which, items, mark(s), pending))
+                if len(marks) == 1 and s is not None:
+                    # The worker's thread for this client likely sleeps (nothing asked for a while) and would take
+                    # ~100+ us to wake for the first commit: have it wake now and poll, while the copies run, for
+                    # as long as the call's bytes take to land.
+                    backend.linger(_linger_us(pending * n // laid))
+                runs, which, items, pending = _device.new_runs(), [], [], 0
+                cut = min(2 * cut, _device.BATCH_RUNS)
+
+            try:
+                while laid < n:
+                    pieces, total, dev = check(tensor_lists[laid], laid)
+                    room = _reservation.rounded(total)
+                    if head + room > end:
+                        break
+                    if dev is not None and s is None:
+                        device, s = dev, _device.start(dev, stream)
+                    plan(pieces, base + head, True, runs, segment)
+                    items.append((keys[laid], total, head))
+                    which.append(laid)
+                    head += room
+                    pending += total
+                    laid += 1
+                    if len(runs.device) >= cut or pending >= cut * _kept_reads.RUN_BYTES:
+                        flush()
+                if which:
+                    flush()
+            finally:  # laid out so far (an error after some were: ``give`` sorts it out)
+                call_bytes += head - resv.head
+                resv.head = carved_to = head
+            return laid
+
         try:
-            # (key indices, commit items or None for created keys, event after their copies, their bytes)
-            marks: list[tuple[list[int], Any, Any, int]] = []
-            stages = _device.stages(len(keys), tensor_lists)
-            for st in itertools.chain(stages, [None]):
+            laid = lay_out() if held else 0
+            # The rest of the call (keys that did not fit the reservation) is created by the worker, in stages: the
+            # next stage's create in flight while this stage's copies are queued.
+            for st in itertools.chain(_device.stages(n, tensor_lists, laid) if laid < n else (), [None]):
                 if st is not None:
                     call_bytes += sum(map(_reservation.rounded, st.sizes))
-                    locs = resv.carve(st.sizes) if carving else None
-                    if locs is not None:  # laid out in the reservation: the copies go at once
-                        carved_to = resv.head
-                        if s is None and st.device is not None:
-                            s = _device.start(st.device, stream)
-                        # The call's last keys get a mark of their own: the commit that must follow the last
-                        # byte then carries a few keys, the others' commit having gone while those moved.
-                        last = st.hi == len(keys) and st.hi - st.lo >= 8 and s is not None
-                        cut = st.hi - (st.hi - st.lo) // 4 if last else st.hi
-                        for lo, hi in ((st.lo, cut), (cut, st.hi)):
-                            if lo == hi:
-                                continue
-                            which = list(range(lo, hi))
-                            part = locs[lo - st.lo : hi - st.lo]
-                            runs = self._plan(which, part, st.pieces, st.lo, st.device, to_host=True)
-                            _device.enqueue(runs, st.device, s, first=not marks)
-                            items = [(keys[i], loc.size, loc.offset) for i, loc in zip(which, part)]
-                            nbytes = sum(st.sizes[lo - st.lo : hi - st.lo])
-                            marks.append((which, items, _device.mark(s), nbytes))
-                            if len(marks) == 1 and s is not None:
-                                # The worker's thread for this client likely sleeps (nothing asked for a while)
-                                # and would take ~100+ us to wake for the first commit: have it wake now and
-                                # poll, while the copies run, for as long as the call's bytes take to land.
-                                backend.linger(_linger_us(nbytes * len(keys) // max(1, hi - lo)))
-                        continue
-                    carving = False  # the rest of the call is created by the worker, in stage order
                     in_flight.append((st, backend.mcreate_start(list(zip(keys[st.lo : st.hi], st.sizes)), opts)))
                     if len(in_flight) < 2:
                         continue  # check the next stage while the worker creates this one
@@ -328,6 +361,9 @@ class DeviceCallsMixin:
             _device.check_outer(0, tensor_lists)
             return [], None, []
         backend = self._b()
+        kept = _kept_reads.queue(self, backend, keys, tensor_lists, stream)
+        if kept is not None:
+            return kept  # every lease kept by this client: the call in one pass
         n = len(keys)
         results: list[Result] = [None] * n
         leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back

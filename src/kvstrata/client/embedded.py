@@ -110,6 +110,10 @@ class EmbeddedBackend:
         return self.acquire(keys, timeout, cache=cache)
 
     @staticmethod
+    def kept_leases(keys: list[str]) -> None:
+        """No local-read cache here: every lease is taken from the store (``acquire_start``)."""
+
+    @staticmethod
     def acquire_send(token: Any) -> Any:
         """Leases here are taken by the start: nothing to send."""
         return token

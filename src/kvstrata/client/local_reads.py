@@ -131,6 +131,29 @@ class LocalReads:
         self.hits += len(out) - out.count(None)
         return out
 
+    def entries_if_all(self, keys: list[str]) -> list[list] | None:
+        """Every key's entry where each one is current, else None, found at the first key that is not (changed
+        nothing then: a stale entry is left for :meth:`entries`, which the caller's slower path uses). One pass
+        for a device call whose every lease this client kept; a cold call pays for one lookup."""
+        entries = self._entries
+        if not entries:
+            return None
+        gen = self._gen.value  # before any count is read
+        get, slots = entries.get, self._slots
+        out = list(map(get, keys))
+        for entry in out:
+            if entry is None:
+                return None
+            if entry[_SEEN] != gen:
+                if slots[entry[_SLOT]] != entry[_COUNT]:  # _current, inline
+                    return None
+                entry[_SEEN] = gen
+        touch = entries.move_to_end
+        for key in keys:
+            touch(key)
+        self.hits += len(out)
+        return out
+
     def stale(self) -> list[int]:
         """Lease ids of entries dropped as stale since the last call (looked up, or found by a sweep)."""
         if self._entries and self._swept_gen != self._gen.value:

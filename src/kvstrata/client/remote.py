@@ -271,6 +271,27 @@ class RemoteBackend(WorkerConnection):
         sent = (self.send_tagged(msg, carry=carry), timeout) if send else _Unsent(msg, carry, timeout)
         return keys, out, missing, sent, generation, cache, placed
 
+    def kept_leases(self, keys: list[str]) -> tuple[list[int], list[Loc]] | None:
+        """Every key's lease from the local-read cache, held for the caller (give them back with :meth:`release`),
+        as ``(lease ids, locations)``; None, holding nothing, where any key's is not kept and current (the caller
+        then takes :meth:`acquire_start`'s way). No round trip, no lease objects: the whole call's leases in one
+        pass, for a device call that plans and queues every key in one pass too."""
+        local = self._local
+        if local is None:
+            return None
+        with self._lock:
+            if self._closed or self._pid != PID[0]:
+                return None
+            got = local.entries_if_all(keys)
+            if got is None or not self._worker_there():
+                return None
+            ids = [entry[0] for entry in got]
+            holders = self._holders
+            get = holders.get
+            for lease_id in ids:
+                holders[lease_id] = get(lease_id, 0) + 1  # the caller's hold
+            return ids, [entry[1] for entry in got]
+
     def acquire_send(self, token: Any) -> Any:
         """Send the request of an :meth:`acquire_start` made with ``send=False`` (if it needs one, and not sent
         yet); the token to use from then on."""
