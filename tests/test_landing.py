@@ -276,6 +276,41 @@ def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker
         kv.delete([*keys, "land/warm4"])
 
 
+def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(worker, monkeypatch):
+    # As a chained async call whose predecessor's landing word the worker has not read yet: the first batch is
+    # committed once its bytes are in, and the rest, in one commit ahead of their copies, as soon as the word is read.
+    with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as other:
+        assert kv.mset_d2h(["land/late/warm"], _lists(1, 0)) == [None]
+        backend = kv._backend
+        looks = []  # can_land: not at the first look, then as the lane says
+        real_can_land = type(backend).can_land.fget
+
+        def can_land(b):
+            looks.append(1)
+            return len(looks) > 1 and real_can_land(b)
+
+        monkeypatch.setattr(type(backend), "can_land", property(can_land))
+        sent = []
+        real = backend.commit_start
+        monkeypatch.setattr(
+            backend,
+            "commit_start",
+            lambda *a, **kw: sent.append((len(a[0]), kw.get("landing", False))) or real(*a, **kw),
+        )
+        monkeypatch.setattr(device, "mark", lambda stream: _Event())
+        batches_of(monkeypatch, 2, 100)
+        keys = [f"land/late/{i}" for i in range(7)]
+        src = _lists(7, 8)
+        assert kv.mset_d2h(keys, src) == [None] * 7
+        assert sent == [(2, False), (5, True)]
+        assert other.exists(keys) == [True] * 7
+        monkeypatch.undo()
+        out = [[torch.zeros_like(t[0])] for t in src]
+        assert other.mget_h2d(keys, out) == [None] * 7
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        kv.delete([*keys, "land/late/warm"])
+
+
 def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_works(worker, monkeypatch):
     with kvstrata.connect(worker) as kv:
         assert kv.mset_d2h(["land/warm2"], _lists(1, 0)) == [None]

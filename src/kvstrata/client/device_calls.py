@@ -240,9 +240,12 @@ class DeviceCallsMixin:
             # whose copies have all landed by the time one is sent go in that one request (the first of
             # them waited for), so the worker answers a few requests per call, not one per stage.
             j = 0
-            land = getattr(backend, "can_land", False)
             while j < len(marks):
                 rest = marks[j:]
+                # Looked at before each request: a chained async call that finds the worker has not yet read the
+                # previous call's landing word commits its first batches as they land, then the rest ahead of
+                # their copies as soon as the worker has read it.
+                land = getattr(backend, "can_land", False)
                 if land and all(m[1] is not None and m[2] is not None for m in rest):
                     # The rest waits on nothing but the copy engine: commit every remaining stage now, in one
                     # request. The worker answers at once, and its answer is read while the bytes move; the
