@@ -228,6 +228,7 @@
 #     (ab_old), tools/probe_kept_split.py A/B twice
 #   PART=s22f: bench store's device rows, the new code and FIRST_RUNS=4 (ab_first4) in turn three times, /proc/stat's
 #     per-CPU steal time before and after each run
+#   PART=s22g: bench store's device rows with 2ea8098 (ab_mid: can_land looked at once) and the new code A/B/B/A/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -711,6 +712,8 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s22g ]; then
+  store_rows ab_mid new new ab_mid ab_mid new
 elif [ "${PART}" = s22f ]; then
   for r in 1 2 3; do
     for v in new ab_first4; do
