@@ -229,6 +229,10 @@
 #   PART=s22f: bench store's device rows, the new code and FIRST_RUNS=4 (ab_first4) in turn three times, /proc/stat's
 #     per-CPU steal time before and after each run
 #   PART=s22g: bench store's device rows with 2ea8098 (ab_mid: can_land looked at once) and the new code A/B/B/A/A/B
+#   PART=s22h: one-pass placed (cold) reads and OnePass: every GPU test, bench store's device rows A/B/B/A/A/B against
+#     the session's commit before them (ab_head), tools/probe_kept_split.py
+#   PART=s22i: bench store's device rows, the session's commit before the placed reads (ab_head) and the new code in turn,
+#     four times each
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -712,6 +716,13 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s22i ]; then
+  store_rows new ab_head ab_head new new ab_head ab_head new
+elif [ "${PART}" = s22h ]; then
+  gpu_tests gpu_tests_s22h
+  store_rows ab_head new new ab_head ab_head new
+  echo "=== tools/probe_kept_split.py (new code)" >> "$LOG"
+  timeout 90 python3 tools/probe_kept_split.py --calls 100 >> "$LOG" 2>&1
 elif [ "${PART}" = s22g ]; then
   store_rows ab_mid new new ab_mid ab_mid new
 elif [ "${PART}" = s22f ]; then
