@@ -107,7 +107,8 @@ class WriteReservation:
 
     def carve(self, sizes: list[int]) -> list[Loc] | None:
         """Locations for objects of ``sizes`` side by side from the head (which moves past them), or None
-        when they do not all fit what is left."""
+        when they do not all fit what is left. (``mset_d2h`` lays its keys out the same way, one by one as it checks
+        them, with the head in a local until it is done: ``lay_out`` in ``DeviceCallsMixin._mset_d2h_steps``.)"""
         head = self.head
         if not self.end or sum(map(rounded, sizes)) > self.end - head:
             return None
