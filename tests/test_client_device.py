@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import copies_pending, stages_of
+from _stages import batches_of, copies_pending, stages_of
 from kv_helpers import client_for, worker_config
 from kvstrata.client import device
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
@@ -625,52 +625,57 @@ def _order(monkeypatch, backend, *, requests: bool = False) -> list[str]:
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
 def test_cold_mget_h2d_copies_from_the_placement_table_before_its_leases_come_back(kv, writer, monkeypatch):
     keys, src = _written_by(writer, kv, "early", 9, seed=3)
-    monkeypatch.setattr(device, "stages", stages_of(2))
+    batches_of(monkeypatch, 2, 1027)
     events = _order(monkeypatch, kv._backend, requests=True)
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 9
     assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
-    # The table placed the whole first stage: the first two stages' copies went before any request, then one request
-    # for every key, then the later stages' copies, all before its answer came back. The answer only confirmed them
-    # (no copy after it: none had to be redone).
+    # The table placed the first keys: one pass (kvstrata.client.placed_reads), the first two batches' copies before
+    # any request, then one request for every key, then the later batches' copies, all before its answer came back.
+    # The answer only confirmed them (no copy after it: none had to be redone).
     assert events == ["copies", "copies", "request"] + ["copies"] * 3 + ["answer"], events
     kv.delete(keys)
     assert kv.stats()["leases"] == 0  # every lease the call took went back (or with its cache entry, now)
 
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
-def test_keys_the_table_does_not_place_wait_for_the_one_request_of_a_table_first_read(kv, writer, monkeypatch):
+def test_keys_the_table_does_not_place_wait_for_the_one_request_of_a_placed_read(kv, writer, monkeypatch):
     keys, src = _written_by(writer, kv, "unplaced", 9, seed=13)
     backend = kv._backend
     table = backend.placements
     real = table.lookup
-    gone = set(keys[4:6])  # the third stage's keys: not in the table (say, their buckets taken by other keys)
+    gone = set(keys[4:6])  # not in the table (say, their buckets taken by other keys)
     monkeypatch.setattr(table, "lookup", lambda ks: [None if k in gone else h for k, h in zip(ks, real(ks))])
-    monkeypatch.setattr(device, "stages", stages_of(2))
+    batches_of(monkeypatch, 2, 1027)
     events = _order(monkeypatch, backend, requests=True)
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 9
     assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
-    # the first two stages early, the one request; the third stage waits for its answer, the later ones go early
-    assert events == ["copies", "copies", "request", "answer", "copies", "copies", "copies"], events
+    # the placed keys' batches early, the one request after the second; the two unplaced keys once its answer is in
+    assert events == ["copies", "copies", "request", "copies", "copies", "answer", "copies"], events
     kv.delete(keys)
 
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)
-def test_keys_the_local_read_cache_serves_are_never_copied_early(kv, writer, monkeypatch):
+def test_a_read_kept_in_part_goes_by_the_table_and_copies_each_key_once(kv, writer, monkeypatch):
     keys, src = _written_by(writer, kv, "mixed", 8, seed=14)
     assert kv.mget_h2d(keys[2:], _poisoned(src[2:])) == [None] * 6  # leases kept for all but the first two
-    monkeypatch.setattr(device, "stages", stages_of(4))
+    batches_of(monkeypatch, 2, 1027)
     backend = kv._backend
     events = _order(monkeypatch, backend, requests=True)
+    copied = []
+    real_plan = device.plan
+    monkeypatch.setattr(
+        device, "plan", lambda pieces, *a, **kw: copied.append(len(pieces)) or real_plan(pieces, *a, **kw)
+    )
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 8
     assert all(torch.equal(a, b) for want, got in zip(src, dst) for a, b in zip(want, got))
-    # The cache serves half of the first stage: no table-first read. The two cold keys go early, then their request
-    # (the next stage's keys need none); the second stage's copies from the cache once the first answer is in; the
-    # first stage's cached keys last, and no key twice.
-    assert events == ["copies", "request", "answer", "answer", "copies", "copies"], events
+    # Not every lease kept: the table's advice for every key, one request, its answer confirming every copy.
+    assert events == ["copies", "copies", "request", "copies", "copies", "answer"], events
+    assert len(copied) == 8  # no key twice
     kv.delete(keys)
+    assert kv.stats()["leases"] == 0
 
 
 @pytest.mark.parametrize("kv", ["unix"], indirect=True)

@@ -233,6 +233,8 @@
 #     the session's commit before them (ab_head), tools/probe_kept_split.py
 #   PART=s22i: bench store's device rows, the session's commit before the placed reads (ab_head) and the new code in turn,
 #     four times each
+#   PART=s22j: one-pass placed reads, inline, the table looked up chunk by chunk: bench store's device rows against main's
+#     code before them (ab_head), four times each, then every GPU test
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -716,6 +718,9 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s22j ]; then
+  store_rows new ab_head ab_head new new ab_head ab_head new
+  gpu_tests gpu_tests_s22j
 elif [ "${PART}" = s22i ]; then
   store_rows new ab_head ab_head new new ab_head ab_head new
 elif [ "${PART}" = s22h ]; then

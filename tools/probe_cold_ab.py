@@ -26,6 +26,9 @@ N, SIZE = 64, 1 << 20
 
 
 def main() -> None:
+    if not hasattr(device_calls, "TABLE_FIRST"):
+        raise SystemExit("session 22 folded the table-first read into kvstrata.client.placed_reads (no switch left): "
+                         "run this tool at a commit before it, e.g. 11aa0aa")  # fmt: skip
     iters = int(sys.argv[sys.argv.index("--iters") + 1]) if "--iters" in sys.argv else 60
     gpu = torch.cuda.is_available()  # without one (a smoke run): CPU tensors, and a CPU copy for the "ceiling"
     where = "cuda" if gpu else "cpu"

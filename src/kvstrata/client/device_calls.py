@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstrata.client import device as _device
 from kvstrata.client import kept_reads as _kept_reads
+from kvstrata.client import placed_reads as _placed_reads
 from kvstrata.client import reservation as _reservation
 from kvstrata.client._shared import Loc as _Loc
 from kvstrata.client.copies_future import CopiesFuture
@@ -30,9 +31,6 @@ Result = Any  # per-key: None on success, the KvstrataError instance on failure 
 #: GB/s, so the worker polls a little longer than the bytes take rather than sleep just before the commit
 LINGER_BYTES_PER_US = 40_000
 LINGER_SLACK_US = 100
-#: a cold ``mget_h2d`` whose first stage the placement table places whole makes one request for every key, after
-#: its first two stages' copies (see ``mget_h2d``); off: it asks stage by stage ahead (tools/probe_cold_ab.py)
-TABLE_FIRST = True
 
 
 def _linger_us(nbytes: int) -> int:
@@ -328,21 +326,24 @@ class DeviceCallsMixin:
     ) -> list[Result]:
         """Fill each key's tensors (device or CPU) from its object, split in order. Returns None per key filled.
 
-        The tensors' sizes must add up to the object's size (ValueError in that key's slot
-        otherwise). Waits up to ``timeout`` for missing keys. The copies run as copy-engine batches on
-        a copy stream that waits for ``stream`` (default: current); the call returns once they have
-        landed. Leases on the objects pin their bytes until then; keys read before and unchanged since
-        cost no round trip to the worker. Pipelined in stages (:func:`kvstrata.client.device.stages`).
-        Where the worker's placement table (:mod:`kvstrata.store.placements`) says where a key's bytes lie, its
-        copies start at once, before its lease comes back; the lease then confirms them, or the key is copied
-        again from where the lease says. Where the table places the whole first stage (keys another client or
-        this one just wrote), every stage's copies go as the stage is checked, and one request for every key,
-        sent once the first two stages' copies are queued, confirms them while the bytes move: such a cold read
-        takes as long as one whose leases this client kept. Elsewhere the first stage's leases and the next
-        keys' (up to 4x as many) are asked for at the start, and every key left in one request once the first
-        stage's copies are queued, answered while earlier bytes move. A bad tensor raises
-        when its stage is reached, after the copies already queued landed (the tensors of earlier keys may then
-        hold their data); a key that fails (missing, wrong size) may have had its tensors written.
+        The tensors' sizes must add up to the object's size (ValueError in that key's slot otherwise). Waits up to
+        ``timeout`` for missing keys. The copies run as copy-engine batches on a copy stream that waits for
+        ``stream`` (default: current); the call returns once they have landed. Leases on the objects pin their
+        bytes until then. Three ways, the first that applies:
+
+        * every key read before and unchanged since: no round trip to the worker, the call in one pass
+          (:mod:`kvstrata.client.kept_reads`);
+        * the worker's placement table (:mod:`kvstrata.store.placements`) places the first key (keys another
+          client or this one just wrote): every placed key copied at once in one pass, and one request for every
+          lease, sent once two batches are queued, confirms them while the bytes move, or the key is copied again
+          from where its lease says (:mod:`kvstrata.client.placed_reads`);
+        * else (or with a ``timeout``) pipelined in stages (:func:`kvstrata.client.device.stages`): the first
+          stage's leases and the next keys' (up to 4x as many) asked for at the start, every key left in one
+          request once the first stage's copies are queued, answered while earlier bytes move, and a stage's
+          placed keys copied before their leases come back.
+
+        A bad tensor raises when it is reached, after the copies already queued landed (the tensors of earlier keys
+        may then hold their data); a key that fails (missing, wrong size) may have had its tensors written.
         """
         results, event, held = self._mget_h2d_queue(keys, tensor_lists, timeout=timeout, stream=stream)
         try:
@@ -364,9 +365,11 @@ class DeviceCallsMixin:
             _device.check_outer(0, tensor_lists)
             return [], None, []
         backend = self._b()
-        kept = _kept_reads.queue(self, backend, keys, tensor_lists, stream)
-        if kept is not None:
-            return kept  # every lease kept by this client: the call in one pass
+        one_pass = _kept_reads.queue(self, backend, keys, tensor_lists, stream)
+        if one_pass is None:
+            one_pass = _placed_reads.queue(self, backend, keys, tensor_lists, stream, timeout)
+        if one_pass is not None:
+            return one_pass  # every lease kept by this client, or the first key placed by the worker's table
         n = len(keys)
         results: list[Result] = [None] * n
         leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back
@@ -380,7 +383,6 @@ class DeviceCallsMixin:
         advised = 0  # keys [0, advised) were looked up in the table
         kept: list[Any] = [None] * n if hinted else []  # the leases the local-read cache served (no early copy)
         early_stages: set[int] = set()  # the ``lo`` of stages with early copies
-        table_first = False  # one request for every key, sent once the first two stages' copies are queued
         held: list[int] = []
         deadline = time.monotonic() + timeout
         s = None
@@ -435,12 +437,12 @@ class DeviceCallsMixin:
                     out.append(i)
             return out
 
-        def copy_early(st: Any, which: list[int] | None = None) -> None:
-            """Queue now the copies of the keys of ``st`` that :func:`advise` places (``which``, where already
-            known) and the local-read cache did not serve (checked against their leases once those come back)."""
+        def copy_early(st: Any) -> None:
+            """Queue now the copies of the keys of ``st`` that :func:`advise` places and the local-read cache did not
+            serve (checked against their leases once those come back)."""
             nonlocal s, first
             lo = st.lo
-            which = [i for i in (advise(st) if which is None else which) if kept[i] is None]
+            which = [i for i in advise(st) if kept[i] is None]
             locs = []
             for i in which:
                 got = early[i] = advice[i]
@@ -461,35 +463,16 @@ class DeviceCallsMixin:
         try:
             for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
                 if st is not None:
-                    placed_first = None
                     if covered < st.hi:
                         # The first stage's request is only made ready here (what the local-read cache serves is
                         # known then) and sent after its early copies: nothing goes in front of its first bytes.
                         ask(covered, st.hi, send=not (hinted and st.lo == 0))
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
-                    if st.lo == 0 and cold and hinted and not timeout and st.hi < n and TABLE_FIRST:
-                        placed_first = advise(st)
-                        # The table places every key of the first stage, and the local-read cache served none:
-                        # likely the same holds for the others.
-                        table_first = len(placed_first) == st.hi and kept[: st.hi].count(None) == st.hi
                     if cold and hinted:
-                        copy_early(st, placed_first)  # before any further request: nothing in front of these bytes
-                    if table_first and st.lo == 0:
-                        # Every key is asked for in one request instead (the first stage's, unsent and holding
-                        # nothing, is dropped), made ready while the first bytes move and sent once the first two
-                        # stages' copies are queued: a request costs this thread ~40 us, the first stage's bytes
-                        # take ~75 us. Its answer comes while the bytes move and only confirms the early copies;
-                        # keys the table does not place wait for it. The local-read cache is not looked up again:
-                        # the keys likely changed too, and dropping their stale entries one by one here cost the
-                        # next stage's copies tens of microseconds (the new leases replace them later).
-                        asked.clear()
-                        ask(0, n, send=False, local=False)
-                        upfront = n
-                    if hinted and (st.lo > 0 if table_first else st.lo == 0):
+                        copy_early(st)  # before any further request: nothing in front of these bytes
+                    if hinted and st.lo == 0:
                         send_asked()
-                    if table_first:
-                        pass  # every key asked for already
-                    elif st.lo == 0 and cold and not timeout and covered < n:
+                    if st.lo == 0 and cold and not timeout and covered < n:
                         # The worker is asked (keys not read before, or changed). This thread would only wait for
                         # the first answer: it asks now for the next keys too, up to 4x the first stage's (the
                         # worker reads that request right after its first reply, with no wake-up), and sets the

@@ -1,0 +1,138 @@
+"""``mget_h2d`` of keys this client did not keep, in one pass, where the worker's placement table places them.
+
+The worker keeps a table, in shared memory, of where each key's bytes lie now (:mod:`kvstrata.store.placements`):
+advice, read with no round trip, that a lease later confirms (or not). A cold read (a decode engine reading the KV
+blocks prefill just wrote, a key read right after it was rewritten) whose first key the table places copies every
+placed key at once as it goes through the keys, batch after batch as :mod:`kvstrata.client.kept_reads` does, and
+asks the worker for every lease in one request, sent once two batches are queued (a request costs this thread ~40
+us on the H200 host; two batches are ~110 us of DMA) and answered while the bytes move. The answer confirms each
+early copy (its lease pins the very placement the copy read) or the key is copied again from where its lease says,
+after the first copy on the stream; keys the table did not place are copied then too. The table is looked up
+chunk by chunk as the keys are reached (2 keys, then 2, 4, 8 ...): a lookup of all 64 keys of a call before its
+first copy cost ~30 us there (session 22's first version of this path, on branch ``placed-reads-experiment``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstrata.client import device as _device
+from kvstrata.client import kept_reads as _kept_reads
+
+#: the acquire request goes once this many batches are queued
+SEND_AFTER_BATCHES = 2
+
+
+def queue(
+    client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Sequence[Any]], stream: Any, timeout: float
+) -> Any:
+    """``mget_h2d`` up to its copies queued, as ``DeviceCallsMixin._mget_h2d_queue`` returns it, where the worker's
+    placement table places the call's first key (and it does not wait for missing keys: a waiting call asks stage
+    by stage within its timeout); else None, having done nothing (the staged path then serves the call).
+
+    As the staged path: a key missing or whose tensors' bytes differ from its object's size gets its error in its
+    slot (its tensors may have been written by an early copy); a bad tensor raises after the copies already queued
+    landed and every lease taken went back."""
+    n = len(keys)
+    if timeout or not n:
+        return None
+    _device.check_outer(n, tensor_lists)
+    lookup = backend.placement_hints
+    hints = lookup(keys[: _kept_reads.FIRST_RUNS])
+    if hints is None or hints[0] is None or hints[0][3] <= 0:
+        return None  # likely none placed (no table, or keys not in memory): the staged path asks ahead
+    advised = len(hints)
+    # Every key asked for, none looked up in the local-read cache (the keys likely changed: their stale entries are
+    # replaced when the new leases are entered, off this path); sent once two batches are queued.
+    token = backend.acquire_start(keys, 0, cache="fit", carry=False, placements=True, send=False, local=False)
+    unread = False  # the request went and its answer was not read yet
+    results: list[Any] = [None] * n
+    held: list[int] = []
+    checked: list[Any] = [None] * n
+    early: dict[int, Any] = {}  # key index -> the advice its early copy read
+    check, plan, maps = _device.check_key, _device.plan, backend.maps
+    address, ensure = backend.segment_address, client._registrations.ensure
+    bases: dict[int, int] = {}
+    runs = _device.new_runs()
+    cut = _kept_reads.FIRST_RUNS
+    run_bytes = _kept_reads.RUN_BYTES
+    pending = 0  # bytes laid out in ``runs``
+    batches = 0
+    s = device = None
+    leases: list[Any] | None = None
+
+    def hand_over() -> None:
+        nonlocal runs, pending, cut, batches
+        if runs.device:
+            ensure(bases, address, backend.segment_nbytes)  # registered with CUDA before their first copy
+        _device.enqueue(runs, device, s, first=not batches)
+        runs, pending, batches = _device.new_runs(), 0, batches + 1
+        cut = min(2 * cut, _device.BATCH_RUNS)
+
+    def lay_out(pieces: list[tuple], seg: int, offset: int, total: int) -> None:
+        nonlocal pending
+        base = bases.get(seg)
+        if base is None:
+            base = bases[seg] = address(seg)
+        plan(pieces, base + offset, False, runs, seg)
+        pending += total
+        # Runs that continue each other merge (views of one tensor, objects side by side): the bytes count too.
+        if len(runs.device) >= cut or pending >= cut * run_bytes:
+            hand_over()
+
+    try:
+        for i in range(n):
+            if i == advised:
+                hints += lookup(keys[advised : advised + advised])
+                advised = len(hints)
+            pieces, total, dev = checked[i] = check(tensor_lists[i], i)
+            if dev is not None and s is None:
+                device, s = dev, _device.start(dev, stream)
+            hint = hints[i]
+            if hint is not None and hint[2] == total and hint[3] > 0 and maps(hint[0], hint[1], total):
+                early[i] = hint
+                lay_out(pieces, hint[0], hint[1], total)
+                if batches == SEND_AFTER_BATCHES and not unread:
+                    token, unread = backend.acquire_send(token), True
+        if pending or runs.host:
+            hand_over()
+        unread = False  # out first: an answer is read once, even one that raises (the connection then ends)
+        leases = backend.acquire_finish(token)  # sent here where nothing did
+        placed = backend.acquire_placements(token) or [0] * n  # none: an older worker, every early copy redone
+        for i in range(n):
+            lease = leases[i]
+            leases[i] = None  # counted in ``held`` or ``results`` from here on
+            if isinstance(lease, BaseException):
+                results[i] = lease
+                continue
+            held.append(lease.lease_id)
+            loc = lease.location
+            went = early.get(i)
+            # An early copy stands where the lease pins the very placement it read (kvstrata.store.placements);
+            # else the key is copied again, after it on the stream.
+            if went is not None and went == (*loc, placed[i]):
+                continue
+            pieces, total, _ = checked[i]
+            if total != loc.size:
+                results[i] = ValueError(f"tensor_lists[{i}]: {total} bytes for {keys[i]!r}, which holds {loc.size}")
+                continue
+            lay_out(pieces, loc.segment, loc.offset, total)
+        if pending or runs.host:
+            hand_over()
+        event = _device.mark(s)
+        backend.settle()  # the local-read entries of these leases are made while the copies run
+    except BaseException:
+        if s is not None:
+            s.synchronize()  # the leases must outlive every queued copy
+        if unread:
+            try:  # asked for, not read yet: read, to give them back
+                leases = backend.acquire_finish(token)
+            except Exception:  # the connection may be what failed (the worker then releases them itself)
+                leases = None
+        if leases is not None:
+            held.extend(x.lease_id for x in leases if x is not None and not isinstance(x, BaseException))
+        if held:
+            client._release_leases(held)
+        raise
+    return results, event, held

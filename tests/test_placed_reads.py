@@ -1,0 +1,145 @@
+"""mget_h2d in one pass from the placement table's advice (kvstrata.client.placed_reads): when it is taken, and its
+leases back on every path, the one request sent or not when a bad tensor stops it. The copies' order against the
+request and the redoing of wrong advice: test_client_device's placement tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvstrata
+from _stages import batches_of
+from kv_helpers import worker_config
+from kvstrata.client import placed_reads
+from kvstrata.errors import KeyNotFound
+from kvstrata.server import Worker
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    config = worker_config(tmp_path_factory.mktemp("placed-worker"), memory=64 << 20, segment=16 << 20)
+    with Worker(config).start() as w:
+        yield w
+
+
+@pytest.fixture
+def kv(worker):
+    with kvstrata.connect(worker.address) as client:
+        yield client
+
+
+@pytest.fixture
+def writer(worker):
+    with kvstrata.connect(worker.address) as client:
+        yield client
+
+
+def _lists(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 255, (1000,), generator=g, dtype=torch.uint8)] for _ in range(n)]
+
+
+def _poisoned(lists):
+    return [[torch.full_like(t, 0xAB) for t in ts] for ts in lists]
+
+
+def _written(writer, prefix, n, seed=0):
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    writer.delete(keys)
+    src = _lists(n, seed)
+    assert writer.mset_d2h(keys, src) == [None] * n
+    assert writer.exists(keys) == [True] * n  # shown (the landing word read) before the test's read
+    return keys, src
+
+
+def _taken(monkeypatch) -> list[object]:
+    """What each placed_reads.queue from here on did: True (the one pass), False (the staged path) or "raised"."""
+    took: list[object] = []
+    real = placed_reads.queue
+
+    def queue(*args, **kwargs):
+        try:
+            got = real(*args, **kwargs)
+        except BaseException:
+            took.append("raised")
+            raise
+        took.append(got is not None)
+        return got
+
+    monkeypatch.setattr(placed_reads, "queue", queue)
+    return took
+
+
+def _requests(monkeypatch, backend) -> list[int]:
+    """The keys of each acquire request the client sends from here on."""
+    sent: list[int] = []
+    real = backend.send_tagged
+
+    def send(msg, **kw):
+        if msg.get("op") == "acquire":
+            sent.append(len(msg["keys"]))
+        return real(msg, **kw)
+
+    monkeypatch.setattr(backend, "send_tagged", send)
+    return sent
+
+
+def test_a_cold_read_of_placed_keys_goes_in_one_pass_with_one_request(kv, writer, monkeypatch):
+    keys, src = _written(writer, "placed", 10)
+    took, sent = _taken(monkeypatch), _requests(monkeypatch, kv._backend)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 10
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+    assert took == [True] and sent == [10]
+    assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 10  # now kept: no request at all
+    assert took == [True] and sent == [10]  # (the kept pass came first: placed_reads not asked)
+    kv.delete(keys)
+    assert kv.stats()["leases"] == 0
+
+
+def test_it_is_not_taken_with_a_timeout_or_where_the_table_misses_the_first_key(kv, writer, monkeypatch):
+    keys, src = _written(writer, "not-placed", 4)
+    took = _taken(monkeypatch)
+    assert kv.mget_h2d(keys, _poisoned(src), timeout=0.5) == [None] * 4  # a waiting call: stage by stage
+    table = kv._backend.placements
+    real = table.lookup
+    monkeypatch.setattr(table, "lookup", lambda ks: [None if k == keys[0] else h for k, h in zip(ks, real(ks))])
+    writer.delete(keys)
+    assert writer.mset_d2h(keys, src) == [None] * 4  # cold again
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 4
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+    assert took == [False, False]
+    kv.delete(keys)
+
+
+@pytest.mark.parametrize("bad_at, request_sent", [(1, False), (7, True)])
+def test_a_bad_tensor_gives_back_every_lease_taken(kv, writer, worker, monkeypatch, bad_at, request_sent):
+    keys, src = _written(writer, f"placed-bad-{bad_at}", 9)
+    batches_of(monkeypatch, 2, 1000)  # the request goes after the second batch: with key 3
+    took, sent = _taken(monkeypatch), _requests(monkeypatch, kv._backend)
+    dst = _poisoned(src)
+    dst[bad_at] = [torch.zeros(40, 25).t()]
+    with pytest.raises(ValueError, match=rf"tensor_lists\[{bad_at}\]\[0\]"):
+        kv.mget_h2d(keys, dst)
+    assert took == ["raised"] and sent == ([9] if request_sent else [])
+    assert kv.mget_h2d(keys[:2], _poisoned(src[:2])) == [None, None]  # the client goes on
+    kv.delete(keys)
+    assert kv.stats()["leases"] == 0  # none of the failed call's leases left behind
+
+
+def test_missing_keys_and_size_mismatches_are_their_own_slots(kv, writer, monkeypatch):
+    keys, src = _written(writer, "placed-mixed", 6)
+    advice = kv._backend.placement_hints(keys)
+    writer.delete([keys[2]])  # gone after the advice was read
+    monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: advice)
+    took = _taken(monkeypatch)
+    dst = _poisoned(src)
+    dst[4] = [torch.zeros(999, dtype=torch.uint8)]  # 999 bytes for 1,000: no early copy, a ValueError
+    res = kv.mget_h2d(keys, dst)
+    assert took == [True]
+    assert isinstance(res[2], KeyNotFound) and isinstance(res[4], ValueError) and "which holds 1000" in str(res[4])
+    assert all(res[i] is None and torch.equal(src[i][0], dst[i][0]) for i in (0, 1, 3, 5))
+    assert torch.equal(dst[4][0], torch.zeros(999, dtype=torch.uint8))
+    kv.delete(keys)
+    assert kv.stats()["leases"] == 0
