@@ -1,5 +1,6 @@
-"""Test helper: a GPU device call's stages on a machine without a GPU (``kvstrata.client.device.stages``
-cuts a call into stages only once it meets a CUDA tensor; tests patch this in to exercise the pipeline)."""
+"""Test helpers for the device calls without a GPU: a GPU call's stages (``kvstrata.client.device.stages``
+cuts a call into stages only once it meets a CUDA tensor; tests patch this in to exercise the pipeline), the
+one-pass paths' batches, and which path served a call."""
 
 from kvstrata.client import device, kept_reads
 
@@ -39,3 +40,22 @@ def batches_of(monkeypatch, n, key_bytes):
     monkeypatch.setattr(kept_reads, "FIRST_RUNS", n)
     monkeypatch.setattr(device, "BATCH_RUNS", n)
     monkeypatch.setattr(kept_reads, "RUN_BYTES", key_bytes)
+
+
+def outcomes(monkeypatch, module):
+    """What each call of ``module.queue`` (a one-pass path: kvstrata.client.kept_reads, placed_reads) does from
+    here on, in a list: True (it served the call), False (it left it to the staged path) or "raised"."""
+    took: list[object] = []
+    real = module.queue
+
+    def queue(*args, **kwargs):
+        try:
+            got = real(*args, **kwargs)
+        except BaseException:
+            took.append("raised")
+            raise
+        took.append(got is not None)
+        return got
+
+    monkeypatch.setattr(module, "queue", queue)
+    return took

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvstrata
+from _stages import outcomes
 from kv_helpers import worker_config
 from kvstrata.client import device, kept_reads
 from kvstrata.ops import copy_engine
@@ -39,25 +40,6 @@ def _poisoned(lists):
     return [[torch.full_like(t, 0xAB) for t in ts] for ts in lists]
 
 
-def _one_pass_calls(monkeypatch) -> list[bool | str]:
-    """Whether each mget_h2d from here on went in one pass (True), took the staged path (False) or raised in the
-    one pass ("raised")."""
-    took: list[bool | str] = []
-    real = kept_reads.queue
-
-    def queue(*args, **kwargs):
-        try:
-            got = real(*args, **kwargs)
-        except BaseException:
-            took.append("raised")
-            raise
-        took.append(got is not None)
-        return got
-
-    monkeypatch.setattr(kept_reads, "queue", queue)
-    return took
-
-
 def _written(kv, prefix, n, **kw):
     keys = [f"{prefix}/{i}" for i in range(n)]
     kv.delete(keys)
@@ -68,7 +50,7 @@ def _written(kv, prefix, n, **kw):
 
 def test_kept_leases_go_in_one_pass_with_no_request_and_exact_bytes(kv, worker, monkeypatch):
     keys, src = _written(kv, "one-pass", 12)
-    took = _one_pass_calls(monkeypatch)
+    took = outcomes(monkeypatch, kept_reads)
     assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 12  # first read: leases asked for, then kept
     holders = dict(kv._backend._holders)
     before = worker.counters["requests"]
@@ -94,7 +76,7 @@ def test_a_key_named_twice_and_empty_tensors(kv):
 def test_a_size_mismatch_is_its_keys_error_and_the_others_are_filled(kv, monkeypatch):
     keys, src = _written(kv, "mismatch", 4)
     kv.mget_h2d(keys, _poisoned(src))
-    took = _one_pass_calls(monkeypatch)
+    took = outcomes(monkeypatch, kept_reads)
     dst = _poisoned(src)
     dst[2] = [torch.zeros(1000, dtype=torch.uint8)]  # 1,000 bytes for an object of 1,024
     res = kv.mget_h2d(keys, dst)
@@ -117,7 +99,7 @@ def test_a_bad_tensor_raises_and_gives_every_lease_back(kv, worker, monkeypatch,
     keys, src = _written(kv, "bad", 6)
     kv.mget_h2d(keys, _poisoned(src))
     holders = dict(kv._backend._holders)
-    took = _one_pass_calls(monkeypatch)
+    took = outcomes(monkeypatch, kept_reads)
     dst = _poisoned(src)
     dst[4] = bad
     with pytest.raises(exc, match=match) as raised:
@@ -131,7 +113,7 @@ def test_a_bad_tensor_raises_and_gives_every_lease_back(kv, worker, monkeypatch,
 def test_a_rewritten_or_missing_key_takes_the_staged_path(kv, worker, monkeypatch):
     keys, src = _written(kv, "changed", 5)
     kv.mget_h2d(keys, _poisoned(src))
-    took = _one_pass_calls(monkeypatch)
+    took = outcomes(monkeypatch, kept_reads)
     with kvstrata.connect(worker.address) as other:
         other.delete(keys[3])
         new = [torch.full((1024,), 7, dtype=torch.uint8)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import batches_of
+from _stages import batches_of, outcomes
 from kv_helpers import worker_config
 from kvstrata.client import placed_reads
 from kvstrata.errors import KeyNotFound
@@ -52,24 +52,6 @@ def _written(writer, prefix, n, seed=0):
     return keys, src
 
 
-def _taken(monkeypatch) -> list[object]:
-    """What each placed_reads.queue from here on did: True (the one pass), False (the staged path) or "raised"."""
-    took: list[object] = []
-    real = placed_reads.queue
-
-    def queue(*args, **kwargs):
-        try:
-            got = real(*args, **kwargs)
-        except BaseException:
-            took.append("raised")
-            raise
-        took.append(got is not None)
-        return got
-
-    monkeypatch.setattr(placed_reads, "queue", queue)
-    return took
-
-
 def _requests(monkeypatch, backend) -> list[int]:
     """The keys of each acquire request the client sends from here on."""
     sent: list[int] = []
@@ -86,7 +68,7 @@ def _requests(monkeypatch, backend) -> list[int]:
 
 def test_a_cold_read_of_placed_keys_goes_in_one_pass_with_one_request(kv, writer, monkeypatch):
     keys, src = _written(writer, "placed", 10)
-    took, sent = _taken(monkeypatch), _requests(monkeypatch, kv._backend)
+    took, sent = outcomes(monkeypatch, placed_reads), _requests(monkeypatch, kv._backend)
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 10
     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
@@ -99,7 +81,7 @@ def test_a_cold_read_of_placed_keys_goes_in_one_pass_with_one_request(kv, writer
 
 def test_it_is_not_taken_with_a_timeout_or_where_the_table_misses_the_first_key(kv, writer, monkeypatch):
     keys, src = _written(writer, "not-placed", 4)
-    took = _taken(monkeypatch)
+    took = outcomes(monkeypatch, placed_reads)
     assert kv.mget_h2d(keys, _poisoned(src), timeout=0.5) == [None] * 4  # a waiting call: stage by stage
     table = kv._backend.placements
     real = table.lookup
@@ -117,7 +99,7 @@ def test_it_is_not_taken_with_a_timeout_or_where_the_table_misses_the_first_key(
 def test_a_bad_tensor_gives_back_every_lease_taken(kv, writer, worker, monkeypatch, bad_at, request_sent):
     keys, src = _written(writer, f"placed-bad-{bad_at}", 9)
     batches_of(monkeypatch, 2, 1000)  # the request goes after the second batch: with key 3
-    took, sent = _taken(monkeypatch), _requests(monkeypatch, kv._backend)
+    took, sent = outcomes(monkeypatch, placed_reads), _requests(monkeypatch, kv._backend)
     dst = _poisoned(src)
     dst[bad_at] = [torch.zeros(40, 25).t()]
     with pytest.raises(ValueError, match=rf"tensor_lists\[{bad_at}\]\[0\]"):
@@ -133,7 +115,7 @@ def test_missing_keys_and_size_mismatches_are_their_own_slots(kv, writer, monkey
     advice = kv._backend.placement_hints(keys)
     writer.delete([keys[2]])  # gone after the advice was read
     monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: advice)
-    took = _taken(monkeypatch)
+    took = outcomes(monkeypatch, placed_reads)
     dst = _poisoned(src)
     dst[4] = [torch.zeros(999, dtype=torch.uint8)]  # 999 bytes for 1,000: no early copy, a ValueError
     res = kv.mget_h2d(keys, dst)

@@ -21,6 +21,7 @@ from kvstrata.client import placed_reads as _placed_reads
 from kvstrata.client import reservation as _reservation
 from kvstrata.client._shared import Loc as _Loc
 from kvstrata.client.copies_future import CopiesFuture
+from kvstrata.client.placed_reads import copy_from
 from kvstrata.errors import KvstrataError
 from kvstrata.server import protocol as P
 
@@ -508,23 +509,12 @@ class DeviceCallsMixin:
                     for j in range(prev.hi - prev.lo):
                         i = prev.lo + j
                         lease, leases[i] = leases[i], None  # counted in ``held`` or ``results`` from here on
-                        if isinstance(lease, BaseException):
-                            results[i] = lease
-                            continue
-                        held.append(lease.lease_id)
-                        loc = lease.location
-                        went = early.get(i)
-                        # An early copy stands where the lease pins the very placement it read (see
-                        # kvstrata.store.placements); else the key is copied again, after it on the stream.
-                        if went is not None and went == (*loc, placed[i]):
-                            continue
-                        if prev.sizes[j] != loc.size:
-                            results[i] = ValueError(
-                                f"tensor_lists[{i}]: {prev.sizes[j]} bytes for {keys[i]!r}, which holds {loc.size}"
-                            )
-                            continue
-                        filled.append(i)
-                        locs.append(loc)
+                        # an early copy stands, or the key is copied (again, after it on the stream) from its lease
+                        loc = copy_from(i, keys, lease, early.get(i), placed[i] if placed else 0, prev.sizes[j],
+                                        results, held)  # fmt: skip
+                        if loc is not None:
+                            filled.append(i)
+                            locs.append(loc)
                     if filled:
                         if s is None and prev.device is not None:
                             s = _device.start(prev.device, stream)

@@ -101,23 +101,11 @@ def queue(
         leases = backend.acquire_finish(token)  # sent here where nothing did
         placed = backend.acquire_placements(token) or [0] * n  # none: an older worker, every early copy redone
         for i in range(n):
-            lease = leases[i]
-            leases[i] = None  # counted in ``held`` or ``results`` from here on
-            if isinstance(lease, BaseException):
-                results[i] = lease
-                continue
-            held.append(lease.lease_id)
-            loc = lease.location
-            went = early.get(i)
-            # An early copy stands where the lease pins the very placement it read (kvstrata.store.placements);
-            # else the key is copied again, after it on the stream.
-            if went is not None and went == (*loc, placed[i]):
-                continue
+            lease, leases[i] = leases[i], None  # counted in ``held`` or ``results`` from here on
             pieces, total, _ = checked[i]
-            if total != loc.size:
-                results[i] = ValueError(f"tensor_lists[{i}]: {total} bytes for {keys[i]!r}, which holds {loc.size}")
-                continue
-            lay_out(pieces, loc.segment, loc.offset, total)
+            loc = copy_from(i, keys, lease, early.get(i), placed[i], total, results, held)
+            if loc is not None:
+                lay_out(pieces, loc.segment, loc.offset, total)
         if pending or runs.host:
             hand_over()
         event = _device.mark(s)
@@ -136,3 +124,23 @@ def queue(
             client._release_leases(held)
         raise
     return results, event, held
+
+
+def copy_from(
+    i: int, keys: list[str], lease: Any, went: Any, placed: int, nbytes: int, results: list[Any], held: list[int]
+) -> Any:
+    """Where key ``i`` must be copied from now that its lease (or error) came back: the lease's location, or None
+    where its early copy stands (the lease pins the very placement the copy read, ``went``: see
+    :mod:`kvstrata.store.placements`) or its slot of ``results`` now holds its error (missing; ``nbytes`` of
+    tensors for an object of another size). A lease goes in ``held``. (Every cold ``mget_h2d``'s, staged too.)"""
+    if isinstance(lease, BaseException):
+        results[i] = lease
+        return None
+    held.append(lease.lease_id)
+    loc = lease.location
+    if went is not None and went == (*loc, placed):
+        return None
+    if nbytes != loc.size:
+        results[i] = ValueError(f"tensor_lists[{i}]: {nbytes} bytes for {keys[i]!r}, which holds {loc.size}")
+        return None
+    return loc
