@@ -190,3 +190,36 @@ def test_device_copies_start_after_two_keys_then_go_in_batches_twice_as_large(kv
     # 2 (the first batch), 4, 8, then 16s, and what is left at the end
     assert batches == [2, 4, 8, 16, 10]
     assert registered  # every segment the copies read was offered to CUDA before them
+
+
+def test_a_lease_dropped_from_the_cache_mid_call_stays_held_until_the_call_ends(kv, worker, monkeypatch):
+    # Another thread of this client may find an entry stale (its key rewritten) and drop it while a one-pass read
+    # copies from its lease: the read's own hold keeps the lease, so the old bytes stay put until the copy is done.
+    keys, src = _written(kv, "held", 3, sizes=(4096,))
+    kv.mget_h2d(keys, _poisoned(src))
+    backend = kv._backend
+    leases_before = kv.stats()["leases"]
+    during = []
+    real_enqueue = device.enqueue
+
+    def enqueue(runs, *args, **kwargs):
+        if not during:
+            during.append(None)  # once (the rewrite below enqueues too)
+            with kvstrata.connect(worker.address) as other:  # keys[0] rewritten under the read
+                other.delete([keys[0]])
+                assert other.mset_d2h([keys[0]], [[torch.zeros(4096, dtype=torch.uint8)]]) == [None]
+            assert backend._local.entries([keys[0]]) == [None]  # found stale: dropped, its lease due back
+            backend.release([])  # what is due goes now: not the lease the read holds
+            during[0] = kv.stats()["leases"]
+        return real_enqueue(runs, *args, **kwargs)
+
+    monkeypatch.setattr(device, "enqueue", enqueue)
+    took = outcomes(monkeypatch, kept_reads)
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 3
+    assert took == [True]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))  # the old version, whole
+    assert during == [leases_before]  # the stale lease still held: the worker counts every lease it counted
+    monkeypatch.undo()
+    assert kv.stats()["leases"] == leases_before - 1  # the call's hold went with it: the stale lease is released
+    kv.delete(keys)

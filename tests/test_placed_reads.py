@@ -125,3 +125,54 @@ def test_missing_keys_and_size_mismatches_are_their_own_slots(kv, writer, monkey
     assert torch.equal(dst[4][0], torch.zeros(999, dtype=torch.uint8))
     kv.delete(keys)
     assert kv.stats()["leases"] == 0
+
+
+def test_reads_racing_rewrites_see_whole_versions_and_leave_no_lease(kv, worker, monkeypatch):
+    """Two threads of one client read 6 keys over and over (kept, placed or staged, as the cache and the table
+    stand each time) while another client deletes and rewrites them with a new version: every key of every read is
+    one version whole (its lease pins its bytes across the copy), or missing."""
+    import threading
+    import time
+
+    n, size = 6, 4096
+    keys = [f"race/{i}" for i in range(n)]
+    versions = [torch.full((size,), v, dtype=torch.uint8) for v in range(1, 9)]
+    kv.delete(keys)
+    assert kv.mset_d2h(keys, [[versions[0]]] * n) == [None] * n
+    errors: list[BaseException] = []
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                dst = [[torch.zeros(size, dtype=torch.uint8)] for _ in keys]
+                res = kv.mget_h2d(keys, dst)
+                for r, (t,) in zip(res, dst):
+                    if r is None:
+                        first = int(t[0])
+                        assert first in range(1, 9) and bool((t == first).all()), "a torn or foreign value"
+                        seen.add(first)
+                    else:
+                        assert isinstance(r, KeyNotFound), r
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for th in threads:
+        th.start()
+    try:
+        with kvstrata.connect(worker.address) as writer:
+            for v in versions[1:]:
+                for _ in range(5):
+                    writer.delete(keys)
+                    assert writer.mset_d2h(keys, [[v]] * n) == [None] * n
+                    time.sleep(0.005)  # reads of unchanged keys between rewrites: kept leases too
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(60)
+    assert not errors, errors
+    assert len(seen) > 1  # the readers saw the versions change
+    kv.delete(keys)
+    assert kv.stats()["leases"] == 0  # none of the reads' leases left behind (the cache's went with the keys)
