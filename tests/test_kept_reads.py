@@ -4,6 +4,8 @@ per-key results, its batches, its leases back on every path; and the local-read 
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 
 import pytest
 import torch
@@ -63,6 +65,18 @@ def test_kept_leases_go_in_one_pass_with_no_request_and_exact_bytes(kv, worker, 
     assert kv._backend._holders == holders  # every hold the calls took went back
 
 
+def test_leases_are_taken_chunk_by_chunk_as_the_keys_are_reached(kv, monkeypatch):
+    keys, src = _written(kv, "chunks", 40)
+    kv.mget_h2d(keys, _poisoned(src))
+    backend = kv._backend
+    sizes, real = [], backend.kept_leases
+    monkeypatch.setattr(backend, "kept_leases", lambda ks: sizes.append(len(ks)) or real(ks))
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 40
+    assert sizes == [2, 6, 32]  # the first batch's keys before the first copy, the next two batches', the rest
+    assert all(torch.equal(a, b) for x, y in zip(src, dst) for a, b in zip(x, y))
+
+
 def test_a_key_named_twice_and_empty_tensors(kv):
     keys, src = _written(kv, "twice", 3, sizes=(64, 0, 16))
     kv.mget_h2d(keys, _poisoned(src))
@@ -110,7 +124,28 @@ def test_a_bad_tensor_raises_and_gives_every_lease_back(kv, worker, monkeypatch,
     assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 6  # the client goes on
 
 
-def test_a_rewritten_or_missing_key_takes_the_staged_path(kv, worker, monkeypatch):
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        ("", ValueError, "must not be empty"),
+        (["a", "list"], TypeError, "must be a str"),
+        (7, TypeError, "must be a str"),
+    ],
+)
+def test_a_bad_key_raises_when_reached_naming_it_and_every_lease_goes_back(kv, monkeypatch, bad, exc, match):
+    keys, src = _written(kv, "bad-key", 20)
+    kv.mget_h2d(keys, _poisoned(src))
+    holders = dict(kv._backend._holders)
+    took = outcomes(monkeypatch, kept_reads)
+    for at in (0, 1, 13):
+        with pytest.raises(exc, match=rf"^keys\[{at}\]: {match}"):
+            kv.mget_h2d([*keys[:at], bad, *keys[at + 1 :]], _poisoned(src))
+        assert kv._backend._holders == holders
+    assert took == ["raised"] * 3  # checked by the kept pass: key 13 after the copies of keys 0-5 were queued
+    assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 20
+
+
+def test_a_rewritten_key_ends_the_kept_pass_and_a_missing_first_key_skips_it(kv, worker, monkeypatch):
     keys, src = _written(kv, "changed", 5)
     kv.mget_h2d(keys, _poisoned(src))
     took = outcomes(monkeypatch, kept_reads)
@@ -119,11 +154,116 @@ def test_a_rewritten_or_missing_key_takes_the_staged_path(kv, worker, monkeypatc
         new = [torch.full((1024,), 7, dtype=torch.uint8)]
         assert other.mset_d2h([keys[3]], [new]) == [None]
     dst = _poisoned(src)
-    assert kv.mget_h2d(keys, dst) == [None] * 5
+    assert kv.mget_h2d(keys, dst) == [None] * 5  # keys 0-1 kept, the chunk of keys 2-3 is not: 2-4 go cold
     assert torch.equal(torch.cat(dst[3]), new[0])  # the new value, not the kept one
+    assert all(torch.equal(a, b) for i in (0, 1, 2, 4) for a, b in zip(src[i], dst[i]))
     kv.delete(keys[1])
     res = kv.mget_h2d(keys, _poisoned(src))
-    assert took == [False, False] and isinstance(res[1], kvstrata.KeyNotFound)
+    assert took == [True, False] and isinstance(res[1], kvstrata.KeyNotFound)
+
+
+def _kept_then_changed(kv, worker, prefix, n, *, rewrite=(), delete=()):
+    """``n`` keys read once (leases kept), then some rewritten by another client and some deleted."""
+    keys, src = _written(kv, prefix, n)
+    kv.mget_h2d(keys, _poisoned(src))
+    with kvstrata.connect(worker.address) as other:
+        other.delete([keys[i] for i in (*rewrite, *delete)])
+        for i in rewrite:
+            src[i] = [torch.full((1000,), i, dtype=torch.uint8), torch.full((24,), 200 + i, dtype=torch.uint8)]
+            assert other.mset_d2h([keys[i]], [src[i]]) == [None]
+        assert other.exists(keys[:1]) == [True]  # its objects shown before the read
+    return keys, src
+
+
+@pytest.mark.parametrize("cold", ["placed", "staged"])
+def test_keys_past_a_chunk_not_all_kept_go_the_cold_way_with_exact_per_key_results(kv, worker, monkeypatch, cold):
+    # Chunks of 2, 6, 6: key 9 rewritten ends the kept pass at key 8; key 12 is gone.
+    keys, src = _kept_then_changed(kv, worker, f"part-{cold}", 14, rewrite=(9,), delete=(12,))
+    backend = kv._backend
+    holders = dict(backend._holders)
+    if cold == "staged":
+        monkeypatch.setattr(backend, "placement_hints", lambda keys: None)  # no table: stages
+    from kvstrata.client import placed_reads
+
+    took, placed = outcomes(monkeypatch, kept_reads), outcomes(monkeypatch, placed_reads)
+    dst = _poisoned(src)
+    res = kv.mget_h2d(keys, dst)
+    assert took == [True] and placed == [cold == "placed"]
+    assert isinstance(res[12], kvstrata.KeyNotFound) and "part-" in str(res[12])
+    assert [r is None for r in res] == [i != 12 for i in range(14)]
+    assert all(torch.equal(a, b) for i in range(14) if i != 12 for a, b in zip(src[i], dst[i]))
+    # every hold the call took went back: what the worker counts is what the local-read cache keeps
+    assert all(backend._holders.get(k, 0) <= v for k, v in holders.items())
+    assert kv.stats()["leases"] == len(backend._local._entries) == 13
+    assert kv.mget_h2d([k for i, k in enumerate(keys) if i != 12], _poisoned(src[:12] + src[13:])) == [None] * 13
+    assert took[-1] is True  # all kept again
+
+
+def test_a_bad_tensor_past_the_kept_keys_names_its_index_and_every_lease_goes_back(kv, worker, monkeypatch):
+    keys, src = _kept_then_changed(kv, worker, "part-bad", 10, rewrite=(5,))
+    backend = kv._backend
+    holders = dict(backend._holders)
+    leases = kv.stats()["leases"]
+    dst = _poisoned(src)
+    dst[7] = [torch.zeros(32, 32).t()]
+    took = outcomes(monkeypatch, kept_reads)
+    with pytest.raises(ValueError, match=r"^tensor_lists\[7\]\[0\]: tensor must be contiguous"):
+        kv.mget_h2d(keys, dst)  # keys 0-1 kept; the chunk of keys 2-7 holds the rewritten key 5
+    assert took == [True]
+    assert backend._holders == {k: v for k, v in holders.items() if k in backend._holders}
+    assert kv.stats()["leases"] <= leases  # nothing held past the call (key 5's stale lease may be gone too)
+    assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 10  # the client goes on
+
+
+def test_the_cold_rest_of_a_kept_call_waits_for_a_missing_key_within_its_timeout(kv, worker):
+    keys, src = _kept_then_changed(kv, worker, "part-wait", 6, delete=(4,))
+    later = [torch.full((1000,), 9, dtype=torch.uint8), torch.full((24,), 8, dtype=torch.uint8)]
+
+    def write_later():
+        time.sleep(0.2)
+        with kvstrata.connect(worker.address) as other:
+            assert other.mset_d2h([keys[4]], [later]) == [None]
+
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    dst = _poisoned(src)
+    try:
+        assert kv.mget_h2d(keys, dst, timeout=10) == [None] * 6
+    finally:
+        writer.join()
+    assert all(torch.equal(a, b) for a, b in zip(later, dst[4]))
+    assert all(torch.equal(a, b) for i in (0, 1, 2, 3, 5) for a, b in zip(src[i], dst[i]))
+
+
+def test_async_mget_h2d_of_a_partly_kept_call(kv, worker, monkeypatch):
+    keys, src = _kept_then_changed(kv, worker, "part-async", 8, rewrite=(3,), delete=(6,))
+    took = outcomes(monkeypatch, kept_reads)
+    dst = _poisoned(src)
+    res = kv.async_mget_h2d(keys, dst).result(timeout=30)
+    assert took == [True]
+    assert [r is None for r in res] == [i != 6 for i in range(8)] and isinstance(res[6], kvstrata.KeyNotFound)
+    assert all(torch.equal(a, b) for i in range(8) if i != 6 for a, b in zip(src[i], dst[i]))
+
+
+def test_both_waits_for_each_part(monkeypatch):
+    done = []
+
+    class Ev:
+        def __init__(self, name, ready=True):
+            self.name, self.ready = name, ready
+
+        def synchronize(self):
+            done.append(self.name)
+
+        def query(self):
+            return self.ready
+
+    a, b = Ev("a"), Ev("b", ready=False)
+    assert device.both(None, None) is None and device.both(a, None) is a and device.both(None, b) is b
+    pair = device.both(a, b)
+    assert pair.query() is False
+    pair.synchronize()
+    assert done == ["a", "b"]
 
 
 def test_entries_if_all_is_all_or_nothing_and_leaves_a_stale_entry_for_the_slow_path(kv, worker):

@@ -1,9 +1,9 @@
-"""Where a device call's time goes beyond its DMA (GPU machine, real worker): a kept ``mget_h2d`` and a fresh
-``mset_d2h`` of 64 x 1 MiB, each call split into the host's time to its first copy batch, to its last batch,
-the copy stream's span from its first batch to its last byte (CUDA events: one recorded before the first
-batch, one beside each of the call's marks), and the call's
-return. Medians over ``--calls`` calls, beside one 64 MiB copy (the ceiling) and the host's loop speed
-(``python_loop_us``) before and after.
+"""Where a device call's time goes beyond its DMA (GPU machine, real worker): a kept ``mget_h2d``, one right after
+this client rewrote its keys (cold: the placement table's one pass) and a fresh ``mset_d2h`` of 64 x 1 MiB, each
+after a one-key request as in bench store. Each call is split into the host's time to its first copy batch, to its
+last batch, the copy stream's span from its first batch to its last byte (CUDA events: one recorded before the
+first batch, one beside each of the call's marks), and the call's return. Medians over ``--calls`` calls, beside
+one 64 MiB copy (the ceiling) and the host's loop speed (``python_loop_us``) before and after.
 
     PYTHONPATH=src python3 tools/probe_kept_split.py [--calls 100]
 """
@@ -68,10 +68,14 @@ def main() -> None:
                 assert kv.mset_d2h(keys, src) == [None] * N
                 kv.mget_h2d(keys, dst)
                 loops = [python_loop_us()]
-                rows: dict[str, list[tuple[float, ...]]] = {"mget_h2d kept": [], "mset_d2h": []}
+                rows: dict[str, list[tuple[float, ...]]] = {"mget_h2d kept": [], "mget_h2d cold": [], "mset_d2h": []}
                 for it in range(calls + 3):
                     for case, out in rows.items():
                         fresh = [f"kw/{it}/{i}" for i in range(N)]
+                        if case == "mget_h2d cold":  # rewritten by this client: the placement table's one pass
+                            kv.delete(keys)
+                            assert kv.mset_d2h(keys, src) == [None] * N
+                        kv.exists(keys[:1])  # a request just before the call, as in bench store
                         torch.cuda.synchronize()
                         batches.clear()
                         events.clear()

@@ -299,6 +299,26 @@ def mark(stream: Any) -> Any:
     return event
 
 
+def both(first: Any, second: Any) -> Any:
+    """An end event for the copies of two parts of one call (either None: the other alone). Each part started its
+    copy stream on its own first device, so the parts' streams may differ: the end is when both events are done."""
+    if first is None or second is None:
+        return second if first is None else first
+    return _BothEvents(first, second)
+
+
+class _BothEvents(NamedTuple):
+    first: Any
+    second: Any
+
+    def synchronize(self) -> None:
+        self.first.synchronize()
+        self.second.synchronize()
+
+    def query(self) -> bool:
+        return self.first.query() and self.second.query()
+
+
 def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head: int = BATCH_RUNS) -> bool:
     """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs): ``head`` runs first,
     then batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back to

@@ -96,7 +96,7 @@ class DeviceCallsMixin:
         the other. Without a pause (no keys, or an error before the copies) the first ``next`` ends it.
         ``chain``: an async call of the client's chain (:mod:`kvstrata.client.reservation`), which may carve on
         from the previous async call's carving before that call committed."""
-        keys = P.check_keys(keys)
+        keys = P.key_list(keys)  # each key is checked before its copies are queued (batch by batch where laid out)
         if not keys:
             _device.check_outer(0, tensor_lists)
             return []
@@ -165,6 +165,7 @@ class DeviceCallsMixin:
 
             def flush() -> None:
                 nonlocal runs, which, items, cut, pending
+                P.check_key_run(keys[which[0] : laid], "keys", which[0])  # none copied for a bad key
                 if runs.device:
                     self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
                 enqueue(runs, device, s, first=not marks)
@@ -202,6 +203,8 @@ class DeviceCallsMixin:
 
         try:
             laid = lay_out() if held else 0
+            if laid < n:
+                P.check_key_run(keys[laid:] if laid else keys, "keys", laid)
             # The rest of the call (keys that did not fit the reservation) is created by the worker, in stages: the
             # next stage's create in flight while this stage's copies are queued.
             for st in itertools.chain(_device.stages(n, tensor_lists, laid) if laid < n else (), [None]):
@@ -343,8 +346,8 @@ class DeviceCallsMixin:
           request once the first stage's copies are queued, answered while earlier bytes move, and a stage's
           placed keys copied before their leases come back.
 
-        A bad tensor raises when it is reached, after the copies already queued landed (the tensors of earlier keys
-        may then hold their data); a key that fails (missing, wrong size) may have had its tensors written.
+        A bad key or tensor raises when it is reached, after the copies already queued landed (the tensors of earlier
+        keys may then hold their data); a key that fails (missing, wrong size) may have had its tensors written.
         """
         results, event, held = self._mget_h2d_queue(keys, tensor_lists, timeout=timeout, stream=stream)
         try:
@@ -360,17 +363,38 @@ class DeviceCallsMixin:
     ) -> tuple[list[Result], Any, list[int]]:
         """:meth:`mget_h2d` up to its copies queued: ``(results, the copies' end event or None, the leases to
         release once it completed)``. On an error the queued copies are waited for and the leases released here."""
-        keys = P.check_keys(keys)
+        keys = P.key_list(keys)  # each key is checked as the call reaches it (the kept pass: part by part)
         timeout = P.check_timeout(timeout)
         if not keys:
             _device.check_outer(0, tensor_lists)
             return [], None, []
         backend = self._b()
-        one_pass = _kept_reads.queue(self, backend, keys, tensor_lists, stream)
-        if one_pass is None:
-            one_pass = _placed_reads.queue(self, backend, keys, tensor_lists, stream, timeout)
-        if one_pass is not None:
-            return one_pass  # every lease kept by this client, or the first key placed by the worker's table
+        kept = _kept_reads.queue(self, backend, keys, tensor_lists, stream)
+        if kept is None:
+            return self._mget_h2d_cold(backend, keys, tensor_lists, timeout, stream, 0)
+        results, event, held, done = kept
+        if done == len(keys):
+            return results, event, held  # every lease kept by this client
+        try:  # the keys from ``done`` on were not all kept
+            rest, later, more = self._mget_h2d_cold(backend, keys, tensor_lists, timeout, stream, done)
+        except BaseException:
+            if event is not None:
+                event.synchronize()  # the kept leases must outlive their copies
+            self._release_leases(held)
+            raise
+        rest[:done] = results[:done]
+        return rest, _device.both(event, later), held + more
+
+    def _mget_h2d_cold(
+        self, backend: Any, keys: list[str], tensor_lists: Any, timeout: float, stream: Any, start: int
+    ) -> tuple[list[Result], Any, list[int]]:
+        """Keys ``start`` on of :meth:`_mget_h2d_queue` (those before went another way; their slots of the results
+        are left None), whose leases are not all kept: in one pass where the worker's placement table places the
+        first of them (:mod:`kvstrata.client.placed_reads`), else in stages."""
+        placed = _placed_reads.queue(self, backend, keys, tensor_lists, stream, timeout, start)
+        if placed is not None:
+            return placed
+        P.check_key_run(keys[start:] if start else keys, "keys", start)
         n = len(keys)
         results: list[Result] = [None] * n
         leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back
@@ -381,7 +405,7 @@ class DeviceCallsMixin:
         hinted = backend.placement_hints([]) is not None  # the worker keeps a placement table
         placed: list[int] = [0] * n if hinted else []
         advice: list[Any] = [None] * n if hinted else []
-        advised = 0  # keys [0, advised) were looked up in the table
+        advised = start  # keys [start, advised) were looked up in the table
         kept: list[Any] = [None] * n if hinted else []  # the leases the local-read cache served (no early copy)
         early_stages: set[int] = set()  # the ``lo`` of stages with early copies
         held: list[int] = []
@@ -391,7 +415,7 @@ class DeviceCallsMixin:
         asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
         ready: collections.deque = collections.deque()  # checked stages whose copies are not queued yet
         confirm: list[Any] = []  # checked stages with early copies: their leases are read at the end
-        covered = 0  # keys [0, covered) have their leases asked for
+        covered = start  # keys [start, covered) have their leases asked for
         upfront = 0  # stages of keys < upfront wait for their answers at once (asked for at the start)
 
         def ask(lo: int, hi: int, *, send: bool = True, local: bool = True) -> None:
@@ -462,18 +486,18 @@ class DeviceCallsMixin:
             return len(ready) > 1 or prev.hi <= upfront
 
         try:
-            for st in itertools.chain(_device.stages(n, tensor_lists), [None]):
+            for st in itertools.chain(_device.stages(n, tensor_lists, start), [None]):
                 if st is not None:
                     if covered < st.hi:
                         # The first stage's request is only made ready here (what the local-read cache serves is
                         # known then) and sent after its early copies: nothing goes in front of its first bytes.
-                        ask(covered, st.hi, send=not (hinted and st.lo == 0))
+                        ask(covered, st.hi, send=not (hinted and st.lo == start))
                     cold = not answered(st.hi)  # the worker must be asked for some of this stage's leases
                     if cold and hinted:
                         copy_early(st)  # before any further request: nothing in front of these bytes
-                    if hinted and st.lo == 0:
+                    if hinted and st.lo == start:
                         send_asked()
-                    if st.lo == 0 and cold and not timeout and covered < n:
+                    if st.lo == start and cold and not timeout and covered < n:
                         # The worker is asked (keys not read before, or changed). This thread would only wait for
                         # the first answer: it asks now for the next keys too, up to 4x the first stage's (the
                         # worker reads that request right after its first reply, with no wake-up), and sets the
@@ -484,11 +508,11 @@ class DeviceCallsMixin:
                         # served the first stage, each stage asks as it comes (the cache likely serves it too, at
                         # no cost); so does a call that waits for missing keys, whose every request must carry
                         # what is left of its one timeout.
-                        ask(st.hi, min(n, max(8, 4 * st.hi)))
+                        ask(st.hi, min(n, start + max(8, 4 * (st.hi - start))))
                         if s is None and st.device is not None:
                             s = _device.start(st.device, stream)
                         upfront = covered  # their answers come first: nothing to do before them but wait
-                    elif st.lo and upfront and covered < n:
+                    elif st.lo > start and upfront and covered < n:
                         # The up-front requests are in flight or read: every key left in one more request, sent
                         # once this stage's copies (early ones) are queued and answered while bytes move (one
                         # request instead of one per stage: each costs this thread ~30-40 us to send and read, on

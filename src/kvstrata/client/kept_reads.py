@@ -6,10 +6,16 @@ local-read cache (:mod:`kvstrata.client.local_reads`) holds each key's lease and
 the copies; with no answer to wait for, its per-stage and per-key machinery (lease objects, stage lists, a plan
 and an enqueue per stage) was most of the host's work: ~4.8 us per key on the development machine, against ~0.8
 for the bare loop. Host-bound on the H200 host's slow vCPUs (0.78-0.87 of the DMA ceiling for 64 x 1 MiB, see
-bench/results/README.md, session 21), the call now takes every lease in one lookup, then checks, lays out and
+bench/results/README.md, session 21), the call now goes through its keys once: it checks, lays out and
 queues key after key, handing the copy engine a batch as soon as it holds :data:`FIRST_RUNS` runs (or 2 MiB),
 then batches twice as large up to ``device.BATCH_RUNS``: the first DMA starts after two keys' host work, and the
 host stays far ahead of the DMA (1 MiB is ~19 us of PCIe Gen5).
+
+The leases are taken in three chunks as the keys are reached (the first batch's keys, the next two batches', then
+the rest), not all before the first copy: the lookup of 64 keys cost ~20-40 us on the development machine, all of it
+in front of the first DMA (and each lookup ~4 us on its own, so not more chunks than that). A chunk that is not all
+kept ends the pass there: the keys before it are served, and the caller serves the rest another way (the placement
+table's one pass, or stages).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.client import device as _device
+from kvstrata.server import protocol as _protocol
 
 #: runs in the first batch: the DMA starts once this many keys are laid out
 FIRST_RUNS = 2
@@ -25,17 +32,23 @@ FIRST_RUNS = 2
 RUN_BYTES = 1 << 20
 
 
-def queue(client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Sequence[Any]], stream: Any) -> Any:
-    """``mget_h2d`` up to its copies queued, as ``DeviceCallsMixin._mget_h2d_queue`` returns it, ``(results, the
-    copies' end event or None, the leases to release once it completed)``, where ``backend`` kept every key's
-    lease; else None, having done nothing (the staged path then serves the call).
+def queue(
+    client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Sequence[Any]], stream: Any
+) -> tuple[list[Any], Any, list[int], int] | None:
+    """``mget_h2d`` of the keys whose leases this client kept, from the first, up to their copies queued (``keys``: a
+    list from ``protocol.key_list``, its entries checked here part by part as the pass reaches them):
+    ``(results, the copies' end event or None, the leases to release once it completed, done)``, where keys
+    ``[0, done)`` are served (``results`` has a slot for every key; those from ``done`` on are left to the caller).
+    None, having done nothing, where the first batch's keys are not all kept (the other paths then serve the call).
 
     A key whose tensors' bytes differ from its object's size gets a ValueError in its slot and no copy. A bad
     tensor raises after the copies already queued landed and the leases went back (the tensors of earlier keys
     may then hold their data), as in the staged path."""
     n = len(keys)
     _device.check_outer(n, tensor_lists)
-    got = backend.kept_leases(keys)
+    looked = min(n, FIRST_RUNS)  # leases taken for keys [0, looked)
+    check_keys = _protocol.check_key_run  # ``keys`` is a list not checked yet: each part as it is reached
+    got = backend.kept_leases(check_keys(keys[:looked]))
     if got is None:
         return None
     held, locs = got
@@ -46,9 +59,19 @@ def queue(client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Seq
     runs = _device.new_runs()
     cut = FIRST_RUNS
     pending = 0  # bytes laid out in ``runs``
+    done = n
     s = device = None
     try:
         for i in range(n):
+            if i == looked:  # the next chunk's leases: up to the third batch's keys, then all the rest
+                hi = n if looked > FIRST_RUNS else 4 * looked
+                more = backend.kept_leases(check_keys(keys[looked:hi], "keys", looked))
+                if more is None:
+                    done = i  # not all kept: the rest goes another way
+                    break
+                held += more[0]
+                locs += more[1]
+                looked = min(n, hi)
             pieces, total, dev = check(tensor_lists[i], i)
             loc = locs[i]
             if total != loc.size:
@@ -74,10 +97,11 @@ def queue(client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Seq
             ensure(bases, address, backend.segment_nbytes)
         _device.enqueue(runs, device, s, first=cut == FIRST_RUNS)
         event = _device.mark(s)
-        backend.settle()  # entries left for later and leases let go of, while the copies run
+        if done == n:
+            backend.settle()  # entries left for later and leases let go of, while the copies run
     except BaseException:
         if s is not None:
             s.synchronize()  # the leases must outlive every queued copy
         client._release_leases(held)
         raise
-    return results, event, held
+    return results, event, held, done

@@ -19,33 +19,42 @@ from typing import Any
 
 from kvstrata.client import device as _device
 from kvstrata.client import kept_reads as _kept_reads
+from kvstrata.server import protocol as _protocol
 
 #: the acquire request goes once this many batches are queued
 SEND_AFTER_BATCHES = 2
 
 
 def queue(
-    client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Sequence[Any]], stream: Any, timeout: float
+    client: Any,
+    backend: Any,
+    keys: list[str],
+    tensor_lists: Sequence[Sequence[Any]],
+    stream: Any,
+    timeout: float,
+    start: int = 0,
 ) -> Any:
-    """``mget_h2d`` up to its copies queued, as ``DeviceCallsMixin._mget_h2d_queue`` returns it, where the worker's
-    placement table places the call's first key (and it does not wait for missing keys: a waiting call asks stage
+    """``mget_h2d`` of keys ``start`` on (those before went another way: their slots of the results are left
+    None) up to its copies queued, as ``DeviceCallsMixin._mget_h2d_queue`` returns it, where the worker's
+    placement table places the first of them (and it does not wait for missing keys: a waiting call asks stage
     by stage within its timeout); else None, having done nothing (the staged path then serves the call).
 
     As the staged path: a key missing or whose tensors' bytes differ from its object's size gets its error in its
-    slot (its tensors may have been written by an early copy); a bad tensor raises after the copies already queued
-    landed and every lease taken went back."""
+    slot (its tensors may have been written by an early copy); a bad key or tensor raises after the copies already
+    queued landed and every lease taken went back."""
     n = len(keys)
-    if timeout or not n:
+    if timeout or start >= n:
         return None
     _device.check_outer(n, tensor_lists)
-    lookup = backend.placement_hints
-    hints = lookup(keys[: _kept_reads.FIRST_RUNS])
+    lookup, check_keys = backend.placement_hints, _protocol.check_key_run
+    # ``keys``: a list not checked yet (``protocol.key_list``): each chunk is checked before it is looked up, and
+    # every key left before the request goes.
+    hints = lookup(check_keys(keys[start : start + _kept_reads.FIRST_RUNS], "keys", start))
     if hints is None or hints[0] is None or hints[0][3] <= 0:
         return None  # likely none placed (no table, or keys not in memory): the staged path asks ahead
-    advised = len(hints)
-    # Every key asked for, none looked up in the local-read cache (the keys likely changed: their stale entries are
-    # replaced when the new leases are entered, off this path); sent once two batches are queued.
-    token = backend.acquire_start(keys, 0, cache="fit", carry=False, placements=True, send=False, local=False)
+    hints[:0] = [None] * start  # indexed by key
+    advised = checked_to = len(hints)  # keys [start, checked_to) were checked
+    token = None  # the acquire request, made once two batches are queued (nothing in front of the first copies)
     unread = False  # the request went and its answer was not read yet
     results: list[Any] = [None] * n
     held: list[int] = []
@@ -61,6 +70,16 @@ def queue(
     batches = 0
     s = device = None
     leases: list[Any] | None = None
+
+    def ask() -> Any:
+        """Every key's lease asked for (not sent yet), none looked up in the local-read cache: the keys likely
+        changed, and their stale entries are replaced when the new leases are entered, off this path."""
+        nonlocal checked_to
+        if checked_to < n:
+            check_keys(keys[checked_to:], "keys", checked_to)
+            checked_to = n
+        asked = keys[start:] if start else keys
+        return backend.acquire_start(asked, 0, cache="fit", carry=False, placements=True, send=False, local=False)
 
     def hand_over() -> None:
         nonlocal runs, pending, cut, batches
@@ -82,9 +101,12 @@ def queue(
             hand_over()
 
     try:
-        for i in range(n):
+        for i in range(start, n):
             if i == advised:
-                hints += lookup(keys[advised : advised + advised])
+                chunk = keys[advised : 2 * advised - start]
+                if advised >= checked_to:
+                    check_keys(chunk, "keys", advised)
+                hints += lookup(chunk)
                 advised = len(hints)
             pieces, total, dev = checked[i] = check(tensor_lists[i], i)
             if dev is not None and s is None:
@@ -93,17 +115,19 @@ def queue(
             if hint is not None and hint[2] == total and hint[3] > 0 and maps(hint[0], hint[1], total):
                 early[i] = hint
                 lay_out(pieces, hint[0], hint[1], total)
-                if batches == SEND_AFTER_BATCHES and not unread:
-                    token, unread = backend.acquire_send(token), True
+                if batches == SEND_AFTER_BATCHES and token is None:
+                    token, unread = backend.acquire_send(ask()), True
         if pending or runs.host:
             hand_over()
+        if token is None:
+            token = ask()
         unread = False  # out first: an answer is read once, even one that raises (the connection then ends)
-        leases = backend.acquire_finish(token)  # sent here where nothing did
-        placed = backend.acquire_placements(token) or [0] * n  # none: an older worker, every early copy redone
-        for i in range(n):
-            lease, leases[i] = leases[i], None  # counted in ``held`` or ``results`` from here on
+        leases = backend.acquire_finish(token)  # sent here where nothing did; indexed by key - start
+        placed = backend.acquire_placements(token) or [0] * (n - start)  # none: an older worker, all redone
+        for i in range(start, n):
+            lease, leases[i - start] = leases[i - start], None  # counted in ``held`` or ``results`` from here on
             pieces, total, _ = checked[i]
-            loc = copy_from(i, keys, lease, early.get(i), placed[i], total, results, held)
+            loc = copy_from(i, keys, lease, early.get(i), placed[i - start], total, results, held)
             if loc is not None:
                 lay_out(pieces, loc.segment, loc.offset, total)
         if pending or runs.host:
