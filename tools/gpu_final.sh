@@ -237,6 +237,7 @@
 #     code before them (ab_head), four times each, then every GPU test
 #   PART=s23a: every GPU test; tools/probe_kept_split.py (kept, cold, mset) and bench store's device rows, the
 #     kept pass's leases taken chunk by chunk (new) against main's code before (ab_head), A/B/B/A
+#   PART=s23b: as s23a on a9a939d (mset_d2h's keys checked per batch too), A/B/B/A/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -720,6 +721,14 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s23b ]; then
+  gpu_tests gpu_tests_s23b
+  for v in ab_head new new ab_head ab_head new; do
+    use "$v"; echo "=== tools/probe_kept_split.py ($v code)" >> "$LOG"
+    timeout 120 python3 tools/probe_kept_split.py --calls 60 >> "$LOG" 2>&1
+  done
+  use new
+  store_rows ab_head new new ab_head ab_head new
 elif [ "${PART}" = s23a ]; then
   gpu_tests gpu_tests_s23a
   for v in new ab_head ab_head new; do
