@@ -238,6 +238,7 @@
 #   PART=s23a: every GPU test; tools/probe_kept_split.py (kept, cold, mset) and bench store's device rows, the
 #     kept pass's leases taken chunk by chunk (new) against main's code before (ab_head), A/B/B/A
 #   PART=s23b: as s23a on a9a939d (mset_d2h's keys checked per batch too), A/B/B/A/A/B
+#   PART=s23c: tools/probe_kept_ab.py three times (kept-lease lookup schedules switched call by call)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -721,6 +722,11 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s23c ]; then
+  for r in 1 2 3; do
+    echo "=== tools/probe_kept_ab.py (round $r)" >> "$LOG"
+    timeout 150 python3 tools/probe_kept_ab.py --rounds 150 >> "$LOG" 2>&1
+  done
 elif [ "${PART}" = s23b ]; then
   gpu_tests gpu_tests_s23b
   for v in ab_head new new ab_head ab_head new; do

@@ -32,6 +32,14 @@ FIRST_RUNS = 2
 RUN_BYTES = 1 << 20
 
 
+def lookup_end(looked: int, n: int) -> int:
+    """Where the next chunk of a call's leases ends, ``looked`` of its ``n`` keys' taken so far: the first batch's
+    keys, then up to the third batch's, then the rest."""
+    if not looked:
+        return min(n, FIRST_RUNS)
+    return n if looked > FIRST_RUNS else min(n, 4 * looked)
+
+
 def queue(
     client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Sequence[Any]], stream: Any
 ) -> tuple[list[Any], Any, list[int], int] | None:
@@ -46,7 +54,7 @@ def queue(
     may then hold their data), as in the staged path."""
     n = len(keys)
     _device.check_outer(n, tensor_lists)
-    looked = min(n, FIRST_RUNS)  # leases taken for keys [0, looked)
+    looked = lookup_end(0, n)  # leases taken for keys [0, looked)
     check_keys = _protocol.check_key_run  # ``keys`` is a list not checked yet: each part as it is reached
     got = backend.kept_leases(check_keys(keys[:looked]))
     if got is None:
@@ -63,15 +71,15 @@ def queue(
     s = device = None
     try:
         for i in range(n):
-            if i == looked:  # the next chunk's leases: up to the third batch's keys, then all the rest
-                hi = n if looked > FIRST_RUNS else 4 * looked
+            if i == looked:  # the next chunk's leases
+                hi = lookup_end(looked, n)
                 more = backend.kept_leases(check_keys(keys[looked:hi], "keys", looked))
                 if more is None:
                     done = i  # not all kept: the rest goes another way
                     break
                 held += more[0]
                 locs += more[1]
-                looked = min(n, hi)
+                looked = hi
             pieces, total, dev = check(tensor_lists[i], i)
             loc = locs[i]
             if total != loc.size:
