@@ -65,15 +65,15 @@ def test_kept_leases_go_in_one_pass_with_no_request_and_exact_bytes(kv, worker, 
     assert kv._backend._holders == holders  # every hold the calls took went back
 
 
-def test_leases_are_taken_chunk_by_chunk_as_the_keys_are_reached(kv, monkeypatch):
-    keys, src = _written(kv, "chunks", 40)
+def test_every_lease_is_taken_in_one_lookup_before_the_first_copy(kv, monkeypatch):
+    keys, src = _written(kv, "one-lookup", 40)
     kv.mget_h2d(keys, _poisoned(src))
     backend = kv._backend
     sizes, real = [], backend.kept_leases
     monkeypatch.setattr(backend, "kept_leases", lambda ks: sizes.append(len(ks)) or real(ks))
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 40
-    assert sizes == [2, 6, 32]  # the first batch's keys before the first copy, the next two batches', the rest
+    assert sizes == [40]
     assert all(torch.equal(a, b) for x, y in zip(src, dst) for a, b in zip(x, y))
 
 
@@ -132,16 +132,18 @@ def test_a_bad_tensor_raises_and_gives_every_lease_back(kv, worker, monkeypatch,
         (7, TypeError, "must be a str"),
     ],
 )
-def test_a_bad_key_raises_when_reached_naming_it_and_every_lease_goes_back(kv, monkeypatch, bad, exc, match):
+def test_a_bad_key_raises_naming_it_before_anything_is_copied(kv, monkeypatch, bad, exc, match):
     keys, src = _written(kv, "bad-key", 20)
     kv.mget_h2d(keys, _poisoned(src))
     holders = dict(kv._backend._holders)
     took = outcomes(monkeypatch, kept_reads)
-    for at in (0, 1, 13):
+    for at in (0, 13):
+        dst = _poisoned(src)
         with pytest.raises(exc, match=rf"^keys\[{at}\]: {match}"):
-            kv.mget_h2d([*keys[:at], bad, *keys[at + 1 :]], _poisoned(src))
+            kv.mget_h2d([*keys[:at], bad, *keys[at + 1 :]], dst)
+        assert all(torch.equal(t, torch.full_like(t, 0xAB)) for ts in dst for t in ts)  # nothing copied
         assert kv._backend._holders == holders
-    assert took == ["raised"] * 3  # checked by the kept pass: key 13 after the copies of keys 0-5 were queued
+    assert took == []  # checked before any path is tried
     assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 20
 
 
@@ -154,12 +156,12 @@ def test_a_rewritten_key_ends_the_kept_pass_and_a_missing_first_key_skips_it(kv,
         new = [torch.full((1024,), 7, dtype=torch.uint8)]
         assert other.mset_d2h([keys[3]], [new]) == [None]
     dst = _poisoned(src)
-    assert kv.mget_h2d(keys, dst) == [None] * 5  # keys 0-1 kept, the chunk of keys 2-3 is not: 2-4 go cold
+    assert kv.mget_h2d(keys, dst) == [None] * 5  # keys 0-2 kept, key 3 is not: 3-4 go cold
     assert torch.equal(torch.cat(dst[3]), new[0])  # the new value, not the kept one
     assert all(torch.equal(a, b) for i in (0, 1, 2, 4) for a, b in zip(src[i], dst[i]))
-    kv.delete(keys[1])
+    kv.delete(keys[0])
     res = kv.mget_h2d(keys, _poisoned(src))
-    assert took == [True, False] and isinstance(res[1], kvstrata.KeyNotFound)
+    assert took == [True, False] and isinstance(res[0], kvstrata.KeyNotFound)
 
 
 def _kept_then_changed(kv, worker, prefix, n, *, rewrite=(), delete=()):
@@ -177,7 +179,7 @@ def _kept_then_changed(kv, worker, prefix, n, *, rewrite=(), delete=()):
 
 @pytest.mark.parametrize("cold", ["placed", "staged"])
 def test_keys_past_a_chunk_not_all_kept_go_the_cold_way_with_exact_per_key_results(kv, worker, monkeypatch, cold):
-    # Chunks of 2, 6, 6: key 9 rewritten ends the kept pass at key 8; key 12 is gone.
+    # Key 9 rewritten ends the kept pass there; key 12 is gone.
     keys, src = _kept_then_changed(kv, worker, f"part-{cold}", 14, rewrite=(9,), delete=(12,))
     backend = kv._backend
     holders = dict(backend._holders)
@@ -208,7 +210,7 @@ def test_a_bad_tensor_past_the_kept_keys_names_its_index_and_every_lease_goes_ba
     dst[7] = [torch.zeros(32, 32).t()]
     took = outcomes(monkeypatch, kept_reads)
     with pytest.raises(ValueError, match=r"^tensor_lists\[7\]\[0\]: tensor must be contiguous"):
-        kv.mget_h2d(keys, dst)  # keys 0-1 kept; the chunk of keys 2-7 holds the rewritten key 5
+        kv.mget_h2d(keys, dst)  # keys 0-4 kept; key 5 rewritten: 5-9 go cold
     assert took == [True]
     assert backend._holders == {k: v for k, v in holders.items() if k in backend._holders}
     assert kv.stats()["leases"] <= leases  # nothing held past the call (key 5's stale lease may be gone too)
@@ -266,18 +268,19 @@ def test_both_waits_for_each_part(monkeypatch):
     assert done == ["a", "b"]
 
 
-def test_entries_if_all_is_all_or_nothing_and_leaves_a_stale_entry_for_the_slow_path(kv, worker):
-    keys, src = _written(kv, "all-or-nothing", 4)
+def test_entries_prefix_stops_at_the_first_key_not_current_and_leaves_a_stale_entry_for_the_slow_path(kv, worker):
+    keys, src = _written(kv, "prefix", 4)
     kv.mget_h2d(keys, _poisoned(src))
     local = kv._backend._local
-    got = local.entries_if_all(keys)
-    assert got is not None and [e[1].size for e in got] == [1024] * 4
-    assert local.entries_if_all([*keys, "never-read"]) is None
+    got = local.entries_prefix(keys)
+    assert [e[1].size for e in got] == [1024] * 4
+    assert len(local.entries_prefix([*keys[:2], "never-read", *keys[2:]])) == 2
+    assert local.entries_prefix(["never-read", *keys]) == []
     with kvstrata.connect(worker.address) as other:
-        other.delete(keys[0])
-    assert local.entries_if_all(keys) is None
-    assert keys[0] in local._entries  # still there: dropped (its lease given back) by the staged path's lookup
-    assert local.entries(keys)[0] is None and keys[0] not in local._entries
+        other.delete(keys[2])
+    assert len(local.entries_prefix(keys)) == 2
+    assert keys[2] in local._entries  # still there: dropped (its lease given back) by the staged path's lookup
+    assert local.entries(keys)[2] is None and keys[2] not in local._entries
 
 
 def test_the_embedded_client_never_keeps_leases(tmp_path):

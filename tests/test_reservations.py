@@ -431,30 +431,6 @@ def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(k
     kv.delete([*keys, "rv-bad/warm"])
 
 
-@pytest.mark.parametrize("bad_at", [0, 1, 3])
-def test_a_bad_key_mid_call_is_named_leaves_nothing_visible_and_the_next_call_carves(kv, monkeypatch, bad_at):
-    # Keys 0-1 fit the reservation (each checked before its batch's copies are queued); keys 2-3 do not (checked
-    # before the worker is asked to create them).
-    copies_pending(monkeypatch)
-    kv.mset_d2h(["rv-bad-key/warm"], _lists(1))  # asks for a reservation
-    kv.mset_d2h(["rv-bad-key/warm2"], _lists(1))  # takes it
-    reserved = kv.stats()["reserved_bytes"]
-    size = kv._reservation.remaining // 3 + 1
-    keys = [f"rv-bad-key/{i}" for i in range(4)]
-    kv.delete(keys)
-    calls = _count_calls(monkeypatch, kv._backend)
-    src = [[torch.full((size,), i, dtype=torch.uint8)] for i in range(4)]
-    with pytest.raises(ValueError, match=rf"^keys\[{bad_at}\]: must not be empty"):
-        kv.mset_d2h([*keys[:bad_at], "", *keys[bad_at + 1 :]], src)
-    assert "mcreate" not in calls and "commit" not in calls  # nothing asked of the worker for the call's keys
-    assert kv.exists(keys) == [False] * 4 and kv.stats()["reserved_bytes"] == reserved
-    assert kv.mset_d2h(keys, src) == [None] * 4  # the client and its reservation go on
-    dst = _poisoned(src)
-    assert kv.mget_h2d(keys, dst) == [None] * 4
-    assert all(torch.equal(s[0], d[0]) for s, d in zip(src, dst))
-    kv.delete([*keys, "rv-bad-key/warm", "rv-bad-key/warm2"])
-
-
 def test_a_failed_copy_in_a_reserved_stage_leaves_nothing_behind(kv, monkeypatch):
     keys = ["rv-fail/a", "rv-fail/b"]
     kv.delete(keys)

@@ -238,7 +238,8 @@
 #   PART=s23a: every GPU test; tools/probe_kept_split.py (kept, cold, mset) and bench store's device rows, the
 #     kept pass's leases taken chunk by chunk (new) against main's code before (ab_head), A/B/B/A
 #   PART=s23b: as s23a on a9a939d (mset_d2h's keys checked per batch too), A/B/B/A/A/B
-#   PART=s23c: tools/probe_kept_ab.py three times (kept-lease lookup schedules switched call by call)
+#   PART=s23c: tools/probe_kept_ab.py three times (kept-lease lookup schedules switched call by call; the tool is in
+#     commit 0d17281, removed with the schedules after this call)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).

@@ -74,7 +74,7 @@ def main() -> None:
     _wrap(device_calls.DeviceCallsMixin, "_mget_h2d_queue")
     if kept_reads is not None:  # session 22 on: kept leases in one pass
         _wrap(remote.RemoteBackend, "kept_leases")
-        _wrap(local_reads.LocalReads, "entries_if_all")
+        _wrap(local_reads.LocalReads, "entries_prefix")
     if hasattr(copy_engine, "stream_wait"):
         _wrap(copy_engine, "stream_wait")
     _wrap(Client, "_release_leases")

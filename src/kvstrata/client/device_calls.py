@@ -96,7 +96,7 @@ class DeviceCallsMixin:
         the other. Without a pause (no keys, or an error before the copies) the first ``next`` ends it.
         ``chain``: an async call of the client's chain (:mod:`kvstrata.client.reservation`), which may carve on
         from the previous async call's carving before that call committed."""
-        keys = P.key_list(keys)  # each key is checked before its copies are queued (batch by batch where laid out)
+        keys = P.check_keys(keys)
         if not keys:
             _device.check_outer(0, tensor_lists)
             return []
@@ -165,7 +165,6 @@ class DeviceCallsMixin:
 
             def flush() -> None:
                 nonlocal runs, which, items, cut, pending
-                P.check_key_run(keys[which[0] : laid], "keys", which[0])  # none copied for a bad key
                 if runs.device:
                     self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
                 enqueue(runs, device, s, first=not marks)
@@ -203,8 +202,6 @@ class DeviceCallsMixin:
 
         try:
             laid = lay_out() if held else 0
-            if laid < n:
-                P.check_key_run(keys[laid:] if laid else keys, "keys", laid)
             # The rest of the call (keys that did not fit the reservation) is created by the worker, in stages: the
             # next stage's create in flight while this stage's copies are queued.
             for st in itertools.chain(_device.stages(n, tensor_lists, laid) if laid < n else (), [None]):
@@ -346,8 +343,8 @@ class DeviceCallsMixin:
           request once the first stage's copies are queued, answered while earlier bytes move, and a stage's
           placed keys copied before their leases come back.
 
-        A bad key or tensor raises when it is reached, after the copies already queued landed (the tensors of earlier
-        keys may then hold their data); a key that fails (missing, wrong size) may have had its tensors written.
+        A bad tensor raises when it is reached, after the copies already queued landed (the tensors of earlier keys
+        may then hold their data); a key that fails (missing, wrong size) may have had its tensors written.
         """
         results, event, held = self._mget_h2d_queue(keys, tensor_lists, timeout=timeout, stream=stream)
         try:
@@ -363,7 +360,7 @@ class DeviceCallsMixin:
     ) -> tuple[list[Result], Any, list[int]]:
         """:meth:`mget_h2d` up to its copies queued: ``(results, the copies' end event or None, the leases to
         release once it completed)``. On an error the queued copies are waited for and the leases released here."""
-        keys = P.key_list(keys)  # each key is checked as the call reaches it (the kept pass: part by part)
+        keys = P.check_keys(keys)
         timeout = P.check_timeout(timeout)
         if not keys:
             _device.check_outer(0, tensor_lists)
@@ -394,7 +391,6 @@ class DeviceCallsMixin:
         placed = _placed_reads.queue(self, backend, keys, tensor_lists, stream, timeout, start)
         if placed is not None:
             return placed
-        P.check_key_run(keys[start:] if start else keys, "keys", start)
         n = len(keys)
         results: list[Result] = [None] * n
         leases: list[Any] = [None] * n  # each key's lease (or its error), as the acquires come back

@@ -1,4 +1,4 @@
-"""``mget_h2d`` of keys whose every lease this client kept: the whole call in one pass, no stages.
+"""``mget_h2d`` of keys whose leases this client kept: in one pass, no stages.
 
 A repeated read of unchanged keys (a KV-cache prefix reloaded, weights paged back in) needs no round trip: the
 local-read cache (:mod:`kvstrata.client.local_reads`) holds each key's lease and location. The staged path
@@ -11,11 +11,12 @@ queues key after key, handing the copy engine a batch as soon as it holds :data:
 then batches twice as large up to ``device.BATCH_RUNS``: the first DMA starts after two keys' host work, and the
 host stays far ahead of the DMA (1 MiB is ~19 us of PCIe Gen5).
 
-The leases are taken in three chunks as the keys are reached (the first batch's keys, the next two batches', then
-the rest), not all before the first copy: the lookup of 64 keys cost ~20-40 us on the development machine, all of it
-in front of the first DMA (and each lookup ~4 us on its own, so not more chunks than that). A chunk that is not all
-kept ends the pass there: the keys before it are served, and the caller serves the rest another way (the placement
-table's one pass, or stages).
+The leases are taken in one lookup before the first copy, for the longest run of keys from the first that the
+cache keeps current: those keys are served here and the caller serves the rest another way (the placement table's
+one pass, or stages), so one key rewritten late in a call costs the keys after it, not the whole call. (Taking the
+leases chunk by chunk as the keys are reached, to start the first copy ~30 us sooner, gained nothing: on the H200
+host's slowed vCPUs, where the host bounds the call, the copy engine then waited as long for the later batches.
+``tools/probe_kept_ab.py`` at commit 0d17281, session 23.)
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.client import device as _device
-from kvstrata.server import protocol as _protocol
 
 #: runs in the first batch: the DMA starts once this many keys are laid out
 FIRST_RUNS = 2
@@ -32,34 +32,24 @@ FIRST_RUNS = 2
 RUN_BYTES = 1 << 20
 
 
-def lookup_end(looked: int, n: int) -> int:
-    """Where the next chunk of a call's leases ends, ``looked`` of its ``n`` keys' taken so far: the first batch's
-    keys, then up to the third batch's, then the rest."""
-    if not looked:
-        return min(n, FIRST_RUNS)
-    return n if looked > FIRST_RUNS else min(n, 4 * looked)
-
-
 def queue(
     client: Any, backend: Any, keys: list[str], tensor_lists: Sequence[Sequence[Any]], stream: Any
 ) -> tuple[list[Any], Any, list[int], int] | None:
-    """``mget_h2d`` of the keys whose leases this client kept, from the first, up to their copies queued (``keys``: a
-    list from ``protocol.key_list``, its entries checked here part by part as the pass reaches them):
+    """``mget_h2d`` of the keys whose leases this client kept, from the first, up to their copies queued:
     ``(results, the copies' end event or None, the leases to release once it completed, done)``, where keys
     ``[0, done)`` are served (``results`` has a slot for every key; those from ``done`` on are left to the caller).
-    None, having done nothing, where the first batch's keys are not all kept (the other paths then serve the call).
+    None, having done nothing, where the first key's lease is not kept (the other paths then serve the call).
 
     A key whose tensors' bytes differ from its object's size gets a ValueError in its slot and no copy. A bad
     tensor raises after the copies already queued landed and the leases went back (the tensors of earlier keys
     may then hold their data), as in the staged path."""
     n = len(keys)
     _device.check_outer(n, tensor_lists)
-    looked = lookup_end(0, n)  # leases taken for keys [0, looked)
-    check_keys = _protocol.check_key_run  # ``keys`` is a list not checked yet: each part as it is reached
-    got = backend.kept_leases(check_keys(keys[:looked]))
+    got = backend.kept_leases(keys)
     if got is None:
         return None
     held, locs = got
+    done = len(locs)  # keys [0, done) kept
     results: list[Any] = [None] * n
     check, plan = _device.check_key, _device.plan
     address, ensure = backend.segment_address, client._registrations.ensure
@@ -67,19 +57,9 @@ def queue(
     runs = _device.new_runs()
     cut = FIRST_RUNS
     pending = 0  # bytes laid out in ``runs``
-    done = n
     s = device = None
     try:
-        for i in range(n):
-            if i == looked:  # the next chunk's leases
-                hi = lookup_end(looked, n)
-                more = backend.kept_leases(check_keys(keys[looked:hi], "keys", looked))
-                if more is None:
-                    done = i  # not all kept: the rest goes another way
-                    break
-                held += more[0]
-                locs += more[1]
-                looked = hi
+        for i in range(done):
             pieces, total, dev = check(tensor_lists[i], i)
             loc = locs[i]
             if total != loc.size:

@@ -131,25 +131,24 @@ class LocalReads:
         self.hits += len(out) - out.count(None)
         return out
 
-    def entries_if_all(self, keys: list[str]) -> list[list] | None:
-        """Every key's entry where each one is current, else None, found at the first key that is not (changed
-        nothing then: a stale entry is left for :meth:`entries`, which the caller's slower path uses). One pass
-        for a device call whose every lease this client kept; a cold call pays for one lookup."""
+    def entries_prefix(self, keys: list[str]) -> list[list]:
+        """The entries of the longest run of keys from the first whose entries are all current (empty where the first
+        key's is not), found in one pass that stops at the first key without a current entry (changing nothing for
+        it or later keys: a stale entry is left for :meth:`entries`, which the caller's slower path uses). For a
+        device call that serves those keys in one pass and the rest another way; a cold call pays for one lookup."""
         entries = self._entries
         if not entries:
-            return None
+            return []
         gen = self._gen.value  # before any count is read
         get, slots = entries.get, self._slots
         out = list(map(get, keys))
-        for entry in out:
-            if entry is None:
-                return None
-            if entry[_SEEN] != gen:
-                if slots[entry[_SLOT]] != entry[_COUNT]:  # _current, inline
-                    return None
-                entry[_SEEN] = gen
+        for i, entry in enumerate(out):
+            if entry is None or (entry[_SEEN] != gen and slots[entry[_SLOT]] != entry[_COUNT]):  # _current, inline
+                del out[i:]
+                break
+            entry[_SEEN] = gen
         touch = entries.move_to_end
-        for key in keys:
+        for key in keys[: len(out)] if len(out) < len(keys) else keys:
             touch(key)
         self.hits += len(out)
         return out

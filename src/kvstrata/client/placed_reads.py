@@ -19,7 +19,6 @@ from typing import Any
 
 from kvstrata.client import device as _device
 from kvstrata.client import kept_reads as _kept_reads
-from kvstrata.server import protocol as _protocol
 
 #: the acquire request goes once this many batches are queued
 SEND_AFTER_BATCHES = 2
@@ -40,21 +39,22 @@ def queue(
     by stage within its timeout); else None, having done nothing (the staged path then serves the call).
 
     As the staged path: a key missing or whose tensors' bytes differ from its object's size gets its error in its
-    slot (its tensors may have been written by an early copy); a bad key or tensor raises after the copies already
-    queued landed and every lease taken went back."""
+    slot (its tensors may have been written by an early copy); a bad tensor raises after the copies already queued
+    landed and every lease taken went back."""
     n = len(keys)
     if timeout or start >= n:
         return None
     _device.check_outer(n, tensor_lists)
-    lookup, check_keys = backend.placement_hints, _protocol.check_key_run
-    # ``keys``: a list not checked yet (``protocol.key_list``): each chunk is checked before it is looked up, and
-    # every key left before the request goes.
-    hints = lookup(check_keys(keys[start : start + _kept_reads.FIRST_RUNS], "keys", start))
+    lookup = backend.placement_hints
+    hints = lookup(keys[start : start + _kept_reads.FIRST_RUNS])
     if hints is None or hints[0] is None or hints[0][3] <= 0:
         return None  # likely none placed (no table, or keys not in memory): the staged path asks ahead
     hints[:0] = [None] * start  # indexed by key
-    advised = checked_to = len(hints)  # keys [start, checked_to) were checked
-    token = None  # the acquire request, made once two batches are queued (nothing in front of the first copies)
+    advised = len(hints)
+    # Every key asked for, none looked up in the local-read cache (the keys likely changed: their stale entries are
+    # replaced when the new leases are entered, off this path); sent once two batches are queued.
+    asked = keys[start:] if start else keys
+    token = backend.acquire_start(asked, 0, cache="fit", carry=False, placements=True, send=False, local=False)
     unread = False  # the request went and its answer was not read yet
     results: list[Any] = [None] * n
     held: list[int] = []
@@ -70,16 +70,6 @@ def queue(
     batches = 0
     s = device = None
     leases: list[Any] | None = None
-
-    def ask() -> Any:
-        """Every key's lease asked for (not sent yet), none looked up in the local-read cache: the keys likely
-        changed, and their stale entries are replaced when the new leases are entered, off this path."""
-        nonlocal checked_to
-        if checked_to < n:
-            check_keys(keys[checked_to:], "keys", checked_to)
-            checked_to = n
-        asked = keys[start:] if start else keys
-        return backend.acquire_start(asked, 0, cache="fit", carry=False, placements=True, send=False, local=False)
 
     def hand_over() -> None:
         nonlocal runs, pending, cut, batches
@@ -103,10 +93,7 @@ def queue(
     try:
         for i in range(start, n):
             if i == advised:
-                chunk = keys[advised : 2 * advised - start]
-                if advised >= checked_to:
-                    check_keys(chunk, "keys", advised)
-                hints += lookup(chunk)
+                hints += lookup(keys[advised : 2 * advised - start])
                 advised = len(hints)
             pieces, total, dev = checked[i] = check(tensor_lists[i], i)
             if dev is not None and s is None:
@@ -115,12 +102,10 @@ def queue(
             if hint is not None and hint[2] == total and hint[3] > 0 and maps(hint[0], hint[1], total):
                 early[i] = hint
                 lay_out(pieces, hint[0], hint[1], total)
-                if batches == SEND_AFTER_BATCHES and token is None:
-                    token, unread = backend.acquire_send(ask()), True
+                if batches == SEND_AFTER_BATCHES and not unread:
+                    token, unread = backend.acquire_send(token), True
         if pending or runs.host:
             hand_over()
-        if token is None:
-            token = ask()
         unread = False  # out first: an answer is read once, even one that raises (the connection then ends)
         leases = backend.acquire_finish(token)  # sent here where nothing did; indexed by key - start
         placed = backend.acquire_placements(token) or [0] * (n - start)  # none: an older worker, all redone

@@ -272,18 +272,19 @@ class RemoteBackend(WorkerConnection):
         return keys, out, missing, sent, generation, cache, placed
 
     def kept_leases(self, keys: list[str]) -> tuple[list[int], list[Loc]] | None:
-        """Every key's lease from the local-read cache, held for the caller (give them back with :meth:`release`),
-        as ``(lease ids, locations)``; None, holding nothing, where any key's is not kept and current (the caller
-        then takes :meth:`acquire_start`'s way). No round trip, no lease objects: the whole call's leases in one
-        pass, for a device call that plans and queues every key in one pass too."""
+        """The leases the local-read cache keeps current for the longest run of ``keys`` from the first, held for the
+        caller (give them back with :meth:`release`), as ``(lease ids, locations)``; None, holding nothing, where the
+        first key's is not kept and current (the caller then takes :meth:`acquire_start`'s way for all). No round
+        trip, no lease objects: the leases in one pass, for a device call that plans and queues those keys in one
+        pass too, and the rest of the keys another way."""
         local = self._local
         if local is None:
             return None
         with self._lock:
             if self._closed or self._pid != PID[0]:
                 return None
-            got = local.entries_if_all(keys)
-            if got is None or not self._worker_there():
+            got = local.entries_prefix(keys)
+            if not got or not self._worker_there():
                 return None
             ids = [entry[0] for entry in got]
             holders = self._holders

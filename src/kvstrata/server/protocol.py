@@ -81,30 +81,18 @@ def check_key(key: Any, name: str = "key") -> str:
 
 def check_keys(keys: Any, name: str = "keys") -> list[str]:
     """A list of valid keys (a single str is one key) of at most MAX_BATCH entries."""
-    return check_key_run(key_list(keys, name), name)
-
-
-def key_list(keys: Any, name: str = "keys") -> list:
-    """``keys`` as a list (a single str is one key) of at most MAX_BATCH entries, the entries not checked yet: a call
-    that goes through its keys part by part checks each part with :func:`check_key_run` as it reaches it."""
     if isinstance(keys, str):
-        return [keys]
+        keys = [keys]
     try:
         keys = list(keys)
     except TypeError:
         raise TypeError(f"{name}: expected a str or an iterable of str, got {type(keys).__name__}") from None
     if len(keys) > MAX_BATCH:
         raise ValueError(f"{name}: {len(keys)} keys, over the {MAX_BATCH} per call limit")
-    return keys
-
-
-def check_key_run(keys: list, name: str = "keys", start: int = 0) -> list[str]:
-    """``keys``, a list (of :func:`key_list`, or a part of one that begins at index ``start``), each entry a valid
-    key, or ValueError/TypeError naming the first bad one as ``name[i]``."""
     short = MAX_KEY_BYTES // 4  # no code point takes more than 4 bytes: a key this short cannot be too long
     if not keys or (_STR.issuperset(map(type, keys)) and min(map(len, keys)) > 0 and max(map(len, keys)) <= short):
         return keys  # the common case, checked with C loops
-    for i, key in enumerate(keys, start):
+    for i, key in enumerate(keys):
         if type(key) is not str or not key or len(key) > short:  # the common case costs no call, no name
             check_key(key, f"{name}[{i}]")
     return keys
