@@ -240,6 +240,8 @@
 #   PART=s23b: as s23a on a9a939d (mset_d2h's keys checked per batch too), A/B/B/A/A/B
 #   PART=s23c: tools/probe_kept_ab.py three times (kept-lease lookup schedules switched call by call; the tool is in
 #     commit 0d17281, removed with the schedules after this call)
+#   PART=s23d: every GPU test; tools/probe_batch_growth.py three times (batch growths switched call by call);
+#     bench store's device rows twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -723,6 +725,13 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s23d ]; then
+  gpu_tests gpu_tests_s23d
+  for r in 1 2 3; do
+    echo "=== tools/probe_batch_growth.py (round $r)" >> "$LOG"
+    timeout 150 python3 tools/probe_batch_growth.py --rounds 60 >> "$LOG" 2>&1
+  done
+  store_rows new new
 elif [ "${PART}" = s23c ]; then
   for r in 1 2 3; do
     echo "=== tools/probe_kept_ab.py (round $r)" >> "$LOG"

@@ -77,7 +77,7 @@ def queue(
             ensure(bases, address, backend.segment_nbytes)  # registered with CUDA before their first copy
         _device.enqueue(runs, device, s, first=not batches)
         runs, pending, batches = _device.new_runs(), 0, batches + 1
-        cut = min(2 * cut, _device.BATCH_RUNS)
+        cut = _kept_reads.next_cut(cut)
 
     def lay_out(pieces: list[tuple], seg: int, offset: int, total: int) -> None:
         nonlocal pending
