@@ -285,6 +285,9 @@ def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
         # showed only in part by the time the read looked them up; test_cuda_cold_read_copies_early_... has them)
         monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: [None] * len(ks))
     assert kv.mset_d2h(keys, src) == [None] * 64
+    # Shown (the landing word read: every lease the first read takes is one the local-read cache keeps), so the
+    # second and third reads are kept whole, not a kept part and a staged rest.
+    assert kv.exists(keys) == [True] * 64
     out = torch.full_like(flat, 7)
     dst = [[out[i * 70016 : (i + 1) * 70016]] for i in range(64)]
     for _ in range(3):

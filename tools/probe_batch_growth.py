@@ -28,8 +28,8 @@ from kvstrata.ops import copy_engine
 N, SIZE = 64, 1 << 20
 
 GROWTHS = {
-    "by half (main)": kept_reads.next_cut,
-    "doubling": lambda cut: min(2 * cut, device.BATCH_RUNS),
+    "doubling (main)": kept_reads.next_cut,
+    "by half": lambda cut: min(cut + (cut + 1) // 2, device.BATCH_RUNS),
     "by a third": lambda cut: min(cut + (cut + 2) // 3, device.BATCH_RUNS),
 }
 CASES = ("mget_h2d kept", "mget_h2d cold", "mset_d2h")

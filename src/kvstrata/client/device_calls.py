@@ -147,8 +147,8 @@ class DeviceCallsMixin:
 
         def lay_out() -> int:
             """Lay the call's keys out in the reservation one after another from the first, queuing their copies
-            as batches fill (as :mod:`kvstrata.client.kept_reads` does: two runs, then half as many again each time
-            up to ``device.BATCH_RUNS``), with a mark per batch; no stages, no request. Ends at the first key that does
+            as batches fill (as :mod:`kvstrata.client.kept_reads` does: two runs, then twice as many up to
+            ``device.BATCH_RUNS``), with a mark per batch; no stages, no request. Ends at the first key that does
             not fit (the worker creates the rest). Returns how many keys were laid out."""
             nonlocal s, call_bytes, carved_to
             if not resv.end:

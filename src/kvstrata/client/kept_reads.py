@@ -8,8 +8,8 @@ and an enqueue per stage) was most of the host's work: ~4.8 us per key on the de
 for the bare loop. Host-bound on the H200 host's slow vCPUs (0.78-0.87 of the DMA ceiling for 64 x 1 MiB, see
 bench/results/README.md, session 21), the call now goes through its keys once: it checks, lays out and
 queues key after key, handing the copy engine a batch as soon as it holds :data:`FIRST_RUNS` runs (or 2 MiB),
-then batches half as large again each time (:func:`next_cut`) up to ``device.BATCH_RUNS``: the first DMA starts
-after two keys' host work, and the host stays ahead of the DMA (1 MiB is ~19 us of PCIe Gen5).
+then batches twice as large (:func:`next_cut`) up to ``device.BATCH_RUNS``: the first DMA starts after two keys'
+host work, and the host stays ahead of the DMA (1 MiB is ~19 us of PCIe Gen5).
 
 The leases are taken in one lookup before the first copy, for the longest run of keys from the first that the
 cache keeps current: those keys are served here and the caller serves the rest another way (the placement table's
@@ -33,15 +33,13 @@ RUN_BYTES = 1 << 20
 
 
 def next_cut(cut: int) -> int:
-    """Runs in the batch after one of ``cut``: half as many again (2, 3, 5, 8, 12, 16), up to ``device.BATCH_RUNS``.
+    """Runs in the batch after one of ``cut``: twice as many (2, 4, 8, 16), up to ``device.BATCH_RUNS``.
 
-    Each batch costs the host a fixed part (the driver's batch call, its Python around it: ~10-25 us on the H200
-    host) besides its keys' own work, and must be ready before the copy engine ends the batches queued before it.
-    On a slowed vCPU (a key's host work ~9 us against its 19 us of DMA) doubling the batches left the copy engine
-    waiting in the first few (the host's part of a batch of 2b keys outlasts the DMA of b keys until b outgrows the
-    fixed part); growing by half keeps the host ahead from the first batch on, and costs a full-speed vCPU nothing
-    (a simple model of both in session 23's results; measured there call by call against doubling)."""
-    return min(cut + (cut + 1) // 2, _device.BATCH_RUNS)
+    Each batch costs the host a fixed part (the driver's batch call, the Python around it) besides its keys' own
+    work, and must be ready before the copy engine ends the batches queued before it. Growing by half (2, 3, 5, 8,
+    12, 16), which a simple model of a slowed vCPU favoured, or by a third, measured no faster call by call on the
+    H200 host, slowed or not (``tools/probe_batch_growth.py``, session 23): doubling stays."""
+    return min(2 * cut, _device.BATCH_RUNS)
 
 
 def queue(
