@@ -242,6 +242,8 @@
 #     commit 0d17281, removed with the schedules after this call)
 #   PART=s23d: every GPU test; tools/probe_batch_growth.py three times (batch growths switched call by call);
 #     bench store's device rows twice
+#   PART=s23e: every GPU test; tools/probe_kept_tail.py twice (the wait for a kept read's copies, three ways call by
+#     call); tools/probe_kept_split.py; bench store's device rows twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -725,6 +727,15 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s23e ]; then
+  gpu_tests gpu_tests_s23e
+  for r in 1 2; do
+    echo "=== tools/probe_kept_tail.py (round $r)" >> "$LOG"
+    timeout 120 python3 tools/probe_kept_tail.py --rounds 120 >> "$LOG" 2>&1
+  done
+  echo "=== tools/probe_kept_split.py" >> "$LOG"
+  timeout 120 python3 tools/probe_kept_split.py --calls 60 >> "$LOG" 2>&1
+  store_rows new new
 elif [ "${PART}" = s23d ]; then
   gpu_tests gpu_tests_s23d
   for r in 1 2 3; do
