@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import batches_of, copies_pending, stages_of
+from _stages import batches_of, copies_pending, outcomes, stages_of
 from kv_helpers import client_for, worker_config
-from kvstrata.client import device
+from kvstrata.client import device, kept_reads
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
 from kvstrata.server import Worker
 
@@ -263,7 +263,14 @@ def test_registration_is_tried_once_per_segment(kv, monkeypatch):
 
 # ------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
+@pytest.mark.parametrize("cache", ["whole", "part"])
+def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch, cache):
+    # 64 x 70,016 bytes is 4.3 MiB, past the local-read cache's 4 MiB (a sixteenth of the worker's memory): it keeps
+    # 59 keys' leases, so each later read is a kept part and a staged rest ("part"), or, with a budget raised for
+    # the test, kept whole ("whole").
+    if cache == "whole" and not kv.embedded:
+        monkeypatch.setattr(kv._backend._local, "max_bytes", 8 << 20)
+    took = outcomes(monkeypatch, kept_reads)
     keys = [f"gpu-rt/{i}" for i in range(64)]
     kv.delete(keys)
     flat = torch.randint(0, 255, (64 * 70016,), dtype=torch.uint8, device="cuda")
@@ -297,10 +304,15 @@ def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch):
         assert torch.equal(out, flat)
     assert len(registered) == len(set(registered))  # each segment once, not per call
     per_call = len(list(device.stages(64, src)))  # each stage's adjacent keys merge into one run, one batch
-    # Through a worker the second and third reads are kept (one pass: kvstrata.client.kept_reads), their merged
-    # runs cut by bytes: 2 MiB, then 4, 8, 16 (64 x 70,016 bytes = 4.3 MiB: two batches).
-    kept = 0 if kv.embedded else 2
-    assert len(batches) == (4 - kept) * per_call + 2 * kept and all(n < 64 for n in batches)
+    if kv.embedded:
+        assert len(batches) == 4 * per_call and took == [False] * 3 and all(n < 64 for n in batches)
+    elif cache == "whole":
+        # The second and third reads are kept (one pass: kvstrata.client.kept_reads), their merged runs cut by
+        # bytes: 2 MiB, then 4, 8, 16 (4.3 MiB: two batches).
+        assert took == [False, True, True]
+        assert len(batches) == 2 * per_call + 2 * 2 and all(n < 64 for n in batches)
+    else:
+        assert took == [False, True, True]  # served in part, the rest staged: the bytes checked above
     assert kv.get(keys[5]) == flat[5 * 70016 : 6 * 70016].cpu().numpy().tobytes()
     kv.delete(keys)
 
