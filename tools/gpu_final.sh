@@ -244,6 +244,8 @@
 #     bench store's device rows twice
 #   PART=s23e: every GPU test; tools/probe_kept_tail.py twice (the wait for a kept read's copies, three ways call by
 #     call); tools/probe_kept_split.py; bench store's device rows twice
+#   PART=s23f: the session's closing call: every GPU test; bench store's device rows (new, ab_head, new);
+#     tools/probe_kept_split.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -727,6 +729,11 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s23f ]; then
+  gpu_tests gpu_tests_s23f
+  store_rows new ab_head new
+  echo "=== tools/probe_kept_split.py" >> "$LOG"
+  timeout 120 python3 tools/probe_kept_split.py --calls 60 >> "$LOG" 2>&1
 elif [ "${PART}" = s23e ]; then
   gpu_tests gpu_tests_s23e
   for r in 1 2; do
