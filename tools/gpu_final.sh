@@ -246,6 +246,7 @@
 #     call); tools/probe_kept_split.py; bench store's device rows twice
 #   PART=s23f: the session's closing call: every GPU test; bench store's device rows (new, ab_head, new);
 #     tools/probe_kept_split.py
+#   PART=s23g: the three copy-tracing probes once each, short, on their shared tools/_copy_trace.py
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -729,6 +730,11 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s23g ]; then
+  for t in probe_kept_split:--calls probe_kept_tail:--rounds probe_batch_growth:--rounds; do
+    echo "=== tools/${t%%:*}.py (on tools/_copy_trace.py)" >> "$LOG"
+    timeout 90 python3 "tools/${t%%:*}.py" "${t#*:}" 20 >> "$LOG" 2>&1
+  done
 elif [ "${PART}" = s23f ]; then
   gpu_tests gpu_tests_s23f
   store_rows new ab_head new

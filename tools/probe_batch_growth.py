@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from _copy_trace import CopyTrace, ceilings, kept_client
 
-import kvstrata
-from kvstrata.bench._common import device_time, python_loop_us
-from kvstrata.bench.store import _start_worker
+from kvstrata.bench._common import python_loop_us
 from kvstrata.client import device, kept_reads
-from kvstrata.ops import copy_engine
 
-N, SIZE = 64, 1 << 20
+N = 64
 
 GROWTHS = {
     "doubling (main)": kept_reads.next_cut,
@@ -37,88 +33,49 @@ CASES = ("mget_h2d kept", "mget_h2d cold", "mset_d2h")
 
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 100
-    host = torch.empty(N * SIZE, dtype=torch.uint8).pin_memory()
-    big = torch.empty(N * SIZE, dtype=torch.uint8, device="cuda")
-    ceiling = {
-        "h2d": device_time(lambda: big.copy_(host, non_blocking=True)),
-        "d2h": device_time(lambda: host.copy_(big, non_blocking=True)),
-    }
-    batches: list[float] = []
-    events: list[torch.cuda.Event] = []
-    real_memcpy, real_mark = copy_engine.memcpy_raw, device.mark
-
-    def traced(dsts, srcs, sizes, handle):
-        batches.append(time.perf_counter())
-        if not events:  # the copy stream's clock at its first batch
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.ExternalStream(handle))
-            events.append(ev)
-        return real_memcpy(dsts, srcs, sizes, handle)
-
-    marks: list[torch.cuda.Event] = []
-
-    def mark(stream):
-        if stream is not None:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(stream)
-            marks.append(ev)
-        return real_mark(stream)
-
-    copy_engine.memcpy_raw, device.mark = traced, mark
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, address = _start_worker(Path(tmp), 4 << 30)
-        try:
-            with kvstrata.connect(address) as kv:
-                src = [[torch.randn(SIZE // 4, device="cuda")] for _ in range(N)]
-                dst = [[torch.empty_like(t[0])] for t in src]
-                keys = [f"bg/{i}" for i in range(N)]
-                assert kv.mset_d2h(keys, src) == [None] * N
-                kv.mget_h2d(keys, dst)
-                loops = [python_loop_us()]
-                got: dict[tuple[str, str], list[tuple[float, float, float]]] = {
-                    (case, name): [] for case in CASES for name in GROWTHS
-                }
-                for it in range(rounds + 3):
-                    order = list(GROWTHS.items())
-                    if it % 2:
-                        order.reverse()  # neither end of the round always first
-                    for case in CASES:
-                        for name, growth in order:
-                            kept_reads.next_cut = growth
-                            fresh = [f"bgw/{it}/{name}/{i}" for i in range(N)]
-                            if case == "mget_h2d cold":
-                                kv.delete(keys)
-                                assert kv.mset_d2h(keys, src) == [None] * N
-                            kv.exists(keys[:1])
-                            torch.cuda.synchronize()
-                            batches.clear()
-                            events.clear()
-                            marks.clear()
-                            t0 = time.perf_counter()
-                            res = kv.mset_d2h(fresh, src) if case == "mset_d2h" else kv.mget_h2d(keys, dst)
-                            t1 = time.perf_counter()
-                            torch.cuda.synchronize()
-                            assert res == [None] * N, res
-                            span = events[0].elapsed_time(marks[-1]) * 1e-3
-                            if case == "mset_d2h":
-                                kv.delete(fresh)
-                            if it >= 3:
-                                got[(case, name)].append((t1 - t0, batches[0] - t0, span))
-                loops.append(python_loop_us())
-                assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
-                speeds = f"python_loop_us before / after {loops[0]:.1f} / {loops[1]:.1f}"
-                print(f"one 64 MiB copy {ceiling['h2d'] * 1e6:.0f} / {ceiling['d2h'] * 1e6:.0f} us; {speeds}")
-                for (case, name), rows in got.items():
-                    top = ceiling["d2h" if case == "mset_d2h" else "h2d"]
-                    call, first, span = (statistics.median(c) for c in zip(*rows))
-                    q1, _, q3 = statistics.quantiles([r[0] for r in rows], n=4)
-                    print(
-                        f"{case:14s} {name:15s} call {call * 1e6:5.0f} us ({top / call:.3f} of the ceiling;"
-                        f" quartiles {top / q3:.3f}-{top / q1:.3f}), first batch {first * 1e6:4.0f} us,"
-                        f" stream span {top / span:.3f}"
-                    )
-        finally:
-            proc.terminate()
+    ceiling = ceilings()
+    trace = CopyTrace()
+    with kept_client("bg") as (kv, keys, src, dst):
+        loops = [python_loop_us()]
+        got: dict[tuple[str, str], list[tuple[float, float, float]]] = {
+            (case, name): [] for case in CASES for name in GROWTHS
+        }
+        for it in range(rounds + 3):
+            order = list(GROWTHS.items())
+            if it % 2:
+                order.reverse()  # neither end of the round always first
+            for case in CASES:
+                for name, growth in order:
+                    kept_reads.next_cut = growth
+                    fresh = [f"bgw/{it}/{name}/{i}" for i in range(N)]
+                    if case == "mget_h2d cold":
+                        kv.delete(keys)
+                        assert kv.mset_d2h(keys, src) == [None] * N
+                    kv.exists(keys[:1])
+                    torch.cuda.synchronize()
+                    trace.clear()
+                    t0 = time.perf_counter()
+                    res = kv.mset_d2h(fresh, src) if case == "mset_d2h" else kv.mget_h2d(keys, dst)
+                    t1 = time.perf_counter()
+                    torch.cuda.synchronize()
+                    assert res == [None] * N, res
+                    if case == "mset_d2h":
+                        kv.delete(fresh)
+                    if it >= 3:
+                        got[(case, name)].append((t1 - t0, trace.batches[0] - t0, trace.span()))
+        loops.append(python_loop_us())
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+        speeds = f"python_loop_us before / after {loops[0]:.1f} / {loops[1]:.1f}"
+        print(f"one 64 MiB copy {ceiling['h2d'] * 1e6:.0f} / {ceiling['d2h'] * 1e6:.0f} us; {speeds}")
+        for (case, name), rows in got.items():
+            top = ceiling["d2h" if case == "mset_d2h" else "h2d"]
+            call, first, span = (statistics.median(c) for c in zip(*rows))
+            q1, _, q3 = statistics.quantiles([r[0] for r in rows], n=4)
+            print(
+                f"{case:14s} {name:15s} call {call * 1e6:5.0f} us ({top / call:.3f} of the ceiling;"
+                f" quartiles {top / q3:.3f}-{top / q1:.3f}), first batch {first * 1e6:4.0f} us,"
+                f" stream span {top / span:.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from _copy_trace import CopyTrace, ceilings, kept_client
 
-import kvstrata
-from kvstrata.bench._common import device_time, python_loop_us
-from kvstrata.bench.store import _start_worker
-from kvstrata.client import device
-from kvstrata.ops import copy_engine
-
-N, SIZE = 64, 1 << 20
+from kvstrata.bench._common import python_loop_us
 
 
 def _runtime_sync():
@@ -68,79 +61,44 @@ def main() -> None:
         WAYS["cudaEventSynchronize"] = _runtime_sync()
     except ImportError:
         print("no cuda-bindings: two ways only")
-    host = torch.empty(N * SIZE, dtype=torch.uint8).pin_memory()
-    big = torch.empty(N * SIZE, dtype=torch.uint8, device="cuda")
-    ceiling = device_time(lambda: big.copy_(host, non_blocking=True))
-    batches: list[float] = []
-    starts: list[torch.cuda.Event] = []
-    ends: list[torch.cuda.Event] = []
+    ceiling = ceilings()["h2d"]
     waits: list[float] = []
     way = [WAYS["Event.synchronize"]]
-    real_memcpy, real_mark = copy_engine.memcpy_raw, device.mark
-
-    def traced(dsts, srcs, sizes, handle):
-        if not starts:  # the copy stream's clock just before its first batch
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.ExternalStream(handle))
-            starts.append(ev)
-        batches.append(time.perf_counter())
-        return real_memcpy(dsts, srcs, sizes, handle)
-
-    def mark(stream):
-        if stream is None:
-            return real_mark(stream)
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        ends.append(ev)
-        return _Timed(ev, way[0], waits)
-
-    copy_engine.memcpy_raw, device.mark = traced, mark
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, address = _start_worker(Path(tmp), 2 << 30)
-        try:
-            with kvstrata.connect(address) as kv:
-                src = [[torch.randn(SIZE // 4, device="cuda")] for _ in range(N)]
-                dst = [[torch.empty_like(t[0])] for t in src]
-                keys = [f"kt/{i}" for i in range(N)]
-                assert kv.mset_d2h(keys, src) == [None] * N
+    trace = CopyTrace(wrap=lambda ev: _Timed(ev, way[0], waits))
+    with kept_client("kt") as (kv, keys, src, dst):
+        loops = [python_loop_us()]
+        got: dict[str, list[tuple[float, ...]]] = {name: [] for name in WAYS}
+        for it in range(rounds + 3):
+            order = list(WAYS.items())
+            if it % 2:
+                order.reverse()
+            for name, wait in order:
+                way[0] = wait
+                kv.exists(keys[:1])
+                torch.cuda.synchronize()
+                trace.clear()
+                waits.clear()
+                t0 = time.perf_counter()
                 kv.mget_h2d(keys, dst)
-                loops = [python_loop_us()]
-                got: dict[str, list[tuple[float, ...]]] = {name: [] for name in WAYS}
-                for it in range(rounds + 3):
-                    order = list(WAYS.items())
-                    if it % 2:
-                        order.reverse()
-                    for name, wait in order:
-                        way[0] = wait
-                        kv.exists(keys[:1])
-                        torch.cuda.synchronize()
-                        batches.clear()
-                        starts.clear()
-                        ends.clear()
-                        waits.clear()
-                        t0 = time.perf_counter()
-                        kv.mget_h2d(keys, dst)
-                        t1 = time.perf_counter()
-                        torch.cuda.synchronize()
-                        span = starts[0].elapsed_time(ends[-1]) * 1e-3
-                        last_byte = batches[0] + span
-                        if it >= 3:
-                            got[name].append(
-                                (t1 - t0, batches[0] - t0, span, waits[0] - t0, waits[-1] - last_byte, t1 - waits[-1])
-                            )
-                loops.append(python_loop_us())
-                assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
-                speeds = f"python_loop_us before / after {loops[0]:.1f} / {loops[1]:.1f}"
-                print(f"one 64 MiB copy {ceiling * 1e6:.0f} us; {speeds}")
-                for name, rows in got.items():
-                    call, first, span, wait_from, wake, after = (statistics.median(c) * 1e6 for c in zip(*rows))
-                    print(
-                        f"{name:22s} call {call:5.0f} us ({ceiling * 1e6 / call:.3f} of the ceiling), first batch"
-                        f" {first:4.0f}, span {span:5.0f}, wait from {wait_from:5.0f}, wake {wake:4.0f},"
-                        f" after {after:4.0f}"
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                first = trace.batches[0]
+                last_byte = first + trace.span()
+                if it >= 3:
+                    got[name].append(
+                        (t1 - t0, first - t0, trace.span(), waits[0] - t0, waits[-1] - last_byte, t1 - waits[-1])
                     )
-        finally:
-            proc.terminate()
+        loops.append(python_loop_us())
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+        speeds = f"python_loop_us before / after {loops[0]:.1f} / {loops[1]:.1f}"
+        print(f"one 64 MiB copy {ceiling * 1e6:.0f} us; {speeds}")
+        for name, rows in got.items():
+            call, first, span, wait_from, wake, after = (statistics.median(c) * 1e6 for c in zip(*rows))
+            print(
+                f"{name:22s} call {call:5.0f} us ({ceiling * 1e6 / call:.3f} of the ceiling), first batch"
+                f" {first:4.0f}, span {span:5.0f}, wait from {wait_from:5.0f}, wake {wake:4.0f},"
+                f" after {after:4.0f}"
+            )
 
 
 if __name__ == "__main__":
