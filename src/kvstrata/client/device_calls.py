@@ -330,11 +330,11 @@ class DeviceCallsMixin:
         The tensors' sizes must add up to the object's size (ValueError in that key's slot otherwise). Waits up to
         ``timeout`` for missing keys. The copies run as copy-engine batches on a copy stream that waits for
         ``stream`` (default: current); the call returns once they have landed. Leases on the objects pin their
-        bytes until then. Three ways, the first that applies:
+        bytes until then. The keys from the first that this client read before and that are unchanged since go in
+        one pass with no round trip to the worker (:mod:`kvstrata.client.kept_reads`); the rest of the call (all of
+        it where the first key is not such a key) goes the first of these ways that applies:
 
-        * every key read before and unchanged since: no round trip to the worker, the call in one pass
-          (:mod:`kvstrata.client.kept_reads`);
-        * the worker's placement table (:mod:`kvstrata.store.placements`) places the first key (keys another
+        * the worker's placement table (:mod:`kvstrata.store.placements`) places its first key (keys another
           client or this one just wrote): every placed key copied at once in one pass, and one request for every
           lease, sent once two batches are queued, confirms them while the bytes move, or the key is copied again
           from where its lease says (:mod:`kvstrata.client.placed_reads`);
