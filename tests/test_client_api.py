@@ -13,7 +13,18 @@ import torch
 
 import kvstrata
 from kv_helpers import client_for, worker_config
-from kvstrata.errors import CapacityError, ClosedError, ConnectionLost, KeyExists, KeyNotFound, ServerError, Timeout
+from kvstrata.errors import (
+    CapacityError,
+    ClosedError,
+    ConnectionLost,
+    InvalidType,
+    InvalidValue,
+    KeyExists,
+    KeyNotFound,
+    KvstrataError,
+    ServerError,
+    Timeout,
+)
 from kvstrata.server import Worker, WorkerConfig
 from kvstrata.server.protocol import INLINE_MAX
 
@@ -417,8 +428,12 @@ def test_async_mget_h2d_cuda_calls_in_flight_follow_the_callers_stream(kv):
     ],
 )
 def test_bad_input_raises_clear_errors(kv, call, exc, match):
-    with pytest.raises(exc, match=match):
+    with pytest.raises(exc, match=match) as raised:
         call(kv)
+    # A kvstrata error either way (through the worker too): a bad argument is also the builtin class it names.
+    assert isinstance(raised.value, KvstrataError)
+    if exc in (ValueError, TypeError):
+        assert isinstance(raised.value, {ValueError: InvalidValue, TypeError: InvalidType}[exc])
     kv.set("k0", b"still serving")
     assert kv.get("k0") == b"still serving"
 

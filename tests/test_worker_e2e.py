@@ -144,11 +144,11 @@ def test_bad_peers_do_not_hurt_others(worker):
 
         with raw_connect(worker, timeout=5) as raw:
             raw.send({"op": "put", "key": "x", "v": "not bytes"})
-            assert raw.recv(timeout=5)[0]["err"][0] == "TypeError"
+            assert raw.recv(timeout=5)[0]["err"][0] == "InvalidType"
             raw.send({"op": ["not", "a", "name"]})
             assert raw.recv(timeout=5)[0]["err"][0] == "ServerError"
             raw.send({"op": "mget", "keys": "x" * 5000})
-            assert raw.recv(timeout=5)[0]["err"][0] == "ValueError"
+            assert raw.recv(timeout=5)[0]["err"][0] == "InvalidValue"
         with pytest.raises(ServerError):
             good._backend.request({"op": "nonsense"})
         assert good.get("steady") == b"ok"

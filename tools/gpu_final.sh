@@ -247,6 +247,8 @@
 #   PART=s23f: the session's closing call: every GPU test; bench store's device rows (new, ab_head, new);
 #     tools/probe_kept_split.py
 #   PART=s23g: the three copy-tracing probes once each, short, on their shared tools/_copy_trace.py
+#   PART=s24a: every GPU test (bad arguments as kvstrata.InvalidArgument); bench store's device rows twice;
+#     tools/probe_handoff.py GPU0 -> GPU0 (offers on)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -730,6 +732,11 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s24a ]; then
+  gpu_tests gpu_tests_s24a
+  store_rows new new
+  echo "=== tools/probe_handoff.py --devices 0,0 --iters 150 --variants on" >> "$LOG"
+  timeout 150 python3 tools/probe_handoff.py --devices 0,0 --iters 150 --variants on >> "$LOG" 2>&1
 elif [ "${PART}" = s23g ]; then
   for t in probe_kept_split:--calls probe_kept_tail:--rounds probe_batch_growth:--rounds; do
     echo "=== tools/${t%%:*}.py (on tools/_copy_trace.py)" >> "$LOG"

@@ -7,9 +7,18 @@ One root, :class:`KvstrataError`. Below it two branches users catch differently:
 * :class:`ServerError`: the worker understood the request and refused it; retrying the same request
   gives the same answer.
 
-Plus the specific conditions users test for (:class:`KeyNotFound`, :class:`Timeout`, ...). Bad
-arguments raise the builtin :class:`ValueError` / :class:`TypeError` with the argument's name in the
-message, before anything is written.
+Plus the specific conditions users test for (:class:`KeyNotFound`, :class:`Timeout`, ...). A bad
+argument raises :class:`InvalidValue` (a :class:`ValueError`) or :class:`InvalidType` (a
+:class:`TypeError`), both :class:`InvalidArgument`, with the argument's name in the message, before
+anything is written: ``except ValueError`` and ``except kvstrata.KvstrataError`` both catch it.
+
+>>> import kvstrata
+>>> with kvstrata.connect(embedded=True, memory="64MiB") as kv:
+...     try:
+...         kv.set("", b"x")
+...     except kvstrata.InvalidArgument as exc:
+...         print(type(exc).__name__, "-", exc)
+InvalidValue - key: must not be empty
 """
 
 from __future__ import annotations
@@ -58,6 +67,18 @@ class ClosedError(KvstrataError):
     """The client, worker or object was closed or released before this call."""
 
 
+class InvalidArgument(KvstrataError):
+    """A call's argument was wrong; the message names it, and nothing was written or copied."""
+
+
+class InvalidValue(InvalidArgument, ValueError):
+    """An argument of the right type with a wrong value (an empty key, a size that does not match)."""
+
+
+class InvalidType(InvalidArgument, TypeError):
+    """An argument of the wrong type (a str where bytes go, a CPU tensor where a CUDA one must be)."""
+
+
 class ProtocolError(TransportError):
     """The peer spoke a protocol version or message this side does not understand."""
 
@@ -67,6 +88,9 @@ __all__ = [
     "ClosedError",
     "ConnectionLost",
     "CorruptData",
+    "InvalidArgument",
+    "InvalidType",
+    "InvalidValue",
     "KeyExists",
     "KeyNotFound",
     "KvstrataError",

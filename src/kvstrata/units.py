@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from kvstrata.errors import InvalidValue
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -30,17 +32,17 @@ def parse_size(value: str | int, name: str = "size") -> int:
     naming ``name`` for anything else.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{name}: expected a size such as '8GiB', got {value!r}")
+        raise InvalidValue(f"{name}: expected a size such as '8GiB', got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{name}: must be >= 0, got {value}")
+            raise InvalidValue(f"{name}: must be >= 0, got {value}")
         return value
     if not isinstance(value, str):
-        raise ValueError(f"{name}: expected a size such as '8GiB', got {value!r}")
+        raise InvalidValue(f"{name}: expected a size such as '8GiB', got {value!r}")
     m = _SIZE.match(value)
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
-        raise ValueError(f"{name}: expected a size such as '8GiB', '512MB' or '1073741824', got {value!r}")
+        raise InvalidValue(f"{name}: expected a size such as '8GiB', '512MB' or '1073741824', got {value!r}")
     return int(float(m.group(1)) * _UNITS[unit])
 
 

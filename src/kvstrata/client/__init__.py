@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from kvstrata.client.buffers import ReadBuffer, WritableBuffer
 from kvstrata.client.client import Client
+from kvstrata.errors import InvalidType, InvalidValue
 from kvstrata.units import parse_size
 
 _SIZE_OPTIONS = ("memory_bytes", "disk_bytes", "gpu_bytes", "segment_bytes")
@@ -45,15 +47,21 @@ def connect(
 
     if embedded or store is not None:
         if address is not None:
-            raise ValueError("address: not used by an embedded client (drop it or embedded=True)")
+            raise InvalidValue("address: not used by an embedded client (drop it or embedded=True)")
         if store is not None:
             if store_options:
-                raise ValueError(f"{next(iter(store_options))}: options don't apply to a store passed in")
+                raise InvalidValue(f"{next(iter(store_options))}: options don't apply to a store passed in")
             return Client(EmbeddedBackend(store, own_store=False), reserve_bytes=reserve)
         from kvstrata.server.config import default_memory_bytes
         from kvstrata.store import ObjectStore, StoreConfig
 
         options = dict(store_options)
+        fields = {f.name for f in dataclasses.fields(StoreConfig)}
+        for key in options:
+            if key not in fields:
+                raise InvalidType(
+                    f"{key}: not an option of an embedded store (its options: {', '.join(sorted(fields))})"
+                )
         for key in _SIZE_OPTIONS:
             if key in options:
                 options[key] = parse_size(options[key], key)
@@ -61,7 +69,7 @@ def connect(
         options.setdefault("segment_bytes", min(256 << 20, options["memory_bytes"]))
         return Client(EmbeddedBackend(ObjectStore(StoreConfig(**options)), own_store=True), reserve_bytes=reserve)
     if store_options:
-        raise ValueError(f"{next(iter(store_options))}: store options apply only with embedded=True")
+        raise InvalidValue(f"{next(iter(store_options))}: store options apply only with embedded=True")
     if address is None:
         from kvstrata.server.config import default_address
 

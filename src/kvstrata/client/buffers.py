@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.errors import ClosedError
+from kvstrata.errors import ClosedError, InvalidValue
 
 
 def _numpy(view: memoryview, dtype: Any, shape: Any, readonly: bool) -> np.ndarray:
@@ -26,7 +26,7 @@ def _tensor(view: memoryview, dtype: Any, shape: Any) -> Any:
     else:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if len(view) % itemsize:
-            raise ValueError(f"dtype: {len(view)} bytes is not a whole number of {dtype} elements")
+            raise InvalidValue(f"dtype: {len(view)} bytes is not a whole number of {dtype} elements")
         t = torch.frombuffer(view, dtype=dtype)
     return t if shape is None else t.view(shape)
 
@@ -75,7 +75,7 @@ class WritableBuffer:
         src = byte_view(data, "data")
         view = self._live()
         if offset < 0 or offset + len(src) > len(view):
-            raise ValueError(f"offset: {len(src)} bytes at {offset} do not fit in {len(view)}")
+            raise InvalidValue(f"offset: {len(src)} bytes at {offset} do not fit in {len(view)}")
         view[offset : offset + len(src)] = src
 
     def _finish(self, action: str) -> None:

@@ -28,7 +28,7 @@ from kvstrata.client.buffers import ReadBuffer, WritableBuffer
 from kvstrata.client.device_calls import DeviceCallsMixin
 from kvstrata.client.values import byte_view
 from kvstrata.devobj.service import DeviceObjectsMixin
-from kvstrata.errors import ClosedError, KvstrataError
+from kvstrata.errors import ClosedError, InvalidType, KvstrataError
 from kvstrata.server import protocol as P
 
 Result = Any  # per-key: a value (or None) on success, the KvstrataError instance on failure
@@ -225,7 +225,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
     def generate_key(self, prefix: str = "") -> str:
         """A new unique key, ``prefix`` followed by 32 hex digits."""
         if not isinstance(prefix, str):
-            raise TypeError(f"prefix: must be a str, got {type(prefix).__name__}")
+            raise InvalidType(f"prefix: must be a str, got {type(prefix).__name__}")
         return P.check_key(f"{prefix}{uuid.uuid4().hex}", "prefix")
 
     # objects -------------------------------------------------------------------------------------
@@ -300,10 +300,10 @@ def _pairs(items: Any) -> list[tuple[Any, Any]]:
     if isinstance(items, Mapping):
         return list(items.items())
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):
-        raise TypeError(f"items: expected a mapping or an iterable of (key, value) pairs, got {type(items).__name__}")
+        raise InvalidType(f"items: expected a mapping or an iterable of (key, value) pairs, got {type(items).__name__}")
     pairs = list(items)
     for i, pair in enumerate(pairs):
         if (type(pair) is not tuple and type(pair) is not list) or len(pair) != 2:
             got = f"{len(pair)} items" if isinstance(pair, tuple | list) else type(pair).__name__
-            raise TypeError(f"items[{i}]: expected a (key, value) pair, got {got}")
+            raise InvalidType(f"items[{i}]: expected a (key, value) pair, got {got}")
     return pairs

@@ -25,6 +25,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from kvstrata.errors import InvalidType, InvalidValue
+
 log = logging.getLogger(__name__)
 
 _memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies
@@ -93,9 +95,9 @@ def check_outer(n_keys: int, tensor_lists: Any) -> None:
     if isinstance(tensor_lists, str | bytes | Mapping) or not (
         hasattr(tensor_lists, "__len__") and hasattr(tensor_lists, "__getitem__")
     ):
-        raise TypeError(f"tensor_lists: need one list of tensors per key, got {type(tensor_lists).__name__}")
+        raise InvalidType(f"tensor_lists: need one list of tensors per key, got {type(tensor_lists).__name__}")
     if len(tensor_lists) != n_keys:
-        raise ValueError(f"tensor_lists: need one list of tensors per key ({n_keys} keys, got {len(tensor_lists)})")
+        raise InvalidValue(f"tensor_lists: need one list of tensors per key ({n_keys} keys, got {len(tensor_lists)})")
 
 
 def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
@@ -108,7 +110,7 @@ def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
     names = _torch_names or _load_torch_names()
     tensor_type, strided = names
     if type(ts) is not list and not isinstance(ts, list | tuple):
-        raise TypeError(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
+        raise InvalidType(f"tensor_lists[{i}]: must be a list of tensors, got {type(ts).__name__}")
     device = None
     pieces = []
     append = pieces.append
@@ -148,13 +150,13 @@ def _refuse(ts: Any, i: int) -> None:
 
     for j, t in enumerate(ts):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor_lists[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
+            raise InvalidType(f"tensor_lists[{i}][{j}]: expected a torch.Tensor, got {type(t).__name__}")
         if t.layout is not torch.strided or t.is_quantized:
-            raise TypeError(f"tensor_lists[{i}][{j}]: sparse and quantized tensors have no flat raw bytes")
+            raise InvalidType(f"tensor_lists[{i}][{j}]: sparse and quantized tensors have no flat raw bytes")
         if not t.is_contiguous():
-            raise ValueError(f"tensor_lists[{i}][{j}]: tensor must be contiguous (call .contiguous() first)")
+            raise InvalidValue(f"tensor_lists[{i}][{j}]: tensor must be contiguous (call .contiguous() first)")
         if not (t.is_cuda or t.is_cpu):
-            raise TypeError(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
+            raise InvalidType(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
     raise AssertionError(f"tensor_lists[{i}]: refused, yet every tensor passes")  # pragma: no cover
 
 

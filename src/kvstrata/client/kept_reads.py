@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.client import device as _device
+from kvstrata.errors import InvalidValue
 
 #: runs in the first batch: the DMA starts once this many keys are laid out
 FIRST_RUNS = 2
@@ -73,7 +74,7 @@ def queue(
             pieces, total, dev = check(tensor_lists[i], i)
             loc = locs[i]
             if total != loc.size:
-                results[i] = ValueError(f"tensor_lists[{i}]: {total} bytes for {keys[i]!r}, which holds {loc.size}")
+                results[i] = InvalidValue(f"tensor_lists[{i}]: {total} bytes for {keys[i]!r}, which holds {loc.size}")
                 continue
             if dev is not None and s is None:
                 device, s = dev, _device.start(dev, stream)

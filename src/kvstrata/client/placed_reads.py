@@ -19,6 +19,7 @@ from typing import Any
 
 from kvstrata.client import device as _device
 from kvstrata.client import kept_reads as _kept_reads
+from kvstrata.errors import InvalidValue
 
 #: the acquire request goes once this many batches are queued
 SEND_AFTER_BATCHES = 2
@@ -150,6 +151,6 @@ def copy_from(
     if went is not None and went == (*loc, placed):
         return None
     if nbytes != loc.size:
-        results[i] = ValueError(f"tensor_lists[{i}]: {nbytes} bytes for {keys[i]!r}, which holds {loc.size}")
+        results[i] = InvalidValue(f"tensor_lists[{i}]: {nbytes} bytes for {keys[i]!r}, which holds {loc.size}")
         return None
     return loc

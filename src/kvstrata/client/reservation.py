@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from kvstrata.client._shared import Loc
+from kvstrata.errors import InvalidValue
 from kvstrata.store.allocator import ALIGNMENT
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class WriteReservation:
 
     def __init__(self, limit: int = RESERVE_BYTES) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"reserve_bytes: must be an int >= 0, got {limit!r}")
+            raise InvalidValue(f"reserve_bytes: must be an int >= 0, got {limit!r}")
         self.limit = limit
         self._cond = threading.Condition(threading.Lock())
         self._holders = 0  # calls holding it: one, or more along a chain

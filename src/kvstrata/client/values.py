@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.errors import InvalidType, InvalidValue
+
 
 def byte_view(value: Any, name: str = "value") -> memoryview:
     """A 1-D unsigned-byte memoryview over ``value``'s raw bytes (no copy).
@@ -16,12 +18,12 @@ def byte_view(value: Any, name: str = "value") -> memoryview:
     if isinstance(value, bytes | bytearray):
         return memoryview(value)
     if isinstance(value, str):
-        raise TypeError(f"{name}: str is not bytes; encode it first (value.encode())")
+        raise InvalidType(f"{name}: str is not bytes; encode it first (value.encode())")
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
-            raise TypeError(f"{name}: numpy arrays of Python objects have no raw bytes to store")
+            raise InvalidType(f"{name}: numpy arrays of Python objects have no raw bytes to store")
         if not value.flags.c_contiguous:
-            raise ValueError(f"{name}: numpy array must be C-contiguous (use np.ascontiguousarray)")
+            raise InvalidValue(f"{name}: numpy array must be C-contiguous (use np.ascontiguousarray)")
         return memoryview(value.reshape(-1).view(np.uint8))
     torch = _torch_if_tensor(value)
     if torch is not None:
@@ -29,11 +31,11 @@ def byte_view(value: Any, name: str = "value") -> memoryview:
     try:
         view = memoryview(value)
     except TypeError:
-        raise TypeError(
+        raise InvalidType(
             f"{name}: expected bytes-like, a numpy array or a CPU torch tensor, got {type(value).__name__}"
         ) from None
     if not view.c_contiguous:
-        raise ValueError(f"{name}: buffer must be C-contiguous")
+        raise InvalidValue(f"{name}: buffer must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
@@ -42,13 +44,13 @@ def tensor_bytes(t: Any, name: str = "tensor", *, device_ok: bool = False) -> An
     import torch
 
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise InvalidType(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu" and not device_ok:
-        raise TypeError(f"{name}: a {t.device} tensor; store device tensors with mset_d2h, or .cpu() it first")
+        raise InvalidType(f"{name}: a {t.device} tensor; store device tensors with mset_d2h, or .cpu() it first")
     if not t.is_contiguous():
-        raise ValueError(f"{name}: tensor must be contiguous (call .contiguous() first)")
+        raise InvalidValue(f"{name}: tensor must be contiguous (call .contiguous() first)")
     if t.is_sparse or t.is_quantized:
-        raise TypeError(f"{name}: sparse and quantized tensors have no flat raw bytes")
+        raise InvalidType(f"{name}: sparse and quantized tensors have no flat raw bytes")
     flat = t.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 

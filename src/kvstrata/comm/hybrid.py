@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from kvstrata.comm import segment as _segment
 from kvstrata.comm.hostpath import HostPath, Topology, _Call
-from kvstrata.errors import ClosedError
+from kvstrata.errors import ClosedError, InvalidType, InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,13 @@ class HybridAllGather:
             raise RuntimeError("torch.distributed is not initialised (call init_process_group first)")
         _check_ratio(ratio)
         if hugepages not in (True, False, "auto"):
-            raise ValueError(f"hugepages: expected True, False or 'auto', got {hugepages!r}")
+            raise InvalidValue(f"hugepages: expected True, False or 'auto', got {hugepages!r}")
         if not timeout > 0:
-            raise ValueError(f"timeout: must be > 0, got {timeout!r}")
+            raise InvalidValue(f"timeout: must be > 0, got {timeout!r}")
         if head not in (*HEADS, "auto"):
-            raise ValueError(f"head: expected one of {(*HEADS, 'auto')}, got {head!r}")
+            raise InvalidValue(f"head: expected one of {(*HEADS, 'auto')}, got {head!r}")
         if cross_node not in ("relay", "direct"):
-            raise ValueError(f"cross_node: expected 'relay' or 'direct', got {cross_node!r}")
+            raise InvalidValue(f"cross_node: expected 'relay' or 'direct', got {cross_node!r}")
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
@@ -167,7 +167,7 @@ class HybridAllGather:
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, info, group=self.group)
         if any(g[3] != nodes for g in gathered):
-            raise ValueError("numa_map: must be the same on every rank")
+            raise InvalidValue("numa_map: must be the same on every rank")
         topo = Topology(node_of=tuple(g[2] for g in gathered), pids=tuple(g[1] for g in gathered))
         one_host = len({g[0] for g in gathered}) == 1
         if not one_host:
@@ -380,7 +380,7 @@ class HybridAllGather:
     def _validate(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> None:
         """Collective on the first call of a shape: every rank raises the same error for bad input."""
         if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
-            raise TypeError("out, inp: expected torch.Tensor")
+            raise InvalidType("out, inp: expected torch.Tensor")
         problems = 0
         if not inp.is_contiguous():
             problems |= 1
@@ -411,14 +411,14 @@ class HybridAllGather:
         for r, (_, _, bits, _) in enumerate(rows):
             messages += [f"rank {r}: {text}" for bit, text in names.items() if bits & bit]
         if messages:
-            kind = TypeError if any(row[2] & (8 | 16) for row in rows) else ValueError
+            kind = InvalidType if any(row[2] & (8 | 16) for row in rows) else InvalidValue
             raise kind("out/inp: " + "; ".join(messages))
         if len({(n, d) for n, d, _, _ in rows}) != 1:
             detail = ", ".join(f"rank {r}: {n} elements, dtype #{d:x}" for r, (n, d, _, _) in enumerate(rows))
-            raise ValueError(f"inp: size and dtype must match on every rank ({detail})")
+            raise InvalidValue(f"inp: size and dtype must match on every rank ({detail})")
         if len({row[3] for row in rows}) != 1:
             detail = ", ".join(f"rank {r}: {'auto' if c < 0 else c}" for r, (_, _, _, c) in enumerate(rows))
-            raise ValueError(f"ratio: must match on every rank ({detail})")
+            raise InvalidValue(f"ratio: must match on every rank ({detail})")
         self._validated.add(key)
 
     def _choose(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> tuple[int, str]:
@@ -516,7 +516,7 @@ def _check_ratio(ratio) -> None:
     if ratio is None or ratio == "auto":
         return
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0:
-        raise ValueError(f"ratio: expected 'auto', None or an int >= 0, got {ratio!r}")
+        raise InvalidValue(f"ratio: expected 'auto', None or an int >= 0, got {ratio!r}")
 
 
 def _wait_on(work, stream: torch.cuda.Stream) -> None:
@@ -527,14 +527,14 @@ def _wait_on(work, stream: torch.cuda.Stream) -> None:
 def _parse_numa_map(numa_map, world: int) -> tuple[int, ...]:
     if isinstance(numa_map, Mapping):
         if set(numa_map) != set(range(world)):
-            raise ValueError(f"numa_map: needs exactly the ranks 0..{world - 1}, got {sorted(numa_map)}")
+            raise InvalidValue(f"numa_map: needs exactly the ranks 0..{world - 1}, got {sorted(numa_map)}")
         nodes = tuple(numa_map[r] for r in range(world))
     else:
         nodes = tuple(numa_map)
         if len(nodes) != world:
-            raise ValueError(f"numa_map: needs {world} entries, got {len(nodes)}")
+            raise InvalidValue(f"numa_map: needs {world} entries, got {len(nodes)}")
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nodes):
-        raise ValueError(f"numa_map: nodes must be ints >= 0, got {nodes}")
+        raise InvalidValue(f"numa_map: nodes must be ints >= 0, got {nodes}")
     return nodes
 
 

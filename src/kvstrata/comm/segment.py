@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvstrata._proc import sweep_dead_owner_files
+from kvstrata.errors import InvalidValue
 from kvstrata.memory import numa, register, unregister
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class NodeSegment:
     def create(cls, path: Path, world: int, slot_bytes: int, *, huge: bool, node: int | None) -> NodeSegment:
         """Create, bind to ``node`` (when it is online), zero and map the segment at ``path``."""
         if world > MAX_RANKS:
-            raise ValueError(f"group: at most {MAX_RANKS} ranks, got {world}")
+            raise InvalidValue(f"group: at most {MAX_RANKS} ranks, got {world}")
         size = segment_bytes(world, slot_bytes, huge=huge)
         if not huge:  # tmpfs hands out sparse files and SIGBUSes on first touch when full: check first
             st = os.statvfs(path.parent)

@@ -61,6 +61,7 @@ from kvstrata.devobj.offers import OfferBox, offers_enabled
 from kvstrata.devobj.publish import Publisher, _Owned
 from kvstrata.devobj.receive import CopyReceiver
 from kvstrata.devobj.request import Requester
+from kvstrata.errors import InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -212,10 +213,10 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         or goes away, all of them fail (none reports a partial object as received).
         """
         if not isinstance(receivers, int) or isinstance(receivers, bool) or receivers < 1:
-            raise ValueError(f"receivers: expected a positive int, got {receivers!r}")
+            raise InvalidValue(f"receivers: expected a positive int, got {receivers!r}")
         chunk = self.config.chunk_bytes if chunk_bytes is None else chunk_bytes
         if not isinstance(chunk, int) or chunk < 4096:
-            raise ValueError(f"chunk_bytes: expected an int >= 4096, got {chunk_bytes!r}")
+            raise InvalidValue(f"chunk_bytes: expected an int >= 4096, got {chunk_bytes!r}")
         keys, lists = self._check([key], [tensor_list])
         return self._register("broadcast", keys, lists, receivers=receivers, chunk_bytes=chunk)[0]
 
@@ -323,12 +324,12 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
                 return torch.device("cuda", torch.cuda.current_device())
             if self.config.allow_cpu:
                 return torch.device("cpu")
-            raise ValueError("device: no CUDA device here (device objects live in GPU memory)")
+            raise InvalidValue("device: no CUDA device here (device objects live in GPU memory)")
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev.type == "cpu" and not self.config.allow_cpu:
-            raise ValueError("device: device objects live in GPU memory; cpu needs config allow_cpu=True")
+            raise InvalidValue("device: device objects live in GPU memory; cpu needs config allow_cpu=True")
         return dev
 
     def _device_info(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from kvstrata.devobj.chain import FanOut, Member, chunk_size, plan_chunks, pump,
 from kvstrata.devobj.debug import trace, wait_event
 from kvstrata.devobj.ipc import copy_into, export_tensor, flat_bytes
 from kvstrata.devobj.progress import FAILED, Progress, gpu_ops_available, gpu_wait, gpu_write
+from kvstrata.errors import InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +407,7 @@ class BroadcastReceiver:
                     dst, _ = self._sources(exp, exp["client"])
                     sizes = [x.numel() * x.element_size() for x in dst]
                     if sizes != [int(sp["nbytes"]) for sp in rec["tensors"]]:
-                        raise ValueError(f"tensor_lists: sizes {sizes} differ from the source's")
+                        raise InvalidValue(f"tensor_lists: sizes {sizes} differ from the source's")
                 except BaseException as exc:
                     prog.fail()
                     prog.close()

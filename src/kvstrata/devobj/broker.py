@@ -90,6 +90,7 @@ from kvstrata.devobj.broker_events import EventQueues, _deliver
 from kvstrata.devobj.broker_match import Matcher
 from kvstrata.devobj.broker_offers import OfferReconciler, offered_to
 from kvstrata.devobj.offers import TABLE_BYTES, OfferTable, export_id
+from kvstrata.errors import InvalidValue
 
 #: record fields shared by every object of one client and mode: sent once per reply, not once per key
 #: (see :meth:`DeviceBroker._wire`)
@@ -185,7 +186,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         """Run one request ``op`` from ``client``; the seam the worker and the in-process link use."""
         fn = getattr(self, f"op_{op}", None)
         if fn is None and op != "goodbye":
-            raise ValueError(f"op: unknown device-object operation {op!r}")
+            raise InvalidValue(f"op: unknown device-object operation {op!r}")
         check_args(op, args)  # whole, before anything changes here
         if op in ("wait_events", "goodbye"):
             self.completed(client, args.get("done"))

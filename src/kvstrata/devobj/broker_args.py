@@ -16,6 +16,8 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
+from kvstrata.errors import InvalidType, InvalidValue
+
 _NONE = type(None)
 _SEQ = (list, tuple)
 _STRS = frozenset((str,))
@@ -23,7 +25,7 @@ _INTS = frozenset((int,))  # bool is not int here: True is no id
 _INTS_OR_NONE = frozenset((int, _NONE))
 
 
-def _fail(name: str, what: str, value: Any, error: type[Exception] = TypeError) -> None:
+def _fail(name: str, what: str, value: Any, error: type[Exception] = InvalidType) -> None:
     """Raise ``error`` for field ``name``, which should be ``what`` and is ``value``."""
     shown = type(value).__name__ if isinstance(value, dict | list | tuple) else f"{type(value).__name__} {value!r:.60}"
     raise error(f"{name}: expected {what}, got {shown}")
@@ -31,7 +33,7 @@ def _fail(name: str, what: str, value: Any, error: type[Exception] = TypeError) 
 
 def _key(value: Any, name: str) -> None:
     if type(value) is not str or not value:
-        _fail(name, "a non-empty str", value, ValueError if type(value) is str else TypeError)
+        _fail(name, "a non-empty str", value, InvalidValue if type(value) is str else InvalidType)
 
 
 # The checks below test the common, well-formed case with C loops (a many-key request costs the broker a few
@@ -64,7 +66,7 @@ def check_seconds(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(name, "a number of seconds >= 0 or None", value)
     if not value >= 0:  # NaN fails too
-        _fail(name, "a number of seconds >= 0 or None", value, ValueError)
+        _fail(name, "a number of seconds >= 0 or None", value, InvalidValue)
 
 
 def _specs(value: Any, name: str) -> None:
@@ -72,7 +74,7 @@ def _specs(value: Any, name: str) -> None:
     if type(value) not in _SEQ:
         _fail(name, "a non-empty list of tensor specs", value)
     if not value:
-        _fail(name, "a non-empty list of tensor specs", value, ValueError)
+        _fail(name, "a non-empty list of tensor specs", value, InvalidValue)
     for j, spec in enumerate(value):
         if type(spec) is not dict:
             _fail(f"{name}[{j}]", "a tensor spec (a map)", spec)
@@ -82,7 +84,7 @@ def _specs(value: Any, name: str) -> None:
                 _fail(f"{name}[{j}].shape", "a list of ints", shape)
             for k, d in enumerate(shape):
                 if type(d) is not int or d < 0:
-                    _fail(f"{name}[{j}].shape[{k}]", "an int >= 0", d, ValueError if type(d) is int else TypeError)
+                    _fail(f"{name}[{j}].shape[{k}]", "an int >= 0", d, InvalidValue if type(d) is int else InvalidType)
         if type(dtype) is not str or not dtype:
             _key(dtype, f"{name}[{j}].dtype")
 
@@ -134,7 +136,7 @@ def _waits(args: dict[str, Any]) -> None:
         if type(specs) not in _SEQ:
             _fail("a.specs", "a list of spec lists (one per key) or None", specs)
         if len(specs) != len(keys):
-            raise ValueError(f"a.specs: {len(specs)} spec lists for {len(keys)} keys (expected one per key)")
+            raise InvalidValue(f"a.specs: {len(specs)} spec lists for {len(keys)} keys (expected one per key)")
         if specs and specs.count(specs[0]) == len(specs):  # one shape for every key (C loop; equal, equally good)
             if specs[0] is not None:
                 _specs(specs[0], "a.specs[0]")

@@ -32,6 +32,8 @@ from concurrent.futures import Future
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
 from typing import Any
 
+from kvstrata.errors import InvalidValue
+
 log = logging.getLogger(__name__)
 
 #: CPUs this process may run on at or above which a waiter polls before sleeping
@@ -116,7 +118,7 @@ def current_result_spin() -> float:
 def set_result_spin(seconds: float) -> float:
     """Set this process's polling budget (seconds, >= 0); returns the previous one. For tests and benchmarks."""
     if seconds < 0:
-        raise ValueError(f"seconds: expected >= 0, got {seconds!r}")
+        raise InvalidValue(f"seconds: expected >= 0, got {seconds!r}")
     old, _SPIN[0] = _SPIN[0], float(seconds)
     return old
 

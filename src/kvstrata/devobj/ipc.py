@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvstrata.devobj.debug import trace
+from kvstrata.errors import InvalidValue
 from kvstrata.ops import copy_engine
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def dtype_of(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype: unsupported device-object dtype {name!r}") from None
+        raise InvalidValue(f"dtype: unsupported device-object dtype {name!r}") from None
 
 
 def spec(t: torch.Tensor) -> dict[str, Any]:
@@ -88,7 +89,7 @@ def local_index(uuid: str) -> int:
     try:
         return _uuid_map[uuid]
     except KeyError:
-        raise ValueError(
+        raise InvalidValue(
             f"GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES); use transport='nccl'"
         ) from None
 
@@ -248,7 +249,7 @@ def view_of(base: torch.Tensor, blob: dict[str, Any], sp: dict[str, Any]) -> tor
     itemsize = dtype.itemsize  # no tensor made per call (this runs on every receive)
     start, n = int(blob["offset"]) * itemsize, int(sp["nbytes"])
     if start + n > base.numel():
-        raise ValueError(f"export of {n} bytes at {start} lies outside its {base.numel()}-byte allocation")
+        raise InvalidValue(f"export of {n} bytes at {start} lies outside its {base.numel()}-byte allocation")
     return base[start : start + n].view(dtype).view(blob["size"])
 
 
@@ -309,7 +310,7 @@ class ImportCache:
             if hit is not None:
                 return hit
         if len(record["handles"]) != len(record["tensors"]):
-            raise ValueError(
+            raise InvalidValue(
                 f"record of {record.get('key')!r}: {len(record['handles'])} exports for "
                 f"{len(record['tensors'])} tensors"
             )

@@ -18,6 +18,7 @@ import torch
 
 from kvstrata import errors
 from kvstrata.devobj import broker as B
+from kvstrata.errors import InvalidType, InvalidValue
 
 
 class BrokerLink(Protocol):
@@ -80,21 +81,21 @@ class DeviceObjectConfig:
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "nccl"):
-            raise ValueError(f"transport: expected 'auto' or 'nccl', got {self.transport!r}")
+            raise InvalidValue(f"transport: expected 'auto' or 'nccl', got {self.transport!r}")
         if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes: at least 4096, got {self.chunk_bytes}")
+            raise InvalidValue(f"chunk_bytes: at least 4096, got {self.chunk_bytes}")
         if self.copy_threads < 1:
-            raise ValueError(f"copy_threads: at least 1, got {self.copy_threads}")
+            raise InvalidValue(f"copy_threads: at least 1, got {self.copy_threads}")
         if self.same_gpu_copy not in ("memcpy", "kernel"):
-            raise ValueError(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
+            raise InvalidValue(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
         if self.broadcast_wait not in ("host", "stream"):
-            raise ValueError(f"broadcast_wait: expected 'host' or 'stream', got {self.broadcast_wait!r}")
+            raise InvalidValue(f"broadcast_wait: expected 'host' or 'stream', got {self.broadcast_wait!r}")
         if self.poll_seconds <= 0:
-            raise ValueError(f"poll_seconds: must be > 0, got {self.poll_seconds}")
+            raise InvalidValue(f"poll_seconds: must be > 0, got {self.poll_seconds}")
         if self.copy_timeout <= 0:
-            raise ValueError(f"copy_timeout: must be > 0 seconds, got {self.copy_timeout}")
+            raise InvalidValue(f"copy_timeout: must be > 0 seconds, got {self.copy_timeout}")
         if isinstance(self.stage_bytes, bool) or not isinstance(self.stage_bytes, int) or self.stage_bytes < 0:
-            raise ValueError(f"stage_bytes: expected an int >= 0, got {self.stage_bytes!r}")
+            raise InvalidValue(f"stage_bytes: expected an int >= 0, got {self.stage_bytes!r}")
 
 
 def error_from(code: str | None, message: str) -> Exception:
@@ -106,20 +107,20 @@ def error_from(code: str | None, message: str) -> Exception:
     if code == B.E_TIMEOUT:
         return errors.Timeout(message)
     if code in (B.E_MISMATCH, B.E_BAD_REQUEST):
-        return ValueError(message)
+        return InvalidValue(message)
     return errors.ServerError(f"{code}: {message}" if code else message)
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:
     """Keys of one call: a list of distinct non-empty strings."""
     if isinstance(keys, str) or not isinstance(keys, Sequence):
-        raise TypeError(f"keys: expected a list of str, got {type(keys).__name__}")
+        raise InvalidType(f"keys: expected a list of str, got {type(keys).__name__}")
     seen = set()
     for i, k in enumerate(keys):
         if not isinstance(k, str) or not k:
-            raise TypeError(f"keys[{i}]: expected a non-empty str, got {k!r}")
+            raise InvalidType(f"keys[{i}]: expected a non-empty str, got {k!r}")
         if k in seen:
-            raise ValueError(f"keys: duplicate key {k!r} in one call")
+            raise InvalidValue(f"keys: duplicate key {k!r} in one call")
         seen.add(k)
     return list(keys)
 
@@ -130,13 +131,13 @@ def check_tensor_lists(
     """Validate one call's arguments before anything is registered or copied."""
     keys = check_keys(keys)
     if isinstance(tensor_lists, torch.Tensor) or not isinstance(tensor_lists, Sequence):
-        raise TypeError("tensor_lists: expected a list of lists of tensors")
+        raise InvalidType("tensor_lists: expected a list of lists of tensors")
     if len(tensor_lists) != len(keys):
-        raise ValueError(f"tensor_lists: {len(tensor_lists)} lists for {len(keys)} keys")
+        raise InvalidValue(f"tensor_lists: {len(tensor_lists)} lists for {len(keys)} keys")
     lists = []
     for i, ts in enumerate(tensor_lists):
         if isinstance(ts, torch.Tensor) or not isinstance(ts, Sequence) or not ts:
-            raise TypeError(f"tensor_lists[{i}]: expected a non-empty list of tensors")
+            raise InvalidType(f"tensor_lists[{i}]: expected a non-empty list of tensors")
         for j, t in enumerate(ts):
             # The common case in one test per tensor (a call may carry hundreds); the message only on failure.
             if (
@@ -150,17 +151,17 @@ def check_tensor_lists(
                 continue
             where = f"tensor_lists[{i}][{j}] (key {keys[i]!r})"
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+                raise InvalidType(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
             if t.device.type != "cuda" and not (allow_cpu and device.type == "cpu"):
-                raise ValueError(
+                raise InvalidValue(
                     f"{where}: a {t.device.type} tensor; device objects live in GPU memory (expected {device})"
                 )
             if t.device != device:
-                raise ValueError(f"{where}: on {t.device}, but this client's device is {device}")
+                raise InvalidValue(f"{where}: on {t.device}, but this client's device is {device}")
             if not t.is_contiguous():
-                raise ValueError(f"{where}: not contiguous (call .contiguous() first)")
+                raise InvalidValue(f"{where}: not contiguous (call .contiguous() first)")
             if t.is_sparse or t.is_quantized:
-                raise TypeError(f"{where}: sparse/quantized tensors are not supported")
+                raise InvalidType(f"{where}: sparse/quantized tensors are not supported")
         lists.append(list(ts))
     return keys, lists
 

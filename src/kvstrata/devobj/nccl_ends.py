@@ -13,6 +13,7 @@ from typing import Any
 
 from kvstrata import errors
 from kvstrata.devobj._core import Want as _Want
+from kvstrata.errors import InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class NcclEnds:
         from kvstrata.devobj.nccl import new_unique_id
 
         if not self._cuda:
-            raise ValueError("tensor_lists: the NCCL path needs CUDA tensors")
+            raise InvalidValue("tensor_lists: the NCCL path needs CUDA tensors")
         ch = self._channels().get(t["src"], t["dst"], rank=1, device=self.device.index)
         if t["nccl"]["create_uid"]:
             uid = new_unique_id()

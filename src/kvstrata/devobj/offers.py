@@ -50,6 +50,8 @@ from typing import Any
 
 import msgpack
 
+from kvstrata.errors import InvalidValue
+
 log = logging.getLogger(__name__)
 
 #: hint slots in the table, and bytes per slot: ``seq``, ``key hash``, ``wid`` (8 bytes each), then the
@@ -104,7 +106,7 @@ class OfferTable:
     def __init__(self, buffer: Any) -> None:
         view = memoryview(buffer)
         if view.nbytes < TABLE_BYTES:
-            raise ValueError(f"buffer: the offer table needs {TABLE_BYTES} bytes, got {view.nbytes}")
+            raise InvalidValue(f"buffer: the offer table needs {TABLE_BYTES} bytes, got {view.nbytes}")
         self._bytes = view[:TABLE_BYTES].cast("B")
         self._words = self._bytes.cast("Q")
         self._held: dict[int, str] = {}  # writer side: slot -> the key whose hint it holds

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata._proc import sweep_dead_owner_files
+from kvstrata.errors import InvalidValue
 from kvstrata.ops.stream_ops import driver as stream_driver
 
 SHM_DIR = Path("/dev/shm")
@@ -96,7 +97,7 @@ class Progress:
     def open(cls, name: str, directory: Path = SHM_DIR) -> Progress:
         """Map the counter ``name`` made by another client; the name is unlinked (the mapping stays)."""
         if _NAME.fullmatch(name) is None:
-            raise ValueError(f"progress: not a broadcast progress name: {name!r}")
+            raise InvalidValue(f"progress: not a broadcast progress name: {name!r}")
         path = directory / name
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:

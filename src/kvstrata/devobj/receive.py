@@ -31,6 +31,7 @@ from kvstrata.devobj.futures import HANDOFF_S
 from kvstrata.devobj.ipc import copy_into
 from kvstrata.devobj.link import error_from
 from kvstrata.devobj.offers import export_id
+from kvstrata.errors import InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +305,7 @@ class CopyReceiver:
                 raise errors.ServerError(f"source of {src.get('key')!r} was released in this process")
             return local[0], local[1]
         if not self._cuda:
-            raise ValueError("tensor_lists: CPU tensors can only move between clients of one process")
+            raise InvalidValue("tensor_lists: CPU tensors can only move between clients of one process")
         # Exports are complete when registered (see _ready_event): nothing to wait for on the device.
         return self._imports.tensors(peer, src, reuse=reuse), []
 
@@ -324,7 +325,7 @@ class CopyReceiver:
                 if src is None:
                     src, _ = self._sources(rec, rec["owner"])
                 if len(src) != len(want.tensors) or any(d.nbytes != x.nbytes for d, x in zip(want.tensors, src)):
-                    raise ValueError(f"tensor_lists: sizes of {rec['key']!r} differ from the source's")
+                    raise InvalidValue(f"tensor_lists: sizes of {rec['key']!r} differ from the source's")
                 if rec["mode"] == "mset":
                     with self._lock:
                         self._read[rec["obj"]] = (rec["owner"], rec["handles"], rec["key"])

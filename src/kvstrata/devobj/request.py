@@ -24,6 +24,7 @@ from kvstrata.devobj.debug import brief, trace
 from kvstrata.devobj.futures import SpinFuture
 from kvstrata.devobj.ipc import dtype_name
 from kvstrata.devobj.link import error_from
+from kvstrata.errors import InvalidValue
 from kvstrata.ops import current_stream
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Requester:
         fail where, through the broker, it would have held up the delete instead.
         """
         if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
-            raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
+            raise InvalidValue(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         trace(f"{op} {len(keys)} keys: call")
         after = None
         if self._cuda:

@@ -32,6 +32,7 @@ from kvstrata.devobj.broker_args import check_args, check_seconds
 from kvstrata.devobj.debug import trace
 from kvstrata.devobj.futures import spin_seconds
 from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
+from kvstrata.errors import InvalidType, InvalidValue
 
 if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
     from kvstrata.devobj.api import DeviceObjects
@@ -98,15 +99,15 @@ def handle(session: Any, msg: dict) -> dict:
 def _handle(session: Any, msg: dict) -> dict:
     cid, op = msg.get("cid"), msg.get("dop")
     if not isinstance(cid, str) or not cid:
-        raise ValueError("cid: a device-object client id (str) is required")
+        raise InvalidValue("cid: a device-object client id (str) is required")
     if not isinstance(op, str):
-        raise ValueError("dop: a device-object operation name (str) is required")
+        raise InvalidValue("dop: a device-object operation name (str) is required")
     cids = session.__dict__.setdefault("devobj_clients", set())
     if cid not in cids:
         cids.add(cid)
     args = msg.get("a") or {}
     if not isinstance(args, dict):
-        raise TypeError("a: the operation's arguments must be a map")
+        raise InvalidType("a: the operation's arguments must be a map")
     trace(f"worker: {op} read")
     r = broker_of(session.worker).handle(cid, op, args, msg.get("t"))
     if op != "wait_events" and log.isEnabledFor(logging.DEBUG):
@@ -302,7 +303,7 @@ class DeviceObjectsMixin:
             elif (config is not None and config != self._devobj.config) or (
                 device is not None and self._devobj._pick_device(device) != self._devobj.device
             ):
-                raise ValueError("device/config: this client's device objects already started with other settings")
+                raise InvalidValue("device/config: this client's device objects already started with other settings")
             return self._devobj
 
     def _devobjs(self) -> DeviceObjects:

@@ -16,6 +16,8 @@ import os
 import platform
 from pathlib import Path
 
+from kvstrata.errors import InvalidValue
+
 log = logging.getLogger(__name__)
 
 _SYSFS_NODES = Path("/sys/devices/system/node")
@@ -107,7 +109,7 @@ def bind(addr: int, nbytes: int, node: int) -> bool:
     if nbytes <= 0:
         return False
     if node not in online_nodes():
-        raise ValueError(f"node: NUMA node {node} is not online (online: {online_nodes()})")
+        raise InvalidValue(f"node: NUMA node {node} is not online (online: {online_nodes()})")
     nr = _syscall_number("mbind")
     if nr is None:
         log.debug("mbind: unknown syscall number on %s", platform.machine())

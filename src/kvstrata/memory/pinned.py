@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from kvstrata.errors import CapacityError
+from kvstrata.errors import CapacityError, InvalidType, InvalidValue
 from kvstrata.memory import numa as _numa
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class _Registry:
                 if 0 <= j < len(self._regions):
                     other = self._regions[j]
                     if start < other.end and other.start < start + nbytes:
-                        raise ValueError(
+                        raise InvalidValue(
                             f"tensor_or_addr: [{start:#x}, {start + nbytes:#x}) overlaps the registered region "
                             f"[{other.start:#x}, {other.end:#x})"
                         )
@@ -173,7 +173,7 @@ class _Registry:
         with self._lock:
             k = bisect.bisect_right(self._starts, start) - 1
             if k < 0 or start >= self._regions[k].end:
-                raise ValueError(f"tensor_or_addr: no registered region contains {start:#x}")
+                raise InvalidValue(f"tensor_or_addr: no registered region contains {start:#x}")
             region = self._regions[k]
             self._uses[region.start] -= 1
             if self._uses[region.start] > 0:
@@ -198,14 +198,14 @@ def _span(tensor_or_addr: torch.Tensor | int, nbytes: int | None) -> tuple[int, 
     if isinstance(tensor_or_addr, torch.Tensor):
         t = tensor_or_addr
         if t.device.type != "cpu":
-            raise ValueError(f"tensor_or_addr: expected a CPU tensor, got one on {t.device}")
+            raise InvalidValue(f"tensor_or_addr: expected a CPU tensor, got one on {t.device}")
         if not t.is_contiguous():
-            raise ValueError("tensor_or_addr: tensor must be contiguous")
+            raise InvalidValue("tensor_or_addr: tensor must be contiguous")
         return t.data_ptr(), t.numel() * t.element_size() if nbytes is None else int(nbytes)
     if isinstance(tensor_or_addr, bool) or not isinstance(tensor_or_addr, int):
-        raise TypeError(f"tensor_or_addr: expected a tensor or an int address, got {type(tensor_or_addr).__name__}")
+        raise InvalidType(f"tensor_or_addr: expected a tensor or an int address, got {type(tensor_or_addr).__name__}")
     if nbytes is None:
-        raise ValueError("nbytes: required when registering a raw address")
+        raise InvalidValue("nbytes: required when registering a raw address")
     return tensor_or_addr, int(nbytes)
 
 
@@ -220,7 +220,7 @@ def register(tensor_or_addr: torch.Tensor | int, nbytes: int | None = None) -> i
     """
     start, n = _span(tensor_or_addr, nbytes)
     if n <= 0:
-        raise ValueError(f"nbytes: must be positive, got {n}")
+        raise InvalidValue(f"nbytes: must be positive, got {n}")
     torch_pinned = isinstance(tensor_or_addr, torch.Tensor) and _cuda_available() and tensor_or_addr.is_pinned()
     if torch_pinned and _REGISTRY.find(start, n) is None:
         return start  # torch's pinned memory is mapped under UVA: device address == host address
@@ -244,7 +244,7 @@ def device_ptr(host_ptr: int) -> int:
     """The device address of registered host address ``host_ptr`` (ValueError naming it when unregistered)."""
     region = _REGISTRY.find(int(host_ptr))
     if region is None:
-        raise ValueError(f"host_ptr: {int(host_ptr):#x} is not in any registered host region")
+        raise InvalidValue(f"host_ptr: {int(host_ptr):#x} is not in any registered host region")
     return region.device_ptr + (int(host_ptr) - region.start)
 
 
@@ -292,7 +292,7 @@ def _device_address(tensor: torch.Tensor, name: str) -> tuple[int, int, Region |
     start, nbytes = _extent(tensor)
     region = _REGISTRY.find(start, nbytes)
     if region is None and not (_cuda_available() and tensor.is_pinned()):
-        raise ValueError(
+        raise InvalidValue(
             f"{name}: host memory at {start:#x} ({nbytes} bytes) is not registered; "
             "use kvstrata.memory.alloc_pinned or register() first"
         )
@@ -434,11 +434,11 @@ def alloc_pinned(
         print(buf.pinned_info)   # PinnedInfo(nbytes=67108864, numa_node=0, numa_bound=True, ...)
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
+        raise InvalidValue(f"nbytes: expected a positive int, got {nbytes!r}")
     if not (numa is None or numa == "auto" or (isinstance(numa, int) and not isinstance(numa, bool) and numa >= 0)):
-        raise ValueError(f"numa: expected 'auto', None or a node number >= 0, got {numa!r}")
+        raise InvalidValue(f"numa: expected 'auto', None or a node number >= 0, got {numa!r}")
     if hugepages not in ("auto", "explicit", "transparent", "none"):
-        raise ValueError(f"hugepages: expected 'auto', 'explicit', 'transparent' or 'none', got {hugepages!r}")
+        raise InvalidValue(f"hugepages: expected 'auto', 'explicit', 'transparent' or 'none', got {hugepages!r}")
     fallbacks: list[str] = []
     cuda = _cuda_available()
     dev_index = _device_index(device) if cuda else None
@@ -462,7 +462,7 @@ def alloc_pinned(
         try:
             bound = _numa.bind(addr, len(mapping), node)
         except ValueError as exc:
-            raise ValueError(f"numa: {exc}") from exc
+            raise InvalidValue(f"numa: {exc}") from exc
         if not bound:
             fallbacks.append(f"mbind to NUMA node {node} refused by this kernel; memory not bound")
     tensor.zero_()  # touch every page now, after binding, so the pages land on the node

@@ -24,6 +24,7 @@ import mmap
 import os
 from typing import Any
 
+from kvstrata.errors import InvalidValue
 from kvstrata.memory import numa
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,9 @@ class SharedSegment:
         (after binding), so first writes do not pay page faults.
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes: must be a positive int, got {nbytes!r}")
+            raise InvalidValue(f"nbytes: must be a positive int, got {nbytes!r}")
         if hugepages not in ("auto", True, False, "off", "on"):
-            raise ValueError(f"hugepages: must be 'auto', 'on', 'off', True or False, got {hugepages!r}")
+            raise InvalidValue(f"hugepages: must be 'auto', 'on', 'off', True or False, got {hugepages!r}")
         name = name or "kvstrata"
         want_huge = hugepages in ("auto", True, "on")
         fd = -1
@@ -152,12 +153,12 @@ class SharedSegment:
     def attach(cls, fd: int, nbytes: int) -> SharedSegment:
         """Map a segment received from its owner. Takes ownership of ``fd`` (closed by ``close()``)."""
         if not isinstance(fd, int) or fd < 0:
-            raise ValueError(f"fd: must be an open file descriptor, got {fd!r}")
+            raise InvalidValue(f"fd: must be an open file descriptor, got {fd!r}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes: must be a positive int, got {nbytes!r}")
+            raise InvalidValue(f"nbytes: must be a positive int, got {nbytes!r}")
         size = os.fstat(fd).st_size
         if size < nbytes:
-            raise ValueError(f"nbytes: {nbytes} exceeds the segment's size {size}")
+            raise InvalidValue(f"nbytes: {nbytes} exceeds the segment's size {size}")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         seg = cls(fd, nbytes, mm, hugepages="hugetlb" if size != nbytes else "unknown", name="attached", numa_node=None)
         if size != nbytes:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvstrata.errors import InvalidType, InvalidValue
 from kvstrata.ops import _transfer_plan as _plan
 from kvstrata.ops import copy_engine
 from kvstrata.ops.kv_layout import HostPool, KVLayout
@@ -23,16 +24,16 @@ Ids = Sequence[int] | np.ndarray | torch.Tensor
 def _as_ids(ids: Ids, name: str) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must hold int32 or int64, got {ids.dtype}")
+            raise InvalidType(f"{name} must hold int32 or int64, got {ids.dtype}")
         if ids.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+            raise InvalidValue(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
         return ids
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got {ids.dtype}")
+            raise InvalidType(f"{name} must hold integers, got {ids.dtype}")
         return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).reshape(-1)
     if not isinstance(ids, Sequence) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise TypeError(f"{name} must be a list of ints or an int tensor")
+        raise InvalidType(f"{name} must be a list of ints or an int tensor")
     return torch.tensor(list(ids), dtype=torch.int64)
 
 
@@ -40,21 +41,21 @@ def _eager_ids(ids: Ids, name: str) -> np.ndarray | torch.Tensor:
     """Ids as a 1-D numpy array (host) or a CUDA tensor, checked for type and shape; no copy where avoidable."""
     if isinstance(ids, torch.Tensor):
         if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must hold int32 or int64, got {ids.dtype}")
+            raise InvalidType(f"{name} must hold int32 or int64, got {ids.dtype}")
         if ids.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+            raise InvalidValue(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
         return ids.numpy() if ids.device.type == "cpu" else ids
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got {ids.dtype}")
+            raise InvalidType(f"{name} must hold integers, got {ids.dtype}")
         return ids.reshape(-1)
     if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
-        raise TypeError(f"{name} must be a list of ints or an int tensor")
+        raise InvalidType(f"{name} must be a list of ints or an int tensor")
     if len(ids) == 0:
         return np.zeros(0, dtype=np.int64)
     arr = np.asarray(ids)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:  # floats, bools, strings, nested lists
-        raise TypeError(f"{name} must be a list of ints or an int tensor")
+        raise InvalidType(f"{name} must be a list of ints or an int tensor")
     return arr
 
 
@@ -69,7 +70,7 @@ def _as_tensor(ids: np.ndarray | torch.Tensor) -> torch.Tensor:
 def _check_ids(layout: KVLayout, pool: HostPool, dev_ids, host_ids, direction: str) -> None:
     """Per-call checks of the id values (never cached): ranges and duplicate destinations."""
     if not pool.matches(layout):
-        raise ValueError(
+        raise InvalidValue(
             f"host_pool: {pool.num_segments} segments of {pool.chunk_bytes} B, the device layout has "
             f"{layout.num_segments} of {layout.chunk_bytes} B"
         )
@@ -78,10 +79,10 @@ def _check_ids(layout: KVLayout, pool: HostPool, dev_ids, host_ids, direction: s
         if v.size:
             lo, hi = _span(v)
             if lo < 0 or hi >= n:
-                raise ValueError(f"{name}: ids must be in [0, {n}), got range [{lo}, {hi}]")
+                raise InvalidValue(f"{name}: ids must be in [0, {n}), got range [{lo}, {hi}]")
     dst_name, dst = ("host_block_ids", h) if direction == "d2h" else ("device_block_ids", d)
     if dst.size > 1 and (len(set(dst.tolist())) if dst.size <= 64 else np.unique(dst).size) != dst.size:
-        raise ValueError(f"{dst_name}: duplicate destination ids")
+        raise InvalidValue(f"{dst_name}: duplicate destination ids")
 
 
 def _span(v: np.ndarray) -> tuple[int, int]:
@@ -98,7 +99,9 @@ def _on_device(ids: torch.Tensor, device: torch.device, name: str) -> torch.Tens
     if device.type != "cuda":
         return ids.to(device)
     if torch.cuda.is_current_stream_capturing():
-        raise ValueError(f"{name}: pass device-resident ids under CUDA graph capture (a host buffer is not replayable)")
+        raise InvalidValue(
+            f"{name}: pass device-resident ids under CUDA graph capture (a host buffer is not replayable)"
+        )
     return (ids if ids.is_pinned() else ids.pin_memory()).to(device, non_blocking=True)
 
 
@@ -112,7 +115,9 @@ def _kernel_ids(ids, name: str, lane, k: int | None, which: int, device: torch.d
         t = _on_device(ids, device, name).contiguous()
         return t.data_ptr(), lambda: t
     if capturing:
-        raise ValueError(f"{name}: pass device-resident ids under CUDA graph capture (a host buffer is not replayable)")
+        raise InvalidValue(
+            f"{name}: pass device-resident ids under CUDA graph capture (a host buffer is not replayable)"
+        )
     n = ids.size
     if k is not None and n <= _plan.LANE_IDS:
         off = k * 2 * _plan.LANE_IDS + which * _plan.LANE_IDS

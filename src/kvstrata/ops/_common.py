@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.errors import InvalidType, InvalidValue
+
 # Element types the ops accept; every copy treats them as raw bytes of their width.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(
     d
@@ -64,7 +66,7 @@ def runs_triton(*tensors: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------- validators
 def check_tensor(value: object, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+        raise InvalidType(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     return value
 
 
@@ -72,30 +74,30 @@ def check_dtype(t: torch.Tensor, name: str, allowed: Iterable[torch.dtype] = SUP
     allowed = tuple(allowed)
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported (supported: {names})")
+        raise InvalidType(f"{name}: dtype {t.dtype} is not supported (supported: {names})")
 
 
 def check_ndim(t: torch.Tensor, name: str, ndim: int) -> None:
     if t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+        raise InvalidValue(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
 def check_contiguous(t: torch.Tensor, name: str) -> None:
     if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+        raise InvalidValue(f"{name}: must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
 
 
 def check_choice(value: object, name: str, choices: Iterable[object]) -> None:
     choices = tuple(choices)
     if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+        raise InvalidValue(f"{name}: expected one of {choices}, got {value!r}")
 
 
 def check_optional_positive_int(value: object, name: str) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+        raise InvalidValue(f"{name}: expected a positive int or None, got {value!r}")
 
 
 def check_no_overlap(a: torch.Tensor, b: torch.Tensor, names: str) -> None:
@@ -105,7 +107,7 @@ def check_no_overlap(a: torch.Tensor, b: torch.Tensor, names: str) -> None:
     a0, a1 = a.data_ptr(), a.data_ptr() + _span_bytes(a)
     b0, b1 = b.data_ptr(), b.data_ptr() + _span_bytes(b)
     if a0 < b1 and b0 < a1:
-        raise ValueError(f"{names}: source and destination memory overlap")
+        raise InvalidValue(f"{names}: source and destination memory overlap")
 
 
 def _span_bytes(t: torch.Tensor) -> int:
@@ -155,9 +157,9 @@ class TileConfig:
         for name in ("tile_bytes", "max_row_bytes", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):
-                raise ValueError(f"{name}: expected a positive power of two, got {value!r}")
+                raise InvalidValue(f"{name}: expected a positive power of two, got {value!r}")
         if not isinstance(self.ctas_per_sm, int) or self.ctas_per_sm <= 0:
-            raise ValueError(f"ctas_per_sm: expected a positive int, got {self.ctas_per_sm!r}")
+            raise InvalidValue(f"ctas_per_sm: expected a positive int, got {self.ctas_per_sm!r}")
 
 
 @dataclass(frozen=True)

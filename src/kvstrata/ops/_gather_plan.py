@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.errors import InvalidValue
 from kvstrata.memory.pinned import device_alias, is_registered, registry_generation
 from kvstrata.ops._common import (
     TileConfig,
@@ -78,7 +79,7 @@ def _reachable(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor
     try:
         return device_alias(t, device)
     except ValueError as exc:
-        raise ValueError(f"{name}: a host tensor must be in registered or pinned memory ({exc})") from exc
+        raise InvalidValue(f"{name}: a host tensor must be in registered or pinned memory ({exc})") from exc
 
 
 def _outside_registry(t: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstrata.errors import InvalidType, InvalidValue
 from kvstrata.memory.pinned import device_alias, is_registered
 from kvstrata.ops._common import (
     TileConfig,
@@ -195,20 +196,20 @@ def _check_meta(
     check_dtype(host_block, "host_block")
     check_contiguous(host_block, "host_block")
     if host_block.device.type != "cpu":
-        raise ValueError(f"host_block: must be in host memory, got a tensor on {host_block.device}")
+        raise InvalidValue(f"host_block: must be in host memory, got a tensor on {host_block.device}")
     check_ndim(layer_ptrs, "layer_ptrs", 1)
     if layer_ptrs.dtype != torch.int64:
-        raise TypeError(f"layer_ptrs: expected int64 addresses, got {layer_ptrs.dtype}")
+        raise InvalidType(f"layer_ptrs: expected int64 addresses, got {layer_ptrs.dtype}")
     if layer_ptrs.shape[0] != host_block.shape[1]:
-        raise ValueError(f"layer_ptrs: {layer_ptrs.shape[0]} pointers for {host_block.shape[1]} layers in host_block")
+        raise InvalidValue(f"layer_ptrs: {layer_ptrs.shape[0]} pointers for {host_block.shape[1]} layers in host_block")
     if staging is not None:
         check_tensor(staging, "staging")
         check_ndim(staging, "staging", 4)
         check_contiguous(staging, "staging")
         if staging.dtype != host_block.dtype:
-            raise TypeError(f"staging: dtype {staging.dtype} differs from host_block's {host_block.dtype}")
+            raise InvalidType(f"staging: dtype {staging.dtype} differs from host_block's {host_block.dtype}")
         if tuple(staging.shape[1:]) != tuple(host_block.shape[1:]) or staging.shape[0] < 1:
-            raise ValueError(f"staging: expected shape [S >= 1, {', '.join(map(str, host_block.shape[1:]))}]")
+            raise InvalidValue(f"staging: expected shape [S >= 1, {', '.join(map(str, host_block.shape[1:]))}]")
 
 
 def _host_word(host_block: torch.Tensor, layer_ptrs: torch.Tensor, staging: torch.Tensor | None) -> int:
@@ -229,7 +230,7 @@ def _impl(
 ) -> None:
     _check_meta(layer_ptrs, host_block, direction, method, staging, num_ctas)
     if layer_ptrs.device.type == "cpu" and host_block.numel() and (layer_ptrs == 0).any():
-        raise ValueError(f"layer_ptrs: null pointer for layer {int((layer_ptrs == 0).nonzero()[0])}")
+        raise InvalidValue(f"layer_ptrs: null pointer for layer {int((layer_ptrs == 0).nonzero()[0])}")
     T, L, H, D = host_block.shape
     if host_block.numel() == 0:
         return
@@ -254,18 +255,18 @@ def _impl(
         return
     device = _device_of(layer_ptrs, staging)
     if staging is not None and staging.device != device:
-        raise ValueError(f"staging: on {staging.device}, layer_ptrs on {device}")
+        raise InvalidValue(f"staging: on {staging.device}, layer_ptrs on {device}")
     with torch.cuda.device(device):
         ptrs = pinned_copy_to(layer_ptrs.contiguous(), device)
         if method == "zero_copy":
             try:
                 host_d = device_alias(host_block, device)
             except ValueError as exc:
-                raise ValueError(f"host_block: zero_copy needs registered or pinned host memory ({exc})") from exc
+                raise InvalidValue(f"host_block: zero_copy needs registered or pinned host memory ({exc})") from exc
             _launch(as_words(host_d, word), ptrs, 0, geo, to_device, num_ctas)
         else:
             if not (host_block.is_pinned() or is_registered(host_block.data_ptr(), host_block.numel())):
-                raise ValueError("host_block: staging needs registered or pinned host memory (pageable DMA blocks)")
+                raise InvalidValue("host_block: staging needs registered or pinned host memory (pageable DMA blocks)")
             _staged(host_block, ptrs, staging, geo, to_device, num_ctas)
 
 

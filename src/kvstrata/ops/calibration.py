@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.errors import KvstrataError
+from kvstrata.errors import InvalidValue, KvstrataError
 from kvstrata.ops import auto_policy
 from kvstrata.ops.auto_policy import PREFERENCE, SMALL_BYTES, TOLERANCE
 
@@ -284,7 +284,7 @@ def choose_method(
     far. Example: ``choose_method("h2d", 32768, 64 * 1024)``.
     """
     if direction not in ("d2h", "h2d"):
-        raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
+        raise InvalidValue(f"direction must be 'd2h' or 'h2d', got {direction!r}")
     dev = torch.device(device) if isinstance(device, (str, torch.device)) else None
     if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
         return "torch"
@@ -296,7 +296,7 @@ def choose_method(
         return got
     candidates = tuple(m for m in _available() if methods is None or m in methods)
     if not candidates:
-        raise ValueError(f"methods: none of {PREFERENCE} in {methods!r}")
+        raise InvalidValue(f"methods: none of {PREFERENCE} in {methods!r}")
     if idx not in _memo and not torch.cuda.is_current_stream_capturing():
         _memo[idx] = _load_or_calibrate(idx)
     cal = _memo.get(idx)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstrata.errors import KvstrataError
+from kvstrata.errors import InvalidValue, KvstrataError
 
 
 class CopyEngineError(KvstrataError):
@@ -120,7 +120,7 @@ def memcpy_batch(
     sizes = np.asarray(sizes, dtype=np.int64)
     n = int(sizes.size)
     if not (dsts.size == srcs.size == n):
-        raise ValueError(f"srcs/dsts/sizes: lengths differ ({srcs.size}, {dsts.size}, {n})")
+        raise InvalidValue(f"srcs/dsts/sizes: lengths differ ({srcs.size}, {dsts.size}, {n})")
     if n == 0:
         return 0
     device = device or torch.device("cuda", torch.cuda.current_device())
@@ -159,7 +159,7 @@ def memcpy_raw(dsts: list[int], srcs: list[int], sizes: list[int], stream_handle
     """
     n = len(sizes)
     if not (len(dsts) == len(srcs) == n):
-        raise ValueError(f"srcs/dsts/sizes: lengths differ ({len(srcs)}, {len(dsts)}, {n})")
+        raise InvalidValue(f"srcs/dsts/sizes: lengths differ ({len(srcs)}, {len(dsts)}, {n})")
     one, batch, kind, attrs = _raw_calls()
     if n == 1:
         err = one(dsts[0], srcs[0], sizes[0], kind, stream_handle)[0]

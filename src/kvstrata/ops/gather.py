@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstrata.errors import InvalidType, InvalidValue
 from kvstrata.ops._common import (
     INDEX_DTYPES,
     PlanCache,
@@ -103,25 +104,25 @@ def _check_meta(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_c
     for name, t in (("table", table), ("out", out), ("ids", ids)):
         check_tensor(t, name)
         if t.layout != torch.strided:
-            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+            raise InvalidType(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     check_ndim(table, "table", 2)
     check_ndim(out, "out", 2)
     check_ndim(ids, "ids", 1)
     check_dtype(table, "table")
     check_dtype(ids, "ids", INDEX_DTYPES)
     if out.dtype != table.dtype:
-        raise TypeError(f"out: dtype {out.dtype} differs from table's {table.dtype}")
+        raise InvalidType(f"out: dtype {out.dtype} differs from table's {table.dtype}")
     if tuple(out.shape) != (ids.shape[0], table.shape[1]):
-        raise ValueError(f"out: expected shape {(ids.shape[0], table.shape[1])}, got {tuple(out.shape)}")
+        raise InvalidValue(f"out: expected shape {(ids.shape[0], table.shape[1])}, got {tuple(out.shape)}")
     for name, t in (("table", table), ("out", out)):
         if t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name}: rows must be contiguous (stride {t.stride()})")
+            raise InvalidValue(f"{name}: rows must be contiguous (stride {t.stride()})")
     check_optional_positive_int(num_ctas, "num_ctas")
     cuda = [t.device for t in (table, out) if t.device.type == "cuda"]
     if len(set(cuda)) > 1:
-        raise ValueError(f"out: table and out are on different GPUs ({cuda[0]} and {cuda[1]})")
+        raise InvalidValue(f"out: table and out are on different GPUs ({cuda[0]} and {cuda[1]})")
     if ids.device.type == "cuda" and cuda and ids.device != cuda[0]:
-        raise ValueError(f"ids: on {ids.device}, the op runs on {cuda[0]}")
+        raise InvalidValue(f"ids: on {ids.device}, the op runs on {cuda[0]}")
 
 
 def _check_ids_range(ids: torch.Tensor, n_rows: int) -> None:
@@ -130,7 +131,7 @@ def _check_ids_range(ids: torch.Tensor, n_rows: int) -> None:
     lo, hi = torch.aminmax(ids)
     lo, hi = int(lo), int(hi)  # for device ids, the one host sync check=False avoids
     if lo < 0 or hi >= n_rows:
-        raise ValueError(f"ids: values must lie in [0, {n_rows}), got min {lo} and max {hi}")
+        raise InvalidValue(f"ids: values must lie in [0, {n_rows}), got min {lo} and max {hi}")
 
 
 _PLANS = PlanCache(MAX_PLANS)
@@ -153,7 +154,7 @@ def _plan(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_ctas: i
         return plan
     _check_meta(table, out, ids, num_ctas)
     if SCHEDULE not in SCHEDULES:
-        raise ValueError(f"SCHEDULE: expected one of {SCHEDULES}, got {SCHEDULE!r}")
+        raise InvalidValue(f"SCHEDULE: expected one of {SCHEDULES}, got {SCHEDULE!r}")
     plan = build_plan(_gather_kernel, table, out, ids, num_ctas, TILE, SCHEDULE)
     _PLANS.put(key, plan)
     return plan

@@ -28,6 +28,8 @@ from typing import Literal
 
 import torch
 
+from kvstrata.errors import InvalidType, InvalidValue
+
 HostLayoutName = Literal["block_first", "layer_first"]
 HOST_LAYOUTS = ("block_first", "layer_first")
 
@@ -94,7 +96,7 @@ class KVLayout:
         segs: list[tuple[torch.Tensor, int]] = []
         t0 = tensors[0]
         if t0.shape[0] != 2:
-            raise ValueError(f"kv_caches: dim 0 must be 2 (K, V), got shape {tuple(t0.shape)}")
+            raise InvalidValue(f"kv_caches: dim 0 must be 2 (K, V), got shape {tuple(t0.shape)}")
         for i, t in enumerate(tensors):
             _check_inner_contiguous(t, 2, f"kv_caches[{i}]")
             segs += [(t, 0), (t, t.stride(0) * t.element_size())]
@@ -109,14 +111,14 @@ class KVLayout:
         ks = _check_list(k_buffers, "k_buffers", ndim=3)
         vs = _check_list(v_buffers, "v_buffers", ndim=3)
         if len(ks) != len(vs):
-            raise ValueError(f"v_buffers: {len(vs)} layers, k_buffers has {len(ks)}")
+            raise InvalidValue(f"v_buffers: {len(vs)} layers, k_buffers has {len(ks)}")
         if ks[0].shape != vs[0].shape or ks[0].dtype != vs[0].dtype or ks[0].device != vs[0].device:
-            raise ValueError("v_buffers: shape/dtype/device must match k_buffers")
+            raise InvalidValue("v_buffers: shape/dtype/device must match k_buffers")
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+            raise InvalidValue(f"page_size must be an int >= 1, got {page_size!r}")
         num_blocks = ks[0].shape[0] // page_size
         if num_blocks < 1:
-            raise ValueError(f"page_size: {page_size} exceeds the {ks[0].shape[0]} slots of k_buffers")
+            raise InvalidValue(f"page_size: {page_size} exceeds the {ks[0].shape[0]} slots of k_buffers")
         segs = []
         for i, (k, v) in enumerate(zip(ks, vs)):
             for name, t in (("k_buffers", k), ("v_buffers", v)):
@@ -157,9 +159,9 @@ class KVLayout:
             chunk = t0[(0,) * (block_dim + 1)].numel() * elt
             block_stride = t0.stride(block_dim) * elt
         if num_blocks < 1:
-            raise ValueError(f"{kind} cache has no blocks")
+            raise InvalidValue(f"{kind} cache has no blocks")
         if block_stride < chunk:
-            raise ValueError(f"{kind} cache: blocks overlap (block stride {block_stride} B < block size {chunk} B)")
+            raise InvalidValue(f"{kind} cache: blocks overlap (block stride {block_stride} B < block size {chunk} B)")
         views, ptrs, owners, offsets = [], [], [], []
         index = {id(t): i for i, t in enumerate(tensors)}
         for t, off in segs:
@@ -199,22 +201,22 @@ def _alignment(*values: int) -> int:
 
 def _check_list(tensors: Sequence[torch.Tensor], name: str, *, ndim: int) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence) or len(tensors) == 0:
-        raise TypeError(f"{name} must be a non-empty list of tensors (one per layer)")
+        raise InvalidType(f"{name} must be a non-empty list of tensors (one per layer)")
     out = list(tensors)
     t0 = out[0]
     for i, t in enumerate(out):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+            raise InvalidType(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != ndim:
-            raise ValueError(f"{name}[{i}] must have {ndim} dims, got shape {tuple(t.shape)}")
+            raise InvalidValue(f"{name}[{i}] must have {ndim} dims, got shape {tuple(t.shape)}")
         if t.shape != t0.shape or t.stride() != t0.stride():
-            raise ValueError(f"{name}[{i}]: shape/strides {tuple(t.shape)}/{t.stride()} differ from {name}[0]")
+            raise InvalidValue(f"{name}[{i}]: shape/strides {tuple(t.shape)}/{t.stride()} differ from {name}[0]")
         if t.dtype != t0.dtype:
-            raise TypeError(f"{name}[{i}]: dtype {t.dtype} differs from {name}[0] ({t0.dtype})")
+            raise InvalidType(f"{name}[{i}]: dtype {t.dtype} differs from {name}[0] ({t0.dtype})")
         if t.device != t0.device:
-            raise ValueError(f"{name}[{i}]: device {t.device} differs from {name}[0] ({t0.device})")
+            raise InvalidValue(f"{name}[{i}]: device {t.device} differs from {name}[0] ({t0.device})")
         if t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{name}[{i}]: unsupported dtype {t.dtype}")
+            raise InvalidType(f"{name}[{i}]: unsupported dtype {t.dtype}")
     return out
 
 
@@ -223,7 +225,7 @@ def _check_inner_contiguous(t: torch.Tensor, first_dim: int, name: str) -> None:
     expected = 1
     for d in range(t.dim() - 1, first_dim - 1, -1):
         if t.shape[d] != 1 and t.stride(d) != expected:
-            raise ValueError(f"{name}: dims {first_dim}.. must be contiguous, got strides {t.stride()}")
+            raise InvalidValue(f"{name}: dims {first_dim}.. must be contiguous, got strides {t.stride()}")
         expected *= t.shape[d]
 
 
@@ -245,22 +247,22 @@ class HostPool:
     def __post_init__(self) -> None:
         t = self.tensor
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor must be a torch.Tensor, got {type(t).__name__}")
+            raise InvalidType(f"tensor must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != "cpu":
-            raise ValueError(f"tensor: a host pool lives in host memory, got device {t.device}")
+            raise InvalidValue(f"tensor: a host pool lives in host memory, got device {t.device}")
         if not t.is_contiguous():
-            raise ValueError("tensor must be contiguous")
+            raise InvalidValue("tensor must be contiguous")
         if self.layout not in HOST_LAYOUTS:
-            raise ValueError(f"layout must be one of {HOST_LAYOUTS}, got {self.layout!r}")
+            raise InvalidValue(f"layout must be one of {HOST_LAYOUTS}, got {self.layout!r}")
         for name in ("num_segments", "chunk_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+                raise InvalidValue(f"{name} must be an int >= 1, got {v!r}")
         nbytes = t.numel() * t.element_size()
         per_block = self.num_segments * self.chunk_bytes
         n = self.num_blocks if self.num_blocks != -1 else nbytes // per_block
         if not isinstance(n, int) or n < 1 or n * per_block != nbytes:
-            raise ValueError(
+            raise InvalidValue(
                 f"tensor: {nbytes} bytes is not num_blocks x {self.num_segments} segments x {self.chunk_bytes} B"
             )
         object.__setattr__(self, "num_blocks", n)
@@ -289,9 +291,9 @@ class HostPool:
     def block_view(self, block: int) -> torch.Tensor:
         """The bytes of one host block (all layers, K and V): one storable object. ``block_first`` only."""
         if self.layout != "block_first":
-            raise ValueError("block_view: a block is contiguous only in the block_first layout")
+            raise InvalidValue("block_view: a block is contiguous only in the block_first layout")
         if not 0 <= block < self.num_blocks:
-            raise ValueError(f"block: {block} out of range [0, {self.num_blocks})")
+            raise InvalidValue(f"block: {block} out of range [0, {self.num_blocks})")
         n = self.block_stride
         return self.flat[block * n : (block + 1) * n]
 
@@ -320,11 +322,11 @@ class HostPool:
         layout is on a GPU or ``pinned=True``; plain host memory otherwise.
         """
         if not isinstance(device_layout, KVLayout):
-            raise TypeError(f"device_layout: expected a KVLayout, got {type(device_layout).__name__}")
+            raise InvalidType(f"device_layout: expected a KVLayout, got {type(device_layout).__name__}")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
-            raise TypeError(f"num_blocks: expected an int, got {type(num_blocks).__name__}")
+            raise InvalidType(f"num_blocks: expected an int, got {type(num_blocks).__name__}")
         if num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+            raise InvalidValue(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         nbytes = num_blocks * device_layout.block_bytes
         if pinned is None:
             pinned = device_layout.device.type == "cuda"

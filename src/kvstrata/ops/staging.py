@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstrata.errors import InvalidValue
 from kvstrata.ops import _staging_plan as _sp
 from kvstrata.ops import copy_engine
 from kvstrata.ops._common import current_stream
@@ -129,7 +130,7 @@ def staging_steps(
     if ring is not None:
         ring = ring.reshape(-1).view(torch.uint8)
         if ring.numel() < g.chunk:
-            raise ValueError(f"staging: {ring.numel()} bytes, smaller than one {g.chunk}-byte chunk")
+            raise InvalidValue(f"staging: {ring.numel()} bytes, smaller than one {g.chunk}-byte chunk")
         nslots = min(nslots, ring.numel() // g.chunk)
         slot_bytes = ring.numel() // nslots
     slot_bytes = max(slot_bytes or SLOT_BYTES, g.chunk)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from kvstrata.errors import InvalidType, InvalidValue
 from kvstrata.memory.pinned import registry_generation
 from kvstrata.ops import _transfer_plan as _plan
 from kvstrata.ops import copy_engine
@@ -144,17 +145,17 @@ _DONE = object()
 
 def _check_call(device_layout, host_pool, direction, method, num_ctas, concurrent) -> None:
     if not isinstance(device_layout, KVLayout):
-        raise TypeError(f"device_layout must be a KVLayout, got {type(device_layout).__name__}")
+        raise InvalidType(f"device_layout must be a KVLayout, got {type(device_layout).__name__}")
     if not isinstance(host_pool, HostPool):
-        raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+        raise InvalidType(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
     if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        raise InvalidValue(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise InvalidValue(f"method must be one of {METHODS}, got {method!r}")
     if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1):
-        raise ValueError(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
+        raise InvalidValue(f"num_ctas must be None or an int >= 1, got {num_ctas!r}")
     if concurrent is not None and not isinstance(concurrent, bool):
-        raise TypeError(f"concurrent must be None or a bool, got {type(concurrent).__name__}")
+        raise InvalidType(f"concurrent must be None or a bool, got {type(concurrent).__name__}")
 
 
 def _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction, method, num_ctas, check,
@@ -167,7 +168,7 @@ def _eager(device_layout, host_pool, device_block_ids, host_block_ids, direction
     host_ids = _eager_ids(host_block_ids, "host_block_ids")
     n = int(dev_ids.shape[0])
     if n != int(host_ids.shape[0]):
-        raise ValueError(f"host_block_ids: {int(host_ids.shape[0])} ids, device_block_ids has {n}")
+        raise InvalidValue(f"host_block_ids: {int(host_ids.shape[0])} ids, device_block_ids has {n}")
     if check:
         _check_ids(device_layout, host_pool, dev_ids, host_ids, direction)
     if n == 0:
@@ -204,17 +205,17 @@ def _check_signature(layout: KVLayout, pool: HostPool, method: str) -> None:
     """Checks that depend only on the call's signature (run once per launch plan)."""
     on_cuda = layout.device.type == "cuda"
     if method in ("zero_copy", "staging") and not on_cuda and not interpreting():
-        raise ValueError(f"method={method!r} needs a CUDA device layout (or TRITON_INTERPRET=1)")
+        raise InvalidValue(f"method={method!r} needs a CUDA device layout (or TRITON_INTERPRET=1)")
     if method == "copy_engine" and on_cuda and copy_engine._runtime() is None:
-        raise ValueError("method='copy_engine' needs cuda-bindings (pip install cuda-bindings)")
+        raise InvalidValue("method='copy_engine' needs cuda-bindings (pip install cuda-bindings)")
     if method == "zero_copy" and on_cuda and not _host_mapped(pool.tensor):
-        raise ValueError("host_pool: zero_copy needs pinned/registered host memory (kvstrata.memory.alloc_pinned)")
+        raise InvalidValue("host_pool: zero_copy needs pinned/registered host memory (kvstrata.memory.alloc_pinned)")
     lo, hi = pool.data_ptr, pool.data_ptr + pool.flat.numel()
     for t in layout.tensors:
         if t.device.type == "cpu":
             s = t.untyped_storage()
             if s.data_ptr() < hi and lo < s.data_ptr() + s.nbytes():
-                raise ValueError("host_pool overlaps the device layout's tensors")
+                raise InvalidValue("host_pool overlaps the device layout's tensors")
 
 
 def _ids_kind(ids) -> object:
@@ -350,19 +351,19 @@ def _then_mark(steps: Iterator[None], lane, k: int | None, stream: torch.cuda.St
 def _validate(layout: KVLayout, pool: HostPool, dev_ids: torch.Tensor, host_ids: torch.Tensor, direction: str,
               method: str) -> None:  # fmt: skip
     if not pool.matches(layout):
-        raise ValueError(
+        raise InvalidValue(
             f"host_pool: {pool.num_segments} segments of {pool.chunk_bytes} B, the device layout has "
             f"{layout.num_segments} of {layout.chunk_bytes} B"
         )
     if dev_ids.numel() != host_ids.numel():
-        raise ValueError(f"host_block_ids: {host_ids.numel()} ids, device_block_ids has {dev_ids.numel()}")
+        raise InvalidValue(f"host_block_ids: {host_ids.numel()} ids, device_block_ids has {dev_ids.numel()}")
     d, h = dev_ids.cpu().numpy(), host_ids.cpu().numpy()  # a sync when the ids live on the device
     for name, v, n in (("device_block_ids", d, layout.num_blocks), ("host_block_ids", h, pool.num_blocks)):
         if v.size and (v.min() < 0 or v.max() >= n):
-            raise ValueError(f"{name}: ids must be in [0, {n}), got range [{v.min()}, {v.max()}]")
+            raise InvalidValue(f"{name}: ids must be in [0, {n}), got range [{v.min()}, {v.max()}]")
     dst_name, dst = ("host_block_ids", h) if direction == "d2h" else ("device_block_ids", d)
     if np.unique(dst).size != dst.size:
-        raise ValueError(f"{dst_name}: duplicate destination ids")
+        raise InvalidValue(f"{dst_name}: duplicate destination ids")
     _check_signature(layout, pool, method)
 
 
@@ -464,7 +465,7 @@ def _transfer_blocks_impl(
         elif method == "staging":
             staging_transfer(g, seg_table, d_ids, host_ids.cpu().numpy(), host_flat, to_host=to_host, num_ctas=ctas)
         else:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+            raise InvalidValue(f"method must be one of {METHODS}, got {method!r}")
 
 
 _transfer_blocks_op = torch.library.custom_op("kvstrata::transfer_blocks", mutates_args=("dev_tensors", "host"))(

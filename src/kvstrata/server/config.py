@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstrata.errors import InvalidValue
 from kvstrata.units import parse_size
 
 MEMORY_FRACTION = 0.25  # of physical RAM, by default
@@ -97,15 +98,15 @@ class WorkerConfig:
             node = self.numa_node.strip().lower()
             object.__setattr__(self, "numa_node", None if node in ("none", "off", "") else _int("numa_node", node))
         if not isinstance(self.socket, str) or not self.socket:
-            raise ValueError(f"socket: must be a path or address, got {self.socket!r}")
+            raise InvalidValue(f"socket: must be a path or address, got {self.socket!r}")
         if self.memory <= 0:
-            raise ValueError("memory: must be > 0")
+            raise InvalidValue("memory: must be > 0")
         if self.log_level not in _LEVELS:
-            raise ValueError(f"log_level: must be one of {', '.join(_LEVELS)}, got {self.log_level!r}")
+            raise InvalidValue(f"log_level: must be one of {', '.join(_LEVELS)}, got {self.log_level!r}")
         if isinstance(self.spin_us, bool) or not isinstance(self.spin_us, int | float) or not 0 <= self.spin_us <= 1e5:
-            raise ValueError(f"spin_us: must be a number of microseconds in [0, 100000], got {self.spin_us!r}")
+            raise InvalidValue(f"spin_us: must be a number of microseconds in [0, 100000], got {self.spin_us!r}")
         if not isinstance(self.placement_table, bool):
-            raise ValueError(f"placement_table: must be true or false, got {self.placement_table!r}")
+            raise InvalidValue(f"placement_table: must be true or false, got {self.placement_table!r}")
         if self.disk_dir and self.disk_size == 0:
             object.__setattr__(self, "disk_size", default_disk_bytes(self.disk_dir))
         self.store_config()  # the engine validates its own fields, with their names
@@ -154,7 +155,7 @@ class WorkerConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
-            raise ValueError(f"unknown worker setting(s): {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+            raise InvalidValue(f"unknown worker setting(s): {', '.join(unknown)} (known: {', '.join(sorted(names))})")
         return cls(**values)
 
     def apply_logging(self) -> None:
@@ -168,11 +169,11 @@ def _read_yaml(path: str) -> dict[str, Any]:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except OSError as exc:
-        raise ValueError(f"config: cannot read {path}: {exc}") from exc
+        raise InvalidValue(f"config: cannot read {path}: {exc}") from exc
     except yaml.YAMLError as exc:
-        raise ValueError(f"config: {path} is not valid YAML: {exc}") from exc
+        raise InvalidValue(f"config: {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"config: {path} must hold a mapping of settings, got {type(data).__name__}")
+        raise InvalidValue(f"config: {path} must hold a mapping of settings, got {type(data).__name__}")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
@@ -191,7 +192,7 @@ def _coerce(name: str, raw: str, typ: str) -> Any:
     try:
         if typ == "bool":
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(raw)
+                raise InvalidValue(raw)
             return raw.lower() in ("1", "true", "yes", "on")
         if typ == "float":
             return float(raw)
@@ -200,7 +201,7 @@ def _coerce(name: str, raw: str, typ: str) -> Any:
         if name == "gpu_device":
             return None if raw.lower() in ("", "none") else int(raw)
     except ValueError:
-        raise ValueError(f"KVSTRATA_{name.upper()}: cannot read {raw!r} as {typ}") from None
+        raise InvalidValue(f"KVSTRATA_{name.upper()}: cannot read {raw!r} as {typ}") from None
     return raw
 
 
@@ -208,4 +209,4 @@ def _int(name: str, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}: expected an integer, 'auto' or 'none', got {raw!r}") from None
+        raise InvalidValue(f"{name}: expected an integer, 'auto' or 'none', got {raw!r}") from None

@@ -22,6 +22,8 @@ import errno
 import os
 import select
 
+from kvstrata.errors import InvalidValue
+
 #: the GIL switch interval of a worker process (CPython's default is 5 ms): about the longest another
 #: thread of the worker waits for the GIL while a thread busy-polls
 GIL_SWITCH_S = 100e-6
@@ -52,7 +54,7 @@ class ReadyCheck:
 
     def __init__(self, fd: int) -> None:
         if not isinstance(fd, int) or fd < 0:
-            raise ValueError(f"fd: an open file descriptor, got {fd!r}")
+            raise InvalidValue(f"fd: an open file descriptor, got {fd!r}")
         self._fd = fd
         self._pfd = _PollFd(fd, select.POLLIN | select.POLLPRI, 0)
         self._ref = ctypes.byref(self._pfd)

@@ -13,7 +13,7 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import CapacityError, KvstrataError, ServerError
+from kvstrata.errors import CapacityError, InvalidType, KvstrataError, ServerError
 from kvstrata.server import protocol as P
 from kvstrata.server.validity import SLOTS
 from kvstrata.store.tiers.base import Location
@@ -28,7 +28,7 @@ _LOCATION_TYPES = frozenset({Location})
 def _value(msg: dict) -> bytes:
     v = msg.get("v")
     if not isinstance(v, bytes):
-        raise TypeError(f"value: expected bytes on the wire, got {type(v).__name__}")
+        raise InvalidType(f"value: expected bytes on the wire, got {type(v).__name__}")
     return v
 
 
@@ -58,13 +58,13 @@ def _mput(s: Session, msg: dict) -> dict:
     written: list[str] = []  # the keys changed, read when the change ends
     pairs = msg.get("items", [])
     if type(pairs) is not list and type(pairs) is not tuple:
-        raise TypeError(f"items: expected a list of [key, value] pairs, got {type(pairs).__name__}")
+        raise InvalidType(f"items: expected a list of [key, value] pairs, got {type(pairs).__name__}")
     with s.validity.change(written):
         for i, pair in enumerate(pairs):
             try:
                 if type(pair) not in _PAIR_TYPES or len(pair) != 2:
                     got = f"a list of {len(pair)}" if type(pair) in _PAIR_TYPES else type(pair).__name__
-                    raise TypeError(f"items[{i}]: expected a [key, value] pair, got {got}")
+                    raise InvalidType(f"items[{i}]: expected a [key, value] pair, got {got}")
                 key, value = pair
                 _put_one(s, key, value, opts)
                 written.append(key)
@@ -92,7 +92,7 @@ def _mcreate(s: Session, msg: dict) -> dict:
     opts = s.write_options(msg)
     pairs = msg.get("items", [])
     if type(pairs) is not list or not _PAIR_TYPES.issuperset(map(type, pairs)) or any(len(p) != 2 for p in pairs):
-        raise TypeError("items: expected a list of [key, size] pairs")
+        raise InvalidType("items: expected a list of [key, size] pairs")
     results = s.store.create_many(pairs, owner=s.owner, **opts)
     reply: dict = {}
     errs = []
@@ -194,7 +194,7 @@ def _commit(s: Session, msg: dict) -> dict:
     opts = s.write_options(msg)
     items = msg.get("items", [])
     if type(items) is not list or len(items) > P.MAX_BATCH:
-        raise TypeError(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
+        raise InvalidType(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
     landed = s.landing_check(msg.get("tag")) if msg.get("landing") else None
     keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
     with _sealing(s.validity, keys):

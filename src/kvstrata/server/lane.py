@@ -35,6 +35,8 @@ from __future__ import annotations
 import ctypes
 import platform
 
+from kvstrata.errors import InvalidValue
+
 #: requests that may use a lane (replies without descriptors, a few bytes unless an error)
 LANE_OPS = frozenset({"put", "seal", "publish", "abort", "ping"})
 HEADER_BYTES = 64
@@ -59,7 +61,7 @@ class Lane:
         self.segment = segment
         base = segment.address  # type: ignore[attr-defined]
         if segment.nbytes < LANE_BYTES:  # type: ignore[attr-defined]
-            raise ValueError(f"segment: a lane needs {LANE_BYTES} bytes, got {segment.nbytes}")  # type: ignore[attr-defined]
+            raise InvalidValue(f"segment: a lane needs {LANE_BYTES} bytes, got {segment.nbytes}")  # type: ignore[attr-defined]
         u64 = ctypes.c_uint64.from_address
         self._req_seq, self._req_len = u64(base + _REQ_SEQ), u64(base + _REQ_LEN)
         self._rep_seq, self._rep_len = u64(base + _REP_SEQ), u64(base + _REP_LEN)

@@ -27,6 +27,7 @@ import numbers
 from typing import Any
 
 import kvstrata.errors as kverrors
+from kvstrata.errors import InvalidType, InvalidValue
 
 #: values below this many bytes travel inside the message; larger ones through shared memory
 INLINE_MAX = 64 << 10
@@ -68,14 +69,14 @@ def error_from_record(record: list | tuple) -> BaseException:
 def check_key(key: Any, name: str = "key") -> str:
     """A valid key (str, 1..1024 UTF-8 bytes) or ValueError/TypeError naming ``name``."""
     if not isinstance(key, str):
-        raise TypeError(f"{name}: must be a str, got {type(key).__name__}")
+        raise InvalidType(f"{name}: must be a str, got {type(key).__name__}")
     if not key:
-        raise ValueError(f"{name}: must not be empty")
+        raise InvalidValue(f"{name}: must not be empty")
     if len(key) <= MAX_KEY_BYTES // 4:  # no code point takes more than 4 bytes: no need to encode
         return key
     n = len(key.encode("utf-8", "surrogatepass"))
     if n > MAX_KEY_BYTES:
-        raise ValueError(f"{name}: {n} bytes long, over the {MAX_KEY_BYTES}-byte limit")
+        raise InvalidValue(f"{name}: {n} bytes long, over the {MAX_KEY_BYTES}-byte limit")
     return key
 
 
@@ -86,9 +87,9 @@ def check_keys(keys: Any, name: str = "keys") -> list[str]:
     try:
         keys = list(keys)
     except TypeError:
-        raise TypeError(f"{name}: expected a str or an iterable of str, got {type(keys).__name__}") from None
+        raise InvalidType(f"{name}: expected a str or an iterable of str, got {type(keys).__name__}") from None
     if len(keys) > MAX_BATCH:
-        raise ValueError(f"{name}: {len(keys)} keys, over the {MAX_BATCH} per call limit")
+        raise InvalidValue(f"{name}: {len(keys)} keys, over the {MAX_BATCH} per call limit")
     short = MAX_KEY_BYTES // 4  # no code point takes more than 4 bytes: a key this short cannot be too long
     if not keys or (_STR.issuperset(map(type, keys)) and min(map(len, keys)) > 0 and max(map(len, keys)) <= short):
         return keys  # the common case, checked with C loops
@@ -101,10 +102,10 @@ def check_keys(keys: Any, name: str = "keys") -> list[str]:
 def check_ids(ids: Any, name: str = "ids") -> list[int]:
     """A list of ids (lease ids, segment indices): ints, as the client sends them."""
     if type(ids) is not list and type(ids) is not tuple:
-        raise TypeError(f"{name}: expected a list of ints, got {type(ids).__name__}")
+        raise InvalidType(f"{name}: expected a list of ints, got {type(ids).__name__}")
     if not _INT.issuperset(map(type, ids)):  # bool is not int here: True is no id
         bad = next(i for i, x in enumerate(ids) if type(x) is not int)
-        raise TypeError(f"{name}[{bad}]: expected an int, got {type(ids[bad]).__name__}")
+        raise InvalidType(f"{name}[{bad}]: expected an int, got {type(ids[bad]).__name__}")
     return ids if type(ids) is list else list(ids)
 
 
@@ -113,9 +114,9 @@ def check_ttl(ttl: Any) -> float | None:
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
-        raise TypeError(f"ttl: must be seconds (a number) or None, got {type(ttl).__name__}")
+        raise InvalidType(f"ttl: must be seconds (a number) or None, got {type(ttl).__name__}")
     if not ttl >= 0:  # NaN too
-        raise ValueError(f"ttl: must be >= 0 seconds, got {ttl}")
+        raise InvalidValue(f"ttl: must be >= 0 seconds, got {ttl}")
     return float(ttl) or None
 
 
@@ -124,22 +125,22 @@ def check_timeout(timeout: Any) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"timeout: must be seconds (a number), got {type(timeout).__name__}")
+        raise InvalidType(f"timeout: must be seconds (a number), got {type(timeout).__name__}")
     if not timeout >= 0:  # NaN too
-        raise ValueError(f"timeout: must be >= 0 seconds, got {timeout}")
+        raise InvalidValue(f"timeout: must be >= 0 seconds, got {timeout}")
     return float(timeout)
 
 
 def check_write_mode(mode: Any) -> str:
     value = getattr(mode, "value", mode)
     if value not in WRITE_MODES:
-        raise ValueError(f"write_mode: must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
+        raise InvalidValue(f"write_mode: must be one of {', '.join(WRITE_MODES)}, got {mode!r}")
     return value
 
 
 def check_size(size: Any, name: str = "size") -> int:
     if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-        raise TypeError(f"{name}: must be an int, got {type(size).__name__}")
+        raise InvalidType(f"{name}: must be an int, got {type(size).__name__}")
     if size < 0:
-        raise ValueError(f"{name}: must be >= 0, got {size}")
+        raise InvalidValue(f"{name}: must be >= 0, got {size}")
     return int(size)

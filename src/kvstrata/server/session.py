@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ServerError, Timeout
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, KvstrataError, ServerError, Timeout
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.gil_spin import ReadyCheck
@@ -191,7 +191,7 @@ class Session:
         client's word in this connection's lane page; kvstrata.server.lane)."""
         lane = self.lane
         if lane is None or type(tag) is not int or tag <= 0:
-            raise ValueError("landing: a commit ahead of its copies needs the connection's lane and a tag")
+            raise InvalidValue("landing: a commit ahead of its copies needs the connection's lane and a tag")
         landing, settled = lane.landing, lane.mark_settled
 
         def landed() -> bool | None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
+from kvstrata.errors import InvalidValue
+
 ALIGNMENT = 64
 
 
@@ -30,9 +32,9 @@ class OffsetAllocator:
 
     def __init__(self, capacity: int, *, alignment: int = ALIGNMENT):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"capacity: must be a positive int, got {capacity!r}")
+            raise InvalidValue(f"capacity: must be a positive int, got {capacity!r}")
         if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"alignment: must be a power of two, got {alignment!r}")
+            raise InvalidValue(f"alignment: must be a power of two, got {alignment!r}")
         self.capacity = capacity - capacity % alignment
         self.alignment = alignment
         self._align = alignment - 1
@@ -98,12 +100,12 @@ class OffsetAllocator:
         not change (a write reservation hands out its head this way, see ``store.reservations``)."""
         size = self._used.get(offset)
         if size is None:
-            raise ValueError(f"offset: {offset} is not an allocated block")
+            raise InvalidValue(f"offset: {offset} is not an allocated block")
         if isinstance(first_size, bool) or not isinstance(first_size, int) or first_size <= 0:
-            raise ValueError(f"first_size: must be a positive int, got {first_size!r}")
+            raise InvalidValue(f"first_size: must be a positive int, got {first_size!r}")
         first = (first_size + self._align) & ~self._align
         if first > size:
-            raise ValueError(f"first_size: {first_size} bytes is more than the block's {size}")
+            raise InvalidValue(f"first_size: {first_size} bytes is more than the block's {size}")
         if first == size:
             return None
         self._used[offset] = first
@@ -117,16 +119,16 @@ class OffsetAllocator:
         (ValueError). A write reservation's commit carves all its items this way."""
         size = self._used.get(offset)
         if size is None:
-            raise ValueError(f"offset: {offset} is not an allocated block")
+            raise InvalidValue(f"offset: {offset} is not an allocated block")
         align = self._align
         rounded = []
         for n in sizes:
             if type(n) is not int or n <= 0:
-                raise ValueError(f"sizes: each must be a positive int, got {n!r}")
+                raise InvalidValue(f"sizes: each must be a positive int, got {n!r}")
             rounded.append((n + align) & ~align)
         total = sum(rounded)
         if total > size:
-            raise ValueError(f"sizes: {total} bytes in all is more than the block's {size}")
+            raise InvalidValue(f"sizes: {total} bytes in all is more than the block's {size}")
         used = self._used
         out = []
         off = offset
@@ -143,7 +145,7 @@ class OffsetAllocator:
         try:
             size = self._used.pop(offset)
         except KeyError:
-            raise ValueError(f"offset: {offset} is not an allocated block") from None
+            raise InvalidValue(f"offset: {offset} is not an allocated block") from None
         self.used_bytes -= size
         self._free_range(offset, offset + size)
         return size

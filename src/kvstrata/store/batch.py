@@ -26,7 +26,7 @@ import heapq
 import time
 from collections.abc import Iterable
 
-from kvstrata.errors import ClosedError, KeyExists, KeyNotFound, KvstrataError
+from kvstrata.errors import ClosedError, InvalidValue, KeyExists, KeyNotFound, KvstrataError
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import (
     FAST_KEY_CHARS,
@@ -73,7 +73,7 @@ class BatchMixin:
     def _check_batch_options(self, ttl: object, write_mode: object) -> None:
         check_ttl(ttl)
         if check_mode(write_mode) in (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK) and self._disk is None:
-            raise ValueError(f"write_mode: {write_mode} needs an SSD tier (StoreConfig.disk_dir)")
+            raise InvalidValue(f"write_mode: {write_mode} needs an SSD tier (StoreConfig.disk_dir)")
 
     def create_many(
         self,
@@ -249,11 +249,11 @@ class BatchMixin:
 
 def _pairs(items: object, name: str) -> list[tuple]:
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):
-        raise ValueError(f"{name}: must be a sequence of (key, value) pairs, got {type(items).__name__}")
+        raise InvalidValue(f"{name}: must be a sequence of (key, value) pairs, got {type(items).__name__}")
     pairs = list(items)
     for p in pairs:
         if not isinstance(p, tuple | list) or len(p) != 2:
-            raise ValueError(f"{name}: every item must be a (key, value) pair, got {p!r:.60}")
+            raise InvalidValue(f"{name}: every item must be a (key, value) pair, got {p!r:.60}")
     return pairs
 
 

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.errors import InvalidValue
+
 STORE_COUNTERS = (  # stats that only grow; the worker's metrics export them as counters
     "hits",
     "misses",
@@ -35,9 +37,9 @@ class WriteMode(enum.StrEnum):
 
 def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an int, got {value!r}")
+        raise InvalidValue(f"{name}: must be an int, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+        raise InvalidValue(f"{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -68,42 +70,42 @@ class StoreConfig:
         _positive_int("gpu_bytes", self.gpu_bytes, allow_zero=True)
         _positive_int("segment_bytes", self.segment_bytes)
         if self.disk_dir is not None and not isinstance(self.disk_dir, str):
-            raise ValueError(f"disk_dir: must be a path string or None, got {self.disk_dir!r}")
+            raise InvalidValue(f"disk_dir: must be a path string or None, got {self.disk_dir!r}")
         if self.disk_dir is not None and self.disk_bytes == 0:
-            raise ValueError("disk_bytes: must be > 0 when disk_dir is set")
+            raise InvalidValue("disk_bytes: must be > 0 when disk_dir is set")
         if self.disk_dir is None and self.disk_bytes:
-            raise ValueError("disk_dir: must be set when disk_bytes > 0")
+            raise InvalidValue("disk_dir: must be set when disk_bytes > 0")
         if self.gpu_device is not None and (isinstance(self.gpu_device, bool) or not isinstance(self.gpu_device, int)):
-            raise ValueError(f"gpu_device: must be a CUDA device index or None, got {self.gpu_device!r}")
+            raise InvalidValue(f"gpu_device: must be a CUDA device index or None, got {self.gpu_device!r}")
         for name in ("high_watermark", "low_watermark", "flush_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{name}: must be a number, got {value!r}")
+                raise InvalidValue(f"{name}: must be a number, got {value!r}")
         if not 0.0 < self.high_watermark <= 1.0:
-            raise ValueError(f"high_watermark: must be in (0, 1], got {self.high_watermark}")
+            raise InvalidValue(f"high_watermark: must be in (0, 1], got {self.high_watermark}")
         if not 0.0 <= self.low_watermark <= self.high_watermark:
-            raise ValueError(
+            raise InvalidValue(
                 f"low_watermark: must be in [0, high_watermark={self.high_watermark}], got {self.low_watermark}"
             )
         if self.flush_interval <= 0:
-            raise ValueError(f"flush_interval: must be > 0, got {self.flush_interval}")
+            raise InvalidValue(f"flush_interval: must be > 0, got {self.flush_interval}")
         if self.hugepages not in ("auto", "on", "off", True, False):
-            raise ValueError(f"hugepages: must be 'auto', 'on' or 'off', got {self.hugepages!r}")
+            raise InvalidValue(f"hugepages: must be 'auto', 'on' or 'off', got {self.hugepages!r}")
         node = self.numa_node
         if not (node is None or node == "auto" or (isinstance(node, int) and not isinstance(node, bool) and node >= 0)):
-            raise ValueError(f"numa_node: must be 'auto', None or a node index >= 0, got {node!r}")
+            raise InvalidValue(f"numa_node: must be 'auto', None or a node index >= 0, got {node!r}")
         if not isinstance(self.disk_sync, bool):
-            raise ValueError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
+            raise InvalidValue(f"disk_sync: must be a bool, got {self.disk_sync!r}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> StoreConfig:
         """Build from a dict (YAML, environment); unknown keys raise ValueError naming them."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"data: must be a mapping, got {type(data).__name__}")
+            raise InvalidValue(f"data: must be a mapping, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"data: unknown store settings {unknown} (known: {sorted(known)})")
+            raise InvalidValue(f"data: unknown store settings {unknown} (known: {sorted(known)})")
         return cls(**dict(data))
 
     def resolved_numa_node(self) -> int | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstrata.errors import CapacityError, ClosedError
+from kvstrata.errors import CapacityError, ClosedError, InvalidValue
 from kvstrata.store.objects import Entry, Lease, check_key, check_timeout
 from kvstrata.store.tiers.base import Location
 
@@ -49,7 +49,7 @@ class DeviceCacheMixin:
         tier or every copy there is leased; otherwise as :meth:`acquire`.
         """
         if self._gpu is None:
-            raise ValueError("acquire_device: this store has no HBM tier (StoreConfig.gpu_bytes is 0)")
+            raise InvalidValue("acquire_device: this store has no HBM tier (StoreConfig.gpu_bytes is 0)")
         check_key(key)
         timeout = check_timeout(timeout)
         with self._lock:
@@ -78,7 +78,7 @@ class DeviceCacheMixin:
     def device_tensor(self, location: Location) -> Any:
         """The uint8 device tensor over an HBM ``location`` (no copy)."""
         if self._gpu is None or location.segment != GPU_SEGMENT:
-            raise ValueError(f"location: {location} is not in an HBM tier")
+            raise InvalidValue(f"location: {location} is not in an HBM tier")
         return self._gpu.tensor(location)
 
     def _gpu_load(self, e: Entry) -> None:

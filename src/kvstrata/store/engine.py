@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError
+from kvstrata.errors import CapacityError, InvalidType
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.batch import BatchMixin
 from kvstrata.store.config import STORE_COUNTERS, StoreConfig
@@ -57,7 +57,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
 
     def __init__(self, config: StoreConfig):
         if not isinstance(config, StoreConfig):
-            raise TypeError(f"config: must be a StoreConfig, got {type(config).__name__}")
+            raise InvalidType(f"config: must be a StoreConfig, got {type(config).__name__}")
         self.config = config
         # the one metadata lock; while commits wait for their copies (store.reservations), every ``with`` of it
         # settles them first: _lock is then the settling wrapper of the same lock

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from kvstrata.errors import InvalidType, InvalidValue
 from kvstrata.store.config import WriteMode
 from kvstrata.store.tiers.base import Location
 
@@ -84,17 +85,17 @@ class Entry:
 
 def check_key(key: object, name: str = "key") -> str:
     if type(key) is not str:
-        raise ValueError(f"{name}: must be a str, got {type(key).__name__}")
+        raise InvalidValue(f"{name}: must be a str, got {type(key).__name__}")
     n = len(key)
     if n == 0:
-        raise ValueError(f"{name}: must not be empty")
+        raise InvalidValue(f"{name}: must not be empty")
     if n > FAST_KEY_CHARS or not key.isascii():
         try:
             nbytes = len(key.encode())
         except UnicodeEncodeError:
-            raise ValueError(f"{name}: not encodable as UTF-8 (lone surrogate?)") from None
+            raise InvalidValue(f"{name}: not encodable as UTF-8 (lone surrogate?)") from None
         if nbytes > MAX_KEY_BYTES:
-            raise ValueError(f"{name}: {nbytes} bytes in UTF-8, the limit is {MAX_KEY_BYTES}")
+            raise InvalidValue(f"{name}: {nbytes} bytes in UTF-8, the limit is {MAX_KEY_BYTES}")
     return key
 
 
@@ -103,7 +104,7 @@ def check_keys(keys: object) -> list[str]:
     if type(keys) is str:
         return [check_key(keys, "keys")]
     if not isinstance(keys, Iterable):
-        raise ValueError(f"keys: must be a sequence of str, got {type(keys).__name__}")
+        raise InvalidValue(f"keys: must be a sequence of str, got {type(keys).__name__}")
     keys = list(keys)
     types = set(map(type, keys))
     if types and types != {str}:
@@ -117,7 +118,7 @@ def check_ttl(ttl: object) -> float:
     if ttl is None:
         return 0.0
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 0 or ttl != ttl:
-        raise ValueError(f"ttl: must be None or a number of seconds >= 0, got {ttl!r}")
+        raise InvalidValue(f"ttl: must be None or a number of seconds >= 0, got {ttl!r}")
     return float(ttl)
 
 
@@ -125,7 +126,7 @@ def check_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0 or timeout != timeout:
-        raise ValueError(f"timeout: must be None or a number of seconds >= 0, got {timeout!r}")
+        raise InvalidValue(f"timeout: must be None or a number of seconds >= 0, got {timeout!r}")
     return float(timeout)
 
 
@@ -135,12 +136,12 @@ def check_mode(write_mode: object) -> WriteMode:
     try:
         return WriteMode(write_mode)
     except ValueError:
-        raise ValueError(f"write_mode: must be one of {[m.value for m in WriteMode]}, got {write_mode!r}") from None
+        raise InvalidValue(f"write_mode: must be one of {[m.value for m in WriteMode]}, got {write_mode!r}") from None
 
 
 def check_size(size: object, name: str = "size") -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"{name}: must be an int >= 0, got {size!r}")
+        raise InvalidValue(f"{name}: must be an int >= 0, got {size!r}")
     return size
 
 
@@ -150,16 +151,16 @@ def as_bytes_view(data: object) -> memoryview:
         return memoryview(data)
     if hasattr(data, "__dlpack__") and hasattr(data, "is_cuda") and not isinstance(data, memoryview):
         if data.is_cuda:
-            raise ValueError("data: a CUDA tensor; copy it to the host first (or use the client's mset_d2h)")
+            raise InvalidValue("data: a CUDA tensor; copy it to the host first (or use the client's mset_d2h)")
         import torch
 
         data = data.detach().contiguous().view(-1).view(torch.uint8).numpy() if data.numel() else b""
     try:
         mv = memoryview(data)
     except TypeError:
-        raise TypeError(f"data: must be bytes-like (buffer protocol), got {type(data).__name__}") from None
+        raise InvalidType(f"data: must be bytes-like (buffer protocol), got {type(data).__name__}") from None
     if not mv.c_contiguous:
-        raise ValueError("data: must be C-contiguous")
+        raise InvalidValue("data: must be C-contiguous")
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B") if mv.nbytes else memoryview(b"")
     return mv

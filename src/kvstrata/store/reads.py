@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvstrata.errors import CapacityError, ClosedError, KeyNotFound, Timeout
+from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyNotFound, Timeout
 from kvstrata.store.objects import Entry, check_key, check_size, check_timeout
 from kvstrata.store.writes import _SMALL
 
@@ -84,7 +84,7 @@ class ReadMixin:
                 e = self._wait_for(key, timeout, promote=False)
                 size = e.size - offset if want is None else want
                 if offset + size > e.size:
-                    raise ValueError(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
+                    raise InvalidValue(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
                 if e.loc is not None:
                     break
                 try:

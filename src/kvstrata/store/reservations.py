@@ -35,7 +35,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError, ClosedError, KeyExists, KvstrataError, ProtocolError
+from kvstrata.errors import (
+    CapacityError,
+    ClosedError,
+    InvalidType,
+    InvalidValue,
+    KeyExists,
+    KvstrataError,
+    ProtocolError,
+)
 from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import FAST_KEY_CHARS, ZERO_LOCATION, Entry, check_key, check_size
@@ -164,7 +172,9 @@ class ReservationMixin:
         try:
             mode, ttl_s = self._check_write("_", 0, ttl, write_mode)  # the batch's options, checked once
             if landed is not None and mode is not WriteMode.MEMORY:
-                raise ValueError(f"write_mode: a commit ahead of its copies makes 'memory' objects, not {mode.value!r}")
+                raise InvalidValue(
+                    f"write_mode: a commit ahead of its copies makes 'memory' objects, not {mode.value!r}"
+                )
         except (KvstrataError, ValueError, TypeError) as exc:
             return [exc] * n
         slow: list[tuple[int, Entry]] = []
@@ -299,7 +309,7 @@ class ReservationMixin:
 def _carving(item: object, i: int, r: Reservation | None) -> tuple[object, int, int]:
     """``(key, size, offset)`` of item ``i``, checked against the reservation's head and end."""
     if type(item) not in (list, tuple) or len(item) != 3:
-        raise TypeError(f"items[{i}]: expected a (key, size, offset) triple, got {item!r:.80}")
+        raise InvalidType(f"items[{i}]: expected a (key, size, offset) triple, got {item!r:.80}")
     key, size, offset = item
     check_size(size, f"items[{i}].size")
     check_size(offset, f"items[{i}].offset")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import time
 
-from kvstrata.errors import CapacityError, ClosedError, KeyExists, KeyNotFound
+from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyExists, KeyNotFound
 from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import Entry, as_bytes_view, check_key, check_mode, check_size, check_ttl
@@ -154,7 +154,7 @@ class WriteMixin:
         mode = write_mode if type(write_mode) is WriteMode else check_mode(write_mode)
         ttl_s = 0.0 if ttl is None else check_ttl(ttl)
         if mode in _PERSISTENT and self._disk is None:
-            raise ValueError(f"write_mode: {mode.value} needs an SSD tier (StoreConfig.disk_dir)")
+            raise InvalidValue(f"write_mode: {mode.value} needs an SSD tier (StoreConfig.disk_dir)")
         if not self._mem.fits_ever(size):
             raise CapacityError(
                 f"value of {size} bytes does not fit the memory tier ({self._mem.capacity} bytes, "

@@ -18,7 +18,7 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstrata.errors import TransportError
+from kvstrata.errors import InvalidValue, TransportError
 
 # Raised on every change that makes old peers misread new messages.
 PROTOCOL_VERSION = 1
@@ -114,10 +114,10 @@ def register_backend(scheme: str, backend: Backend) -> None:
 def split_address(address: str) -> tuple[str, str]:
     """``"unix:///a/b.sock"`` -> ``("unix", "/a/b.sock")``; ValueError naming ``address`` otherwise."""
     if not isinstance(address, str) or "://" not in address:
-        raise ValueError(f"address must look like 'scheme://location', got {address!r}")
+        raise InvalidValue(f"address must look like 'scheme://location', got {address!r}")
     scheme, _, location = address.partition("://")
     if not location:
-        raise ValueError(f"address {address!r} has no location after '{scheme}://'")
+        raise InvalidValue(f"address {address!r} has no location after '{scheme}://'")
     return scheme, location
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstrata.errors import KvstrataError, ProtocolError, TransportError
+from kvstrata.errors import InvalidValue, KvstrataError, ProtocolError, TransportError
 from kvstrata.transport.base import PROTOCOL_VERSION, Connection, Handler, Listener, Message, get_backend
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def connect(
     >>> lst.stop()
     """
     if timeout is None or timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        raise InvalidValue(f"timeout must be > 0 seconds, got {timeout!r}")
     backend = get_backend(address)
     deadline = time.monotonic() + timeout
     delay = retry_delay

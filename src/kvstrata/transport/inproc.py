@@ -14,7 +14,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvstrata.errors import ClosedError, ConnectionLost, Timeout, TransportError
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, Timeout, TransportError
 from kvstrata.transport.base import Backend, Connection, Handler, Listener, Message, register_backend, split_address
 from kvstrata.transport.stream import MAX_FDS, pack, unpack
 
@@ -48,7 +48,7 @@ class InprocConnection(Connection):
     def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
         payload = pack(msg)
         if len(fds) > MAX_FDS:
-            raise ValueError(f"fds: at most {MAX_FDS} per message, got {len(fds)}")
+            raise InvalidValue(f"fds: at most {MAX_FDS} per message, got {len(fds)}")
         if self._closed:
             raise ClosedError(f"connection to {self._address} is closed")
         if self._lost:

@@ -15,7 +15,7 @@ import stat
 import threading
 from typing import Any
 
-from kvstrata.errors import TransportError
+from kvstrata.errors import InvalidValue, TransportError
 from kvstrata.transport.base import Backend, Handler, Listener, register_backend, split_address
 from kvstrata.transport.stream import StreamConnection
 
@@ -82,7 +82,7 @@ class UnixBackend(Backend):
     def listen(self, address: str, accept: Handler, *, mode: int = 0o600, **options: Any) -> StreamListener:
         _, path = split_address(address)
         if len(os.fsencode(path)) > 107:
-            raise ValueError(f"address: unix socket path longer than 107 bytes: {path!r}")
+            raise InvalidValue(f"address: unix socket path longer than 107 bytes: {path!r}")
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, mode=0o700, exist_ok=True)
         owner = os.stat(folder).st_uid
@@ -125,7 +125,7 @@ def _host_port(address: str) -> tuple[str, int]:
     _, location = split_address(address)
     host, sep, port = location.rstrip("/").rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"address: expected tcp://host:port, got {address!r}")
+        raise InvalidValue(f"address: expected tcp://host:port, got {address!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from kvstrata.errors import ClosedError, ConnectionLost, ProtocolError, Timeout
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidType, InvalidValue, ProtocolError, Timeout
 from kvstrata.transport.base import Connection, Message
 
 _HEADER = struct.Struct("<II")
@@ -39,7 +39,7 @@ def pack(msg: Message) -> bytes:
     try:
         return msgpack.packb(msg, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"msg: cannot encode {type(exc).__name__}: {exc}") from exc
+        raise InvalidType(f"msg: cannot encode {type(exc).__name__}: {exc}") from exc
 
 
 def unpack(payload: bytes | memoryview) -> Message:
@@ -97,12 +97,12 @@ class StreamConnection(Connection):
     def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
         payload = pack(msg)
         if len(payload) > MAX_FRAME:
-            raise ValueError(f"msg: {len(payload)} bytes encoded, over the {MAX_FRAME}-byte frame limit")
+            raise InvalidValue(f"msg: {len(payload)} bytes encoded, over the {MAX_FRAME}-byte frame limit")
         fds = list(fds)
         if fds and not self.can_pass_fds:
-            raise ValueError(f"fds: {self._address} cannot pass file descriptors")
+            raise InvalidValue(f"fds: {self._address} cannot pass file descriptors")
         if len(fds) > MAX_FDS:
-            raise ValueError(f"fds: at most {MAX_FDS} per message, got {len(fds)}")
+            raise InvalidValue(f"fds: at most {MAX_FDS} per message, got {len(fds)}")
         header = _HEADER.pack(len(payload), len(fds))
         self._check_open()
         with self._send_lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvstrata.errors import InvalidValue
 from kvstrata.store.allocator import OffsetAllocator
 from kvstrata.store.tiers.base import BlockTier, Location
 
@@ -27,7 +28,7 @@ class GpuTier(BlockTier):
 
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("gpu_bytes: an HBM tier needs a CUDA GPU, and none is available")
+            raise InvalidValue("gpu_bytes: an HBM tier needs a CUDA GPU, and none is available")
         self.device = dev
         self._buffer = torch.empty(capacity, dtype=torch.uint8, device=dev)
         self._alloc = OffsetAllocator(capacity)
@@ -58,7 +59,7 @@ class GpuTier(BlockTier):
 
         flat = src.detach().contiguous().view(-1).view(torch.uint8)
         if flat.numel() != location.size:
-            raise ValueError(f"src: {flat.numel()} bytes, location holds {location.size}")
+            raise InvalidValue(f"src: {flat.numel()} bytes, location holds {location.size}")
         self.tensor(location).copy_(flat, non_blocking=non_blocking)
 
     def register_host(self, address: int, nbytes: int) -> bool:
