@@ -249,6 +249,8 @@
 #   PART=s23g: the three copy-tracing probes once each, short, on their shared tools/_copy_trace.py
 #   PART=s24a: every GPU test (bad arguments as kvstrata.InvalidArgument); bench store's device rows twice;
 #     tools/probe_handoff.py GPU0 -> GPU0 (offers on)
+#   PART=s24b: every GPU test; bench store's device rows with the worker's busy-polls as shipped and off
+#     (KVSTRATA_SPIN_US=0), in the order default, off, off, default
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -732,6 +734,14 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s24b ]; then
+  gpu_tests gpu_tests_s24b
+  for v in default off off default; do
+    if [ "$v" = off ]; then export KVSTRATA_SPIN_US=0; else unset KVSTRATA_SPIN_US; fi
+    echo "=== (the worker's busy-polls: $v)" >> "$LOG"
+    bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+  unset KVSTRATA_SPIN_US
 elif [ "${PART}" = s24a ]; then
   gpu_tests gpu_tests_s24a
   store_rows new new
