@@ -13,7 +13,7 @@ argument raises :class:`InvalidValue` (a :class:`ValueError`) or :class:`Invalid
 anything is written: ``except ValueError`` and ``except kvstrata.KvstrataError`` both catch it.
 
 >>> import kvstrata
->>> with kvstrata.connect(embedded=True, memory="64MiB") as kv:
+>>> with kvstrata.connect(embedded=True, memory_bytes="64MiB") as kv:
 ...     try:
 ...         kv.set("", b"x")
 ...     except kvstrata.InvalidArgument as exc:
