@@ -251,6 +251,8 @@
 #     tools/probe_handoff.py GPU0 -> GPU0 (offers on)
 #   PART=s24b: every GPU test; bench store's device rows with the worker's busy-polls as shipped and off
 #     (KVSTRATA_SPIN_US=0), in the order default, off, off, default
+#   PART=s24c: the session's closing call: every GPU test (collected with the docstrings' examples, which the
+#     GPU mark deselects); the docstrings' examples on the GPU machine
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -734,6 +736,10 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s24c ]; then
+  gpu_tests gpu_tests_s24c
+  echo "=== the docstrings' examples (pytest --doctest-modules src/kvstrata)" >> "$LOG"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider src/kvstrata 2>&1 | tail -3 >> "$LOG"
 elif [ "${PART}" = s24b ]; then
   gpu_tests gpu_tests_s24b
   for v in default off off default; do
