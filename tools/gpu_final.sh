@@ -252,7 +252,7 @@
 #   PART=s24b: every GPU test; bench store's device rows with the worker's busy-polls as shipped and off
 #     (KVSTRATA_SPIN_US=0), in the order default, off, off, default
 #   PART=s24c: the session's closing call: every GPU test (collected with the docstrings' examples, which the
-#     GPU mark deselects); the docstrings' examples on the GPU machine
+#     GPU mark deselects); the docstrings' examples on the GPU machine; bench store's device rows twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -740,6 +740,7 @@ elif [ "${PART}" = s24c ]; then
   gpu_tests gpu_tests_s24c
   echo "=== the docstrings' examples (pytest --doctest-modules src/kvstrata)" >> "$LOG"
   timeout 120 python3 -m pytest -q -p no:cacheprovider src/kvstrata 2>&1 | tail -3 >> "$LOG"
+  store_rows new new
 elif [ "${PART}" = s24b ]; then
   gpu_tests gpu_tests_s24b
   for v in default off off default; do
