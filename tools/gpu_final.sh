@@ -253,6 +253,8 @@
 #     (KVSTRATA_SPIN_US=0), in the order default, off, off, default
 #   PART=s24c: the session's closing call: every GPU test (collected with the docstrings' examples, which the
 #     GPU mark deselects); the docstrings' examples on the GPU machine; bench store's device rows twice
+#   PART=s24d: tools/probe_kept_after.py, tools/probe_store_ab.py and tools/trace_store_device.py on
+#     tools/_copy_trace.kept_client (their worker and keys set up there now)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -736,6 +738,13 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s24d ]; then
+  for t in probe_kept_after:--calls:60 probe_store_ab:--iters:20 trace_store_device; do
+    IFS=: read -r name flag val <<< "$t"
+    echo "=== tools/${name}.py ${flag:-} ${val:-} (on tools/_copy_trace.kept_client)" >> "$LOG"
+    timeout 150 python3 "tools/${name}.py" ${flag:+"$flag" "$val"} >> "$LOG" 2>&1
+    echo "rc=$?" >> "$LOG"
+  done
 elif [ "${PART}" = s24c ]; then
   gpu_tests gpu_tests_s24c
   echo "=== the docstrings' examples (pytest --doctest-modules src/kvstrata)" >> "$LOG"

@@ -14,14 +14,12 @@ import io
 import pstats
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from _copy_trace import kept_client
 
 import kvstrata
-from kvstrata.bench.store import _start_worker
 from kvstrata.client import device
 
 
@@ -52,64 +50,55 @@ def main() -> None:
         rows.append((t0, time.perf_counter(), e0, e1, len(runs.device)))
 
     device.enqueue = traced
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, address = _start_worker(Path(tmp), 4 << 30)
-        try:
-            with kvstrata.connect(address) as kv:
-                src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
-                dst = [[torch.empty_like(t[0])] for t in src]
-                keys = [f"k/{i}" for i in range(n)]
-                kv.mset_d2h(keys, src)
-                host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
-                big = torch.empty(n * size, dtype=torch.uint8, device="cuda")
-                writer = kvstrata.connect(address)
-                for label, fn in (
-                    ("mget_h2d cached", lambda it: kv.mget_h2d(keys, dst)),
-                    ("mget_h2d after a rewrite", lambda it: kv.mget_h2d(keys, dst)),
-                    ("mget_h2d after another client's rewrite", lambda it: kv.mget_h2d(keys, dst)),
-                    ("mset_d2h", lambda it: kv.mset_d2h([f"p/{it}/{i}" for i in range(n)], src)),
-                    ("one 64 MiB copy_", lambda it: big.copy_(host, non_blocking=True)),
-                ):
-                    totals, last = [], None
-                    for it in range(12):
-                        if label.endswith("after a rewrite"):  # the keys changed: their kept leases are stale
-                            kv.delete(keys)
-                            kv.mset_d2h(keys, src)
-                        elif label.endswith("client's rewrite"):  # written by another process (prefill, say)
-                            writer.delete(keys)
-                            writer.mset_d2h(keys, src)
-                            writer.exists(keys[:1])  # its answer comes once the objects are visible to all
-                        torch.cuda.synchronize()
-                        rows.clear()
-                        start = torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        t0 = time.perf_counter()
-                        fn(it)
-                        if label.startswith("one"):
-                            torch.cuda.synchronize()
-                        totals.append(time.perf_counter() - t0)
-                        torch.cuda.synchronize()
-                        last = (t0, start, list(rows))
-                        if label == "mset_d2h":
-                            kv.delete([f"p/{it}/{i}" for i in range(n)])
-                    print(f"== {label}: median {statistics.median(totals[2:]) * 1e6:.0f} us "
-                          f"(64 MiB at 55 GB/s: 1220 us)")  # fmt: skip
-                    if "--profile" in sys.argv[1:]:
-                        prof = cProfile.Profile()
-                        prof.enable()
-                        for it in range(100, 120):
-                            fn(it)
-                        prof.disable()
-                        out = io.StringIO()
-                        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
-                        print("\n".join(out.getvalue().splitlines()[4:30]))
-                    t0, start, rs = last
-                    for h0, h1, e0, e1, nruns in rs:
-                        q0, q1 = (h0 - t0) * 1e6, (h1 - t0) * 1e6
-                        d0, d1 = start.elapsed_time(e0) * 1e3, start.elapsed_time(e1) * 1e3
-                        print(f"  stage, {nruns:2d} runs: host {q0:7.1f}..{q1:7.1f} us, device {d0:7.1f}..{d1:7.1f} us")
-        finally:
-            proc.terminate()
+    with kept_client("k") as (kv, keys, src, dst):
+        host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
+        big = torch.empty(n * size, dtype=torch.uint8, device="cuda")
+        writer = kvstrata.connect(kv.address)
+        for label, fn in (
+            ("mget_h2d cached", lambda it: kv.mget_h2d(keys, dst)),
+            ("mget_h2d after a rewrite", lambda it: kv.mget_h2d(keys, dst)),
+            ("mget_h2d after another client's rewrite", lambda it: kv.mget_h2d(keys, dst)),
+            ("mset_d2h", lambda it: kv.mset_d2h([f"p/{it}/{i}" for i in range(n)], src)),
+            ("one 64 MiB copy_", lambda it: big.copy_(host, non_blocking=True)),
+        ):
+            totals, last = [], None
+            for it in range(12):
+                if label.endswith("after a rewrite"):  # the keys changed: their kept leases are stale
+                    kv.delete(keys)
+                    kv.mset_d2h(keys, src)
+                elif label.endswith("client's rewrite"):  # written by another process (prefill, say)
+                    writer.delete(keys)
+                    writer.mset_d2h(keys, src)
+                    writer.exists(keys[:1])  # its answer comes once the objects are visible to all
+                torch.cuda.synchronize()
+                rows.clear()
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter()
+                fn(it)
+                if label.startswith("one"):
+                    torch.cuda.synchronize()
+                totals.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+                last = (t0, start, list(rows))
+                if label == "mset_d2h":
+                    kv.delete([f"p/{it}/{i}" for i in range(n)])
+            print(f"== {label}: median {statistics.median(totals[2:]) * 1e6:.0f} us "
+                  f"(64 MiB at 55 GB/s: 1220 us)")  # fmt: skip
+            if "--profile" in sys.argv[1:]:
+                prof = cProfile.Profile()
+                prof.enable()
+                for it in range(100, 120):
+                    fn(it)
+                prof.disable()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+                print("\n".join(out.getvalue().splitlines()[4:30]))
+            t0, start, rs = last
+            for h0, h1, e0, e1, nruns in rs:
+                q0, q1 = (h0 - t0) * 1e6, (h1 - t0) * 1e6
+                d0, d1 = start.elapsed_time(e0) * 1e3, start.elapsed_time(e1) * 1e3
+                print(f"  stage, {nruns:2d} runs: host {q0:7.1f}..{q1:7.1f} us, device {d0:7.1f}..{d1:7.1f} us")
 
 
 if __name__ == "__main__":
