@@ -255,6 +255,8 @@
 #     GPU mark deselects); the docstrings' examples on the GPU machine; bench store's device rows twice
 #   PART=s24d: tools/probe_kept_after.py, tools/probe_store_ab.py and tools/trace_store_device.py on
 #     tools/_copy_trace.kept_client (their worker and keys set up there now)
+#   PART=s24e: tools/probe_kept_quiet.py twice (a kept read after a request, 2 ms asleep, 2 ms busy, 2 ms asleep
+#     beside a DMA: the host's and the device's share of a quiet client's slower call)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -738,6 +740,11 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s24e ]; then
+  for r in 1 2; do
+    echo "=== tools/probe_kept_quiet.py --rounds 150 (run $r)" >> "$LOG"
+    timeout 150 python3 tools/probe_kept_quiet.py --rounds 150 >> "$LOG" 2>&1
+  done
 elif [ "${PART}" = s24d ]; then
   for t in probe_kept_after:--calls:60 probe_store_ab:--iters:20 trace_store_device; do
     IFS=: read -r name flag val <<< "$t"
