@@ -361,6 +361,43 @@ def test_copies_wait_for_the_callers_pending_work_call_after_call(kv):
 
 
 @pytest.mark.gpu
+def test_copies_join_the_callers_stream_only_where_it_has_pending_work(kv, monkeypatch):
+    # On the legacy default stream (most callers'): idle, the call finds it so and queues no wait; with work
+    # pending, it waits for that work, and the bytes show it.
+    from kvstrata.ops import copy_engine
+
+    idle: list[bool] = []  # what each call's check found
+    real_idle = copy_engine.stream_idle
+    monkeypatch.setattr(copy_engine, "stream_idle", lambda handle: idle.append(real_idle(handle)) or idle[-1])
+    keys = [f"gpu-idle-join/{i}" for i in range(3)]
+    src = [[torch.full((1 << 16,), i + 1, dtype=torch.uint8, device="cuda")] for i in range(3)]
+    dst = [[torch.empty(1 << 16, dtype=torch.uint8, device="cuda")] for _ in keys]
+    for r in range(3):
+        kv.delete(keys)
+        torch.cuda.synchronize()
+        idle.clear()
+        assert kv.mset_d2h(keys, src) == [None] * 3
+        assert kv.mget_h2d(keys, dst) == [None] * 3
+        assert idle and all(idle), f"idle, round {r}: {idle}"
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst)), f"idle, round {r}"
+        idle.clear()
+        kv.delete(keys)
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time ahead of the writes: pending when the call looks
+        for ts in src:
+            ts[0].add_(1)
+        assert kv.mset_d2h(keys, src) == [None] * 3
+        torch.cuda._sleep(50_000_000)
+        for ts in dst:
+            ts[0].fill_(0)
+        assert kv.mget_h2d(keys, dst) == [None] * 3
+        assert idle and not any(idle), f"busy, round {r}: {idle}"
+        torch.cuda.synchronize()
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst)), f"busy, round {r}"
+        assert all(bool((ts[0] == i + r + 2).all()) for i, ts in enumerate(dst))
+    kv.delete(keys)
+
+
+@pytest.mark.gpu
 def test_cuda_lease_held_across_the_copy(kv, monkeypatch):
     # One stage for all four keys: the keys are overwritten right after it is queued (in-process, a later
     # stage would lease the new objects, as it should).

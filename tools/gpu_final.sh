@@ -257,6 +257,14 @@
 #     tools/_copy_trace.kept_client (their worker and keys set up there now)
 #   PART=s24e: tools/probe_kept_quiet.py twice (a kept read after a request, 2 ms asleep, 2 ms busy, 2 ms asleep
 #     beside a DMA: the host's and the device's share of a quiet client's slower call)
+#   PART=s25a: tools/probe_legacy_join.py three times (the copy stream joined to the legacy stream by an event, or
+#     a blocking copy stream: kept mget_h2d and mset_d2h, call by call)
+#   PART=s25b: tools/probe_legacy_join.py twice with a third way (no join: what the join costs); bench store's
+#     device rows with the blocking copy stream off, on, on, off (KVSTRATA_JOIN_LEGACY)
+#   PART=s25c: tools/probe_legacy_join.py twice with the idle check (the join skipped where the caller's stream has
+#     nothing pending); every GPU test with it; bench store's device rows twice
+#   PART=s25d: every GPU test (with the idle check's own); tools/probe_legacy_join.py (join against the idle check);
+#     bench store's device rows three times
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -740,6 +748,32 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     timeout 200 python3 tools/probe_handoff.py --devices "${DEVS}" --iters 150 2>&1 | grep -v Producer >> "$LOG"
     gpu_tests gpu_tests_s19z
   fi
+elif [ "${PART}" = s25a ]; then
+  for r in 1 2 3; do
+    echo "=== tools/probe_legacy_join.py --rounds 100 (run $r)" >> "$LOG"
+    timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+  done
+elif [ "${PART}" = s25b ]; then
+  for r in 1 2; do
+    echo "=== tools/probe_legacy_join.py --rounds 100 (run $r, with no join at all)" >> "$LOG"
+    timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+  done
+  for j in 0 1 1 0; do
+    echo "=== KVSTRATA_JOIN_LEGACY=$j" >> "$LOG"
+    KVSTRATA_JOIN_LEGACY=$j bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
+  done
+elif [ "${PART}" = s25c ]; then
+  for r in 1 2; do
+    echo "=== tools/probe_legacy_join.py --rounds 100 (run $r: join, idle check, blocking, no join)" >> "$LOG"
+    timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+  done
+  gpu_tests gpu_tests_s25c
+  store_rows new new
+elif [ "${PART}" = s25d ]; then
+  gpu_tests gpu_tests_s25d
+  echo "=== tools/probe_legacy_join.py --rounds 100 (join, idle check)" >> "$LOG"
+  timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+  store_rows new new new
 elif [ "${PART}" = s24e ]; then
   for r in 1 2; do
     echo "=== tools/probe_kept_quiet.py --rounds 150 (run $r)" >> "$LOG"

@@ -207,6 +207,19 @@ def stream_wait(event: int, stream: int, waiter: int) -> bool:
     return True
 
 
+def stream_idle(stream: int) -> bool:
+    """Whether everything queued on the raw CUDA stream ``stream`` so far has completed (one ``cudaStreamQuery``);
+    False where it has not, where the query fails, or where cuda-bindings is missing."""
+    query = _query_call()
+    return query is not None and not query(stream)[0]
+
+
+@functools.cache
+def _query_call():
+    rt = _runtime()
+    return None if rt is None else rt.cudaStreamQuery
+
+
 @functools.cache
 def _event_calls() -> tuple | None:
     """(cudaEventRecord, cudaStreamWaitEvent) of cuda-bindings, or None."""
@@ -230,5 +243,6 @@ __all__ = [
     "memcpy_batch",
     "memcpy_raw",
     "merge_runs",
+    "stream_idle",
     "stream_wait",
 ]
