@@ -372,6 +372,10 @@ def test_copies_join_the_callers_stream_only_where_it_has_pending_work(kv, monke
     keys = [f"gpu-idle-join/{i}" for i in range(3)]
     src = [[torch.full((1 << 16,), i + 1, dtype=torch.uint8, device="cuda")] for i in range(3)]
     dst = [[torch.empty(1 << 16, dtype=torch.uint8, device="cuda")] for _ in keys]
+    # The kernels' first launches load their code, which waits for the GPU (the queued sleep would be over by the
+    # call: seen on the H200 machine), so each kernel runs once before.
+    torch.cuda._sleep(1000)
+    dst[0][0].add_(1).fill_(0)
     for r in range(3):
         kv.delete(keys)
         torch.cuda.synchronize()

@@ -257,14 +257,16 @@
 #     tools/_copy_trace.kept_client (their worker and keys set up there now)
 #   PART=s24e: tools/probe_kept_quiet.py twice (a kept read after a request, 2 ms asleep, 2 ms busy, 2 ms asleep
 #     beside a DMA: the host's and the device's share of a quiet client's slower call)
-#   PART=s25a: tools/probe_legacy_join.py three times (the copy stream joined to the legacy stream by an event, or
-#     a blocking copy stream: kept mget_h2d and mset_d2h, call by call)
-#   PART=s25b: tools/probe_legacy_join.py twice with a third way (no join: what the join costs); bench store's
+#   PART=s25a: tools/probe_call_variants.py (then probe_legacy_join.py) three times (the copy stream joined to
+#     the legacy stream by an event, or a blocking copy stream: kept mget_h2d and mset_d2h, call by call)
+#   PART=s25b: tools/probe_call_variants.py twice with a third way (no join: what the join costs); bench store's
 #     device rows with the blocking copy stream off, on, on, off (KVSTRATA_JOIN_LEGACY)
-#   PART=s25c: tools/probe_legacy_join.py twice with the idle check (the join skipped where the caller's stream has
+#   PART=s25c: tools/probe_call_variants.py twice with the idle check (the join skipped where the caller's stream has
 #     nothing pending); every GPU test with it; bench store's device rows twice
-#   PART=s25d: every GPU test (with the idle check's own); tools/probe_legacy_join.py (join against the idle check);
+#   PART=s25d: every GPU test (with the idle check's own); tools/probe_call_variants.py (join against the idle check);
 #     bench store's device rows three times
+#   PART=s25e: every GPU test (the idle check's test with 25 ms of pending work); tools/probe_call_variants.py
+#     --holds twice (join, idle check, kept reads without their per-key holds); bench store's device rows twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -750,13 +752,13 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
   fi
 elif [ "${PART}" = s25a ]; then
   for r in 1 2 3; do
-    echo "=== tools/probe_legacy_join.py --rounds 100 (run $r)" >> "$LOG"
-    timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+    echo "=== tools/probe_call_variants.py --rounds 100 (run $r)" >> "$LOG"
+    timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
   done
 elif [ "${PART}" = s25b ]; then
   for r in 1 2; do
-    echo "=== tools/probe_legacy_join.py --rounds 100 (run $r, with no join at all)" >> "$LOG"
-    timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+    echo "=== tools/probe_call_variants.py --rounds 100 (run $r, with no join at all)" >> "$LOG"
+    timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
   done
   for j in 0 1 1 0; do
     echo "=== KVSTRATA_JOIN_LEGACY=$j" >> "$LOG"
@@ -764,16 +766,23 @@ elif [ "${PART}" = s25b ]; then
   done
 elif [ "${PART}" = s25c ]; then
   for r in 1 2; do
-    echo "=== tools/probe_legacy_join.py --rounds 100 (run $r: join, idle check, blocking, no join)" >> "$LOG"
-    timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+    echo "=== tools/probe_call_variants.py --rounds 100 (run $r: join, idle check, blocking, no join)" >> "$LOG"
+    timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
   done
   gpu_tests gpu_tests_s25c
   store_rows new new
 elif [ "${PART}" = s25d ]; then
   gpu_tests gpu_tests_s25d
-  echo "=== tools/probe_legacy_join.py --rounds 100 (join, idle check)" >> "$LOG"
-  timeout 150 python3 tools/probe_legacy_join.py --rounds 100 >> "$LOG" 2>&1
+  echo "=== tools/probe_call_variants.py --rounds 100 (join, idle check)" >> "$LOG"
+  timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
   store_rows new new new
+elif [ "${PART}" = s25e ]; then
+  gpu_tests gpu_tests_s25e
+  for r in 1 2; do
+    echo "=== tools/probe_call_variants.py --rounds 100 --holds (run $r)" >> "$LOG"
+    timeout 150 python3 tools/probe_call_variants.py --rounds 100 --holds >> "$LOG" 2>&1
+  done
+  store_rows new new
 elif [ "${PART}" = s24e ]; then
   for r in 1 2; do
     echo "=== tools/probe_kept_quiet.py --rounds 150 (run $r)" >> "$LOG"

@@ -1,11 +1,13 @@
-"""A kept ``mget_h2d`` and a ``mset_d2h`` of 64 x 1 MiB with the copy stream joined to the caller's stream always,
-or only where that stream has work pending, switched call by call (GPU machine, one real worker, one client on the
-legacy default stream, idle between calls):
+"""A kept ``mget_h2d`` and a ``mset_d2h`` of 64 x 1 MiB under variants switched call by call (GPU machine, one real
+worker, one client on the legacy default stream, idle between calls):
 
 * ``join``: the copy stream waits for the caller's stream through an event recorded on it (two runtime calls before
   the first copy);
 * ``idle check``: one ``cudaStreamQuery`` of the caller's stream; the join only where it has work pending
-  (``kvstrata.client.device.SKIP_IDLE_JOIN``, the default since session 25).
+  (``kvstrata.client.device.SKIP_IDLE_JOIN``, the default since session 25);
+* ``no holds`` (``mget_h2d``, with ``--holds``): the idle check, and the kept leases taken and given back without
+  the call's own hold on each (the local-read cache's hold alone pins them: safe here, with one thread and no
+  eviction). What a client-wide count of kept reads in flight, instead of 64 holds and 64 releases, would save.
 
 Each call after either a one-key request or 2 ms asleep. Per case, the median call and its fraction of one 64 MiB
 copy. Before the timing, both ways are checked for order: a kernel on the caller's stream changes the source (or
@@ -15,7 +17,7 @@ Session 25 (``gpu_check_s25.log``) also measured two ways since removed: a block
 legacy stream's earlier work with no call, but makes the legacy stream's later work wait for the copies) and no join
 at all (unsafe): both as fast as the idle check.
 
-    PYTHONPATH=src python3 tools/probe_legacy_join.py [--rounds 100]
+    PYTHONPATH=src python3 tools/probe_call_variants.py [--rounds 100] [--holds]
 """
 
 from __future__ import annotations
@@ -53,11 +55,27 @@ def main() -> None:
         preludes = {"request": lambda: kv.exists(keys[:1]), "sleep": lambda: time.sleep(2e-3)}
         ops, modes = ("mget_h2d", "mset_d2h"), ("join", "idle check")
         cases = [(op, mode, pre) for op in ops for mode in modes for pre in preludes]
+        if "--holds" in sys.argv:
+            cases += [("mget_h2d", "no holds", pre) for pre in preludes]
+        backend, release = kv._backend, kv._release_leases
+
+        def kept_without_holds(ks: list[str]) -> tuple[list[int], list] | None:
+            with backend._lock:
+                got = backend._local.entries_prefix(ks)
+                if not got or not backend._worker_there():
+                    return None
+                return [e[0] for e in got], [e[1] for e in got]
+
         got: dict[tuple, list[float]] = {c: [] for c in cases}
         for it in range(rounds + 3):
             order = cases if it % 2 == 0 else cases[::-1]
             for op, mode, pre in order:
-                device.SKIP_IDLE_JOIN = mode == "idle check"
+                device.SKIP_IDLE_JOIN = mode != "join"
+                if mode == "no holds":
+                    backend.kept_leases, kv._release_leases = kept_without_holds, lambda ids: release([])
+                else:
+                    backend.__dict__.pop("kept_leases", None)
+                    kv.__dict__.pop("_release_leases", None)
                 torch.cuda.synchronize()
                 if op == "mset_d2h":
                     ks = [f"lj/w/{it}/{i}" for i in range(N)]
