@@ -267,6 +267,8 @@
 #     bench store's device rows three times
 #   PART=s25e: every GPU test (the idle check's test with 25 ms of pending work); tools/probe_call_variants.py
 #     --holds twice (join, idle check, kept reads without their per-key holds); bench store's device rows twice
+#   PART=s25f: the session's closing call: every GPU test; bench store's device rows twice;
+#     tools/probe_call_variants.py --holds; tools/probe_handoff.py GPU0 -> GPU0 (offers on); the rows once more
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -783,6 +785,14 @@ elif [ "${PART}" = s25e ]; then
     timeout 150 python3 tools/probe_call_variants.py --rounds 100 --holds >> "$LOG" 2>&1
   done
   store_rows new new
+elif [ "${PART}" = s25f ]; then
+  gpu_tests gpu_tests_s25f
+  store_rows new new
+  echo "=== tools/probe_call_variants.py --rounds 100 --holds" >> "$LOG"
+  timeout 150 python3 tools/probe_call_variants.py --rounds 100 --holds >> "$LOG" 2>&1
+  echo "=== tools/probe_handoff.py --devices 0,0 --iters 150 --variants on" >> "$LOG"
+  timeout 150 python3 tools/probe_handoff.py --devices 0,0 --iters 150 --variants on >> "$LOG" 2>&1
+  store_rows new
 elif [ "${PART}" = s24e ]; then
   for r in 1 2; do
     echo "=== tools/probe_kept_quiet.py --rounds 150 (run $r)" >> "$LOG"
