@@ -113,3 +113,13 @@ def test_memcpy_raw_turns_cuda_errors_into_copy_engine_errors(monkeypatch, n):
     assert len(calls) == 1 and calls[0][-1] == 7  # on the stream given, one call for the whole batch
     with pytest.raises(ValueError, match="lengths"):
         copy_engine.memcpy_raw([1, 2], [3], [8, 8], 7)
+
+
+@pytest.mark.parametrize(("answer", "idle"), [(0, True), (600, False), (1, False)])
+def test_stream_idle_only_on_a_successful_query(monkeypatch, answer, idle):
+    """cudaSuccess alone means idle: not ready (600) and any failure mean the caller's stream is joined."""
+    asked = []
+    monkeypatch.setattr(copy_engine, "_query_call", lambda: lambda handle: asked.append(handle) or (answer,))
+    assert copy_engine.stream_idle(7) is idle and asked == [7]
+    monkeypatch.setattr(copy_engine, "_query_call", lambda: None)  # no cuda-bindings
+    assert copy_engine.stream_idle(7) is False

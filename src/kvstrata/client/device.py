@@ -277,8 +277,8 @@ def start(device: Any, stream: Any = None) -> Any:
 
 _copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls
 # start() skips the join where the caller's stream is idle. On the H200 host (tools/probe_call_variants.py, session
-# 25, switched call by call) that saved a 64 x 1 MiB mset_d2h 23-31 us (as much as leaving the join out did) and a
-# kept mget_h2d 1-14 us. The probe switches it.
+# 25, switched call by call) that saved a 64 x 1 MiB mset_d2h 12-31 us after a request (as much as leaving the join
+# out did); a kept mget_h2d gained nothing the drift does not cover. The probe switches it.
 SKIP_IDLE_JOIN = True
 _wait_events = threading.local()  # device index -> this thread's event for start()'s wait, and its raw handle
 

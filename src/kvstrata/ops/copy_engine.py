@@ -216,6 +216,7 @@ def stream_idle(stream: int) -> bool:
 
 @functools.cache
 def _query_call():
+    """cuda-bindings' ``cudaStreamQuery``, or None."""
     rt = _runtime()
     return None if rt is None else rt.cudaStreamQuery
 
