@@ -83,6 +83,28 @@ def worker_config(directory, *, memory: int, segment: int):
     return WorkerConfig.load(dict(settings, disk_dir="", numa_node="none"), environ={})
 
 
+def worker_fixtures(name: str, *, memory: int, segment: int, modes: tuple[str, ...] = ("embedded", "unix")):
+    """A test module's ``worker`` fixture (one worker per module, built by :func:`worker_config` in a folder named
+    ``name``) and ``kv`` fixture (a client per test, once per mode of ``modes``: see :func:`client_for`). Bind both
+    under those names: ``worker, kv = worker_fixtures("dev-worker", memory=64 << 20, segment=16 << 20)``."""
+    import pytest
+
+    from kvstrata.server import Worker
+
+    @pytest.fixture(scope="module")
+    def worker(tmp_path_factory):
+        with Worker(worker_config(tmp_path_factory.mktemp(name), memory=memory, segment=segment)).start() as w:
+            yield w
+
+    @pytest.fixture(params=list(modes))
+    def kv(request, worker):
+        client = client_for(request.param, worker, memory=memory, segment=segment)
+        yield client
+        client.close()
+
+    return worker, kv
+
+
 def client_for(mode: str, worker, *, memory: int, segment: int):
     """A client of ``worker`` (``mode="unix"``) or an embedded store of the same size (``"embedded"``)."""
     import kvstrata

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvstrata
-from kv_helpers import client_for, worker_config
+from kv_helpers import client_for, worker_fixtures
 from kvstrata.errors import (
     CapacityError,
     ClosedError,
@@ -31,18 +31,7 @@ from kvstrata.server.protocol import INLINE_MAX
 MEMORY = 32 << 20
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    config = worker_config(tmp_path_factory.mktemp("worker"), memory=MEMORY, segment=8 << 20)
-    with Worker(config).start() as w:
-        yield w
-
-
-@pytest.fixture(params=["embedded", "unix"])
-def kv(request, worker):
-    client = client_for(request.param, worker, memory=MEMORY, segment=8 << 20)
-    yield client
-    client.close()
+worker, kv = worker_fixtures("worker", memory=MEMORY, segment=8 << 20)
 
 
 def _stats(kv):

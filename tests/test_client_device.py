@@ -13,26 +13,14 @@ import torch
 
 import kvstrata
 from _stages import batches_of, copies_pending, outcomes, stages_of
-from kv_helpers import client_for, worker_config
+from kv_helpers import worker_fixtures
 from kvstrata.client import device, kept_reads
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
-from kvstrata.server import Worker
 
 MEMORY = 64 << 20
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    config = worker_config(tmp_path_factory.mktemp("dev-worker"), memory=MEMORY, segment=16 << 20)
-    with Worker(config).start() as w:
-        yield w
-
-
-@pytest.fixture(params=["embedded", "unix"])
-def kv(request, worker):
-    client = client_for(request.param, worker, memory=MEMORY, segment=16 << 20)
-    yield client
-    client.close()
+worker, kv = worker_fixtures("dev-worker", memory=MEMORY, segment=16 << 20)
 
 
 def _lists(n, sizes=(1000, 24, 3), seed=0, device="cpu"):

@@ -12,25 +12,14 @@ import torch
 
 import kvstrata
 from _stages import outcomes
-from kv_helpers import worker_config
+from kv_helpers import worker_fixtures
 from kvstrata.client import device, kept_reads
 from kvstrata.ops import copy_engine
-from kvstrata.server import Worker
 
 MEMORY = 64 << 20
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    config = worker_config(tmp_path_factory.mktemp("kept-worker"), memory=MEMORY, segment=16 << 20)
-    with Worker(config).start() as w:
-        yield w
-
-
-@pytest.fixture
-def kv(worker):
-    with kvstrata.connect(worker.address) as client:
-        yield client
+worker, kv = worker_fixtures("kept-worker", memory=MEMORY, segment=16 << 20, modes=("unix",))
 
 
 def _lists(n, sizes=(1000, 24), seed=0):

@@ -9,23 +9,11 @@ import torch
 
 import kvstrata
 from _stages import batches_of, outcomes
-from kv_helpers import worker_config
+from kv_helpers import worker_fixtures
 from kvstrata.client import placed_reads
 from kvstrata.errors import KeyNotFound
-from kvstrata.server import Worker
 
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    config = worker_config(tmp_path_factory.mktemp("placed-worker"), memory=64 << 20, segment=16 << 20)
-    with Worker(config).start() as w:
-        yield w
-
-
-@pytest.fixture
-def kv(worker):
-    with kvstrata.connect(worker.address) as client:
-        yield client
+worker, kv = worker_fixtures("placed-worker", memory=64 << 20, segment=16 << 20, modes=("unix",))
 
 
 @pytest.fixture

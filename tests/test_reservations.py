@@ -16,11 +16,10 @@ import torch
 
 import kvstrata
 from _stages import batches_of, copies_pending, stages_of
-from kv_helpers import client_for, worker_config
+from kv_helpers import worker_fixtures
 from kvstrata.client import device
 from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
 from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
-from kvstrata.server import Worker
 from kvstrata.store import ObjectStore, StoreConfig
 from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
 from kvstrata.store.tiers.base import Location
@@ -261,18 +260,7 @@ def test_commit_seals_like_create_waiters_ttl_and_write_through(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ worker
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    config = worker_config(tmp_path_factory.mktemp("resv-worker"), memory=MEMORY, segment=SEGMENT)
-    with Worker(config).start() as w:
-        yield w
-
-
-@pytest.fixture(params=["embedded", "unix"])
-def kv(request, worker):
-    client = client_for(request.param, worker, memory=MEMORY, segment=SEGMENT)
-    yield client
-    client.close()
+worker, kv = worker_fixtures("resv-worker", memory=MEMORY, segment=SEGMENT)
 
 
 def _lists(n, sizes=(1000, 24, 3), seed=0):
