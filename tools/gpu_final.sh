@@ -310,6 +310,13 @@ store_rows() {  # store_rows <variant>...: bench store's device rows with each v
   done
   use new
 }
+tool_runs() {  # tool_runs <runs> <tool> [args...]: tools/<tool>.py <runs> times, each run's output under a header
+  local runs=$1 tool=$2 r; shift 2
+  for r in $(seq "$runs"); do
+    echo "=== tools/${tool}.py $* (run $r)" >> "$LOG"
+    timeout 150 python3 "tools/${tool}.py" "$@" >> "$LOG" 2>&1
+  done
+}
 store_traces() {  # store_traces <variant>...: tools/trace_store_device.py with each variant's code, in order
   local v
   for v in "$@"; do
@@ -753,51 +760,33 @@ elif [ "${PART}" = s19c ] || [ "${PART}" = s19d ] || [ "${PART}" = s19z ]; then
     gpu_tests gpu_tests_s19z
   fi
 elif [ "${PART}" = s25a ]; then
-  for r in 1 2 3; do
-    echo "=== tools/probe_call_variants.py --rounds 100 (run $r)" >> "$LOG"
-    timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
-  done
+  tool_runs 3 probe_call_variants --rounds 100
 elif [ "${PART}" = s25b ]; then
-  for r in 1 2; do
-    echo "=== tools/probe_call_variants.py --rounds 100 (run $r, with no join at all)" >> "$LOG"
-    timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
-  done
+  tool_runs 2 probe_call_variants --rounds 100
   for j in 0 1 1 0; do
     echo "=== KVSTRATA_JOIN_LEGACY=$j" >> "$LOG"
     KVSTRATA_JOIN_LEGACY=$j bench 60 store --no-redis --no-mooncake --sizes 1MiB --clients 1
   done
 elif [ "${PART}" = s25c ]; then
-  for r in 1 2; do
-    echo "=== tools/probe_call_variants.py --rounds 100 (run $r: join, idle check, blocking, no join)" >> "$LOG"
-    timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
-  done
+  tool_runs 2 probe_call_variants --rounds 100
   gpu_tests gpu_tests_s25c
   store_rows new new
 elif [ "${PART}" = s25d ]; then
   gpu_tests gpu_tests_s25d
-  echo "=== tools/probe_call_variants.py --rounds 100 (join, idle check)" >> "$LOG"
-  timeout 150 python3 tools/probe_call_variants.py --rounds 100 >> "$LOG" 2>&1
+  tool_runs 1 probe_call_variants --rounds 100
   store_rows new new new
 elif [ "${PART}" = s25e ]; then
   gpu_tests gpu_tests_s25e
-  for r in 1 2; do
-    echo "=== tools/probe_call_variants.py --rounds 100 --holds (run $r)" >> "$LOG"
-    timeout 150 python3 tools/probe_call_variants.py --rounds 100 --holds >> "$LOG" 2>&1
-  done
+  tool_runs 2 probe_call_variants --rounds 100 --holds
   store_rows new new
 elif [ "${PART}" = s25f ]; then
   gpu_tests gpu_tests_s25f
   store_rows new new
-  echo "=== tools/probe_call_variants.py --rounds 100 --holds" >> "$LOG"
-  timeout 150 python3 tools/probe_call_variants.py --rounds 100 --holds >> "$LOG" 2>&1
-  echo "=== tools/probe_handoff.py --devices 0,0 --iters 150 --variants on" >> "$LOG"
-  timeout 150 python3 tools/probe_handoff.py --devices 0,0 --iters 150 --variants on >> "$LOG" 2>&1
+  tool_runs 1 probe_call_variants --rounds 100 --holds
+  tool_runs 1 probe_handoff --devices 0,0 --iters 150 --variants on
   store_rows new
 elif [ "${PART}" = s24e ]; then
-  for r in 1 2; do
-    echo "=== tools/probe_kept_quiet.py --rounds 150 (run $r)" >> "$LOG"
-    timeout 150 python3 tools/probe_kept_quiet.py --rounds 150 >> "$LOG" 2>&1
-  done
+  tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
   for t in probe_kept_after:--calls:60 probe_store_ab:--iters:20 trace_store_device; do
     IFS=: read -r name flag val <<< "$t"
