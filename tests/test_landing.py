@@ -221,6 +221,12 @@ def _lists(n, seed):
     return [[torch.randint(0, 255, (100 + i,), generator=g, dtype=torch.uint8)] for i in range(n)]
 
 
+def _reads_back(reader, keys, src) -> bool:
+    """Whether ``reader``'s ``mget_h2d`` of ``keys`` gives back exactly ``src`` (one tensor per key)."""
+    out = [[torch.zeros_like(t[0])] for t in src]
+    return reader.mget_h2d(keys, out) == [None] * len(keys) and all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+
+
 def test_mset_d2h_sends_one_commit_ahead_of_its_copies(worker, monkeypatch):
     with kvstrata.connect(worker) as kv:
         assert kv.mset_d2h(["land/warm"], _lists(1, 0)) == [None]  # now a reservation is held
@@ -237,9 +243,7 @@ def test_mset_d2h_sends_one_commit_ahead_of_its_copies(worker, monkeypatch):
         # three batches, each one's copies "in flight" when looked at: all three go at once in one commit ahead of
         # their copies, shown when this process said they landed
         assert sent == [True]
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert kv.mget_h2d(keys, out) == [None] * 5
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        assert _reads_back(kv, keys, src)
         kv.delete([*keys, "land/warm"])
 
 
@@ -270,9 +274,7 @@ def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker
         assert order == [*["copies"] * 5, ("commit", 9), "land"]
         assert other.exists(keys) == [True] * 9
         monkeypatch.undo()
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert other.mget_h2d(keys, out) == [None] * 9
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        assert _reads_back(other, keys, src)
         kv.delete([*keys, "land/warm4"])
 
 
@@ -305,9 +307,7 @@ def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(wo
         assert sent == [(2, False), (5, True)]
         assert other.exists(keys) == [True] * 7
         monkeypatch.undo()
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert other.mget_h2d(keys, out) == [None] * 7
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        assert _reads_back(other, keys, src)
         kv.delete([*keys, "land/late/warm"])
 
 
@@ -326,8 +326,7 @@ def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_wo
         assert kv.exists(keys) == [False, False, False] and kv.stats()["creates_in_progress"] == 0
         src = _lists(3, 3)
         assert kv.mset_d2h(keys, src) == [None] * 3  # the reservation's head is where the worker says
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert kv.mget_h2d(keys, out) == [None] * 3 and all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        assert _reads_back(kv, keys, src)
         with pytest.raises(KvstrataError):
             kv.get("land/f/none")
         kv.delete([*keys, "land/warm2"])
@@ -363,9 +362,7 @@ def test_mset_d2h_interrupted_right_after_sending_a_commit_ahead_leaves_no_key_t
         assert kv.exists(keys) == [False] * 5
         src = _lists(5, 5)
         assert kv.mset_d2h(keys, src) == [None] * 5  # free again: no KeyExists, no wait for a disconnect
-        out = [[torch.zeros_like(t[0])] for t in src]
-        assert kv.mget_h2d(keys, out) == [None] * 5
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(src, out))
+        assert _reads_back(kv, keys, src)
         assert kv.stats()["creates_in_progress"] == 0
         kv.delete([*keys, "land/warm3"])
 
