@@ -51,7 +51,8 @@ def test_kept_leases_go_in_one_pass_with_no_request_and_exact_bytes(kv, worker, 
         assert all(torch.equal(a, b) for x, y in zip(src, dst) for a, b in zip(x, y))
     assert took == [False, True, True, True]
     assert worker.counters["requests"] == before  # no round trip at all
-    assert kv._backend._holders == holders  # every hold the calls took went back
+    assert kv._backend._holders == holders  # no hold per key
+    assert not kv._backend._pins and not kv._backend._parked  # every call's pin went back
 
 
 def test_every_lease_is_taken_in_one_lookup_before_the_first_copy(kv, monkeypatch):
@@ -110,6 +111,7 @@ def test_a_bad_tensor_raises_and_gives_every_lease_back(kv, worker, monkeypatch,
     assert str(raised.value).startswith("tensor_lists[4]")
     assert took == ["raised"]
     assert kv._backend._holders == holders
+    assert not kv._backend._pins  # the call's pin went back too
     assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 6  # the client goes on
 
 
@@ -326,7 +328,7 @@ def test_device_copies_start_after_two_keys_then_go_in_batches_twice_as_large(kv
 
 def test_a_lease_dropped_from_the_cache_mid_call_stays_held_until_the_call_ends(kv, worker, monkeypatch):
     # Another thread of this client may find an entry stale (its key rewritten) and drop it while a one-pass read
-    # copies from its lease: the read's own hold keeps the lease, so the old bytes stay put until the copy is done.
+    # copies from its lease: the read's pin keeps the lease, so the old bytes stay put until the copy is done.
     keys, src = _written(kv, "held", 3, sizes=(4096,))
     kv.mget_h2d(keys, _poisoned(src))
     backend = kv._backend
@@ -341,7 +343,8 @@ def test_a_lease_dropped_from_the_cache_mid_call_stays_held_until_the_call_ends(
                 other.delete([keys[0]])
                 assert other.mset_d2h([keys[0]], [[torch.zeros(4096, dtype=torch.uint8)]]) == [None]
             assert backend._local.entries([keys[0]]) == [None]  # found stale: dropped, its lease due back
-            backend.release([])  # what is due goes now: not the lease the read holds
+            backend.release([])  # what is due would go now: the read's pin parks it
+            assert backend._parked
             during[0] = kv.stats()["leases"]
         return real_enqueue(runs, *args, **kwargs)
 
@@ -353,5 +356,36 @@ def test_a_lease_dropped_from_the_cache_mid_call_stays_held_until_the_call_ends(
     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))  # the old version, whole
     assert during == [leases_before]  # the stale lease still held: the worker counts every lease it counted
     monkeypatch.undo()
-    assert kv.stats()["leases"] == leases_before - 1  # the call's hold went with it: the stale lease is released
+    assert kv.stats()["leases"] == leases_before - 1  # the call's pin went with it: the stale lease is released
+    assert not backend._pins and not backend._parked
     kv.delete(keys)
+
+
+def test_a_lease_let_go_of_under_a_pin_goes_back_once_the_pins_taken_before_it_are_given_back(kv, worker):
+    # Pins that keep overlapping (async reads back to back) must not hold a parked lease for ever: it waits for the
+    # pins already held when it was parked, not for later ones.
+    keys, src = _written(kv, "epochs", 4, sizes=(4096,))
+    kv.mget_h2d(keys, _poisoned(src))
+    backend = kv._backend
+    leases = kv.stats()["leases"]
+    first, _ = backend.kept_leases(keys)
+
+    def rewrite(i):
+        with kvstrata.connect(worker.address) as other:
+            other.delete([keys[i]])
+            assert other.mset_d2h([keys[i]], [[torch.zeros(4096, dtype=torch.uint8)]]) == [None]
+        assert backend._local.entries([keys[i]]) == [None]  # found stale: its lease due back
+
+    rewrite(0)
+    assert kv.exists(keys[1:2]) == [True]  # a request: it would carry the lease, which the first pin parks
+    second, _ = backend.kept_leases(keys[1:])  # a read that began after the lease was parked
+    rewrite(1)
+    backend.release([])  # parked behind both pins
+    assert kv.stats()["leases"] == leases
+    backend.release(first)  # the first lease was parked under the first pin alone: it goes
+    assert kv.stats()["leases"] == leases - 1
+    assert kv.exists(keys[2:3]) == [True]  # nothing else goes while the second pin is held
+    assert kv.stats()["leases"] == leases - 1
+    backend.release(second)
+    assert kv.stats()["leases"] == leases - 2
+    assert not backend._pins and not backend._parked

@@ -291,6 +291,12 @@ def test_cached_reads_look_at_the_worker_once_per_moment(worker, monkeypatch):
         kv._backend._there_until = 0.0
         assert [kv.get("seen") for _ in range(20)] == [b"cached"] * 20
         assert len(looks) == 20
+        # An answer from the worker is a sighting too: a cached read right after a request does not look.
+        monkeypatch.setattr(connection, "WORKER_SEEN_S", 60.0)
+        kv._backend._there_until = 0.0
+        assert kv.exists(["seen"]) == [True]
+        looks.clear()
+        assert kv.get("seen") == b"cached" and looks == []
 
 
 def test_a_client_used_in_a_forked_child_refuses_and_the_parent_goes_on(tmp_path):

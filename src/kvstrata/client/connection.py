@@ -125,6 +125,15 @@ class WorkerConnection:
         # of them hold each one. Such a lease goes back to the worker only when the last lets go, so
         # a view's bytes stay pinned even after the cache dropped its entry.
         self._holders: dict[int, int] = {}
+        # Kept device reads in flight (RemoteBackend.kept_leases), counted by the pin epoch they began in. While any
+        # is, the leases this client lets go of are parked here instead of going back to the worker, so the bytes
+        # such a read copies stay pinned by one count per call rather than a hold per key (64 keys: ~8 us of holds
+        # and releases on the development machine, before the first copy and after the last). Leases parked in
+        # epoch e go back once no read of epoch e or earlier is in flight: reads that keep overlapping (async calls
+        # back to back) hold them up only as long as the reads that were already running.
+        self._pins: dict[int, int] = {}
+        self._pin_epoch = 0
+        self._parked: collections.deque[tuple[int, list[int]]] = collections.deque()
         # Pipelined requests (:meth:`send_tagged`): replies read by whoever reads the connection next and
         # kept here by tag until their sender collects them (replies come in request order).
         self._stash: dict[int, dict] = {}
@@ -213,7 +222,7 @@ class WorkerConnection:
         if not carry:
             return
         if self._deferred:
-            rel = self._drain_deferred()
+            rel = self._outgoing(self._drain_deferred())
             if rel:
                 msg["rel"] = rel
         if self._deferred_aborts:
@@ -239,8 +248,9 @@ class WorkerConnection:
         """Whether the worker is still there, as far as this client can tell with no round trip (call under the
         lock): a dead one makes the socket readable at EOF. A socket readable while a pipelined reply is due
         holds that reply; the worker is taken as there (the reply, or the loss, comes to whoever reads it).
-        Seen there less than :data:`WORKER_SEEN_S` ago, it is taken as there with no system call: a device call
-        asks stage after stage (~1.4 us per ``select`` on the development machine, a few times that cold)."""
+        Seen there less than :data:`WORKER_SEEN_S` ago (by this check, or by an answer it sent), it is taken as there
+        with no system call: a device call asks stage after stage (~1.4 us per ``select`` on the development machine,
+        a few times that cold)."""
         if self._read_tag != self._tag:
             return True
         now = time.monotonic()
@@ -263,6 +273,7 @@ class WorkerConnection:
             raise ConnectionLost(
                 f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
             ) from None
+        self._there_until = time.monotonic() + WORKER_SEEN_S  # it answered: there (see _worker_there)
         if fds or "segs" in reply:
             self._absorb_segments(reply.pop("segs", []), fds)
         return reply
@@ -284,6 +295,7 @@ class WorkerConnection:
             else:
                 yield_cpu()
         else:
+            self._there_until = time.monotonic() + WORKER_SEEN_S  # it answered: there (see _worker_there)
             return unpack(lane.reply())
         if not lane.answered(seq):  # the worker stopped polling, or is slow: ask it over the socket
             self._untagged_due = True
@@ -317,6 +329,36 @@ class WorkerConnection:
 
     def _hold(self, lease_id: int, n: int = 1) -> None:
         self._holders[lease_id] = self._holders.get(lease_id, 0) + n
+
+    def _pin(self) -> int:
+        """Pin every lease this client holds until :meth:`release` gets the returned token back, first in its list
+        (call under the lock). The token is negative: never a lease id."""
+        epoch = self._pin_epoch
+        self._pins[epoch] = self._pins.get(epoch, 0) + 1
+        return -1 - epoch
+
+    def _outgoing(self, ids: list[int]) -> list[int]:
+        """The leases of ``ids`` that may go back to the worker now: all, or none while a pin is held (they are
+        parked until the pins held now are given back). Call under the lock."""
+        if not self._pins or not ids:
+            return ids
+        self._parked.append((self._pin_epoch, ids))
+        self._pin_epoch += 1  # pins taken from now on do not hold these up
+        return []
+
+    def _unpin(self, token: int) -> list[int]:
+        """Give a pin back (:meth:`_pin`'s token); the parked leases no pin holds up any more. Call under the lock."""
+        epoch, pins = -1 - token, self._pins
+        left = pins[epoch] - 1
+        if left:
+            pins[epoch] = left
+        else:
+            del pins[epoch]
+        parked, out = self._parked, []
+        oldest = min(pins, default=self._pin_epoch + 1)
+        while parked and parked[0][0] < oldest:
+            out += parked.popleft()[1]
+        return out
 
     def _absorb_segments(self, segs: list, fds: list[int]) -> None:
         from kvstrata.memory.shm import SharedSegment
@@ -367,9 +409,14 @@ class WorkerConnection:
         return seg is not None and offset >= 0 and offset + size <= seg.nbytes
 
     def release(self, ids: list[int]) -> None:
+        """Give back leases ``ids`` (a kept read's pin token may come first: :meth:`_pin`)."""
         with self._lock:
             if self._closed or self._conn.closed:
                 return  # the worker released them when the connection ended
+            unpinned = None
+            if ids and ids[0] < 0:
+                unpinned = self._unpin(ids[0])
+                ids = ids[1:]
             local = self._local
             if local is not None and len(local):  # the cache's work left for later, and what it let go of, go too
                 local.settle()
@@ -379,6 +426,9 @@ class WorkerConnection:
                 ids = self._drain_deferred()
             elif self._holders:  # nothing deferred (a device call's end, most often): straight to the holds
                 ids = self._unhold(ids)
+            ids = self._outgoing(ids)
+            if unpinned:
+                ids = unpinned + ids
             if ids:
                 self._conn.send({"op": "release", "ids": ids})
 

@@ -17,8 +17,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import threading
@@ -92,7 +92,10 @@ def check_tensor_lists(n_keys: int, tensor_lists: Any) -> tuple[list[list[tuple]
 
 def check_outer(n_keys: int, tensor_lists: Any) -> None:
     """The container: one entry per key (each entry is checked by :func:`check_key`)."""
-    if isinstance(tensor_lists, str | bytes | Mapping) or not (
+    if type(tensor_lists) is list or type(tensor_lists) is tuple:  # the common case: no ABC check
+        if len(tensor_lists) == n_keys:
+            return
+    elif isinstance(tensor_lists, str | bytes | Mapping) or not (
         hasattr(tensor_lists, "__len__") and hasattr(tensor_lists, "__getitem__")
     ):
         raise InvalidType(f"tensor_lists: need one list of tensors per key, got {type(tensor_lists).__name__}")
@@ -245,10 +248,7 @@ def start(device: Any, stream: Any = None) -> Any:
     nothing the caller queues afterwards can run ahead of them."""
     if device is None:
         return None
-    import torch
-
-    from kvstrata.ops import copy_engine, current_stream
-
+    torch, copy_engine, current_stream = _device_modules()
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _copy_streams.get(index)
     if side is None:
@@ -335,24 +335,37 @@ def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head
     """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs): ``head`` runs first,
     then batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back to
     torch copies."""
-    from kvstrata.ops import copy_engine
-
+    torch, copy_engine, _ = _device_modules()
+    index = stream.device_index
+    if torch.cuda.current_device() != index:  # the raw batch call copies on the current device's streams
+        with torch.cuda.device(index):
+            return _copy_engine(device_runs, stream, head)
     cuts = [0, *range(min(head, len(device_runs)), len(device_runs), BATCH_RUNS), len(device_runs)]
-    handle, index = stream.cuda_stream, stream.device_index
+    handle, memcpy = stream.cuda_stream, copy_engine.memcpy_raw
     k = 0
     try:
-        import torch
-
-        with contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index):
-            for k, end in itertools.pairwise(cuts):
-                dsts, srcs, sizes, _ = zip(*device_runs[k:end])
-                copy_engine.memcpy_raw(list(dsts), list(srcs), list(sizes), handle)
+        for k, end in itertools.pairwise(cuts):
+            dsts, srcs, sizes, _ = zip(*device_runs[k:end])
+            memcpy(list(dsts), list(srcs), list(sizes), handle)
     except copy_engine.CopyEngineError as exc:  # no cuda-bindings, or the call refused: copy again by torch
         if k:
             raise  # some runs are queued already: a torch re-copy of all would be a second, racing copy
         log.debug("copy engine batch unavailable (%s): torch copies", exc)
         return False
     return True
+
+
+@functools.cache
+def _device_modules() -> tuple[Any, Any, Any]:
+    """torch, :mod:`kvstrata.ops.copy_engine` and :func:`kvstrata.ops.current_stream`, imported at the first device
+    call (a client without device calls never loads torch), then looked up with no import statement: a ``from``
+    import runs importlib's Python code each time, and :func:`start` and the first enqueue come before a call's first
+    copy."""
+    import torch
+
+    from kvstrata.ops import copy_engine, current_stream
+
+    return torch, copy_engine, current_stream
 
 
 def _raw_bytes(addr: int, n: int) -> Any:

@@ -17,6 +17,11 @@ one pass, or stages), so one key rewritten late in a call costs the keys after i
 leases chunk by chunk as the keys are reached, to start the first copy ~30 us sooner, gained nothing: on the H200
 host's slowed vCPUs, where the host bounds the call, the copy engine then waited as long for the later batches.
 ``tools/probe_kept_ab.py`` at commit 0d17281, session 23.)
+
+What comes before the first copy is only what the copies need: the lookup pins every lease this client holds with one
+count for the call (not a hold per key, given back per key after the last byte), and leaves the cache's recency
+bookkeeping for :meth:`~kvstrata.client.remote.RemoteBackend.settle`, which runs while the copies move. On the H200
+host (``tools/probe_kept_steps.py``, session 26) that took the first batch from 85-119 us into the call to 59-83.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ its entry is dropped.
 from __future__ import annotations
 
 import ctypes
+import operator
 import time
 from collections import OrderedDict
 from typing import Any
@@ -29,6 +30,9 @@ SWEEP_S = 0.01  # stale entries pin old versions: looked for at most this often 
 
 # An entry: [lease id, location, slot, the slot's count when leased, generation when last found current]
 _LEASE, _LOC, _SLOT, _COUNT, _SEEN = range(5)
+#: an entry's location (of :meth:`LocalReads.entries_prefix`'s entries)
+entry_location = operator.itemgetter(_LOC)
+_SEEN_OF = operator.itemgetter(_SEEN)
 
 
 class LocalReads:
@@ -53,6 +57,8 @@ class LocalReads:
         # Leases a batch read took to keep, judged current and not entered yet (add_columns(later=True)):
         # entered by :meth:`settle`, off the path to the read's copies.
         self._add_later: list[tuple] = []
+        # Keys entries_prefix found current: moved to the recent end by :meth:`settle`, before any entry is made.
+        self._touch_later: list[list[str]] = []
         self._swept_gen = -1
         self._next_sweep = 0.0
         self.max_entries = max_entries
@@ -142,14 +148,17 @@ class LocalReads:
         gen = self._gen.value  # before any count is read
         get, slots = entries.get, self._slots
         out = list(map(get, keys))
+        if None not in out and set(map(_SEEN_OF, out)) == {gen}:  # all found current since the last write: C loops
+            self._touch_later.append(keys)
+            self.hits += len(out)
+            return out
         for i, entry in enumerate(out):
             if entry is None or (entry[_SEEN] != gen and slots[entry[_SLOT]] != entry[_COUNT]):  # _current, inline
                 del out[i:]
                 break
             entry[_SEEN] = gen
-        touch = entries.move_to_end
-        for key in keys[: len(out)] if len(out) < len(keys) else keys:
-            touch(key)
+        # Their recency is noted by the next settle(), while the caller's copies run, not before the first copy.
+        self._touch_later.append(keys[: len(out)] if len(out) < len(keys) else keys)
         self.hits += len(out)
         return out
 
@@ -220,7 +229,16 @@ class LocalReads:
 
     def settle(self) -> None:
         """Enter the leases that batch reads left for later (``add_columns(later=True)``), in order. The leases
-        let go of (entries pushed out or replaced, leases refused) are given back by :meth:`stale`."""
+        let go of (entries pushed out or replaced, leases refused) are given back by :meth:`stale`. First the keys
+        :meth:`entries_prefix` found are marked recently used (those still kept)."""
+        if self._touch_later:
+            touched, self._touch_later = self._touch_later, []
+            entries = self._entries
+            touch = entries.move_to_end
+            for keys in touched:
+                for key in keys:
+                    if key in entries:  # dropped since (stale, or pushed out)
+                        touch(key)
         if self._add_later:
             later, self._add_later = self._add_later, []
             for batch in later:
@@ -272,6 +290,7 @@ class LocalReads:
         self._entries.clear()
         self._dropped = []
         self._add_later = []
+        self._touch_later = []
         self._gen = self._slots = None  # type: ignore[assignment]
         self._spin = None
         self._page.close()

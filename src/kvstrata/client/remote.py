@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from kvstrata._proc import PID
 from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
+from kvstrata.client.local_reads import entry_location as _ENTRY_LOC
 from kvstrata.errors import ProtocolError
 from kvstrata.server import protocol as P
 
@@ -272,11 +273,12 @@ class RemoteBackend(WorkerConnection):
         return keys, out, missing, sent, generation, cache, placed
 
     def kept_leases(self, keys: list[str]) -> tuple[list[int], list[Loc]] | None:
-        """The leases the local-read cache keeps current for the longest run of ``keys`` from the first, held for the
-        caller (give them back with :meth:`release`), as ``(lease ids, locations)``; None, holding nothing, where the
-        first key's is not kept and current (the caller then takes :meth:`acquire_start`'s way for all). No round
-        trip, no lease objects: the leases in one pass, for a device call that plans and queues those keys in one
-        pass too, and the rest of the keys another way."""
+        """The leases the local-read cache keeps current for the longest run of ``keys`` from the first, pinned for
+        the caller, as ``(the pin's token in a list, their locations)``; give the list back with :meth:`release`
+        (with more lease ids after it, if need be). None, pinning nothing, where the first key's is not kept and
+        current (the caller then takes :meth:`acquire_start`'s way for all). No round trip, no lease objects and no
+        hold per key: one pin keeps every lease this client holds until it is given back (``_pin``), for a device
+        call that plans and queues those keys in one pass too, and the rest of the keys another way."""
         local = self._local
         if local is None:
             return None
@@ -286,12 +288,7 @@ class RemoteBackend(WorkerConnection):
             got = local.entries_prefix(keys)
             if not got or not self._worker_there():
                 return None
-            ids = [entry[0] for entry in got]
-            holders = self._holders
-            get = holders.get
-            for lease_id in ids:
-                holders[lease_id] = get(lease_id, 0) + 1  # the caller's hold
-            return ids, [entry[1] for entry in got]
+            return [self._pin()], list(map(_ENTRY_LOC, got))
 
     def acquire_send(self, token: Any) -> Any:
         """Send the request of an :meth:`acquire_start` made with ``send=False`` (if it needs one, and not sent
