@@ -279,8 +279,9 @@ def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker
 
 
 def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(worker, monkeypatch):
-    # As a chained async call whose predecessor's landing word the worker has not read yet: the first batch is
-    # committed once its bytes are in, and the rest, in one commit ahead of their copies, as soon as the word is read.
+    # As a chained async call whose predecessor's landing word the worker has not read yet: the first mark's keys (the
+    # first two batches') are committed once their bytes are in, and the rest, in one commit ahead of their copies, as
+    # soon as the word is read.
     with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as other:
         assert kv.mset_d2h(["land/late/warm"], _lists(1, 0)) == [None]
         backend = kv._backend
@@ -304,7 +305,7 @@ def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(wo
         keys = [f"land/late/{i}" for i in range(7)]
         src = _lists(7, 8)
         assert kv.mset_d2h(keys, src) == [None] * 7
-        assert sent == [(2, False), (5, True)]
+        assert sent == [(4, False), (3, True)]
         assert other.exists(keys) == [True] * 7
         monkeypatch.undo()
         assert _reads_back(other, keys, src)
@@ -314,7 +315,7 @@ def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(wo
 def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_works(worker, monkeypatch):
     with kvstrata.connect(worker) as kv:
         assert kv.mset_d2h(["land/warm2"], _lists(1, 0)) == [None]
-        events = iter([_Event(), _Event(), _Event(fail=True)])
+        events = iter([_Event(), _Event(fail=True)])  # the first two batches' mark, the third's
         monkeypatch.setattr(device, "mark", lambda stream: next(events))
         batches_of(monkeypatch, 1, 100)
         keys = [f"land/f/{i}" for i in range(3)]

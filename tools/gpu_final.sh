@@ -271,10 +271,12 @@
 #     tools/probe_call_variants.py --holds; tools/probe_handoff.py GPU0 -> GPU0 (offers on); the rows once more
 #   PART=s26a: every GPU test; bench store's device rows with 2e30db2 (ab_old/src, session 25's end) and the new
 #     code (kept reads pinned per call, not per key) A/B/B/A/A/B; tools/probe_kept_quiet.py with each in turn, twice
-#   PART=s26b: tools/probe_kept_steps.py (new: the kept read's steps before its first batch) after a request and
-#     after 2 ms asleep, with ab_old/src (2e30db2) and the new code in turn, twice; bench store's device rows A/B/B/A
+#   PART=s26b: tools/probe_call_steps.py (then probe_kept_steps.py: a kept read's steps before its first batch)
+#     after a request and after 2 ms asleep, with ab_old/src (2e30db2) and the new code in turn, twice; bench store's device rows A/B/B/A
 #   PART=s26c: as s26b, with the lease lookup's parts timed, the new code's import, check and worker-sighting cuts;
 #     the rows A/B/B/A/A/B
+#   PART=s26d: tools/probe_call_steps.py --op mset up to the third batch, after a request and after 2 ms asleep; the
+#     same for a kept read
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -801,11 +803,15 @@ elif [ "${PART}" = s26a ]; then
 elif [ "${PART}" = s26b ] || [ "${PART}" = s26c ]; then
   for v in ab_old new new ab_old; do
     use "$v"; echo "=== ($v code)" >> "$LOG"
-    tool_runs 1 probe_kept_steps --rounds 200
-    tool_runs 1 probe_kept_steps --rounds 200 --sleep-ms 2
+    tool_runs 1 probe_call_steps --rounds 200
+    tool_runs 1 probe_call_steps --rounds 200 --sleep-ms 2
   done
   use new
   if [ "${PART}" = s26b ]; then store_rows ab_old new new ab_old; else store_rows ab_old new new ab_old ab_old new; fi
+elif [ "${PART}" = s26d ]; then
+  tool_runs 1 probe_call_steps --op mset --batches 3 --rounds 200
+  tool_runs 1 probe_call_steps --op mset --batches 3 --rounds 200 --sleep-ms 2
+  tool_runs 1 probe_call_steps --op kept --batches 3 --rounds 200
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

@@ -148,8 +148,9 @@ class DeviceCallsMixin:
         def lay_out() -> int:
             """Lay the call's keys out in the reservation one after another from the first, queuing their copies
             as batches fill (as :mod:`kvstrata.client.kept_reads` does: two runs, then twice as many up to
-            ``device.BATCH_RUNS``), with a mark per batch; no stages, no request. Ends at the first key that does
-            not fit (the worker creates the rest). Returns how many keys were laid out."""
+            ``device.BATCH_RUNS``), with a mark per batch (the first two batches share one); no stages, no request.
+            Ends at the first key that does not fit (the worker creates the rest). Returns how many keys were laid
+            out."""
             nonlocal s, call_bytes, carved_to
             if not resv.end:
                 return 0
@@ -159,23 +160,32 @@ class DeviceCallsMixin:
             runs = _device.new_runs()
             which: list[int] = []
             items: list[tuple[str, int, int]] = []
-            cut, pending = _kept_reads.FIRST_RUNS, 0
+            cut, pending, marked = _kept_reads.FIRST_RUNS, 0, 0  # pending: the batch's bytes; marked: the mark's
             device = None
-            laid = 0
+            laid = batches = 0
 
-            def flush() -> None:
-                nonlocal runs, which, items, cut, pending
+            def flush(last: bool = False) -> None:
+                nonlocal runs, which, items, cut, pending, marked, batches
                 if runs.device:
                     self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
-                enqueue(runs, device, s, first=not marks)
-                marks.append((which, items, mark(s), pending))
+                enqueue(runs, device, s, first=not batches)
+                batches += 1
+                marked += pending
+                runs, pending = _device.new_runs(), 0
+                cut = _kept_reads.next_cut(cut)
+                if batches == 1 and not last:
+                    # The first batch's keys are marked with the second's. A mark (a CUDA event) and the lingering
+                    # hint below cost the host 15-35 us on the H200 host's slowed vCPUs, and after the first batch
+                    # they held up the second: the copy engine, done with the first batch's 2 MiB, then idled ~70 us
+                    # (tools/probe_call_steps.py --op mset, session 26).
+                    return
+                marks.append((which, items, mark(s), marked))
                 if len(marks) == 1 and s is not None:
                     # The worker's thread for this client likely sleeps (nothing asked for a while) and would take
                     # ~100+ us to wake for the first commit: have it wake now and poll, while the copies run, for
                     # as long as the call's bytes take to land.
-                    backend.linger(_linger_us(pending * n // laid))
-                runs, which, items, pending = _device.new_runs(), [], [], 0
-                cut = _kept_reads.next_cut(cut)
+                    backend.linger(_linger_us(marked * n // laid))
+                which, items, marked = [], [], 0
 
             try:
                 while laid < n:
@@ -194,7 +204,7 @@ class DeviceCallsMixin:
                     if len(runs.device) >= cut or pending >= cut * _kept_reads.RUN_BYTES:
                         flush()
                 if which:
-                    flush()
+                    flush(last=True)
             finally:  # laid out so far (an error after some were: ``give`` sorts it out)
                 call_bytes += head - resv.head
                 resv.head = carved_to = head
