@@ -280,8 +280,8 @@ def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker
 
 def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(worker, monkeypatch):
     # As a chained async call whose predecessor's landing word the worker has not read yet: the first mark's keys (the
-    # first two batches') are committed once their bytes are in, and the rest, in one commit ahead of their copies, as
-    # soon as the word is read.
+    # first three batches') are committed once their bytes are in, and the rest, in one commit ahead of their copies,
+    # as soon as the word is read.
     with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as other:
         assert kv.mset_d2h(["land/late/warm"], _lists(1, 0)) == [None]
         backend = kv._backend
@@ -302,11 +302,11 @@ def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(wo
         )
         monkeypatch.setattr(device, "mark", lambda stream: _Event())
         batches_of(monkeypatch, 2, 100)
-        keys = [f"land/late/{i}" for i in range(7)]
-        src = _lists(7, 8)
-        assert kv.mset_d2h(keys, src) == [None] * 7
-        assert sent == [(4, False), (3, True)]
-        assert other.exists(keys) == [True] * 7
+        keys = [f"land/late/{i}" for i in range(9)]
+        src = _lists(9, 8)
+        assert kv.mset_d2h(keys, src) == [None] * 9  # batches of 2, 2, 2, 2, 1 keys; marks of 6, 2, 1
+        assert sent == [(6, False), (3, True)]
+        assert other.exists(keys) == [True] * 9
         monkeypatch.undo()
         assert _reads_back(other, keys, src)
         kv.delete([*keys, "land/late/warm"])
@@ -315,18 +315,18 @@ def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(wo
 def test_mset_d2h_whose_last_copies_fail_shows_none_of_them_and_the_next_call_works(worker, monkeypatch):
     with kvstrata.connect(worker) as kv:
         assert kv.mset_d2h(["land/warm2"], _lists(1, 0)) == [None]
-        events = iter([_Event(), _Event(fail=True)])  # the first two batches' mark, the third's
+        events = iter([_Event(), _Event(fail=True)])  # the first three batches' mark, the fourth's
         monkeypatch.setattr(device, "mark", lambda stream: next(events))
         batches_of(monkeypatch, 1, 100)
-        keys = [f"land/f/{i}" for i in range(3)]
-        first = _lists(3, 2)
+        keys = [f"land/f/{i}" for i in range(4)]
+        first = _lists(4, 2)
         with pytest.raises(RuntimeError, match="simulated copy failure"):
-            kv.mset_d2h(keys, first)  # the third batch's copies fail: the commit ahead of all three never shows
+            kv.mset_d2h(keys, first)  # the fourth batch's copies fail: the commit ahead of all four never shows
         monkeypatch.undo()
         # the objects committed ahead of their copies never became visible, and nothing is left half-made
-        assert kv.exists(keys) == [False, False, False] and kv.stats()["creates_in_progress"] == 0
-        src = _lists(3, 3)
-        assert kv.mset_d2h(keys, src) == [None] * 3  # the reservation's head is where the worker says
+        assert kv.exists(keys) == [False] * 4 and kv.stats()["creates_in_progress"] == 0
+        src = _lists(4, 3)
+        assert kv.mset_d2h(keys, src) == [None] * 4  # the reservation's head is where the worker says
         assert _reads_back(kv, keys, src)
         with pytest.raises(KvstrataError):
             kv.get("land/f/none")

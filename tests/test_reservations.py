@@ -17,7 +17,7 @@ import torch
 import kvstrata
 from _stages import batches_of, copies_pending, stages_of
 from kv_helpers import worker_fixtures
-from kvstrata.client import device
+from kvstrata.client import device, device_calls
 from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
 from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
 from kvstrata.store import ObjectStore, StoreConfig
@@ -334,10 +334,11 @@ def _lands(kv):
 
 def _commits(kv, batches):
     """The commit requests a reserved call of ``batches`` copy batches may send, each batch's copies still in flight
-    when looked at: one per mark (the first two batches share one), or, where it commits ahead of copies, one for them
-    all (when the worker has read the previous call's word that its copies landed: it nearly always has)."""
-    per_mark = [["commit"] * max(1, batches - 1)]
-    return [["commit"], *per_mark] if _lands(kv) and batches > 2 else per_mark
+    when looked at: one per mark (the first MARK_FROM_BATCH batches share one), or, where it commits ahead of copies,
+    one for them all (when the worker has read the previous call's word that its copies landed: it nearly always
+    has)."""
+    marks = max(1, batches - device_calls.MARK_FROM_BATCH + 1)
+    return [["commit"] * marks, ["commit"]] if _lands(kv) and marks > 1 else [["commit"] * marks]
 
 
 def _count_calls(monkeypatch, backend):
@@ -589,10 +590,9 @@ def test_async_mset_d2h_calls_carve_one_after_another_before_earlier_ones_commit
     assert calls == [] and kv._reservation._holders == 4 and not any(f.done() for f in futs)
     gate.set()
     assert [f.result(30) for f in futs] == [[None] * 5] * 4
-    # no create, no seal, no refill; per call one commit per mark (3 batches, the first two marked as one: 2), or,
-    # where it lands, one ahead of its copies for the rest of the call once the worker read the previous call's
-    # landing word (looked at before each commit: a chained call may switch mid-call), so 1-2 each
-    assert set(calls) == {"commit"} and (4 if _lands(kv) else 8) <= len(calls) <= 8
+    # no create, no seal, no refill; per call one commit per mark, and each call's 3 batches share one mark
+    # (device_calls.MARK_FROM_BATCH), committed as it lands or ahead of its copies
+    assert device_calls.MARK_FROM_BATCH == 3 and calls == ["commit"] * 4
     for r in range(4):
         _read_back(kv, keys[r], srcs[r])
     assert kv._reservation._holders == 0 and kv.stats()["creates_in_progress"] == 0

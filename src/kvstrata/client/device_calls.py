@@ -32,6 +32,8 @@ Result = Any  # per-key: None on success, the KvstrataError instance on failure 
 #: GB/s, so the worker polls a little longer than the bytes take rather than sleep just before the commit
 LINGER_BYTES_PER_US = 40_000
 LINGER_SLACK_US = 100
+#: a reserved ``mset_d2h``'s first mark (and its lingering hint) comes after this many copy batches
+MARK_FROM_BATCH = 3
 
 
 def _linger_us(nbytes: int) -> int:
@@ -148,7 +150,7 @@ class DeviceCallsMixin:
         def lay_out() -> int:
             """Lay the call's keys out in the reservation one after another from the first, queuing their copies
             as batches fill (as :mod:`kvstrata.client.kept_reads` does: two runs, then twice as many up to
-            ``device.BATCH_RUNS``), with a mark per batch (the first two batches share one); no stages, no request.
+            ``device.BATCH_RUNS``), with a mark per batch (the first three batches share one); no stages, no request.
             Ends at the first key that does not fit (the worker creates the rest). Returns how many keys were laid
             out."""
             nonlocal s, call_bytes, carved_to
@@ -173,11 +175,11 @@ class DeviceCallsMixin:
                 marked += pending
                 runs, pending = _device.new_runs(), 0
                 cut = _kept_reads.next_cut(cut)
-                if batches == 1 and not last:
-                    # The first batch's keys are marked with the second's. A mark (a CUDA event) and the lingering
-                    # hint below cost the host 15-35 us on the H200 host's slowed vCPUs, and after the first batch
-                    # they held up the second: the copy engine, done with the first batch's 2 MiB, then idled ~70 us
-                    # (tools/probe_call_steps.py --op mset, session 26).
+                if batches < MARK_FROM_BATCH and not last:
+                    # The first batches' keys are marked with the third's. A mark (a CUDA event) and the lingering
+                    # hint below cost the host 15-35 us on the H200 host's slowed vCPUs. After the first batch they
+                    # held up the second: the copy engine, done with its 2 MiB, then idled ~70 us; after the second,
+                    # ~30 us (tools/probe_call_steps.py --op mset, session 26). The third batch's 8 MiB outlast them.
                     return
                 marks.append((which, items, mark(s), marked))
                 if len(marks) == 1 and s is not None:
