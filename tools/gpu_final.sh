@@ -282,6 +282,7 @@
 #   PART=s26f: every GPU test (the first mark after the third batch); tools/probe_call_steps.py --op mset and --op
 #     kept up to the fourth batch; bench store's device rows with ab_old/src (2e30db2) and the final code A/B/B/A
 #   PART=s26g: the session's last call: bench store's device rows twice on the final code, both JSONs kept
+#   PART=s26h: bench store's device rows with ab_old/src (2e30db2) and the final code A/B/B/A/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -829,6 +830,8 @@ elif [ "${PART}" = s26f ]; then
   store_rows ab_old new new ab_old
 elif [ "${PART}" = s26g ]; then
   store_twice
+elif [ "${PART}" = s26h ]; then
+  store_rows ab_old new new ab_old ab_old new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
