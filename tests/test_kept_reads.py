@@ -134,8 +134,26 @@ def test_a_bad_key_raises_naming_it_before_anything_is_copied(kv, monkeypatch, b
             kv.mget_h2d([*keys[:at], bad, *keys[at + 1 :]], dst)
         assert all(torch.equal(t, torch.full_like(t, 0xAB)) for ts in dst for t in ts)  # nothing copied
         assert kv._backend._holders == holders
-    assert took == []  # checked before any path is tried
+        assert not kv._backend._pins  # a kept prefix's pin went back
+    assert True not in took  # no path served either call: the keys were checked before any copy
     assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 20
+
+
+def test_a_call_whose_every_key_is_kept_checks_no_key_before_its_copies(kv, monkeypatch):
+    # The local-read cache keeps only keys that were checked: a call it serves whole needs no check of its keys,
+    # and one it serves in part checks them all before its first copy (the test above).
+    keys, src = _written(kv, "unchecked", 8)
+    kv.mget_h2d(keys, _poisoned(src))
+    checked = []
+    real = kept_reads.P.check_keys
+    monkeypatch.setattr(kept_reads.P, "check_keys", lambda ks, *a: checked.append(len(ks)) or real(ks, *a))
+    dst = _poisoned(src)
+    assert kv.mget_h2d(keys, dst) == [None] * 8
+    assert checked == []
+    assert all(torch.equal(a, b) for x, y in zip(src, dst) for a, b in zip(x, y))
+    got = kv.mget_h2d([*keys, "unchecked/missing"], [*_poisoned(src), []])
+    assert got[:8] == [None] * 8 and isinstance(got[8], kvstrata.KvstrataError)
+    assert checked[0] == 9  # one key not kept: every key checked, before the first copy
 
 
 def test_a_rewritten_key_ends_the_kept_pass_and_a_missing_first_key_skips_it(kv, worker, monkeypatch):

@@ -248,17 +248,21 @@ def start(device: Any, stream: Any = None) -> Any:
     nothing the caller queues afterwards can run ahead of them."""
     if device is None:
         return None
-    torch, copy_engine, current_stream = _device_modules()
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch, copy_engine, current_stream, raw_stream, current_index = _device_modules()
+    index = device.index if device.index is not None else current_index()
     side = _copy_streams.get(index)
     if side is None:
         side = _copy_streams.setdefault(index, torch.cuda.Stream(device=index))
-    caller = stream or current_stream(index)
+    if stream is None and raw_stream is not None:
+        caller, handle = None, raw_stream(index)  # the current stream by its raw handle: no object until needed
+    else:
+        caller = stream or current_stream(index)
+        handle = caller.cuda_stream
     # A caller's stream with nothing pending (everything queued on it before this call has run) owes the copies no
     # wait: one query instead of the join's two calls. The join, where it is needed, overlaps the caller's pending
     # GPU work, which the copies wait for anyway. Work queued on the stream after the query came after the call
     # began, and is no more ordered before the copies than it is by the join's event.
-    if SKIP_IDLE_JOIN and copy_engine.stream_idle(caller.cuda_stream):
+    if SKIP_IDLE_JOIN and copy_engine.stream_idle(handle):
         return side
     # stream.wait_stream(), with an event of this thread's instead of a new one per call (3-5 us of the ~15 the
     # call cost on the H200 host, before the first DMA): the wait takes the event's state when it is queued, so
@@ -266,7 +270,9 @@ def start(device: Any, stream: Any = None) -> Any:
     # event exists (torch creates it at its first record), record and wait go as two runtime calls on raw handles.
     events = _wait_events.__dict__
     got = events.get(index)
-    if got is None or not copy_engine.stream_wait(got[1], caller.cuda_stream, side.cuda_stream):
+    if got is None or not copy_engine.stream_wait(got[1], handle, side.cuda_stream):
+        if caller is None:
+            caller = current_stream(index)
         event = torch.cuda.Event() if got is None else got[0]
         event.record(caller)
         side.wait_event(event)
@@ -335,9 +341,9 @@ def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head
     """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs): ``head`` runs first,
     then batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back to
     torch copies."""
-    torch, copy_engine, _ = _device_modules()
+    torch, copy_engine, _, _, current_index = _device_modules()
     index = stream.device_index
-    if torch.cuda.current_device() != index:  # the raw batch call copies on the current device's streams
+    if current_index() != index:  # the raw batch call copies on the current device's streams
         with torch.cuda.device(index):
             return _copy_engine(device_runs, stream, head)
     cuts = [0, *range(min(head, len(device_runs)), len(device_runs), BATCH_RUNS), len(device_runs)]
@@ -356,16 +362,21 @@ def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head
 
 
 @functools.cache
-def _device_modules() -> tuple[Any, Any, Any]:
-    """torch, :mod:`kvstrata.ops.copy_engine` and :func:`kvstrata.ops.current_stream`, imported at the first device
-    call (a client without device calls never loads torch), then looked up with no import statement: a ``from``
-    import runs importlib's Python code each time, and :func:`start` and the first enqueue come before a call's first
-    copy."""
+def _device_modules() -> tuple[Any, Any, Any, Any, Any]:
+    """torch, :mod:`kvstrata.ops.copy_engine`, :func:`kvstrata.ops.current_stream`, torch's raw current-stream
+    lookup (None where this torch lacks it) and its current-device lookup, imported at the first device call (a
+    client without device calls never loads torch), then looked up with no import statement: a ``from`` import runs
+    importlib's Python code each time, and :func:`start` and the first enqueue come before a call's first copy. The
+    two lookups are torch's C functions, not ``torch.cuda.current_stream`` / ``current_device``, whose Python layers
+    (a stream object built, the lazy-init checks) ran each call before the first copy; a device call has met a CUDA
+    tensor, so CUDA is initialised by then."""
     import torch
 
     from kvstrata.ops import copy_engine, current_stream
 
-    return torch, copy_engine, current_stream
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    current_index = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+    return torch, copy_engine, current_stream, raw_stream, current_index
 
 
 def _raw_bytes(addr: int, n: int) -> Any:

@@ -372,14 +372,17 @@ class DeviceCallsMixin:
     ) -> tuple[list[Result], Any, list[int]]:
         """:meth:`mget_h2d` up to its copies queued: ``(results, the copies' end event or None, the leases to
         release once it completed)``. On an error the queued copies are waited for and the leases released here."""
-        keys = P.check_keys(keys)
         timeout = P.check_timeout(timeout)
-        if not keys:
-            _device.check_outer(0, tensor_lists)
-            return [], None, []
         backend = self._b()
-        kept = _kept_reads.queue(self, backend, keys, tensor_lists, stream)
+        kept = None
+        if type(keys) is list and 0 < len(keys) <= P.MAX_BATCH:
+            # Unchecked keys: the kept path checks them where it needs to, before any copy (kept_reads.queue).
+            kept = _kept_reads.queue(self, backend, keys, tensor_lists, stream)
         if kept is None:
+            keys = P.check_keys(keys)
+            if not keys:
+                _device.check_outer(0, tensor_lists)
+                return [], None, []
             return self._mget_h2d_cold(backend, keys, tensor_lists, timeout, stream, 0)
         results, event, held, done = kept
         if done == len(keys):
