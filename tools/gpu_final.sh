@@ -283,6 +283,10 @@
 #     kept up to the fourth batch; bench store's device rows with ab_old/src (2e30db2) and the final code A/B/B/A
 #   PART=s26g: the session's last call: bench store's device rows twice on the final code, both JSONs kept
 #   PART=s26h: bench store's device rows with ab_old/src (2e30db2) and the final code A/B/B/A/A/B
+#   PART=s27a: tools/probe_copy_engines.py (new) three times; bench store's device rows twice on the session's start
+#   PART=s27b: every GPU test; tools/probe_call_steps.py --op kept with ab_old/src (9747112) and the new code in turn,
+#     twice each; bench store's device rows (ceilings before and after the rows) A/B/B/A/A/B against ab_old/src
+#   PART=s27c: bench store's device rows B/A/A/B/B/A against ab_old/src (9747112), then once more on the final code
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -832,6 +836,19 @@ elif [ "${PART}" = s26g ]; then
   store_twice
 elif [ "${PART}" = s26h ]; then
   store_rows ab_old new new ab_old ab_old new
+elif [ "${PART}" = s27a ]; then
+  tool_runs 3 probe_copy_engines --iters 100
+  store_rows new new
+elif [ "${PART}" = s27b ]; then
+  gpu_tests gpu_tests_s27b
+  for v in ab_old new ab_old new; do
+    use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_call_steps --op kept --rounds 200
+  done
+  store_rows ab_old new new ab_old ab_old new
+elif [ "${PART}" = s27c ]; then
+  store_rows new ab_old ab_old new new ab_old
+  cp "$OUT/store.json" "$OUT/store_last_ab_old.json"
+  store_rows new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
