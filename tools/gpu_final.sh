@@ -287,6 +287,7 @@
 #   PART=s27b: every GPU test; tools/probe_call_steps.py --op kept with ab_old/src (9747112) and the new code in turn,
 #     twice each; bench store's device rows (ceilings before and after the rows) A/B/B/A/A/B against ab_old/src
 #   PART=s27c: bench store's device rows B/A/A/B/B/A against ab_old/src (9747112), then once more on the final code
+#   PART=s27d: bench store's device rows eight times on the final code
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -849,6 +850,8 @@ elif [ "${PART}" = s27c ]; then
   store_rows new ab_old ab_old new new ab_old
   cp "$OUT/store.json" "$OUT/store_last_ab_old.json"
   store_rows new
+elif [ "${PART}" = s27d ]; then
+  store_rows new new new new new new new new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

@@ -119,7 +119,7 @@ class DeviceCallsMixin:
         head_lost = False  # a commit went out whose reply is never read: ``known`` cannot be trusted
         call_bytes = 0
 
-        def take(st: Any, token: Any) -> list[int]:
+        def take(st: Any, token: Any) -> tuple[list[int], list[Any]]:
             created, where = [], []
             for j, loc in enumerate(backend.mcreate_finish(token)):
                 if isinstance(loc, BaseException):
