@@ -37,7 +37,8 @@ def batches_of(monkeypatch, n, key_bytes):
     """Batches of ``n`` keys in the one-pass paths (a reserved ``mset_d2h``'s keys, a kept ``mget_h2d``'s), where
     every key's tensors are CPU tensors (no device runs: a batch is then cut by its bytes) of ``key_bytes`` or a
     little more (fewer than ``n`` keys hold less than ``n * key_bytes``)."""
-    monkeypatch.setattr(kept_reads, "FIRST_RUNS", n)
+    monkeypatch.setattr(kept_reads, "FIRST_RUNS", n)  # the kept read's first batch
+    monkeypatch.setattr(device, "FIRST_BATCH_RUNS", n)  # the write's and the placed read's
     monkeypatch.setattr(device, "BATCH_RUNS", n)
     monkeypatch.setattr(kept_reads, "RUN_BYTES", key_bytes)
 

@@ -36,7 +36,8 @@ _TORCH_COPY_BYTES = 4 << 20  # host runs this large are copied by torch, which u
 # (one 64 MiB copy: 55), as the later batches' encoding overlaps the earlier ones' DMA.
 BATCH_RUNS = 16
 # A call's first batch: short, as the copy engine starts on a batch once it is encoded (64 x 1 MiB from idle,
-# host issue included, H200: batches of 16 reached 0.959 of one 64 MiB copy, 2 then 14 then 16s 0.970).
+# host issue included, H200: batches of 16 reached 0.959 of one 64 MiB copy, 2 then 14 then 16s 0.970). The write's
+# and the placed read's one pass start with this many runs too; a kept read starts with three (kept_reads.FIRST_RUNS).
 FIRST_BATCH_RUNS = 2
 # Stages of a pipelined device call (:func:`stages`): the first is small so the DMA starts early (4 MiB is
 # ~75 us of PCIe Gen5 DMA), later ones grow by half up to 16 MiB. No stage waits for the worker: mset_d2h lays

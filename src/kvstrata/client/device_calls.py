@@ -162,7 +162,7 @@ class DeviceCallsMixin:
             runs = _device.new_runs()
             which: list[int] = []
             items: list[tuple[str, int, int]] = []
-            cut, pending, marked = _kept_reads.FIRST_RUNS, 0, 0  # pending: the batch's bytes; marked: the mark's
+            cut, pending, marked = _device.FIRST_BATCH_RUNS, 0, 0  # pending: the batch's bytes; marked: the mark's
             device = None
             laid = batches = 0
 

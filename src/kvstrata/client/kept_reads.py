@@ -7,8 +7,8 @@ the copies; with no answer to wait for, its per-stage and per-key machinery (lea
 and an enqueue per stage) was most of the host's work: ~4.8 us per key on the development machine, against ~0.8
 for the bare loop. Host-bound on the H200 host's slow vCPUs (0.78-0.87 of the DMA ceiling for 64 x 1 MiB, see
 bench/results/README.md, session 21), the call now goes through its keys once: it checks, lays out and
-queues key after key, handing the copy engine a batch as soon as it holds :data:`FIRST_RUNS` runs (or 2 MiB),
-then batches twice as large (:func:`next_cut`) up to ``device.BATCH_RUNS``: the first DMA starts after two keys'
+queues key after key, handing the copy engine a batch as soon as it holds :data:`FIRST_RUNS` runs (or 3 MiB),
+then batches twice as large (:func:`next_cut`) up to ``device.BATCH_RUNS``: the first DMA starts after three keys'
 host work, and the host stays ahead of the DMA (1 MiB is ~19 us of PCIe Gen5).
 
 The leases are taken in one lookup before the first copy, for the longest run of keys from the first that the
@@ -33,14 +33,19 @@ from kvstrata.client import device as _device
 from kvstrata.errors import InvalidValue
 from kvstrata.server import protocol as P
 
-#: runs in the first batch: the DMA starts once this many keys are laid out
-FIRST_RUNS = 2
+#: runs in the first batch: the DMA starts once this many keys are laid out. Three, not two as the write and the
+#: placed read have (``device.FIRST_BATCH_RUNS``): switched call by call on the H200 host (``tools/probe_batch_growth.py
+#: --first``, session 27, four runs of 150 calls each), a first batch of 3 (then 6, 12, 16...) made a kept 64 x 1 MiB
+#: read 16-22 us faster than one of 2 in every run, slowed vCPUs or not (4: as 2). Its 57 us of DMA cover the host's
+#: work for the second batch, which the 38 us of two keys did not on a slowed vCPU. For ``mset_d2h`` 3 was no faster.
+FIRST_RUNS = 3
 #: or once a batch's runs hold ``RUN_BYTES`` times as many bytes as it may hold runs (where runs merged)
 RUN_BYTES = 1 << 20
 
 
 def next_cut(cut: int) -> int:
-    """Runs in the batch after one of ``cut``: twice as many (2, 4, 8, 16), up to ``device.BATCH_RUNS``.
+    """Runs in the batch after one of ``cut``: twice as many (2, 4, 8, 16 or 3, 6, 12, 16), up to
+    ``device.BATCH_RUNS``.
 
     Each batch costs the host a fixed part (the driver's batch call, the Python around it) besides its keys' own
     work, and must be ready before the copy engine ends the batches queued before it. Growing by half (2, 3, 5, 8,
@@ -107,13 +112,13 @@ def queue(
             # Runs that continue each other merge (views of one tensor, objects side by side): the bytes count too.
             if len(runs.device) >= cut or pending >= cut * RUN_BYTES:
                 ensure(bases, address, backend.segment_nbytes)  # registered with CUDA before their first copy
-                _device.enqueue(runs, device, s, first=cut == FIRST_RUNS)
+                _device.enqueue(runs, device, s)
                 runs = _device.new_runs()
                 pending = 0
                 cut = next_cut(cut)
         if runs.device:
             ensure(bases, address, backend.segment_nbytes)
-        _device.enqueue(runs, device, s, first=cut == FIRST_RUNS)
+        _device.enqueue(runs, device, s)
         event = _device.mark(s)
         if done == n:
             backend.settle()  # entries left for later and leases let go of, while the copies run

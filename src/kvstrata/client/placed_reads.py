@@ -47,7 +47,7 @@ def queue(
         return None
     _device.check_outer(n, tensor_lists)
     lookup = backend.placement_hints
-    hints = lookup(keys[start : start + _kept_reads.FIRST_RUNS])
+    hints = lookup(keys[start : start + _device.FIRST_BATCH_RUNS])
     if hints is None or hints[0] is None or hints[0][3] <= 0:
         return None  # likely none placed (no table, or keys not in memory): the staged path asks ahead
     hints[:0] = [None] * start  # indexed by key
@@ -65,7 +65,7 @@ def queue(
     address, ensure = backend.segment_address, client._registrations.ensure
     bases: dict[int, int] = {}
     runs = _device.new_runs()
-    cut = _kept_reads.FIRST_RUNS
+    cut = _device.FIRST_BATCH_RUNS  # then doubling, as the kept read's (kept_reads.next_cut)
     run_bytes = _kept_reads.RUN_BYTES
     pending = 0  # bytes laid out in ``runs``
     batches = 0
