@@ -6,7 +6,11 @@ follows a one-key request, as bench store's do. Per case and growth: the median 
 (the ceiling) with quartiles, the host's time to its first batch, and the copy stream's span from that batch to its
 last byte (CUDA events) as a fraction of the ceiling; the host's loop speed before and after.
 
-    PYTHONPATH=src python3 tools/probe_batch_growth.py [--rounds 100]
+``--first``: the first batch's size switched instead (``kept_reads.FIRST_RUNS`` and ``device.FIRST_BATCH_RUNS``: 2,
+the default, 3 or 4 runs), batches doubling from it, for the kept read and the write; untraced (the calls' times
+only: the trace's events would delay the first batch, the very thing switched).
+
+    PYTHONPATH=src python3 tools/probe_batch_growth.py [--rounds 100] [--first]
 """
 
 from __future__ import annotations
@@ -31,10 +35,25 @@ GROWTHS = {
 CASES = ("mget_h2d kept", "mget_h2d cold", "mset_d2h")
 
 
+def _first_batch(runs: int):
+    """A variant whose calls start with a batch of ``runs`` runs, then double."""
+
+    def doubling(cut: int) -> int:
+        return min(2 * cut, device.BATCH_RUNS)
+
+    doubling.first = runs
+    return doubling
+
+
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 100
+    global GROWTHS, CASES
+    if "--first" in sys.argv:
+        GROWTHS = {f"first {k} (main: 2)" if k == 2 else f"first {k}": _first_batch(k) for k in (2, 3, 4)}
+        CASES = ("mget_h2d kept", "mset_d2h")
     ceiling = ceilings()
-    trace = CopyTrace()
+    untraced = "--first" in sys.argv  # the trace's CUDA events cost the host 5-35 us each: not before the first batch
+    trace = None if untraced else CopyTrace()
     with kept_client("bg") as (kv, keys, src, dst):
         loops = [python_loop_us()]
         got: dict[tuple[str, str], list[tuple[float, float, float]]] = {
@@ -47,13 +66,16 @@ def main() -> None:
             for case in CASES:
                 for name, growth in order:
                     kept_reads.next_cut = growth
+                    if hasattr(growth, "first"):
+                        kept_reads.FIRST_RUNS = device.FIRST_BATCH_RUNS = growth.first
                     fresh = [f"bgw/{it}/{name}/{i}" for i in range(N)]
                     if case == "mget_h2d cold":
                         kv.delete(keys)
                         assert kv.mset_d2h(keys, src) == [None] * N
                     kv.exists(keys[:1])
                     torch.cuda.synchronize()
-                    trace.clear()
+                    if trace is not None:
+                        trace.clear()
                     t0 = time.perf_counter()
                     res = kv.mset_d2h(fresh, src) if case == "mset_d2h" else kv.mget_h2d(keys, dst)
                     t1 = time.perf_counter()
@@ -62,7 +84,10 @@ def main() -> None:
                     if case == "mset_d2h":
                         kv.delete(fresh)
                     if it >= 3:
-                        got[(case, name)].append((t1 - t0, trace.batches[0] - t0, trace.span()))
+                        if trace is None:
+                            got[(case, name)].append((t1 - t0, float("nan"), float("nan")))
+                        else:
+                            got[(case, name)].append((t1 - t0, trace.batches[0] - t0, trace.span()))
         loops.append(python_loop_us())
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
         speeds = f"python_loop_us before / after {loops[0]:.1f} / {loops[1]:.1f}"
