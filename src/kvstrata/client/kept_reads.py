@@ -21,7 +21,7 @@ host's slowed vCPUs, where the host bounds the call, the copy engine then waited
 What comes before the first copy is only what the copies need: the lookup pins every lease this client holds with one
 count for the call (not a hold per key, given back per key after the last byte), and leaves the cache's recency
 bookkeeping for :meth:`~kvstrata.client.remote.RemoteBackend.settle`, which runs while the copies move. On the H200
-host (``tools/probe_kept_steps.py``, session 26) that took the first batch from 85-119 us into the call to 59-83.
+host (``tools/probe_call_steps.py``, session 26) that took the first batch from 85-119 us into the call to 59-83.
 """
 
 from __future__ import annotations
