@@ -310,10 +310,18 @@ class _Stream:
         pass
 
 
-def test_device_copies_start_after_three_keys_then_go_in_batches_twice_as_large(kv, monkeypatch):
+@pytest.mark.parametrize(
+    "n, sizes, expected",
+    [
+        # 3 (the first batch, in one driver call), 6, 12, then 16s, and what is left at the end
+        (40, (4096,), [3, 6, 12, 16, 3]),
+        # five tensors a key: the first key's 5 runs, 3 of them in the first driver call; then 2 keys, 3, the rest
+        (8, (512,) * 5, [3, 2, 10, 15, 10]),
+    ],
+)
+def test_device_copies_start_after_three_runs_then_go_in_batches_twice_as_large(kv, monkeypatch, n, sizes, expected):
     """Without a GPU: CPU tensors taken as CUDA ones, the copy engine's batches done by memmove."""
-    n = 40
-    keys, src = _written(kv, "batches", n, sizes=(4096,))
+    keys, src = _written(kv, f"batches/{len(sizes)}", n, sizes=sizes)
     kv.mget_h2d(keys, _poisoned(src))
     real_check = device.check_key
     cuda = torch.device("cuda", 0)
@@ -339,9 +347,8 @@ def test_device_copies_start_after_three_keys_then_go_in_batches_twice_as_large(
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * n
     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
-    # 3 (the first batch, in one driver call), 6, 12, then 16s, and what is left at the end
     assert kept_reads.FIRST_RUNS == 3
-    assert batches == [3, 6, 12, 16, 3]
+    assert batches == expected
     assert registered  # every segment the copies read was offered to CUDA before them
 
 

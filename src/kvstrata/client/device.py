@@ -290,9 +290,10 @@ SKIP_IDLE_JOIN = True
 _wait_events = threading.local()  # device index -> this thread's event for start()'s wait, and its raw handle
 
 
-def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False) -> None:
+def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False, head: int | None = None) -> None:
     """Do ``runs``: host runs now, device runs enqueued on ``stream`` (from :func:`start`). ``first``: the
-    call's first enqueue, whose first batch is cut short (:data:`FIRST_BATCH_RUNS`) so the DMA starts sooner."""
+    call's first enqueue, whose first batch is cut short (:data:`FIRST_BATCH_RUNS`) so the DMA starts sooner;
+    ``head``: that first batch's runs where they are not :data:`FIRST_BATCH_RUNS` (a kept read's first enqueue)."""
     for dst, src, n, _ in runs.host:
         if n < _TORCH_COPY_BYTES:
             _memmove(dst, src, n)
@@ -300,7 +301,9 @@ def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False) -> Non
             _raw_bytes(dst, n).copy_(_raw_bytes(src, n))  # torch spreads a large copy over its threads
     if not runs.device:
         return
-    if not _copy_engine(runs.device, stream, FIRST_BATCH_RUNS if first else BATCH_RUNS):
+    if head is None:
+        head = FIRST_BATCH_RUNS if first else BATCH_RUNS
+    if not _copy_engine(runs.device, stream, head):
         import torch
 
         with torch.cuda.stream(stream):

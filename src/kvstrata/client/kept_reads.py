@@ -35,9 +35,10 @@ from kvstrata.server import protocol as P
 
 #: runs in the first batch: the DMA starts once this many keys are laid out. Three, not two as the write and the
 #: placed read have (``device.FIRST_BATCH_RUNS``): switched call by call on the H200 host (``tools/probe_batch_growth.py
-#: --first``, session 27, four runs of 150 calls each), a first batch of 3 (then 6, 12, 16...) made a kept 64 x 1 MiB
+#: --first``, session 27, six runs of 150 calls each), a first batch of 3 (then 6, 12, 16...) made a kept 64 x 1 MiB
 #: read 16-22 us faster than one of 2 in every run, slowed vCPUs or not (4: as 2). Its 57 us of DMA cover the host's
 #: work for the second batch, which the 38 us of two keys did not on a slowed vCPU. For ``mset_d2h`` 3 was no faster.
+#: The first enqueue hands the driver these runs first (more, where a key has several tensors, go in a second call).
 FIRST_RUNS = 3
 #: or once a batch's runs hold ``RUN_BYTES`` times as many bytes as it may hold runs (where runs merged)
 RUN_BYTES = 1 << 20
@@ -112,13 +113,13 @@ def queue(
             # Runs that continue each other merge (views of one tensor, objects side by side): the bytes count too.
             if len(runs.device) >= cut or pending >= cut * RUN_BYTES:
                 ensure(bases, address, backend.segment_nbytes)  # registered with CUDA before their first copy
-                _device.enqueue(runs, device, s)
+                _device.enqueue(runs, device, s, head=FIRST_RUNS if cut == FIRST_RUNS else None)
                 runs = _device.new_runs()
                 pending = 0
                 cut = next_cut(cut)
         if runs.device:
             ensure(bases, address, backend.segment_nbytes)
-        _device.enqueue(runs, device, s)
+        _device.enqueue(runs, device, s, head=FIRST_RUNS if cut == FIRST_RUNS else None)
         event = _device.mark(s)
         if done == n:
             backend.settle()  # entries left for later and leases let go of, while the copies run
