@@ -293,6 +293,7 @@
 #     device rows A/B/B/A/A/B against ab_old/src (787704d: a first batch of 2)
 #   PART=s27g: the session's last call: bench store's device rows six times on the final code
 #   PART=s27h: every GPU test on the final code (the kept read's first enqueue with its own head)
+#   PART=s27i: tools/probe_batch_growth.py --first with the cold read too (the placed read's first batch), twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -867,6 +868,8 @@ elif [ "${PART}" = s27g ]; then
   store_rows new new new new new new
 elif [ "${PART}" = s27h ]; then
   gpu_tests gpu_tests_s27h
+elif [ "${PART}" = s27i ]; then
+  tool_runs 2 probe_batch_growth --first --rounds 100
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

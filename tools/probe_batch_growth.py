@@ -7,7 +7,7 @@ follows a one-key request, as bench store's do. Per case and growth: the median 
 last byte (CUDA events) as a fraction of the ceiling; the host's loop speed before and after.
 
 ``--first``: the first batch's size switched instead (``kept_reads.FIRST_RUNS`` and ``device.FIRST_BATCH_RUNS``: 2,
-the default, 3 or 4 runs), batches doubling from it, for the kept read and the write; untraced (the calls' times
+the default, 3 or 4 runs), batches doubling from it, for the three cases; untraced (the calls' times
 only: the trace's events would delay the first batch, the very thing switched).
 
     PYTHONPATH=src python3 tools/probe_batch_growth.py [--rounds 100] [--first]
@@ -50,7 +50,7 @@ def main() -> None:
     global GROWTHS, CASES
     if "--first" in sys.argv:
         GROWTHS = {f"first {k} (main: 2)" if k == 2 else f"first {k}": _first_batch(k) for k in (2, 3, 4)}
-        CASES = ("mget_h2d kept", "mset_d2h")
+        CASES = ("mget_h2d kept", "mget_h2d cold", "mset_d2h")
     ceiling = ceilings()
     untraced = "--first" in sys.argv  # the trace's CUDA events cost the host 5-35 us each: not before the first batch
     trace = None if untraced else CopyTrace()
