@@ -35,8 +35,8 @@ from kvstrata.server import protocol as P
 
 #: runs in the first batch: the DMA starts once this many keys are laid out. Three, not two as the write and the
 #: placed read have (``device.FIRST_BATCH_RUNS``): switched call by call on the H200 host (``tools/probe_batch_growth.py
-#: --first``, session 27, six runs of 150 calls each), a first batch of 3 (then 6, 12, 16...) made a kept 64 x 1 MiB
-#: read 16-22 us faster than one of 2 in every run, slowed vCPUs or not (4: as 2). Its 57 us of DMA cover the host's
+#: --first``, session 27, eight runs of 100-150 calls each), a first batch of 3 (then 6, 12, 16...) made a kept 64 x 1
+#: MiB read 16-30 us faster than one of 2 in every run, slowed vCPUs or not (4: as 2). Its 57 us of DMA cover the host's
 #: work for the second batch, which the 38 us of two keys did not on a slowed vCPU. For ``mset_d2h`` 3 was no faster.
 #: The first enqueue hands the driver these runs first (more, where a key has several tensors, go in a second call).
 FIRST_RUNS = 3
