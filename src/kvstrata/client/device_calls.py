@@ -149,8 +149,9 @@ class DeviceCallsMixin:
 
         def lay_out() -> int:
             """Lay the call's keys out in the reservation one after another from the first, queuing their copies
-            as batches fill (as :mod:`kvstrata.client.kept_reads` does: two runs, then twice as many up to
-            ``device.BATCH_RUNS``), with a mark per batch (the first three batches share one); no stages, no request.
+            as batches fill (``device.FIRST_BATCH_RUNS`` runs, then twice as many up to ``device.BATCH_RUNS``, grown
+            as :mod:`kvstrata.client.kept_reads` grows its own), with a mark per batch (the first three batches share
+            one); no stages, no request.
             Ends at the first key that does not fit (the worker creates the rest). Returns how many keys were laid
             out."""
             nonlocal s, call_bytes, carved_to
