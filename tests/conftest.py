@@ -17,6 +17,17 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With a GPU, the native copy planner (kvstrata.ops.tensor_runs) is loaded before the first test, so every GPU
+    test's kept reads take it rather than whichever path was ready when the test ran (its build, the first time on a
+    machine, runs in the background otherwise). Without a GPU the kept reads never take it (their tensors are CPU
+    ones); test_tensor_runs and the kept-read tests that stand CPU tensors in for CUDA ones load it themselves."""
+    if HAS_CUDA and os.environ.get("KVSTRATA_NATIVE") != "0":
+        from kvstrata.ops import tensor_runs
+
+        tensor_runs.native(wait=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import kvstrata
 from _stages import outcomes
 from kv_helpers import worker_fixtures
 from kvstrata.client import device, kept_reads
-from kvstrata.ops import copy_engine
+from kvstrata.ops import copy_engine, tensor_runs
 
 MEMORY = 64 << 20
 
@@ -310,19 +311,32 @@ class _Stream:
         pass
 
 
-@pytest.mark.parametrize(
-    "n, sizes, expected",
-    [
-        # 3 (the first batch, in one driver call), 6, 12, then 16s, and what is left at the end
-        (40, (4096,), [3, 6, 12, 16, 3]),
-        # five tensors a key: the first key's 5 runs, 3 of them in the first driver call; then 2 keys, 3, the rest
-        (8, (512,) * 5, [3, 2, 10, 15, 10]),
-    ],
-)
-def test_device_copies_start_after_three_runs_then_go_in_batches_twice_as_large(kv, monkeypatch, n, sizes, expected):
-    """Without a GPU: CPU tensors taken as CUDA ones, the copy engine's batches done by memmove."""
-    keys, src = _written(kv, f"batches/{len(sizes)}", n, sizes=sizes)
-    kv.mget_h2d(keys, _poisoned(src))
+def _native_planner(monkeypatch, on):
+    """The kept read's native pass on (CPU tensors standing in for CUDA ones) or off, whatever this machine has;
+    with it on, the list of each native pass's (first key, why it stopped)."""
+    passes: list[tuple[int, int]] = []
+    if not on:
+        monkeypatch.setattr(kept_reads, "_planner", lambda: None)
+        return passes
+    if tensor_runs.native(wait=True) is None:
+        pytest.fail("the native module did not build (see the log's warning)")
+
+    def plan(*args, **kwargs):
+        got = tensor_runs.plan(*args, **kwargs)
+        passes.append((args[3], got[1]))
+        return got
+
+    planner = types.SimpleNamespace(
+        plan=plan, native=tensor_runs.native, CUT=tensor_runs.CUT, NO_BASE=tensor_runs.NO_BASE
+    )
+    monkeypatch.setattr(kept_reads, "NATIVE_CUDA", False)
+    monkeypatch.setattr(kept_reads, "_planner", lambda: planner)
+    return passes
+
+
+def fake_gpu(monkeypatch, native):
+    """Without a GPU: CPU tensors taken as CUDA ones, the copy engine's batches done by memmove, the kept read's
+    native pass on or off. Returns the batches' sizes in runs, the segments registered and the native passes."""
     real_check = device.check_key
     cuda = torch.device("cuda", 0)
 
@@ -342,14 +356,85 @@ def test_device_copies_start_after_three_runs_then_go_in_batches_twice_as_large(
     monkeypatch.setattr(device, "mark", lambda stream: None)
     monkeypatch.setattr(copy_engine, "memcpy_raw", memcpy_raw)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    registered = []
+    registered: list[int] = []
     monkeypatch.setattr(device, "register_segment", lambda addr, nbytes: registered.append(addr) or False)
+    return batches, registered, _native_planner(monkeypatch, native)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize(
+    "n, sizes, run_bytes, expected, expected_native",
+    [
+        # keys of RUN_BYTES: 3 keys (the first batch, in one driver call), 6, 12, then 16s, and what is left
+        (40, (4096,), 4096, [3, 6, 12, 16, 3], [3, 6, 12, 16, 3]),
+        # small keys: runs as many as the cut, 16 at most; natively planned a batch holds 4x as many (12, 24, 48, up
+        # to 64), the first 3 in a driver call of their own
+        (40, (4096,), 1 << 20, [3, 6, 12, 16, 3], [3, 9, 24, 4]),
+        # five tensors a key: key 0's 5 runs, 3 of them first, then 2 keys, 3, the rest; natively keys 0-2 (15 runs)
+        # then keys 3-7 (25 runs, past 24) in one call
+        (8, (512,) * 5, 1 << 20, [3, 2, 10, 15, 10], [3, 12, 25]),
+    ],
+)
+def test_device_copies_start_after_three_runs_then_go_in_batches_twice_as_large(
+    kv, monkeypatch, n, sizes, run_bytes, expected, expected_native, native
+):
+    monkeypatch.setattr(kept_reads, "RUN_BYTES", run_bytes)
+    keys, src = _written(kv, f"batches/{len(sizes)}", n, sizes=sizes)
+    kv.mget_h2d(keys, _poisoned(src))
+    batches, registered, passes = fake_gpu(monkeypatch, native)
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * n
     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
     assert kept_reads.FIRST_RUNS == 3
-    assert batches == expected
+    assert batches == (expected_native if native else expected)
     assert registered  # every segment the copies read was offered to CUDA before them
+    if native:  # one pass a batch, each ending where the batch is full (the segment's address looked up once)
+        assert [why for _, why in passes if why != tensor_runs.NO_BASE] == [tensor_runs.CUT] * (len(passes) - 2) + [
+            tensor_runs.DONE
+        ]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_under_a_gpu_a_mismatch_a_repeated_key_and_empty_tensors_take_either_pass(kv, monkeypatch, native):
+    keys, src = _written(kv, "fake-gpu", 6, sizes=(64, 0, 16))
+    kv.mget_h2d(keys, _poisoned(src))
+    _, _, passes = fake_gpu(monkeypatch, native)
+    wanted = [src[1], src[1], src[0], src[3], src[4], src[5]]
+    dst = _poisoned(wanted)
+    dst[3] = [torch.zeros(81, dtype=torch.uint8)]  # 81 bytes for an object of 64 + 0 + 16
+    res = kv.mget_h2d([keys[1], keys[1], keys[0], keys[3], keys[4], keys[5]], dst)
+    assert isinstance(res[3], ValueError) and "81 bytes for 'fake-gpu/3', which holds 80" in str(res[3])
+    assert [r is None for r in res] == [True, True, True, False, True, True]
+    assert torch.equal(dst[3][0], torch.zeros(81, dtype=torch.uint8))  # nothing copied into it
+    assert all(torch.equal(a, b) for i in (0, 1, 2, 4, 5) for a, b in zip(wanted[i], dst[i]))
+    assert bool(passes) == native
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        ([torch.zeros(32, 32).t()], ValueError, "contiguous"),
+        (["not a tensor"], TypeError, r"expected a torch.Tensor"),
+        ("not a list", TypeError, "must be a list of tensors"),
+    ],
+)
+def test_under_a_gpu_a_bad_tensor_raises_after_the_keys_before_it_landed(kv, monkeypatch, bad, exc, match, native):
+    keys, src = _written(kv, "fake-gpu-bad", 12, sizes=(1000,))
+    kv.mget_h2d(keys, _poisoned(src))
+    holders = dict(kv._backend._holders)
+    _, _, passes = fake_gpu(monkeypatch, native)
+    monkeypatch.setattr(kept_reads, "RUN_BYTES", 1000)  # batches of 3 keys, then 6, 12
+    dst = _poisoned(src)
+    dst[10] = bad
+    with pytest.raises(exc, match=r"^tensor_lists\[10\]") as raised:
+        kv.mget_h2d(keys, dst)
+    assert raised.match(match)
+    assert all(torch.equal(a, b) for i in range(9) for a, b in zip(src[i], dst[i]))  # batches of 3 and 6 landed
+    assert kv._backend._holders == holders and not kv._backend._pins
+    if native:
+        assert passes[-1] == (9, tensor_runs.PYTHON_PATH)  # the last pass left key 10 to the Python loop
+    assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 12  # the client goes on
 
 
 def test_a_lease_dropped_from_the_cache_mid_call_stays_held_until_the_call_ends(kv, worker, monkeypatch):
@@ -415,3 +500,26 @@ def test_a_lease_let_go_of_under_a_pin_goes_back_once_the_pins_taken_before_it_a
     backend.release(second)
     assert kv.stats()["leases"] == leases - 2
     assert not backend._pins and not backend._parked
+
+
+@pytest.mark.gpu
+def test_a_kept_read_on_the_gpu_is_planned_natively_and_a_cpu_key_hands_over_to_the_python_loop(kv, monkeypatch):
+    n = 40
+    keys = [f"gpu-native/{i}" for i in range(n)]
+    kv.delete(keys)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    src = [[torch.randn(size, device="cuda", generator=g) for size in (4096, 100)] for _ in range(n)]
+    assert kv.mset_d2h(keys, src) == [None] * n
+    kv.mget_h2d(keys, [[torch.empty_like(t) for t in ts] for ts in src])
+    passes = _native_planner(monkeypatch, True)
+    monkeypatch.setattr(kept_reads, "NATIVE_CUDA", True)
+    dst = [[torch.full_like(t, -1.0) for t in ts] for ts in src]
+    assert kv.mget_h2d(keys, dst) == [None] * n
+    assert all(torch.equal(a, b) for x, y in zip(src, dst) for a, b in zip(x, y))
+    assert passes and passes[-1][1] == tensor_runs.DONE
+    passes.clear()
+    dst = [[torch.full_like(t, -1.0) for t in ts] for ts in src]
+    dst[17] = [torch.full((4096,), -1.0), torch.full((100,), -1.0)]  # CPU tensors: the Python loop copies them
+    assert kv.mget_h2d(keys, dst) == [None] * n
+    assert all(torch.equal(a.cpu(), b.cpu()) for x, y in zip(src, dst) for a, b in zip(x, y))
+    assert passes[-1][1] == tensor_runs.PYTHON_PATH and passes[-1][0] <= 17  # the last pass stopped at key 17

@@ -294,6 +294,17 @@
 #   PART=s27g: the session's last call: bench store's device rows six times on the final code
 #   PART=s27h: every GPU test on the final code (the kept read's first enqueue with its own head)
 #   PART=s27i: tools/probe_batch_growth.py --first with the cold read too (the placed read's first batch), twice
+#   PART=s28a: the native copy planner built (kvstrata.ops.tensor_runs); every GPU test; tools/probe_batch_growth.py
+#     --native (the kept read's planning native or in Python, call by call) twice; bench store's device rows
+#     A/B/B/A/A/B against ab_old/src (9ad44c3: the session's start)
+#   PART=s28b: bench store's device rows with the native planner off (nonative), on (new) and ab_old/src in turn,
+#     three times
+#   PART=s28c: tools/probe_native_planner.py (new: a kept read planned natively or in Python, call by call, 64 x 1 MiB,
+#     256 x 256 KiB, 256 x 64 KiB) twice
+#   PART=s28d: tools/probe_native_planner.py with the batch policies too (16 runs a batch at most, or 4x a cut's up to
+#     64) twice
+#   PART=s28e: the session's last call: every GPU test; tools/probe_native_planner.py; bench store's device rows with
+#     the native planner off (nonative) and on (new) in turn, twice
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -301,8 +312,14 @@ set -uo pipefail
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/kvstrata-out}"; mkdir -p "$OUT"
 LOG="$OUT/part_${PART:-a}.log"
-use() {  # use <variant>: run the current src (new) or <variant>/src (another version's) from here on
-  if [ "$1" = new ]; then export PYTHONPATH="$PWD/src"; else export PYTHONPATH="$PWD/$1/src"; fi
+use() {  # use <variant>: run the current src (new), the current src with the native copy planner off (nonative) or
+  # <variant>/src (another version's) from here on
+  unset KVSTRATA_NATIVE
+  case $1 in
+    new) export PYTHONPATH="$PWD/src" ;;
+    nonative) export PYTHONPATH="$PWD/src" KVSTRATA_NATIVE=0 ;;
+    *) export PYTHONPATH="$PWD/$1/src" ;;
+  esac
 }
 gpu_tests() {  # gpu_tests <name>: every GPU test, the log in $OUT/<name>.log, its last lines in the combined log
   KVSTRATA_TEST_WAIT=20 timeout 300 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
@@ -870,6 +887,22 @@ elif [ "${PART}" = s27h ]; then
   gpu_tests gpu_tests_s27h
 elif [ "${PART}" = s27i ]; then
   tool_runs 2 probe_batch_growth --first --rounds 100
+elif [ "${PART}" = s28a ]; then
+  echo "=== the native planner's build" >> "$LOG"
+  python3 -c "import time; from kvstrata.ops import tensor_runs as t; a = time.time(); m = t.native(wait=True); print(m, f'{time.time() - a:.1f} s')" >> "$LOG" 2>&1
+  gpu_tests gpu_tests_s28a
+  tool_runs 2 probe_batch_growth --native --rounds 150
+  store_rows ab_old new new ab_old ab_old new
+elif [ "${PART}" = s28b ]; then
+  store_rows nonative new ab_old new nonative ab_old ab_old nonative new
+elif [ "${PART}" = s28c ]; then
+  tool_runs 2 probe_native_planner --rounds 100
+elif [ "${PART}" = s28d ]; then
+  tool_runs 2 probe_native_planner --rounds 100
+elif [ "${PART}" = s28e ]; then
+  gpu_tests gpu_tests_s28e
+  tool_runs 1 probe_native_planner --rounds 100
+  store_rows nonative new nonative new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

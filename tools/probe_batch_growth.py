@@ -7,10 +7,13 @@ follows a one-key request, as bench store's do. Per case and growth: the median 
 last byte (CUDA events) as a fraction of the ceiling; the host's loop speed before and after.
 
 ``--first``: the first batch's size switched instead (``kept_reads.FIRST_RUNS`` and ``device.FIRST_BATCH_RUNS``: 2,
-the default, 3 or 4 runs), batches doubling from it, for the three cases; untraced (the calls' times
+3 (the kept read's default) or 4 runs), batches doubling from it, for the three cases; untraced (the calls' times
 only: the trace's events would delay the first batch, the very thing switched).
 
-    PYTHONPATH=src python3 tools/probe_batch_growth.py [--rounds 100] [--first]
+``--native``: the one-pass calls' copy planning switched instead, native (``kvstrata.ops.tensor_runs``, the default
+where it is built) or the Python loop; untraced.
+
+    PYTHONPATH=src python3 tools/probe_batch_growth.py [--rounds 100] [--first | --native]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from _copy_trace import CopyTrace, ceilings, kept_client
 
 from kvstrata.bench._common import python_loop_us
 from kvstrata.client import device, kept_reads
+from kvstrata.ops import tensor_runs
 
 N = 64
 
@@ -45,14 +49,30 @@ def _first_batch(runs: int):
     return doubling
 
 
+def _planning(planner: object):
+    """A variant whose one-pass calls plan their copies with ``planner`` (None: the Python loop), batches doubling
+    from the defaults."""
+
+    def doubling(cut: int) -> int:
+        return min(2 * cut, device.BATCH_RUNS)
+
+    doubling.planner = planner
+    return doubling
+
+
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 100
     global GROWTHS, CASES
     if "--first" in sys.argv:
         GROWTHS = {f"first {k} (main: 2)" if k == 2 else f"first {k}": _first_batch(k) for k in (2, 3, 4)}
         CASES = ("mget_h2d kept", "mget_h2d cold", "mset_d2h")
+    if "--native" in sys.argv:
+        if tensor_runs.native(wait=True) is None:
+            raise SystemExit("the native planner did not build")
+        GROWTHS = {"python loop": _planning(None), "native (main)": _planning(tensor_runs)}
     ceiling = ceilings()
-    untraced = "--first" in sys.argv  # the trace's CUDA events cost the host 5-35 us each: not before the first batch
+    # the trace's CUDA events cost the host 5-35 us each: not before the first batch
+    untraced = "--first" in sys.argv or "--native" in sys.argv
     trace = None if untraced else CopyTrace()
     with kept_client("bg") as (kv, keys, src, dst):
         loops = [python_loop_us()]
@@ -68,6 +88,8 @@ def main() -> None:
                     kept_reads.next_cut = growth
                     if hasattr(growth, "first"):
                         kept_reads.FIRST_RUNS = device.FIRST_BATCH_RUNS = growth.first
+                    if hasattr(growth, "planner"):
+                        kept_reads._planner = lambda planner=growth.planner: planner
                     fresh = [f"bgw/{it}/{name}/{i}" for i in range(N)]
                     if case == "mget_h2d cold":
                         kv.delete(keys)

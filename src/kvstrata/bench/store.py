@@ -191,7 +191,10 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
 
     import kvstrata
     from kvstrata.bench._common import device_time, python_loop_us
+    from kvstrata.ops import tensor_runs
 
+    # The copy planner's native module: built (first use on a machine) or loaded before the timing, not during it.
+    native = tensor_runs.native(wait=True) is not None
     n, size = 64, 1 << 20
     host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n * size, dtype=torch.uint8, device="cuda")
@@ -288,6 +291,7 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
                 "seg_ceiling_GB/s": None if seg is None else gbps(n * size, seg),
                 # this process's CPU speed over the timed rounds (the same rounds for every row)
                 "host_loop_us": round(statistics.median(loops[3:]), 1),
+                "native_planner": native,  # kvstrata.ops.tensor_runs loaded (else the calls planned in Python)
             }
         )
     return rows
@@ -411,6 +415,7 @@ def run(args: argparse.Namespace) -> int:
         "of_ceiling",
         "seg_ceiling_GB/s",
         "host_loop_us",
+        "native_planner",
     ]
     print_table(rows, columns)
     return 0

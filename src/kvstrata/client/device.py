@@ -290,10 +290,14 @@ SKIP_IDLE_JOIN = True
 _wait_events = threading.local()  # device index -> this thread's event for start()'s wait, and its raw handle
 
 
-def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False, head: int | None = None) -> None:
+def enqueue(
+    runs: Runs, device: Any, stream: Any, *, first: bool = False, head: int | None = None, chunk: int = BATCH_RUNS
+) -> None:
     """Do ``runs``: host runs now, device runs enqueued on ``stream`` (from :func:`start`). ``first``: the
     call's first enqueue, whose first batch is cut short (:data:`FIRST_BATCH_RUNS`) so the DMA starts sooner;
-    ``head``: that first batch's runs where they are not :data:`FIRST_BATCH_RUNS` (a kept read's first enqueue)."""
+    ``head``: that first batch's runs where they are not :data:`FIRST_BATCH_RUNS` (a kept read's first enqueue);
+    ``chunk``: the runs per driver call after it (a caller whose runs are one batch already passes that batch's
+    cap)."""
     for dst, src, n, _ in runs.host:
         if n < _TORCH_COPY_BYTES:
             _memmove(dst, src, n)
@@ -302,8 +306,8 @@ def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False, head: 
     if not runs.device:
         return
     if head is None:
-        head = FIRST_BATCH_RUNS if first else BATCH_RUNS
-    if not _copy_engine(runs.device, stream, head):
+        head = FIRST_BATCH_RUNS if first else chunk
+    if not _copy_engine(runs.device, stream, head, chunk):
         import torch
 
         with torch.cuda.stream(stream):
@@ -341,28 +345,46 @@ class _BothEvents(NamedTuple):
         return self.first.query() and self.second.query()
 
 
-def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head: int = BATCH_RUNS) -> bool:
-    """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs): ``head`` runs first,
-    then batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back to
-    torch copies."""
-    torch, copy_engine, _, _, current_index = _device_modules()
-    index = stream.device_index
-    if current_index() != index:  # the raw batch call copies on the current device's streams
-        with torch.cuda.device(index):
-            return _copy_engine(device_runs, stream, head)
-    cuts = [0, *range(min(head, len(device_runs)), len(device_runs), BATCH_RUNS), len(device_runs)]
-    handle, memcpy = stream.cuda_stream, copy_engine.memcpy_raw
-    k = 0
+def _copy_engine(
+    device_runs: list[tuple[int, int, int, Any]], stream: Any, head: int = BATCH_RUNS, chunk: int = BATCH_RUNS
+) -> bool:
+    """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs, :func:`copy_lists`); False
+    where cuda-bindings is missing, so the caller falls back to torch copies."""
+    _, copy_engine, _, _, _ = _device_modules()
+    dsts, srcs, sizes, _ = zip(*device_runs)
     try:
-        for k, end in itertools.pairwise(cuts):
-            dsts, srcs, sizes, _ = zip(*device_runs[k:end])
-            memcpy(list(dsts), list(srcs), list(sizes), handle)
+        copy_lists(list(dsts), list(srcs), list(sizes), stream, head, chunk)
     except copy_engine.CopyEngineError as exc:  # no cuda-bindings, or the call refused: copy again by torch
-        if k:
+        if getattr(exc, "queued", 0):
             raise  # some runs are queued already: a torch re-copy of all would be a second, racing copy
         log.debug("copy engine batch unavailable (%s): torch copies", exc)
         return False
     return True
+
+
+def copy_lists(
+    dsts: list[int], srcs: list[int], sizes: list[int], stream: Any, head: int = BATCH_RUNS, chunk: int = BATCH_RUNS
+) -> None:
+    """Copy ``sizes[k]`` bytes ``srcs[k] -> dsts[k]`` on ``stream`` (from :func:`start`) as ``cudaMemcpyBatchAsync``
+    calls on its raw handle: ``head`` runs first, then ``chunk`` runs a call. A refused call raises
+    ``CopyEngineError`` with ``queued``: the runs queued before it."""
+    torch, copy_engine, _, _, current_index = _device_modules()
+    index = stream.device_index
+    if current_index() != index:  # the raw batch call copies on the current device's streams
+        with torch.cuda.device(index):
+            return copy_lists(dsts, srcs, sizes, stream, head, chunk)
+    handle, memcpy, n = stream.cuda_stream, copy_engine.memcpy_raw, len(sizes)
+    k = 0
+    try:
+        if n <= head:  # one driver call, no slices
+            memcpy(dsts, srcs, sizes, handle)
+            return None
+        for k, end in itertools.pairwise([0, *range(head, n, chunk), n]):
+            memcpy(dsts[k:end], srcs[k:end], sizes[k:end], handle)
+    except copy_engine.CopyEngineError as exc:
+        exc.queued = k
+        raise
+    return None
 
 
 @functools.cache

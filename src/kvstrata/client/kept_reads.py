@@ -26,6 +26,7 @@ host (``tools/probe_call_steps.py``, session 26) that took the first batch from 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,8 +41,22 @@ from kvstrata.server import protocol as P
 #: work for the second batch, which the 38 us of two keys did not on a slowed vCPU. For ``mset_d2h`` 3 was no faster.
 #: The first enqueue hands the driver these runs first (more, where a key has several tensors, go in a second call).
 FIRST_RUNS = 3
-#: or once a batch's runs hold ``RUN_BYTES`` times as many bytes as it may hold runs (where runs merged)
+#: A batch of a cut of ``cut`` ends once its bytes reach ``cut * RUN_BYTES`` (keys of 1 MiB: ``cut`` keys) or its runs
+#: ``cut``. The native pass (``_native_pass``) lets a batch hold ``RUNS_PER_CUT * cut`` runs instead, up to
+#: ``MAX_BATCH_RUNS``, each batch in one driver call: a driver call costs the host a fixed part besides ~0.7 us a
+#: run, which 16 runs of 64 KiB (~19 us of DMA) do not cover. Measured call by call on the H200 host
+#: (``tools/probe_native_planner.py``, session 28), kept reads of 256 x 64 KiB natively planned went from 0.42-0.44
+#: of one 16 MiB copy to 0.50-0.52 this way, 256 x 256 KiB from 0.87-0.88 to 0.88-0.89, 64 x 1 MiB alike (cut by
+#: bytes). The Python loop keeps ``cut`` runs: its ~2-9 us a key before a larger first batch cost more than the
+#: fewer driver calls saved (256 x 256 KiB: 0.67-0.70 against 0.71-0.74).
 RUN_BYTES = 1 << 20
+RUNS_PER_CUT = 4
+MAX_BATCH_RUNS = 64
+
+
+def batch_runs(cut: int) -> int:
+    """The most runs a native pass's batch of a cut of ``cut`` holds (see :data:`RUNS_PER_CUT`)."""
+    return min(RUNS_PER_CUT * cut, MAX_BATCH_RUNS)
 
 
 def next_cut(cut: int) -> int:
@@ -95,8 +110,23 @@ def queue(
     cut = FIRST_RUNS
     pending = 0  # bytes laid out in ``runs``
     s = device = None
+    first = 0  # the first key the Python loop below lays out: those before it went the native pass
     try:
-        for i in range(done):
+        planner = _planner()
+        if planner is not None and planner.native() is not None:
+            first, cut, s, device = _native_pass(
+                planner,
+                keys,
+                tensor_lists,
+                locs,
+                done,
+                results,
+                bases,
+                address,
+                lambda b: ensure(b, address, backend.segment_nbytes),
+                stream,
+            )
+        for i in range(first, done):
             pieces, total, dev = check(tensor_lists[i], i)
             loc = locs[i]
             if total != loc.size:
@@ -119,7 +149,8 @@ def queue(
                 cut = next_cut(cut)
         if runs.device:
             ensure(bases, address, backend.segment_nbytes)
-        _device.enqueue(runs, device, s, head=FIRST_RUNS if cut == FIRST_RUNS else None)
+        if first < done:
+            _device.enqueue(runs, device, s, head=FIRST_RUNS if cut == FIRST_RUNS else None)
         event = _device.mark(s)
         if done == n:
             backend.settle()  # entries left for later and leases let go of, while the copies run
@@ -129,3 +160,90 @@ def queue(
         client._release_leases(held)
         raise
     return results, event, held, done
+
+
+#: the kind of tensor the native pass takes: CUDA (tests without a GPU set False, so CPU tensors stand in)
+NATIVE_CUDA = True
+
+
+def _native_pass(
+    planner: Any,
+    keys: list[str],
+    tensor_lists: Sequence[Sequence[Any]],
+    locs: list[Any],
+    done: int,
+    results: list[Any],
+    bases: dict[int, int],
+    address: Any,
+    ensure: Any,
+    stream: Any,
+) -> tuple[int, int, Any, Any]:
+    """Lay out and queue keys ``[0, done)`` as :func:`queue`'s loop does, with a native pass per batch
+    (:mod:`kvstrata.ops.tensor_runs`: ~0.1 us a tensor, against 1-2 us warm in Python and several times that cold):
+    ``(the first key left to the Python loop, its next batch's runs, the copy stream, its device)``. Stops at a key
+    the Python loop must take (a CPU or bad tensor, a second device), every key before it queued. ``address`` gives
+    a segment's address (added to ``bases``), ``ensure(bases)`` registers their segments before their copies."""
+    plan, no_base, full = planner.plan, planner.NO_BASE, planner.CUT
+    cut, i, index = FIRST_RUNS, 0, -1
+    s = device = None
+    dsts: list[int] = []
+    srcs: list[int] = []
+    sizes: list[int] = []
+    planned = 0  # bytes planned and not queued yet (a pass stopped short for a segment's address)
+    try:
+        while i < done:
+            stop, why, d, r, z, mismatched, index = plan(
+                tensor_lists,
+                locs,
+                bases,
+                i,
+                done,
+                batch_runs(cut) - len(sizes),
+                cut * RUN_BYTES - planned,
+                device_index=index,
+                cuda=NATIVE_CUDA,
+            )
+            for k in mismatched:
+                total = sum(t.nbytes for t in tensor_lists[k])
+                results[k] = InvalidValue(
+                    f"tensor_lists[{k}]: {total} bytes for {keys[k]!r}, which holds {locs[k].size}"
+                )
+            if sizes:
+                dsts += d
+                srcs += r
+                sizes += z
+            else:
+                dsts, srcs, sizes = d, r, z
+            i = stop
+            if why == no_base:  # a segment met first here: its address, then on from this key
+                planned += sum(z)
+                seg = locs[stop].segment
+                bases[seg] = address(seg)
+                continue
+            if sizes:
+                if s is None:
+                    torch = _device._device_modules()[0]
+                    device = torch.device("cuda", index) if index >= 0 else torch.device("cuda")
+                    s = _device.start(device, stream)
+                ensure(bases)  # registered with CUDA before their first copy
+                head = FIRST_RUNS if cut == FIRST_RUNS else MAX_BATCH_RUNS
+                _device.copy_lists(dsts, srcs, sizes, s, head, MAX_BATCH_RUNS)
+                dsts, srcs, sizes, planned = [], [], [], 0
+                cut = next_cut(cut)
+            if why != full:
+                break
+    except BaseException:
+        if s is not None:
+            s.synchronize()  # the caller gives the leases back: every queued copy must have landed
+        raise
+    return i, cut, s, device
+
+
+@functools.cache
+def _planner() -> Any:
+    """:mod:`kvstrata.ops.tensor_runs` where the copy engine's raw calls are there to take its runs, else None
+    (the Python loop's runs then go to torch's copies). Imported at the first kept read: a client without device
+    calls never loads torch."""
+    from kvstrata.ops import copy_engine, tensor_runs
+
+    return tensor_runs if copy_engine._runtime() is not None else None

@@ -1,0 +1,170 @@
+"""Copy runs between lists of tensors and objects' bytes in host memory, planned natively (C++).
+
+A device call of many keys (``mget_h2d`` / ``mset_d2h``) checks every tensor it is handed and lays its bytes out
+as address runs for the copy engine. In Python that is ~1-2 us per tensor on a warm host and several times that on
+a cold one (torch's attribute calls, tuples, list appends), which the H200 host's slowed vCPUs could not hide
+behind the DMA of the first batches. :func:`plan` does the same pass in one native call, ~0.1 us per tensor:
+for the keys ``lo..hi-1``, each a list of tensors and a location ``(segment, offset, size)`` (a tuple, such as
+the client's ``Loc``) in a segment mapped at ``bases[segment]``:
+
+* checks every tensor of a key (a strided, non-quantized, contiguous tensor of the wanted kind, CUDA on one
+  device) before planning the key, so a key is planned whole or not at all;
+* records the keys whose tensors' bytes differ from their object's size (no runs);
+* lays each tensor along its object's bytes (``dst, src`` swapped where ``to_host``) and merges a run into the
+  previous one where both sides continue it, within one segment and one tensor storage (a DMA copy must not
+  cross separately registered or allocated ranges), as :func:`kvstrata.client.device.plan` does;
+* stops after the key with which the runs reach ``max_runs`` or their bytes ``max_bytes`` (the caller's batch).
+
+It stops early, without planning the key it stopped at, where the Python path must take the key (a CPU or bad
+tensor, which that path copies or names in its error; a tensor on a second device) or where a segment's address
+is not in ``bases`` (the caller adds it and calls again from that key).
+
+The native module is compiled from ``native/tensor_runs.cpp`` by torch's extension builder the first time a
+process asks for it (``ninja`` and a C++ compiler; ~20 s on two cores), in a background thread unless asked to
+wait, and cached on disk (``KVSTRATA_NATIVE_DIR``, default ``~/.cache/kvstrata/native``) by the source's, torch's
+and Python's versions, so later processes load it in microseconds. Until it is loaded, or where it cannot be built
+(``KVSTRATA_NATIVE=0`` turns it off), :func:`native` answers None and callers take their Python path.
+
+Example (CPU tensors stand in for CUDA ones, ``cuda=False``)::
+
+    >>> import torch
+    >>> from kvstrata.ops import tensor_runs
+    >>> if tensor_runs.native(wait=True) is not None:
+    ...     t = torch.zeros(4, dtype=torch.int32)
+    ...     stop, why, dsts, srcs, sizes, bad, _ = tensor_runs.plan(
+    ...         [[t[:2], t[2:]]], [(0, 64, 16)], {0: 4096}, 0, 1, 16, 1 << 20, cuda=False)
+    ...     assert (stop, why, srcs, sizes, bad) == (1, tensor_runs.DONE, [4160], [16], [])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: why :func:`plan` stopped: every key of the range planned; the batch is full (keys remain); the key at ``stop``
+#: needs the Python path; the segment of the key at ``stop`` is not in ``bases``
+DONE, CUT, PYTHON_PATH, NO_BASE = 0, 1, 2, 3
+
+SOURCE = Path(__file__).with_name("native") / "tensor_runs.cpp"
+_NAME = "kvstrata_tensor_runs"  # the module's init function is PyInit_<this>
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_state = "new"  # new -> building -> ready | failed
+_built = threading.Event()
+
+
+def native(wait: bool = False) -> ModuleType | None:
+    """The native module, or None while it is not loaded: the first call starts loading it (from the disk cache,
+    else a build in a background thread); ``wait=True`` waits for that to end (a benchmark's or test's set-up).
+    None for good where it is turned off (``KVSTRATA_NATIVE=0``) or could not be built (logged once)."""
+    global _state
+    if _module is not None:
+        return _module
+    with _lock:
+        start = _state == "new"
+        if start:
+            _state = "building"
+    if start:
+        if os.environ.get("KVSTRATA_NATIVE", "1") == "0":
+            _finish(None, "failed")
+        elif not _load_cached():
+            if wait:
+                _build()
+            else:
+                threading.Thread(target=_build, name="kvstrata-native-build", daemon=True).start()
+    if wait:
+        _built.wait()
+    return _module
+
+
+def plan(
+    tensor_lists: Any,
+    locs: list[Any],
+    bases: dict[int, int],
+    lo: int,
+    hi: int,
+    max_runs: int,
+    max_bytes: int,
+    *,
+    device_index: int = -1,
+    to_host: bool = False,
+    cuda: bool = True,
+) -> tuple[int, int, list[int], list[int], list[int], list[int], int]:
+    """Plan keys ``lo..hi-1`` (see the module's docstring): ``(stop, why, dsts, srcs, sizes, mismatched,
+    device_index)``, where keys ``lo..stop-1`` were planned, ``why`` is :data:`DONE`, :data:`CUT`,
+    :data:`PYTHON_PATH` or :data:`NO_BASE`, ``mismatched`` lists the keys whose tensors' bytes differ from their
+    object's size, and ``device_index`` is the device every planned tensor is on (-1 where none was met; pass it
+    back in the next call of the same device call). Needs :func:`native` to have answered a module."""
+    module = _module
+    if module is None:
+        raise RuntimeError("kvstrata.ops.tensor_runs: the native module is not loaded (see native())")
+    return module.plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda)
+
+
+def cache_dir() -> Path:
+    """Where the built module lives: one folder per source, torch and Python version."""
+    import torch
+
+    root = Path(os.environ.get("KVSTRATA_NATIVE_DIR") or Path.home() / ".cache" / "kvstrata" / "native")
+    tag = hashlib.sha256(
+        SOURCE.read_bytes() + f"|{torch.__version__}|{sys.version}|{sys.platform}".encode()
+    ).hexdigest()[:16]
+    return root / f"{_NAME}-{tag}"
+
+
+def _load_cached() -> bool:
+    """Load the module from the disk cache; False where it is not there (or would not load)."""
+    try:
+        path = cache_dir() / f"{_NAME}.so"
+        if not path.exists():
+            return False
+        _finish(_import(path), "ready")
+        return True
+    except Exception as exc:  # a stale or broken build: built again
+        log.warning("kvstrata native module at %s would not load (%s); building it again", cache_dir(), exc)
+        return False
+
+
+def _build() -> None:
+    try:
+        from torch.utils import cpp_extension
+
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        # torch's builder locks the folder, so processes building at once build it once
+        module = cpp_extension.load(
+            _NAME, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder), verbose=False
+        )
+        _finish(module, "ready")
+    except Exception as exc:
+        log.warning("kvstrata native module not built (%s): device calls plan their copies in Python", exc)
+        _finish(None, "failed")
+
+
+def _import(path: Path) -> ModuleType:
+    import torch  # noqa: F401  (the module links against torch's libraries, loaded by this import)
+
+    module = sys.modules.get(_NAME)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(_NAME, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[_NAME] = module
+    return module
+
+
+def _finish(module: ModuleType | None, state: str) -> None:
+    global _module, _state
+    with _lock:
+        _module, _state = module, state
+    _built.set()

@@ -1,0 +1,216 @@
+"""The native copy planner (kvstrata.ops.tensor_runs) against the Python reference it replaces on a device call's
+hot path (kvstrata.client.device.check_key + plan): the same runs, merges, cuts and stops, over keys of one and
+many tensors, views of one tensor, zero-byte tensors, size mismatches, several segments and bad tensors. CPU
+tensors stand in for CUDA ones (``cuda=False``); the GPU test runs the CUDA kind."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvstrata.client import device
+from kvstrata.client._shared import Loc
+from kvstrata.ops import tensor_runs
+from kvstrata.ops.tensor_runs import CUT, DONE, NO_BASE, PYTHON_PATH
+
+
+@pytest.fixture(scope="module")
+def native():
+    if os.environ.get("KVSTRATA_NATIVE") == "0":
+        pytest.skip("KVSTRATA_NATIVE=0")
+    module = tensor_runs.native(wait=True)
+    assert module is not None, "the native module did not build (see the log's warning)"
+    return module
+
+
+def reference(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, to_host=False):
+    """What the Python path does for keys lo..hi-1, as tensor_runs.plan answers it (every tensor taken as the
+    wanted kind; a bad tensor stops the pass before its key, as the native pass leaves it to that path)."""
+    runs = device.new_runs()
+    mismatched, pending = [], 0
+    for i in range(lo, hi):
+        try:
+            pieces, total, _ = device.check_key(tensor_lists[i], i)
+        except (TypeError, ValueError):
+            return i, PYTHON_PATH, runs, mismatched
+        pieces = [(p[0], p[1], True, p[3], p[3].untyped_storage().data_ptr()) for p in pieces]  # as CUDA ones
+        seg, offset, size = locs[i]
+        if total != size:
+            mismatched.append(i)
+            continue
+        if seg not in bases:
+            return i, NO_BASE, runs, mismatched
+        device.plan(pieces, bases[seg] + offset, to_host, runs, seg)
+        pending += total
+        if len(runs.device) >= max_runs or pending >= max_bytes:
+            return i + 1, CUT if i + 1 < hi else DONE, runs, mismatched
+    return hi, DONE, runs, mismatched
+
+
+def check_same(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, to_host=False):
+    stop, why, dsts, srcs, sizes, mismatched, index = tensor_runs.plan(
+        tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, to_host=to_host, cuda=False
+    )
+    r_stop, r_why, runs, r_mismatched = reference(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, to_host)
+    assert (stop, why, mismatched) == (r_stop, r_why, r_mismatched)
+    assert list(zip(dsts, srcs, sizes)) == [r[:3] for r in runs.device]
+    assert index == -1  # CPU tensors name no device
+    return stop, why, sizes
+
+
+def _keys(n, shapes, seed, *, one_tensor=False, dtype=torch.float32):
+    """n keys of tensors of ``shapes``; ``one_tensor``: views of one tensor each, back to back (they merge)."""
+    g = torch.Generator().manual_seed(seed)
+    lists = []
+    for _ in range(n):
+        if one_tensor:
+            whole = torch.randn(sum(shapes), generator=g).to(dtype)
+            parts, at = [], 0
+            for s in shapes:
+                parts.append(whole[at : at + s])
+                at += s
+            lists.append(parts)
+        else:
+            lists.append([torch.randn(s, generator=g).to(dtype) for s in shapes])
+    return lists
+
+
+def _locs(tensor_lists, segments=(0,), gap=0):
+    """Objects laid out back to back in each segment in turn, ``gap`` bytes apart."""
+    locs, heads = [], dict.fromkeys(segments, 0)
+    for i, ts in enumerate(tensor_lists):
+        seg = segments[i % len(segments)]
+        total = sum(t.nbytes for t in ts)
+        locs.append(Loc(seg, heads[seg], total))
+        heads[seg] += total + gap
+    return locs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("shapes", [(256,), (64, 0, 128), (7, 13, 1, 100)])
+@pytest.mark.parametrize("one_tensor", [False, True])
+@pytest.mark.parametrize("to_host", [False, True])
+def test_native_runs_match_the_python_plan(native, dtype, shapes, one_tensor, to_host):
+    lists = _keys(12, shapes, seed=len(shapes), one_tensor=one_tensor, dtype=dtype)
+    for segments, gap in (((0,), 0), ((0,), 64), ((3, 5), 0)):
+        locs = _locs(lists, segments, gap)
+        bases = {seg: (seg + 1) << 30 for seg in segments}
+        for max_runs, max_bytes in ((16, 1 << 30), (3, 1 << 30), (64, 1000), (1, 1)):
+            lo = 0
+            while lo < len(lists):
+                stop, why, _ = check_same(lists, locs, bases, lo, len(lists), max_runs, max_bytes, to_host)
+                assert why in (CUT, DONE) and stop > lo
+                lo = stop
+
+
+def test_views_of_one_tensor_laid_side_by_side_merge_into_one_run(native):
+    whole = torch.arange(64, dtype=torch.int64)
+    lists = [[whole[i * 8 : (i + 1) * 8]] for i in range(8)]
+    locs = _locs(lists)
+    stop, why, sizes = check_same(lists, locs, {0: 1 << 20}, 0, 8, 16, 1 << 30)
+    assert (stop, why, sizes) == (8, DONE, [whole.nbytes])
+    # two segments: the runs never cross from one to the other, however adjacent their addresses
+    locs = [Loc(i // 4, (i % 4) * 64, 64) for i in range(8)]
+    _, _, sizes = check_same(lists, locs, {0: 1 << 20, 1: (1 << 20) + 256}, 0, 8, 16, 1 << 30)
+    assert sizes == [256, 256]
+
+
+def test_a_size_mismatch_is_reported_and_planned_no_run(native):
+    lists = _keys(5, (32,), seed=1)
+    locs = _locs(lists)
+    locs[2] = Loc(0, locs[2].offset, 999)
+    stop, why, _, _, sizes, mismatched, _ = tensor_runs.plan(lists, locs, {0: 4096}, 0, 5, 16, 1 << 30, cuda=False)
+    assert (stop, why, mismatched, len(sizes)) == (5, DONE, [2], 4)
+    check_same(lists, locs, {0: 4096}, 0, 5, 16, 1 << 30)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: torch.zeros(4, 4).t(),  # not contiguous
+        lambda: "not a tensor",
+        lambda: torch.zeros(3).to_sparse(),
+        lambda: torch.zeros(2, device="meta"),
+    ],
+)
+def test_a_bad_tensor_stops_the_pass_before_its_key_for_the_python_path_to_name(native, bad):
+    lists = _keys(6, (16, 16), seed=2)
+    locs = _locs(lists)
+    lists[3] = [lists[3][0], bad()]
+    stop, why, sizes = check_same(lists, locs, {0: 4096}, 0, 6, 64, 1 << 30)
+    assert (stop, why, len(sizes)) == (3, PYTHON_PATH, 6)  # keys 0-2 planned: two tensors (two storages) each
+    with pytest.raises((TypeError, ValueError), match=r"tensor_lists\[3\]\[1\]"):
+        device.check_key(lists[3], 3)
+
+
+def test_the_wrong_kind_of_tensor_and_a_non_list_stop_the_pass(native):
+    lists = _keys(4, (16,), seed=3)
+    locs = _locs(lists)
+    # CUDA wanted, CPU met: the Python path (host runs) takes it from the first key
+    assert tensor_runs.plan(lists, locs, {0: 4096}, 0, 4, 16, 1 << 30)[:2] == (0, PYTHON_PATH)
+    lists[1] = lists[1][0]  # a tensor, not a list of tensors
+    assert tensor_runs.plan(lists, locs, {0: 4096}, 0, 4, 16, 1 << 30, cuda=False)[:2] == (1, PYTHON_PATH)
+    lists[1] = tuple(_keys(1, (16,), seed=4)[0])  # a tuple is a list of tensors too
+    assert tensor_runs.plan(lists, locs, {0: 4096}, 0, 4, 16, 1 << 30, cuda=False)[:2] == (4, DONE)
+
+
+def test_a_segment_without_an_address_stops_the_pass_at_its_first_key(native):
+    lists = _keys(6, (16,), seed=5)
+    locs = _locs(lists, segments=(0, 1))
+    stop, why, *_ = check_same(lists, locs, {0: 4096}, 0, 6, 16, 1 << 30)
+    assert (stop, why) == (1, NO_BASE)
+    stop, why, _ = check_same(lists, locs, {0: 4096, 1: 1 << 20}, 1, 6, 16, 1 << 30)
+    assert (stop, why) == (6, DONE)
+
+
+def test_bad_arguments_raise_a_clear_error_and_plan_nothing(native):
+    lists = _keys(2, (16,), seed=6)
+    locs = _locs(lists)
+    with pytest.raises(IndexError, match="out of bounds"):
+        tensor_runs.plan(lists, locs, {0: 4096}, 0, 3, 16, 1 << 30, cuda=False)
+    with pytest.raises(TypeError, match="bases a dict"):
+        tensor_runs.plan(lists, locs, [4096], 0, 2, 16, 1 << 30, cuda=False)
+    with pytest.raises(TypeError, match="list or tuple"):
+        tensor_runs.plan(iter(lists), locs, {0: 4096}, 0, 2, 16, 1 << 30, cuda=False)
+    with pytest.raises(TypeError):
+        tensor_runs.plan(lists, [(0, "x", 64), (0, 64, 64)], {0: 4096}, 0, 2, 16, 1 << 30, cuda=False)
+
+
+def test_random_calls_match_the_python_plan(native):
+    rng = random.Random(7)
+    for trial in range(40):
+        n = rng.randint(1, 20)
+        lists = [
+            [torch.empty(rng.choice([0, 1, 5, 64, 300]), dtype=torch.uint8) for _ in range(rng.randint(0, 4))]
+            for _ in range(n)
+        ]
+        locs = _locs(lists, segments=tuple(range(rng.randint(1, 3))), gap=rng.choice([0, 8]))
+        for i in rng.sample(range(n), k=min(n, 2)):
+            if rng.random() < 0.3:
+                locs[i] = Loc(locs[i].segment, locs[i].offset, locs[i].size + 1)
+        bases = {seg: (seg + 1) << 24 for seg in {loc.segment for loc in locs}}
+        lo = 0
+        while lo < n:
+            stop, why, _ = check_same(lists, locs, bases, lo, n, rng.randint(1, 6), rng.randint(1, 2000))
+            assert stop > lo or why == DONE, trial
+            lo = stop
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_planned_and_a_second_device_or_cpu_tensor_stops_the_pass(native):
+    lists = [[torch.empty(256, device="cuda"), torch.empty(8, device="cuda")] for _ in range(4)]
+    locs = _locs(lists)
+    stop, why, dsts, srcs, sizes, mismatched, index = tensor_runs.plan(lists, locs, {0: 1 << 30}, 0, 4, 64, 1 << 40)
+    assert srcs == [(1 << 30) + sum(sizes[:k]) for k in range(len(sizes))]  # the objects back to back
+    assert (stop, why, mismatched, index) == (4, DONE, [], torch.cuda.current_device())
+    assert dsts == [t.data_ptr() for ts in lists for t in ts]
+    assert sizes == [t.nbytes for ts in lists for t in ts]
+    lists[2] = [torch.empty(256), torch.empty(8)]
+    assert tensor_runs.plan(lists, locs, {0: 1 << 30}, 0, 4, 64, 1 << 40)[:2] == (2, PYTHON_PATH)
+    if torch.cuda.device_count() > 1:
+        lists[2] = [torch.empty(256, device="cuda:1"), torch.empty(8, device="cuda:1")]
+        assert tensor_runs.plan(lists, locs, {0: 1 << 30}, 0, 4, 64, 1 << 40)[:2] == (2, PYTHON_PATH)

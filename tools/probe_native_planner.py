@@ -1,0 +1,99 @@
+"""A kept ``mget_h2d`` with its copies planned by the Python loop or natively (``kvstrata.ops.tensor_runs``), the
+native pass's batches cut as the Python loop's (16 runs a batch at most: ``RUNS_PER_CUT`` 1, ``MAX_BATCH_RUNS`` 16) or
+as it cuts them (4x a cut's runs, up to 64), switched call by call in one process (GPU machine, one real worker, one
+client), for keys of several sizes: 64 x 1 MiB (bench store's row), 256 x 256 KiB and 256 x 64 KiB (KV-cache
+blocks; 256 is as many keys as the local-read cache keeps). Each call follows a one-key request, as bench store's
+do, into separate destination tensors. Per shape and variant: the median call against one pinned ``copy_`` of the
+same bytes (the ceiling), and the host's time from the call's start to its last copy batch (when the host is done
+queueing; the rest is the DMA's tail and the wait). The host's loop speed before and after.
+
+    PYTHONPATH=src python3 tools/probe_native_planner.py [--rounds 100]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvstrata
+from kvstrata.bench._common import device_time, python_loop_us
+from kvstrata.bench.store import _start_worker
+from kvstrata.client import kept_reads
+from kvstrata.ops import copy_engine, tensor_runs
+
+SHAPES = ((64, 1 << 20), (256, 256 << 10), (256, 64 << 10))
+
+
+def main() -> None:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 100
+    if tensor_runs.native(wait=True) is None:
+        raise SystemExit("the native planner did not build")
+    # (planner, runs a batch per cut, most runs a batch)
+    planners = {
+        "python loop": (None, kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS),
+        "native, 16": (tensor_runs, 1, 16),
+        "native (main)": (tensor_runs, kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS),
+    }
+    last_batch: list[float] = []
+    real_memcpy = copy_engine.memcpy_raw
+
+    def memcpy_raw(dsts, srcs, sizes, handle):
+        real_memcpy(dsts, srcs, sizes, handle)
+        last_batch.append(time.perf_counter())
+
+    copy_engine.memcpy_raw = memcpy_raw
+    loops = [python_loop_us()]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = _start_worker(Path(tmp), 4 << 30)
+        try:
+            with kvstrata.connect(address) as kv:
+                for n, size in SHAPES:
+                    host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
+                    big = torch.empty(n * size, dtype=torch.uint8, device="cuda")
+                    ceiling = device_time(lambda big=big, host=host: big.copy_(host, non_blocking=True), iters=30)
+                    src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
+                    dst = [[torch.empty_like(t[0])] for t in src]
+                    keys = [f"np/{size}/{i}" for i in range(n)]
+                    assert kv.mset_d2h(keys, src) == [None] * n
+                    kv.mget_h2d(keys, dst)
+                    got: dict[str, list[tuple[float, float]]] = {name: [] for name in planners}
+                    for it in range(rounds + 3):
+                        order = list(planners.items())
+                        if it % 2:
+                            order.reverse()
+                        for name, (planner, per_cut, most) in order:
+                            kept_reads._planner = lambda planner=planner: planner
+                            kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS = per_cut, most
+                            kv.exists(keys[:1])
+                            torch.cuda.synchronize()
+                            last_batch.clear()
+                            t0 = time.perf_counter()
+                            res = kv.mget_h2d(keys, dst)
+                            t1 = time.perf_counter()
+                            assert res == [None] * n, res
+                            if it >= 3:
+                                got[name].append((t1 - t0, last_batch[-1] - t0))
+                    assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
+                    kv.delete(keys)
+                    print(f"{n} x {size >> 10} KiB: one {n * size >> 20} MiB copy {ceiling * 1e6:.0f} us")
+                    for name, rows in got.items():
+                        call, queued = (statistics.median(c) for c in zip(*rows))
+                        q1, _, q3 = statistics.quantiles([r[0] for r in rows], n=4)
+                        print(
+                            f"  {name:14s} call {call * 1e6:6.0f} us ({ceiling / call:.3f} of the ceiling; quartiles"
+                            f" {ceiling / q3:.3f}-{ceiling / q1:.3f}), last batch queued at {queued * 1e6:5.0f} us"
+                        )
+        finally:
+            proc.terminate()
+            proc.wait()
+    loops.append(python_loop_us())
+    print(f"python_loop_us before / after {loops[0]:.1f} / {loops[1]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
