@@ -1,8 +1,15 @@
 """Test helpers for the device calls without a GPU: a GPU call's stages (``kvstrata.client.device.stages``
 cuts a call into stages only once it meets a CUDA tensor; tests patch this in to exercise the pipeline), the
-one-pass paths' batches, and which path served a call."""
+one-pass paths' batches, which path served a call, and a GPU faked with CPU tensors (native planner on or off)."""
+
+import ctypes
+import types
+
+import pytest
+import torch
 
 from kvstrata.client import device, kept_reads
+from kvstrata.ops import copy_engine, tensor_runs
 
 
 def stages_of(n):
@@ -60,3 +67,67 @@ def outcomes(monkeypatch, module):
 
     monkeypatch.setattr(module, "queue", queue)
     return took
+
+
+class _Stream:
+    """A copy stream without a GPU: ``device.start``'s result, as the batches see it."""
+
+    cuda_stream, device_index = 1, 0
+
+    def synchronize(self):
+        pass
+
+
+def native_planner(monkeypatch, on):
+    """The one-pass calls' native passes (a kept read's, a reserved write's) on, CPU tensors standing in for CUDA
+    ones, or off, whatever this machine has; with them on, the list of each native pass's (first key, why it
+    stopped)."""
+    passes: list[tuple[int, int]] = []
+    if not on:
+        monkeypatch.setattr(kept_reads, "_planner", lambda: None)
+        return passes
+    if tensor_runs.native(wait=True) is None:
+        pytest.fail("the native module did not build (see the log's warning)")
+
+    def plan(*args, **kwargs):
+        got = tensor_runs.plan(*args, **kwargs)
+        passes.append((args[3], got[1]))
+        return got
+
+    def lay_out(*args, **kwargs):
+        got = tensor_runs.lay_out(*args, **kwargs)
+        passes.append((args[1], got[1]))
+        return got
+
+    names = {name: getattr(tensor_runs, name) for name in ("native", "DONE", "CUT", "PYTHON_PATH", "NO_BASE", "FULL")}
+    planner = types.SimpleNamespace(plan=plan, lay_out=lay_out, **names)
+    monkeypatch.setattr(kept_reads, "NATIVE_CUDA", False)
+    monkeypatch.setattr(kept_reads, "_planner", lambda: planner)
+    return passes
+
+
+def fake_gpu(monkeypatch, native):
+    """Without a GPU: CPU tensors taken as CUDA ones, the copy engine's batches done by memmove, the one-pass calls'
+    native passes on or off. Returns the batches' sizes in runs, the segments registered and the native passes."""
+    real_check = device.check_key
+    cuda = torch.device("cuda", 0)
+
+    def check_key(ts, i):  # the pieces as CUDA ones (a device run per key: no two tensors continue each other)
+        pieces, total, _ = real_check(ts, i)
+        return [(*p[:2], True, p[3], p[0]) for p in pieces], total, cuda
+
+    batches: list[int] = []
+
+    def memcpy_raw(dsts, srcs, sizes, handle):
+        batches.append(len(sizes))
+        for d, s, z in zip(dsts, srcs, sizes):
+            ctypes.memmove(d, s, z)
+
+    monkeypatch.setattr(device, "check_key", check_key)
+    monkeypatch.setattr(device, "start", lambda dev, stream=None: _Stream())
+    monkeypatch.setattr(device, "mark", lambda stream: None)
+    monkeypatch.setattr(copy_engine, "memcpy_raw", memcpy_raw)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    registered: list[int] = []
+    monkeypatch.setattr(device, "register_segment", lambda addr, nbytes: registered.append(addr) or False)
+    return batches, registered, native_planner(monkeypatch, native)

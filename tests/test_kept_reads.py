@@ -3,19 +3,17 @@ per-key results, its batches, its leases back on every path; and the local-read 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
-import types
 
 import pytest
 import torch
 
 import kvstrata
-from _stages import outcomes
+from _stages import fake_gpu, native_planner, outcomes
 from kv_helpers import worker_fixtures
 from kvstrata.client import device, kept_reads
-from kvstrata.ops import copy_engine, tensor_runs
+from kvstrata.ops import tensor_runs
 
 MEMORY = 64 << 20
 
@@ -302,65 +300,6 @@ def test_the_embedded_client_never_keeps_leases(tmp_path):
         assert all(torch.equal(a, b) for x, y in zip(src, dst) for a, b in zip(x, y))
 
 
-class _Stream:
-    """A copy stream without a GPU: ``device.start``'s result, as the batches see it."""
-
-    cuda_stream, device_index = 1, 0
-
-    def synchronize(self):
-        pass
-
-
-def _native_planner(monkeypatch, on):
-    """The kept read's native pass on (CPU tensors standing in for CUDA ones) or off, whatever this machine has;
-    with it on, the list of each native pass's (first key, why it stopped)."""
-    passes: list[tuple[int, int]] = []
-    if not on:
-        monkeypatch.setattr(kept_reads, "_planner", lambda: None)
-        return passes
-    if tensor_runs.native(wait=True) is None:
-        pytest.fail("the native module did not build (see the log's warning)")
-
-    def plan(*args, **kwargs):
-        got = tensor_runs.plan(*args, **kwargs)
-        passes.append((args[3], got[1]))
-        return got
-
-    planner = types.SimpleNamespace(
-        plan=plan, native=tensor_runs.native, CUT=tensor_runs.CUT, NO_BASE=tensor_runs.NO_BASE
-    )
-    monkeypatch.setattr(kept_reads, "NATIVE_CUDA", False)
-    monkeypatch.setattr(kept_reads, "_planner", lambda: planner)
-    return passes
-
-
-def fake_gpu(monkeypatch, native):
-    """Without a GPU: CPU tensors taken as CUDA ones, the copy engine's batches done by memmove, the kept read's
-    native pass on or off. Returns the batches' sizes in runs, the segments registered and the native passes."""
-    real_check = device.check_key
-    cuda = torch.device("cuda", 0)
-
-    def check_key(ts, i):  # the pieces as CUDA ones (a device run per key: no two tensors continue each other)
-        pieces, total, _ = real_check(ts, i)
-        return [(*p[:2], True, p[3], p[0]) for p in pieces], total, cuda
-
-    batches: list[int] = []
-
-    def memcpy_raw(dsts, srcs, sizes, handle):
-        batches.append(len(sizes))
-        for d, s, z in zip(dsts, srcs, sizes):
-            ctypes.memmove(d, s, z)
-
-    monkeypatch.setattr(device, "check_key", check_key)
-    monkeypatch.setattr(device, "start", lambda dev, stream=None: _Stream())
-    monkeypatch.setattr(device, "mark", lambda stream: None)
-    monkeypatch.setattr(copy_engine, "memcpy_raw", memcpy_raw)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    registered: list[int] = []
-    monkeypatch.setattr(device, "register_segment", lambda addr, nbytes: registered.append(addr) or False)
-    return batches, registered, _native_planner(monkeypatch, native)
-
-
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
 @pytest.mark.parametrize(
     "n, sizes, run_bytes, expected, expected_native",
@@ -511,7 +450,7 @@ def test_a_kept_read_on_the_gpu_is_planned_natively_and_a_cpu_key_hands_over_to_
     src = [[torch.randn(size, device="cuda", generator=g) for size in (4096, 100)] for _ in range(n)]
     assert kv.mset_d2h(keys, src) == [None] * n
     kv.mget_h2d(keys, [[torch.empty_like(t) for t in ts] for ts in src])
-    passes = _native_planner(monkeypatch, True)
+    passes = native_planner(monkeypatch, True)
     monkeypatch.setattr(kept_reads, "NATIVE_CUDA", True)
     dst = [[torch.full_like(t, -1.0) for t in ts] for ts in src]
     assert kv.mget_h2d(keys, dst) == [None] * n

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import batches_of, copies_pending, stages_of
+import kvstrata.ops.tensor_runs
+from _stages import batches_of, copies_pending, fake_gpu, stages_of
 from kv_helpers import worker_fixtures
 from kvstrata.client import device, device_calls
 from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
@@ -418,6 +419,49 @@ def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(k
     assert kv.mget_h2d(keys, dst) == [None] * 6
     assert all(torch.equal(a, b) for s, d in zip(src, dst) for a, b in zip(s, d))
     kv.delete([*keys, "rv-bad/warm"])
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize("sizes", [(70000, 5, 1000), (4096,), (64, 0, 16)])
+def test_under_a_gpu_a_reserved_write_lays_out_alike_with_either_planner(kv, monkeypatch, native, sizes):
+    keys = [f"rv-gpu/{i}" for i in range(20)]
+    kv.delete(keys)
+    assert kv.mset_d2h(["rv-gpu/warm"], _lists(1)) == [None]  # now a reservation is held
+    batches, _, passes = fake_gpu(monkeypatch, native)
+    calls = _count_calls(monkeypatch, kv._backend)
+    carved = kv.stats()["carved"]
+    src = _lists(20, sizes=sizes, seed=len(sizes))
+    assert kv.mset_d2h(keys, src) == [None] * 20
+    assert calls[-1] == "commit" and set(calls) == {"commit"}  # laid out in the reservation, no create
+    assert kv.stats()["carved"] == carved + 20
+    assert sum(batches) == 20 * sum(1 for size in sizes if size)  # a run per tensor with bytes, each copied once
+    for key, ts in zip(keys, src):
+        assert kv.get(key) == b"".join(t.numpy().tobytes() for t in ts)
+    if native:
+        assert passes and passes[-1][1] == kvstrata.ops.tensor_runs.DONE
+    kv.delete([*keys, "rv-gpu/warm"])
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_under_a_gpu_a_bad_tensor_mid_write_leaves_nothing_visible_with_either_planner(kv, monkeypatch, native):
+    keys = [f"rv-gpu-bad/{i}" for i in range(30)]
+    kv.delete(keys)
+    assert kv.mset_d2h(["rv-gpu-bad/warm"], _lists(1)) == [None]
+    reserved = kv.stats()["reserved_bytes"]
+    _, _, passes = fake_gpu(monkeypatch, native)
+    copies_pending(monkeypatch)
+    lists = _lists(30, sizes=(512,))
+    lists[21] = [torch.zeros(4, 4).t()]  # past two batches: their keys are laid out and copied by then
+    with pytest.raises(ValueError, match=r"^tensor_lists\[21\]\[0\]: tensor must be contiguous"):
+        kv.mset_d2h(keys, lists)
+    assert kv.exists(keys) == [False] * 30 and kv.stats()["reserved_bytes"] == reserved
+    if native:
+        assert passes[-1][1] == kvstrata.ops.tensor_runs.PYTHON_PATH  # the loop took key 21 and named it
+    src = _lists(30, sizes=(512,), seed=4)
+    assert kv.mset_d2h(keys, src) == [None] * 30  # the rewound head: the next call carves again
+    for key, ts in zip(keys, src):
+        assert kv.get(key) == ts[0].numpy().tobytes()
+    kv.delete([*keys, "rv-gpu-bad/warm"])
 
 
 def test_a_failed_copy_in_a_reserved_stage_leaves_nothing_behind(kv, monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from kvstrata.client import device
 from kvstrata.client._shared import Loc
 from kvstrata.ops import tensor_runs
-from kvstrata.ops.tensor_runs import CUT, DONE, NO_BASE, PYTHON_PATH
+from kvstrata.ops.tensor_runs import CUT, DONE, FULL, NO_BASE, PYTHON_PATH
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +214,69 @@ def test_cuda_tensors_are_planned_and_a_second_device_or_cpu_tensor_stops_the_pa
     if torch.cuda.device_count() > 1:
         lists[2] = [torch.empty(256, device="cuda:1"), torch.empty(8, device="cuda:1")]
         assert tensor_runs.plan(lists, locs, {0: 1 << 30}, 0, 4, 64, 1 << 40)[:2] == (2, PYTHON_PATH)
+
+
+def reference_lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, segment=0):
+    """What mset_d2h's Python loop does for keys lo..hi-1 in its reservation, as tensor_runs.lay_out answers it."""
+    runs = device.new_runs()
+    totals, offsets, pending = [], [], 0
+    for i in range(lo, hi):
+        try:
+            pieces, total, _ = device.check_key(tensor_lists[i], i)
+        except (TypeError, ValueError):
+            return i, PYTHON_PATH, runs, totals, offsets, head
+        pieces = [(p[0], p[1], True, p[3], p[3].untyped_storage().data_ptr()) for p in pieces]
+        room = (total + mask) & ~mask
+        if head + room > end:
+            return i, FULL, runs, totals, offsets, head
+        device.plan(pieces, base + head, True, runs, segment)
+        totals.append(total)
+        offsets.append(head)
+        head += room
+        pending += total
+        if len(runs.device) >= max_runs or pending >= max_bytes:
+            return i + 1, CUT if i + 1 < hi else DONE, runs, totals, offsets, head
+    return hi, DONE, runs, totals, offsets, head
+
+
+def check_same_lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes):
+    got = tensor_runs.lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, cuda=False)
+    stop, why, dsts, srcs, sizes, totals, offsets, index, new_head = got
+    r_stop, r_why, runs, r_totals, r_offsets, r_head = reference_lay_out(
+        tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes
+    )
+    assert (stop, why, totals, offsets, new_head) == (r_stop, r_why, r_totals, r_offsets, r_head)
+    assert list(zip(dsts, srcs, sizes)) == [r[:3] for r in runs.device]
+    assert index == -1
+    return stop, why, new_head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])
+@pytest.mark.parametrize("shapes", [(256,), (64, 0, 128), (7, 13, 1, 100)])
+@pytest.mark.parametrize("one_tensor", [False, True])
+@pytest.mark.parametrize("mask", [0, 63, 4095])
+def test_native_lay_out_matches_the_python_loop(native, dtype, shapes, one_tensor, mask):
+    lists = _keys(12, shapes, seed=len(shapes) + mask, one_tensor=one_tensor, dtype=dtype)
+    total = sum(t.nbytes for ts in lists for t in ts)
+    for end in (1 << 30, total // 2 + 64, 0):  # room for all, for about half, for none
+        for max_runs, max_bytes in ((16, 1 << 30), (3, 1 << 30), (64, 1000), (1, 1)):
+            lo, head = 0, 4096
+            while lo < len(lists):
+                stop, why, head = check_same_lay_out(
+                    lists, lo, len(lists), 1 << 32, head, end, mask, max_runs, max_bytes
+                )
+                if why == FULL:
+                    break
+                assert why in (CUT, DONE) and stop > lo
+                lo = stop
+
+
+def test_lay_out_stops_at_a_bad_tensor_and_refuses_a_bad_mask(native):
+    lists = _keys(5, (16,), seed=8)
+    lists[3] = [torch.zeros(4, 4).t()]
+    stop, why, head = check_same_lay_out(lists, 0, 5, 1 << 32, 0, 1 << 20, 63, 64, 1 << 30)
+    assert (stop, why, head) == (3, PYTHON_PATH, 3 * 64)
+    with pytest.raises(ValueError, match="power of two"):
+        tensor_runs.lay_out(lists, 0, 5, 1 << 32, 0, 1 << 20, 48, 64, 1 << 30, cuda=False)
+    with pytest.raises(IndexError, match="out of bounds"):
+        tensor_runs.lay_out(lists, 0, 6, 1 << 32, 0, 1 << 20, 63, 64, 1 << 30, cuda=False)

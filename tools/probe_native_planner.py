@@ -1,11 +1,12 @@
-"""A kept ``mget_h2d`` with its copies planned by the Python loop or natively (``kvstrata.ops.tensor_runs``), the
-native pass's batches cut as the Python loop's (16 runs a batch at most: ``RUNS_PER_CUT`` 1, ``MAX_BATCH_RUNS`` 16) or
-as it cuts them (4x a cut's runs, up to 64), switched call by call in one process (GPU machine, one real worker, one
-client), for keys of several sizes: 64 x 1 MiB (bench store's row), 256 x 256 KiB and 256 x 64 KiB (KV-cache
-blocks; 256 is as many keys as the local-read cache keeps). Each call follows a one-key request, as bench store's
-do, into separate destination tensors. Per shape and variant: the median call against one pinned ``copy_`` of the
-same bytes (the ceiling), and the host's time from the call's start to its last copy batch (when the host is done
-queueing; the rest is the DMA's tail and the wait). The host's loop speed before and after.
+"""A kept ``mget_h2d`` and a reserved ``mset_d2h`` (fresh keys) with their copies planned by the Python loop or
+natively (``kvstrata.ops.tensor_runs``), the native passes' batches cut as the Python loop's (16 runs a batch at most:
+``RUNS_PER_CUT`` 1, ``MAX_BATCH_RUNS`` 16) or as they cut them (4x a cut's runs, up to 64), switched call by call in
+one process (GPU machine, one real worker, one client), for keys of several sizes: 64 x 1 MiB (bench store's row),
+256 x 256 KiB and 256 x 64 KiB (KV-cache blocks; 256 is as many keys as the local-read cache keeps). Each call
+follows a one-key request, as bench store's do; the reads go into separate destination tensors. Per shape, case and
+variant: the median call against one pinned ``copy_`` of the same bytes that way (the ceiling), and the host's time
+from the call's start to its last copy batch (when the host is done queueing; the rest is the DMA's tail and the
+wait). The host's loop speed before and after.
 
     PYTHONPATH=src python3 tools/probe_native_planner.py [--rounds 100]
 """
@@ -55,38 +56,49 @@ def main() -> None:
                 for n, size in SHAPES:
                     host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
                     big = torch.empty(n * size, dtype=torch.uint8, device="cuda")
-                    ceiling = device_time(lambda big=big, host=host: big.copy_(host, non_blocking=True), iters=30)
+                    ceiling = {
+                        "mget_h2d kept": device_time(lambda: big.copy_(host, non_blocking=True), iters=30),
+                        "mset_d2h": device_time(lambda: host.copy_(big, non_blocking=True), iters=30),
+                    }
                     src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
                     dst = [[torch.empty_like(t[0])] for t in src]
                     keys = [f"np/{size}/{i}" for i in range(n)]
                     assert kv.mset_d2h(keys, src) == [None] * n
                     kv.mget_h2d(keys, dst)
-                    got: dict[str, list[tuple[float, float]]] = {name: [] for name in planners}
+                    got: dict[tuple[str, str], list[tuple[float, float]]] = {
+                        (case, name): [] for case in ceiling for name in planners
+                    }
                     for it in range(rounds + 3):
                         order = list(planners.items())
                         if it % 2:
                             order.reverse()
-                        for name, (planner, per_cut, most) in order:
-                            kept_reads._planner = lambda planner=planner: planner
-                            kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS = per_cut, most
-                            kv.exists(keys[:1])
-                            torch.cuda.synchronize()
-                            last_batch.clear()
-                            t0 = time.perf_counter()
-                            res = kv.mget_h2d(keys, dst)
-                            t1 = time.perf_counter()
-                            assert res == [None] * n, res
-                            if it >= 3:
-                                got[name].append((t1 - t0, last_batch[-1] - t0))
+                        for case in ceiling:
+                            for name, (planner, per_cut, most) in order:
+                                kept_reads._planner = lambda planner=planner: planner
+                                kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS = per_cut, most
+                                fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
+                                kv.exists(keys[:1])
+                                torch.cuda.synchronize()
+                                last_batch.clear()
+                                t0 = time.perf_counter()
+                                res = kv.mset_d2h(fresh, src) if case == "mset_d2h" else kv.mget_h2d(keys, dst)
+                                t1 = time.perf_counter()
+                                assert res == [None] * n, res
+                                if case == "mset_d2h":
+                                    kv.delete(fresh)
+                                if it >= 3:
+                                    got[(case, name)].append((t1 - t0, last_batch[-1] - t0))
                     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
                     kv.delete(keys)
-                    print(f"{n} x {size >> 10} KiB: one {n * size >> 20} MiB copy {ceiling * 1e6:.0f} us")
-                    for name, rows in got.items():
+                    print(f"{n} x {size >> 10} KiB: one {n * size >> 20} MiB copy H2D / D2H", end="")
+                    print(f" {ceiling['mget_h2d kept'] * 1e6:.0f} / {ceiling['mset_d2h'] * 1e6:.0f} us")
+                    for (case, name), rows in got.items():
+                        top = ceiling[case]
                         call, queued = (statistics.median(c) for c in zip(*rows))
                         q1, _, q3 = statistics.quantiles([r[0] for r in rows], n=4)
                         print(
-                            f"  {name:14s} call {call * 1e6:6.0f} us ({ceiling / call:.3f} of the ceiling; quartiles"
-                            f" {ceiling / q3:.3f}-{ceiling / q1:.3f}), last batch queued at {queued * 1e6:5.0f} us"
+                            f"  {case:13s} {name:14s} call {call * 1e6:6.0f} us ({top / call:.3f} of the ceiling;"
+                            f" quartiles {top / q3:.3f}-{top / q1:.3f}), last batch queued at {queued * 1e6:5.0f} us"
                         )
         finally:
             proc.terminate()

@@ -151,7 +151,7 @@ class DeviceCallsMixin:
             """Lay the call's keys out in the reservation one after another from the first, queuing their copies
             as batches fill (``device.FIRST_BATCH_RUNS`` runs, then twice as many up to ``device.BATCH_RUNS``, grown
             as :mod:`kvstrata.client.kept_reads` grows its own), with a mark per batch (the first three batches share
-            one); no stages, no request.
+            one); no stages, no request. Planned natively where it can be (``lay_out_natively``), else by the loop.
             Ends at the first key that does not fit (the worker creates the rest). Returns how many keys were laid
             out."""
             nonlocal s, call_bytes, carved_to
@@ -167,11 +167,18 @@ class DeviceCallsMixin:
             device = None
             laid = batches = 0
 
-            def flush(last: bool = False) -> None:
+            def flush(last: bool = False, lists: tuple[list[int], list[int], list[int]] | None = None) -> None:
+                """Queue the batch's copies (``runs``, or a native pass's ``lists``) and mark its keys."""
                 nonlocal runs, which, items, cut, pending, marked, batches
-                if runs.device:
-                    self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
-                enqueue(runs, device, s, first=not batches)
+                if lists is not None:  # a native pass's runs, the batch's one driver call (a head first)
+                    if lists[2]:
+                        self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
+                        first_call = _device.FIRST_BATCH_RUNS if not batches else _kept_reads.MAX_BATCH_RUNS
+                        _device.copy_lists(*lists, s, first_call, _kept_reads.MAX_BATCH_RUNS)
+                else:
+                    if runs.device:
+                        self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
+                    enqueue(runs, device, s, first=not batches)
                 batches += 1
                 marked += pending
                 runs, pending = _device.new_runs(), 0
@@ -190,7 +197,49 @@ class DeviceCallsMixin:
                     backend.linger(_linger_us(marked * n // laid))
                 which, items, marked = [], [], 0
 
+            def lay_out_natively() -> None:
+                """Lay keys out and queue their copies as the loop below does, with a native pass per batch
+                (:func:`kvstrata.ops.tensor_runs.lay_out`; batches as a kept read's native passes cut them), up to a
+                key that does not fit or that the loop must take (a CPU or bad tensor, a second device)."""
+                nonlocal laid, head, pending, s, device
+                planner = _kept_reads._planner()
+                if planner is None or planner.native() is None:
+                    return
+                index = -1
+                while laid < n:
+                    stop, why, dsts, srcs, sizes, totals, offsets, index, head = planner.lay_out(
+                        tensor_lists,
+                        laid,
+                        n,
+                        base,
+                        head,
+                        end,
+                        _reservation.ALIGNMENT - 1,
+                        _kept_reads.batch_runs(cut),
+                        cut * _kept_reads.RUN_BYTES,
+                        device_index=index,
+                        segment=segment,
+                        cuda=_kept_reads.NATIVE_CUDA,
+                    )
+                    items.extend(zip(keys[laid:stop], totals, offsets))
+                    which.extend(range(laid, stop))
+                    pending += sum(totals)
+                    laid = stop
+                    if sizes and s is None:
+                        torch = _device._device_modules()[0]
+                        device = torch.device("cuda", index) if index >= 0 else torch.device("cuda")
+                        s = _device.start(device, stream)
+                    if why == planner.CUT:
+                        flush(lists=(dsts, srcs, sizes))
+                        continue
+                    if why == planner.DONE:
+                        flush(last=True, lists=(dsts, srcs, sizes))
+                    elif sizes:  # the loop below takes the next key (PYTHON_PATH), or none fits (FULL)
+                        flush(lists=(dsts, srcs, sizes))
+                    return
+
             try:
+                lay_out_natively()
                 while laid < n:
                     pieces, total, dev = check(tensor_lists[laid], laid)
                     room = _reservation.rounded(total)

@@ -19,6 +19,10 @@ It stops early, without planning the key it stopped at, where the Python path mu
 tensor, which that path copies or names in its error; a tensor on a second device) or where a segment's address
 is not in ``bases`` (the caller adds it and calls again from that key).
 
+:func:`lay_out` is the same pass for a write (``mset_d2h``) into this client's reservation: each key's object is
+laid at the reservation's head, which moves on by the object's bytes rounded up to the reservation's alignment, until
+a key does not fit before its end.
+
 The native module is compiled from ``native/tensor_runs.cpp`` by torch's extension builder the first time a
 process asks for it (``ninja`` and a C++ compiler; ~20 s on two cores), in a background thread unless asked to
 wait, and cached on disk (``KVSTRATA_NATIVE_DIR``, default ``~/.cache/kvstrata/native``) by the source's, torch's
@@ -50,9 +54,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: why :func:`plan` stopped: every key of the range planned; the batch is full (keys remain); the key at ``stop``
-#: needs the Python path; the segment of the key at ``stop`` is not in ``bases``
-DONE, CUT, PYTHON_PATH, NO_BASE = 0, 1, 2, 3
+#: why a pass stopped: every key of the range planned; the batch is full (keys remain); the key at ``stop`` needs the
+#: Python path; the segment of the key at ``stop`` is not in ``bases`` (:func:`plan`); the key at ``stop`` does not fit
+#: the reservation (:func:`lay_out`)
+DONE, CUT, PYTHON_PATH, NO_BASE, FULL = 0, 1, 2, 3, 4
 
 SOURCE = Path(__file__).with_name("native") / "tensor_runs.cpp"
 _NAME = "kvstrata_tensor_runs"  # the module's init function is PyInit_<this>
@@ -109,6 +114,32 @@ def plan(
     if module is None:
         raise RuntimeError("kvstrata.ops.tensor_runs: the native module is not loaded (see native())")
     return module.plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda)
+
+
+def lay_out(
+    tensor_lists: Any,
+    lo: int,
+    hi: int,
+    base: int,
+    head: int,
+    end: int,
+    mask: int,
+    max_runs: int,
+    max_bytes: int,
+    *,
+    device_index: int = -1,
+    segment: int = 0,
+    cuda: bool = True,
+) -> tuple[int, int, list[int], list[int], list[int], list[int], list[int], int, int]:
+    """Lay keys ``lo..hi-1`` out one after another in a reservation of segment ``segment`` (mapped at ``base``) from
+    offset ``head`` up to ``end``, each object taking its bytes rounded up to ``mask + 1``, the copies going from the
+    tensors to the host: ``(stop, why, dsts, srcs, sizes, totals, offsets, device_index, head)``, where keys
+    ``lo..stop-1`` were laid out, ``totals`` and ``offsets`` are their objects' bytes and places, ``why`` is
+    :data:`DONE`, :data:`CUT`, :data:`PYTHON_PATH` or :data:`FULL`, and ``head`` is where the next object goes."""
+    module = _module
+    if module is None:
+        raise RuntimeError("kvstrata.ops.tensor_runs: the native module is not loaded (see native())")
+    return module.lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda)
 
 
 def cache_dir() -> Path:

@@ -18,14 +18,20 @@ struct Run {
   const void* alloc;
 };
 
-// A new reference to a list of the column's ints.
-PyObject* column(const std::vector<Run>& runs, int which) {
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(runs.size()));
+// Why a pass ended (the second item of each answer).
+enum Stop : long long { kDone = 0, kCut = 1, kPythonPath = 2, kNoBase = 3, kFull = 4 };
+
+bool as_i64(PyObject* o, int64_t* v) {
+  *v = PyLong_AsLongLong(o);
+  return !(*v == -1 && PyErr_Occurred());
+}
+
+// A new reference to a list of the ints, or nullptr (a Python error set).
+PyObject* int_list(const std::vector<int64_t>& values) {
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(values.size()));
   if (out == nullptr) return nullptr;
-  for (size_t k = 0; k < runs.size(); ++k) {
-    const Run& r = runs[k];
-    int64_t v = which == 0 ? r.dst : which == 1 ? r.src : r.n;
-    PyObject* item = PyLong_FromLongLong(v);
+  for (size_t k = 0; k < values.size(); ++k) {
+    PyObject* item = PyLong_FromLongLong(values[k]);
     if (item == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -35,16 +41,101 @@ PyObject* column(const std::vector<Run>& runs, int which) {
   return out;
 }
 
-bool as_i64(PyObject* o, int64_t* v) {
-  *v = PyLong_AsLongLong(o);
-  return !(*v == -1 && PyErr_Occurred());
+// The pass's runs, merged as planned, and the common checks of both entry points.
+struct Pass {
+  bool to_host, cuda;
+  int64_t device_index;
+  std::vector<Run> runs;
+
+  // The key's tensors all of the wanted kind (strided, not quantized, contiguous, with storage, on one device where
+  // CUDA): their total bytes in *total; false where the Python path must take the key.
+  bool check(PyObject* ts, int64_t* total) {
+    if (!PyList_Check(ts) && !PyTuple_Check(ts)) return false;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(ts);
+    PyObject** items = PySequence_Fast_ITEMS(ts);
+    int64_t sum = 0;
+    for (Py_ssize_t j = 0; j < count; ++j) {
+      PyObject* o = items[j];
+      if (!THPVariable_Check(o)) return false;
+      const at::TensorBase& t = THPVariable_Unpack(o);
+      if (t.layout() != at::kStrided || t.is_quantized() || (cuda ? !t.is_cuda() : !t.is_cpu()) ||
+          !t.is_contiguous() || !t.has_storage())
+        return false;
+      if (cuda) {
+        int64_t index = t.get_device();
+        if (device_index < 0) {
+          device_index = index;
+        } else if (index != device_index) {
+          return false;  // a second device: the Python path plans it
+        }
+      }
+      sum += static_cast<int64_t>(t.nbytes());
+    }
+    *total = sum;
+    return true;
+  }
+
+  // Lay the checked key's tensors along its object's bytes at host address ``host`` in ``segment``, each run merged
+  // into the previous one where both sides continue it within one segment and one tensor storage.
+  void lay(PyObject* ts, int64_t host, int64_t segment) {
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(ts);
+    PyObject** items = PySequence_Fast_ITEMS(ts);
+    for (Py_ssize_t j = 0; j < count; ++j) {
+      const at::TensorBase& t = THPVariable_Unpack(items[j]);
+      int64_t n = static_cast<int64_t>(t.nbytes());
+      if (n) {
+        int64_t ptr = reinterpret_cast<int64_t>(t.data_ptr());
+        const void* alloc = t.storage().data();
+        int64_t dst = to_host ? host : ptr, src = to_host ? ptr : host;
+        Run* last = runs.empty() ? nullptr : &runs.back();
+        if (last != nullptr && last->dst + last->n == dst && last->src + last->n == src && last->segment == segment &&
+            last->alloc == alloc) {
+          last->n += n;
+        } else {
+          runs.push_back(Run{dst, src, n, segment, alloc});
+        }
+      }
+      host += n;
+    }
+  }
+
+  // (dsts, srcs, sizes) as three new lists, stolen by the "N" of Py_BuildValue; false on an error.
+  bool columns(PyObject** dsts, PyObject** srcs, PyObject** sizes) const {
+    std::vector<int64_t> d, s, z;
+    d.reserve(runs.size());
+    s.reserve(runs.size());
+    z.reserve(runs.size());
+    for (const Run& r : runs) {
+      d.push_back(r.dst);
+      s.push_back(r.src);
+      z.push_back(r.n);
+    }
+    *dsts = int_list(d);
+    *srcs = *dsts ? int_list(s) : nullptr;
+    *sizes = *srcs ? int_list(z) : nullptr;
+    if (*sizes == nullptr) {
+      Py_XDECREF(*dsts);
+      Py_XDECREF(*srcs);
+      return false;
+    }
+    return true;
+  }
+};
+
+bool check_lists(PyObject* lists, int64_t lo, int64_t hi, const char* who) {
+  if (!PyList_Check(lists) && !PyTuple_Check(lists)) {
+    PyErr_Format(PyExc_TypeError, "%s: tensor_lists must be a list or tuple", who);
+    return false;
+  }
+  if (lo < 0 || lo > hi || hi > PySequence_Fast_GET_SIZE(lists)) {
+    PyErr_Format(PyExc_IndexError, "%s: key range out of bounds", who);
+    return false;
+  }
+  return true;
 }
 
-// Why a pass ended (the second item of plan's answer).
-enum Stop : long long { kDone = 0, kCut = 1, kPythonPath = 2, kNoBase = 3 };
-
 // plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda)
-//   -> (stop, why, dsts, srcs, sizes, mismatched, device_index); see tensor_runs.py.
+//   -> (stop, why, dsts, srcs, sizes, mismatched, device_index): objects where the worker placed them.
 PyObject* plan(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 10) {
     PyErr_SetString(PyExc_TypeError, "plan: 10 arguments");
@@ -57,140 +148,128 @@ PyObject* plan(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   int to_host = PyObject_IsTrue(args[8]);
   int cuda = PyObject_IsTrue(args[9]);  // the kind of tensor the pass takes (CPU: the tests' stand-in)
-  if (to_host < 0 || cuda < 0) return nullptr;
-  if (!PyList_Check(lists) && !PyTuple_Check(lists)) {
-    PyErr_SetString(PyExc_TypeError, "plan: tensor_lists must be a list or tuple");
-    return nullptr;
-  }
+  if (to_host < 0 || cuda < 0 || !check_lists(lists, lo, hi, "plan")) return nullptr;
   if (!PyList_Check(locs) || !PyDict_Check(bases)) {
     PyErr_SetString(PyExc_TypeError, "plan: locs must be a list, bases a dict");
     return nullptr;
   }
-  if (lo < 0 || hi > PySequence_Fast_GET_SIZE(lists) || hi > PyList_GET_SIZE(locs)) {
+  if (hi > PyList_GET_SIZE(locs)) {
     PyErr_SetString(PyExc_IndexError, "plan: key range out of bounds");
     return nullptr;
   }
-  std::vector<Run> runs;
-  runs.reserve(static_cast<size_t>(max_runs > 0 ? max_runs : 16) + 8);
-  PyObject* mismatched = PyList_New(0);
-  if (mismatched == nullptr) return nullptr;
-  int64_t pending = 0;
-  int64_t i = lo;
+  Pass pass{to_host != 0, cuda != 0, device_index, {}};
+  std::vector<int64_t> mismatched;
+  int64_t pending = 0, i = lo;
   long long why = kDone;
   for (; i < hi; ++i) {
     PyObject* ts = PySequence_Fast_GET_ITEM(lists, i);
     PyObject* loc = PyList_GET_ITEM(locs, i);
-    if ((!PyList_Check(ts) && !PyTuple_Check(ts)) || !PyTuple_Check(loc) || PyTuple_GET_SIZE(loc) < 3) {
+    int64_t total, segment, offset, size;
+    if (!PyTuple_Check(loc) || PyTuple_GET_SIZE(loc) < 3 || !pass.check(ts, &total)) {
       why = kPythonPath;  // which names what is wrong
       break;
     }
-    int64_t segment, offset, size;
     if (!as_i64(PyTuple_GET_ITEM(loc, 0), &segment) || !as_i64(PyTuple_GET_ITEM(loc, 1), &offset) ||
-        !as_i64(PyTuple_GET_ITEM(loc, 2), &size)) {
-      Py_DECREF(mismatched);
+        !as_i64(PyTuple_GET_ITEM(loc, 2), &size))
       return nullptr;
-    }
-    // Check the key's tensors first: a key is planned whole or not at all.
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(ts);
-    PyObject** items = PySequence_Fast_ITEMS(ts);
-    int64_t total = 0;
-    bool python_path = false;
-    for (Py_ssize_t j = 0; j < count; ++j) {
-      PyObject* o = items[j];
-      if (!THPVariable_Check(o)) {
-        python_path = true;
-        break;
-      }
-      const at::TensorBase& t = THPVariable_Unpack(o);
-      if (t.layout() != at::kStrided || t.is_quantized() || (cuda ? !t.is_cuda() : !t.is_cpu()) ||
-          !t.is_contiguous() || !t.has_storage()) {
-        python_path = true;
-        break;
-      }
-      if (cuda) {
-        int64_t index = t.get_device();
-        if (device_index < 0) {
-          device_index = index;
-        } else if (index != device_index) {
-          python_path = true;  // a second device: the Python path plans it
-          break;
-        }
-      }
-      total += static_cast<int64_t>(t.nbytes());
-    }
-    if (python_path) {
-      why = kPythonPath;
-      break;
-    }
     if (total != size) {
-      PyObject* k = PyLong_FromLongLong(i);
-      if (k == nullptr || PyList_Append(mismatched, k) < 0) {
-        Py_XDECREF(k);
-        Py_DECREF(mismatched);
-        return nullptr;
-      }
-      Py_DECREF(k);
+      mismatched.push_back(i);
       continue;
     }
-    PyObject* seg_key = PyTuple_GET_ITEM(loc, 0);
-    PyObject* base_obj = PyDict_GetItemWithError(bases, seg_key);
+    PyObject* base_obj = PyDict_GetItemWithError(bases, PyTuple_GET_ITEM(loc, 0));
     if (base_obj == nullptr) {
-      if (PyErr_Occurred()) {
-        Py_DECREF(mismatched);
-        return nullptr;
-      }
+      if (PyErr_Occurred()) return nullptr;
       why = kNoBase;  // a segment whose address the caller looks up (then calls again from this key)
       break;
     }
-    int64_t host;
-    if (!as_i64(base_obj, &host)) {
-      Py_DECREF(mismatched);
-      return nullptr;
-    }
-    host += offset;
-    for (Py_ssize_t j = 0; j < count; ++j) {
-      const at::TensorBase& t = THPVariable_Unpack(items[j]);
-      int64_t n = static_cast<int64_t>(t.nbytes());
-      if (n) {
-        int64_t ptr = reinterpret_cast<int64_t>(t.data_ptr());
-        const void* alloc = t.storage().data();
-        int64_t dst = to_host ? host : ptr, src = to_host ? ptr : host;
-        if (!runs.empty()) {
-          Run& last = runs.back();
-          if (last.dst + last.n == dst && last.src + last.n == src && last.segment == segment && last.alloc == alloc) {
-            last.n += n;
-            host += n;
-            continue;
-          }
-        }
-        runs.push_back(Run{dst, src, n, segment, alloc});
-      }
-      host += n;
-    }
+    int64_t base;
+    if (!as_i64(base_obj, &base)) return nullptr;
+    pass.lay(ts, base + offset, segment);
     pending += total;
-    if (static_cast<int64_t>(runs.size()) >= max_runs || pending >= max_bytes) {
+    if (static_cast<int64_t>(pass.runs.size()) >= max_runs || pending >= max_bytes) {
       ++i;
       why = i < hi ? kCut : kDone;
       break;
     }
   }
-  PyObject* dsts = column(runs, 0);
-  PyObject* srcs = dsts ? column(runs, 1) : nullptr;
-  PyObject* sizes = srcs ? column(runs, 2) : nullptr;
-  if (sizes == nullptr) {
-    Py_XDECREF(dsts);
-    Py_XDECREF(srcs);
-    Py_DECREF(mismatched);
+  PyObject *dsts, *srcs, *sizes, *bad = int_list(mismatched);
+  if (bad == nullptr) return nullptr;
+  if (!pass.columns(&dsts, &srcs, &sizes)) {
+    Py_DECREF(bad);
     return nullptr;
   }
-  return Py_BuildValue("(LLNNNNL)", static_cast<long long>(i), why, dsts, srcs, sizes, mismatched,
-                       static_cast<long long>(device_index));
+  return Py_BuildValue("(LLNNNNL)", static_cast<long long>(i), why, dsts, srcs, sizes, bad,
+                       static_cast<long long>(pass.device_index));
+}
+
+// lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda)
+//   -> (stop, why, dsts, srcs, sizes, totals, offsets, device_index, head): objects laid one after another from
+//   ``head`` in a reservation ending at ``end``, each taking its bytes rounded up by ``mask``, copied to the host.
+PyObject* lay_out(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 12) {
+    PyErr_SetString(PyExc_TypeError, "lay_out: 12 arguments");
+    return nullptr;
+  }
+  PyObject* lists = args[0];
+  int64_t lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment;
+  if (!as_i64(args[1], &lo) || !as_i64(args[2], &hi) || !as_i64(args[3], &base) || !as_i64(args[4], &head) ||
+      !as_i64(args[5], &end) || !as_i64(args[6], &mask) || !as_i64(args[7], &max_runs) ||
+      !as_i64(args[8], &max_bytes) || !as_i64(args[9], &device_index) || !as_i64(args[10], &segment))
+    return nullptr;
+  int cuda = PyObject_IsTrue(args[11]);
+  if (cuda < 0 || !check_lists(lists, lo, hi, "lay_out")) return nullptr;
+  if (mask < 0 || (mask & (mask + 1)) != 0) {
+    PyErr_SetString(PyExc_ValueError, "lay_out: mask must be a power of two less one");
+    return nullptr;
+  }
+  Pass pass{true, cuda != 0, device_index, {}};
+  std::vector<int64_t> totals, offsets;
+  int64_t pending = 0, i = lo;
+  long long why = kDone;
+  for (; i < hi; ++i) {
+    PyObject* ts = PySequence_Fast_GET_ITEM(lists, i);
+    int64_t total;
+    if (!pass.check(ts, &total)) {
+      why = kPythonPath;
+      break;
+    }
+    int64_t room = (total + mask) & ~mask;
+    if (head + room > end) {
+      why = kFull;  // the rest go another way
+      break;
+    }
+    pass.lay(ts, base + head, segment);
+    totals.push_back(total);
+    offsets.push_back(head);
+    head += room;
+    pending += total;
+    if (static_cast<int64_t>(pass.runs.size()) >= max_runs || pending >= max_bytes) {
+      ++i;
+      why = i < hi ? kCut : kDone;
+      break;
+    }
+  }
+  PyObject *dsts, *srcs, *sizes, *t = int_list(totals), *o = t ? int_list(offsets) : nullptr;
+  if (o == nullptr) {
+    Py_XDECREF(t);
+    return nullptr;
+  }
+  if (!pass.columns(&dsts, &srcs, &sizes)) {
+    Py_DECREF(t);
+    Py_DECREF(o);
+    return nullptr;
+  }
+  return Py_BuildValue("(LLNNNNNLL)", static_cast<long long>(i), why, dsts, srcs, sizes, t, o,
+                       static_cast<long long>(pass.device_index), static_cast<long long>(head));
 }
 
 PyMethodDef methods[] = {
     {"plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plan)), METH_FASTCALL,
      "plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda) -> "
      "(stop, why, dsts, srcs, sizes, mismatched, device_index)"},
+    {"lay_out", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lay_out)), METH_FASTCALL,
+     "lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda) -> "
+     "(stop, why, dsts, srcs, sizes, totals, offsets, device_index, head)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
