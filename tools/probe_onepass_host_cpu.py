@@ -5,7 +5,7 @@ its first copy batch, to its last batch, and from the copies' end event (a no-op
 Cases: ``mget_h2d`` of kept leases, right after this client rewrote the keys (placed), and ``mset_d2h`` of fresh
 keys, each with a request (a one-key ``exists``) just before the call as in bench store.
 
-    PYTHONPATH=src python3 tools/probe_onepass_host_cpu.py [--rounds 200] [--keys 64]
+    PYTHONPATH=src python3 tools/probe_onepass_host_cpu.py [--rounds 200] [--keys 64] [--kib 1024]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def fake_cuda(batches: list[float], ends: list[float]) -> None:
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 200
     n = int(sys.argv[sys.argv.index("--keys") + 1]) if "--keys" in sys.argv else 64
-    size = 1 << 20
+    size = (int(sys.argv[sys.argv.index("--kib") + 1]) if "--kib" in sys.argv else 1024) << 10
     batches: list[float] = []
     ends: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
