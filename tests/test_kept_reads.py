@@ -21,6 +21,14 @@ MEMORY = 64 << 20
 worker, kv = worker_fixtures("kept-worker", memory=MEMORY, segment=16 << 20, modes=("unix",))
 
 
+# a key's bad tensor list, the error it raises and what the error says
+BAD_TENSOR_LISTS = [
+    ([torch.zeros(32, 32).t()], ValueError, "contiguous"),
+    (["not a tensor"], TypeError, r"expected a torch.Tensor"),
+    ("not a list", TypeError, "must be a list of tensors"),
+]
+
+
 def _lists(n, sizes=(1000, 24), seed=0):
     g = torch.Generator().manual_seed(seed)
     return [[torch.randint(0, 255, (s,), generator=g, dtype=torch.uint8) for s in sizes] for _ in range(n)]
@@ -90,14 +98,7 @@ def test_a_size_mismatch_is_its_keys_error_and_the_others_are_filled(kv, monkeyp
     assert all(torch.equal(a, b) for i in (0, 1, 3) for a, b in zip(src[i], dst[i]))
 
 
-@pytest.mark.parametrize(
-    "bad, exc, match",
-    [
-        ([torch.zeros(32, 32).t()], ValueError, "contiguous"),
-        (["not a tensor"], TypeError, r"expected a torch.Tensor"),
-        ("not a list", TypeError, "must be a list of tensors"),
-    ],
-)
+@pytest.mark.parametrize("bad, exc, match", BAD_TENSOR_LISTS)
 def test_a_bad_tensor_raises_and_gives_every_lease_back(kv, worker, monkeypatch, bad, exc, match):
     keys, src = _written(kv, "bad", 6)
     kv.mget_h2d(keys, _poisoned(src))
@@ -350,14 +351,7 @@ def test_under_a_gpu_a_mismatch_a_repeated_key_and_empty_tensors_take_either_pas
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
-@pytest.mark.parametrize(
-    "bad, exc, match",
-    [
-        ([torch.zeros(32, 32).t()], ValueError, "contiguous"),
-        (["not a tensor"], TypeError, r"expected a torch.Tensor"),
-        ("not a list", TypeError, "must be a list of tensors"),
-    ],
-)
+@pytest.mark.parametrize("bad, exc, match", BAD_TENSOR_LISTS)
 def test_under_a_gpu_a_bad_tensor_raises_after_the_keys_before_it_landed(kv, monkeypatch, bad, exc, match, native):
     keys, src = _written(kv, "fake-gpu-bad", 12, sizes=(1000,))
     kv.mget_h2d(keys, _poisoned(src))

@@ -3,7 +3,9 @@
 ``mget_h2d`` / ``mset_d2h`` move many keys' bytes at once. Their per-call cost is kept flat and small:
 
 * :func:`check_key` validates each key's tensors once and keeps only ``(address, nbytes, on_cuda)``
-  per tensor (no views, no per-tensor torch ops); :func:`check_tensor_lists` does it for a whole call;
+  per tensor (no views, no per-tensor torch ops); :func:`check_tensor_lists` does it for a whole call (the one-pass
+  calls, a kept ``mget_h2d`` and a reserved ``mset_d2h``, check and plan natively where they can:
+  :mod:`kvstrata.ops.tensor_runs`, whose runs :func:`copy_lists` queues);
 * :func:`plan` lays those pieces along each object's bytes in a segment and merges pieces that continue
   each other on both sides (objects written by one ``mset_d2h`` into one batch of tensors often do);
 * :func:`enqueue` issues device runs as ``cudaMemcpyBatchAsync`` calls (``kvstrata.ops.copy_engine``)
@@ -282,6 +284,14 @@ def start(device: Any, stream: Any = None) -> Any:
     return side
 
 
+def start_index(index: int, stream: Any = None) -> tuple[Any, Any]:
+    """:func:`start` for the device a native pass named by its index (-1: none, the current one): ``(that torch
+    device, the copy stream)``."""
+    torch = _device_modules()[0]
+    device = torch.device("cuda", index) if index >= 0 else torch.device("cuda")
+    return device, start(device, stream)
+
+
 _copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls
 # start() skips the join where the caller's stream is idle. On the H200 host (tools/probe_call_variants.py, session
 # 25, switched call by call) that saved a 64 x 1 MiB mset_d2h 12-31 us after a request (as much as leaving the join
@@ -290,14 +300,10 @@ SKIP_IDLE_JOIN = True
 _wait_events = threading.local()  # device index -> this thread's event for start()'s wait, and its raw handle
 
 
-def enqueue(
-    runs: Runs, device: Any, stream: Any, *, first: bool = False, head: int | None = None, chunk: int = BATCH_RUNS
-) -> None:
+def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False, head: int | None = None) -> None:
     """Do ``runs``: host runs now, device runs enqueued on ``stream`` (from :func:`start`). ``first``: the
     call's first enqueue, whose first batch is cut short (:data:`FIRST_BATCH_RUNS`) so the DMA starts sooner;
-    ``head``: that first batch's runs where they are not :data:`FIRST_BATCH_RUNS` (a kept read's first enqueue);
-    ``chunk``: the runs per driver call after it (a caller whose runs are one batch already passes that batch's
-    cap)."""
+    ``head``: that first batch's runs where they are not :data:`FIRST_BATCH_RUNS` (a kept read's first enqueue)."""
     for dst, src, n, _ in runs.host:
         if n < _TORCH_COPY_BYTES:
             _memmove(dst, src, n)
@@ -306,8 +312,8 @@ def enqueue(
     if not runs.device:
         return
     if head is None:
-        head = FIRST_BATCH_RUNS if first else chunk
-    if not _copy_engine(runs.device, stream, head, chunk):
+        head = FIRST_BATCH_RUNS if first else BATCH_RUNS
+    if not _copy_engine(runs.device, stream, head):
         import torch
 
         with torch.cuda.stream(stream):
@@ -345,15 +351,14 @@ class _BothEvents(NamedTuple):
         return self.first.query() and self.second.query()
 
 
-def _copy_engine(
-    device_runs: list[tuple[int, int, int, Any]], stream: Any, head: int = BATCH_RUNS, chunk: int = BATCH_RUNS
-) -> bool:
-    """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs, :func:`copy_lists`); False
-    where cuda-bindings is missing, so the caller falls back to torch copies."""
+def _copy_engine(device_runs: list[tuple[int, int, int, Any]], stream: Any, head: int = BATCH_RUNS) -> bool:
+    """The runs as ``cudaMemcpyBatchAsync`` calls on ``stream``'s raw handle (zero SMs, :func:`copy_lists`): ``head``
+    runs first, then batches of :data:`BATCH_RUNS`; False where cuda-bindings is missing, so the caller falls back
+    to torch copies."""
     _, copy_engine, _, _, _ = _device_modules()
     dsts, srcs, sizes, _ = zip(*device_runs)
     try:
-        copy_lists(list(dsts), list(srcs), list(sizes), stream, head, chunk)
+        copy_lists(list(dsts), list(srcs), list(sizes), stream, head)
     except copy_engine.CopyEngineError as exc:  # no cuda-bindings, or the call refused: copy again by torch
         if getattr(exc, "queued", 0):
             raise  # some runs are queued already: a torch re-copy of all would be a second, racing copy

@@ -226,9 +226,7 @@ class DeviceCallsMixin:
                     pending += sum(totals)
                     laid = stop
                     if sizes and s is None:
-                        torch = _device._device_modules()[0]
-                        device = torch.device("cuda", index) if index >= 0 else torch.device("cuda")
-                        s = _device.start(device, stream)
+                        device, s = _device.start_index(index, stream)
                     if why == planner.CUT:
                         flush(lists=(dsts, srcs, sizes))
                         continue

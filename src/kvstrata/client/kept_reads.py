@@ -45,10 +45,11 @@ FIRST_RUNS = 3
 #: ``cut``. The native pass (``_native_pass``) lets a batch hold ``RUNS_PER_CUT * cut`` runs instead, up to
 #: ``MAX_BATCH_RUNS``, each batch in one driver call: a driver call costs the host a fixed part besides ~0.7 us a
 #: run, which 16 runs of 64 KiB (~19 us of DMA) do not cover. Measured call by call on the H200 host
-#: (``tools/probe_native_planner.py``, session 28), kept reads of 256 x 64 KiB natively planned went from 0.42-0.44
-#: of one 16 MiB copy to 0.50-0.52 this way, 256 x 256 KiB from 0.87-0.88 to 0.88-0.89, 64 x 1 MiB alike (cut by
-#: bytes). The Python loop keeps ``cut`` runs: its ~2-9 us a key before a larger first batch cost more than the
-#: fewer driver calls saved (256 x 256 KiB: 0.67-0.70 against 0.71-0.74).
+#: (``tools/probe_native_planner.py``, session 28, five runs), natively planned kept reads of 256 x 64 KiB went from
+#: 0.31-0.44 of one 16 MiB copy to 0.33-0.52 this way, 256 x 256 KiB from 0.87-0.88 to 0.88-0.89 on full-speed vCPUs
+#: (from 0.80-0.81 to 0.78-0.79 on a slowed one), ``mset_d2h`` of 256 x 256 KiB from 0.41-0.43 to 0.46-0.47; 64 x 1 MiB
+#: alike (cut by bytes). The Python loop keeps ``cut`` runs: its ~2-9 us a key before a larger first batch cost more
+#: than the fewer driver calls saved (256 x 256 KiB: 0.67-0.70 against 0.71-0.74).
 RUN_BYTES = 1 << 20
 RUNS_PER_CUT = 4
 MAX_BATCH_RUNS = 64
@@ -183,7 +184,7 @@ def _native_pass(
     ``(the first key left to the Python loop, its next batch's runs, the copy stream, its device)``. Stops at a key
     the Python loop must take (a CPU or bad tensor, a second device), every key before it queued. ``address`` gives
     a segment's address (added to ``bases``), ``ensure(bases)`` registers their segments before their copies."""
-    plan, no_base, full = planner.plan, planner.NO_BASE, planner.CUT
+    plan, no_base, batch_full = planner.plan, planner.NO_BASE, planner.CUT
     cut, i, index = FIRST_RUNS, 0, -1
     s = device = None
     dsts: list[int] = []
@@ -222,15 +223,13 @@ def _native_pass(
                 continue
             if sizes:
                 if s is None:
-                    torch = _device._device_modules()[0]
-                    device = torch.device("cuda", index) if index >= 0 else torch.device("cuda")
-                    s = _device.start(device, stream)
+                    device, s = _device.start_index(index, stream)
                 ensure(bases)  # registered with CUDA before their first copy
                 head = FIRST_RUNS if cut == FIRST_RUNS else MAX_BATCH_RUNS
                 _device.copy_lists(dsts, srcs, sizes, s, head, MAX_BATCH_RUNS)
                 dsts, srcs, sizes, planned = [], [], [], 0
                 cut = next_cut(cut)
-            if why != full:
+            if why != batch_full:
                 break
     except BaseException:
         if s is not None:
