@@ -280,3 +280,30 @@ def test_lay_out_stops_at_a_bad_tensor_and_refuses_a_bad_mask(native):
         tensor_runs.lay_out(lists, 0, 5, 1 << 32, 0, 1 << 20, 48, 64, 1 << 30, cuda=False)
     with pytest.raises(IndexError, match="out of bounds"):
         tensor_runs.lay_out(lists, 0, 6, 1 << 32, 0, 1 << 20, 63, 64, 1 << 30, cuda=False)
+
+
+def _native_cli(tmp_path, **env):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "kvstrata.cli.main", "native"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "KVSTRATA_NATIVE_DIR": str(tmp_path / "native"), **env},
+    )
+
+
+@pytest.mark.slow
+def test_the_native_command_builds_the_planner_or_says_why_not(tmp_path, native):
+    off = _native_cli(tmp_path, KVSTRATA_NATIVE="0")
+    assert off.returncode == 1 and "turned off (KVSTRATA_NATIVE=0)" in off.stderr
+    broken = _native_cli(tmp_path, CXX=str(tmp_path / "no-such-compiler"))
+    assert broken.returncode == 1 and "not built" in broken.stderr and "Python" in broken.stderr
+    built = _native_cli(tmp_path)
+    assert built.returncode == 0 and "ready" in built.stdout and str(tmp_path / "native") in built.stdout
+    (library,) = (tmp_path / "native").glob("*/kvstrata_tensor_runs.so")
+    mtime = library.stat().st_mtime_ns
+    again = _native_cli(tmp_path)  # loaded from the folder this time: not built again
+    assert again.returncode == 0 and str(library) in again.stdout and library.stat().st_mtime_ns == mtime

@@ -5,7 +5,10 @@ its first copy batch, to its last batch, and from the copies' end event (a no-op
 Cases: ``mget_h2d`` of kept leases, right after this client rewrote the keys (placed), and ``mset_d2h`` of fresh
 keys, each with a request (a one-key ``exists``) just before the call as in bench store.
 
-    PYTHONPATH=src python3 tools/probe_onepass_host_cpu.py [--rounds 200] [--keys 64] [--kib 1024]
+``--native``: the kept read's and the reserved write's copies planned by the native passes
+(``kvstrata.ops.tensor_runs``, CPU tensors standing in for CUDA ones), not the Python loop.
+
+    PYTHONPATH=src python3 tools/probe_onepass_host_cpu.py [--rounds 200] [--keys 64] [--kib 1024] [--native]
 """
 
 from __future__ import annotations
@@ -62,6 +65,14 @@ def fake_cuda(batches: list[float], ends: list[float]) -> None:
         batches.append(time.perf_counter())
 
     device.check_key = check_key
+    if "--native" in sys.argv:
+        from kvstrata.client import kept_reads
+        from kvstrata.ops import tensor_runs
+
+        if tensor_runs.native(wait=True) is None:
+            raise SystemExit("the native planner did not build")
+        kept_reads.NATIVE_CUDA = False  # CPU tensors stand in for CUDA ones, as check_key's above
+        kept_reads._planner = lambda: tensor_runs
     device.start = lambda dev, stream=None: None if dev is None else _FakeStream()
     device.mark = lambda stream: None if stream is None else _FakeEvent(ends)
     copy_engine.memcpy_raw = memcpy_raw

@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "kvstrata.cli.demo",
     "kvstrata.cli.worker",
     "kvstrata.cli.status",
+    "kvstrata.cli.native",
 ]
 
 

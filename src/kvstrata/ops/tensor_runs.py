@@ -65,6 +65,7 @@ _NAME = "kvstrata_tensor_runs"  # the module's init function is PyInit_<this>
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _state = "new"  # new -> building -> ready | failed
+_error = ""  # why it is not loaded, where it failed
 _built = threading.Event()
 
 
@@ -81,7 +82,7 @@ def native(wait: bool = False) -> ModuleType | None:
             _state = "building"
     if start:
         if os.environ.get("KVSTRATA_NATIVE", "1") == "0":
-            _finish(None, "failed")
+            _finish(None, "failed", "turned off (KVSTRATA_NATIVE=0)")
         elif not _load_cached():
             if wait:
                 _build()
@@ -179,7 +180,7 @@ def _build() -> None:
         _finish(module, "ready")
     except Exception as exc:
         log.warning("kvstrata native module not built (%s): device calls plan their copies in Python", exc)
-        _finish(None, "failed")
+        _finish(None, "failed", f"not built: {exc}")
 
 
 def _import(path: Path) -> ModuleType:
@@ -194,8 +195,15 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
-def _finish(module: ModuleType | None, state: str) -> None:
-    global _module, _state
+def _finish(module: ModuleType | None, state: str, error: str = "") -> None:
+    global _module, _state, _error
     with _lock:
-        _module, _state = module, state
+        _module, _state, _error = module, state, error
     _built.set()
+
+
+def state() -> dict[str, str]:
+    """Where the native module stands: ``state`` (new, building, ready or failed), ``path`` (its file, once loaded)
+    and ``error`` (why it is not loaded, where it failed)."""
+    module = _module
+    return {"state": _state, "path": getattr(module, "__file__", "") or "", "error": _error}

@@ -1,0 +1,31 @@
+"""``kvstrata native``: build (or load) the native copy planner now, and say where it stands.
+
+Device calls build it by themselves the first time a process needs it (``kvstrata.ops.tensor_runs``, in a background
+thread, planning in Python meanwhile); this builds it ahead, for instance in a container image's build step, so that
+no serving process spends those seconds, and shows why it cannot be built where it cannot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("native", help="build (or load) the native copy planner now and show where it stands")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstrata.ops import tensor_runs
+
+    t0 = time.perf_counter()
+    module = tensor_runs.native(wait=True)
+    took = time.perf_counter() - t0
+    got = tensor_runs.state()
+    if module is None:
+        print(f"kvstrata native: {got['error']}; device calls plan their copies in Python", file=sys.stderr)
+        return 1
+    print(f"kvstrata native: ready in {took:.1f} s: {got['path']}")
+    return 0
