@@ -146,6 +146,30 @@ def test_a_bad_tensor_stops_the_pass_before_its_key_for_the_python_path_to_name(
         device.check_key(lists[3], 3)
 
 
+class _NoData(torch.Tensor):
+    """A tensor subclass with no data, whose every operation raises (torch calls into Python for them)."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=torch.float32, dispatch_sizes_strides_policy="strides"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_NoData has no {func}")
+
+
+def test_a_tensor_whose_attributes_raise_stops_the_pass_instead_of_ending_the_process(native):
+    lists = _keys(4, (16,), seed=9)
+    lists[2] = [_NoData((4,))]
+    for _ in range(3):  # and again: no Python error is left set behind the answer
+        assert tensor_runs.plan(lists, _locs(lists), {0: 4096}, 0, 4, 16, 1 << 30, cuda=False)[:2] == (2, PYTHON_PATH)
+        assert tensor_runs.lay_out(lists, 0, 4, 4096, 0, 1 << 20, 63, 16, 1 << 30, cuda=False)[:2] == (2, PYTHON_PATH)
+    with pytest.raises(NotImplementedError, match="is_contiguous"):  # what the Python path then raises, as before
+        device.check_key(lists[2], 2)
+
+
 def test_the_wrong_kind_of_tensor_and_a_non_list_stop_the_pass(native):
     lists = _keys(4, (16,), seed=3)
     locs = _locs(lists)

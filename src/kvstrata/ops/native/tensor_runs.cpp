@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 namespace {
@@ -54,23 +55,32 @@ struct Pass {
     Py_ssize_t count = PySequence_Fast_GET_SIZE(ts);
     PyObject** items = PySequence_Fast_ITEMS(ts);
     int64_t sum = 0;
-    for (Py_ssize_t j = 0; j < count; ++j) {
-      PyObject* o = items[j];
-      if (!THPVariable_Check(o)) return false;
-      const at::TensorBase& t = THPVariable_Unpack(o);
-      if (t.layout() != at::kStrided || t.is_quantized() || (cuda ? !t.is_cuda() : !t.is_cpu()) ||
-          !t.is_contiguous() || !t.has_storage())
-        return false;
-      if (cuda) {
-        int64_t index = t.get_device();
-        if (device_index < 0) {
-          device_index = index;
-        } else if (index != device_index) {
-          return false;  // a second device: the Python path plans it
+    int64_t index = device_index;
+    try {
+      for (Py_ssize_t j = 0; j < count; ++j) {
+        PyObject* o = items[j];
+        if (!THPVariable_Check(o)) return false;
+        const at::TensorBase& t = THPVariable_Unpack(o);
+        if (t.layout() != at::kStrided || t.is_quantized() || (cuda ? !t.is_cuda() : !t.is_cpu()) ||
+            !t.is_contiguous() || !t.has_storage())
+          return false;
+        // what lay() reads, read here first: a tensor that cannot answer (a wrapper without data) throws now
+        (void)t.data_ptr();
+        (void)t.storage().data();
+        if (cuda) {
+          if (index < 0) {
+            index = t.get_device();
+          } else if (t.get_device() != index) {
+            return false;  // a second device: the Python path plans it
+          }
         }
+        sum += static_cast<int64_t>(t.nbytes());
       }
-      sum += static_cast<int64_t>(t.nbytes());
+    } catch (const std::exception&) {
+      PyErr_Clear();  // a tensor subclass's Python code may have raised: its error is the Python path's to raise
+      return false;   // torch refused an attribute: the Python path asks again and raises its error
     }
+    device_index = index;
     *total = sum;
     return true;
   }
@@ -136,7 +146,7 @@ bool check_lists(PyObject* lists, int64_t lo, int64_t hi, const char* who) {
 
 // plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda)
 //   -> (stop, why, dsts, srcs, sizes, mismatched, device_index): objects where the worker placed them.
-PyObject* plan(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* plan_impl(PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 10) {
     PyErr_SetString(PyExc_TypeError, "plan: 10 arguments");
     return nullptr;
@@ -205,7 +215,7 @@ PyObject* plan(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
 // lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda)
 //   -> (stop, why, dsts, srcs, sizes, totals, offsets, device_index, head): objects laid one after another from
 //   ``head`` in a reservation ending at ``end``, each taking its bytes rounded up by ``mask``, copied to the host.
-PyObject* lay_out(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* lay_out_impl(PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 12) {
     PyErr_SetString(PyExc_TypeError, "lay_out: 12 arguments");
     return nullptr;
@@ -261,6 +271,25 @@ PyObject* lay_out(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   }
   return Py_BuildValue("(LLNNNNNLL)", static_cast<long long>(i), why, dsts, srcs, sizes, t, o,
                        static_cast<long long>(pass.device_index), static_cast<long long>(head));
+}
+
+// A C++ exception must not cross into the interpreter (it would end the process): it becomes a RuntimeError.
+template <PyObject* (*impl)(PyObject* const*, Py_ssize_t)>
+PyObject* guarded(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    return impl(args, nargs);
+  } catch (const std::exception& e) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());  // else Python code raised: that error
+  } catch (...) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "kvstrata_tensor_runs: an unknown C++ exception");
+  }
+  return nullptr;
+}
+
+PyObject* plan(PyObject* self, PyObject* const* args, Py_ssize_t nargs) { return guarded<plan_impl>(self, args, nargs); }
+
+PyObject* lay_out(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded<lay_out_impl>(self, args, nargs);
 }
 
 PyMethodDef methods[] = {
