@@ -160,14 +160,16 @@ class _NoData(torch.Tensor):
         raise NotImplementedError(f"_NoData has no {func}")
 
 
-def test_a_tensor_whose_attributes_raise_stops_the_pass_instead_of_ending_the_process(native):
+def test_a_tensor_subclass_stops_the_pass_for_the_python_path_to_take(native):
     lists = _keys(4, (16,), seed=9)
     lists[2] = [_NoData((4,))]
-    for _ in range(3):  # and again: no Python error is left set behind the answer
+    for _ in range(3):  # and again: no Python error left set behind the answer (its attributes are never asked)
         assert tensor_runs.plan(lists, _locs(lists), {0: 4096}, 0, 4, 16, 1 << 30, cuda=False)[:2] == (2, PYTHON_PATH)
         assert tensor_runs.lay_out(lists, 0, 4, 4096, 0, 1 << 20, 63, 16, 1 << 30, cuda=False)[:2] == (2, PYTHON_PATH)
     with pytest.raises(NotImplementedError, match="is_contiguous"):  # what the Python path then raises, as before
         device.check_key(lists[2], 2)
+    lists[2] = [torch.nn.Parameter(torch.zeros(4), requires_grad=False)]  # a Parameter is a plain tensor here
+    assert tensor_runs.plan(lists, _locs(lists), {0: 4096}, 0, 4, 16, 1 << 30, cuda=False)[:2] == (4, DONE)
 
 
 def test_the_wrong_kind_of_tensor_and_a_non_list_stop_the_pass(native):

@@ -7,8 +7,9 @@ behind the DMA of the first batches. :func:`plan` does the same pass in one nati
 for the keys ``lo..hi-1``, each a list of tensors and a location ``(segment, offset, size)`` (a tuple, such as
 the client's ``Loc``) in a segment mapped at ``bases[segment]``:
 
-* checks every tensor of a key (a strided, non-quantized, contiguous tensor of the wanted kind, CUDA on one
-  device) before planning the key, so a key is planned whole or not at all;
+* checks every tensor of a key (a plain ``torch.Tensor`` or ``Parameter``, not a subclass; strided,
+  non-quantized, contiguous, of the wanted kind, CUDA on one device) before planning the key, so a key is planned
+  whole or not at all;
 * records the keys whose tensors' bytes differ from their object's size (no runs);
 * lays each tensor along its object's bytes (``dst, src`` swapped where ``to_host``) and merges a run into the
   previous one where both sides continue it, within one segment and one tensor storage (a DMA copy must not

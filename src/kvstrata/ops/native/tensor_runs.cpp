@@ -59,7 +59,9 @@ struct Pass {
     try {
       for (Py_ssize_t j = 0; j < count; ++j) {
         PyObject* o = items[j];
-        if (!THPVariable_Check(o)) return false;
+        // Plain tensors and Parameters only: a subclass may run Python code for any attribute (which could change
+        // the lists under this pass), or mean something else by them; the Python path takes it.
+        if (!THPVariable_CheckExact(o)) return false;
         const at::TensorBase& t = THPVariable_Unpack(o);
         if (t.layout() != at::kStrided || t.is_quantized() || (cuda ? !t.is_cuda() : !t.is_cpu()) ||
             !t.is_contiguous() || !t.has_storage())
