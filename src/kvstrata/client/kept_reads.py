@@ -240,9 +240,11 @@ def _native_pass(
 
 @functools.cache
 def _planner() -> Any:
-    """:mod:`kvstrata.ops.tensor_runs` where the copy engine's raw calls are there to take its runs, else None
-    (the Python loop's runs then go to torch's copies). Imported at the first kept read: a client without device
-    calls never loads torch."""
+    """:mod:`kvstrata.ops.tensor_runs` where a GPU is there and the copy engine's raw calls to take its runs, else
+    None (the Python loop's runs then go to torch's copies; a machine without a GPU never builds the module).
+    Imported at the first kept read or reserved write: a client without device calls never loads torch."""
+    import torch
+
     from kvstrata.ops import copy_engine, tensor_runs
 
-    return tensor_runs if copy_engine._runtime() is not None else None
+    return tensor_runs if copy_engine._runtime() is not None and torch.cuda.is_available() else None
