@@ -307,6 +307,8 @@
 #     the native planner off (nonative) and on (new) in turn, twice
 #   PART=s28f: every GPU test (a reserved mset_d2h planned natively too); tools/probe_native_planner.py with the
 #     write (new) twice; bench store's device rows with the native planner off (nonative) and on (new) in turn, twice
+#   PART=s28g: the session's last call, final code: every GPU test; tools/probe_native_planner.py; bench store's
+#     device rows with the native planner on, off (nonative), on
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -909,6 +911,10 @@ elif [ "${PART}" = s28f ]; then
   gpu_tests gpu_tests_s28f
   tool_runs 2 probe_native_planner --rounds 100
   store_rows nonative new nonative new
+elif [ "${PART}" = s28g ]; then
+  gpu_tests gpu_tests_s28g
+  tool_runs 1 probe_native_planner --rounds 100
+  store_rows new nonative new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
