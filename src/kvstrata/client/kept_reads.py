@@ -45,9 +45,9 @@ FIRST_RUNS = 3
 #: ``cut``. The native pass (``_native_pass``) lets a batch hold ``RUNS_PER_CUT * cut`` runs instead, up to
 #: ``MAX_BATCH_RUNS``, each batch in one driver call: a driver call costs the host a fixed part besides ~0.7 us a
 #: run, which 16 runs of 64 KiB (~19 us of DMA) do not cover. Measured call by call on the H200 host
-#: (``tools/probe_native_planner.py``, session 28, five runs), natively planned kept reads of 256 x 64 KiB went from
+#: (``tools/probe_native_planner.py``, session 28, six runs), natively planned kept reads of 256 x 64 KiB went from
 #: 0.31-0.44 of one 16 MiB copy to 0.33-0.52 this way, 256 x 256 KiB from 0.87-0.88 to 0.88-0.89 on full-speed vCPUs
-#: (from 0.80-0.81 to 0.78-0.79 on a slowed one), ``mset_d2h`` of 256 x 256 KiB from 0.41-0.43 to 0.46-0.47; 64 x 1 MiB
+#: (from 0.80-0.85 to 0.78-0.84 on slowed ones), ``mset_d2h`` of 256 x 256 KiB from 0.41-0.50 to 0.46-0.56; 64 x 1 MiB
 #: alike (cut by bytes). The Python loop keeps ``cut`` runs: its ~2-9 us a key before a larger first batch cost more
 #: than the fewer driver calls saved (256 x 256 KiB: 0.67-0.70 against 0.71-0.74).
 RUN_BYTES = 1 << 20
