@@ -78,10 +78,48 @@ class _Stream:
         pass
 
 
+#: the one-pass calls' planners, as the tests switch them: the Python loop, native passes answering their runs (then
+#: queued through cuda-bindings), native passes queuing their own copies
+PLANNERS = [False, "lists", "copies"]
+PLANNER_IDS = ["python", "native-lists", "native-copies"]
+
+
+def batch_call_type(abi=13000):
+    """The driver's cuMemcpyBatchAsync as a ctypes function type, as CUDA 13 declares it (``abi`` 13000) or 12.8
+    (12080: a failure index before the stream): the ABI a native pass's copier calls."""
+    size_p, u64_p = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint64)
+    fail = (size_p,) if abi == 12080 else ()
+    return ctypes.CFUNCTYPE(
+        ctypes.c_int, u64_p, u64_p, size_p, ctypes.c_size_t, ctypes.c_void_p, size_p, ctypes.c_size_t, *fail,
+        ctypes.c_void_p,
+    )  # fmt: skip
+
+
+BATCH_CALL = batch_call_type()
+
+
+def batch_call(batches, fail_at=None):
+    """A stand-in for the driver's batch call, in host memory: memmove of each run, the runs of each call appended
+    to ``batches``; the call that would take the run count past ``fail_at`` fails (CUDA_ERROR_INVALID_VALUE, 1) with
+    nothing copied. Keep the returned object alive while native passes may call it; its address is the entry point."""
+
+    def call(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):
+        if fail_at is not None and sum(batches) + count > fail_at:
+            return 1
+        batches.append(count)
+        for k in range(count):
+            ctypes.memmove(dsts[k], srcs[k], sizes[k])
+        return 0
+
+    fn = BATCH_CALL(call)
+    return fn, ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def native_planner(monkeypatch, on):
-    """The one-pass calls' native passes (a kept read's, a reserved write's) on, CPU tensors standing in for CUDA
-    ones, or off, whatever this machine has; with them on, the list of each native pass's (first key, why it
-    stopped)."""
+    """The one-pass calls' native passes (a kept read's, a reserved write's) on (``on`` True or "copies": queuing
+    their own copies where ``device.native_copies`` lets them, "lists": answering their runs), CPU tensors standing
+    in for CUDA ones, or off, whatever this machine has; with them on, the list of each native pass's (first key, why
+    it stopped)."""
     passes: list[tuple[int, int]] = []
     if not on:
         monkeypatch.setattr(kept_reads, "_planner", lambda: None)
@@ -89,26 +127,39 @@ def native_planner(monkeypatch, on):
     if tensor_runs.native(wait=True) is None:
         pytest.fail("the native module did not build (see the log's warning)")
 
-    def plan(*args, **kwargs):
-        got = tensor_runs.plan(*args, **kwargs)
-        passes.append((args[3], got[1]))
-        return got
+    def recorded(fn, lo_arg):
+        def call(*args, **kwargs):
+            got = fn(*args, **kwargs)
+            passes.append((args[lo_arg], got[1]))
+            return got
 
-    def lay_out(*args, **kwargs):
-        got = tensor_runs.lay_out(*args, **kwargs)
-        passes.append((args[1], got[1]))
-        return got
+        return call
 
     names = {name: getattr(tensor_runs, name) for name in ("native", "DONE", "CUT", "PYTHON_PATH", "NO_BASE", "FULL")}
-    planner = types.SimpleNamespace(plan=plan, lay_out=lay_out, **names)
+    planner = types.SimpleNamespace(
+        plan=recorded(tensor_runs.plan, 3),
+        plan_copy=recorded(tensor_runs.plan_copy, 3),
+        lay_out=recorded(tensor_runs.lay_out, 1),
+        lay_out_copy=recorded(tensor_runs.lay_out_copy, 1),
+        **names,
+    )
     monkeypatch.setattr(kept_reads, "NATIVE_CUDA", False)
+    monkeypatch.setattr(kept_reads, "NATIVE_COPIES", on != "lists")
     monkeypatch.setattr(kept_reads, "_planner", lambda: planner)
     return passes
 
 
+class Batches(list):
+    """The runs of each batch call, in order; ``bindings``: how many went through cuda-bindings (the others were the
+    native passes' own calls)."""
+
+    bindings = 0
+
+
 def fake_gpu(monkeypatch, native):
-    """Without a GPU: CPU tensors taken as CUDA ones, the copy engine's batches done by memmove, the one-pass calls'
-    native passes on or off. Returns the batches' sizes in runs, the segments registered and the native passes."""
+    """Without a GPU: CPU tensors taken as CUDA ones, the copy engine's batches done by memmove (through cuda-bindings'
+    stand-in or the driver's, as the planner calls them), the one-pass calls' planner as :data:`PLANNERS` names it.
+    Returns the batches' sizes in runs, the segments registered and the native passes."""
     real_check = device.check_key
     cuda = torch.device("cuda", 0)
 
@@ -116,15 +167,29 @@ def fake_gpu(monkeypatch, native):
         pieces, total, _ = real_check(ts, i)
         return [(*p[:2], True, p[3], p[0]) for p in pieces], total, cuda
 
-    batches: list[int] = []
+    batches = Batches()
 
     def memcpy_raw(dsts, srcs, sizes, handle):
+        batches.bindings += 1
         batches.append(len(sizes))
         for d, s, z in zip(dsts, srcs, sizes):
             ctypes.memmove(d, s, z)
 
+    fn, address = batch_call(batches)
+
+    def native_copies(tensor_lists, i, stream=None):
+        try:
+            t = tensor_lists[i][0]
+        except (IndexError, KeyError, TypeError):
+            return None
+        if type(t) is not torch.Tensor:
+            return None
+        native_copies.fn = fn  # alive while the test's passes may call it
+        return cuda, _Stream(), (address, 13000, _Stream.cuda_stream)
+
     monkeypatch.setattr(device, "check_key", check_key)
     monkeypatch.setattr(device, "start", lambda dev, stream=None: _Stream())
+    monkeypatch.setattr(device, "native_copies", native_copies)
     monkeypatch.setattr(device, "mark", lambda stream: None)
     monkeypatch.setattr(copy_engine, "memcpy_raw", memcpy_raw)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -7,6 +7,7 @@ the ``gpu`` tests check the copy-engine path and the once-per-segment CUDA regis
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -276,6 +277,7 @@ def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch, cache):
         return real_batch(dsts, srcs, sizes, handle)
 
     monkeypatch.setattr(copy_engine, "memcpy_raw", counting)
+    monkeypatch.setattr(kept_reads, "NATIVE_COPIES", False)  # kept reads' batches counted here too (not the driver's)
     if not kv.embedded:  # one batch per stage: no early copies (they may split a stage whose keys the worker
         # showed only in part by the time the read looked them up; test_cuda_cold_read_copies_early_... has them)
         monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: [None] * len(ks))
@@ -653,7 +655,21 @@ def _order(monkeypatch, backend, *, requests: bool = False) -> list[str]:
     ``requests``, ``"request"``: a lease request sent)."""
     events: list[str] = []
     real_enqueue, real_finish, real_send = device.enqueue, backend.acquire_finish, backend.send_tagged
+    real_lists = device.copy_lists
     monkeypatch.setattr(device, "enqueue", lambda *a, **kw: events.append("copies") or real_enqueue(*a, **kw))
+    monkeypatch.setattr(device, "copy_lists", lambda *a, **kw: events.append("copies") or real_lists(*a, **kw))
+    planner = kept_reads._planner()
+    if planner is not None:  # a native pass that queues its own copies (kvstrata.ops.tensor_runs.plan_copy)
+
+        def plan_copy(*args, **kwargs):
+            got = planner.plan_copy(*args, **kwargs)
+            if got[2]:
+                events.append("copies")
+            return got
+
+        names = ("native", "plan", "lay_out", "lay_out_copy", "CUT", "DONE", "NO_BASE", "PYTHON_PATH", "FULL")
+        wrapped = types.SimpleNamespace(plan_copy=plan_copy, **{name: getattr(planner, name) for name in names})
+        monkeypatch.setattr(kept_reads, "_planner", lambda: wrapped)
     monkeypatch.setattr(backend, "acquire_finish", lambda tok: events.append("answer") or real_finish(tok))
     if requests:
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import batches_of, outcomes
+from _stages import PLANNER_IDS, PLANNERS, batches_of, fake_gpu, outcomes
 from kv_helpers import worker_fixtures
 from kvstrata.client import placed_reads
 from kvstrata.errors import KeyNotFound
@@ -40,6 +40,15 @@ def _written(writer, prefix, n, seed=0):
     return keys, src
 
 
+#: the CPU path as it is (no GPU: host copies), or a GPU faked with CPU tensors and each planner of _stages.PLANNERS
+GPUS = pytest.mark.parametrize("gpu", [None, *PLANNERS], ids=["cpu", *(f"fake-gpu-{i}" for i in PLANNER_IDS)])
+
+
+def _gpu(monkeypatch, gpu):
+    """As ``GPUS`` names it: nothing, or fake_gpu with that planner; the batch sizes of the copy engine's calls."""
+    return [] if gpu is None else fake_gpu(monkeypatch, gpu)[0]
+
+
 def _requests(monkeypatch, backend) -> list[int]:
     """The keys of each acquire request the client sends from here on."""
     sent: list[int] = []
@@ -54,13 +63,19 @@ def _requests(monkeypatch, backend) -> list[int]:
     return sent
 
 
-def test_a_cold_read_of_placed_keys_goes_in_one_pass_with_one_request(kv, writer, monkeypatch):
+@GPUS
+def test_a_cold_read_of_placed_keys_goes_in_one_pass_with_one_request(kv, writer, monkeypatch, gpu):
     keys, src = _written(writer, "placed", 10)
+    batches = _gpu(monkeypatch, gpu)
     took, sent = outcomes(monkeypatch, placed_reads), _requests(monkeypatch, kv._backend)
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 10
     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
     assert took == [True] and sent == [10]
+    if gpu is not None:  # every key copied once, early (the table's advice held), 2 runs first, then batches of 4
+        # runs in the Python loop, or one of up to 8 (4x the cut) natively, its 6 after the 2 in a driver call
+        assert batches == ([2, 6, 2] if gpu else [2, 4, 4])
+        assert batches.bindings == (0 if gpu == "copies" else len(batches))
     assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 10  # now kept: no request at all
     assert took == [True] and sent == [10]  # (the kept pass came first: placed_reads not asked)
     kv.delete(keys)
@@ -83,9 +98,11 @@ def test_it_is_not_taken_with_a_timeout_or_where_the_table_misses_the_first_key(
     kv.delete(keys)
 
 
+@GPUS
 @pytest.mark.parametrize("bad_at, request_sent", [(1, False), (7, True)])
-def test_a_bad_tensor_gives_back_every_lease_taken(kv, writer, worker, monkeypatch, bad_at, request_sent):
+def test_a_bad_tensor_gives_back_every_lease_taken(kv, writer, worker, monkeypatch, bad_at, request_sent, gpu):
     keys, src = _written(writer, f"placed-bad-{bad_at}", 9)
+    _gpu(monkeypatch, gpu)
     batches_of(monkeypatch, 2, 1000)  # the request goes after the second batch: with key 3
     took, sent = outcomes(monkeypatch, placed_reads), _requests(monkeypatch, kv._backend)
     dst = _poisoned(src)
@@ -112,8 +129,10 @@ def test_a_bad_key_raises_naming_it_before_any_request_or_copy(kv, writer, monke
     kv.delete(keys)
 
 
-def test_missing_keys_and_size_mismatches_are_their_own_slots(kv, writer, monkeypatch):
+@GPUS
+def test_missing_keys_and_size_mismatches_are_their_own_slots(kv, writer, monkeypatch, gpu):
     keys, src = _written(writer, "placed-mixed", 6)
+    _gpu(monkeypatch, gpu)
     advice = kv._backend.placement_hints(keys)
     writer.delete([keys[2]])  # gone after the advice was read
     monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: advice)

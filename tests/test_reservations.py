@@ -16,7 +16,7 @@ import torch
 
 import kvstrata
 import kvstrata.ops.tensor_runs
-from _stages import batches_of, copies_pending, fake_gpu, stages_of
+from _stages import PLANNER_IDS, PLANNERS, batches_of, copies_pending, fake_gpu, stages_of
 from kv_helpers import worker_fixtures
 from kvstrata.client import device, device_calls
 from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
@@ -421,7 +421,7 @@ def test_a_bad_tensor_mid_call_leaves_nothing_visible_and_the_next_call_carves(k
     kv.delete([*keys, "rv-bad/warm"])
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize("native", PLANNERS, ids=PLANNER_IDS)
 @pytest.mark.parametrize("sizes", [(70000, 5, 1000), (4096,), (64, 0, 16)])
 def test_under_a_gpu_a_reserved_write_lays_out_alike_with_either_planner(kv, monkeypatch, native, sizes):
     keys = [f"rv-gpu/{i}" for i in range(20)]
@@ -435,6 +435,7 @@ def test_under_a_gpu_a_reserved_write_lays_out_alike_with_either_planner(kv, mon
     assert calls[-1] == "commit" and set(calls) == {"commit"}  # laid out in the reservation, no create
     assert kv.stats()["carved"] == carved + 20
     assert sum(batches) == 20 * sum(1 for size in sizes if size)  # a run per tensor with bytes, each copied once
+    assert batches.bindings == (0 if native == "copies" else len(batches))  # a native pass queued its own copies
     for key, ts in zip(keys, src):
         assert kv.get(key) == b"".join(t.numpy().tobytes() for t in ts)
     if native:
@@ -442,7 +443,7 @@ def test_under_a_gpu_a_reserved_write_lays_out_alike_with_either_planner(kv, mon
     kv.delete([*keys, "rv-gpu/warm"])
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize("native", PLANNERS, ids=PLANNER_IDS)
 def test_under_a_gpu_a_bad_tensor_mid_write_leaves_nothing_visible_with_either_planner(kv, monkeypatch, native):
     keys = [f"rv-gpu-bad/{i}" for i in range(30)]
     kv.delete(keys)

@@ -5,12 +5,14 @@ tensors stand in for CUDA ones (``cuda=False``); the GPU test runs the CUDA kind
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 
 import pytest
 import torch
 
+from _stages import batch_call_type
 from kvstrata.client import device
 from kvstrata.client._shared import Loc
 from kvstrata.ops import tensor_runs
@@ -32,12 +34,14 @@ def reference(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, to_host=Fa
     runs = device.new_runs()
     mismatched, pending = [], 0
     for i in range(lo, hi):
+        if locs[i] is None:  # no place yet: passed over, its tensors unchecked
+            continue
         try:
             pieces, total, _ = device.check_key(tensor_lists[i], i)
         except (TypeError, ValueError):
             return i, PYTHON_PATH, runs, mismatched
         pieces = [(p[0], p[1], True, p[3], p[3].untyped_storage().data_ptr()) for p in pieces]  # as CUDA ones
-        seg, offset, size = locs[i]
+        seg, offset, size = locs[i][:3]
         if total != size:
             mismatched.append(i)
             continue
@@ -116,6 +120,22 @@ def test_views_of_one_tensor_laid_side_by_side_merge_into_one_run(native):
     locs = [Loc(i // 4, (i % 4) * 64, 64) for i in range(8)]
     _, _, sizes = check_same(lists, locs, {0: 1 << 20, 1: (1 << 20) + 256}, 0, 8, 16, 1 << 30)
     assert sizes == [256, 256]
+
+
+def test_keys_with_no_place_are_passed_over_and_placement_hints_serve_as_places(native):
+    lists = _keys(8, (32, 16), seed=4)
+    locs = [(*loc, 7) for loc in _locs(lists)]  # (segment, offset, size, placement), as the placement table has them
+    for k in (0, 3, 4, 7):
+        locs[k] = None
+    lists[4] = [torch.zeros(4, 4).t()]  # not checked: its key has no place
+    for max_runs in (16, 3, 1):
+        lo = 0
+        while lo < 8:
+            stop, why, sizes = check_same(lists, locs, {0: 4096}, lo, 8, max_runs, 1 << 30)
+            assert stop > lo
+            lo = stop
+    stop, why, _, _, sizes, mismatched, _ = tensor_runs.plan(lists, locs, {0: 4096}, 0, 8, 64, 1 << 30, cuda=False)
+    assert (stop, why, mismatched, len(sizes)) == (8, DONE, [], 8)  # two runs for each of four keys
 
 
 def test_a_size_mismatch_is_reported_and_planned_no_run(native):
@@ -333,3 +353,134 @@ def test_the_native_command_builds_the_planner_or_says_why_not(tmp_path, native)
     mtime = library.stat().st_mtime_ns
     again = _native_cli(tmp_path)  # loaded from the folder this time: not built again
     assert again.returncode == 0 and str(library) in again.stdout and library.stat().st_mtime_ns == mtime
+
+
+def _driver(abi, fail_call=None):
+    """A stand-in for the driver's batch call of ``abi``: each call's (dst, src, size) runs recorded and copied by
+    memmove, its stream and attributes checked; call number ``fail_call`` (from 0) fails with nothing copied."""
+    calls = []
+
+    def call(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, *rest):
+        stream = rest[-1]
+        assert stream == 0x5EED and num_attrs == 1 and attr_idxs[0] == 0
+        assert ctypes.cast(attrs, ctypes.POINTER(ctypes.c_int))[0] == 1  # in stream order
+        if abi == 12080:
+            rest[0][0] = 0  # the failure index, unused
+        if len(calls) == fail_call:
+            return 1
+        calls.append([(dsts[k], srcs[k], sizes[k]) for k in range(count)])
+        for k in range(count):
+            ctypes.memmove(dsts[k], srcs[k], sizes[k])
+        return 0
+
+    fn = batch_call_type(abi)(call)
+    return calls, fn, ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@pytest.mark.parametrize("abi", [13000, 12080])
+@pytest.mark.parametrize("head, chunk", [(3, 64), (1, 2), (64, 64)])
+def test_plan_copy_queues_the_runs_plan_answers_and_the_bytes_land(native, abi, head, chunk):
+    host = torch.arange(1 << 14, dtype=torch.int32)  # the "segment": objects back to back
+    lists = [[torch.zeros(s, dtype=torch.int32) for s in shapes] for shapes in [(64, 0, 128)] * 6 + [(256,)] * 6]
+    locs = _locs(lists, (0, 1), gap=64)
+    bases = {0: host.data_ptr(), 1: host.data_ptr() + 8192}
+    calls, _alive, address = _driver(abi)
+    lo = 0
+    while lo < len(lists):
+        planned = tensor_runs.plan(lists, locs, bases, lo, len(lists), 5, 1 << 30, cuda=False)
+        del calls[:]
+        got = tensor_runs.plan_copy(lists, locs, bases, lo, len(lists), 5, 1 << 30, (address, abi, 0x5EED, head, chunk),
+                                    cuda=False)  # fmt: skip
+        stop, why, runs, err, mismatched, index = got
+        assert (stop, why, mismatched, index, err) == (*planned[:2], planned[5], planned[6], 0)
+        assert [run for call in calls for run in call] == list(zip(*planned[2:5]))
+        assert runs == len(planned[4]) and [len(c) for c in calls][:1] == [min(head, runs)][: bool(runs)]
+        assert all(len(c) <= chunk for c in calls[1:])
+        lo = stop
+    for ts, loc in zip(lists, locs):  # every object's bytes landed in its tensors
+        at = bases[loc.segment] + loc.offset - host.data_ptr()
+        assert torch.equal(torch.cat(ts).view(torch.uint8), host.view(torch.uint8)[at : at + loc.size])
+
+
+def test_lay_out_copy_queues_the_runs_lay_out_answers_and_a_driver_error_says_how_far_it_got(native):
+    lists = _keys(10, (64, 0, 128), seed=5)
+    host = torch.zeros(1 << 16, dtype=torch.uint8)
+    base = host.data_ptr()
+    calls, _alive, address = _driver(13000)
+    planned = tensor_runs.lay_out(lists, 0, 10, base, 0, 1 << 16, 63, 64, 1 << 30, cuda=False)
+    stop, why, runs, err, totals, offsets, index, head = tensor_runs.lay_out_copy(
+        lists, 0, 10, base, 0, 1 << 16, 63, 64, 1 << 30, (address, 13000, 0x5EED, 3, 4), cuda=False
+    )
+    assert (stop, why, totals, offsets, index, head, err) == (*planned[:2], *planned[5:], 0)
+    assert [run for call in calls for run in call] == list(zip(*planned[2:5]))
+    assert [len(c) for c in calls] == [3, 4, 4, 4, 4, 1] and runs == 20
+    for ts, offset in zip(lists, offsets):
+        assert bytes(host[offset : offset + sum(t.nbytes for t in ts)].numpy()) == b"".join(
+            t.numpy().tobytes() for t in ts
+        )
+    # the driver refuses the third call: the runs of the first two were queued, and that is what the answer says
+    calls, _alive, address = _driver(13000, fail_call=2)
+    got = tensor_runs.lay_out_copy(lists, 0, 10, base, 0, 1 << 16, 63, 64, 1 << 30, (address, 13000, 0x5EED, 3, 4),
+                                   cuda=False)  # fmt: skip
+    assert got[:4] == (10, DONE, 7, 1) and [len(c) for c in calls] == [3, 4]
+
+
+def test_plan_copy_refuses_a_bad_copier(native):
+    lists = _keys(2, (16,), seed=2)
+    locs = _locs(lists)
+    _, _alive, address = _driver(13000)
+    for copier, exc, match in [
+        ((address, 13000, 0x5EED, 3), TypeError, "copier: must be a tuple"),
+        ([address, 13000, 0x5EED, 3, 4], TypeError, "copier: must be a tuple"),
+        ((0, 13000, 0x5EED, 3, 4), ValueError, "null entry point"),
+        ((address, 12000, 0x5EED, 3, 4), ValueError, "abi"),
+        ((address, 13000, 0x5EED, 0, 4), ValueError, "head or chunk"),
+        ((address, 13000, "stream", 3, 4), TypeError, "integer"),
+    ]:
+        with pytest.raises(exc, match=match):
+            tensor_runs.plan_copy(lists, locs, {0: 4096}, 0, 2, 16, 1 << 30, copier, cuda=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("thread", ["main", "fresh"])
+def test_the_drivers_batch_call_queues_a_pass_both_ways_on_a_stream_of_ours(native, thread):
+    import threading
+
+    entry = tensor_runs.batch_entry()
+    assert entry is not None and entry[1] in (12080, 13000)
+    g = torch.Generator().manual_seed(11)
+    host = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, generator=g).pin_memory()
+    back = torch.zeros_like(host).pin_memory()
+    lists = [[torch.empty(s, dtype=torch.uint8, device="cuda") for s in (4096, 0, 300)] for _ in range(50)]
+    locs = _locs(lists, gap=64)
+    index = torch.cuda.current_device()
+    out = []
+
+    def run():
+        stream = torch.cuda.Stream()  # in a fresh thread, from torch's pool: no context made current by it
+        copier = tensor_runs.copier(stream.cuda_stream, 3, 16)
+        if thread == "fresh":
+            # the driver refuses a batch with no context current, and the pass says so: nothing queued
+            refused = tensor_runs.plan_copy(lists, locs, {0: host.data_ptr()}, 0, 50, 1000, 1 << 40, copier)
+            out.append(refused[2:4])
+            assert device._bind_context(index)  # what native_copies does once per thread and device
+        got = tensor_runs.plan_copy(lists, locs, {0: host.data_ptr()}, 0, 50, 1000, 1 << 40, copier)
+        laid = tensor_runs.lay_out_copy(lists, 0, 50, back.data_ptr(), 0, back.numel(), 63, 1000, 1 << 40, copier)
+        stream.synchronize()
+        out.append((got, laid))
+
+    if thread == "main":
+        run()
+    else:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        refused = out.pop(0)  # (torch 2.11's pool streams bind no context: refused, as the GPU machine showed)
+        assert (refused[0] == 0 and refused[1] != 0) or refused == (100, 0)
+    (got, laid) = out[0]
+    assert got[:4] == (50, DONE, 100, 0) and laid[:4] == (50, DONE, 100, 0)
+    for ts, loc, offset in zip(lists, locs, laid[5]):
+        want = host[loc.offset : loc.offset + loc.size]
+        assert torch.equal(torch.cat(ts).cpu(), want)  # host -> device
+        assert torch.equal(back[offset : offset + loc.size], want)  # and back, laid out as the reservation's

@@ -309,6 +309,12 @@
 #     write (new) twice; bench store's device rows with the native planner off (nonative) and on (new) in turn, twice
 #   PART=s28g: the session's last call, final code: every GPU test; tools/probe_native_planner.py; bench store's
 #     device rows with the native planner on, off (nonative), on
+#   PART=s29a: kvstrata native (the driver's batch call found?); every GPU test; tools/probe_native_planner.py (native
+#     passes queuing their own copies or not, call by call); bench store's device rows new/nocopies in turn, twice
+#   PART=s29b: every GPU test (the placed read planned natively too); tools/probe_native_planner.py (with a cold read);
+#     bench store's device rows new/ab_old/nocopies in turn, twice (ab_old/src: b11aeb0, the session's start)
+#   PART=s29c: the session's last call, final code: every GPU test; tools/probe_native_planner.py twice; bench store's
+#     device rows new/nocopies in turn
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -317,11 +323,12 @@ export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_ME
 OUT="${OUT:-/tmp/kvstrata-out}"; mkdir -p "$OUT"
 LOG="$OUT/part_${PART:-a}.log"
 use() {  # use <variant>: run the current src (new), the current src with the native copy planner off (nonative) or
-  # <variant>/src (another version's) from here on
-  unset KVSTRATA_NATIVE
+  # its passes' copies queued through cuda-bindings (nocopies), or <variant>/src (another version's) from here on
+  unset KVSTRATA_NATIVE KVSTRATA_NATIVE_COPIES
   case $1 in
     new) export PYTHONPATH="$PWD/src" ;;
     nonative) export PYTHONPATH="$PWD/src" KVSTRATA_NATIVE=0 ;;
+    nocopies) export PYTHONPATH="$PWD/src" KVSTRATA_NATIVE_COPIES=0 ;;
     *) export PYTHONPATH="$PWD/$1/src" ;;
   esac
 }
@@ -915,6 +922,23 @@ elif [ "${PART}" = s28g ]; then
   gpu_tests gpu_tests_s28g
   tool_runs 1 probe_native_planner --rounds 100
   store_rows new nonative new
+elif [ "${PART}" = s29a ]; then
+  python3 -m kvstrata.cli.main native 2>&1 | tee -a "$LOG"
+  gpu_tests gpu_tests_s29a
+  grep -E "FAIL|Error" "$OUT/gpu_tests_s29a.log" | head -20 >> "$LOG"
+  tool_runs 1 probe_native_planner
+  store_rows new nocopies new nocopies
+elif [ "${PART}" = s29b ]; then
+  gpu_tests gpu_tests_s29b
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s29b.log" | head -30 >> "$LOG"
+  tool_runs 1 probe_native_planner
+  store_rows new ab_old nocopies new ab_old nocopies
+elif [ "${PART}" = s29c ]; then
+  gpu_tests gpu_tests_s29c
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s29c.log" | head -30 >> "$LOG"
+  tool_runs 2 probe_native_planner
+  store_rows new nocopies new nocopies new
+  cp "$OUT/store.json" "$OUT/store_final.json"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

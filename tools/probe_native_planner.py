@@ -1,6 +1,7 @@
 """A kept ``mget_h2d`` and a reserved ``mset_d2h`` (fresh keys) with their copies planned by the Python loop or
-natively (``kvstrata.ops.tensor_runs``), the native passes' batches cut as the Python loop's (16 runs a batch at most:
-``RUNS_PER_CUT`` 1, ``MAX_BATCH_RUNS`` 16) or as they cut them (4x a cut's runs, up to 64), switched call by call in
+natively (``kvstrata.ops.tensor_runs``; a cold read, of keys just rewritten, through the placement table's one pass
+too), the native passes answering their runs (queued through cuda-bindings:
+``kept_reads.NATIVE_COPIES`` off) or queuing them with the driver's batch call themselves (on), switched call by call in
 one process (GPU machine, one real worker, one client), for keys of several sizes: 64 x 1 MiB (bench store's row),
 256 x 256 KiB and 256 x 64 KiB (KV-cache blocks; 256 is as many keys as the local-read cache keeps). Each call
 follows a one-key request, as bench store's do; the reads go into separate destination tensors. Per shape, case and
@@ -17,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -34,20 +36,26 @@ def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 100
     if tensor_runs.native(wait=True) is None:
         raise SystemExit("the native planner did not build")
-    # (planner, runs a batch per cut, most runs a batch)
-    planners = {
-        "python loop": (None, kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS),
-        "native, 16": (tensor_runs, 1, 16),
-        "native (main)": (tensor_runs, kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS),
-    }
+    if tensor_runs.batch_entry() is None:
+        raise SystemExit("the driver's cuMemcpyBatchAsync was not found")
     last_batch: list[float] = []
-    real_memcpy = copy_engine.memcpy_raw
 
-    def memcpy_raw(dsts, srcs, sizes, handle):
-        real_memcpy(dsts, srcs, sizes, handle)
-        last_batch.append(time.perf_counter())
+    def timed(fn):  # the time each batch call (or native pass that queued its own) returned
+        def call(*args, **kwargs):
+            got = fn(*args, **kwargs)
+            last_batch.append(time.perf_counter())
+            return got
 
-    copy_engine.memcpy_raw = memcpy_raw
+        return call
+
+    copy_engine.memcpy_raw = timed(copy_engine.memcpy_raw)
+    native = types.SimpleNamespace(
+        **{name: getattr(tensor_runs, name) for name in ("native", "plan", "lay_out", "CUT", "DONE", "NO_BASE")},
+        plan_copy=timed(tensor_runs.plan_copy),
+        lay_out_copy=timed(tensor_runs.lay_out_copy),
+    )
+    # (planner, whether its passes queue their own copies)
+    planners = {"python loop": (None, False), "native, lists": (native, False), "native, copies": (native, True)}
     loops = [python_loop_us()]
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = _start_worker(Path(tmp), 4 << 30)
@@ -56,8 +64,10 @@ def main() -> None:
                 for n, size in SHAPES:
                     host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
                     big = torch.empty(n * size, dtype=torch.uint8, device="cuda")
+                    h2d = device_time(lambda: big.copy_(host, non_blocking=True), iters=30)
                     ceiling = {
-                        "mget_h2d kept": device_time(lambda: big.copy_(host, non_blocking=True), iters=30),
+                        "mget_h2d kept": h2d,
+                        "mget_h2d cold": h2d,
                         "mset_d2h": device_time(lambda: host.copy_(big, non_blocking=True), iters=30),
                     }
                     src = [[torch.randn(size // 4, device="cuda")] for _ in range(n)]
@@ -73,10 +83,13 @@ def main() -> None:
                         if it % 2:
                             order.reverse()
                         for case in ceiling:
-                            for name, (planner, per_cut, most) in order:
+                            for name, (planner, copies) in order:
                                 kept_reads._planner = lambda planner=planner: planner
-                                kept_reads.RUNS_PER_CUT, kept_reads.MAX_BATCH_RUNS = per_cut, most
+                                kept_reads.NATIVE_COPIES = copies
                                 fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
+                                if case == "mget_h2d cold":  # rewritten: the placement table's one pass reads them
+                                    kv.delete(keys)
+                                    assert kv.mset_d2h(keys, src) == [None] * n
                                 kv.exists(keys[:1])
                                 torch.cuda.synchronize()
                                 last_batch.clear()

@@ -191,10 +191,14 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
 
     import kvstrata
     from kvstrata.bench._common import device_time, python_loop_us
+    from kvstrata.client import kept_reads
     from kvstrata.ops import tensor_runs
 
     # The copy planner's native module: built (first use on a machine) or loaded before the timing, not during it.
-    native = tensor_runs.native(wait=True) is not None
+    # "copies": its passes queue their own copies; "lists": cuda-bindings queues the runs they answer; False: none.
+    native: str | bool = False
+    if tensor_runs.native(wait=True) is not None:
+        native = "copies" if kept_reads.NATIVE_COPIES and tensor_runs.batch_entry() is not None else "lists"
     n, size = 64, 1 << 20
     host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n * size, dtype=torch.uint8, device="cuda")
@@ -291,7 +295,7 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
                 "seg_ceiling_GB/s": None if seg is None else gbps(n * size, seg),
                 # this process's CPU speed over the timed rounds (the same rounds for every row)
                 "host_loop_us": round(statistics.median(loops[3:]), 1),
-                "native_planner": native,  # kvstrata.ops.tensor_runs loaded (else the calls planned in Python)
+                "native_planner": native,  # how kvstrata.ops.tensor_runs planned the calls (False: in Python)
             }
         )
     return rows

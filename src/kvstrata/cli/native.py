@@ -28,4 +28,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstrata native: {got['error']}; device calls plan their copies in Python", file=sys.stderr)
         return 1
     print(f"kvstrata native: ready in {took:.1f} s: {got['path']}")
+    entry = tensor_runs.batch_entry()
+    if entry is None:
+        print("  its passes answer their runs (no GPU driver with cuMemcpyBatchAsync here): cuda-bindings queues them")
+    else:
+        print(f"  its passes queue their own copies: the driver's cuMemcpyBatchAsync (ABI {entry[1]}) at {entry[0]:#x}")
     return 0

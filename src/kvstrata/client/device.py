@@ -292,6 +292,29 @@ def start_index(index: int, stream: Any = None) -> tuple[Any, Any]:
     return device, start(device, stream)
 
 
+def native_copies(tensor_lists: Any, i: int, stream: Any = None) -> tuple[Any, Any, tuple[int, int, int]] | None:
+    """For a native pass that queues its own copies (:func:`kvstrata.ops.tensor_runs.plan_copy`) from key ``i`` on:
+    ``(the device of key i's first tensor, the copy stream started for it, the copier's entry point, ABI and stream
+    handle)``. None, having started nothing, where that tensor is not a CUDA tensor, its device is not the current
+    one (the driver's call copies in the current device's context) or the driver's batch call is not there: the
+    pass then answers its runs and :func:`copy_lists` queues them."""
+    torch, _, _, _, current_index = _device_modules()
+    try:
+        t = tensor_lists[i][0]
+    except (IndexError, KeyError, TypeError):
+        return None
+    if type(t) is not torch.Tensor or not t.is_cuda:  # a subclass or another kind: the pass's Python path sees it
+        return None
+    index = t.get_device()
+    if index != current_index():
+        return None
+    entry = _batch_entry()
+    if entry is None or not (index in _bound.__dict__ or _bind_context(index)):
+        return None
+    device, side = start_index(index, stream)
+    return device, side, (entry[0], entry[1], side.cuda_stream)
+
+
 _copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls
 # start() skips the join where the caller's stream is idle. On the H200 host (tools/probe_call_variants.py, session
 # 25, switched call by call) that saved a 64 x 1 MiB mset_d2h 12-31 us after a request (as much as leaving the join
@@ -392,6 +415,61 @@ def copy_lists(
     return None
 
 
+_bound = threading.local()  # the devices whose context this thread has current, as _bind_context found it
+
+
+def _bind_context(index: int) -> bool:
+    """Whether device ``index``'s primary context is current on this thread, made so where none is. The driver's calls
+    copy in the thread's current context, which the runtime binds at its first call needing one: a thread new to CUDA
+    may have made none (a torch stream from its pool, say), and the driver then refuses the batch. Once per thread and
+    device; False (the pass answers its runs, which the runtime queues) where another device's context is current or
+    the driver says no."""
+    try:
+        from cuda.bindings import driver
+
+        err, ctx = driver.cuCtxGetCurrent()
+        if int(err) == 0 and not int(ctx):  # none current: the primary context, as the runtime would bind it
+            err, dev = driver.cuDeviceGet(index)
+            if int(err) == 0:
+                err, ctx = driver.cuDevicePrimaryCtxRetain(dev)
+            if int(err) == 0:
+                (err,) = driver.cuCtxSetCurrent(ctx)
+                if int(err) != 0:
+                    driver.cuDevicePrimaryCtxRelease(dev)
+        if int(err) != 0:
+            return False
+        err, dev = driver.cuCtxGetDevice()
+        if int(err) != 0 or int(dev) != index:
+            return False
+    except Exception:  # an unexpected binding
+        return False
+    _bound.__dict__[index] = True
+    return True
+
+
+def copy_error(call: str, err: int, queued: int) -> Exception:
+    """The ``CopyEngineError`` of a driver call a native pass made (``err``, a ``CUresult``), with ``queued``: the
+    runs queued before it (as :func:`copy_lists` raises it)."""
+    copy_engine = _device_modules()[1]
+    try:
+        from cuda.bindings import driver
+
+        name = driver.CUresult(err).name
+    except Exception:  # no cuda-bindings, or a code it does not know
+        name = "CUresult"
+    exc = copy_engine.CopyEngineError(f"{call} failed: {name} ({err})")
+    exc.queued = queued
+    return exc
+
+
+@functools.cache
+def _batch_entry() -> tuple[int, int] | None:
+    """:func:`kvstrata.ops.tensor_runs.batch_entry`, looked up once (no import statement per call)."""
+    from kvstrata.ops import tensor_runs
+
+    return tensor_runs.batch_entry()
+
+
 @functools.cache
 def _device_modules() -> tuple[Any, Any, Any, Any, Any]:
     """torch, :mod:`kvstrata.ops.copy_engine`, :func:`kvstrata.ops.current_stream`, torch's raw current-stream
@@ -437,6 +515,9 @@ class Registrations:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._state: dict[int, tuple[int, bool]] = {}  # segment index -> (address, registered)
+        #: segment index -> address, of every segment seen (a native pass's ``bases``: a segment it does not find there
+        #: is one to register before its first copy)
+        self.bases: dict[int, int] = {}
 
     def ensure(self, segments: Any, address_of: Any, nbytes_of: Any) -> None:
         """Register the segments of ``segments`` (indices) not seen yet; a no-op for the others."""
@@ -448,6 +529,7 @@ class Registrations:
                 if index not in state:
                     addr = address_of(index)
                     state[index] = (addr, register_segment(addr, nbytes_of(index)))
+                    self.bases[index] = addr  # after the registration: a pass finding it here may copy from it
 
     def undo(self) -> None:
         """Unregister every segment this client registered (before the segments are unmapped)."""
@@ -456,6 +538,7 @@ class Registrations:
                 if registered:
                     unregister_segment(addr)
             self._state.clear()
+            self.bases.clear()
 
 
 def register_segment(addr: int, nbytes: int) -> bool:

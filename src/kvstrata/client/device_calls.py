@@ -167,11 +167,14 @@ class DeviceCallsMixin:
             device = None
             laid = batches = 0
 
-            def flush(last: bool = False, lists: tuple[list[int], list[int], list[int]] | None = None) -> None:
-                """Queue the batch's copies (``runs``, or a native pass's ``lists``) and mark its keys."""
+            def flush(
+                last: bool = False, lists: tuple[list[int], list[int], list[int]] | None = None, native: bool = False
+            ) -> None:
+                """Queue the batch's copies (``runs``, or a ``native`` pass's ``lists``, None where the pass queued
+                them) and mark its keys."""
                 nonlocal runs, which, items, cut, pending, marked, batches
-                if lists is not None:  # a native pass's runs, the batch's one driver call (a head first)
-                    if lists[2]:
+                if native:  # a native pass's runs (queued by it where ``lists`` is None), a head first
+                    if lists is not None and lists[2]:
                         self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
                         first_call = _device.FIRST_BATCH_RUNS if not batches else _kept_reads.MAX_BATCH_RUNS
                         _device.copy_lists(*lists, s, first_call, _kept_reads.MAX_BATCH_RUNS)
@@ -199,41 +202,53 @@ class DeviceCallsMixin:
 
             def lay_out_natively() -> None:
                 """Lay keys out and queue their copies as the loop below does, with a native pass per batch
-                (:func:`kvstrata.ops.tensor_runs.lay_out`; batches as a kept read's native passes cut them), up to a
-                key that does not fit or that the loop must take (a CPU or bad tensor, a second device)."""
+                (:func:`kvstrata.ops.tensor_runs.lay_out_copy`, which queues the batch's copies itself where the copy
+                stream could be started ahead, else :func:`~kvstrata.ops.tensor_runs.lay_out`; batches as a kept
+                read's native passes cut them), up to a key that does not fit or that the loop must take (a CPU or bad
+                tensor, a second device)."""
                 nonlocal laid, head, pending, s, device
                 planner = _kept_reads._planner()
                 if planner is None or planner.native() is None:
                     return
-                index = -1
+                index, copier = -1, None
+                if _kept_reads.NATIVE_COPIES:
+                    got = _device.native_copies(tensor_lists, laid, stream)
+                    if got is not None:
+                        device, s, copier = got
+                        index = device.index
+                        # registered with CUDA before the pass's first copy (a no-op after the first call)
+                        self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
                 while laid < n:
-                    stop, why, dsts, srcs, sizes, totals, offsets, index, head = planner.lay_out(
-                        tensor_lists,
-                        laid,
-                        n,
-                        base,
-                        head,
-                        end,
-                        _reservation.ALIGNMENT - 1,
-                        _kept_reads.batch_runs(cut),
-                        cut * _kept_reads.RUN_BYTES,
-                        device_index=index,
-                        segment=segment,
-                        cuda=_kept_reads.NATIVE_CUDA,
-                    )
+                    cap, cut_bytes = _kept_reads.batch_runs(cut), cut * _kept_reads.RUN_BYTES
+                    if copier is not None:
+                        first_call = _device.FIRST_BATCH_RUNS if not batches else _kept_reads.MAX_BATCH_RUNS
+                        stop, why, queued, err, totals, offsets, index, head = planner.lay_out_copy(
+                            tensor_lists, laid, n, base, head, end, _reservation.ALIGNMENT - 1, cap, cut_bytes,
+                            (*copier, first_call, _kept_reads.MAX_BATCH_RUNS), device_index=index, segment=segment,
+                            cuda=_kept_reads.NATIVE_CUDA,
+                        )  # fmt: skip
+                        lists = None
+                    else:
+                        stop, why, dsts, srcs, sizes, totals, offsets, index, head = planner.lay_out(
+                            tensor_lists, laid, n, base, head, end, _reservation.ALIGNMENT - 1, cap, cut_bytes,
+                            device_index=index, segment=segment, cuda=_kept_reads.NATIVE_CUDA,
+                        )  # fmt: skip
+                        lists, queued, err = (dsts, srcs, sizes), len(sizes), 0
                     items.extend(zip(keys[laid:stop], totals, offsets))
                     which.extend(range(laid, stop))
                     pending += sum(totals)
                     laid = stop
-                    if sizes and s is None:
+                    if err:  # the keys laid out so far are given back as the loop's are (``give``)
+                        raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
+                    if queued and s is None:
                         device, s = _device.start_index(index, stream)
                     if why == planner.CUT:
-                        flush(lists=(dsts, srcs, sizes))
+                        flush(lists=lists, native=True)
                         continue
                     if why == planner.DONE:
-                        flush(last=True, lists=(dsts, srcs, sizes))
-                    elif sizes:  # the loop below takes the next key (PYTHON_PATH), or none fits (FULL)
-                        flush(lists=(dsts, srcs, sizes))
+                        flush(last=True, lists=lists, native=True)
+                    elif queued:  # the loop below takes the next key (PYTHON_PATH), or none fits (FULL)
+                        flush(lists=lists, native=True)
                     return
 
             try:

@@ -22,11 +22,16 @@ What comes before the first copy is only what the copies need: the lookup pins e
 count for the call (not a hold per key, given back per key after the last byte), and leaves the cache's recency
 bookkeeping for :meth:`~kvstrata.client.remote.RemoteBackend.settle`, which runs while the copies move. On the H200
 host (``tools/probe_call_steps.py``, session 26) that took the first batch from 85-119 us into the call to 59-83.
+
+Where :mod:`kvstrata.ops.tensor_runs` is loaded, each batch is one native call that checks the tensors, lays out the
+runs and queues them with the driver's batch call (:func:`_native_pass`); the Python loop below takes the keys it
+cannot (a CPU or bad tensor, a second device).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,16 +121,7 @@ def queue(
         planner = _planner()
         if planner is not None and planner.native() is not None:
             first, cut, s, device = _native_pass(
-                planner,
-                keys,
-                tensor_lists,
-                locs,
-                done,
-                results,
-                bases,
-                address,
-                lambda b: ensure(b, address, backend.segment_nbytes),
-                stream,
+                planner, keys, tensor_lists, locs, done, results, client._registrations, address, backend, stream
             )
         for i in range(first, done):
             pieces, total, dev = check(tensor_lists[i], i)
@@ -174,61 +170,70 @@ def _native_pass(
     locs: list[Any],
     done: int,
     results: list[Any],
-    bases: dict[int, int],
+    registrations: Any,
     address: Any,
-    ensure: Any,
+    backend: Any,
     stream: Any,
 ) -> tuple[int, int, Any, Any]:
     """Lay out and queue keys ``[0, done)`` as :func:`queue`'s loop does, with a native pass per batch
     (:mod:`kvstrata.ops.tensor_runs`: ~0.1 us a tensor, against 1-2 us warm in Python and several times that cold):
     ``(the first key left to the Python loop, its next batch's runs, the copy stream, its device)``. Stops at a key
-    the Python loop must take (a CPU or bad tensor, a second device), every key before it queued. ``address`` gives
-    a segment's address (added to ``bases``), ``ensure(bases)`` registers their segments before their copies."""
-    plan, no_base, batch_full = planner.plan, planner.NO_BASE, planner.CUT
+    the Python loop must take (a CPU or bad tensor, a second device), every key before it queued.
+
+    Each pass queues its own copies (:func:`~kvstrata.ops.tensor_runs.plan_copy`: the driver's batch call from C++,
+    no lists of addresses built and read back through cuda-bindings) where :func:`~kvstrata.client.device.native_copies`
+    could start the copy stream ahead (the first key's first tensor names the device), else it answers the runs and
+    :func:`~kvstrata.client.device.copy_lists` queues them. ``registrations.bases`` has the addresses of the segments
+    registered with CUDA: a pass stops at a key in another (``NO_BASE``), which is registered before the pass goes
+    on from it."""
+    plan, plan_copy, no_base, batch_full = planner.plan, planner.plan_copy, planner.NO_BASE, planner.CUT
     cut, i, index = FIRST_RUNS, 0, -1
-    s = device = None
-    dsts: list[int] = []
-    srcs: list[int] = []
-    sizes: list[int] = []
-    planned = 0  # bytes planned and not queued yet (a pass stopped short for a segment's address)
+    s = device = copier = None
+    if NATIVE_COPIES:
+        got = _device.native_copies(tensor_lists, 0, stream)
+        if got is not None:
+            device, s, copier = got
+            index = device.index
+    bases = registrations.bases
     try:
         while i < done:
-            stop, why, d, r, z, mismatched, index = plan(
-                tensor_lists,
-                locs,
-                bases,
-                i,
-                done,
-                batch_runs(cut) - len(sizes),
-                cut * RUN_BYTES - planned,
-                device_index=index,
-                cuda=NATIVE_CUDA,
-            )
+            head = FIRST_RUNS if cut == FIRST_RUNS else MAX_BATCH_RUNS
+            if copier is not None:
+                stop, why, queued, err, mismatched, index = plan_copy(
+                    tensor_lists,
+                    locs,
+                    bases,
+                    i,
+                    done,
+                    batch_runs(cut),
+                    cut * RUN_BYTES,
+                    (*copier, head, MAX_BATCH_RUNS),
+                    device_index=index,
+                    cuda=NATIVE_CUDA,
+                )
+                if err:
+                    raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
+            else:
+                stop, why, dsts, srcs, sizes, mismatched, index = plan(
+                    tensor_lists, locs, bases, i, done, batch_runs(cut), cut * RUN_BYTES, device_index=index,
+                    cuda=NATIVE_CUDA,
+                )  # fmt: skip
+                queued = len(sizes)
+                if queued:
+                    if s is None:
+                        device, s = _device.start_index(index, stream)
+                    _device.copy_lists(dsts, srcs, sizes, s, head, MAX_BATCH_RUNS)
             for k in mismatched:
                 total = sum(t.nbytes for t in tensor_lists[k])
                 results[k] = InvalidValue(
                     f"tensor_lists[{k}]: {total} bytes for {keys[k]!r}, which holds {locs[k].size}"
                 )
-            if sizes:
-                dsts += d
-                srcs += r
-                sizes += z
-            else:
-                dsts, srcs, sizes = d, r, z
             i = stop
-            if why == no_base:  # a segment met first here: its address, then on from this key
-                planned += sum(z)
-                seg = locs[stop].segment
-                bases[seg] = address(seg)
-                continue
-            if sizes:
-                if s is None:
-                    device, s = _device.start_index(index, stream)
-                ensure(bases)  # registered with CUDA before their first copy
-                head = FIRST_RUNS if cut == FIRST_RUNS else MAX_BATCH_RUNS
-                _device.copy_lists(dsts, srcs, sizes, s, head, MAX_BATCH_RUNS)
-                dsts, srcs, sizes, planned = [], [], [], 0
+            if queued:
                 cut = next_cut(cut)
+            if why == no_base:  # a segment not registered yet: registered, then on from this key
+                registrations.ensure((locs[stop].segment,), address, backend.segment_nbytes)
+                continue
             if why != batch_full:
                 break
     except BaseException:
@@ -236,6 +241,11 @@ def _native_pass(
             s.synchronize()  # the caller gives the leases back: every queued copy must have landed
         raise
     return i, cut, s, device
+
+
+#: a native pass queues its own copies (``plan_copy``) where it can; ``KVSTRATA_NATIVE_COPIES=0`` has cuda-bindings
+#: queue the runs it answers instead (``tools/probe_native_planner.py`` switches it call by call)
+NATIVE_COPIES = os.environ.get("KVSTRATA_NATIVE_COPIES", "1") != "0"
 
 
 @functools.cache

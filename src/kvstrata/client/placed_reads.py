@@ -10,6 +10,12 @@ early copy (its lease pins the very placement the copy read) or the key is copie
 after the first copy on the stream; keys the table did not place are copied then too. The table is looked up
 chunk by chunk as the keys are reached (2 keys, then 2, 4, 8 ...): a lookup of all 64 keys of a call before its
 first copy cost ~30 us there (session 22's first version of this path, on branch ``placed-reads-experiment``).
+
+The early copies go through the native passes of :mod:`kvstrata.ops.tensor_runs` where it is loaded (the hints as the
+keys' places, a key with no usable hint passed over): one call per batch checks the tensors, lays out the runs and
+queues them, as in a kept read (session 29: a cold read of 256 x 256 KiB went from 0.33 of one 64 MiB pinned copy to
+0.52-0.56 on the H200 host, of 64 x 1 MiB from 0.86 to 0.87-0.89; what is left for many keys is the lease request's
+answer and the per-key confirmation after it).
 """
 
 from __future__ import annotations
@@ -91,8 +97,74 @@ def queue(
         if len(runs.device) >= cut or pending >= cut * run_bytes:
             hand_over()
 
+    def early_natively() -> int:
+        """The early copies of keys from ``start`` on as the loop below makes them, with a native pass per batch
+        (:func:`kvstrata.ops.tensor_runs.plan_copy` over the hints, queuing the batch's copies itself where the copy
+        stream could be started ahead, else :func:`~kvstrata.ops.tensor_runs.plan`), up to a key the loop must take (a
+        CPU or bad tensor, a second device). A key with no usable hint is passed over unchecked, as is a key whose
+        tensors' bytes differ from its hint's (its lease says what it is). Returns the first key the loop takes."""
+        nonlocal s, device, cut, batches, token, unread, hints, advised
+        planner = _kept_reads._planner()
+        if planner is None or planner.native() is None:
+            return start
+        copier, index = None, -1
+        if _kept_reads.NATIVE_COPIES:
+            got = _device.native_copies(tensor_lists, start, stream)
+            if got is not None:
+                device, s, copier = got
+                index = device.index
+        for k in range(start, advised):
+            hints[k] = usable(hints[k])
+        bases = client._registrations.bases
+        i = start
+        while i < n:
+            want = min(n, i + _kept_reads.batch_runs(cut))  # hints for as many keys as the batch may hold
+            if want > advised:
+                hints += map(usable, lookup(keys[advised:want]))
+                advised = len(hints)
+            head = _device.FIRST_BATCH_RUNS if not batches else _kept_reads.MAX_BATCH_RUNS
+            cap, cut_bytes = _kept_reads.batch_runs(cut), cut * run_bytes
+            if copier is not None:
+                stop, why, queued, err, mismatched, index = planner.plan_copy(
+                    tensor_lists, hints, bases, i, advised, cap, cut_bytes, (*copier, head, _kept_reads.MAX_BATCH_RUNS),
+                    device_index=index, cuda=_kept_reads.NATIVE_CUDA,
+                )  # fmt: skip
+                if err:
+                    raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
+            else:
+                stop, why, dsts, srcs, sizes, mismatched, index = planner.plan(
+                    tensor_lists, hints, bases, i, advised, cap, cut_bytes, device_index=index,
+                    cuda=_kept_reads.NATIVE_CUDA,
+                )  # fmt: skip
+                queued = len(sizes)
+                if queued:
+                    if s is None:
+                        device, s = _device.start_index(index, stream)
+                    _device.copy_lists(dsts, srcs, sizes, s, head, _kept_reads.MAX_BATCH_RUNS)
+            skip = set(mismatched)
+            for k in range(i, stop):  # the keys copied early: their hints, which their leases confirm or not
+                if hints[k] is not None and k not in skip:
+                    early[k] = hints[k]
+            i = stop
+            if queued:
+                batches += 1
+                cut = _kept_reads.next_cut(cut)
+                if batches == SEND_AFTER_BATCHES and not unread:
+                    token, unread = backend.acquire_send(token), True
+            if why == planner.NO_BASE:  # a segment not registered yet: registered, then on from this key
+                client._registrations.ensure((hints[stop][0],), address, backend.segment_nbytes)
+                continue
+            if why == planner.CUT or (why == planner.DONE and i < n):
+                continue
+            break  # every key passed, or the loop takes key i
+        return i
+
+    def usable(hint: Any) -> Any:
+        """The hint where an early copy may read it (a placement in memory this process maps), else None."""
+        return hint if hint is not None and hint[3] > 0 and maps(hint[0], hint[1], hint[2]) else None
+
     try:
-        for i in range(start, n):
+        for i in range(early_natively(), n):
             if i == advised:
                 hints += lookup(keys[advised : 2 * advised - start])
                 advised = len(hints)
@@ -112,9 +184,17 @@ def queue(
         placed = backend.acquire_placements(token) or [0] * (n - start)  # none: an older worker, all redone
         for i in range(start, n):
             lease, leases[i - start] = leases[i - start], None  # counted in ``held`` or ``results`` from here on
-            pieces, total, _ = checked[i]
-            loc = copy_from(i, keys, lease, early.get(i), placed[i - start], total, results, held)
+            went = early.get(i)
+            got = checked[i]
+            if got is None:  # passed natively: an early copy's bytes are its hint's; any other key is checked now
+                got = checked[i] = (None, went[2], None) if went is not None else check(tensor_lists[i], i)
+            pieces, total, _ = got
+            loc = copy_from(i, keys, lease, went, placed[i - start], total, results, held)
             if loc is not None:
+                if pieces is None:  # a key the native passes went by: checked now, as the loop above would have
+                    pieces, _, dev = check(tensor_lists[i], i)
+                    if dev is not None and s is None:
+                        device, s = dev, _device.start(dev, stream)
                 lay_out(pieces, loc.segment, loc.offset, total)
         if pending or runs.host:
             hand_over()

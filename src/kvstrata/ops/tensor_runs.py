@@ -5,7 +5,8 @@ as address runs for the copy engine. In Python that is ~1-2 us per tensor on a w
 a cold one (torch's attribute calls, tuples, list appends), which the H200 host's slowed vCPUs could not hide
 behind the DMA of the first batches. :func:`plan` does the same pass in one native call, ~0.1 us per tensor:
 for the keys ``lo..hi-1``, each a list of tensors and a location ``(segment, offset, size)`` (a tuple, such as
-the client's ``Loc``) in a segment mapped at ``bases[segment]``:
+the client's ``Loc``, or a placement hint with more items) in a segment mapped at ``bases[segment]``, or None (the key
+is passed over, its tensors unchecked: a cold read copies it once its lease says where from):
 
 * checks every tensor of a key (a plain ``torch.Tensor`` or ``Parameter``, not a subclass; strided,
   non-quantized, contiguous, of the wanted kind, CUDA on one device) before planning the key, so a key is planned
@@ -23,6 +24,14 @@ is not in ``bases`` (the caller adds it and calls again from that key).
 :func:`lay_out` is the same pass for a write (``mset_d2h``) into this client's reservation: each key's object is
 laid at the reservation's head, which moves on by the object's bytes rounded up to the reservation's alignment, until
 a key does not fit before its end.
+
+:func:`plan_copy` and :func:`lay_out_copy` are the same passes that also queue their runs on the copy engine, in the
+same native call: the driver's ``cuMemcpyBatchAsync`` (looked up once by :func:`batch_entry`, for the ABI the module
+declares, so the module needs no CUDA headers), ``head`` runs in a first call and the rest in calls of ``chunk``, on
+the caller's stream (:func:`copier`). No list of addresses is built and read back through cuda-bindings, whose batch
+call cost the host ~10-17 us a batch on the H200 machine (``tools/probe_call_steps.py``, session 26): on that machine
+(session 29) a kept read of 64 x 1 MiB was done queueing at 176-204 us against 239-276, and a reserved ``mset_d2h`` of
+256 x 64 KiB at 288-558 against 442-788. The driver's error, if any, comes back with how many runs were queued.
 
 The native module is compiled from ``native/tensor_runs.cpp`` by torch's extension builder the first time a
 process asks for it (``ninja`` and a C++ compiler; ~20 s on two cores), in a background thread unless asked to
@@ -43,6 +52,7 @@ Example (CPU tensors stand in for CUDA ones, ``cuda=False``)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -112,10 +122,7 @@ def plan(
     :data:`PYTHON_PATH` or :data:`NO_BASE`, ``mismatched`` lists the keys whose tensors' bytes differ from their
     object's size, and ``device_index`` is the device every planned tensor is on (-1 where none was met; pass it
     back in the next call of the same device call). Needs :func:`native` to have answered a module."""
-    module = _module
-    if module is None:
-        raise RuntimeError("kvstrata.ops.tensor_runs: the native module is not loaded (see native())")
-    return module.plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda)
+    return _loaded().plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda)
 
 
 def lay_out(
@@ -138,10 +145,95 @@ def lay_out(
     tensors to the host: ``(stop, why, dsts, srcs, sizes, totals, offsets, device_index, head)``, where keys
     ``lo..stop-1`` were laid out, ``totals`` and ``offsets`` are their objects' bytes and places, ``why`` is
     :data:`DONE`, :data:`CUT`, :data:`PYTHON_PATH` or :data:`FULL`, and ``head`` is where the next object goes."""
+    return _loaded().lay_out(
+        tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda
+    )
+
+
+def plan_copy(
+    tensor_lists: Any,
+    locs: list[Any],
+    bases: dict[int, int],
+    lo: int,
+    hi: int,
+    max_runs: int,
+    max_bytes: int,
+    copier: tuple[int, int, int, int, int],
+    *,
+    device_index: int = -1,
+    to_host: bool = False,
+    cuda: bool = True,
+) -> tuple[int, int, int, int, list[int], int]:
+    """:func:`plan`, with the pass's runs queued by the driver in the same native call instead of answered:
+    ``(stop, why, runs, err, mismatched, device_index)``, where ``runs`` were queued and ``err`` is the driver's
+    error (0: none; then the runs from ``runs`` on were not queued). ``copier`` is :func:`copier`'s."""
+    return _loaded().plan_copy(
+        tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda, copier
+    )
+
+
+def lay_out_copy(
+    tensor_lists: Any,
+    lo: int,
+    hi: int,
+    base: int,
+    head: int,
+    end: int,
+    mask: int,
+    max_runs: int,
+    max_bytes: int,
+    copier: tuple[int, int, int, int, int],
+    *,
+    device_index: int = -1,
+    segment: int = 0,
+    cuda: bool = True,
+) -> tuple[int, int, int, int, list[int], list[int], int, int]:
+    """:func:`lay_out`, with the pass's runs queued by the driver in the same native call: ``(stop, why, runs, err,
+    totals, offsets, device_index, head)`` (``runs`` and ``err`` as :func:`plan_copy` answers them)."""
+    return _loaded().lay_out_copy(
+        tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda, copier
+    )
+
+
+def _loaded() -> ModuleType:
     module = _module
     if module is None:
         raise RuntimeError("kvstrata.ops.tensor_runs: the native module is not loaded (see native())")
-    return module.lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda)
+    return module
+
+
+def copier(stream: int, head: int, chunk: int) -> tuple[int, int, int, int, int] | None:
+    """How :func:`plan_copy` and :func:`lay_out_copy` queue their runs: on the raw CUDA stream ``stream`` (not the
+    legacy default stream; its device must be the calling thread's current one), ``head`` runs in the first driver
+    call and ``chunk`` in each after it. None where the driver's batch call is not there (the caller then copies the
+    runs :func:`plan` answers)."""
+    entry = batch_entry()
+    return None if entry is None else (entry[0], entry[1], stream, head, chunk)
+
+
+@functools.cache
+def batch_entry() -> tuple[int, int] | None:
+    """The driver's ``cuMemcpyBatchAsync``: ``(its address, the ABI version it was asked for)``, 13000 (the call as
+    CUDA 13 has it) or 12080 (CUDA 12.8's, with a failure index), or None (no cuda-bindings, a driver older than
+    12.8, no GPU). Looked up with ``cuGetProcAddress`` for that ABI version, so a newer driver answers the call this
+    module declares."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    try:
+        err, version = driver.cuDriverGetVersion()
+        if int(err) != 0 or version < 12080:
+            return None
+        abi = 13000 if version >= 13000 else 12080
+        got = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", abi, 0)
+        err, address = got[0], got[1]
+        if int(err) != 0 or not int(address) or (len(got) > 2 and int(got[2]) != 0):
+            return None
+        return int(address), abi
+    except Exception as exc:  # an unexpected binding: copies go the Python way
+        log.warning("kvstrata: the driver's cuMemcpyBatchAsync not found (%s); copies go through cuda-bindings", exc)
+        return None
 
 
 def cache_dir() -> Path:

@@ -8,6 +8,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <vector>
@@ -134,6 +135,79 @@ struct Pass {
   }
 };
 
+// The copy engine's batch call, as the driver's entry point cuMemcpyBatchAsync (kvstrata/ops/tensor_runs.py looks it
+// up with cuGetProcAddress for the driver's ABI): declared here, so the module needs no CUDA headers to build. Its
+// attributes as the driver lays them out: a source access order (1: in stream order), two location hints, flags.
+struct MemLocation {
+  int type, id;
+};
+struct MemcpyAttributes {
+  int src_access_order;
+  MemLocation src_hint, dst_hint;
+  unsigned flags;
+};
+using BatchCall13 = int (*)(uint64_t*, uint64_t*, size_t*, size_t, MemcpyAttributes*, size_t*, size_t, void*);
+using BatchCall12 = int (*)(uint64_t*, uint64_t*, size_t*, size_t, MemcpyAttributes*, size_t*, size_t, size_t*,
+                            void*);
+
+// Where and how a pass's runs are copied: (entry point, its ABI version, stream, runs in the first call, runs a
+// call after it).
+struct Copier {
+  int64_t fn = 0, abi = 0, stream = 0, head = 0, chunk = 0;
+
+  bool parse(PyObject* o) {
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 5) {
+      PyErr_SetString(PyExc_TypeError, "copier: must be a tuple (entry point, abi, stream, head, chunk)");
+      return false;
+    }
+    if (!as_i64(PyTuple_GET_ITEM(o, 0), &fn) || !as_i64(PyTuple_GET_ITEM(o, 1), &abi) ||
+        !as_i64(PyTuple_GET_ITEM(o, 2), &stream) || !as_i64(PyTuple_GET_ITEM(o, 3), &head) ||
+        !as_i64(PyTuple_GET_ITEM(o, 4), &chunk))
+      return false;
+    if (fn == 0 || head < 1 || chunk < 1 || (abi != 12080 && abi != 13000)) {
+      PyErr_SetString(PyExc_ValueError, "copier: a null entry point, head or chunk below 1, or abi not 12080/13000");
+      return false;
+    }
+    return true;
+  }
+
+  // Queue the runs' copies, ``head`` in the first driver call and ``chunk`` in each after it; the driver's error (0:
+  // none), *queued the runs of the calls it took. The GIL stays held: the calls take microseconds, and a thread given
+  // the GIL meanwhile could keep it for the interpreter's switch interval (5 ms) before this call's next batch.
+  int issue(const std::vector<Run>& runs, int64_t* queued) const {
+    size_t n = runs.size();
+    std::vector<uint64_t> dsts(n), srcs(n);
+    std::vector<size_t> sizes(n);
+    for (size_t k = 0; k < n; ++k) {
+      dsts[k] = static_cast<uint64_t>(runs[k].dst);
+      srcs[k] = static_cast<uint64_t>(runs[k].src);
+      sizes[k] = static_cast<size_t>(runs[k].n);
+    }
+    MemcpyAttributes attrs{1, {0, 0}, {0, 0}, 0};
+    size_t attr_index = 0;
+    size_t k = 0;
+    while (k < n) {
+      size_t end = std::min(n, k + static_cast<size_t>(k == 0 ? head : chunk));
+      int err;
+      if (abi == 13000) {
+        err = reinterpret_cast<BatchCall13>(fn)(&dsts[k], &srcs[k], &sizes[k], end - k, &attrs, &attr_index, 1,
+                                                reinterpret_cast<void*>(stream));
+      } else {
+        size_t fail = SIZE_MAX;
+        err = reinterpret_cast<BatchCall12>(fn)(&dsts[k], &srcs[k], &sizes[k], end - k, &attrs, &attr_index, 1,
+                                                &fail, reinterpret_cast<void*>(stream));
+      }
+      if (err != 0) {
+        *queued = static_cast<int64_t>(k);
+        return err;
+      }
+      k = end;
+    }
+    *queued = static_cast<int64_t>(n);
+    return 0;
+  }
+};
+
 bool check_lists(PyObject* lists, int64_t lo, int64_t hi, const char* who) {
   if (!PyList_Check(lists) && !PyTuple_Check(lists)) {
     PyErr_Format(PyExc_TypeError, "%s: tensor_lists must be a list or tuple", who);
@@ -146,11 +220,30 @@ bool check_lists(PyObject* lists, int64_t lo, int64_t hi, const char* who) {
   return true;
 }
 
+// The copies of a pass: where a copier is given (the *_copy entry points), queued on its stream, and the answer's
+// (runs, err) items: the runs queued and the driver's error (0: none); else (dsts, srcs, sizes) as three lists. Both
+// new references, stolen by the "N" of Py_BuildValue; false on a Python error.
+bool copies(const Pass& pass, const Copier* copier, PyObject** a, PyObject** b, PyObject** c) {
+  if (copier == nullptr) return pass.columns(a, b, c);
+  int64_t queued = 0;
+  int err = copier->issue(pass.runs, &queued);
+  *a = PyLong_FromLongLong(queued);
+  *b = *a ? PyLong_FromLong(err) : nullptr;
+  *c = nullptr;
+  if (*b == nullptr) {
+    Py_XDECREF(*a);
+    return false;
+  }
+  return true;
+}
+
 // plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda)
 //   -> (stop, why, dsts, srcs, sizes, mismatched, device_index): objects where the worker placed them.
+// plan_copy(..., cuda, copier) -> (stop, why, runs, err, mismatched, device_index): the same pass, its runs queued.
+template <bool kCopy>
 PyObject* plan_impl(PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 10) {
-    PyErr_SetString(PyExc_TypeError, "plan: 10 arguments");
+  if (nargs != (kCopy ? 11 : 10)) {
+    PyErr_SetString(PyExc_TypeError, kCopy ? "plan_copy: 11 arguments" : "plan: 10 arguments");
     return nullptr;
   }
   PyObject *lists = args[0], *locs = args[1], *bases = args[2];
@@ -161,6 +254,8 @@ PyObject* plan_impl(PyObject* const* args, Py_ssize_t nargs) {
   int to_host = PyObject_IsTrue(args[8]);
   int cuda = PyObject_IsTrue(args[9]);  // the kind of tensor the pass takes (CPU: the tests' stand-in)
   if (to_host < 0 || cuda < 0 || !check_lists(lists, lo, hi, "plan")) return nullptr;
+  Copier copier;
+  if (kCopy && !copier.parse(args[10])) return nullptr;
   if (!PyList_Check(locs) || !PyDict_Check(bases)) {
     PyErr_SetString(PyExc_TypeError, "plan: locs must be a list, bases a dict");
     return nullptr;
@@ -176,6 +271,7 @@ PyObject* plan_impl(PyObject* const* args, Py_ssize_t nargs) {
   for (; i < hi; ++i) {
     PyObject* ts = PySequence_Fast_GET_ITEM(lists, i);
     PyObject* loc = PyList_GET_ITEM(locs, i);
+    if (loc == Py_None) continue;  // a key with no place to copy from yet (a cold read's: copied once its lease says)
     int64_t total, segment, offset, size;
     if (!PyTuple_Check(loc) || PyTuple_GET_SIZE(loc) < 3 || !pass.check(ts, &total)) {
       why = kPythonPath;  // which names what is wrong
@@ -204,22 +300,27 @@ PyObject* plan_impl(PyObject* const* args, Py_ssize_t nargs) {
       break;
     }
   }
-  PyObject *dsts, *srcs, *sizes, *bad = int_list(mismatched);
+  PyObject *a, *b, *c, *bad = int_list(mismatched);
   if (bad == nullptr) return nullptr;
-  if (!pass.columns(&dsts, &srcs, &sizes)) {
+  if (!copies(pass, kCopy ? &copier : nullptr, &a, &b, &c)) {
     Py_DECREF(bad);
     return nullptr;
   }
-  return Py_BuildValue("(LLNNNNL)", static_cast<long long>(i), why, dsts, srcs, sizes, bad,
+  if (kCopy)
+    return Py_BuildValue("(LLNNNL)", static_cast<long long>(i), why, a, b, bad,
+                         static_cast<long long>(pass.device_index));
+  return Py_BuildValue("(LLNNNNL)", static_cast<long long>(i), why, a, b, c, bad,
                        static_cast<long long>(pass.device_index));
 }
 
 // lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda)
 //   -> (stop, why, dsts, srcs, sizes, totals, offsets, device_index, head): objects laid one after another from
 //   ``head`` in a reservation ending at ``end``, each taking its bytes rounded up by ``mask``, copied to the host.
+// lay_out_copy(..., cuda, copier) -> (stop, why, runs, err, totals, offsets, device_index, head): its runs queued.
+template <bool kCopy>
 PyObject* lay_out_impl(PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 12) {
-    PyErr_SetString(PyExc_TypeError, "lay_out: 12 arguments");
+  if (nargs != (kCopy ? 13 : 12)) {
+    PyErr_SetString(PyExc_TypeError, kCopy ? "lay_out_copy: 13 arguments" : "lay_out: 12 arguments");
     return nullptr;
   }
   PyObject* lists = args[0];
@@ -230,6 +331,8 @@ PyObject* lay_out_impl(PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   int cuda = PyObject_IsTrue(args[11]);
   if (cuda < 0 || !check_lists(lists, lo, hi, "lay_out")) return nullptr;
+  Copier copier;
+  if (kCopy && !copier.parse(args[12])) return nullptr;
   if (mask < 0 || (mask & (mask + 1)) != 0) {
     PyErr_SetString(PyExc_ValueError, "lay_out: mask must be a power of two less one");
     return nullptr;
@@ -261,17 +364,20 @@ PyObject* lay_out_impl(PyObject* const* args, Py_ssize_t nargs) {
       break;
     }
   }
-  PyObject *dsts, *srcs, *sizes, *t = int_list(totals), *o = t ? int_list(offsets) : nullptr;
+  PyObject *a, *b, *c, *t = int_list(totals), *o = t ? int_list(offsets) : nullptr;
   if (o == nullptr) {
     Py_XDECREF(t);
     return nullptr;
   }
-  if (!pass.columns(&dsts, &srcs, &sizes)) {
+  if (!copies(pass, kCopy ? &copier : nullptr, &a, &b, &c)) {
     Py_DECREF(t);
     Py_DECREF(o);
     return nullptr;
   }
-  return Py_BuildValue("(LLNNNNNLL)", static_cast<long long>(i), why, dsts, srcs, sizes, t, o,
+  if (kCopy)
+    return Py_BuildValue("(LLNNNNLL)", static_cast<long long>(i), why, a, b, t, o,
+                         static_cast<long long>(pass.device_index), static_cast<long long>(head));
+  return Py_BuildValue("(LLNNNNNLL)", static_cast<long long>(i), why, a, b, c, t, o,
                        static_cast<long long>(pass.device_index), static_cast<long long>(head));
 }
 
@@ -288,19 +394,37 @@ PyObject* guarded(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
-PyObject* plan(PyObject* self, PyObject* const* args, Py_ssize_t nargs) { return guarded<plan_impl>(self, args, nargs); }
-
-PyObject* lay_out(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded<lay_out_impl>(self, args, nargs);
+PyObject* plan(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded<plan_impl<false>>(self, args, nargs);
 }
 
+PyObject* plan_copy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded<plan_impl<true>>(self, args, nargs);
+}
+
+PyObject* lay_out(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded<lay_out_impl<false>>(self, args, nargs);
+}
+
+PyObject* lay_out_copy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded<lay_out_impl<true>>(self, args, nargs);
+}
+
+#define KVSTRATA_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f)), METH_FASTCALL
+
 PyMethodDef methods[] = {
-    {"plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plan)), METH_FASTCALL,
+    {"plan", KVSTRATA_FASTCALL(plan),
      "plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda) -> "
      "(stop, why, dsts, srcs, sizes, mismatched, device_index)"},
-    {"lay_out", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lay_out)), METH_FASTCALL,
+    {"plan_copy", KVSTRATA_FASTCALL(plan_copy),
+     "plan_copy(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda, copier) -> "
+     "(stop, why, runs, err, mismatched, device_index)"},
+    {"lay_out", KVSTRATA_FASTCALL(lay_out),
      "lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda) -> "
      "(stop, why, dsts, srcs, sizes, totals, offsets, device_index, head)"},
+    {"lay_out_copy", KVSTRATA_FASTCALL(lay_out_copy),
+     "lay_out_copy(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda, "
+     "copier) -> (stop, why, runs, err, totals, offsets, device_index, head)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
