@@ -5,10 +5,11 @@ its first copy batch, to its last batch, and from the copies' end event (a no-op
 Cases: ``mget_h2d`` of kept leases, right after this client rewrote the keys (placed), and ``mset_d2h`` of fresh
 keys, each with a request (a one-key ``exists``) just before the call as in bench store.
 
-``--native``: the kept read's and the reserved write's copies planned by the native passes
-(``kvstrata.ops.tensor_runs``, CPU tensors standing in for CUDA ones), not the Python loop.
+``--native``: the copies planned by the native passes (``kvstrata.ops.tensor_runs``, CPU tensors standing in for
+CUDA ones), not the Python loop; ``--copies``: those passes queue their own batches (a ctypes stand-in for the
+driver's batch call notes when; the callback costs a few us of its own).
 
-    PYTHONPATH=src python3 tools/probe_onepass_host_cpu.py [--rounds 200] [--keys 64] [--kib 1024] [--native]
+    PYTHONPATH=src python3 tools/probe_onepass_host_cpu.py [--rounds 200] [--keys 64] [--kib 1024] [--native | --copies]
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def fake_cuda(batches: list[float], ends: list[float]) -> None:
         batches.append(time.perf_counter())
 
     device.check_key = check_key
-    if "--native" in sys.argv:
+    if "--native" in sys.argv or "--copies" in sys.argv:
         from kvstrata.client import kept_reads
         from kvstrata.ops import tensor_runs
 
@@ -73,6 +74,20 @@ def fake_cuda(batches: list[float], ends: list[float]) -> None:
             raise SystemExit("the native planner did not build")
         kept_reads.NATIVE_CUDA = False  # CPU tensors stand in for CUDA ones, as check_key's above
         kept_reads._planner = lambda: tensor_runs
+        kept_reads.NATIVE_COPIES = "--copies" in sys.argv
+    if "--copies" in sys.argv:  # the native passes queue their own batches: a stand-in driver notes when
+        import ctypes
+
+        def driver(*args: Any) -> int:
+            batches.append(time.perf_counter())
+            return 0
+
+        u64, size = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+        kind = ctypes.CFUNCTYPE(ctypes.c_int, u64, u64, size, ctypes.c_size_t, ctypes.c_void_p, size, ctypes.c_size_t,
+                                ctypes.c_void_p)  # fmt: skip
+        fn = fake_cuda.driver = kind(driver)
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        device.native_copies = lambda lists, i, stream=None: (fake_dev, _FakeStream(), (address, 13000, 1))
     device.start = lambda dev, stream=None: None if dev is None else _FakeStream()
     device.mark = lambda stream: None if stream is None else _FakeEvent(ends)
     copy_engine.memcpy_raw = memcpy_raw
