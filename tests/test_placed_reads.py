@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import PLANNER_IDS, PLANNERS, batches_of, fake_gpu, outcomes
+from _stages import PLANNER_IDS, PLANNERS, _Stream, batch_call, batches_of, fake_gpu, outcomes
 from kv_helpers import worker_fixtures
-from kvstrata.client import placed_reads
+from kvstrata.client import device, placed_reads
 from kvstrata.errors import KeyNotFound
+from kvstrata.ops.copy_engine import CopyEngineError
 
 worker, kv = worker_fixtures("placed-worker", memory=64 << 20, segment=16 << 20, modes=("unix",))
 
@@ -111,6 +112,26 @@ def test_a_bad_tensor_gives_back_every_lease_taken(kv, writer, worker, monkeypat
         kv.mget_h2d(keys, dst)
     assert took == ["raised"] and sent == ([9] if request_sent else [])
     assert kv.mget_h2d(keys[:2], _poisoned(src[:2])) == [None, None]  # the client goes on
+    kv.delete(keys)
+    assert kv.stats()["leases"] == 0  # none of the failed call's leases left behind
+
+
+def test_a_batch_the_driver_refuses_gives_back_every_lease_taken(kv, writer, monkeypatch):
+    keys, src = _written(writer, "placed-refused", 9)
+    batches_of(monkeypatch, 2, 1000)  # batches of 2 keys: the request goes with the second
+    batches = _gpu(monkeypatch, "copies")
+    alive, address = batch_call(batches, fail_at=5)  # the third batch is refused
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(device, "native_copies", lambda *args: (cuda, _Stream(), (address, 13000, 1)))
+    took, sent = outcomes(monkeypatch, placed_reads), _requests(monkeypatch, kv._backend)
+    dst = _poisoned(src)
+    with pytest.raises(CopyEngineError, match="cuMemcpyBatchAsync failed"):
+        kv.mget_h2d(keys, dst)
+    assert took == ["raised"] and sent == [9] and batches == [2, 2]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(src[:4], dst[:4]))  # the batches before it landed
+    del alive
+    _gpu(monkeypatch, "copies")
+    assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 9  # the client goes on
     kv.delete(keys)
     assert kv.stats()["leases"] == 0  # none of the failed call's leases left behind
 

@@ -16,11 +16,12 @@ import torch
 
 import kvstrata
 import kvstrata.ops.tensor_runs
-from _stages import PLANNER_IDS, PLANNERS, batches_of, copies_pending, fake_gpu, stages_of
+from _stages import PLANNER_IDS, PLANNERS, _Stream, batch_call, batches_of, copies_pending, fake_gpu, stages_of
 from kv_helpers import worker_fixtures
 from kvstrata.client import device, device_calls
 from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
 from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
+from kvstrata.ops.copy_engine import CopyEngineError
 from kvstrata.store import ObjectStore, StoreConfig
 from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
 from kvstrata.store.tiers.base import Location
@@ -463,6 +464,30 @@ def test_under_a_gpu_a_bad_tensor_mid_write_leaves_nothing_visible_with_either_p
     for key, ts in zip(keys, src):
         assert kv.get(key) == ts[0].numpy().tobytes()
     kv.delete([*keys, "rv-gpu-bad/warm"])
+
+
+def test_under_a_gpu_a_batch_the_driver_refuses_mid_write_leaves_nothing_visible(kv, monkeypatch):
+    keys = [f"rv-gpu-refused/{i}" for i in range(30)]
+    kv.delete(keys)
+    assert kv.mset_d2h(["rv-gpu-refused/warm"], _lists(1)) == [None]
+    reserved = kv.stats()["reserved_bytes"]
+    batches, _, passes = fake_gpu(monkeypatch, "copies")
+    copies_pending(monkeypatch)
+    alive, address = batch_call(batches, fail_at=8)  # the first batch's two calls go (2 + 6 runs), the next is refused
+    monkeypatch.setattr(
+        device, "native_copies", lambda *args: (torch.device("cuda", 0), _Stream(), (address, 13000, 1))
+    )
+    with pytest.raises(CopyEngineError, match="cuMemcpyBatchAsync failed"):
+        kv.mset_d2h(keys, _lists(30, sizes=(512,)))
+    assert batches == [2, 6] and passes[0][1] == kvstrata.ops.tensor_runs.CUT
+    assert kv.exists(keys) == [False] * 30 and kv.stats()["reserved_bytes"] == reserved  # nothing shown, head rewound
+    del alive
+    fake_gpu(monkeypatch, "copies")
+    src = _lists(30, sizes=(512,), seed=5)
+    assert kv.mset_d2h(keys, src) == [None] * 30  # the next call carves the same bytes again
+    for key, ts in zip(keys, src):
+        assert kv.get(key) == ts[0].numpy().tobytes()
+    kv.delete([*keys, "rv-gpu-refused/warm"])
 
 
 def test_a_failed_copy_in_a_reserved_stage_leaves_nothing_behind(kv, monkeypatch):
