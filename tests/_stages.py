@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from kvstrata.client import device, kept_reads
+from kvstrata.client import batching, device, kept_reads
 from kvstrata.ops import copy_engine, tensor_runs
 
 
@@ -47,7 +47,7 @@ def batches_of(monkeypatch, n, key_bytes):
     monkeypatch.setattr(kept_reads, "FIRST_RUNS", n)  # the kept read's first batch
     monkeypatch.setattr(device, "FIRST_BATCH_RUNS", n)  # the write's and the placed read's
     monkeypatch.setattr(device, "BATCH_RUNS", n)
-    monkeypatch.setattr(kept_reads, "RUN_BYTES", key_bytes)
+    monkeypatch.setattr(batching, "RUN_BYTES", key_bytes)
 
 
 def outcomes(monkeypatch, module):
@@ -122,7 +122,7 @@ def native_planner(monkeypatch, on):
     it stopped)."""
     passes: list[tuple[int, int]] = []
     if not on:
-        monkeypatch.setattr(kept_reads, "_planner", lambda: None)
+        monkeypatch.setattr(batching, "planner", lambda: None)
         return passes
     if tensor_runs.native(wait=True) is None:
         pytest.fail("the native module did not build (see the log's warning)")
@@ -143,9 +143,9 @@ def native_planner(monkeypatch, on):
         lay_out_copy=recorded(tensor_runs.lay_out_copy, 1),
         **names,
     )
-    monkeypatch.setattr(kept_reads, "NATIVE_CUDA", False)
-    monkeypatch.setattr(kept_reads, "NATIVE_COPIES", on != "lists")
-    monkeypatch.setattr(kept_reads, "_planner", lambda: planner)
+    monkeypatch.setattr(batching, "NATIVE_CUDA", False)
+    monkeypatch.setattr(batching, "NATIVE_COPIES", on != "lists")
+    monkeypatch.setattr(batching, "planner", lambda: planner)
     return passes
 
 

@@ -15,7 +15,7 @@ import torch
 import kvstrata
 from _stages import batches_of, copies_pending, outcomes, stages_of
 from kv_helpers import worker_fixtures
-from kvstrata.client import device, kept_reads
+from kvstrata.client import batching, device, kept_reads
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
 
 MEMORY = 64 << 20
@@ -277,7 +277,7 @@ def test_cuda_roundtrip_merged_and_registered_once(kv, monkeypatch, cache):
         return real_batch(dsts, srcs, sizes, handle)
 
     monkeypatch.setattr(copy_engine, "memcpy_raw", counting)
-    monkeypatch.setattr(kept_reads, "NATIVE_COPIES", False)  # kept reads' batches counted here too (not the driver's)
+    monkeypatch.setattr(batching, "NATIVE_COPIES", False)  # kept reads' batches counted here too (not the driver's)
     if not kv.embedded:  # one batch per stage: no early copies (they may split a stage whose keys the worker
         # showed only in part by the time the read looked them up; test_cuda_cold_read_copies_early_... has them)
         monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: [None] * len(ks))
@@ -658,7 +658,7 @@ def _order(monkeypatch, backend, *, requests: bool = False) -> list[str]:
     real_lists = device.copy_lists
     monkeypatch.setattr(device, "enqueue", lambda *a, **kw: events.append("copies") or real_enqueue(*a, **kw))
     monkeypatch.setattr(device, "copy_lists", lambda *a, **kw: events.append("copies") or real_lists(*a, **kw))
-    planner = kept_reads._planner()
+    planner = batching.planner()
     if planner is not None:  # a native pass that queues its own copies (kvstrata.ops.tensor_runs.plan_copy)
 
         def plan_copy(*args, **kwargs):
@@ -669,7 +669,7 @@ def _order(monkeypatch, backend, *, requests: bool = False) -> list[str]:
 
         names = ("native", "plan", "lay_out", "lay_out_copy", "CUT", "DONE", "NO_BASE", "PYTHON_PATH", "FULL")
         wrapped = types.SimpleNamespace(plan_copy=plan_copy, **{name: getattr(planner, name) for name in names})
-        monkeypatch.setattr(kept_reads, "_planner", lambda: wrapped)
+        monkeypatch.setattr(batching, "planner", lambda: wrapped)
     monkeypatch.setattr(backend, "acquire_finish", lambda tok: events.append("answer") or real_finish(tok))
     if requests:
 

@@ -12,7 +12,7 @@ import torch
 import kvstrata
 from _stages import PLANNER_IDS, PLANNERS, _Stream, batch_call, fake_gpu, native_planner, outcomes
 from kv_helpers import worker_fixtures
-from kvstrata.client import device, kept_reads
+from kvstrata.client import batching, device, kept_reads
 from kvstrata.ops import tensor_runs
 from kvstrata.ops.copy_engine import CopyEngineError
 
@@ -319,7 +319,7 @@ def test_the_embedded_client_never_keeps_leases(tmp_path):
 def test_device_copies_start_after_three_runs_then_go_in_batches_twice_as_large(
     kv, monkeypatch, n, sizes, run_bytes, expected, expected_native, native
 ):
-    monkeypatch.setattr(kept_reads, "RUN_BYTES", run_bytes)
+    monkeypatch.setattr(batching, "RUN_BYTES", run_bytes)
     keys, src = _written(kv, f"batches/{len(sizes)}", n, sizes=sizes)
     kv.mget_h2d(keys, _poisoned(src))
     batches, registered, passes = fake_gpu(monkeypatch, native)
@@ -359,7 +359,7 @@ def test_under_a_gpu_a_bad_tensor_raises_after_the_keys_before_it_landed(kv, mon
     kv.mget_h2d(keys, _poisoned(src))
     holders = dict(kv._backend._holders)
     _, _, passes = fake_gpu(monkeypatch, native)
-    monkeypatch.setattr(kept_reads, "RUN_BYTES", 1000)  # batches of 3 keys, then 6, 12
+    monkeypatch.setattr(batching, "RUN_BYTES", 1000)  # batches of 3 keys, then 6, 12
     dst = _poisoned(src)
     dst[10] = bad
     with pytest.raises(exc, match=r"^tensor_lists\[10\]") as raised:
@@ -377,7 +377,7 @@ def test_under_a_gpu_a_batch_the_driver_refuses_raises_after_the_batches_before_
     kv.mget_h2d(keys, _poisoned(src))
     holders = dict(kv._backend._holders)
     batches, _, passes = fake_gpu(monkeypatch, "copies")
-    monkeypatch.setattr(kept_reads, "RUN_BYTES", 1000)  # batches of 3 keys, then 6, then the rest
+    monkeypatch.setattr(batching, "RUN_BYTES", 1000)  # batches of 3 keys, then 6, then the rest
     alive, address = batch_call(batches, fail_at=9)  # the third batch's call is refused
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(device, "native_copies", lambda *args: (cuda, _Stream(), (address, 13000, 1)))
@@ -477,7 +477,7 @@ def test_a_kept_read_on_the_gpu_is_planned_natively_and_a_cpu_key_hands_over_to_
     assert kv.mset_d2h(keys, src) == [None] * n
     kv.mget_h2d(keys, [[torch.empty_like(t) for t in ts] for ts in src])
     passes = native_planner(monkeypatch, planner)
-    monkeypatch.setattr(kept_reads, "NATIVE_CUDA", True)
+    monkeypatch.setattr(batching, "NATIVE_CUDA", True)
     dst = [[torch.full_like(t, -1.0) for t in ts] for ts in src]
     got = []
     thread = threading.Thread(target=lambda: got.append(kv.mget_h2d(keys, dst)))  # a thread new to CUDA

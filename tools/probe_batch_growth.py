@@ -1,6 +1,6 @@
 """How the one-pass device calls' copy batches should grow (GPU machine, one real worker, one client): a kept
 ``mget_h2d``, one right after this client rewrote its keys (cold: the placement table's one pass) and a reserved
-``mset_d2h``, 64 x 1 MiB each, under batch growths switched call by call (``kept_reads.next_cut``), so every
+``mset_d2h``, 64 x 1 MiB each, under batch growths switched call by call (``batching.next_cut``), so every
 growth sees the same host speed (the GPU host's vCPUs drift between ~0.55 and full speed within seconds). Each call
 follows a one-key request, as bench store's do. Per case and growth: the median call against one 64 MiB ``copy_``
 (the ceiling) with quartiles, the host's time to its first batch, and the copy stream's span from that batch to its
@@ -26,13 +26,13 @@ import torch
 from _copy_trace import CopyTrace, ceilings, kept_client
 
 from kvstrata.bench._common import python_loop_us
-from kvstrata.client import device, kept_reads
+from kvstrata.client import batching, device, kept_reads
 from kvstrata.ops import tensor_runs
 
 N = 64
 
 GROWTHS = {
-    "doubling (main)": kept_reads.next_cut,
+    "doubling (main)": batching.next_cut,
     "by half": lambda cut: min(cut + (cut + 1) // 2, device.BATCH_RUNS),
     "by a third": lambda cut: min(cut + (cut + 2) // 3, device.BATCH_RUNS),
 }
@@ -85,11 +85,11 @@ def main() -> None:
                 order.reverse()  # neither end of the round always first
             for case in CASES:
                 for name, growth in order:
-                    kept_reads.next_cut = growth
+                    batching.next_cut = growth
                     if hasattr(growth, "first"):
                         kept_reads.FIRST_RUNS = device.FIRST_BATCH_RUNS = growth.first
                     if hasattr(growth, "planner"):
-                        kept_reads._planner = lambda planner=growth.planner: planner
+                        batching.planner = lambda planner=growth.planner: planner
                     fresh = [f"bgw/{it}/{name}/{i}" for i in range(N)]
                     if case == "mget_h2d cold":
                         kv.delete(keys)

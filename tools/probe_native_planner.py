@@ -1,7 +1,7 @@
 """A kept ``mget_h2d`` and a reserved ``mset_d2h`` (fresh keys) with their copies planned by the Python loop or
 natively (``kvstrata.ops.tensor_runs``; a cold read, of keys just rewritten, through the placement table's one pass
 too), the native passes answering their runs (queued through cuda-bindings:
-``kept_reads.NATIVE_COPIES`` off) or queuing them with the driver's batch call themselves (on), switched call by call in
+``batching.NATIVE_COPIES`` off) or queuing them with the driver's batch call themselves (on), switched call by call in
 one process (GPU machine, one real worker, one client), for keys of several sizes: 64 x 1 MiB (bench store's row),
 256 x 256 KiB and 256 x 64 KiB (KV-cache blocks; 256 is as many keys as the local-read cache keeps). Each call
 follows a one-key request, as bench store's do; the reads go into separate destination tensors. Per shape, case and
@@ -26,7 +26,7 @@ import torch
 import kvstrata
 from kvstrata.bench._common import device_time, python_loop_us
 from kvstrata.bench.store import _start_worker
-from kvstrata.client import kept_reads
+from kvstrata.client import batching
 from kvstrata.ops import copy_engine, tensor_runs
 
 SHAPES = ((64, 1 << 20), (256, 256 << 10), (256, 64 << 10))
@@ -84,8 +84,8 @@ def main() -> None:
                             order.reverse()
                         for case in ceiling:
                             for name, (planner, copies) in order:
-                                kept_reads._planner = lambda planner=planner: planner
-                                kept_reads.NATIVE_COPIES = copies
+                                batching.planner = lambda planner=planner: planner
+                                batching.NATIVE_COPIES = copies
                                 fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
                                 if case == "mget_h2d cold":  # rewritten: the placement table's one pass reads them
                                     kv.delete(keys)

@@ -67,14 +67,14 @@ def fake_cuda(batches: list[float], ends: list[float]) -> None:
 
     device.check_key = check_key
     if "--native" in sys.argv or "--copies" in sys.argv:
-        from kvstrata.client import kept_reads
+        from kvstrata.client import batching
         from kvstrata.ops import tensor_runs
 
         if tensor_runs.native(wait=True) is None:
             raise SystemExit("the native planner did not build")
-        kept_reads.NATIVE_CUDA = False  # CPU tensors stand in for CUDA ones, as check_key's above
-        kept_reads._planner = lambda: tensor_runs
-        kept_reads.NATIVE_COPIES = "--copies" in sys.argv
+        batching.NATIVE_CUDA = False  # CPU tensors stand in for CUDA ones, as check_key's above
+        batching.planner = lambda: tensor_runs
+        batching.NATIVE_COPIES = "--copies" in sys.argv
     if "--copies" in sys.argv:  # the native passes queue their own batches: a stand-in driver notes when
         import ctypes
 

@@ -191,14 +191,14 @@ def _device_rows(address: str) -> list[dict[str, Any]]:
 
     import kvstrata
     from kvstrata.bench._common import device_time, python_loop_us
-    from kvstrata.client import kept_reads
+    from kvstrata.client import batching
     from kvstrata.ops import tensor_runs
 
     # The copy planner's native module: built (first use on a machine) or loaded before the timing, not during it.
     # "copies": its passes queue their own copies; "lists": cuda-bindings queues the runs they answer; False: none.
     native: str | bool = False
     if tensor_runs.native(wait=True) is not None:
-        native = "copies" if kept_reads.NATIVE_COPIES and tensor_runs.batch_entry() is not None else "lists"
+        native = "copies" if batching.NATIVE_COPIES and tensor_runs.batch_entry() is not None else "lists"
     n, size = 64, 1 << 20
     host = torch.empty(n * size, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n * size, dtype=torch.uint8, device="cuda")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
+from kvstrata.client import batching as _batching
 from kvstrata.client import device as _device
 from kvstrata.client import kept_reads as _kept_reads
 from kvstrata.client import placed_reads as _placed_reads
@@ -149,8 +150,8 @@ class DeviceCallsMixin:
 
         def lay_out() -> int:
             """Lay the call's keys out in the reservation one after another from the first, queuing their copies
-            as batches fill (``device.FIRST_BATCH_RUNS`` runs, then twice as many up to ``device.BATCH_RUNS``, grown
-            as :mod:`kvstrata.client.kept_reads` grows its own), with a mark per batch (the first three batches share
+            as batches fill (``device.FIRST_BATCH_RUNS`` runs, then twice as many up to ``device.BATCH_RUNS``, as
+            :mod:`kvstrata.client.batching` grows them), with a mark per batch (the first three batches share
             one); no stages, no request. Planned natively where it can be (``lay_out_natively``), else by the loop.
             Ends at the first key that does not fit (the worker creates the rest). Returns how many keys were laid
             out."""
@@ -167,25 +168,17 @@ class DeviceCallsMixin:
             device = None
             laid = batches = 0
 
-            def flush(
-                last: bool = False, lists: tuple[list[int], list[int], list[int]] | None = None, native: bool = False
-            ) -> None:
-                """Queue the batch's copies (``runs``, or a ``native`` pass's ``lists``, None where the pass queued
-                them) and mark its keys."""
+            def flush(last: bool = False, native: bool = False) -> None:
+                """Queue the batch's copies (``runs``; a ``native`` pass queued its own) and mark its keys."""
                 nonlocal runs, which, items, cut, pending, marked, batches
-                if native:  # a native pass's runs (queued by it where ``lists`` is None), a head first
-                    if lists is not None and lists[2]:
-                        self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
-                        first_call = _device.FIRST_BATCH_RUNS if not batches else _kept_reads.MAX_BATCH_RUNS
-                        _device.copy_lists(*lists, s, first_call, _kept_reads.MAX_BATCH_RUNS)
-                else:
+                if not native:
                     if runs.device:
                         self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
                     enqueue(runs, device, s, first=not batches)
                 batches += 1
                 marked += pending
                 runs, pending = _device.new_runs(), 0
-                cut = _kept_reads.next_cut(cut)
+                cut = _batching.next_cut(cut)
                 if batches < MARK_FROM_BATCH and not last:
                     # The first batches' keys are marked with the third's. A mark (a CUDA event) and the lingering
                     # hint below cost the host 15-35 us on the H200 host's slowed vCPUs. After the first batch they
@@ -202,53 +195,34 @@ class DeviceCallsMixin:
 
             def lay_out_natively() -> None:
                 """Lay keys out and queue their copies as the loop below does, with a native pass per batch
-                (:func:`kvstrata.ops.tensor_runs.lay_out_copy`, which queues the batch's copies itself where the copy
-                stream could be started ahead, else :func:`~kvstrata.ops.tensor_runs.lay_out`; batches as a kept
-                read's native passes cut them), up to a key that does not fit or that the loop must take (a CPU or bad
-                tensor, a second device)."""
+                (:class:`~kvstrata.client.batching.NativePasses`), up to a key that does not fit or that the loop must
+                take (a CPU or bad tensor, a second device)."""
                 nonlocal laid, head, pending, s, device
-                planner = _kept_reads._planner()
-                if planner is None or planner.native() is None:
+                passes = _batching.NativePasses.start(tensor_lists, laid, stream)
+                if passes is None:
                     return
-                index, copier = -1, None
-                if _kept_reads.NATIVE_COPIES:
-                    got = _device.native_copies(tensor_lists, laid, stream)
-                    if got is not None:
-                        device, s, copier = got
-                        index = device.index
-                        # registered with CUDA before the pass's first copy (a no-op after the first call)
-                        self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
+                # registered with CUDA before the passes' first copy (a no-op after the client's first call)
+                self._registrations.ensure((segment,), backend.segment_address, backend.segment_nbytes)
+                native = passes.native
                 while laid < n:
-                    cap, cut_bytes = _kept_reads.batch_runs(cut), cut * _kept_reads.RUN_BYTES
-                    if copier is not None:
-                        first_call = _device.FIRST_BATCH_RUNS if not batches else _kept_reads.MAX_BATCH_RUNS
-                        stop, why, queued, err, totals, offsets, index, head = planner.lay_out_copy(
-                            tensor_lists, laid, n, base, head, end, _reservation.ALIGNMENT - 1, cap, cut_bytes,
-                            (*copier, first_call, _kept_reads.MAX_BATCH_RUNS), device_index=index, segment=segment,
-                            cuda=_kept_reads.NATIVE_CUDA,
-                        )  # fmt: skip
-                        lists = None
-                    else:
-                        stop, why, dsts, srcs, sizes, totals, offsets, index, head = planner.lay_out(
-                            tensor_lists, laid, n, base, head, end, _reservation.ALIGNMENT - 1, cap, cut_bytes,
-                            device_index=index, segment=segment, cuda=_kept_reads.NATIVE_CUDA,
-                        )  # fmt: skip
-                        lists, queued, err = (dsts, srcs, sizes), len(sizes), 0
+                    first_call = _device.FIRST_BATCH_RUNS if not batches else _batching.MAX_BATCH_RUNS
+                    try:
+                        stop, why, queued, totals, offsets, head = passes.lay_out(
+                            laid, n, base, head, end, _reservation.ALIGNMENT - 1, segment, cut, first_call
+                        )
+                    finally:  # (a refused batch: the keys laid out before it are given back as the loop's are)
+                        s, device = passes.stream, passes.device
                     items.extend(zip(keys[laid:stop], totals, offsets))
                     which.extend(range(laid, stop))
                     pending += sum(totals)
                     laid = stop
-                    if err:  # the keys laid out so far are given back as the loop's are (``give``)
-                        raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
-                    if queued and s is None:
-                        device, s = _device.start_index(index, stream)
-                    if why == planner.CUT:
-                        flush(lists=lists, native=True)
+                    if why == native.CUT:
+                        flush(native=True)
                         continue
-                    if why == planner.DONE:
-                        flush(last=True, lists=lists, native=True)
+                    if why == native.DONE:
+                        flush(last=True, native=True)
                     elif queued:  # the loop below takes the next key (PYTHON_PATH), or none fits (FULL)
-                        flush(lists=lists, native=True)
+                        flush(native=True)
                     return
 
             try:
@@ -266,7 +240,7 @@ class DeviceCallsMixin:
                     head += room
                     pending += total
                     laid += 1
-                    if len(runs.device) >= cut or pending >= cut * _kept_reads.RUN_BYTES:
+                    if len(runs.device) >= cut or pending >= cut * _batching.RUN_BYTES:
                         flush()
                 if which:
                     flush(last=True)

@@ -3,7 +3,7 @@
 The worker keeps a table, in shared memory, of where each key's bytes lie now (:mod:`kvstrata.store.placements`):
 advice, read with no round trip, that a lease later confirms (or not). A cold read (a decode engine reading the KV
 blocks prefill just wrote, a key read right after it was rewritten) whose first key the table places copies every
-placed key at once as it goes through the keys, batch after batch as :mod:`kvstrata.client.kept_reads` does, and
+placed key at once as it goes through the keys, batch after batch as :mod:`kvstrata.client.batching` cuts them, and
 asks the worker for every lease in one request, sent once two batches are queued (a request costs this thread ~40
 us on the H200 host; two batches are ~110 us of DMA) and answered while the bytes move. The answer confirms each
 early copy (its lease pins the very placement the copy read) or the key is copied again from where its lease says,
@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvstrata.client import batching as _batching
 from kvstrata.client import device as _device
-from kvstrata.client import kept_reads as _kept_reads
 from kvstrata.errors import InvalidValue
 
 #: the acquire request goes once this many batches are queued
@@ -71,8 +71,8 @@ def queue(
     address, ensure = backend.segment_address, client._registrations.ensure
     bases: dict[int, int] = {}
     runs = _device.new_runs()
-    cut = _device.FIRST_BATCH_RUNS  # then doubling, as the kept read's (kept_reads.next_cut)
-    run_bytes = _kept_reads.RUN_BYTES
+    cut = _device.FIRST_BATCH_RUNS  # then doubling (batching.next_cut)
+    run_bytes = _batching.RUN_BYTES
     pending = 0  # bytes laid out in ``runs``
     batches = 0
     s = device = None
@@ -84,7 +84,7 @@ def queue(
             ensure(bases, address, backend.segment_nbytes)  # registered with CUDA before their first copy
         _device.enqueue(runs, device, s, first=not batches)
         runs, pending, batches = _device.new_runs(), 0, batches + 1
-        cut = _kept_reads.next_cut(cut)
+        cut = _batching.next_cut(cut)
 
     def lay_out(pieces: list[tuple], seg: int, offset: int, total: int) -> None:
         nonlocal pending
@@ -99,48 +99,29 @@ def queue(
 
     def early_natively() -> int:
         """The early copies of keys from ``start`` on as the loop below makes them, with a native pass per batch
-        (:func:`kvstrata.ops.tensor_runs.plan_copy` over the hints, queuing the batch's copies itself where the copy
-        stream could be started ahead, else :func:`~kvstrata.ops.tensor_runs.plan`), up to a key the loop must take (a
-        CPU or bad tensor, a second device). A key with no usable hint is passed over unchecked, as is a key whose
-        tensors' bytes differ from its hint's (its lease says what it is). Returns the first key the loop takes."""
+        (:class:`~kvstrata.client.batching.NativePasses` over the hints), up to a key the loop must take (a CPU or
+        bad tensor, a second device). A key with no usable hint is passed over unchecked, as is a key whose tensors'
+        bytes differ from its hint's (its lease says what it is). Returns the first key the loop takes."""
         nonlocal s, device, cut, batches, token, unread, hints, advised
-        planner = _kept_reads._planner()
-        if planner is None or planner.native() is None:
+        passes = _batching.NativePasses.start(tensor_lists, start, stream)
+        if passes is None:
             return start
-        copier, index = None, -1
-        if _kept_reads.NATIVE_COPIES:
-            got = _device.native_copies(tensor_lists, start, stream)
-            if got is not None:
-                device, s, copier = got
-                index = device.index
+        s, device = passes.stream, passes.device
+        native = passes.native
         for k in range(start, advised):
             hints[k] = usable(hints[k])
         bases = client._registrations.bases
         i = start
         while i < n:
-            want = min(n, i + _kept_reads.batch_runs(cut))  # hints for as many keys as the batch may hold
+            want = min(n, i + _batching.batch_runs(cut))  # hints for as many keys as the batch may hold
             if want > advised:
                 hints += map(usable, lookup(keys[advised:want]))
                 advised = len(hints)
-            head = _device.FIRST_BATCH_RUNS if not batches else _kept_reads.MAX_BATCH_RUNS
-            cap, cut_bytes = _kept_reads.batch_runs(cut), cut * run_bytes
-            if copier is not None:
-                stop, why, queued, err, mismatched, index = planner.plan_copy(
-                    tensor_lists, hints, bases, i, advised, cap, cut_bytes, (*copier, head, _kept_reads.MAX_BATCH_RUNS),
-                    device_index=index, cuda=_kept_reads.NATIVE_CUDA,
-                )  # fmt: skip
-                if err:
-                    raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
-            else:
-                stop, why, dsts, srcs, sizes, mismatched, index = planner.plan(
-                    tensor_lists, hints, bases, i, advised, cap, cut_bytes, device_index=index,
-                    cuda=_kept_reads.NATIVE_CUDA,
-                )  # fmt: skip
-                queued = len(sizes)
-                if queued:
-                    if s is None:
-                        device, s = _device.start_index(index, stream)
-                    _device.copy_lists(dsts, srcs, sizes, s, head, _kept_reads.MAX_BATCH_RUNS)
+            head = _device.FIRST_BATCH_RUNS if not batches else _batching.MAX_BATCH_RUNS
+            try:
+                stop, why, queued, mismatched = passes.plan(hints, bases, i, advised, cut, head)
+            finally:
+                s, device = passes.stream, passes.device
             skip = set(mismatched)
             for k in range(i, stop):  # the keys copied early: their hints, which their leases confirm or not
                 if hints[k] is not None and k not in skip:
@@ -148,13 +129,13 @@ def queue(
             i = stop
             if queued:
                 batches += 1
-                cut = _kept_reads.next_cut(cut)
+                cut = _batching.next_cut(cut)
                 if batches == SEND_AFTER_BATCHES and not unread:
                     token, unread = backend.acquire_send(token), True
-            if why == planner.NO_BASE:  # a segment not registered yet: registered, then on from this key
+            if why == native.NO_BASE:  # a segment not registered yet: registered, then on from this key
                 client._registrations.ensure((hints[stop][0],), address, backend.segment_nbytes)
                 continue
-            if why == planner.CUT or (why == planner.DONE and i < n):
+            if why == native.CUT or (why == native.DONE and i < n):
                 continue
             break  # every key passed, or the loop takes key i
         return i
