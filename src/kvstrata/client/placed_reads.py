@@ -13,9 +13,9 @@ first copy cost ~30 us there (session 22's first version of this path, on branch
 
 The early copies go through the native passes of :mod:`kvstrata.ops.tensor_runs` where it is loaded (the hints as the
 keys' places, a key with no usable hint passed over): one call per batch checks the tensors, lays out the runs and
-queues them, as in a kept read (session 29: a cold read of 256 x 256 KiB went from 0.33 of one 64 MiB pinned copy to
-0.52-0.56 on the H200 host, of 64 x 1 MiB from 0.86 to 0.87-0.89; what is left for many keys is the lease request's
-answer and the per-key confirmation after it).
+queues them, as in a kept read (session 29, four runs on the H200 host switched call by call: a cold read of 256 x
+256 KiB at 0.55-0.80 of one 64 MiB pinned copy against 0.33-0.50 planned in Python, of 64 x 1 MiB at 0.865-0.937
+against 0.837-0.935; what is left for many keys is the lease request's answer and the per-key confirmation after it).
 """
 
 from __future__ import annotations

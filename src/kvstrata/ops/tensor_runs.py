@@ -30,7 +30,7 @@ same native call: the driver's ``cuMemcpyBatchAsync`` (looked up once by :func:`
 declares, so the module needs no CUDA headers), ``head`` runs in a first call and the rest in calls of ``chunk``, on
 the caller's stream (:func:`copier`). No list of addresses is built and read back through cuda-bindings, whose batch
 call cost the host ~10-17 us a batch on the H200 machine (``tools/probe_call_steps.py``, session 26): on that machine
-(session 29) a kept read of 64 x 1 MiB was done queueing at 119-204 us against 147-276, and a reserved ``mset_d2h`` of
+(session 29) a kept read of 64 x 1 MiB was done queueing at 119-242 us against 147-308, and a reserved ``mset_d2h`` of
 256 x 64 KiB at 288-558 against 442-788. The driver's error, if any, comes back with how many runs were queued.
 
 The native module is compiled from ``native/tensor_runs.cpp`` by torch's extension builder the first time a
