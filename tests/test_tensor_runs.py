@@ -484,3 +484,38 @@ def test_the_drivers_batch_call_queues_a_pass_both_ways_on_a_stream_of_ours(nati
         want = host[loc.offset : loc.offset + loc.size]
         assert torch.equal(torch.cat(ts).cpu(), want)  # host -> device
         assert torch.equal(back[offset : offset + loc.size], want)  # and back, laid out as the reservation's
+
+
+def test_native_hints_read_the_placement_table_as_lookup_does(native):
+    import types
+
+    from kvstrata.store.placements import PlacementHints, PlacementTable
+    from kvstrata.store.tiers.base import Location
+
+    table = PlacementTable()
+    try:
+        hints = PlacementHints(table.segment)
+        keys = [f"layer/{i}/block" for i in range(300)] + ["ünïcode/ключ", "x" * 900, "", "gone"]
+        entries = [
+            types.SimpleNamespace(key=k, loc=Location(i % 3, 4096 * i, 1000 + i), mutable=False, placed=i)
+            for i, k in enumerate(keys[:-1])
+        ]
+        table.publish(entries)  # placement 0 for the first key: in the table, never usable
+        python = hints.lookup(tuple(keys))  # a tuple: the Python lookup
+        assert python[-1] is None and python[1] == (1, 4096, 1001, 1)
+        assert tensor_runs.hints(hints._words, keys, 0, len(keys)) == python
+        assert hints.lookup(keys) == python  # a list, the module loaded: the native lookup
+        assert tensor_runs.hints(hints._words, keys, 10, 20) == python[10:20]
+        limits = {0: 1 << 40, 1: 4096 * 150}  # segment 2 not mapped; segment 1 ends at key 149's bytes
+        usable = [h if h is not None and h[3] > 0 and h[1] + h[2] <= limits.get(h[0], -1) else None for h in python]
+        assert tensor_runs.hints(hints._words, keys, 0, len(keys), limits) == usable
+        assert usable[0] is None and usable[2] is None and usable[3] and usable[148] and usable[151] is None
+        assert tensor_runs.hints(hints._words, [b"bytes", 5, keys[3]], 0, 3) == [None, None, python[3]]
+        with pytest.raises(ValueError, match="power of two"):
+            tensor_runs.hints(bytearray(96), keys, 0, 1)
+        with pytest.raises(IndexError, match="out of bounds"):
+            tensor_runs.hints(hints._words, keys, 0, len(keys) + 1)
+        with pytest.raises(TypeError, match="limits a dict or None"):
+            tensor_runs.hints(hints._words, keys, 0, 1, [1])
+    finally:
+        table.close()

@@ -1,8 +1,8 @@
 """A kept ``mget_h2d`` and a reserved ``mset_d2h`` (fresh keys) with their copies planned by the Python loop or
 natively (``kvstrata.ops.tensor_runs``; a cold read, of keys just rewritten, through the placement table's one pass
 too), the native passes answering their runs (queued through cuda-bindings:
-``batching.NATIVE_COPIES`` off) or queuing them with the driver's batch call themselves (on), switched call by call in
-one process (GPU machine, one real worker, one client), for keys of several sizes: 64 x 1 MiB (bench store's row),
+``batching.NATIVE_COPIES`` off) or queuing them with the driver's batch call themselves (on; "copies, py lookup": with
+the placement table read in Python, ``placements.NATIVE_LOOKUP`` off), switched call by call in one process (GPU machine, one real worker, one client), for keys of several sizes: 64 x 1 MiB (bench store's row),
 256 x 256 KiB and 256 x 64 KiB (KV-cache blocks; 256 is as many keys as the local-read cache keeps). Each call
 follows a one-key request, as bench store's do; the reads go into separate destination tensors. Per shape, case and
 variant: the median call against one pinned ``copy_`` of the same bytes that way (the ceiling), and the host's time
@@ -28,6 +28,7 @@ from kvstrata.bench._common import device_time, python_loop_us
 from kvstrata.bench.store import _start_worker
 from kvstrata.client import batching
 from kvstrata.ops import copy_engine, tensor_runs
+from kvstrata.store import placements
 
 SHAPES = ((64, 1 << 20), (256, 256 << 10), (256, 64 << 10))
 
@@ -54,8 +55,13 @@ def main() -> None:
         plan_copy=timed(tensor_runs.plan_copy),
         lay_out_copy=timed(tensor_runs.lay_out_copy),
     )
-    # (planner, whether its passes queue their own copies)
-    planners = {"python loop": (None, False), "native, lists": (native, False), "native, copies": (native, True)}
+    # (planner, whether its passes queue their own copies, whether the placement table is read natively)
+    planners = {
+        "python loop": (None, False, False),
+        "native, lists": (native, False, True),
+        "copies, py lookup": (native, True, False),
+        "native, copies": (native, True, True),
+    }
     loops = [python_loop_us()]
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = _start_worker(Path(tmp), 4 << 30)
@@ -83,9 +89,10 @@ def main() -> None:
                         if it % 2:
                             order.reverse()
                         for case in ceiling:
-                            for name, (planner, copies) in order:
+                            for name, (planner, copies, lookup) in order:
                                 batching.planner = lambda planner=planner: planner
                                 batching.NATIVE_COPIES = copies
+                                placements.NATIVE_LOOKUP = lookup
                                 fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
                                 if case == "mget_h2d cold":  # rewritten: the placement table's one pass reads them
                                     kv.delete(keys)
@@ -110,7 +117,7 @@ def main() -> None:
                         call, queued = (statistics.median(c) for c in zip(*rows))
                         q1, _, q3 = statistics.quantiles([r[0] for r in rows], n=4)
                         print(
-                            f"  {case:13s} {name:14s} call {call * 1e6:6.0f} us ({top / call:.3f} of the ceiling;"
+                            f"  {case:13s} {name:17s} call {call * 1e6:6.0f} us ({top / call:.3f} of the ceiling;"
                             f" quartiles {top / q3:.3f}-{top / q1:.3f}), last batch queued at {queued * 1e6:5.0f} us"
                         )
         finally:

@@ -72,6 +72,9 @@ class WorkerConnection:
         self.inline_max = int(self._conn.peer_info.get("inline_max", P.INLINE_MAX))
         self.shm = self._conn.can_pass_fds
         self._segments: dict[int, Any] = {}
+        #: segment index -> bytes mapped, of every segment this process maps (what a copy from a placement hint may
+        #: read: :meth:`maps`, in one dict for a native lookup)
+        self.segment_limits: dict[int, int] = {}
         self._tensors: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
@@ -371,7 +374,8 @@ class WorkerConnection:
             if index in self._segments:
                 os.close(fd)
             else:
-                self._segments[index] = SharedSegment.attach(fd, nbytes)
+                self._segments[index] = seg = SharedSegment.attach(fd, nbytes)
+                self.segment_limits[index] = seg.nbytes
 
     def view(self, loc: Any) -> memoryview:
         if loc.size == 0:
@@ -468,6 +472,7 @@ class WorkerConnection:
         if self.placements is not None:
             hints, self.placements = self.placements, None
             hints.close(_close_segment)
+        self.segment_limits.clear()
         for seg in self._segments.values():
             _close_segment(seg)
         self._segments.clear()

@@ -108,14 +108,19 @@ def queue(
             return start
         s, device = passes.stream, passes.device
         native = passes.native
-        for k in range(start, advised):
-            hints[k] = usable(hints[k])
+        limits = backend.segment_limits  # where a copy from a hint may read (maps(), as one dict)
+
+        def usable(got: list[Any]) -> list[Any]:
+            """The hints an early copy may read (a placement in memory this process maps), the others None."""
+            return [h if h is not None and h[3] > 0 and h[1] + h[2] <= limits.get(h[0], -1) else None for h in got]
+
+        hints[start:advised] = usable(hints[start:advised])
         bases = client._registrations.bases
         i = start
         while i < n:
             want = min(n, i + _batching.batch_runs(cut))  # hints for as many keys as the batch may hold
             if want > advised:
-                hints += map(usable, lookup(keys[advised:want]))
+                hints += usable(lookup(keys[advised:want]))
                 advised = len(hints)
             head = _device.FIRST_BATCH_RUNS if not batches else _batching.MAX_BATCH_RUNS
             try:
@@ -139,10 +144,6 @@ def queue(
                 continue
             break  # every key passed, or the loop takes key i
         return i
-
-    def usable(hint: Any) -> Any:
-        """The hint where an early copy may read it (a placement in memory this process maps), else None."""
-        return hint if hint is not None and hint[3] > 0 and maps(hint[0], hint[1], hint[2]) else None
 
     try:
         for i in range(early_natively(), n):

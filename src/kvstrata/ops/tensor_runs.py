@@ -202,6 +202,19 @@ def _loaded() -> ModuleType:
     return module
 
 
+def hints(table: Any, keys: list[str], lo: int, hi: int, limits: dict[int, int] | None = None) -> list[Any]:
+    """The placement table's hints for keys ``lo..hi-1`` (:meth:`kvstrata.store.placements.PlacementHints.lookup`'s
+    ``(segment, offset, size, placement)`` or None, in one native call: CRC-32 of each key's UTF-8 bytes, its bucket's
+    words); with ``limits`` (index -> bytes mapped), only those a copy may start from (a placement in a segment of
+    ``limits`` whose range lies within it). ``table`` is the mapped table's buffer (held for the call)."""
+    return _loaded().hints(table, keys, lo, hi, limits)
+
+
+def loaded() -> ModuleType | None:
+    """The native module if it is loaded now, else None; never starts a build (see :func:`native`)."""
+    return _module
+
+
 def copier(stream: int, head: int, chunk: int) -> tuple[int, int, int, int, int] | None:
     """How :func:`plan_copy` and :func:`lay_out_copy` queue their runs: on the raw CUDA stream ``stream`` (not the
     legacy default stream; its device must be the calling thread's current one), ``head`` runs in the first driver
