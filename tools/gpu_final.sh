@@ -317,6 +317,8 @@
 #     device rows new/nocopies in turn
 #   PART=s29d: every GPU test after the native passes moved to kvstrata.client.batching; tools/probe_native_planner.py;
 #     bench store's device rows new/nocopies in turn, then new
+#   PART=s29e: the session's last call, final code (the placement table read natively too): every GPU test;
+#     tools/probe_native_planner.py (with "copies, py lookup") twice; bench store's device rows three times
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -946,6 +948,12 @@ elif [ "${PART}" = s29d ]; then
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s29d.log" | head -30 >> "$LOG"
   tool_runs 1 probe_native_planner
   store_rows new nocopies new
+  cp "$OUT/store.json" "$OUT/store_final.json"
+elif [ "${PART}" = s29e ]; then
+  gpu_tests gpu_tests_s29e
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s29e.log" | head -30 >> "$LOG"
+  tool_runs 2 probe_native_planner
+  store_rows new new new
   cp "$OUT/store.json" "$OUT/store_final.json"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
