@@ -319,6 +319,7 @@
 #     bench store's device rows new/nocopies in turn, then new
 #   PART=s29e: the session's last call, final code (the placement table read natively too): every GPU test;
 #     tools/probe_native_planner.py (with "copies, py lookup") twice; bench store's device rows three times
+#   PART=s29f: bench store's device rows four times on the final code (call 5 drew only slowed vCPUs)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -955,6 +956,9 @@ elif [ "${PART}" = s29e ]; then
   tool_runs 2 probe_native_planner
   store_rows new new new
   cp "$OUT/store.json" "$OUT/store_final.json"
+elif [ "${PART}" = s29f ]; then
+  python3 -m kvstrata.cli.main native 2>&1 | tee -a "$LOG"
+  for r in 1 2 3 4; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
