@@ -397,12 +397,56 @@ uint32_t crc32(const unsigned char* p, Py_ssize_t n) {
   return c ^ 0xFFFFFFFFu;
 }
 
+// A Python buffer held while in scope: the table cannot be unmapped under a read of it.
+struct HeldBuffer {
+  Py_buffer view{};
+  bool held = false;
+  bool get(PyObject* o) { return held = PyObject_GetBuffer(o, &view, PyBUF_SIMPLE) == 0; }
+  ~HeldBuffer() {
+    if (held) PyBuffer_Release(&view);
+  }
+};
+
+// A new reference: key's hint from the table's words (see hints_impl), or None; nullptr on a Python error.
+PyObject* hint_of(const volatile uint64_t* words, uint64_t buckets, PyObject* key, PyObject* limits) {
+  Py_ssize_t n = 0;
+  const char* raw = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &n) : nullptr;
+  if (raw == nullptr) {
+    PyErr_Clear();  // not a str, or not encodable: no hint (the call's key check names it)
+    Py_RETURN_NONE;
+  }
+  const uint32_t crc = crc32(reinterpret_cast<const unsigned char*>(raw), n);
+  const uint64_t at = (crc & (buckets - 1)) * 4;
+  const uint64_t tag = (uint64_t{1} << 63) | (static_cast<uint64_t>(n & 0xFFFF) << 32) | crc;
+  if (words[at] != tag) Py_RETURN_NONE;
+  const uint64_t where = words[at + 1], size = words[at + 2], placed = words[at + 3];
+  const uint64_t segment = where >> 48, offset = where & ((uint64_t{1} << 48) - 1);
+  PyObject* seg_obj = PyLong_FromUnsignedLongLong(segment);
+  if (seg_obj == nullptr) return nullptr;
+  if (limits != Py_None) {  // only where a copy may start from it
+    PyObject* limit_obj = PyDict_GetItemWithError(limits, seg_obj);  // borrowed
+    int64_t limit = -1;
+    if ((limit_obj == nullptr && PyErr_Occurred()) || (limit_obj != nullptr && !as_i64(limit_obj, &limit))) {
+      Py_DECREF(seg_obj);
+      return nullptr;
+    }
+    const uint64_t end = static_cast<uint64_t>(limit);
+    if (placed == 0 || limit < 0 || size > end || offset > end - size) {
+      Py_DECREF(seg_obj);
+      Py_RETURN_NONE;
+    }
+  }
+  using ull = unsigned long long;
+  return Py_BuildValue("(NKKK)", seg_obj, static_cast<ull>(offset), static_cast<ull>(size), static_cast<ull>(placed));
+}
+
 // hints(table, keys, lo, hi, limits) -> [(segment, offset, size, placement) or None per key lo..hi-1]: the
 // placement table's buckets for the keys (kvstrata.store.placements: four words a bucket, [tag, segment << 48 |
 // offset, size, placement]), as PlacementHints.lookup reads them; with ``limits`` (not None), kept only where a copy
 // may start from them: a placement (not 0) in a segment of ``limits`` (index -> bytes mapped) whose range lies within
-// it. ``table`` is the mapped table's buffer, held for the call (the table cannot be unmapped under it). Advice: a bucket's words are read
-// one by one while the worker may write them, as in Python; the lease says whether a copy stands.
+// it. ``table`` is the mapped table's buffer, held for the call (the table cannot be unmapped under it). Advice: a
+// bucket's words are read one by one while the worker may write them, as in Python; the lease says whether a copy
+// stands.
 PyObject* hints_impl(PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5) {
     PyErr_SetString(PyExc_TypeError, "hints: 5 arguments");
@@ -419,73 +463,24 @@ PyObject* hints_impl(PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_IndexError, "hints: key range out of bounds");
     return nullptr;
   }
-  Py_buffer view;
-  if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0) return nullptr;
-  const uint64_t buckets = static_cast<uint64_t>(view.len) / 32;
+  HeldBuffer table;
+  if (!table.get(args[0])) return nullptr;
+  const uint64_t buckets = static_cast<uint64_t>(table.view.len) / 32;
   if (buckets == 0 || (buckets & (buckets - 1)) != 0) {
-    PyBuffer_Release(&view);
     PyErr_SetString(PyExc_ValueError, "hints: the table must hold a power of two of 32-byte buckets");
     return nullptr;
   }
-  const volatile uint64_t* words = static_cast<const volatile uint64_t*>(view.buf);
+  const volatile uint64_t* words = static_cast<const volatile uint64_t*>(table.view.buf);
   PyObject* out = PyList_New(hi - lo);
-  if (out == nullptr) {
-    PyBuffer_Release(&view);
-    return nullptr;
-  }
+  if (out == nullptr) return nullptr;
   for (int64_t i = lo; i < hi; ++i) {
-    PyObject* hint = Py_None;
-    PyObject* key = PyList_GET_ITEM(keys, i);
-    Py_ssize_t n = 0;
-    const char* raw = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &n) : nullptr;
-    if (raw == nullptr) {
-      PyErr_Clear();  // not a str, or not encodable: no hint (the call's key check names it)
-    } else {
-      const uint32_t crc = crc32(reinterpret_cast<const unsigned char*>(raw), n);
-      const uint64_t at = (crc & (buckets - 1)) * 4;
-      const uint64_t tag = (uint64_t{1} << 63) | (static_cast<uint64_t>(n & 0xFFFF) << 32) | crc;
-      if (words[at] == tag) {
-        const uint64_t where = words[at + 1], size = words[at + 2], placed = words[at + 3];
-        const uint64_t segment = where >> 48, offset = where & ((uint64_t{1} << 48) - 1);
-        PyObject* seg_obj = PyLong_FromUnsignedLongLong(segment);
-        if (seg_obj == nullptr) {
-          Py_DECREF(out);
-          PyBuffer_Release(&view);
-          return nullptr;
-        }
-        PyObject* limit_obj = limits == Py_None ? nullptr : PyDict_GetItemWithError(limits, seg_obj);  // borrowed
-        int64_t limit = -1;
-        if (limit_obj == nullptr && PyErr_Occurred()) {
-          Py_DECREF(seg_obj);
-          Py_DECREF(out);
-          PyBuffer_Release(&view);
-          return nullptr;
-        }
-        if (limit_obj != nullptr && !as_i64(limit_obj, &limit)) {
-          Py_DECREF(seg_obj);
-          Py_DECREF(out);
-          PyBuffer_Release(&view);
-          return nullptr;
-        }
-        const bool usable = placed != 0 && limit >= 0 && size <= static_cast<uint64_t>(limit) &&
-                            offset <= static_cast<uint64_t>(limit) - size;
-        if (limits == Py_None || usable) {
-          hint = Py_BuildValue("(NKKK)", seg_obj, static_cast<unsigned long long>(offset),
-                               static_cast<unsigned long long>(size), static_cast<unsigned long long>(placed));
-          if (hint == nullptr) {
-            Py_DECREF(out);
-            PyBuffer_Release(&view);
-            return nullptr;
-          }
-        } else {
-          Py_DECREF(seg_obj);
-        }
-      }
+    PyObject* hint = hint_of(words, buckets, PyList_GET_ITEM(keys, i), limits);
+    if (hint == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
     }
-    if (hint == Py_None) Py_INCREF(Py_None);
     PyList_SET_ITEM(out, i - lo, hint);
   }
-  PyBuffer_Release(&view);
   return out;
 }
 
@@ -518,7 +513,9 @@ PyObject* lay_out_copy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
   return guarded<lay_out_impl<true>>(self, args, nargs);
 }
 
-PyObject* hints(PyObject* self, PyObject* const* args, Py_ssize_t nargs) { return guarded<hints_impl>(self, args, nargs); }
+PyObject* hints(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return guarded<hints_impl>(self, args, nargs);
+}
 
 #define KVSTRATA_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f)), METH_FASTCALL
 
