@@ -1,13 +1,13 @@
 """A kept ``mget_h2d`` and a reserved ``mset_d2h`` (fresh keys) with their copies planned by the Python loop or
 natively (``kvstrata.ops.tensor_runs``; a cold read, of keys just rewritten, through the placement table's one pass
-too), the native passes answering their runs (queued through cuda-bindings:
-``batching.NATIVE_COPIES`` off) or queuing them with the driver's batch call themselves (on; "copies, py lookup": with
-the placement table read in Python, ``placements.NATIVE_LOOKUP`` off), switched call by call in one process (GPU machine, one real worker, one client), for keys of several sizes: 64 x 1 MiB (bench store's row),
-256 x 256 KiB and 256 x 64 KiB (KV-cache blocks; 256 is as many keys as the local-read cache keeps). Each call
-follows a one-key request, as bench store's do; the reads go into separate destination tensors. Per shape, case and
-variant: the median call against one pinned ``copy_`` of the same bytes that way (the ceiling), and the host's time
-from the call's start to its last copy batch (when the host is done queueing; the rest is the DMA's tail and the
-wait). The host's loop speed before and after.
+too), the native passes answering their runs (queued through cuda-bindings: ``batching.NATIVE_COPIES`` off) or
+queuing them with the driver's batch call themselves (on; "copies, py lookup": with the placement table read in
+Python, ``placements.NATIVE_LOOKUP`` off), switched call by call in one process (GPU machine, one real worker, one
+client), for keys of several sizes: 64 x 1 MiB (bench store's row), 256 x 256 KiB and 256 x 64 KiB (KV-cache blocks;
+256 is as many keys as the local-read cache keeps). Each call follows a one-key request, as bench store's do; the
+reads go into separate destination tensors. Per shape, case and variant: the median call against one pinned
+``copy_`` of the same bytes that way (the ceiling), and the host's time from the call's start to its last copy batch
+(when the host is done queueing; the rest is the DMA's tail and the wait). The host's loop speed before and after.
 
     PYTHONPATH=src python3 tools/probe_native_planner.py [--rounds 100]
 """
