@@ -115,7 +115,7 @@ def queue(
             return [h if h is not None and h[3] > 0 and h[1] + h[2] <= limits.get(h[0], -1) else None for h in got]
 
         hints[start:advised] = usable(hints[start:advised])
-        bases = client._registrations.bases
+        registered = client._registrations.bases  # the segments' addresses, as the passes find them
         i = start
         while i < n:
             want = min(n, i + _batching.batch_runs(cut))  # hints for as many keys as the batch may hold
@@ -124,7 +124,7 @@ def queue(
                 advised = len(hints)
             head = _device.FIRST_BATCH_RUNS if not batches else _batching.MAX_BATCH_RUNS
             try:
-                stop, why, queued, mismatched = passes.plan(hints, bases, i, advised, cut, head)
+                stop, why, queued, mismatched = passes.plan(hints, registered, i, advised, cut, head)
             finally:
                 s, device = passes.stream, passes.device
             skip = set(mismatched)
