@@ -497,42 +497,24 @@ PyObject* guarded(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
-PyObject* plan(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded<plan_impl<false>>(self, args, nargs);
-}
-
-PyObject* plan_copy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded<plan_impl<true>>(self, args, nargs);
-}
-
-PyObject* lay_out(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded<lay_out_impl<false>>(self, args, nargs);
-}
-
-PyObject* lay_out_copy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded<lay_out_impl<true>>(self, args, nargs);
-}
-
-PyObject* hints(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded<hints_impl>(self, args, nargs);
-}
-
-#define KVSTRATA_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f)), METH_FASTCALL
+// Each entry point is its implementation behind guarded<>.
+#define KVSTRATA_FASTCALL(impl) \
+  reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(&guarded<impl>)), METH_FASTCALL
 
 PyMethodDef methods[] = {
-    {"plan", KVSTRATA_FASTCALL(plan),
+    {"plan", KVSTRATA_FASTCALL(plan_impl<false>),
      "plan(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda) -> "
      "(stop, why, dsts, srcs, sizes, mismatched, device_index)"},
-    {"plan_copy", KVSTRATA_FASTCALL(plan_copy),
+    {"plan_copy", KVSTRATA_FASTCALL(plan_impl<true>),
      "plan_copy(tensor_lists, locs, bases, lo, hi, max_runs, max_bytes, device_index, to_host, cuda, copier) -> "
      "(stop, why, runs, err, mismatched, device_index)"},
-    {"lay_out", KVSTRATA_FASTCALL(lay_out),
+    {"lay_out", KVSTRATA_FASTCALL(lay_out_impl<false>),
      "lay_out(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda) -> "
      "(stop, why, dsts, srcs, sizes, totals, offsets, device_index, head)"},
-    {"lay_out_copy", KVSTRATA_FASTCALL(lay_out_copy),
+    {"lay_out_copy", KVSTRATA_FASTCALL(lay_out_impl<true>),
      "lay_out_copy(tensor_lists, lo, hi, base, head, end, mask, max_runs, max_bytes, device_index, segment, cuda, "
      "copier) -> (stop, why, runs, err, totals, offsets, device_index, head)"},
-    {"hints", KVSTRATA_FASTCALL(hints),
+    {"hints", KVSTRATA_FASTCALL(hints_impl),
      "hints(table, keys, lo, hi, limits) -> [(segment, offset, size, placement) or None per key]"},
     {nullptr, nullptr, 0, nullptr},
 };
