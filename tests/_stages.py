@@ -196,3 +196,19 @@ def fake_gpu(monkeypatch, native):
     registered: list[int] = []
     monkeypatch.setattr(device, "register_segment", lambda addr, nbytes: registered.append(addr) or False)
     return batches, registered, native_planner(monkeypatch, native)
+
+
+_QUERY_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_RECORD_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+
+
+def stream_calls(log, query=0, record=0, wait=0):
+    """ctypes stand-ins for cuStreamQuery, cuEventRecord and cuStreamWaitEvent that log their calls and answer the
+    given errors (600: not ready); the callables, kept alive, and their addresses."""
+    fns = (
+        _QUERY_CALL(lambda s: log.append(("query", s)) or query),
+        _RECORD_CALL(lambda e, s: log.append(("record", e, s)) or record),
+        _WAIT_CALL(lambda s, e, f: log.append(("wait", s, e, f)) or wait),
+    )
+    return fns, tuple(ctypes.cast(f, ctypes.c_void_p).value for f in fns)

@@ -6,6 +6,7 @@ the ``gpu`` tests check the copy-engine path and the once-per-segment CUDA regis
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 
@@ -13,10 +14,11 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import batches_of, copies_pending, outcomes, stages_of
+from _stages import batches_of, copies_pending, outcomes, stages_of, stream_calls
 from kv_helpers import worker_fixtures
 from kvstrata.client import batching, device, kept_reads
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
+from kvstrata.ops.copy_engine import CopyEngineError
 
 MEMORY = 64 << 20
 
@@ -350,15 +352,87 @@ def test_copies_wait_for_the_callers_pending_work_call_after_call(kv):
     kv.delete(keys)
 
 
+def test_the_copy_stream_joins_natively_where_the_thread_has_the_context_bound(monkeypatch):
+    # start() with CUDA faked: the driver's stream calls are ctypes stand-ins (tests/test_tensor_runs.py's), so what
+    # is checked is which calls a start makes: one query where the caller's stream is idle, the thread's event
+    # recorded and waited for where it is not, torch's event made first where the thread has none, and the runtime's
+    # calls where the thread has not bound the device's context.
+    from kvstrata.ops import tensor_runs
+
+    assert tensor_runs.native(wait=True) is not None
+    log, made = [], []
+
+    class Side:
+        cuda_stream = 22
+
+        def wait_event(self, event):
+            log.append(("torch wait", event.cuda_event))
+
+    class Event:
+        cuda_event = 8
+
+        def record(self, stream):
+            made.append(self)
+            log.append(("torch record", stream))
+
+    fake_torch = type("torch", (), {"cuda": type("cuda", (), {"Event": Event})})
+    copy_engine = types.SimpleNamespace(
+        stream_idle=lambda h: log.append(("runtime query", h)),  # None: not idle
+        stream_wait=lambda e, h, side: log.append(("runtime wait", e, h, side)) is None,
+        CopyEngineError=CopyEngineError,
+    )
+    modules = (fake_torch, copy_engine, lambda i: "caller", lambda i: 11, lambda: 0)
+    monkeypatch.setattr(device, "_device_modules", lambda: modules)
+    monkeypatch.setitem(device._copy_streams, 0, Side())
+    monkeypatch.setattr(device, "_wait_events", threading.local())
+    monkeypatch.setattr(device, "_bound", threading.local())
+    cuda0 = type("device", (), {"index": 0})()
+    for query, expected in [
+        (0, [("query", 11)]),
+        (600, [("query", 11), ("torch record", "caller"), ("torch wait", 8)]),  # no event yet: torch's
+        (600, [("query", 11), ("record", 8, 11), ("wait", 22, 8, 0)]),  # then the driver's, on its handle
+    ]:
+        _alive, calls = stream_calls(log, query=query)
+        monkeypatch.setattr(device, "_native_join", lambda calls=calls: (tensor_runs.loaded(), calls))
+        device._bound.__dict__[0] = True
+        log.clear()
+        assert type(device.start(cuda0)) is Side
+        assert log == expected
+    assert len(made) == 1
+    _alive, calls = stream_calls(log, query=600, wait=201)  # the driver refuses the wait: a clear error
+    monkeypatch.setattr(device, "_native_join", lambda: (tensor_runs.loaded(), calls))
+    with pytest.raises(CopyEngineError, match=r"copy stream's wait for the caller's failed: .*\(201\)"):
+        device.start(cuda0)
+    del device._bound.__dict__[0]  # a thread with no context bound: the runtime's calls
+    log.clear()
+    assert type(device.start(cuda0)) is Side
+    assert log == [("runtime query", 11), ("runtime wait", 8, 11, 22)]
+
+
 @pytest.mark.gpu
-def test_copies_join_the_callers_stream_only_where_it_has_pending_work(kv, monkeypatch):
+@pytest.mark.parametrize("native_join", [True, False], ids=["native-join", "cuda-bindings"])
+def test_copies_join_the_callers_stream_only_where_it_has_pending_work(kv, monkeypatch, native_join):
     # On the legacy default stream (most callers'): idle, the call finds it so and queues no wait; with work
-    # pending, it waits for that work, and the bytes show it.
-    from kvstrata.ops import copy_engine
+    # pending, it waits for that work, and the bytes show it. The query and the wait go as one native call of the
+    # driver's (a thread with the context bound) or through cuda-bindings' runtime calls.
+    from kvstrata.ops import copy_engine, tensor_runs
 
     idle: list[bool] = []  # what each call's check found
-    real_idle = copy_engine.stream_idle
-    monkeypatch.setattr(copy_engine, "stream_idle", lambda handle: idle.append(real_idle(handle)) or idle[-1])
+    if native_join:
+        assert tensor_runs.native(wait=True) is not None
+        module, calls = device._native_join()
+
+        class Watched:
+            def join(self, *args):
+                got = module.join(*args)
+                idle.append(got[0] == tensor_runs.IDLE)
+                return got
+
+        monkeypatch.setattr(device, "_native_join", lambda: (Watched(), calls))
+    else:
+        monkeypatch.setattr(device, "NATIVE_JOIN", False)
+        real_idle = copy_engine.stream_idle
+        monkeypatch.setattr(copy_engine, "stream_idle", lambda handle: idle.append(real_idle(handle)) or idle[-1])
     keys = [f"gpu-idle-join/{i}" for i in range(3)]
     src = [[torch.full((1 << 16,), i + 1, dtype=torch.uint8, device="cuda")] for i in range(3)]
     dst = [[torch.empty(1 << 16, dtype=torch.uint8, device="cuda")] for _ in keys]

@@ -293,6 +293,29 @@ def test_entries_prefix_stops_at_the_first_key_not_current_and_leaves_a_stale_en
     assert local.entries(keys)[2] is None and keys[2] not in local._entries
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_locations_prefix_natively_or_not_stops_where_entries_prefix_does(kv, worker, monkeypatch, native):
+    from kvstrata.client import local_reads
+
+    assert tensor_runs.native(wait=True) is not None
+    monkeypatch.setattr(local_reads, "NATIVE_PREFIX", native)
+    keys, src = _written(kv, "locs", 5)
+    kv.mget_h2d(keys, _poisoned(src))
+    local = kv._backend._local
+    hits = local.hits
+    assert local.locations_prefix(keys) == [e[1] for e in local.entries_prefix(keys)]
+    assert local.hits == hits + 10 and local._touch_later[-1] == keys
+    assert local.locations_prefix([*keys[:2], "never-read", *keys[2:]]) == [local._entries[k][1] for k in keys[:2]]
+    assert local.locations_prefix(["never-read", *keys]) == []
+    assert local.locations_prefix([*keys[:3], 7, keys[3]]) == [local._entries[k][1] for k in keys[:3]]  # not a str
+    with kvstrata.connect(worker.address) as other:
+        other.delete(keys[3])
+    gen = local.generation()
+    assert [loc.size for loc in local.locations_prefix(keys)] == [1024] * 3
+    assert all(local._entries[k][4] == gen for k in keys[:3])  # found current since the delete
+    assert keys[3] in local._entries  # the stale one left for the slow path's lookup to drop
+
+
 def test_the_embedded_client_never_keeps_leases(tmp_path):
     with kvstrata.connect(embedded=True, memory_bytes=16 << 20) as kv:
         keys, src = _written(kv, "embedded", 3)

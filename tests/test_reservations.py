@@ -19,7 +19,7 @@ import kvstrata.ops.tensor_runs
 from _stages import PLANNER_IDS, PLANNERS, _Stream, batch_call, batches_of, copies_pending, fake_gpu, stages_of
 from kv_helpers import worker_fixtures
 from kvstrata.client import device, device_calls
-from kvstrata.client.reservation import FLOOR_BYTES, WriteReservation
+from kvstrata.client.reservation import CALLS_AHEAD, FLOOR_BYTES, WriteReservation
 from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
 from kvstrata.ops.copy_engine import CopyEngineError
 from kvstrata.store import ObjectStore, StoreConfig
@@ -574,8 +574,8 @@ def test_a_chain_carves_on_and_only_its_last_holder_asks_for_a_new_reservation()
     b = _FakeBackend()
     r = WriteReservation(1 << 20)
     assert r.take(b) and r.remaining == 0
-    r.give(b, None, 4096)  # none held yet: a plain call asks for one (room for two such calls, at least the floor)
-    assert b.asked == [min(max(2 * 4096, FLOOR_BYTES), 1 << 20)]
+    r.give(b, None, 4096)  # none held yet: a plain call asks for one (room for CALLS_AHEAD such calls, the floor)
+    assert b.asked == [min(max(CALLS_AHEAD * 4096, FLOOR_BYTES), 1 << 20)]
     assert r.take(b, chain_bytes=4096) and r.remaining == 1 << 20  # read the reply: a chain's first call
     first = r.carve([4096])
     assert r.take(b, chain_bytes=4096)  # carves on while the first call's commits are still to come
@@ -777,3 +777,19 @@ def test_cuda_mset_d2h_takes_the_reserved_path_exact_with_key_exists(kv, monkeyp
             assert torch.equal(want[0], dst[i][0])
     assert kv.stats()["creates_in_progress"] == 0
     kv.delete([k for ks in keys for k in ks])
+
+
+def test_a_steady_writer_asks_for_a_reservation_once_in_calls_ahead_calls():
+    # Each call that finds its reservation used up reads the reserve's reply before its first copy: a writer of
+    # equal calls asks once for CALLS_AHEAD of them (the floor aside), not every other call.
+    b = _FakeBackend()
+    call = 32 << 20
+    r = WriteReservation(1 << 30)
+    reads = 0
+    for _ in range(4 * CALLS_AHEAD):
+        pending = r._pending is not None
+        assert r.take(b)
+        reads += pending
+        assert r.carve([call]) is not None or r.remaining == 0
+        r.give(b, r.head, call)
+    assert b.asked == [CALLS_AHEAD * call] * 4 and reads == 4

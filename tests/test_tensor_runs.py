@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from _stages import batch_call_type
+from _stages import batch_call_type, stream_calls
 from kvstrata.client import device
 from kvstrata.client._shared import Loc
 from kvstrata.ops import tensor_runs
@@ -519,3 +519,62 @@ def test_native_hints_read_the_placement_table_as_lookup_does(native):
             tensor_runs.hints(hints._words, keys, 0, 1, [1])
     finally:
         table.close()
+
+
+def test_current_prefix_checks_entries_against_their_counters_as_the_python_lookup_does(native):
+    slots = (ctypes.c_uint64 * 8)(*range(8))
+    address = ctypes.addressof(slots)
+    gen = 1 << 40  # past the small ints' cache: compared by value
+    entries = {
+        "seen now": [1, ("loc", 1), 0, 999, gen],  # counter not looked at: seen at this generation
+        "counted": [2, ("loc", 2), 3, 3, gen - 1],  # its slot still shows its count: current, seen now
+        "moved on": [3, ("loc", 3), 4, 3, gen - 1],  # its slot moved: stale
+        "slot out of range": [4, ("loc", 4), 8, 8, gen - 1],
+    }
+    args = (address, 8)
+    assert tensor_runs.current_prefix(entries, ["seen now", "counted", "moved on"], gen, *args) == [
+        ("loc", 1),
+        ("loc", 2),
+    ]
+    assert entries["counted"][4] == gen and entries["moved on"][4] == gen - 1
+    assert tensor_runs.current_prefix(entries, ["counted", "absent", "seen now"], gen, *args) == [("loc", 2)]
+    assert tensor_runs.current_prefix(entries, ["slot out of range"], gen, *args) == []
+    assert tensor_runs.current_prefix(entries, [b"seen now", "counted"], gen, *args) == []  # not a str: stops
+    assert tensor_runs.current_prefix({}, ["counted"], gen, *args) == []
+    assert tensor_runs.current_prefix(entries, [], gen, *args) == []
+    slots[3] += 1  # a write to a key of slot 3 ... and a later generation: stale
+    assert tensor_runs.current_prefix(entries, ["counted"], gen + 1, *args) == []
+    assert entries["counted"][4] == gen  # left as it was
+    with pytest.raises(TypeError, match="entries must be a dict"):
+        tensor_runs.current_prefix(entries, ("counted",), gen, *args)
+    with pytest.raises(ValueError, match="null slots"):
+        tensor_runs.current_prefix(entries, ["counted"], gen, 0, 8)
+    with pytest.raises(OverflowError):
+        tensor_runs.current_prefix(entries, ["counted"], -1, *args)
+
+
+@pytest.mark.parametrize(
+    "query, record, wait, event, skip_idle, state, err, calls",
+    [
+        (0, 0, 0, 7, True, tensor_runs.IDLE, 0, ["query"]),  # nothing pending: no wait
+        (600, 0, 0, 7, True, tensor_runs.JOINED, 0, ["query", "record", "wait"]),
+        (600, 0, 0, 0, True, tensor_runs.NEEDS_EVENT, 0, ["query"]),  # no event yet: the caller makes one
+        (0, 0, 0, 7, False, tensor_runs.JOINED, 0, ["record", "wait"]),  # always joins
+        (700, 0, 0, 7, True, tensor_runs.IDLE, 700, ["query"]),  # the query's error, nothing queued
+        (600, 400, 0, 7, True, tensor_runs.JOINED, 400, ["query", "record"]),
+        (600, 0, 201, 7, True, tensor_runs.JOINED, 201, ["query", "record", "wait"]),
+    ],
+)
+def test_join_waits_for_the_callers_stream_only_where_it_has_work_pending(
+    native, query, record, wait, event, skip_idle, state, err, calls
+):
+    log = []
+    _alive, addresses = stream_calls(log, query, record, wait)  # the stand-ins live while the addresses are used
+    assert tensor_runs.join(addresses, 11, 22, event, skip_idle) == (state, err)
+    assert [c[0] for c in log] == calls
+    expected = {"query": ("query", 11), "record": ("record", 7, 11), "wait": ("wait", 22, 7, 0)}
+    assert log == [expected[c] for c in calls]
+    with pytest.raises(ValueError, match="null entry point"):
+        tensor_runs.join((addresses[0], 0, addresses[2]), 11, 22, event)
+    with pytest.raises(TypeError, match="calls must be a tuple"):
+        tensor_runs.join(list(addresses), 11, 22, event)

@@ -320,6 +320,18 @@
 #   PART=s29e: the session's last call, final code (the placement table read natively too): every GPU test;
 #     tools/probe_native_planner.py (with "copies, py lookup") twice; bench store's device rows three times
 #   PART=s29f: bench store's device rows four times on the final code (call 5 drew only slowed vCPUs)
+#   PART=s30a: every GPU test (a kept read's cache lookup and the copy stream's join natively); tools/
+#     probe_native_planner.py (those switched call by call) twice; bench store's device rows new/ab_old in turn, three
+#     times (ab_old/src: 0fddc1e, the session's start)
+#   PART=s30b: tools/probe_native_planner.py (session 29's code, the cache lookup native, the join too; rotated order)
+#     twice; tools/probe_call_steps.py --op kept / mset; bench store's device rows three times
+#   PART=s30c: every GPU test (native_copies found once per thread; a reservation for four calls);
+#     tools/probe_call_steps.py --op kept / mset; tools/probe_native_planner.py (session 29's code against all native);
+#     bench store's device rows new/ab_old in turn, twice
+#   PART=s30d: the session's last call: tools/probe_native_planner.py (session 29's code against all native); bench
+#     store's device rows new/ab_old/new/new in turn, twice
+#   PART=s30e: the session's last call, final code (a reservation for two calls again): every GPU test; bench
+#     store's device rows four times
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -958,6 +970,33 @@ elif [ "${PART}" = s29e ]; then
   cp "$OUT/store.json" "$OUT/store_final.json"
 elif [ "${PART}" = s29f ]; then
   python3 -m kvstrata.cli.main native 2>&1 | tee -a "$LOG"
+  for r in 1 2 3 4; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
+elif [ "${PART}" = s30a ]; then
+  gpu_tests gpu_tests_s30a
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s30a.log" | head -30 >> "$LOG"
+  tool_runs 2 probe_native_planner
+  store_rows new ab_old new ab_old new ab_old
+  cp "$OUT/store.json" "$OUT/store_final.json"
+elif [ "${PART}" = s30b ]; then
+  tool_runs 2 probe_native_planner --variants "py prefix+join,py join,all native"
+  tool_runs 1 probe_call_steps --op kept --rounds 300
+  tool_runs 1 probe_call_steps --op mset --rounds 300
+  tool_runs 1 probe_call_steps --op kept --rounds 300 --batches 2
+  for r in 1 2 3; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
+elif [ "${PART}" = s30c ]; then
+  gpu_tests gpu_tests_s30c
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s30c.log" | head -30 >> "$LOG"
+  tool_runs 1 probe_call_steps --op kept --rounds 300
+  tool_runs 1 probe_call_steps --op mset --rounds 300
+  tool_runs 1 probe_native_planner --variants "py prefix+join,all native"
+  store_rows new ab_old new ab_old
+  cp "$OUT/store.json" "$OUT/store_final.json"
+elif [ "${PART}" = s30d ]; then
+  tool_runs 1 probe_native_planner --variants "py prefix+join,all native"
+  for v in new ab_old new new new ab_old new new; do store_rows "$v"; cp "$OUT/store.json" "$OUT/store_$v.json"; done
+elif [ "${PART}" = s30e ]; then
+  gpu_tests gpu_tests_s30e
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s30e.log" | head -30 >> "$LOG"
   for r in 1 2 3 4; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150

@@ -1,12 +1,15 @@
-"""Where a device call of 64 x 1 MiB spends the host time before its first copy batches (GPU machine, one real
-worker, one client; a one-key request before each call, as bench store's rows have): ``--op kept``, a ``mget_h2d`` of
-keys read before (leases kept), or ``--op mset``, a ``mset_d2h`` of fresh keys (deleted after each call). Each step
-the call takes is wrapped to note when it began and ended: the key check, the lease lookup (and inside it the cache's
+"""Where a device call of 64 x 1 MiB spends the host time before its first copy batches (GPU machine, one real worker,
+one client; a one-key request before each call, as bench store's rows have): ``--op kept``, a ``mget_h2d`` of keys
+read before (leases kept), or ``--op mset``, a ``mset_d2h`` of fresh keys (deleted after each call). Each step the
+call takes is wrapped to note when it began and ended: the key check, the lease lookup (and inside it the cache's
 lookup and the look at the worker's socket), each key's tensor check and plan, the copy stream's start, each enqueue
-and inside it the driver's batch call, each batch's end event (``mark``), the worker's lingering hint. Printed, up to
-the driver's ``--batches``-th batch call: per step, the median of when it began (us after the call began) and how
-long it took, and "gap" rows for the time between the steps (the call's own Python; 0 for steps inside others). The
-wrappers cost ~0.3 us each; no CUDA event is recorded, unlike ``_copy_trace.CopyTrace``.
+and inside it the driver's batch call, each batch's end event (``mark``), the worker's lingering hint; where the
+copies go through the native passes (``kvstrata.client.batching``), the kept path's call, the cache's native lookup
+(``locations_prefix``), the passes' start (``native_copies``, the copy stream's start inside it) and each pass,
+which queues its batch with the driver itself. Printed, up to the ``--batches``-th batch queued: per step, the
+median of when it began (us after the call began) and how long it took, and "gap" rows for the time between the
+steps (the call's own Python; 0 for steps inside others). The wrappers cost ~0.3 us each; no CUDA event is recorded,
+unlike ``_copy_trace.CopyTrace``.
 
     PYTHONPATH=src python3 tools/probe_call_steps.py [--op kept] [--rounds 200] [--sleep-ms 0] [--batches 1]
 """
@@ -24,11 +27,12 @@ import torch
 from _copy_trace import kept_client
 
 from kvstrata.bench._common import python_loop_us
-from kvstrata.client import device
+from kvstrata.client import batching, device, kept_reads
 from kvstrata.ops import copy_engine
 from kvstrata.server import protocol
 
 Steps = list[tuple[str, float, float]]
+BATCHES = ("driver batch", "native pass")  # the steps that end with a batch queued
 
 
 def _timed(name: str, fn: Callable[..., Any], steps: Steps) -> Callable[..., Any]:
@@ -60,9 +64,14 @@ def main() -> None:
         # inside kept_leases: the cache's lookup, the look at the worker's socket
         backend._local.entries_prefix = _timed("entries_prefix", backend._local.entries_prefix, steps)
         backend._worker_there = _timed("worker_there", backend._worker_there, steps)
-        for name in ("check_key", "plan", "start", "enqueue"):
+        backend._local.locations_prefix = _timed("locations_prefix", backend._local.locations_prefix, steps)
+        for name in ("check_key", "plan", "start", "_join", "enqueue", "native_copies"):
             setattr(device, name, _timed(name, getattr(device, name), steps))
         copy_engine.memcpy_raw = _timed("driver batch", copy_engine.memcpy_raw, steps)
+        # the native passes (kvstrata.client.batching): each queues its batch with the driver's call itself
+        batching.NativePasses.plan = _timed("native pass", batching.NativePasses.plan, steps)
+        batching.NativePasses.lay_out = _timed("native pass", batching.NativePasses.lay_out, steps)
+        kept_reads.queue = _timed("kept_reads.queue", kept_reads.queue, steps)
         began: dict[str, list[float]] = collections.defaultdict(list)
         took: dict[str, list[float]] = collections.defaultdict(list)
         calls, firsts = [], []
@@ -86,15 +95,17 @@ def main() -> None:
             seen: collections.Counter[str] = collections.Counter()
             prev = t0
             for name, a, b in sorted(steps, key=lambda s: s[1]):
-                if name == "driver batch" and seen[name] == batches:
+                if name in BATCHES and seen["batch"] == batches:
                     break  # up to the --batches-th batch
                 seen[name] += 1
+                if name in BATCHES:
+                    seen["batch"] += 1
                 label = f"{name} {seen[name]}" if seen[name] > 1 or name in ("check_key", "plan") else name
                 took[f"gap before {label}"].append(max(0.0, a - prev))
                 began[label].append(a - t0)
                 took[label].append(b - a)
                 prev = max(prev, b)
-                if name == "driver batch" and seen[name] == 1:
+                if name in BATCHES and seen["batch"] == 1:
                     firsts.append(b - t0)
         torch.cuda.synchronize()
         assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))

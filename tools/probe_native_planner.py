@@ -1,15 +1,23 @@
 """A kept ``mget_h2d`` and a reserved ``mset_d2h`` (fresh keys) with their copies planned by the Python loop or
 natively (``kvstrata.ops.tensor_runs``; a cold read, of keys just rewritten, through the placement table's one pass
-too), the native passes answering their runs (queued through cuda-bindings: ``batching.NATIVE_COPIES`` off) or
-queuing them with the driver's batch call themselves (on; "copies, py lookup": with the placement table read in
-Python, ``placements.NATIVE_LOOKUP`` off), switched call by call in one process (GPU machine, one real worker, one
-client), for keys of several sizes: 64 x 1 MiB (bench store's row), 256 x 256 KiB and 256 x 64 KiB (KV-cache blocks;
-256 is as many keys as the local-read cache keeps). Each call follows a one-key request, as bench store's do; the
-reads go into separate destination tensors. Per shape, case and variant: the median call against one pinned
-``copy_`` of the same bytes that way (the ceiling), and the host's time from the call's start to its last copy batch
-(when the host is done queueing; the rest is the DMA's tail and the wait). The host's loop speed before and after.
+too), switched call by call in one process (GPU machine, one real worker, one client), for keys of several sizes:
+64 x 1 MiB (bench store's row), 256 x 256 KiB and 256 x 64 KiB (KV-cache blocks; 256 is as many keys as the
+local-read cache keeps). Each call follows a one-key request, as bench store's do; the reads go into separate
+destination tensors. Per shape, case and variant: the median call against one pinned ``copy_`` of the same bytes that
+way (the ceiling), and the host's time from the call's start to its first and to its last copy batch (when the DMA
+can start, and when the host is done queueing). The host's loop speed before and after.
 
-    PYTHONPATH=src python3 tools/probe_native_planner.py [--rounds 100]
+The variants (``--variants a,b,...``; default: the last four):
+
+* ``python loop``: no native pass; ``native lists``: the passes answer their runs, queued through cuda-bindings
+  (``batching.NATIVE_COPIES`` off);
+* ``py lookup``: the passes queue their own copies, the placement table read in Python (``placements.NATIVE_LOOKUP``
+  off), a kept read's cache lookup and the copy stream's join in Python (``local_reads.NATIVE_PREFIX``,
+  ``device.NATIVE_JOIN`` off);
+* ``py prefix+join``: the same with the table read natively (session 29's code);
+* ``py join``: the kept read's cache lookup native too; ``all native``: the join too.
+
+    PYTHONPATH=src python3 tools/probe_native_planner.py [--rounds 100] [--variants NAMES]
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 import kvstrata
 from kvstrata.bench._common import device_time, python_loop_us
 from kvstrata.bench.store import _start_worker
-from kvstrata.client import batching
+from kvstrata.client import batching, device, local_reads
 from kvstrata.ops import copy_engine, tensor_runs
 from kvstrata.store import placements
 
@@ -55,13 +63,18 @@ def main() -> None:
         plan_copy=timed(tensor_runs.plan_copy),
         lay_out_copy=timed(tensor_runs.lay_out_copy),
     )
-    # (planner, whether its passes queue their own copies, whether the placement table is read natively)
-    planners = {
-        "python loop": (None, False, False),
-        "native, lists": (native, False, True),
-        "copies, py lookup": (native, True, False),
-        "native, copies": (native, True, True),
+    # (planner, whether its passes queue their own copies, whether the placement table, a kept read's cache lookup and
+    # the copy stream's join go natively)
+    every = {
+        "python loop": (None, False, False, False, False),
+        "native lists": (native, False, True, False, False),
+        "py lookup": (native, True, False, False, False),
+        "py prefix+join": (native, True, True, False, False),
+        "py join": (native, True, True, True, False),
+        "all native": (native, True, True, True, True),
     }
+    names = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else list(every)[2:]
+    planners = {name: every[name] for name in names}
     loops = [python_loop_us()]
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = _start_worker(Path(tmp), 4 << 30)
@@ -85,14 +98,17 @@ def main() -> None:
                         (case, name): [] for case in ceiling for name in planners
                     }
                     for it in range(rounds + 3):
+                        # Rotated round by round, so each variant is as often the first call after the previous
+                        # case's (a fixed order reversed every other round favoured the middle ones: session 30)
                         order = list(planners.items())
-                        if it % 2:
-                            order.reverse()
+                        order = order[it % len(order) :] + order[: it % len(order)]
                         for case in ceiling:
-                            for name, (planner, copies, lookup) in order:
+                            for name, (planner, copies, lookup, prefix, join) in order:
                                 batching.planner = lambda planner=planner: planner
                                 batching.NATIVE_COPIES = copies
                                 placements.NATIVE_LOOKUP = lookup
+                                local_reads.NATIVE_PREFIX = prefix
+                                device.NATIVE_JOIN = join
                                 fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
                                 if case == "mget_h2d cold":  # rewritten: the placement table's one pass reads them
                                     kv.delete(keys)
@@ -107,18 +123,19 @@ def main() -> None:
                                 if case == "mset_d2h":
                                     kv.delete(fresh)
                                 if it >= 3:
-                                    got[(case, name)].append((t1 - t0, last_batch[-1] - t0))
+                                    got[(case, name)].append((t1 - t0, last_batch[0] - t0, last_batch[-1] - t0))
                     assert all(torch.equal(a[0], b[0]) for a, b in zip(src, dst))
                     kv.delete(keys)
                     print(f"{n} x {size >> 10} KiB: one {n * size >> 20} MiB copy H2D / D2H", end="")
                     print(f" {ceiling['mget_h2d kept'] * 1e6:.0f} / {ceiling['mset_d2h'] * 1e6:.0f} us")
                     for (case, name), rows in got.items():
                         top = ceiling[case]
-                        call, queued = (statistics.median(c) for c in zip(*rows))
+                        call, first, queued = (statistics.median(c) for c in zip(*rows))
                         q1, _, q3 = statistics.quantiles([r[0] for r in rows], n=4)
                         print(
-                            f"  {case:13s} {name:17s} call {call * 1e6:6.0f} us ({top / call:.3f} of the ceiling;"
-                            f" quartiles {top / q3:.3f}-{top / q1:.3f}), last batch queued at {queued * 1e6:5.0f} us"
+                            f"  {case:13s} {name:22s} call {call * 1e6:6.0f} us ({top / call:.3f} of the ceiling;"
+                            f" quartiles {top / q3:.3f}-{top / q1:.3f}), batches queued at {first * 1e6:4.0f} /"
+                            f" {queued * 1e6:5.0f} us"
                         )
         finally:
             proc.terminate()

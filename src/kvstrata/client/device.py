@@ -23,6 +23,7 @@ import ctypes
 import functools
 import itertools
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -251,11 +252,18 @@ def start(device: Any, stream: Any = None) -> Any:
     nothing the caller queues afterwards can run ahead of them."""
     if device is None:
         return None
-    torch, copy_engine, current_stream, raw_stream, current_index = _device_modules()
-    index = device.index if device.index is not None else current_index()
+    index = device.index if device.index is not None else _device_modules()[4]()
     side = _copy_streams.get(index)
     if side is None:
-        side = _copy_streams.setdefault(index, torch.cuda.Stream(device=index))
+        side = _copy_streams.setdefault(index, _device_modules()[0].cuda.Stream(device=index))
+    _join(index, side, stream)
+    return side
+
+
+def _join(index: int, side: Any, stream: Any) -> None:
+    """Make the copy stream ``side`` of device ``index`` wait for ``stream`` (default: the current one), where it
+    has work pending (:func:`start`)."""
+    torch, copy_engine, current_stream, raw_stream, _ = _device_modules()
     if stream is None and raw_stream is not None:
         caller, handle = None, raw_stream(index)  # the current stream by its raw handle: no object until needed
     else:
@@ -265,14 +273,23 @@ def start(device: Any, stream: Any = None) -> Any:
     # wait: one query instead of the join's two calls. The join, where it is needed, overlaps the caller's pending
     # GPU work, which the copies wait for anyway. Work queued on the stream after the query came after the call
     # began, and is no more ordered before the copies than it is by the join's event.
-    if SKIP_IDLE_JOIN and copy_engine.stream_idle(handle):
-        return side
     # stream.wait_stream(), with an event of this thread's instead of a new one per call (3-5 us of the ~15 the
     # call cost on the H200 host, before the first DMA): the wait takes the event's state when it is queued, so
     # recording the event again later, in this thread, never changes what an earlier wait waits for. Once the
-    # event exists (torch creates it at its first record), record and wait go as two runtime calls on raw handles.
+    # event exists (torch creates it at its first record), record and wait go as two driver calls on raw handles,
+    # with the query before them in one native call (:func:`kvstrata.ops.tensor_runs.join`) where this thread has
+    # the device's context bound, else as runtime calls through cuda-bindings.
     events = _wait_events.__dict__
     got = events.get(index)
+    joiner = _native_join() if index in _bound.__dict__ else None
+    if joiner is not None:
+        state, err = joiner[0].join(joiner[1], handle, side.cuda_stream, 0 if got is None else got[1], SKIP_IDLE_JOIN)
+        if err:
+            raise copy_error("the copy stream's wait for the caller's", err, 0)
+        if state != _NEEDS_EVENT:
+            return
+    elif SKIP_IDLE_JOIN and copy_engine.stream_idle(handle):
+        return
     if got is None or not copy_engine.stream_wait(got[1], handle, side.cuda_stream):
         if caller is None:
             caller = current_stream(index)
@@ -281,7 +298,6 @@ def start(device: Any, stream: Any = None) -> Any:
         side.wait_event(event)
         if got is None:
             events[index] = (event, event.cuda_event)
-    return side
 
 
 def start_index(index: int, stream: Any = None) -> tuple[Any, Any]:
@@ -297,7 +313,10 @@ def native_copies(tensor_lists: Any, i: int, stream: Any = None) -> tuple[Any, A
     ``(the device of key i's first tensor, the copy stream started for it, the copier's entry point, ABI and stream
     handle)``. None, having started nothing, where that tensor is not a CUDA tensor, its device is not the current
     one (the driver's call copies in the current device's context) or the driver's batch call is not there: the
-    pass then answers its runs and :func:`copy_lists` queues them."""
+    pass then answers its runs and :func:`copy_lists` queues them. The answer is found once per thread and device;
+    a later call only joins the copy stream (:func:`start`'s wait), with no torch device made and no handle or entry
+    point looked up again before its first copy. (``tools/probe_call_steps.py`` on the H200 host, session 30: this
+    call's own work outside the join took 5-12 us before, 8 after on a slowed vCPU: within the runs' spread.)"""
     torch, _, _, _, current_index = _device_modules()
     try:
         t = tensor_lists[i][0]
@@ -308,19 +327,45 @@ def native_copies(tensor_lists: Any, i: int, stream: Any = None) -> tuple[Any, A
     index = t.get_device()
     if index != current_index():
         return None
-    entry = _batch_entry()
-    if entry is None or not (index in _bound.__dict__ or _bind_context(index)):
-        return None
-    device, side = start_index(index, stream)
-    return device, side, (entry[0], entry[1], side.cuda_stream)
+    got = _native_starts.__dict__.get(index)
+    if got is None:  # the first time in this thread: what stays the same from call to call, found once
+        entry = _batch_entry()
+        if entry is None or not (index in _bound.__dict__ or _bind_context(index)):
+            return None
+        device = torch.device("cuda", index)
+        side = start(device, stream)
+        got = _native_starts.__dict__[index] = (device, side, (entry[0], entry[1], side.cuda_stream))
+        return got
+    _join(index, got[1], stream)
+    return got
 
 
 _copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls
+# device index -> (its torch device, its copy stream, the copier) for native_copies, in a thread that bound the context
+_native_starts = threading.local()
 # start() skips the join where the caller's stream is idle. On the H200 host (tools/probe_call_variants.py, session
 # 25, switched call by call) that saved a 64 x 1 MiB mset_d2h 12-31 us after a request (as much as leaving the join
 # out did); a kept mget_h2d gained nothing the drift does not cover. The probe switches it.
 SKIP_IDLE_JOIN = True
 _wait_events = threading.local()  # device index -> this thread's event for start()'s wait, and its raw handle
+#: join the copy stream natively where the module is loaded (``tools/probe_native_planner.py`` switches it)
+NATIVE_JOIN = True
+_NEEDS_EVENT = 2  # kvstrata.ops.tensor_runs.NEEDS_EVENT (not imported: start() runs before the first copy)
+_joiner: list[Any] = [None]  # (the native module, the driver's stream calls), once both were found
+
+
+def _native_join() -> tuple[Any, tuple[int, int, int]] | None:
+    """:func:`kvstrata.ops.tensor_runs.join` and its driver calls, where the module is loaded (never a build) and the
+    driver's calls were found; else None (:func:`start` joins through cuda-bindings)."""
+    got = _joiner[0]
+    if got is None:
+        module = sys.modules.get("kvstrata.ops.tensor_runs")
+        native = None if module is None else module.loaded()
+        calls = None if native is None else module.stream_calls()
+        if calls is None:
+            return None
+        got = _joiner[0] = (native, calls)
+    return got if NATIVE_JOIN else None
 
 
 def enqueue(runs: Runs, device: Any, stream: Any, *, first: bool = False, head: int | None = None) -> None:

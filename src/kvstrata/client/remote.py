@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 from kvstrata._proc import PID
 from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
-from kvstrata.client.local_reads import entry_location as _ENTRY_LOC
 from kvstrata.errors import ProtocolError
 from kvstrata.server import protocol as P
 
@@ -285,10 +284,10 @@ class RemoteBackend(WorkerConnection):
         with self._lock:
             if self._closed or self._pid != PID[0]:
                 return None
-            got = local.entries_prefix(keys)
-            if not got or not self._worker_there():
+            locs = local.locations_prefix(keys)
+            if not locs or not self._worker_there():
                 return None
-            return [self._pin()], list(map(_ENTRY_LOC, got))
+            return [self._pin()], locs
 
     def acquire_send(self, token: Any) -> Any:
         """Send the request of an :meth:`acquire_start` made with ``send=False`` (if it needs one, and not sent

@@ -34,8 +34,14 @@ log = logging.getLogger(__name__)
 
 #: default cap on one reservation (``kvstrata.connect(reserve_bytes=...)``; 0 turns reservations off)
 RESERVE_BYTES = 256 << 20
-#: a reservation asked for holds at least this much (or two calls like the last one, if more)
+#: a reservation asked for holds at least this much (or :data:`CALLS_AHEAD` calls like the last one, if more)
 FLOOR_BYTES = 64 << 20
+#: calls like the last one a new reservation should hold (up to the cap): the call after it reads the reserve's reply
+#: before its first copy (~10 us on the development machine after a request), once in this many calls of a steady
+#: writer. Four (tried in session 30) put a 64 x 1 MiB writer's reservation at 256 MiB, a whole segment of the
+#: worker's (``StoreConfig.segment_bytes``), and bench store's rows, whose timed writes never read a reply, gained
+#: nothing (its cold read after a rewrite read 0.829-0.900 in six runs, 0.820-0.916 with two): two stays.
+CALLS_AHEAD = 2
 #: the calls of a chain of async calls (module docstring) a reservation should hold at its start
 CHAIN_CALLS = 4
 #: seconds before asking again after the worker refused a reservation (memory full)
@@ -150,7 +156,7 @@ class WriteReservation:
                 # carves them all without waiting for the chain to end in the middle (a drain: H200 host, 64 x 1 MiB
                 # calls, the copy engine idle ~500 us).
                 calls = CHAIN_CALLS if self._chained else 1
-                want = min(max(2 * calls * call_bytes, FLOOR_BYTES), self.limit)
+                want = min(max(CALLS_AHEAD * calls * call_bytes, FLOOR_BYTES), self.limit)
                 if self.remaining < min(calls * call_bytes, want) and time.monotonic() >= self._retry_at:
                     try:
                         self._pending = backend.reserve_start(want)

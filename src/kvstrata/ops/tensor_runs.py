@@ -210,6 +210,50 @@ def hints(table: Any, keys: list[str], lo: int, hi: int, limits: dict[int, int] 
     return _loaded().hints(table, keys, lo, hi, limits)
 
 
+def current_prefix(entries: dict[str, list], keys: list[str], gen: int, slots: int, nslots: int) -> list[Any]:
+    """The locations of ``keys`` from the first while each key's entry in ``entries`` is current (the local-read
+    cache's test, :meth:`kvstrata.client.local_reads.LocalReads.locations_prefix`), in one native call: an entry
+    ``[lease, location, slot, count, seen]`` is current where ``seen`` is ``gen`` or the counter at ``slots`` (the
+    address of ``nslots`` 8-byte counters) numbered ``slot`` still shows ``count``; ``seen`` then becomes ``gen``.
+    Stops at the first key with no current entry (or not a str), changing nothing for it."""
+    return _loaded().current_prefix(entries, keys, gen, slots, nslots)
+
+
+#: :func:`join`'s states: the caller's stream had nothing pending (nothing queued); the side stream waits for an
+#: event recorded on it; a wait is needed and no event was given (nothing queued)
+IDLE, JOINED, NEEDS_EVENT = 0, 1, 2
+
+
+def join(calls: tuple[int, int, int], caller: int, side: int, event: int, skip_idle: bool = True) -> tuple[int, int]:
+    """Make the raw stream ``side`` wait for the work queued on ``caller`` so far, with the driver's calls
+    (:func:`stream_calls`): ``(state, the driver's error or 0)``. With ``skip_idle``, one ``cuStreamQuery`` first,
+    and no wait where ``caller`` has nothing pending (:data:`IDLE`); else the raw event ``event`` recorded on it and
+    ``side`` made to wait for it (:data:`JOINED`), or nothing where ``event`` is 0 (:data:`NEEDS_EVENT`). The calling
+    thread needs the streams' context current."""
+    return _loaded().join(calls, caller, side, event, skip_idle)
+
+
+@functools.cache
+def stream_calls() -> tuple[int, int, int] | None:
+    """The driver's ``cuStreamQuery``, ``cuEventRecord`` and ``cuStreamWaitEvent`` (addresses, for :func:`join`),
+    or None (no cuda-bindings, no GPU)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    try:
+        out = []
+        for name in (b"cuStreamQuery", b"cuEventRecord", b"cuStreamWaitEvent"):
+            got = driver.cuGetProcAddress(name, 12000, 0)
+            if int(got[0]) != 0 or not int(got[1]) or (len(got) > 2 and int(got[2]) != 0):
+                return None
+            out.append(int(got[1]))
+        return out[0], out[1], out[2]
+    except Exception as exc:  # an unexpected binding: streams are joined through cuda-bindings' runtime calls
+        log.warning("kvstrata: the driver's stream calls not found (%s)", exc)
+        return None
+
+
 def loaded() -> ModuleType | None:
     """The native module if it is loaded now, else None; never starts a build (see :func:`native`)."""
     return _module

@@ -484,6 +484,111 @@ PyObject* hints_impl(PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// current_prefix(entries, keys, gen, slots, nslots) -> [location of each key, from the first, while its entry is
+// current]: LocalReads.entries_prefix's test (kvstrata/client/local_reads.py) in one native call. ``entries`` maps a
+// key to its entry ``[lease, location, slot, count, seen]``; an entry is current where ``seen`` is the generation
+// ``gen`` (read by the caller before this call), or where the worker's counter ``slots[slot]`` (``nslots`` 8-byte
+// counters at address ``slots``, shared memory the worker writes) still shows ``count``, and then ``seen`` becomes
+// ``gen``, as in Python. Stops at the first key with no entry (a key not a str included: the caller's key check
+// names it) or a stale one, which is left as it is.
+PyObject* current_prefix_impl(PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "current_prefix: 5 arguments");
+    return nullptr;
+  }
+  PyObject *entries = args[0], *keys = args[1], *gen_obj = args[2];
+  if (!PyDict_Check(entries) || !PyList_Check(keys) || !PyLong_Check(gen_obj)) {
+    PyErr_SetString(PyExc_TypeError, "current_prefix: entries must be a dict, keys a list, gen an int");
+    return nullptr;
+  }
+  const unsigned long long gen = PyLong_AsUnsignedLongLong(gen_obj);
+  int64_t slots_address, nslots;
+  if ((gen == static_cast<unsigned long long>(-1) && PyErr_Occurred()) || !as_i64(args[3], &slots_address) ||
+      !as_i64(args[4], &nslots))
+    return nullptr;
+  if (slots_address == 0 || nslots < 0) {
+    PyErr_SetString(PyExc_ValueError, "current_prefix: a null slots address or a negative count");
+    return nullptr;
+  }
+  const volatile uint64_t* slots = reinterpret_cast<const volatile uint64_t*>(slots_address);
+  const Py_ssize_t n = PyList_GET_SIZE(keys);
+  std::vector<PyObject*> found;  // borrowed: the entries' locations
+  found.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* key = PyList_GET_ITEM(keys, i);
+    if (!PyUnicode_CheckExact(key)) break;  // a str's lookup runs no Python code
+    PyObject* entry = PyDict_GetItemWithError(entries, key);  // borrowed
+    if (entry == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      break;
+    }
+    if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) < 5) break;
+    const unsigned long long seen = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(entry, 4));
+    if (seen == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
+    if (seen != gen) {
+      int64_t slot, count;
+      if (!as_i64(PyList_GET_ITEM(entry, 2), &slot) || !as_i64(PyList_GET_ITEM(entry, 3), &count)) return nullptr;
+      if (slot < 0 || slot >= nslots || slots[slot] != static_cast<uint64_t>(count)) break;
+      Py_INCREF(gen_obj);  // unchanged at a moment after gen was read: any later change moves gen
+      PyList_SetItem(entry, 4, gen_obj);
+    }
+    found.push_back(PyList_GET_ITEM(entry, 1));
+  }
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(found.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t k = 0; k < found.size(); ++k) {
+    Py_INCREF(found[k]);
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), found[k]);
+  }
+  return out;
+}
+
+// The driver's stream calls a copy stream's start makes (looked up like cuMemcpyBatchAsync): cuStreamQuery,
+// cuEventRecord, cuStreamWaitEvent. CUDA_ERROR_NOT_READY: the stream has work pending.
+using StreamQuery = int (*)(void*);
+using EventRecord = int (*)(void*, void*);
+using StreamWaitEvent = int (*)(void*, void*, unsigned);
+constexpr int kNotReady = 600;
+
+// join(calls, caller, side, event, skip_idle) -> (state, err): ``side`` made to wait for the work queued on the raw
+// stream ``caller`` so far, as kvstrata.client.device.start does it (state 1: ``event`` recorded on ``caller``, and
+// ``side`` waits for it), or, with ``skip_idle``, nothing where ``caller`` has nothing pending (state 0: one query).
+// State 2, having queued nothing: a wait is needed and ``event`` is 0 (the caller creates the event). ``err``: the
+// driver's error (0: none). ``calls`` are the three entry points' addresses.
+PyObject* join_impl(PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "join: 5 arguments");
+    return nullptr;
+  }
+  PyObject* calls = args[0];
+  int64_t query, record, wait, caller, side, event;
+  if (!PyTuple_Check(calls) || PyTuple_GET_SIZE(calls) != 3) {
+    PyErr_SetString(PyExc_TypeError, "join: calls must be a tuple (cuStreamQuery, cuEventRecord, cuStreamWaitEvent)");
+    return nullptr;
+  }
+  if (!as_i64(PyTuple_GET_ITEM(calls, 0), &query) || !as_i64(PyTuple_GET_ITEM(calls, 1), &record) ||
+      !as_i64(PyTuple_GET_ITEM(calls, 2), &wait) || !as_i64(args[1], &caller) || !as_i64(args[2], &side) ||
+      !as_i64(args[3], &event))
+    return nullptr;
+  const int skip_idle = PyObject_IsTrue(args[4]);
+  if (skip_idle < 0) return nullptr;
+  if (query == 0 || record == 0 || wait == 0 || side == 0) {
+    PyErr_SetString(PyExc_ValueError, "join: a null entry point or side stream");
+    return nullptr;
+  }
+  auto* caller_stream = reinterpret_cast<void*>(caller);
+  if (skip_idle) {
+    const int err = reinterpret_cast<StreamQuery>(query)(caller_stream);
+    if (err == 0) return Py_BuildValue("(ii)", 0, 0);
+    if (err != kNotReady) return Py_BuildValue("(ii)", 0, err);
+  }
+  if (event == 0) return Py_BuildValue("(ii)", 2, 0);
+  int err = reinterpret_cast<EventRecord>(record)(reinterpret_cast<void*>(event), caller_stream);
+  if (err == 0)
+    err = reinterpret_cast<StreamWaitEvent>(wait)(reinterpret_cast<void*>(side), reinterpret_cast<void*>(event), 0);
+  return Py_BuildValue("(ii)", 1, err);
+}
+
 // A C++ exception must not cross into the interpreter (it would end the process): it becomes a RuntimeError.
 template <PyObject* (*impl)(PyObject* const*, Py_ssize_t)>
 PyObject* guarded(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -516,6 +621,9 @@ PyMethodDef methods[] = {
      "copier) -> (stop, why, runs, err, totals, offsets, device_index, head)"},
     {"hints", KVSTRATA_FASTCALL(hints_impl),
      "hints(table, keys, lo, hi, limits) -> [(segment, offset, size, placement) or None per key]"},
+    {"current_prefix", KVSTRATA_FASTCALL(current_prefix_impl),
+     "current_prefix(entries, keys, gen, slots, nslots) -> [location of each key from the first while current]"},
+    {"join", KVSTRATA_FASTCALL(join_impl), "join(calls, caller, side, event, skip_idle) -> (state, err)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
