@@ -332,6 +332,8 @@
 #     store's device rows new/ab_old/new/new in turn, twice
 #   PART=s30e: the session's last call, final code (a reservation for two calls again): every GPU test; bench
 #     store's device rows four times
+#   PART=s30f: the GPU tests of the placed and device reads (a commit's placements published before its seal's
+#     loop); bench store's device rows three times
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -998,6 +1000,11 @@ elif [ "${PART}" = s30e ]; then
   gpu_tests gpu_tests_s30e
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s30e.log" | head -30 >> "$LOG"
   for r in 1 2 3 4; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
+elif [ "${PART}" = s30f ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_placed_reads.py \
+    tests/test_client_device.py tests/test_kept_reads.py > "$OUT/gpu_tests_s30f.log" 2>&1
+  tail -3 "$OUT/gpu_tests_s30f.log" >> "$LOG"
+  for r in 1 2 3; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

@@ -77,6 +77,38 @@ def test_sealed_objects_are_named_with_the_placement_their_leases_carry(table, s
     hints.close()
 
 
+def test_a_landing_commit_is_named_once_it_settles_and_a_rewrite_keeps_the_new_name(table, store_with):
+    # The placements of a commit sent before its copies landed appear when it settles (published before the seal's
+    # loop, under the same lock): never before the writer's word, and the leases taken then carry them. A rewrite of
+    # a key whose old version is still leased names the new version (the old one's withdrawal leaves it).
+    from kvstrata.store.allocator import ALIGNMENT
+    from kvstrata.store.tiers.base import Location
+
+    s = store_with(table)
+    hints = _attached(table)
+    s.put("k0", b"old" * 100)
+    pinned = s.acquire("k0", owner="r")  # the old version stays leased while the new one seals
+    loc = s.reserve("w", 1 << 20)
+    items, offset = [], loc.offset
+    for i in range(4):
+        s.buffer(Location(loc.segment, offset, 300))[:] = bytes([i]) * 300
+        items.append((f"k{i}", 300, offset))
+        offset += -(-300 // ALIGNMENT) * ALIGNMENT  # items side by side from the head, as a writer carves them
+    word = [None]
+    assert s.commit("w", items, landed=lambda: word[0]) == [None] * 4
+    keys = [it[0] for it in items]
+    assert hints.lookup(keys) == [_where(pinned), None, None, None]  # not landed: the old version's name only
+    word[0] = True
+    s.settle()
+    leases = s.acquire_many(keys, owner="r")
+    assert hints.lookup(keys) == list(map(_where, leases))
+    assert leases[0].placement != pinned.placement
+    s.release(pinned.lease_id)
+    assert hints.lookup(keys[:1]) == [_where(leases[0])]
+    s.release_many([lease.lease_id for lease in leases])
+    hints.close()
+
+
 def test_deleted_and_expired_keys_are_withdrawn(table, store_with):
     s = store_with(table)
     hints = _attached(table)

@@ -8,7 +8,9 @@ for; the lease then says whether that was right. The table is advice, never trus
 - Each **placement** (a version's bytes at one place in DRAM, from the moment they are sealed until they
   are freed or moved) has an id no other placement ever gets (``Entry.placed``; a promotion back from
   SSD is a new placement). A lease reply carries its placement's id.
-- The worker writes a bucket only after the placement's bytes are final (sealed, landed, promoted).
+- The worker writes a bucket only after the placement's bytes are final (sealed, landed, promoted); a batch
+  being sealed has its buckets written as its seal begins, under the store's lock, which a reader's lease
+  request then waits for.
 - A copy started from a bucket stands only if the lease names the same placement *and* the same place.
   Then that placement was alive when the bucket was written (before the copy began) and when the lease was
   taken, so its bytes never left in between (a placement never comes back once ended), and the lease
@@ -62,16 +64,17 @@ class PlacementTable:
     def fd(self) -> int:
         return self.segment.fd
 
-    def publish(self, entries: Iterable[Any]) -> None:
+    def publish(self, entries: Iterable[Any], *, sealing: bool = False) -> None:
         """Write the placements of ``entries`` (store Entries whose bytes are final: ``key``, ``loc``, ``placed``).
-        Called under the store's lock by whatever made them so; entries without DRAM bytes are skipped."""
+        Called under the store's lock by whatever made them so; entries without DRAM bytes are skipped, and so are
+        mutable ones, unless ``sealing``: the caller seals them all before it lets the lock go."""
         words = self._words
         if words is None:
             return
         crc32, mask = zlib.crc32, BUCKETS - 1
         for e in entries:
             loc = e.loc
-            if loc is None or not loc.size or e.mutable:
+            if loc is None or not loc.size or (e.mutable and not sealing):
                 continue
             raw = e.key.encode()
             crc = crc32(raw)
