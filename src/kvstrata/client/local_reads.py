@@ -166,8 +166,8 @@ class LocalReads:
 
     def locations_prefix(self, keys: list[str]) -> list[Any]:
         """:meth:`entries_prefix`'s entries' locations, where :mod:`kvstrata.ops.tensor_runs` is loaded looked up in
-        one native call (``current_prefix``: ~1 us for 64 keys on the development machine against ~6 in Python,
-        before a kept read's first copy)."""
+        one native call (``current_prefix``), before a kept read's first copy: on the development machine ~2 us for
+        64 keys against ~9 in Python, and the whole ``kept_leases`` right after a request 4.7 us against 16-17."""
         native = _native()
         if native is None:
             return list(map(entry_location, self.entries_prefix(keys)))
