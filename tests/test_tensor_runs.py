@@ -6,8 +6,11 @@ tensors stand in for CUDA ones (``cuda=False``); the GPU test runs the CUDA kind
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import random
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,6 +356,38 @@ def test_the_native_command_builds_the_planner_or_says_why_not(tmp_path, native)
     mtime = library.stat().st_mtime_ns
     again = _native_cli(tmp_path)  # loaded from the folder this time: not built again
     assert again.returncode == 0 and str(library) in again.stdout and library.stat().st_mtime_ns == mtime
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_blocks_the_next_and_builders_take_turns(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("KVSTRATA_NATIVE_DIR", str(tmp_path))
+    folder = tensor_runs.cache_dir()
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")  # what torch's builder leaves behind when its process is killed mid-build
+    built, finished = [], []
+
+    def load(name, sources, *, build_directory, **kwargs):
+        built.append((Path(build_directory) / "lock").exists())
+        return "the module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(tensor_runs, "_finish", lambda module, state, error="": finished.append((module, state)))
+    monkeypatch.setattr(tensor_runs, "_load_cached", lambda: False)
+    tensor_runs._build()  # (torch's own builder would wait for that lock file forever)
+    assert built == [False] and finished == [("the module", "ready")]
+
+    # A second builder waits while another process holds the build lock, then loads what that one built.
+    holder = open(folder / "kvstrata-build.lock", "w")  # noqa: SIM115  (released below, mid-test)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    monkeypatch.setattr(tensor_runs, "_load_cached", lambda: finished.append(("cached", "ready")) or True)
+    waiter = threading.Thread(target=tensor_runs._build)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and len(finished) == 1  # waiting its turn
+    holder.close()  # the lock goes with its holder (as it would with a killed process)
+    waiter.join(10)
+    assert not waiter.is_alive() and finished[1:] == [("cached", "ready")] and built == [False]
 
 
 def _driver(abi, fail_call=None):

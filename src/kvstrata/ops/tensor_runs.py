@@ -52,6 +52,7 @@ Example (CPU tensors stand in for CUDA ones, ``cuda=False``)::
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -72,6 +73,7 @@ DONE, CUT, PYTHON_PATH, NO_BASE, FULL = 0, 1, 2, 3, 4
 
 SOURCE = Path(__file__).with_name("native") / "tensor_runs.cpp"
 _NAME = "kvstrata_tensor_runs"  # the module's init function is PyInit_<this>
+_TORCH_LOCK = "lock"  # the file torch's extension builder holds its build folder by (torch.utils.file_baton)
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -323,11 +325,18 @@ def _build() -> None:
 
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        # torch's builder locks the folder, so processes building at once build it once
-        module = cpp_extension.load(
-            _NAME, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder), verbose=False
-        )
-        _finish(module, "ready")
+        # Processes building at once build it once: they take turns on a lock of ours, which the kernel lets go of
+        # if its holder dies. torch's builder has a lock of its own, a file it makes and removes, that a process
+        # killed mid-build leaves behind: every later build would wait for it forever. Whoever holds our lock
+        # knows no live process is building, so a torch lock file there is stale and goes.
+        with open(folder / "kvstrata-build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _load_cached():  # (built by the process that held the lock before this one)
+                (folder / _TORCH_LOCK).unlink(missing_ok=True)
+                module = cpp_extension.load(
+                    _NAME, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder), verbose=False
+                )
+                _finish(module, "ready")
     except Exception as exc:
         log.warning("kvstrata native module not built (%s): device calls plan their copies in Python", exc)
         _finish(None, "failed", f"not built: {exc}")
