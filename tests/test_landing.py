@@ -278,6 +278,32 @@ def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker
         kv.delete([*keys, "land/warm4"])
 
 
+def test_a_call_that_uses_up_its_reservation_asks_for_the_next_while_its_copies_move(worker, monkeypatch):
+    # A reservation of 2 KiB holds one call of nine ~128-byte objects, not two: each call asks for the next one
+    # right after its commit ahead (before its landing word, not at its end), once, and the next call carves from
+    # it with no create.
+    with kvstrata.connect(worker, reserve_bytes=2048) as kv:
+        assert kv.mset_d2h(["land/renew/warm"], _lists(1, 0)) == [None]  # created; a reservation asked for
+        backend = kv._backend
+        order = []
+        for name in ("commit_start", "reserve_start", "land", "mcreate_start"):
+            real = getattr(backend, name)
+            monkeypatch.setattr(
+                backend, name, lambda *a, _real=real, _name=name, **kw: order.append(_name) or _real(*a, **kw)
+            )
+        monkeypatch.setattr(device, "mark", lambda stream: _Event())
+        batches_of(monkeypatch, 2, 100)
+        calls = [([f"land/renew/{c}/{i}" for i in range(9)], _lists(9, 10 + c)) for c in range(3)]
+        for keys, src in calls:
+            assert kv.mset_d2h(keys, src) == [None] * 9
+        assert order == ["commit_start", "reserve_start", "land"] * 3
+        monkeypatch.undo()
+        for keys, src in calls:
+            assert _reads_back(kv, keys, src)
+            kv.delete(keys)
+        kv.delete(["land/renew/warm"])
+
+
 def test_a_call_that_may_not_land_at_first_commits_the_rest_ahead_once_it_may(worker, monkeypatch):
     # As a chained async call whose predecessor's landing word the worker has not read yet: the first mark's keys (the
     # first three batches') are committed once their bytes are in, and the rest, in one commit ahead of their copies,

@@ -466,6 +466,37 @@ def test_under_a_gpu_a_bad_tensor_mid_write_leaves_nothing_visible_with_either_p
     kv.delete([*keys, "rv-gpu-bad/warm"])
 
 
+@pytest.mark.parametrize("native", PLANNERS, ids=PLANNER_IDS)
+@pytest.mark.parametrize("case", ["not-a-str", "empty", "fewer-lists", "more-lists"])
+def test_under_a_gpu_bad_keys_or_a_wrong_count_raise_clearly_and_leave_nothing(kv, monkeypatch, native, case):
+    # A list of keys is checked once the first batch is queued (the copies into the reservation create nothing): a
+    # bad key still raises its clear error, with nothing stored and the reservation as it was. (A wrong count of
+    # tensor lists once raised a bare IndexError here, or stored the keys, where a reservation was held.)
+    keys = [f"rv-gpu-keys/{i}" for i in range(30)]
+    kv.delete(keys)
+    assert kv.mset_d2h(["rv-gpu-keys/warm"], _lists(1)) == [None]
+    reserved = kv.stats()["reserved_bytes"]
+    fake_gpu(monkeypatch, native)
+    copies_pending(monkeypatch)
+    lists, bad = _lists(30, sizes=(512,)), list(keys)
+    if case == "not-a-str":
+        bad[25], exc, match = 7, TypeError, r"^keys\[25\]: must be a str, got int"
+    elif case == "empty":
+        bad[25], exc, match = "", ValueError, r"^keys\[25\]: must not be empty"
+    elif case == "fewer-lists":
+        lists, exc, match = lists[:29], ValueError, r"one list of tensors per key \(30 keys, got 29\)"
+    else:
+        lists, exc, match = [*lists, []], ValueError, r"one list of tensors per key \(30 keys, got 31\)"
+    with pytest.raises(exc, match=match):
+        kv.mset_d2h(bad, lists)
+    assert kv.exists(keys) == [False] * 30 and kv.stats()["reserved_bytes"] == reserved
+    src = _lists(30, sizes=(512,), seed=5)
+    assert kv.mset_d2h(keys, src) == [None] * 30  # the next call carves where the bad one began
+    for key, ts in zip(keys, src):
+        assert kv.get(key) == ts[0].numpy().tobytes()
+    kv.delete([*keys, "rv-gpu-keys/warm"])
+
+
 def test_under_a_gpu_a_batch_the_driver_refuses_mid_write_leaves_nothing_visible(kv, monkeypatch):
     keys = [f"rv-gpu-refused/{i}" for i in range(30)]
     kv.delete(keys)
