@@ -334,6 +334,18 @@
 #     store's device rows four times
 #   PART=s30f: the GPU tests of the placed and device reads (a commit's placements published before its seal's
 #     loop); bench store's device rows three times
+#   PART=s31a: every GPU test (session 30's final code); tools/probe_call_steps.py --op mset twice (the write's steps
+#           before its first pass wrapped too); bench store's device rows twice
+#   PART=s31b: tools/probe_host_calls.py; tools/probe_call_steps.py --op mset with the session's starting code (ab_old/src,
+#           untracked) and the new code (a write's key check after its first batch, a quicker reservation take) in
+#           turn, twice; bench store's device rows likewise
+#   PART=s31c: s31b again with the native module built first (s31b's tools timed the Python path, its bench rows
+#           waited on a build lock a killed build left): tools/probe_host_calls.py; probe_call_steps --op mset and
+#           bench store's device rows with ab_old/src and the new code in turn
+#   PART=s31d: tools/probe_call_steps.py --op mset (the next reservation asked for while a write's last copies move);
+#           bench store's device rows with ab_old/src and the new code in turn, three times
+#   PART=s31e: the session's last call, final code: every GPU test; tools/probe_call_steps.py --op mset; bench store's
+#           device rows four times
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -425,6 +437,9 @@ store_read_ab() {  # the client-device GPU tests, store_ab against ab_old/src, t
   echo "=== tools/probe_store_ab.py --iters 100" >> "$LOG"; timeout 90 python3 tools/probe_store_ab.py --iters 100 >> "$LOG" 2>&1
 }
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader | tee "$LOG"
+# The native module built (or loaded from the disk cache) before anything runs: a fresh machine has none, and a tool
+# that starts its build in the background would time the Python path (session 31's second call did).
+timeout 240 python3 -m kvstrata.cli.main native 2>&1 | tail -2 >> "$LOG"
 if [ "${PART:-a}" = a ]; then
   KVSTRATA_TEST_WAIT=20 timeout 280 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
     > "$OUT/gpu_tests.log" 2>&1
@@ -1005,6 +1020,37 @@ elif [ "${PART}" = s30f ]; then
     tests/test_client_device.py tests/test_kept_reads.py > "$OUT/gpu_tests_s30f.log" 2>&1
   tail -3 "$OUT/gpu_tests_s30f.log" >> "$LOG"
   for r in 1 2 3; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
+elif [ "${PART}" = s31a ]; then
+  gpu_tests gpu_tests_s31a
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s31a.log" | head -30 >> "$LOG"
+  tool_runs 2 probe_call_steps --op mset --rounds 300
+  for r in 1 2; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
+elif [ "${PART}" = s31b ]; then
+  tool_runs 1 probe_host_calls --rounds 300
+  for r in 1 2; do
+    for v in ab_old new; do
+      use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_call_steps --op mset --rounds 300
+    done
+  done
+  use new
+  store_rows ab_old new ab_old new
+elif [ "${PART}" = s31c ]; then
+  tool_runs 1 probe_host_calls --rounds 200
+  for v in ab_old new; do
+    use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_call_steps --op mset --rounds 300
+  done
+  use new
+  store_rows ab_old new ab_old new
+elif [ "${PART}" = s31d ]; then
+  tool_runs 1 probe_call_steps --op mset --rounds 300
+  for r in 1 2 3; do
+    for v in ab_old new; do store_rows "$v"; cp "$OUT/store.json" "$OUT/store_${v}_$r.json"; done
+  done
+elif [ "${PART}" = s31e ]; then
+  gpu_tests gpu_tests_s31e
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s31e.log" | head -30 >> "$LOG"
+  tool_runs 1 probe_call_steps --op mset --rounds 300
+  for r in 1 2 3 4; do store_rows new; cp "$OUT/store.json" "$OUT/store_$r.json"; done
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

@@ -6,10 +6,10 @@ lookup and the look at the worker's socket), each key's tensor check and plan, t
 and inside it the driver's batch call, each batch's end event (``mark``), the worker's lingering hint; where the
 copies go through the native passes (``kvstrata.client.batching``), the kept path's call, the cache's native lookup
 (``locations_prefix``), the passes' start (``native_copies``, the copy stream's start inside it) and each pass,
-which queues its batch with the driver itself. Printed, up to the ``--batches``-th batch queued: per step, the
-median of when it began (us after the call began) and how long it took, and "gap" rows for the time between the
-steps (the call's own Python; 0 for steps inside others). The wrappers cost ~0.3 us each; no CUDA event is recorded,
-unlike ``_copy_trace.CopyTrace``.
+which queues its batch with the driver itself; a write's reservation take, segment address and registration check.
+Printed, up to the ``--batches``-th batch queued: per step, the median of when it began (us after the call began) and
+how long it took, and "gap" rows for the time between the steps (the call's own Python; 0 for steps inside others).
+The wrappers cost ~0.3 us each; no CUDA event is recorded, unlike ``_copy_trace.CopyTrace``.
 
     PYTHONPATH=src python3 tools/probe_call_steps.py [--op kept] [--rounds 200] [--sleep-ms 0] [--batches 1]
 """
@@ -27,7 +27,7 @@ import torch
 from _copy_trace import kept_client
 
 from kvstrata.bench._common import python_loop_us
-from kvstrata.client import batching, device, kept_reads
+from kvstrata.client import batching, device, kept_reads, reservation
 from kvstrata.ops import copy_engine
 from kvstrata.server import protocol
 
@@ -72,6 +72,13 @@ def main() -> None:
         batching.NativePasses.plan = _timed("native pass", batching.NativePasses.plan, steps)
         batching.NativePasses.lay_out = _timed("native pass", batching.NativePasses.lay_out, steps)
         kept_reads.queue = _timed("kept_reads.queue", kept_reads.queue, steps)
+        # a write's steps before its first pass: the reservation's take, the segment's address, the passes' start,
+        # the segment's registration check
+        reservation.WriteReservation.take = _timed("resv.take", reservation.WriteReservation.take, steps)
+        backend.segment_address = _timed("segment_address", backend.segment_address, steps)
+        passes_start = batching.NativePasses.start.__func__
+        batching.NativePasses.start = classmethod(_timed("passes.start", passes_start, steps))
+        kv._registrations.ensure = _timed("registrations", kv._registrations.ensure, steps)
         began: dict[str, list[float]] = collections.defaultdict(list)
         took: dict[str, list[float]] = collections.defaultdict(list)
         calls, firsts = [], []
