@@ -263,9 +263,14 @@ def test_hand_offs_through_a_worker_with_polling_waiters(tmp_path, monkeypatch, 
             src = torch.full((1024,), i, dtype=torch.int32)
             dst = torch.full((1024,), -1, dtype=torch.int32)
             fut = b.dev_subscribe([f"k{i}"], [[dst]], timeout=WAIT)[0]
-            pub = a.dev_publish([f"k{i}"], [[src]])[0]
+            # Published from another thread once this one waits in result(): a hand-off is for a waiter inside it.
+            # (Published from here, on a busy 2-core machine the event thread could settle all 20 receives before
+            # this thread got back to result(), and none was handed off.)
+            pubs: list = []
+            publisher = _later(0.005, lambda k, t, out: out.extend(a.dev_publish([k], [[t]])), f"k{i}", src, pubs)
             assert fut.result(WAIT) is None and torch.equal(dst, src)
-            pub.result(WAIT)  # the completion reached the broker: the publisher's tensors were released
+            publisher.join(WAIT)
+            pubs[0].result(WAIT)  # the completion reached the broker: the publisher's tensors were released
         deadline = time.monotonic() + WAIT
         while b._handoffs and time.monotonic() < deadline:  # the last ones go with the poll after the last receive
             time.sleep(0.001)
