@@ -148,3 +148,34 @@ def test_batch_of_plain_keys_second_create_nx_ttl_and_write_back(dstore):
     assert dstore.seal_many(wb, owner=1) == [None] * 3
     dstore.flush()
     assert dstore.stats()["dirty"] == 0 and dstore.stats()["tiers"]["disk"]["used"] > 0
+
+
+def test_a_large_delete_or_expire_holds_the_lock_chunk_by_chunk_and_answers_every_key(store, monkeypatch):
+    from kvstrata.store import engine
+
+    monkeypatch.setattr(engine, "LOCK_CHUNK", 16)
+    keys = [f"chunked/{i}" for i in range(50)]
+    store.put_many([(k, b"v") for k in keys[::2]])  # every other key exists
+    store.put("chunked/late", b"x", ttl=0.001)
+    time.sleep(0.01)  # expired: answered False by both calls, as one key at a time would be
+    holds = []
+    real = store._lock
+
+    class Counting:  # the store's lock, counting its holds: another client's request can come between two
+        def __enter__(self):
+            real.acquire()
+            holds.append(1)
+
+        def __exit__(self, *exc):
+            real.release()
+
+    store._lock = Counting()
+    try:
+        assert store.expire([*keys, "chunked/late"], 60) == [i % 2 == 0 for i in range(50)] + [False]
+        assert len(holds) == 4  # 51 keys, 16 per hold
+        assert store.delete([*keys, "chunked/late"]) == [i % 2 == 0 for i in range(50)] + [False]
+        assert len(holds) == 8
+    finally:
+        store._lock = real
+    assert store.exists(keys) == [False] * 50
+    assert store.stats()["tiers"]["memory"]["used"] == 0  # every block given back

@@ -49,6 +49,10 @@ from kvstrata.store.tiers.disk import DiskTier
 from kvstrata.store.tiers.memory import MemoryTier
 from kvstrata.store.writes import WriteMixin
 
+#: keys a batch call that changes every key (``delete``, ``expire``) handles per hold of the store's lock: a hold of
+#: 4,096 deletes takes ~8 ms on the development machine, so a request of another client waits at most about that
+LOCK_CHUNK = 4096
+
 log = logging.getLogger(__name__)
 
 
@@ -168,26 +172,30 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
 
     # -- metadata ----------------------------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> list[bool]:
-        """Delete keys; True where the key existed. Bytes under a lease are freed at its release."""
+        """Delete keys; True where the key existed. Bytes under a lease are freed at its release.
+
+        Many keys are deleted :data:`LOCK_CHUNK` at a time, the lock let go between chunks: 100,000 keys held it
+        ~200 ms in one go on the development machine, stalling every other client's request meanwhile."""
         keys = check_keys(keys)
         out = []
-        freed: list[Entry] = []  # blocks of a batch written together go back as one range
-        with self._lock:
-            objects, retire = self._objects, self._retire
-            now = time.monotonic()
-            for k in keys:
-                e = objects.pop(k, None)
-                if e is None:
-                    out.append(False)
-                    continue
-                retire(e, freed=freed)
-                if e.expires and e.expires <= now:  # expired already: counted as _lookup would, not deleted
-                    self._counts["expired"] += 1
-                    out.append(False)
-                else:
-                    out.append(True)
-            if freed:
-                self._free_entries(freed)
+        objects, retire = self._objects, self._retire
+        for lo in range(0, len(keys), LOCK_CHUNK):
+            freed: list[Entry] = []  # blocks of a batch written together go back as one range
+            with self._lock:
+                now = time.monotonic()
+                for k in keys[lo : lo + LOCK_CHUNK]:
+                    e = objects.pop(k, None)
+                    if e is None:
+                        out.append(False)
+                        continue
+                    retire(e, freed=freed)
+                    if e.expires and e.expires <= now:  # expired already: counted as _lookup would, not deleted
+                        self._counts["expired"] += 1
+                        out.append(False)
+                    else:
+                        out.append(True)
+                if freed:
+                    self._free_entries(freed)
         return out
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
@@ -209,22 +217,23 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         keys = check_keys(keys)
         ttl_s = check_ttl(ttl)
         out = []
-        with self._lock:
-            now = time.monotonic()
-            for k in keys:
-                e = self._lookup(k)
-                if e is None:
-                    out.append(False)
-                    continue
-                e.expires = now + ttl_s if ttl_s else 0.0
-                if ttl_s:
-                    heapq.heappush(self._ttl_heap, (e.expires, e.version, k))
-                if e.on_disk:  # so a restart honours the new deadline too
-                    try:
-                        self._disk.set_expiry(k, self._wall_expiry(e))
-                    except OSError as exc:
-                        log.error("could not record the new expiry of %r on SSD: %s", k, exc)
-                out.append(True)
+        for lo in range(0, len(keys), LOCK_CHUNK):  # the lock let go between chunks, as delete does
+            with self._lock:
+                now = time.monotonic()
+                for k in keys[lo : lo + LOCK_CHUNK]:
+                    e = self._lookup(k)
+                    if e is None:
+                        out.append(False)
+                        continue
+                    e.expires = now + ttl_s if ttl_s else 0.0
+                    if ttl_s:
+                        heapq.heappush(self._ttl_heap, (e.expires, e.version, k))
+                    if e.on_disk:  # so a restart honours the new deadline too
+                        try:
+                            self._disk.set_expiry(k, self._wall_expiry(e))
+                        except OSError as exc:
+                            log.error("could not record the new expiry of %r on SSD: %s", k, exc)
+                    out.append(True)
         return out
 
     def sizes(self, keys: Iterable[str]) -> list[int | None]:
