@@ -76,7 +76,7 @@ def bench_engine(iters: int) -> list:
                 loc = store.reserve(owner, n * VALUE)
                 store.commit(owner, [(k, VALUE, loc.offset + i * VALUE) for i, k in enumerate(keys)])  # rewritten
                 t0 = _clock()
-                ids, _, _, errors = store.lease_many(keys, owner=owner, timeout=0.0)
+                ids, _, _, _, errors = store.lease_many(keys, owner=owner, timeout=0.0)
                 t1 = _clock()
                 assert not errors
                 store.release_many(ids)
@@ -86,7 +86,7 @@ def bench_engine(iters: int) -> list:
         keys = [f"a64/{i}" for i in range(64)]
         samples = []
         for it in range(iters + 20):
-            ids, _, _, _ = store.lease_many(keys, owner=owner, timeout=0.0)
+            ids, _, _, _, _ = store.lease_many(keys, owner=owner, timeout=0.0)
             t0 = _clock()
             store.release_many(ids)
             t1 = _clock()
@@ -265,7 +265,9 @@ def bench_sides(iters: int) -> list:
         False,
     )
     b._deferred, b._deferred_aborts, b._holders, b._stash, b._tag = collections.deque(), collections.deque(), {}, {}, 0
-    b._lane, b._segments, b._tensors = None, {}, {}
+    b._lane, b._segments, b._tensors, b.segment_limits, b.placements = None, {}, {}, {}, None
+    b._read_lock, b._untagged, b._untagged_due, b._read_tag, b._landing_last = threading.Lock(), [], False, 0, 0
+    b._pins, b._pin_epoch, b._parked, b._there_until = {}, 0, collections.deque(), 0.0
     page = SharedSegment.attach(os.dup(validity.fd), TABLE_BYTES)
     b._local = LocalReads(page, max_entries=256, max_bytes=1 << 30, slots_offset=SLOTS_OFFSET)
 
