@@ -168,10 +168,15 @@ def test_the_worker_names_the_field_at_fault(worker, msg, name, words):
         conn.send(msg)
         err = conn.recv(timeout=REPLY_S)[0]["err"]
         assert err[0] == name and words in err[1], err
-        conn.send({"op": "mput", "items": [["k1", b"a"], ["k2"], ["k3", b"c"]]})  # per-key results stand
+        # per-key results stand: a malformed pair, an empty key, a value that is not bytes
+        conn.send({"op": "mput", "items": [["k1", b"a"], ["k2"], ["k3", b"c"], ["", b"d"], ["k5", 5], ["k6", b""]]})
         items = conn.recv(timeout=REPLY_S)[0]["items"]
-        assert items[0] == {} and items[2] == {}
+        assert items[0] == {} and items[2] == {} and items[5] == {}
         assert "items[1]: expected a [key, value] pair, got a list of 1" in str(items[1])
+        assert "must not be empty" in str(items[3]) and "expected bytes" in str(items[4])
+        conn.send({"op": "mget", "keys": ["k1", "k3", "k5", "k6"]})
+        got = conn.recv(timeout=REPLY_S)[0]
+        assert "KeyNotFound" in str(got) and "k5" in str(got), got  # the refused pair wrote nothing
 
 
 def test_a_read_that_names_no_timeout_does_not_wait(worker):

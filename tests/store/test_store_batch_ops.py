@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
+
 from kvstrata.errors import CapacityError, KeyExists, KeyNotFound, Timeout
 from kvstrata.store import WriteMode
 
@@ -179,3 +181,64 @@ def test_a_large_delete_or_expire_holds_the_lock_chunk_by_chunk_and_answers_ever
         store._lock = real
     assert store.exists(keys) == [False] * 50
     assert store.stats()["tiers"]["memory"]["used"] == 0  # every block given back
+
+
+def test_put_many_writes_runs_of_small_values_per_lock_hold_with_per_key_results(store, monkeypatch):
+    from kvstrata.store import batch, writes
+
+    monkeypatch.setattr(batch, "PUT_CHUNK", 8)
+    store.put_many([("pm/old-same", b"o" * 100), ("pm/old-other", b"o" * 10), ("pm/taken", b"t")])
+    items = [(f"pm/{i}", bytes([i]) * (i * 37 % 300)) for i in range(20)]  # sizes 0..299, a zero among them
+    items += [
+        ("pm/old-same", b"n" * 100),  # rewritten in place (same block size)
+        ("pm/old-other", b"n" * 5000),  # a new block
+        ("pm/big", b"b" * (writes._SMALL + 1)),  # past a small value: put's own path
+        ("pm/3", b"again"),  # a key twice in one batch: the later one stands
+        ("", b"x"),  # a bad key: the whole call raises, before anything is written
+    ]
+    with pytest.raises(ValueError, match="items"):
+        store.put_many(items)  # bad arguments: raised before anything is written
+    assert store.exists(["pm/0", "pm/old-same"]) == [False, True] and store.get_bytes("pm/old-same") == b"o" * 100
+    items.pop()
+    holds = []
+    real = store._lock
+
+    class Counting:
+        def __enter__(self):
+            real.acquire()
+            holds.append(1)
+
+        def __exit__(self, *exc):
+            real.release()
+
+        def acquire(self, *a):  # (the allocator's wait for room lets the lock go this way)
+            return real.acquire(*a)
+
+        def release(self):
+            real.release()
+
+    store._lock = Counting()
+    try:
+        assert store.put_many(items) == [None] * len(items)
+    finally:
+        store._lock = real
+    assert len(holds) <= 10  # 23 small values 8 per hold, the big one's own holds: not one hold per key
+    expect = dict(items)
+    for key, value in expect.items():
+        assert store.get_bytes(key) == value
+    # write-once: the keys present are refused, their blocks never taken; the others written
+    res = store.put_many([("pm/1", b"x"), ("pm/new", b"y" * 70), ("pm/taken", b"z"), ("pm/new2", b"w")], nx=True)
+    assert res[1] is None and res[3] is None and isinstance(res[0], KeyExists) and isinstance(res[2], KeyExists)
+    assert store.get_bytes("pm/1") == expect["pm/1"] and store.get_bytes("pm/new") == b"y" * 70
+    keys = [*expect, "pm/taken", "pm/new", "pm/new2"]
+    store.delete(keys)
+    assert store.stats()["tiers"]["memory"]["used"] == 0  # every block given back, refused keys' included
+
+
+def test_put_many_of_more_than_free_memory_evicts_as_single_puts_do(store):
+    # No free range holds the run's blocks at once: each value is put on its own, evicting older ones.
+    capacity = store.stats()["tiers"]["memory"]["capacity"]
+    n = capacity // 4096 + 64
+    res = store.put_many([(f"ev/{i}", b"e" * 4000) for i in range(n)], write_mode="evictable")
+    assert res == [None] * n
+    assert store.get_bytes(f"ev/{n - 1}") == b"e" * 4000 and store.stats()["evictions"] > 0

@@ -81,7 +81,13 @@ class EmbeddedBackend:
         self._check().put(key, data, owner=self.owner, **self._opts(opts))
 
     def mput(self, items: list[tuple[str, memoryview]], opts: dict) -> list[Any]:
-        return [_result(lambda k=k, v=v: self.put(k, v, opts)) for k, v in items]
+        """The store's ``put_many`` (small values many per hold of its lock), with per-key results. The keys and
+        values come checked: what it raises for the whole call (an option no key can be written with) is every
+        key's result, as one ``put`` per key would have it."""
+        try:
+            return self._check().put_many(items, owner=self.owner, **self._opts(opts))
+        except (KvstrataError, ValueError, TypeError) as exc:
+            return [exc] * len(items)
 
     def create(self, key: str, size: int, opts: dict) -> Any:
         return self._check().create(key, size, owner=self.owner, **self._opts(opts))

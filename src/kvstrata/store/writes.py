@@ -103,35 +103,7 @@ class WriteMixin:
             # small values: reserve, copy and seal in one critical section (a copy of a few KiB
             # costs less than taking the lock twice)
             with self._lock:
-                old = self._objects.get(key)
-                if (
-                    old is not None
-                    and old.leases == 0
-                    and old.loc is not None
-                    and size
-                    and (old.size + _ALIGN_MASK) >> _ALIGN_SHIFT == (size + _ALIGN_MASK) >> _ALIGN_SHIFT
-                    and not nx
-                    and not self._closed
-                ):
-                    # Nobody holds the old version's bytes (readers, local-read caches, the flusher and
-                    # spills all pin with a lease) and its block is the size the new one needs: write
-                    # the new version there instead of allocating and freeing. Under the lock, so no
-                    # reader sees the bytes change; the new version is still a new Entry (version, TTL,
-                    # placement: a device read that copied early from the old one, unpinned, is redone).
-                    loc = old.loc
-                    if loc.size != size:
-                        loc = Location(loc.segment, loc.offset, size)
-                    self._mem.view(loc)[:] = view
-                    old.loc = None  # the block is the new version's now: retiring the old one frees nothing
-                    e = Entry(key, size, loc, mode, next(self._versions), owner)
-                    if ttl_s:
-                        e.ttl = ttl_s
-                else:
-                    e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
-                    if size:
-                        self._mem.view(e.loc)[:] = view
-                    self._uncreate(key)
-                self._seal_locked(e, None, mutable=False)
+                self._put_small_locked(key, view, size, owner, mode, ttl_s, nx)
         else:
             with self._lock:
                 e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
@@ -146,6 +118,57 @@ class WriteMixin:
             self._finish(e, mutable=False)
         if self._announced < len(self._mem.segments):
             self._announce_segments()
+
+    def _put_small_locked(
+        self, key: str, view: memoryview, size: int, owner: object, mode: WriteMode, ttl_s: float, nx: bool
+    ) -> None:
+        """:meth:`put` of a value of at most ``_SMALL`` bytes, checked, not written through: reserved, copied and
+        sealed under the lock (held; :meth:`_allocate` may let it go to wait for room)."""
+        old = self._objects.get(key)
+        if (
+            old is not None
+            and old.leases == 0
+            and old.loc is not None
+            and size
+            and (old.size + _ALIGN_MASK) >> _ALIGN_SHIFT == (size + _ALIGN_MASK) >> _ALIGN_SHIFT
+            and not nx
+            and not self._closed
+        ):
+            # Nobody holds the old version's bytes (readers, local-read caches, the flusher and
+            # spills all pin with a lease) and its block is the size the new one needs: write
+            # the new version there instead of allocating and freeing. Under the lock, so no
+            # reader sees the bytes change; the new version is still a new Entry (version, TTL,
+            # placement: a device read that copied early from the old one, unpinned, is redone).
+            loc = old.loc
+            if loc.size != size:
+                loc = Location(loc.segment, loc.offset, size)
+            self._mem.view(loc)[:] = view
+            old.loc = None  # the block is the new version's now: retiring the old one frees nothing
+            e = Entry(key, size, loc, mode, next(self._versions), owner)
+            if ttl_s:
+                e.ttl = ttl_s
+        else:
+            e = self._reserve_locked(key, size, owner, mode, ttl_s, nx)
+            if size:
+                self._mem.view(e.loc)[:] = view
+            self._uncreate(key)
+        self._seal_locked(e, None, mutable=False)
+
+    def _put_small_at_locked(
+        self, key: str, view: memoryview, loc: Location, owner: object, mode: WriteMode, ttl_s: float, nx: bool
+    ) -> None:
+        """:meth:`_put_small_locked` into ``loc``, a block the caller allocated for it (freed here if the key is
+        refused). The lock is held throughout, so no create of the key can come in between."""
+        if self._closed or (nx and (key in self._creating or self._lookup(key) is not None)):
+            self._mem.free(loc)
+            if self._closed:
+                raise ClosedError("the object store is closed")
+            raise KeyExists(f"key {key!r} already exists")
+        e = Entry(key, loc.size, loc, mode, next(self._versions), owner)
+        if ttl_s:
+            e.ttl = ttl_s
+        self._mem.view(loc)[:] = view
+        self._seal_locked(e, None, mutable=False)
 
     def _check_write(self, key, size, ttl, write_mode) -> tuple[WriteMode, float]:
         check_key(key)
