@@ -242,3 +242,20 @@ def test_put_many_of_more_than_free_memory_evicts_as_single_puts_do(store):
     res = store.put_many([(f"ev/{i}", b"e" * 4000) for i in range(n)], write_mode="evictable")
     assert res == [None] * n
     assert store.get_bytes(f"ev/{n - 1}") == b"e" * 4000 and store.stats()["evictions"] > 0
+
+
+def test_put_many_cut_short_by_an_unexpected_error_gives_back_the_blocks_no_value_took(store, monkeypatch):
+    real, calls = store._put_small_at_locked, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a bug")
+        real(*args)
+
+    monkeypatch.setattr(store, "_put_small_at_locked", failing)
+    with pytest.raises(RuntimeError, match="a bug"):
+        store.put_many([(f"cut/{i}", b"c" * 100) for i in range(10)])
+    assert store.exists([f"cut/{i}" for i in range(10)]) == [True, True] + [False] * 8
+    store.delete(["cut/0", "cut/1"])
+    assert store.stats()["tiers"]["memory"]["used"] == 128  # the failed value's block alone (it could be in use)

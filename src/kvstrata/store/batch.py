@@ -93,18 +93,24 @@ class BatchMixin:
                     held += size
                     i += 1
                 blocks = self._run_blocks_locked(pairs, views, run, nx)
-                for j in run:
-                    key, view = pairs[j][0], views[j]
-                    try:
-                        loc = blocks.get(j)
-                        if loc is not None:
-                            self._put_small_at_locked(key, view, loc, owner, mode, ttl_s, nx)
-                            continue
-                        if not fits(view.nbytes):  # (a tier smaller than the value: put's own check)
-                            self._check_write(key, view.nbytes, ttl, mode)
-                        put_small(key, view, view.nbytes, owner, mode, ttl_s, nx)
-                    except KvstrataError as exc:
-                        out[j] = exc
+                try:
+                    for j in run:
+                        key, view = pairs[j][0], views[j]
+                        try:
+                            loc = blocks.pop(j, None)
+                            if loc is not None:
+                                self._put_small_at_locked(key, view, loc, owner, mode, ttl_s, nx)
+                                continue
+                            if not fits(view.nbytes):  # (a tier smaller than the value: put's own check)
+                                self._check_write(key, view.nbytes, ttl, mode)
+                            put_small(key, view, view.nbytes, owner, mode, ttl_s, nx)
+                        except KvstrataError as exc:
+                            out[j] = exc
+                finally:
+                    # Cut short by an unexpected error (a bug): the blocks no value was given go back. The one being
+                    # written then stays taken (it may already be a visible version's: never freed twice).
+                    if blocks:
+                        self._mem.free_many(list(blocks.values()))
         if self._announced < len(self._mem.segments):
             self._announce_segments()
         return out
