@@ -540,6 +540,35 @@ def test_mset_error_in_one_large_value_leaves_no_open_create(kv, monkeypatch):
     assert kv.get("mset-err/c") == b"\x02" * big
 
 
+def test_a_mset_of_many_kib_values_goes_through_shared_memory_and_answers_per_key(kv, monkeypatch):
+    """Through a worker, a mset of MSET_SHARED_MIN_KEYS or more keys writes its values of 1 KiB or more through shared
+    memory (one create and one seal request for them), its smaller ones inline; fewer keys go inline. Either way the
+    results are per key (a write-once key already there refused alone) and the values read back."""
+    from kvstrata.client import client as client_module
+
+    backend = kv._b()
+    calls: list[str] = []
+    for name in ("mput", "mcreate", "mseal"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    many = client_module.MSET_SHARED_MIN_KEYS
+    keys = [f"mset-shm/{i}" for i in range(many)]
+    kv.delete([*keys, "mset-shm/few"])
+    kv.set(keys[3], b"already here")
+    items = {k: bytes([i]) * (1024 + i) for i, k in enumerate(keys)}
+    items["mset-shm/tiny"] = b"t"
+    results = kv.mset(items, nx=True)
+    assert isinstance(results[3], kvstrata.KeyExists) and results.count(None) == len(items) - 1
+    shared = backend.shm and backend.shared_batch_bytes <= 1024
+    assert calls == (["mput", "mcreate", "mseal"] if shared else ["mput"])
+    calls.clear()
+    assert kv.mset({"mset-shm/few": b"f" * 4096}) == [None] and calls == ["mput"]  # one key: inline
+    for i, k in enumerate(keys):
+        assert kv.get(k) == (b"already here" if i == 3 else bytes([i]) * (1024 + i))
+    assert kv.get("mset-shm/tiny") == b"t" and kv.get("mset-shm/few") == b"f" * 4096
+    kv.delete([*keys, "mset-shm/few", "mset-shm/tiny"])
+
+
 def test_get_with_timeout_none_waits_until_the_key_exists(kv):
     kv.delete("late-none")
     writer = kv if kv.embedded else kvstrata.connect(kv.address)

@@ -32,6 +32,11 @@ from kvstrata.errors import ClosedError, InvalidType, KvstrataError
 from kvstrata.server import protocol as P
 
 Result = Any  # per-key: a value (or None) on success, the KvstrataError instance on failure
+#: a ``mset`` of at least this many keys writes its values of the backend's ``shared_batch_bytes`` or more through
+#: shared memory (one create and one seal request for them all) rather than inline in its request. Through a worker on
+#: the development machine, 1,000 values a call: 4 KiB ~15 us a key that way against ~26 inline, 16 KiB 14 against
+#: 30, 1 KiB 16 against 21; 64-256 B alike either way (``tools/probe_batch_writes.py`` and a variant, session 31).
+MSET_SHARED_MIN_KEYS = 16
 
 
 def _one_or_many(keys: Any, results: list[Any]) -> Any:
@@ -160,8 +165,14 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         opts = self._write_opts(ttl, nx, write_mode)
         backend = self._b()
         results: list[Result] = [None] * len(keys)
-        small = [i for i, v in enumerate(views) if len(v) < backend.inline_max or not backend.shm]
-        large = [i for i, v in enumerate(views) if not (len(v) < backend.inline_max or not backend.shm)]
+        # Values past the backend's inline limit go through shared memory (create, copy, seal); so do those past its
+        # batch limit in a call of many keys, where two requests for the batch cost less than the copies of its
+        # values through the socket.
+        limit = backend.inline_max
+        if len(views) >= MSET_SHARED_MIN_KEYS:
+            limit = min(limit, backend.shared_batch_bytes)
+        small = [i for i, v in enumerate(views) if len(v) < limit or not backend.shm]
+        large = [i for i, v in enumerate(views) if not (len(v) < limit or not backend.shm)]
         if small:
             for i, r in zip(small, backend.mput([(keys[i], views[i]) for i in small], opts)):
                 results[i] = r if isinstance(r, BaseException) else None

@@ -22,6 +22,7 @@ class EmbeddedBackend:
 
     shm = True
     address = "embedded"
+    shared_batch_bytes = 1 << 62  # no wire: a batch's put copies each value once either way
 
     def __init__(self, store: Any, *, own_store: bool) -> None:
         self.store = store

@@ -45,6 +45,9 @@ class _Unsent(NamedTuple):
 class RemoteBackend(WorkerConnection):
     """A connection to a worker. Requests are serialized on the connection (one at a time)."""
 
+    #: a value this large or larger in a ``mset`` of many keys goes through shared memory (``Client.mset``)
+    shared_batch_bytes = 1024
+
     # calls ---------------------------------------------------------------------------------------
     def put(self, key: str, data: memoryview, opts: dict) -> None:
         msg = {"op": "put", "key": key, "v": data}
