@@ -569,6 +569,42 @@ def test_a_mset_of_many_kib_values_goes_through_shared_memory_and_answers_per_ke
     kv.delete([*keys, "mset-shm/few", "mset-shm/tiny"])
 
 
+def test_a_mget_of_many_keys_reads_shared_memory_per_key_and_gives_every_lease_back(kv, monkeypatch):
+    """Through a worker, a mget of MSET_SHARED_MIN_KEYS keys or more leases them and copies each value out of
+    shared memory: values of every size, a missing key's error in its slot, a key the worker could not lease (on
+    SSD alone, the memory all leased) read its old way; no lease is left held."""
+    from kvstrata.client import remote
+
+    backend = kv._b()
+    keys = [f"mget-shm/{i}" for i in range(remote.MGET_SHARED_MIN_KEYS + 4)]
+    values = {k: bytes([i]) * (i * 997 % 40_000) for i, k in enumerate(keys)}  # 0 B up to ~39 KiB
+    kv.delete(keys)
+    assert kv.mset(values) == [None] * len(keys)
+    ask = [*keys[:5], "mget-shm/missing", *keys[5:]]
+    got = kv.mget(ask)
+    assert isinstance(got[5], kvstrata.KeyNotFound) and got[:5] + got[6:] == [values[k] for k in keys]
+    if kv.embedded or not backend.shm:
+        return
+    before = kv.stats()["leases"]  # the leases the local-read cache kept from the first call
+    assert kv.mget(keys) == [values[k] for k in keys]
+    assert kv.stats()["leases"] == before  # every other lease the call took went back
+    real = backend.acquire
+
+    def acquire(ks, timeout, **kw):  # the worker found no room to lease keys[2] (as for an object on SSD alone)
+        out = real(ks, timeout, **kw)
+        backend.release([out[2].lease_id])
+        out[2] = kvstrata.CapacityError("simulated: no room to bring it back into memory")
+        return out
+
+    monkeypatch.setattr(backend, "acquire", acquire)
+    assert kv.mget(keys) == [values[k] for k in keys]
+    monkeypatch.undo()
+    assert kv.stats()["leases"] == before
+    few = kv.mget(keys[: remote.MGET_SHARED_MIN_KEYS - 1])  # fewer keys: the worker copies them into its reply
+    assert few == [values[k] for k in keys[: remote.MGET_SHARED_MIN_KEYS - 1]]
+    kv.delete(keys)
+
+
 def test_get_with_timeout_none_waits_until_the_key_exists(kv):
     kv.delete("late-none")
     writer = kv if kv.embedded else kvstrata.connect(kv.address)

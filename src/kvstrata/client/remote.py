@@ -14,10 +14,12 @@ from typing import Any, NamedTuple
 from kvstrata._proc import PID
 from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
-from kvstrata.errors import ProtocolError
+from kvstrata.errors import CapacityError, ProtocolError
 from kvstrata.server import protocol as P
 
 _ONE = 1  # a flag of 1: a mutable object (kvstrata.server.handlers._acquire)
+#: a ``mget`` of at least this many keys leases them and copies their values out of shared memory (:meth:`mget`)
+MGET_SHARED_MIN_KEYS = 16
 _LESS_2 = (-2).__add__  # a flag of 2 + slot: the slot
 _SEQ = frozenset({list, tuple})
 _INT = frozenset({int})
@@ -197,6 +199,30 @@ class RemoteBackend(WorkerConnection):
         return drop
 
     def mget(self, keys: list[str], timeout: float) -> list[Any]:
+        """Each key's value (or its error). A call of :data:`MGET_SHARED_MIN_KEYS` keys or more leases them
+        (:meth:`acquire`: the local-read cache's current leases need no round trip, and new cacheable ones are
+        kept where they fit) and copies each value once, straight out of shared memory, instead of having the
+        worker copy the values into its reply: through a worker on the development machine, 1,000 values a call,
+        4 KiB took ~8 us a key that way against ~44, 16 KiB 11 against 112, 64 B 6 against 9 (session 31)."""
+        if not self.shm or len(keys) < MGET_SHARED_MIN_KEYS:
+            return self._mget_copied(keys, timeout)
+        leases = self.acquire(keys, timeout, cache="fit")
+        out: list[Any] = []
+        held = [x.lease_id for x in leases if not isinstance(x, BaseException)]
+        try:
+            for x in leases:
+                out.append(x if isinstance(x, BaseException) else bytes(self.view(x.location)))
+        finally:
+            self.release(held)
+        # A key on SSD alone with the memory tier all leased has no lease to give: the worker's mget reads it from SSD.
+        again = [i for i, r in enumerate(out) if isinstance(r, CapacityError)]
+        if again:
+            for i, r in zip(again, self._mget_copied([keys[i] for i in again], 0.0)):
+                out[i] = r
+        return out
+
+    def _mget_copied(self, keys: list[str], timeout: float) -> list[Any]:
+        """:meth:`mget` as the worker answers it: values copied into the reply (a large one leased and copied here)."""
         items = self.request({"op": "mget", "keys": keys, "timeout": timeout})["items"]
         return [r if isinstance(r, BaseException) else self._value(r) for r in map(self._item, items)]
 
