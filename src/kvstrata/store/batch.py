@@ -39,7 +39,7 @@ from kvstrata.store.objects import (
     check_ttl,
 )
 from kvstrata.store.tiers.base import Location
-from kvstrata.store.writes import _ALIGN_MASK, _ALIGN_SHIFT, _OPEN_CREATE, _SMALL
+from kvstrata.store.writes import _OPEN_CREATE, _SMALL, reusable_block
 
 #: the most small values ``put_many`` writes per hold of the lock, and the most bytes: a hold stays ~1 ms on the
 #: development machine, so another client's request waits at most about that
@@ -128,13 +128,7 @@ class BatchMixin:
             old = objects.get(key)
             if nx and (old is not None or key in creating):
                 continue  # most likely refused (put_small tells): no block for it
-            if size and (
-                nx
-                or old is None
-                or old.leases
-                or old.loc is None
-                or (old.size + _ALIGN_MASK) >> _ALIGN_SHIFT != (size + _ALIGN_MASK) >> _ALIGN_SHIFT
-            ):
+            if size and (nx or not reusable_block(old, size)):
                 fresh.append(j)
         if len(fresh) < 2 or self._closed:
             return {}

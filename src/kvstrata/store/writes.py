@@ -36,6 +36,18 @@ _OPEN_CREATE = (
 )
 
 
+def reusable_block(old: Entry | None, size: int) -> bool:
+    """Whether a new version of ``size`` (> 0) bytes may be written into the block of the key's current version
+    ``old``: nobody holds it (no lease) and it is the size the new one needs, in whole ALIGNMENT units."""
+    return (
+        old is not None
+        and old.leases == 0
+        and old.loc is not None
+        and size > 0
+        and (old.size + _ALIGN_MASK) >> _ALIGN_SHIFT == (size + _ALIGN_MASK) >> _ALIGN_SHIFT
+    )
+
+
 class WriteMixin:
     """``create`` / ``seal`` / ``publish`` / ``abort`` / ``put`` of the engine, and retiring versions (see the
     module docstring)."""
@@ -125,15 +137,7 @@ class WriteMixin:
         """:meth:`put` of a value of at most ``_SMALL`` bytes, checked, not written through: reserved, copied and
         sealed under the lock (held; :meth:`_allocate` may let it go to wait for room)."""
         old = self._objects.get(key)
-        if (
-            old is not None
-            and old.leases == 0
-            and old.loc is not None
-            and size
-            and (old.size + _ALIGN_MASK) >> _ALIGN_SHIFT == (size + _ALIGN_MASK) >> _ALIGN_SHIFT
-            and not nx
-            and not self._closed
-        ):
+        if not nx and not self._closed and reusable_block(old, size):
             # Nobody holds the old version's bytes (readers, local-read caches, the flusher and
             # spills all pin with a lease) and its block is the size the new one needs: write
             # the new version there instead of allocating and freeing. Under the lock, so no
