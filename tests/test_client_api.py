@@ -435,6 +435,30 @@ def test_closed_client(kv):
             call()
 
 
+def test_a_disconnected_clients_session_is_freed_by_reference_counting(worker):
+    """A worker may go a long time between collections of cycles (few objects outlive a request), so what a client
+    held (its session, connection and socket objects, its lane's bookkeeping) must go when it disconnects, not wait
+    for one."""
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        with kvstrata.connect(worker.address) as kv:
+            kv.set("session-freed", b"v" * 10_000)
+            assert kv.get("session-freed") == b"v" * 10_000
+            kv.delete("session-freed")
+            (session,) = [s for s in worker._sessions.values() if s.pid == os.getpid()]
+            refs = [weakref.ref(session), weakref.ref(session.conn)]
+            del session
+        deadline = time.monotonic() + 10
+        while any(r() is not None for r in refs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
 def test_generate_key(kv):
     keys = {kv.generate_key("sess/") for _ in range(1000)}
     assert len(keys) == 1000 and all(k.startswith("sess/") for k in keys)

@@ -244,6 +244,7 @@ class Worker:
                 n = len(self._sessions)
                 self._update_spin()
             released = session.cleanup()
+            conn.session = None  # type: ignore[attr-defined]  # the two refer to each other: freed by refcount
             log.info("client %s %s%s (%d connected)", session.name, why, released, n)
 
     def _update_spin(self) -> None:
