@@ -177,7 +177,7 @@ def fake_gpu(monkeypatch, native):
 
     fn, address = batch_call(batches)
 
-    def native_copies(tensor_lists, i, stream=None, fold=False):
+    def native_copies(tensor_lists, i, stream=None):
         try:
             t = tensor_lists[i][0]
         except (IndexError, KeyError, TypeError):

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import kvstrata
-from _stages import PLANNER_IDS, PLANNERS, _Stream, batch_call, fake_gpu, native_planner, outcomes, stream_calls
+from _stages import PLANNER_IDS, PLANNERS, _Stream, batch_call, fake_gpu, native_planner, outcomes
 from kv_helpers import worker_fixtures
 from kvstrata.client import batching, device, kept_reads
-from kvstrata.errors import InvalidValue
 from kvstrata.ops import tensor_runs
 from kvstrata.ops.copy_engine import CopyEngineError
 
@@ -64,52 +63,16 @@ def test_kept_leases_go_in_one_pass_with_no_request_and_exact_bytes(kv, worker, 
     assert not kv._backend._pins and not kv._backend._parked  # every call's pin went back
 
 
-@pytest.mark.parametrize("native", PLANNERS, ids=PLANNER_IDS)
-def test_leases_are_looked_up_at_once_or_the_first_batchs_then_the_rest_while_it_moves(kv, monkeypatch, native):
+def test_every_lease_is_taken_in_one_lookup_before_the_first_copy(kv, monkeypatch):
     keys, src = _written(kv, "one-lookup", 40)
     kv.mget_h2d(keys, _poisoned(src))
-    batches, _, _ = fake_gpu(monkeypatch, native)
     backend = kv._backend
-    looked, kept, more = [], backend.kept_leases, backend.kept_more
-    note = looked.append  # each lookup, with how many batch calls came before it
-    monkeypatch.setattr(backend, "kept_leases", lambda ks, n=0: note(("kept", len(ks), n, len(batches))) or kept(ks, n))
-    monkeypatch.setattr(backend, "kept_more", lambda ks, start: note(("more", start, len(batches))) or more(ks, start))
+    sizes, real = [], backend.kept_leases
+    monkeypatch.setattr(backend, "kept_leases", lambda ks: sizes.append(len(ks)) or real(ks))
     dst = _poisoned(src)
     assert kv.mget_h2d(keys, dst) == [None] * 40
+    assert sizes == [40]
     assert all(torch.equal(a, b) for x, y in zip(src, dst) for a, b in zip(x, y))
-    first = kept_reads.FIRST_LOOKUP
-    if native:  # the first batch's keys before it, the rest once it is queued
-        assert looked[0] == ("kept", 40, first, 0) and looked[1][:2] == ("more", first) and looked[1][2] >= 1
-        assert len(looked) == 2
-    else:  # the Python loop: one lookup, before the first copy
-        assert looked == [("kept", 40, 0, 0)]
-
-
-@pytest.mark.parametrize("native", ["lists", "copies"])
-def test_a_key_not_kept_after_the_first_lookup_goes_the_cold_way_and_a_bad_one_raises_once_the_copies_landed(
-    kv, worker, monkeypatch, native
-):
-    keys, src = _written(kv, "later-lookup", 30, sizes=(1000,))
-    kv.mget_h2d(keys, _poisoned(src))
-    fake_gpu(monkeypatch, native)
-    monkeypatch.setattr(batching, "RUN_BYTES", 1000)  # a first batch of 3 keys: 12 looked up before it
-    with kvstrata.connect(worker.address) as other:  # key 20 rewritten: its lease is stale
-        other.delete([keys[20]])
-        assert other.mset_d2h([keys[20]], [[src[20][0].flip(0)]]) == [None]
-    dst = _poisoned(src)
-    assert kv.mget_h2d(keys, dst) == [None] * 30
-    assert all(torch.equal(dst[i][0], src[i][0]) for i in range(30) if i != 20)
-    assert torch.equal(dst[20][0], src[20][0].flip(0))  # read again from the worker
-    with kvstrata.connect(worker.address) as other:
-        other.delete([keys[20]])
-        assert other.mset_d2h([keys[20]], [src[20]]) == [None]
-    holders = dict(kv._backend._holders)
-    dst = _poisoned(src)
-    with pytest.raises(InvalidValue):  # a key the first lookup did not reach, bad
-        kv.mget_h2d([*keys[:25], ""], [*dst[:25], [torch.zeros(1000, dtype=torch.uint8)]])
-    assert all(torch.equal(dst[i][0], src[i][0]) for i in range(3))  # the first batch landed before the error
-    assert kv._backend._holders == holders and not kv._backend._pins  # every lease went back
-    assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 30  # the client goes on
 
 
 def test_a_key_named_twice_and_empty_tensors(kv):
@@ -391,10 +354,9 @@ def test_device_copies_start_after_three_runs_then_go_in_batches_twice_as_large(
     assert registered  # every segment the copies read was offered to CUDA before them
     assert batches.bindings == (0 if native == "copies" else len(batches))  # a native pass queued its own copies
     if native:  # one pass a batch, each ending where the batch is full (the segment's address looked up once)
-        ran = [(lo, why) for lo, why in passes if why != tensor_runs.NO_BASE]
-        assert [why for _, why in ran[1:]] == [tensor_runs.CUT] * (len(ran) - 2) + [tensor_runs.DONE]
-        # the first at the last key of the first lookup, if the batch ends there
-        assert ran[0][1] == (tensor_runs.DONE if ran[1][0] == kept_reads.FIRST_LOOKUP else tensor_runs.CUT)
+        assert [why for _, why in passes if why != tensor_runs.NO_BASE] == [tensor_runs.CUT] * (len(passes) - 2) + [
+            tensor_runs.DONE
+        ]
 
 
 @pytest.mark.parametrize("native", PLANNERS, ids=PLANNER_IDS)
@@ -431,38 +393,6 @@ def test_under_a_gpu_a_bad_tensor_raises_after_the_keys_before_it_landed(kv, mon
     if native:
         assert passes[-1] == (9, tensor_runs.PYTHON_PATH)  # the last pass left key 10 to the Python loop
     assert kv.mget_h2d(keys, _poisoned(src)) == [None] * 12  # the client goes on
-
-
-class _SubTensor(torch.Tensor):
-    """A tensor subclass: a native pass leaves its key to the Python loop."""
-
-
-@pytest.mark.parametrize("python_first", [False, True], ids=["native-first", "python-first"])
-def test_the_copy_streams_wait_for_the_callers_comes_before_the_first_copy_either_way(kv, monkeypatch, python_first):
-    keys, src = _written(kv, "fold-join", 12, sizes=(1000,))
-    kv.mget_h2d(keys, _poisoned(src))
-    batches, _, passes = fake_gpu(monkeypatch, "copies")
-    monkeypatch.setattr(batching, "RUN_BYTES", 1000)  # batches of 3 keys, then 6, then the rest
-    was = []  # each stream call, with how many batch calls came before it
-    log = type("Log", (list,), {"append": lambda self, c: was.append((c[0], len(batches) + batches.bindings))})()
-    _fns, logged = stream_calls(log, 600)  # work pending on the caller's stream: record and wait
-    fake_copies = device.native_copies
-    spec = (*logged, 11, 7)
-    monkeypatch.setattr(device, "native_copies", lambda ts, i, stream=None, fold=False: (*fake_copies(ts, i), spec))
-    monkeypatch.setattr(device, "_native_join", lambda: (tensor_runs.native(), logged))
-    dst = _poisoned(src)
-    if python_first:  # key 0 the wrong size (no copy), key 1 a subclass: the first pass queues nothing, the Python
-        # loop takes key 1 and the copy stream's wait is made before its copies
-        dst[0] = [torch.zeros(999, dtype=torch.uint8)]
-        dst[1] = [torch.zeros(1000, dtype=torch.uint8).as_subclass(_SubTensor)]
-    res = kv.mget_h2d(keys, dst)
-    assert res[1:] == [None] * 11 and (res[0] is None) != python_first
-    assert all(torch.equal(dst[i][0], src[i][0]) for i in range(python_first, 12))
-    assert was == [("query", 0), ("record", 0), ("wait", 0)]  # once, before the first copy
-    assert batches  # copies were made after it
-    if python_first:
-        assert passes[0] == (0, tensor_runs.PYTHON_PATH) and isinstance(res[0], InvalidValue)
-    del _fns
 
 
 def test_under_a_gpu_a_batch_the_driver_refuses_raises_after_the_batches_before_it_landed(kv, monkeypatch):

@@ -476,51 +476,6 @@ def test_plan_copy_refuses_a_bad_copier(native):
             tensor_runs.plan_copy(lists, locs, {0: 4096}, 0, 2, 16, 1 << 30, copier, cuda=False)
 
 
-@pytest.mark.parametrize(
-    "query, record, wait, joined, err, queued",
-    [
-        (0, 0, 0, ["query"], 0, 10),  # the caller's stream idle: no wait, the copies go
-        (600, 0, 0, ["query", "record", "wait"], 0, 10),  # work pending: the copy stream waits for it first
-        (None, 0, 0, ["record", "wait"], 0, 10),  # no query: always waits
-        (700, 0, 0, ["query"], 700, -1),  # the join's error: nothing queued, and the answer says it was the join
-        (600, 0, 201, ["query", "record", "wait"], 201, -1),
-    ],
-)
-def test_a_copier_with_a_join_makes_the_copy_stream_wait_before_its_first_batch(
-    native, query, record, wait, joined, err, queued
-):
-    lists = _keys(10, (64,), seed=7)
-    locs = _locs(lists)
-    host = torch.arange(1 << 12, dtype=torch.int32)
-    log = []
-    calls, _alive, address = _driver(13000)
-    _fns, (q, r, w) = stream_calls(log, query or 0, record, wait)
-
-    def copier(join):
-        return (address, 13000, 0x5EED, 3, 4, *join)
-
-    join = (0 if query is None else q, r, w, 11, 7)
-    # a pass with nothing to copy (every key passed over) makes no wait: the next pass's copier still carries it
-    got = tensor_runs.plan_copy(lists, [None] * 10, {0: host.data_ptr()}, 0, 10, 64, 1 << 30, copier(join), cuda=False)
-    assert got[2:4] == (0, 0) and log == [] and calls == []
-    got = tensor_runs.plan_copy(lists, locs, {0: host.data_ptr()}, 0, 10, 64, 1 << 30, copier(join), cuda=False)
-    assert got[2:4] == (queued, err)
-    expected = {"query": ("query", 11), "record": ("record", 7, 11), "wait": ("wait", 0x5EED, 7, 0)}
-    assert log == [expected[c] for c in joined]
-    assert [len(c) for c in calls] == ([] if queued < 0 else [3, 4, 3])  # the wait before the first batch call
-    for bad, exc, match in [
-        (join[:4], TypeError, "copier: must be a tuple"),
-        ((q, 0, w, 11, 7), ValueError, "a join needs"),
-        ((q, r, w, 11, 0), ValueError, "a join needs"),
-    ]:
-        with pytest.raises(exc, match=match):
-            tensor_runs.plan_copy(lists, locs, {0: host.data_ptr()}, 0, 10, 64, 1 << 30, copier(bad), cuda=False)
-    with pytest.raises(ValueError, match="a join needs"):
-        tensor_runs.lay_out_copy(
-            lists, 0, 10, host.data_ptr(), 0, 1 << 14, 63, 64, 1 << 30, (address, 13000, 0, 3, 4, *join), cuda=False
-        )
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("thread", ["main", "fresh"])

@@ -15,11 +15,7 @@ The variants (``--variants a,b,...``; default: the last four):
   off), a kept read's cache lookup and the copy stream's join in Python (``local_reads.NATIVE_PREFIX``,
   ``device.NATIVE_JOIN`` off);
 * ``py prefix+join``: the same with the table read natively (session 29's code);
-* ``py join``: the kept read's cache lookup native too; ``all native``: the join too (sessions 30-31);
-* ``first lookup``: a kept read looks up the first batch's leases before it and the rest while it moves
-  (``kept_reads.FIRST_LOOKUP``; else every lease before the first batch); ``folded join``: the copy stream's wait
-  for the caller's goes in the first pass's own native call (``batching.FOLD_JOIN``); ``both``: the two
-  (session 32's code).
+* ``py join``: the kept read's cache lookup native too; ``all native``: the join too.
 
     PYTHONPATH=src python3 tools/probe_native_planner.py [--rounds 100] [--variants NAMES]
 """
@@ -38,7 +34,7 @@ import torch
 import kvstrata
 from kvstrata.bench._common import device_time, python_loop_us
 from kvstrata.bench.store import _start_worker
-from kvstrata.client import batching, device, kept_reads, local_reads
+from kvstrata.client import batching, device, local_reads
 from kvstrata.ops import copy_engine, tensor_runs
 from kvstrata.store import placements
 
@@ -68,21 +64,16 @@ def main() -> None:
         lay_out_copy=timed(tensor_runs.lay_out_copy),
     )
     # (planner, whether its passes queue their own copies, whether the placement table, a kept read's cache lookup and
-    # the copy stream's join go natively, the keys a kept read looks up before its first batch, whether the join goes
-    # in the first pass)
-    first = kept_reads.FIRST_LOOKUP
+    # the copy stream's join go natively)
     every = {
-        "python loop": (None, False, False, False, False, 0, False),
-        "native lists": (native, False, True, False, False, 0, False),
-        "py lookup": (native, True, False, False, False, 0, False),
-        "py prefix+join": (native, True, True, False, False, 0, False),
-        "py join": (native, True, True, True, False, 0, False),
-        "all native": (native, True, True, True, True, 0, False),
-        "first lookup": (native, True, True, True, True, first, False),
-        "folded join": (native, True, True, True, True, 0, True),
-        "both": (native, True, True, True, True, first, True),
+        "python loop": (None, False, False, False, False),
+        "native lists": (native, False, True, False, False),
+        "py lookup": (native, True, False, False, False),
+        "py prefix+join": (native, True, True, False, False),
+        "py join": (native, True, True, True, False),
+        "all native": (native, True, True, True, True),
     }
-    names = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else list(every)[5:]
+    names = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else list(every)[2:]
     planners = {name: every[name] for name in names}
     loops = [python_loop_us()]
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,14 +103,12 @@ def main() -> None:
                         order = list(planners.items())
                         order = order[it % len(order) :] + order[: it % len(order)]
                         for case in ceiling:
-                            for name, (planner, copies, lookup, prefix, join, first_lookup, fold) in order:
+                            for name, (planner, copies, lookup, prefix, join) in order:
                                 batching.planner = lambda planner=planner: planner
                                 batching.NATIVE_COPIES = copies
                                 placements.NATIVE_LOOKUP = lookup
                                 local_reads.NATIVE_PREFIX = prefix
                                 device.NATIVE_JOIN = join
-                                kept_reads.FIRST_LOOKUP = first_lookup
-                                batching.FOLD_JOIN = fold
                                 fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
                                 if case == "mget_h2d cold":  # rewritten: the placement table's one pass reads them
                                     kv.delete(keys)

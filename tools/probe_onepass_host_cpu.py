@@ -87,7 +87,7 @@ def fake_cuda(batches: list[float], ends: list[float]) -> None:
                                 ctypes.c_void_p)  # fmt: skip
         fn = fake_cuda.driver = kind(driver)
         address = ctypes.cast(fn, ctypes.c_void_p).value
-        device.native_copies = lambda lists, i, stream=None, fold=False: (fake_dev, _FakeStream(), (address, 13000, 1))
+        device.native_copies = lambda lists, i, stream=None: (fake_dev, _FakeStream(), (address, 13000, 1))
     device.start = lambda dev, stream=None: None if dev is None else _FakeStream()
     device.mark = lambda stream: None if stream is None else _FakeEvent(ends)
     copy_engine.memcpy_raw = memcpy_raw

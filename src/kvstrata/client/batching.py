@@ -35,9 +35,6 @@ NATIVE_CUDA = True
 #: a native pass queues its own copies (``plan_copy`` / ``lay_out_copy``) where it can; ``KVSTRATA_NATIVE_COPIES=0``
 #: has cuda-bindings queue the runs it answers instead (``tools/probe_native_planner.py`` switches it call by call)
 NATIVE_COPIES = os.environ.get("KVSTRATA_NATIVE_COPIES", "1") != "0"
-#: the copy stream's wait for the caller's goes in the first pass's own native call, before its first driver batch
-#: call (``device.join_spec``), where it can: no call of its own before the first pass
-FOLD_JOIN = True
 
 
 def batch_runs(cut: int) -> int:
@@ -68,13 +65,6 @@ def planner() -> Any:
     return tensor_runs if copy_engine._runtime() is not None and torch.cuda.is_available() else None
 
 
-def native_loaded() -> bool:
-    """Whether a one-pass device call would go through native passes now (:meth:`NativePasses.start` would answer
-    them): the planner is there and its module loaded (its first call starts loading it, as the passes' start does)."""
-    native = planner()
-    return native is not None and native.native() is not None
-
-
 class NativePasses:
     """One device call's native passes, each a batch: planned, and queued on the call's copy stream.
 
@@ -84,33 +74,22 @@ class NativePasses:
     addresses is built and read back through cuda-bindings. Else each pass answers its runs and
     :func:`~kvstrata.client.device.copy_lists` queues them, the copy stream started at the first. ``stream`` and
     ``device`` are the copy stream and its device once started (None before): the call's Python loop goes on with
-    them where a pass stops at a key it must take. The copy stream's wait for the caller's stream goes in the first
-    pass that queues copies (:data:`FOLD_JOIN`), or is made when ``stream`` is first asked for before that.
+    them where a pass stops at a key it must take.
     """
 
     def __init__(self, native: Any, tensor_lists: Sequence[Sequence[Any]], first: int, caller_stream: Any) -> None:
         self.native = native
         self.tensor_lists = tensor_lists
         self.caller_stream = caller_stream
-        self._stream: Any = None
+        self.stream: Any = None
         self.device: Any = None
         self.index = -1  # the device every planned tensor is on (-1: none met yet)
         self._copier: tuple[int, int, int] | None = None
-        self._join: tuple[int, int, int, int, int] | None = None  # the wait for the caller's, where not made yet
         if NATIVE_COPIES:
-            got = _device.native_copies(tensor_lists, first, caller_stream, FOLD_JOIN)
+            got = _device.native_copies(tensor_lists, first, caller_stream)
             if got is not None:
-                self.device, self._stream, self._copier = got[:3]
-                self._join = got[3] if len(got) > 3 else None
+                self.device, self.stream, self._copier = got
                 self.index = self.device.index
-
-    @property
-    def stream(self) -> Any:
-        """The copy stream (None: not started), made to wait for the caller's first where no pass did yet."""
-        if self._join is not None:
-            spec, self._join = self._join, None
-            _device.join_now(spec, self._stream)
-        return self._stream
 
     @classmethod
     def start(cls, tensor_lists: Sequence[Sequence[Any]], first: int, caller_stream: Any) -> NativePasses | None:
@@ -130,10 +109,11 @@ class NativePasses:
         native, cap, max_bytes = self.native, batch_runs(cut), cut * RUN_BYTES
         if self._copier is not None:
             stop, why, queued, err, mismatched, self.index = native.plan_copy(
-                self.tensor_lists, locs, bases, lo, hi, cap, max_bytes, self._copy_with(head),
+                self.tensor_lists, locs, bases, lo, hi, cap, max_bytes, (*self._copier, head, MAX_BATCH_RUNS),
                 device_index=self.index, cuda=NATIVE_CUDA,
             )  # fmt: skip
-            self._copied(queued, err)
+            if err:
+                raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
             return stop, why, queued, mismatched
         stop, why, dsts, srcs, sizes, mismatched, self.index = native.plan(
             self.tensor_lists, locs, bases, lo, hi, cap, max_bytes, device_index=self.index, cuda=NATIVE_CUDA
@@ -150,10 +130,11 @@ class NativePasses:
         native, cap, max_bytes = self.native, batch_runs(cut), cut * RUN_BYTES
         if self._copier is not None:
             stop, why, queued, err, totals, offsets, self.index, at = native.lay_out_copy(
-                self.tensor_lists, lo, hi, base, at, end, mask, cap, max_bytes, self._copy_with(head),
+                self.tensor_lists, lo, hi, base, at, end, mask, cap, max_bytes, (*self._copier, head, MAX_BATCH_RUNS),
                 device_index=self.index, segment=segment, cuda=NATIVE_CUDA,
             )  # fmt: skip
-            self._copied(queued, err)
+            if err:
+                raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
             return stop, why, queued, totals, offsets, at
         stop, why, dsts, srcs, sizes, totals, offsets, self.index, at = native.lay_out(
             self.tensor_lists, lo, hi, base, at, end, mask, cap, max_bytes, device_index=self.index, segment=segment,
@@ -161,32 +142,16 @@ class NativePasses:
         )  # fmt: skip
         return stop, why, self._queue(dsts, srcs, sizes, head), totals, offsets, at
 
-    def _copy_with(self, head: int) -> tuple[int, ...]:
-        """The copier a pass is given: the wait for the caller's stream in it while not made."""
-        if self._join is None:
-            return (*self._copier, head, MAX_BATCH_RUNS)  # type: ignore[misc]
-        return (*self._copier, head, MAX_BATCH_RUNS, *self._join)  # type: ignore[misc]
-
-    def _copied(self, queued: int, err: int) -> None:
-        """After a pass that queued its own copies: the wait made where it queued any (or failed), its error raised."""
-        if queued or err:
-            self._join = None
-        if err:
-            if queued < 0:
-                raise _device.copy_error("the copy stream's wait for the caller's", err, 0)
-            raise _device.copy_error("cuMemcpyBatchAsync", err, queued)
-
     def _queue(self, dsts: list[int], srcs: list[int], sizes: list[int], head: int) -> int:
         """A pass's answered runs queued through cuda-bindings, the copy stream started first where it is not."""
         if sizes:
-            if self._stream is None:
-                self.device, self._stream = _device.start_index(self.index, self.caller_stream)
-            _device.copy_lists(dsts, srcs, sizes, self._stream, head, MAX_BATCH_RUNS)
+            if self.stream is None:
+                self.device, self.stream = _device.start_index(self.index, self.caller_stream)
+            _device.copy_lists(dsts, srcs, sizes, self.stream, head, MAX_BATCH_RUNS)
         return len(sizes)
 
 
 __all__ = [
-    "FOLD_JOIN",
     "MAX_BATCH_RUNS",
     "NATIVE_COPIES",
     "NATIVE_CUDA",
@@ -194,7 +159,6 @@ __all__ = [
     "RUN_BYTES",
     "NativePasses",
     "batch_runs",
-    "native_loaded",
     "next_cut",
     "planner",
 ]

@@ -308,18 +308,15 @@ def start_index(index: int, stream: Any = None) -> tuple[Any, Any]:
     return device, start(device, stream)
 
 
-def native_copies(tensor_lists: Any, i: int, stream: Any = None, fold: bool = False) -> tuple[Any, ...] | None:
+def native_copies(tensor_lists: Any, i: int, stream: Any = None) -> tuple[Any, Any, tuple[int, int, int]] | None:
     """For a native pass that queues its own copies (:func:`kvstrata.ops.tensor_runs.plan_copy`) from key ``i`` on:
     ``(the device of key i's first tensor, the copy stream started for it, the copier's entry point, ABI and stream
-    handle, the join)``. None, having started nothing, where that tensor is not a CUDA tensor, its device is not the
-    current one (the driver's call copies in the current device's context) or the driver's batch call is not there:
-    the pass then answers its runs and :func:`copy_lists` queues them. The answer is found once per thread and device;
+    handle)``. None, having started nothing, where that tensor is not a CUDA tensor, its device is not the current
+    one (the driver's call copies in the current device's context) or the driver's batch call is not there: the
+    pass then answers its runs and :func:`copy_lists` queues them. The answer is found once per thread and device;
     a later call only joins the copy stream (:func:`start`'s wait), with no torch device made and no handle or entry
     point looked up again before its first copy. (``tools/probe_call_steps.py`` on the H200 host, session 30: this
-    call's own work outside the join took 5-12 us before, 8 after on a slowed vCPU: within the runs' spread.)
-
-    With ``fold``, where the join can go in the first pass's own native call (:func:`join_spec`), it is left to it:
-    the answer's last item is what that call needs; else None, the stream joined here."""
+    call's own work outside the join took 5-12 us before, 8 after on a slowed vCPU: within the runs' spread.)"""
     torch, _, _, _, current_index = _device_modules()
     try:
         t = tensor_lists[i][0]
@@ -338,40 +335,9 @@ def native_copies(tensor_lists: Any, i: int, stream: Any = None, fold: bool = Fa
         device = torch.device("cuda", index)
         side = start(device, stream)
         got = _native_starts.__dict__[index] = (device, side, (entry[0], entry[1], side.cuda_stream))
-        return (*got, None)
-    if fold:
-        spec = join_spec(index, stream)
-        if spec is not None:
-            return (*got, spec)
+        return got
     _join(index, got[1], stream)
-    return (*got, None)
-
-
-def join_spec(index: int, stream: Any = None) -> tuple[int, int, int, int, int] | None:
-    """How a native pass's first driver call makes device ``index``'s copy stream wait for ``stream`` (default: the
-    current one), as :func:`_join` does, in the same native call (the copier's join items,
-    :func:`kvstrata.ops.tensor_runs.plan_copy`): ``(cuStreamQuery, or 0 to wait whatever is pending,
-    cuEventRecord, cuStreamWaitEvent, the caller's raw stream, this thread's event)``. None where the native join
-    cannot be used or this thread has no event for the device yet (:func:`_join` makes it)."""
-    got = _wait_events.__dict__.get(index)
-    joiner = _native_join() if index in _bound.__dict__ else None
-    if got is None or joiner is None:
-        return None
-    _, _, current_stream, raw_stream, _ = _device_modules()
-    if stream is None and raw_stream is not None:
-        handle = raw_stream(index)
-    else:
-        handle = (stream or current_stream(index)).cuda_stream
-    query, record, wait = joiner[1]
-    return (query if SKIP_IDLE_JOIN else 0), record, wait, handle, got[1]
-
-
-def join_now(spec: tuple[int, int, int, int, int], side: Any) -> None:
-    """The wait :func:`join_spec` describes, made now (a call whose passes queued nothing goes on another way)."""
-    query, record, wait, caller, event = spec
-    _, err = _native_join()[0].join((query or record, record, wait), caller, side.cuda_stream, event, query != 0)
-    if err:
-        raise copy_error("the copy stream's wait for the caller's", err, 0)
+    return got
 
 
 _copy_streams: dict[int, Any] = {}  # device index -> this process's copy stream for device calls

@@ -117,7 +117,7 @@ class EmbeddedBackend:
         return self.acquire(keys, timeout, cache=cache)
 
     @staticmethod
-    def kept_leases(keys: list[str], limit: int = 0) -> None:
+    def kept_leases(keys: list[str]) -> None:
         """No local-read cache here: every lease is taken from the store (``acquire_start``)."""
 
     @staticmethod

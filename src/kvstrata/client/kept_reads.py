@@ -49,10 +49,6 @@ from kvstrata.server import protocol as P
 #: work for the second batch, which the 38 us of two keys did not on a slowed vCPU. For ``mset_d2h`` 3 was no faster.
 #: The first enqueue hands the driver these runs first (more, where a key has several tensors, go in a second call).
 FIRST_RUNS = 3
-#: keys whose leases a read whose passes are native looks up before its first batch (0: every key): the first
-#: batch's most (:func:`~kvstrata.client.batching.batch_runs`), so the batches are what one lookup of every key gives;
-#: the rest are looked up once that batch is queued (:meth:`~kvstrata.client.remote.RemoteBackend.kept_more`)
-FIRST_LOOKUP = _batching.batch_runs(FIRST_RUNS)
 
 
 def queue(
@@ -70,26 +66,15 @@ def queue(
     path."""
     n = len(keys)
     _device.check_outer(n, tensor_lists)
-    limit = FIRST_LOOKUP if _batching.native_loaded() else 0
     try:
-        got = backend.kept_leases(keys, limit)
+        got = backend.kept_leases(keys)
     except TypeError:  # an unhashable key: the caller's check of the keys names it
         return None
     if got is None:
         return None
     held, locs = got
     done = len(locs)  # keys [0, done) kept
-    rest = None  # where only the first keys were looked up: what looks up the others
-    if 0 < limit == done < n:
-
-        def rest() -> int:
-            more = backend.kept_more(keys, done)
-            locs.extend(more)
-            if done + len(more) < n:
-                P.check_keys(keys)  # (as below; the copies queued land before the error goes up)
-            return done + len(more)
-
-    elif done < n:
+    if done < n:
         # The rest go another way, which needs them checked: here, so that a bad one raises before anything is
         # copied. Where every key is kept none needs it: the cache keeps only keys that were checked (this saves
         # the check's ~4 us before the first copy, ~8 on the H200 host's slowed vCPUs, for 64 keys).
@@ -110,12 +95,8 @@ def queue(
     try:
         passes = _batching.NativePasses.start(tensor_lists, 0, stream)
         if passes is not None:
-            first, cut, done = _native_pass(
-                passes, keys, tensor_lists, locs, done, results, client._registrations, backend, rest
-            )
+            first, cut = _native_pass(passes, keys, tensor_lists, locs, done, results, client._registrations, backend)
             s, device = passes.stream, passes.device
-        elif rest is not None:
-            done = rest()
         for i in range(first, done):
             pieces, total, dev = check(tensor_lists[i], i)
             loc = locs[i]
@@ -161,16 +142,14 @@ def _native_pass(
     results: list[Any],
     registrations: Any,
     backend: Any,
-    rest: Any = None,
-) -> tuple[int, int, int]:
+) -> tuple[int, int]:
     """Lay out and queue keys ``[0, done)`` as :func:`queue`'s loop does, with a native pass per batch
     (:class:`~kvstrata.client.batching.NativePasses`: ~0.1 us a tensor, against 1-2 us warm in Python and several
-    times that cold): ``(the first key left to the Python loop, its next batch's runs, done)``. Stops at a key the
-    Python loop must take (a CPU or bad tensor, a second device), every key before it queued. ``registrations.bases``
-    has the addresses of the segments registered with CUDA: a pass stops at a key in another (``NO_BASE``), which is
-    registered before the pass goes on from it. ``rest``, where given, is called once the first pass is queued: it
-    extends ``locs`` and answers the new ``done`` (the keys after the first ones looked up only then)."""
-    no_base, batch_full, all_done = passes.native.NO_BASE, passes.native.CUT, passes.native.DONE
+    times that cold): ``(the first key left to the Python loop, its next batch's runs)``. Stops at a key the Python
+    loop must take (a CPU or bad tensor, a second device), every key before it queued. ``registrations.bases`` has
+    the addresses of the segments registered with CUDA: a pass stops at a key in another (``NO_BASE``), which is
+    registered before the pass goes on from it."""
+    no_base, batch_full = passes.native.NO_BASE, passes.native.CUT
     cut, i = FIRST_RUNS, 0
     bases = registrations.bases
     try:
@@ -185,10 +164,6 @@ def _native_pass(
             i = stop
             if queued:
                 cut = _batching.next_cut(cut)
-            if rest is not None and why != no_base:  # the other keys' leases, looked up while the first batch moves
-                done, rest = rest(), None
-                if why == all_done and i < done:
-                    why = batch_full
             if why == no_base:  # a segment not registered yet: registered, then on from this key
                 registrations.ensure((locs[stop].segment,), backend.segment_address, backend.segment_nbytes)
                 continue
@@ -198,4 +173,4 @@ def _native_pass(
         if passes.stream is not None:
             passes.stream.synchronize()  # the caller gives the leases back: every queued copy must have landed
         raise
-    return i, cut, done
+    return i, cut

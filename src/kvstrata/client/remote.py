@@ -300,38 +300,23 @@ class RemoteBackend(WorkerConnection):
         sent = (self.send_tagged(msg, carry=carry), timeout) if send else _Unsent(msg, carry, timeout)
         return keys, out, missing, sent, generation, cache, placed
 
-    def kept_leases(self, keys: list[str], limit: int = 0) -> tuple[list[int], list[Loc]] | None:
-        """The leases the local-read cache keeps current for the longest run of ``keys`` from the first (of the
-        first ``limit`` keys, where ``limit`` is above 0), pinned for the caller, as ``(the pin's token in a list,
-        their locations)``; give the list back with :meth:`release` (with more lease ids after it, if need be). None,
-        pinning nothing, where the first key's is not kept and current (the caller then takes
-        :meth:`acquire_start`'s way for all). No round trip, no lease objects and no hold per key: one pin keeps
-        every lease this client holds until it is given back (``_pin``), for a device call that plans and queues
-        those keys in one pass too, and the rest of the keys another way (or :meth:`kept_more`'s, under the pin)."""
+    def kept_leases(self, keys: list[str]) -> tuple[list[int], list[Loc]] | None:
+        """The leases the local-read cache keeps current for the longest run of ``keys`` from the first, pinned for
+        the caller, as ``(the pin's token in a list, their locations)``; give the list back with :meth:`release`
+        (with more lease ids after it, if need be). None, pinning nothing, where the first key's is not kept and
+        current (the caller then takes :meth:`acquire_start`'s way for all). No round trip, no lease objects and no
+        hold per key: one pin keeps every lease this client holds until it is given back (``_pin``), for a device
+        call that plans and queues those keys in one pass too, and the rest of the keys another way."""
         local = self._local
         if local is None:
             return None
         with self._lock:
             if self._closed or self._pid != PID[0]:
                 return None
-            locs = local.locations_prefix(keys[:limit] if 0 < limit < len(keys) else keys)
+            locs = local.locations_prefix(keys)
             if not locs or not self._worker_there():
                 return None
             return [self._pin()], locs
-
-    def kept_more(self, keys: list[str], start: int) -> list[Loc]:
-        """Under a pin of :meth:`kept_leases`: the locations the local-read cache keeps current for the longest run
-        of ``keys`` from ``start`` (none where the client closed, or where a key there cannot be looked up)."""
-        local = self._local
-        if local is None:
-            return []
-        with self._lock:
-            if self._closed:
-                return []
-            try:
-                return local.locations_prefix(keys[start:])
-            except TypeError:  # an unhashable key: the caller's check of the keys names it
-                return []
 
     def acquire_send(self, token: Any) -> Any:
         """Send the request of an :meth:`acquire_start` made with ``send=False`` (if it needs one, and not sent

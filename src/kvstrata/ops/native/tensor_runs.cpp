@@ -150,71 +150,32 @@ using BatchCall13 = int (*)(uint64_t*, uint64_t*, size_t*, size_t, MemcpyAttribu
 using BatchCall12 = int (*)(uint64_t*, uint64_t*, size_t*, size_t, MemcpyAttributes*, size_t*, size_t, size_t*,
                             void*);
 
-// The driver's stream calls a copy stream's start makes (looked up like cuMemcpyBatchAsync): cuStreamQuery,
-// cuEventRecord, cuStreamWaitEvent. CUDA_ERROR_NOT_READY: the stream has work pending.
-using StreamQuery = int (*)(void*);
-using EventRecord = int (*)(void*, void*);
-using StreamWaitEvent = int (*)(void*, void*, unsigned);
-constexpr int kNotReady = 600;
-
-// ``side`` made to wait for the work queued on ``caller`` so far (see join_impl): with ``query``, nothing where
-// ``caller`` has nothing pending; else ``event`` recorded on ``caller`` and ``side`` made to wait for it. The driver's
-// error (0: none).
-int join_streams(int64_t query, int64_t record, int64_t wait, int64_t caller, int64_t side, int64_t event) {
-  auto* caller_stream = reinterpret_cast<void*>(caller);
-  if (query != 0) {
-    const int err = reinterpret_cast<StreamQuery>(query)(caller_stream);
-    if (err != kNotReady) return err;  // 0: nothing pending
-  }
-  int err = reinterpret_cast<EventRecord>(record)(reinterpret_cast<void*>(event), caller_stream);
-  if (err == 0)
-    err = reinterpret_cast<StreamWaitEvent>(wait)(reinterpret_cast<void*>(side), reinterpret_cast<void*>(event), 0);
-  return err;
-}
-
 // Where and how a pass's runs are copied: (entry point, its ABI version, stream, runs in the first call, runs a
-// call after it), and optionally how the stream must first wait for the caller's, folded into the pass's first
-// driver call so the caller makes no call of its own for it: (..., cuStreamQuery or 0 to always wait,
-// cuEventRecord, cuStreamWaitEvent, the caller's raw stream, an event).
+// call after it).
 struct Copier {
   int64_t fn = 0, abi = 0, stream = 0, head = 0, chunk = 0;
-  int64_t query = 0, record = 0, wait = 0, caller = 0, event = 0;  // the join, where record is not 0
 
   bool parse(PyObject* o) {
-    const Py_ssize_t size = PyTuple_Check(o) ? PyTuple_GET_SIZE(o) : -1;
-    if (size != 5 && size != 10) {
-      PyErr_SetString(PyExc_TypeError,
-                      "copier: must be a tuple (entry point, abi, stream, head, chunk[, query, record, wait, caller, "
-                      "event])");
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 5) {
+      PyErr_SetString(PyExc_TypeError, "copier: must be a tuple (entry point, abi, stream, head, chunk)");
       return false;
     }
-    int64_t* fields[] = {&fn, &abi, &stream, &head, &chunk, &query, &record, &wait, &caller, &event};
-    for (Py_ssize_t k = 0; k < size; ++k)
-      if (!as_i64(PyTuple_GET_ITEM(o, k), fields[k])) return false;
+    if (!as_i64(PyTuple_GET_ITEM(o, 0), &fn) || !as_i64(PyTuple_GET_ITEM(o, 1), &abi) ||
+        !as_i64(PyTuple_GET_ITEM(o, 2), &stream) || !as_i64(PyTuple_GET_ITEM(o, 3), &head) ||
+        !as_i64(PyTuple_GET_ITEM(o, 4), &chunk))
+      return false;
     if (fn == 0 || head < 1 || chunk < 1 || (abi != 12080 && abi != 13000)) {
       PyErr_SetString(PyExc_ValueError, "copier: a null entry point, head or chunk below 1, or abi not 12080/13000");
-      return false;
-    }
-    if (size == 10 && (record == 0 || wait == 0 || event == 0 || stream == 0)) {
-      PyErr_SetString(PyExc_ValueError, "copier: a join needs the record and wait entry points, an event, a stream");
       return false;
     }
     return true;
   }
 
-  // Queue the runs' copies, ``head`` in the first driver call and ``chunk`` in each after it, the join first where
-  // there is one (and runs to copy); the driver's error (0: none), *queued the runs of the calls it took (-1: the
-  // join failed, nothing queued). The GIL stays held: the calls take microseconds, and a thread given the GIL
-  // meanwhile could keep it for the interpreter's switch interval (5 ms) before this call's next batch.
+  // Queue the runs' copies, ``head`` in the first driver call and ``chunk`` in each after it; the driver's error (0:
+  // none), *queued the runs of the calls it took. The GIL stays held: the calls take microseconds, and a thread given
+  // the GIL meanwhile could keep it for the interpreter's switch interval (5 ms) before this call's next batch.
   int issue(const std::vector<Run>& runs, int64_t* queued) const {
     size_t n = runs.size();
-    if (n != 0 && record != 0) {
-      const int err = join_streams(query, record, wait, caller, stream, event);
-      if (err != 0) {
-        *queued = -1;
-        return err;
-      }
-    }
     std::vector<uint64_t> dsts(n), srcs(n);
     std::vector<size_t> sizes(n);
     for (size_t k = 0; k < n; ++k) {
@@ -582,6 +543,13 @@ PyObject* current_prefix_impl(PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
+// The driver's stream calls a copy stream's start makes (looked up like cuMemcpyBatchAsync): cuStreamQuery,
+// cuEventRecord, cuStreamWaitEvent. CUDA_ERROR_NOT_READY: the stream has work pending.
+using StreamQuery = int (*)(void*);
+using EventRecord = int (*)(void*, void*);
+using StreamWaitEvent = int (*)(void*, void*, unsigned);
+constexpr int kNotReady = 600;
+
 // join(calls, caller, side, event, skip_idle) -> (state, err): ``side`` made to wait for the work queued on the raw
 // stream ``caller`` so far, as kvstrata.client.device.start does it (state 1: ``event`` recorded on ``caller``, and
 // ``side`` waits for it), or, with ``skip_idle``, nothing where ``caller`` has nothing pending (state 0: one query).
@@ -608,13 +576,17 @@ PyObject* join_impl(PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_ValueError, "join: a null entry point or side stream");
     return nullptr;
   }
+  auto* caller_stream = reinterpret_cast<void*>(caller);
   if (skip_idle) {
-    const int err = reinterpret_cast<StreamQuery>(query)(reinterpret_cast<void*>(caller));
+    const int err = reinterpret_cast<StreamQuery>(query)(caller_stream);
     if (err == 0) return Py_BuildValue("(ii)", 0, 0);
     if (err != kNotReady) return Py_BuildValue("(ii)", 0, err);
   }
   if (event == 0) return Py_BuildValue("(ii)", 2, 0);
-  return Py_BuildValue("(ii)", 1, join_streams(0, record, wait, caller, side, event));
+  int err = reinterpret_cast<EventRecord>(record)(reinterpret_cast<void*>(event), caller_stream);
+  if (err == 0)
+    err = reinterpret_cast<StreamWaitEvent>(wait)(reinterpret_cast<void*>(side), reinterpret_cast<void*>(event), 0);
+  return Py_BuildValue("(ii)", 1, err);
 }
 
 // A C++ exception must not cross into the interpreter (it would end the process): it becomes a RuntimeError.
