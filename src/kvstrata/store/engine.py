@@ -68,7 +68,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._plain_lock = threading.Lock()
         self._settling_lock = SettlingLock(self, self._plain_lock)
         self._lock: threading.Lock | SettlingLock = self._plain_lock
-        self._landings: list[tuple] = []  # commits waiting for their copies: (landed, owner, entries), in order
+        # commits waiting for their copies, in order: (landed, owner, (their items, ttl)) (store.reservations)
+        self._landings: list[tuple] = []
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []

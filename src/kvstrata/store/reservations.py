@@ -218,9 +218,12 @@ class ReservationMixin:
                 offsets = iter(mem.split_many(segment, start, [size for _, size in carved if size]))
                 r.head = head
                 self._reserved -= head - start
-            # 2. each carved item checked as a key and made an object (sealed together below)
+            # 2. each carved item checked as a key and made an object (sealed together below); where its copies may
+            # still run, only its key taken and its version given: the object is made when they landed (settle), so
+            # the writer's answer does not wait for it (~0.6 us a key on the development machine)
             objects, creating, versions = self._objects, self._creating, self._versions
             entries: list[Entry] = []
+            waiting: list[tuple[str, int, Location, int]] = []  # (key, size, location, version), landed
             seen: set[str] = set()  # an nx batch: a key committed earlier in it exists already
             for i, (key, size) in enumerate(carved):
                 loc = tuple.__new__(Location, (segment, next(offsets), size)) if size else ZERO_LOCATION
@@ -236,6 +239,10 @@ class ReservationMixin:
                     if size:
                         mem.free(loc)
                     continue
+                if landed is not None:  # taken: a write-once write meanwhile must see it (as an unsealed create)
+                    creating[key] = creating.get(key, 0) + 1
+                    waiting.append((key, size, loc, next(versions)))
+                    continue
                 e = Entry(key, size, loc, mode, next(versions), owner)
                 if ttl_s:
                     e.ttl = ttl_s
@@ -244,11 +251,9 @@ class ReservationMixin:
                     slow.append((i, e))
                     continue
                 entries.append(e)
-            self._counts["carved"] += len(entries) + len(slow)
-            if entries and landed is not None:
-                for e in entries:  # taken: a write-once write meanwhile must see them (as an unsealed create)
-                    creating[e.key] = creating.get(e.key, 0) + 1
-                self._landings.append((landed, owner, entries))
+            self._counts["carved"] += len(entries) + len(slow) + len(waiting)
+            if waiting:
+                self._landings.append((landed, owner, (waiting, ttl_s)))
                 # The writer may have said so already (its word can come before its request is read): settle
                 # now, and have every later ``with`` of the lock settle while any commit still waits. An
                 # operation that read the plain lock before this switch began before the word was written.
@@ -274,7 +279,7 @@ class ReservationMixin:
             return
         keep = []
         for batch in self._landings:
-            landed, who, entries = batch
+            landed, who, (waiting, ttl_s) = batch
             state = None
             if owner is None or who is owner:
                 try:
@@ -287,13 +292,23 @@ class ReservationMixin:
             if state is None:
                 keep.append(batch)
                 continue
-            for e in entries:
-                self._uncreate(e.key)
+            uncreate = self._uncreate
+            for item in waiting:
+                uncreate(item[0])
             if state:
+                entries = []
+                memory = WriteMode.MEMORY  # (the only mode a commit ahead of its copies makes)
+                for key, size, loc, version in waiting:
+                    e = Entry(key, size, loc, memory, version, who)
+                    if ttl_s:
+                        e.ttl = ttl_s
+                    entries.append(e)
                 self._seal_batch_locked(entries)
             else:
-                self._counts["carved"] -= len(entries)
-                self._free_entries([e for e in entries if e.loc is not None and e.loc.size])
+                self._counts["carved"] -= len(waiting)
+                freed = [item[2] for item in waiting if item[1]]
+                if freed:
+                    self._mem.free_many(freed)
         self._landings = keep
         if not keep:
             self._lock = self._plain_lock  # nothing waits: back to the plain lock (no Python call per ``with``)
