@@ -346,9 +346,12 @@
 #           bench store's device rows with ab_old/src and the new code in turn, three times
 #   PART=s31e: the session's last call, final code: every GPU test; tools/probe_call_steps.py --op mset; bench store's
 #           device rows four times
-#   PART=s32a: every GPU test; tools/probe_native_planner.py (a kept read's first lookup of the first batch's leases,
+#   PART=s32a (at 21209d5): every GPU test; tools/probe_native_planner.py (a kept read's first lookup of the first batch's leases,
 #           the join folded into the first pass, both, neither: call by call) twice, around bench store's device rows
 #           with ab_old/src (the session's start, untracked) and the new code in turn (A/B/A/B)
+#   PART=s32b: every GPU test; tools/probe_native_planner.py (a write's commits while its later batches are queued,
+#           at 32, 64 and 128 keys a commit, against one commit once every copy is queued: call by call) twice; bench
+#           store's device rows with ab_old/src (the session's start, untracked) and the new code in turn (A/B/A/B)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1061,6 +1064,11 @@ elif [ "${PART}" = s32a ]; then
   tool_runs 1 probe_native_planner --rounds 100
   store_rows ab_old new ab_old new
   tool_runs 1 probe_native_planner --rounds 100
+elif [ "${PART}" = s32b ]; then
+  gpu_tests gpu_tests_s32b
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s32b.log" | head -30 >> "$LOG"
+  tool_runs 2 probe_native_planner --rounds 60
+  store_rows ab_old new ab_old new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
