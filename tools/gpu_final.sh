@@ -352,6 +352,10 @@
 #   PART=s32b: every GPU test; tools/probe_native_planner.py (a write's commits while its later batches are queued,
 #           at 32, 64 and 128 keys a commit, against one commit once every copy is queued: call by call) twice; bench
 #           store's device rows with ab_old/src (the session's start, untracked) and the new code in turn (A/B/A/B)
+#   PART=s32c: every GPU test; tools/probe_native_planner.py with ab_old/src (the session's start, untracked; one
+#           commit once every copy is queued, the worker's commit making every object) and the new code (its objects
+#           made when the commit lands; commits while later batches are queued at 32, 64 and 128 keys, and none),
+#           twice in turn; bench store's device rows A/B/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1068,6 +1072,14 @@ elif [ "${PART}" = s32b ]; then
   gpu_tests gpu_tests_s32b
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s32b.log" | head -30 >> "$LOG"
   tool_runs 2 probe_native_planner --rounds 60
+  store_rows ab_old new ab_old new
+elif [ "${PART}" = s32c ]; then
+  gpu_tests gpu_tests_s32c
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s32c.log" | head -30 >> "$LOG"
+  for r in 1 2; do
+    use ab_old; echo "=== (ab_old code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 60 --variants "all native"
+    use new; echo "=== (new code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 60
+  done
   store_rows ab_old new ab_old new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150

@@ -68,7 +68,7 @@ def main() -> None:
     )
     # (planner, whether its passes queue their own copies, whether the placement table, a kept read's cache lookup and
     # the copy stream's join go natively, a write's early commits: device_calls.EARLY_COMMIT_KEYS)
-    early = device_calls.EARLY_COMMIT_KEYS
+    early = getattr(device_calls, "EARLY_COMMIT_KEYS", 0)  # (0 in code from before it: that code runs here too)
     every = {
         "python loop": (None, False, False, False, False, 0),
         "native lists": (native, False, True, False, False, 0),
@@ -116,7 +116,8 @@ def main() -> None:
                                 placements.NATIVE_LOOKUP = lookup
                                 local_reads.NATIVE_PREFIX = prefix
                                 device.NATIVE_JOIN = join
-                                device_calls.EARLY_COMMIT_KEYS = early_keys
+                                if hasattr(device_calls, "EARLY_COMMIT_KEYS"):
+                                    device_calls.EARLY_COMMIT_KEYS = early_keys
                                 fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
                                 if case == "mget_h2d cold":  # rewritten: the placement table's one pass reads them
                                     kv.delete(keys)
