@@ -20,7 +20,7 @@ import torch
 
 import kvstrata
 from _stages import batches_of
-from kvstrata.client import device, device_calls
+from kvstrata.client import device
 from kvstrata.errors import KeyExists, KvstrataError
 from kvstrata.server import lane as L
 
@@ -309,102 +309,6 @@ def test_a_longer_mset_d2h_commits_every_stage_once_its_copies_are_queued(worker
         monkeypatch.undo()
         assert _reads_back(other, keys, src)
         kv.delete([*keys, "land/warm4"])
-
-
-def _watch(monkeypatch, backend, other, keys):
-    """The order of a call's copy batches, commits (with their key counts and whether ahead of their copies) and
-    landing words; at each word, nothing of ``keys`` shows to ``other`` yet."""
-    order = []
-    real_commit, real_enqueue, real_land = backend.commit_start, device.enqueue, backend.land
-
-    def landing(token, ok=True):
-        order.append("land")
-        assert other.exists(keys) == [False] * len(keys)  # committed ahead of the word: nothing shows yet
-        real_land(token, ok)
-
-    def commit(items, *a, **kw):
-        order.append(("commit", len(items), kw.get("landing", False)))
-        return real_commit(items, *a, **kw)
-
-    monkeypatch.setattr(backend, "commit_start", commit)
-    monkeypatch.setattr(device, "enqueue", lambda *a, **kw: order.append("copies") or real_enqueue(*a, **kw))
-    monkeypatch.setattr(backend, "land", landing)
-    monkeypatch.setattr(device, "mark", lambda stream: _Event())
-    monkeypatch.setattr(device_calls, "EARLY_COMMIT_KEYS", 4)
-    batches_of(monkeypatch, 2, 100)
-    return order
-
-
-def test_a_long_mset_d2h_commits_ahead_while_its_later_copies_are_still_being_queued(worker, monkeypatch):
-    # Fifteen keys in batches of two, committed ahead of their copies whenever four or more wait (the first three
-    # batches share a mark): the worker makes their objects while the later batches are queued, and one word at
-    # the end shows them all.
-    with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as other:
-        assert kv.mset_d2h(["land/early/warm"], _lists(1, 0)) == [None]
-        keys = [f"land/early/{i}" for i in range(15)]
-        order = _watch(monkeypatch, kv._backend, other, keys)
-        src = _lists(15, 20)
-        assert kv.mset_d2h(keys, src) == [None] * 15
-        commit = [("commit", k, True) for k in (6, 4, 4, 1)]
-        assert order == [*["copies"] * 3, commit[0], *["copies"] * 2, commit[1], *["copies"] * 2, commit[2],
-                         "copies", commit[3], "land"]  # fmt: skip
-        assert other.exists(keys) == [True] * 15
-        monkeypatch.undo()
-        assert _reads_back(other, keys, src)
-        kv.delete([*keys, "land/early/warm"])
-
-
-@pytest.mark.parametrize("how", ["bad tensor", "failed copies", "interrupted commit"])
-def test_a_long_mset_d2h_failing_after_early_commits_shows_none_of_its_keys(worker, monkeypatch, how):
-    with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as other:
-        assert kv.mset_d2h(["land/early-fail/warm"], _lists(1, 0)) == [None]
-        keys = [f"land/early-fail/{i}" for i in range(15)]
-        order = _watch(monkeypatch, kv._backend, other, keys)
-        src = _lists(15, 21)
-        if how == "bad tensor":  # met after two commits ahead went out
-            src[12] = [torch.zeros(16, 16, dtype=torch.uint8).t()]
-        elif how == "failed copies":  # the last batch's (its mark is the sixth, after three commits ahead)
-            made = []
-            monkeypatch.setattr(device, "mark", lambda stream: made.append(1) or _Event(fail=len(made) == 6))
-        else:  # a KeyboardInterrupt in the second commit ahead, after its request went out
-            commit = kv._backend.commit_start
-
-            def interrupted(*a, **kw):
-                token = commit(*a, **kw)
-                if sum(1 for o in order if o[0] == "commit") == 2:
-                    raise KeyboardInterrupt
-                return token
-
-            monkeypatch.setattr(kv._backend, "commit_start", interrupted)
-        with pytest.raises((ValueError, RuntimeError, KeyboardInterrupt)):
-            kv.mset_d2h(keys, src)
-        assert ("commit", 6, True) in order and "land" not in order
-        monkeypatch.undo()
-        # none of the objects committed ahead became visible, none is left half-made, their keys are free again
-        assert other.exists(keys) == [False] * 15 and kv.stats()["creates_in_progress"] == 0
-        src = _lists(15, 22)
-        assert kv.mset_d2h(keys, src) == [None] * 15  # the reservation's head is where the worker says
-        assert _reads_back(other, keys, src)
-        kv.delete([*keys, "land/early-fail/warm"])
-
-
-def test_a_long_mset_d2h_past_its_reservation_lands_its_early_commits_before_the_created_rest(worker, monkeypatch):
-    # A reservation of 1 KiB holds eight of these objects, the second warm-up call's one of them: six go in a
-    # commit ahead while the next batch is queued, one more fills it, and the worker creates the other eight (one
-    # stage). The early commit's word comes once its copies landed, before the last carved key is committed (once
-    # its bytes landed: created objects follow, so no commit ahead) and the created ones sealed.
-    with kvstrata.connect(worker, reserve_bytes=1024) as kv, kvstrata.connect(worker) as other:
-        assert kv.mset_d2h(["land/early-full/warm"], _lists(1, 0)) == [None]
-        assert kv.mset_d2h(["land/early-full/warm2"], _lists(1, 0)) == [None]  # carved: a reservation is held
-        keys = [f"land/early-full/{i}" for i in range(15)]
-        order = _watch(monkeypatch, kv._backend, other, keys)
-        src = _lists(15, 23)
-        assert kv.mset_d2h(keys, src) == [None] * 15
-        assert order == [*["copies"] * 3, ("commit", 6, True), "copies", "copies", "land", ("commit", 1, False)]
-        assert other.exists(keys) == [True] * 15
-        monkeypatch.undo()
-        assert _reads_back(other, keys, src)
-        kv.delete([*keys, "land/early-full/warm", "land/early-full/warm2"])
 
 
 def test_a_call_that_uses_up_its_reservation_asks_for_the_next_while_its_copies_move(worker, monkeypatch):

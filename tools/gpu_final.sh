@@ -349,10 +349,10 @@
 #   PART=s32a (at 21209d5): every GPU test; tools/probe_native_planner.py (a kept read's first lookup of the first batch's leases,
 #           the join folded into the first pass, both, neither: call by call) twice, around bench store's device rows
 #           with ab_old/src (the session's start, untracked) and the new code in turn (A/B/A/B)
-#   PART=s32b: every GPU test; tools/probe_native_planner.py (a write's commits while its later batches are queued,
+#   PART=s32b (at 69cd9f6): every GPU test; tools/probe_native_planner.py (a write's commits while its later batches are queued,
 #           at 32, 64 and 128 keys a commit, against one commit once every copy is queued: call by call) twice; bench
 #           store's device rows with ab_old/src (the session's start, untracked) and the new code in turn (A/B/A/B)
-#   PART=s32c: every GPU test; tools/probe_native_planner.py with ab_old/src (the session's start, untracked; one
+#   PART=s32c (at 870a3ec): every GPU test; tools/probe_native_planner.py with ab_old/src (the session's start, untracked; one
 #           commit once every copy is queued, the worker's commit making every object) and the new code (its objects
 #           made when the commit lands; commits while later batches are queued at 32, 64 and 128 keys, and none),
 #           twice in turn; bench store's device rows A/B/A/B

@@ -15,10 +15,7 @@ The variants (``--variants a,b,...``; default: the last four):
   off), a kept read's cache lookup and the copy stream's join in Python (``local_reads.NATIVE_PREFIX``,
   ``device.NATIVE_JOIN`` off);
 * ``py prefix+join``: the same with the table read natively (session 29's code);
-* ``py join``: the kept read's cache lookup native too; ``all native``: the join too (sessions 30-31);
-* ``early commits``: as ``all native``, and a write commits its keys ahead of their copies while its later batches
-  are still being queued (``device_calls.EARLY_COMMIT_KEYS``; the variants before commit once every copy is queued);
-  ``early 32``, ``early 128``: with 32 or 128 keys a commit.
+* ``py join``: the kept read's cache lookup native too; ``all native``: the join too.
 
     PYTHONPATH=src python3 tools/probe_native_planner.py [--rounds 100] [--variants NAMES]
 """
@@ -37,7 +34,7 @@ import torch
 import kvstrata
 from kvstrata.bench._common import device_time, python_loop_us
 from kvstrata.bench.store import _start_worker
-from kvstrata.client import batching, device, device_calls, local_reads
+from kvstrata.client import batching, device, local_reads
 from kvstrata.ops import copy_engine, tensor_runs
 from kvstrata.store import placements
 
@@ -67,20 +64,16 @@ def main() -> None:
         lay_out_copy=timed(tensor_runs.lay_out_copy),
     )
     # (planner, whether its passes queue their own copies, whether the placement table, a kept read's cache lookup and
-    # the copy stream's join go natively, a write's early commits: device_calls.EARLY_COMMIT_KEYS)
-    early = getattr(device_calls, "EARLY_COMMIT_KEYS", 0)  # (0 in code from before it: that code runs here too)
+    # the copy stream's join go natively)
     every = {
-        "python loop": (None, False, False, False, False, 0),
-        "native lists": (native, False, True, False, False, 0),
-        "py lookup": (native, True, False, False, False, 0),
-        "py prefix+join": (native, True, True, False, False, 0),
-        "py join": (native, True, True, True, False, 0),
-        "all native": (native, True, True, True, True, 0),
-        "early commits": (native, True, True, True, True, early),
-        "early 32": (native, True, True, True, True, 32),
-        "early 128": (native, True, True, True, True, 128),
+        "python loop": (None, False, False, False, False),
+        "native lists": (native, False, True, False, False),
+        "py lookup": (native, True, False, False, False),
+        "py prefix+join": (native, True, True, False, False),
+        "py join": (native, True, True, True, False),
+        "all native": (native, True, True, True, True),
     }
-    names = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else list(every)[5:]
+    names = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else list(every)[2:]
     planners = {name: every[name] for name in names}
     loops = [python_loop_us()]
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,14 +103,12 @@ def main() -> None:
                         order = list(planners.items())
                         order = order[it % len(order) :] + order[: it % len(order)]
                         for case in ceiling:
-                            for name, (planner, copies, lookup, prefix, join, early_keys) in order:
+                            for name, (planner, copies, lookup, prefix, join) in order:
                                 batching.planner = lambda planner=planner: planner
                                 batching.NATIVE_COPIES = copies
                                 placements.NATIVE_LOOKUP = lookup
                                 local_reads.NATIVE_PREFIX = prefix
                                 device.NATIVE_JOIN = join
-                                if hasattr(device_calls, "EARLY_COMMIT_KEYS"):
-                                    device_calls.EARLY_COMMIT_KEYS = early_keys
                                 fresh = [f"npw/{size}/{it}/{i}" for i in range(n)]
                                 if case == "mget_h2d cold":  # rewritten: the placement table's one pass reads them
                                     kv.delete(keys)

@@ -35,11 +35,6 @@ LINGER_BYTES_PER_US = 40_000
 LINGER_SLACK_US = 100
 #: a reserved ``mset_d2h``'s first mark (and its lingering hint) comes after this many copy batches
 MARK_FROM_BATCH = 3
-#: a reserved ``mset_d2h`` commits the keys laid out so far, ahead of their copies, once this many wait for a commit
-#: while later batches are still to be queued (0: one commit once every copy is queued). The worker's commit costs
-#: ~3-4 us a key; with many small keys it outlasts their copies, and this way it runs while the client queues the
-#: rest. 64 keys of 1 MiB (bench store's row) are all queued before that many wait, as before.
-EARLY_COMMIT_KEYS = 64
 
 
 def _linger_us(nbytes: int) -> int:
@@ -130,12 +125,6 @@ class DeviceCallsMixin:
         carved_from = carved_to = resv.head  # the local head before and after this call's carving
         head_lost = False  # a commit went out whose reply is never read: ``known`` cannot be trusted
         call_bytes = 0
-        # Commits sent ahead of their copies while later batches were still being queued (EARLY_COMMIT_KEYS): the
-        # last one's token while none of them landed (one word lands them all, and the call's last landing commit:
-        # kvstrata.server.lane), and how many marks went in them.
-        early_token: Any = None
-        committed = 0
-        early_open = False  # such a commit was sent (or its sending begun) and no word landed it yet
 
         def take(st: Any, token: Any) -> tuple[list[int], list[Any]]:
             created, where = [], []
@@ -164,23 +153,6 @@ class DeviceCallsMixin:
 
         # (key indices, commit items or None for created keys, event after their copies, their bytes)
         marks: list[tuple[list[int], Any, Any, int]] = []
-
-        def commit_early() -> None:
-            """Commit the marks not committed yet ahead of their copies, while the call's later batches are still
-            to be queued: the worker makes their objects meanwhile (shown once this call's last word lands)."""
-            nonlocal early_token, committed, early_open, head_lost
-            rest = marks[committed:]
-            if sum(len(m[0]) for m in rest) < EARLY_COMMIT_KEYS or rest[-1][2] is None:
-                return
-            # The first of the call's landing commits needs the worker to have read every earlier landing word (a
-            # word covers every tag up to it); the call's later ones land or fail with it.
-            if not early_open and not getattr(backend, "can_land", False):
-                return
-            early_open = head_lost = True  # (a send cut short: the worker may hold it, its head unknown here)
-            token = backend.commit_start([it for m in rest for it in m[1]], opts, landing=True)
-            head_lost = False
-            early_token, committed = token, len(marks)
-            seals.append(([i for m in rest for i in m[0]], True, token))
 
         def lay_out() -> int:
             """Lay the call's keys out in the reservation one after another from the first, queuing their copies
@@ -226,8 +198,6 @@ class DeviceCallsMixin:
                     # as long as the call's bytes take to land.
                     backend.linger(_linger_us(marked * n // laid))
                 which, items, marked = [], [], 0
-                if EARLY_COMMIT_KEYS and not last and not chain:
-                    commit_early()
 
             def lay_out_natively() -> None:
                 """Lay keys out and queue their copies as the loop below does, with a native pass per batch
@@ -331,18 +301,13 @@ class DeviceCallsMixin:
             # copies), each sent without waiting for the worker, whose answers are read at the end. Stages
             # whose copies have all landed by the time one is sent go in that one request (the first of
             # them waited for), so the worker answers a few requests per call, not one per stage.
-            j = committed  # (the marks before went in commits sent while the copies were being queued)
-            if early_token is not None and not all(m[1] is not None and m[2] is not None for m in marks[j:]):
-                # objects the worker creates follow (the reservation was full): the early commits land first
-                marks[j - 1][2].synchronize()
-                backend.land(early_token)
-                early_token, early_open = None, False
-            while j < len(marks) or early_token is not None:
+            j = 0
+            while j < len(marks):
                 rest = marks[j:]
                 # Looked at before each request: a chained async call that finds the worker has not yet read the
                 # previous call's landing word commits its first batches as they land, then the rest ahead of
                 # their copies as soon as the worker has read it.
-                land = early_token is not None or getattr(backend, "can_land", False)
+                land = getattr(backend, "can_land", False)
                 if land and all(m[1] is not None and m[2] is not None for m in rest):
                     # The rest waits on nothing but the copy engine: commit every remaining stage now, in one
                     # request. The worker answers at once, and its answer is read while the bytes move; the
@@ -354,22 +319,19 @@ class DeviceCallsMixin:
                     # did, kept the worker answering a request per stage up to the end. A commit of the first
                     # stages sent while the later ones were still being queued brought the answer ~100 us
                     # earlier but no call sooner: tools/probe_commit_ahead.py at 4804a1e.)
-                    token: Any = early_token  # (where every mark went early, the last early commit lands them)
+                    token: Any = None
                     landed = False
                     try:
-                        if rest:
-                            token = None
-                            token = backend.commit_start([it for m in rest for it in m[1]], opts, landing=True)
-                            seals.append(([i for m in rest for i in m[0]], True, token))
+                        token = backend.commit_start([it for m in rest for it in m[1]], opts, landing=True)
+                        seals.append(([i for m in rest for i in m[0]], True, token))
                         while seals:
                             finish_one()
                         if held and not chain:  # the next reservation asked for while the bytes move
                             resv.renew(backend, known, call_bytes)
-                        marks[-1][2].synchronize()  # stream order: the last stage's event follows every copy
+                        rest[-1][2].synchronize()  # stream order: the last stage's event follows every copy
                         backend.land(token)
                         landed = True
                     finally:
-                        early_token, early_open = None, False  # landed, or failed below
                         # The worker refuses every held commit not landed yet: every one this connection sent,
                         # even one whose sending a KeyboardInterrupt cut short after the bytes went out (its
                         # objects would otherwise wait, their keys taken, until this client disconnects).
@@ -403,8 +365,6 @@ class DeviceCallsMixin:
         except BaseException:
             if s is not None:
                 s.synchronize()  # no copy may still write into an object being aborted, or reserved bytes
-            if early_open:  # commits sent while the copies were queued: their objects never show
-                backend.land_failed()
             for st, token in in_flight:  # creates sent and not read yet: their objects must go too
                 try:
                     take(st, token)
