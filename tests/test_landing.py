@@ -21,7 +21,7 @@ import torch
 import kvstrata
 from _stages import batches_of
 from kvstrata.client import device
-from kvstrata.errors import KeyExists, KvstrataError
+from kvstrata.errors import InvalidValue, KeyExists, KvstrataError
 from kvstrata.server import lane as L
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -129,6 +129,9 @@ def test_commits_of_a_different_write_mode_are_refused_per_item(worker):
         res, _ = b.commit_finish(b.commit_start([("land/wt", 4, loc.offset)], opts, landing=True))
         assert isinstance(res[0], ValueError) and "memory" in str(res[0])
         assert kv.exists(["land/wt"]) == [False]
+        with pytest.raises(InvalidValue, match="no TTL"):  # (its TTL would be unknown to readers' kept leases)
+            b.commit_finish(b.commit_start([("land/ttl", 4, loc.offset)], dict(OPTS, ttl=5.0), landing=True))
+        assert kv.exists(["land/ttl"]) == [False] and kv.stats()["creates_in_progress"] == 0
 
 
 def test_the_store_alone_shows_a_landing_commit_to_operations_after_the_word():
@@ -153,6 +156,25 @@ def test_the_store_alone_shows_a_landing_commit_to_operations_after_the_word():
         assert store.exists(["s/gone"]) == [False] and store.stats()["reserved_bytes"] == 0
     finally:
         store.close()
+
+
+def test_a_landing_commit_that_replaces_a_version_written_meanwhile_is_seen_by_readers_that_kept_a_lease(worker):
+    # A plain set of the key while a write-once commit of it waits for its word (a set does not wait for creates):
+    # a reader keeps a lease on the set's version; the commit's object replaces it when the word comes, and the
+    # reader's next get must see that, not serve its kept lease of the version no longer there.
+    with kvstrata.connect(worker) as a, kvstrata.connect(worker) as b, kvstrata.connect(worker) as c:
+        a.delete(["land/race"])
+        backend, loc = _reserve(a)
+        token = backend.commit_start([("land/race", 3, loc.offset)], OPTS, landing=True)
+        assert backend.commit_finish(token)[0] == [None]
+        b.set("land/race", b"bbb")
+        assert c.get("land/race") == b"bbb" and c.get("land/race") == b"bbb"  # the second from its kept lease
+        assert c._backend._local.lookup("land/race") is not None
+        backend.view(type(loc)(loc.segment, loc.offset, 3))[:] = b"aaa"
+        backend.land(token)
+        assert b.exists(["land/race"]) == [True]  # a request after the word: the commit is settled by then
+        assert c.get("land/race") == b"aaa" and b.get("land/race") == b"aaa"
+        a.delete(["land/race"])
 
 
 def test_a_landing_commits_objects_are_made_when_it_lands_with_its_ttl_from_then_and_freed_if_it_fails():

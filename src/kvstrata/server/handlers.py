@@ -13,7 +13,7 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import CapacityError, InvalidType, KvstrataError, ServerError
+from kvstrata.errors import CapacityError, InvalidType, InvalidValue, KvstrataError, ServerError
 from kvstrata.server import protocol as P
 from kvstrata.server.validity import SLOTS
 from kvstrata.store.tiers.base import Location
@@ -201,12 +201,16 @@ def _commit(s: Session, msg: dict) -> dict:
     head is now (None: the client holds none), and the refused items (absent when every one was sealed).
     ``"landing": true``: sent before the copies into the objects finished; answered at once, the objects made
     visible when the client says in the lane page that the copies landed (``store.reservations``; every
-    request of anyone after that sees them), freed if it says they failed."""
+    request of anyone after that sees them), freed if it says they failed; with no TTL (InvalidValue)."""
     opts = s.write_options(msg)
     items = msg.get("items", [])
     if type(items) is not list or len(items) > P.MAX_BATCH:
         raise InvalidType(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
-    landed = s.landing_check(msg.get("tag")) if msg.get("landing") else None
+    landed = None
+    if msg.get("landing"):
+        if opts["ttl"] is not None:  # its objects' TTL would have to be known to the validity table once they land
+            raise InvalidValue("landing: a commit ahead of its copies makes objects with no TTL")
+        landed = s.landing_check(msg.get("tag"))
     keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
     with _sealing(s.validity, keys):
         results = s.store.commit(s.owner, items, **opts, landed=landed)

@@ -88,6 +88,8 @@ class Worker:
 
             self._store = ObjectStore(self.config.store_config())
         self.validity = Validity()
+        if hasattr(self._store, "visibility_change"):  # commits settled outside a request's change (landing)
+            self._store.visibility_change = self.validity.change
         if self.config.placement_table and hasattr(self._store, "publish_placements"):
             self.placements = PlacementTable()
             self._store.publish_placements(self.placements)

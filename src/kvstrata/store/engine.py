@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvstrata.errors import CapacityError, InvalidType
 from kvstrata.memory.shm import SharedSegment
@@ -70,6 +71,10 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._lock: threading.Lock | SettlingLock = self._plain_lock
         # commits waiting for their copies, in order: (landed, owner, (their items, ttl)) (store.reservations)
         self._landings: list[tuple] = []
+        #: what a settled commit that replaces versions written meanwhile goes inside (``keys -> context manager``),
+        #: the worker's :meth:`kvstrata.server.validity.Validity.change`: its clients' kept leases of those keys go
+        #: stale. Called under this store's lock (it takes none that is held while taking this one).
+        self.visibility_change: Callable[[list[str]], Any] | None = None
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []

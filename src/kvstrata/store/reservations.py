@@ -303,7 +303,15 @@ class ReservationMixin:
                     if ttl_s:
                         e.ttl = ttl_s
                     entries.append(e)
-                self._seal_batch_locked(entries)
+                # A key written meanwhile by a write that does not wait for creates (a plain put): this commit's
+                # object replaces that version now, which readers may have kept leases on.
+                change, objects = self.visibility_change, self._objects
+                replaced = [e.key for e in entries if e.key in objects] if change is not None else None
+                if replaced:
+                    with change(replaced):
+                        self._seal_batch_locked(entries)
+                else:
+                    self._seal_batch_locked(entries)
             else:
                 self._counts["carved"] -= len(waiting)
                 freed = [item[2] for item in waiting if item[1]]
