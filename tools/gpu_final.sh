@@ -356,6 +356,10 @@
 #           commit once every copy is queued, the worker's commit making every object) and the new code (its objects
 #           made when the commit lands; commits while later batches are queued at 32, 64 and 128 keys, and none),
 #           twice in turn; bench store's device rows A/B/A/B
+#   PART=s32d: session 32's final code: every GPU test; tools/probe_native_planner.py with ab_old/src (the session's
+#           start, untracked) and the final code in turn; bench store's device rows new/ab_old/new/ab_old/new
+#   PART=s32e: the client-device, placed-read, landing, kept-read and reservation GPU tests; bench store's device rows
+#           new/ab_old/new (a landing commit's placements published before its objects are made)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1081,6 +1085,21 @@ elif [ "${PART}" = s32c ]; then
     use new; echo "=== (new code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 60
   done
   store_rows ab_old new ab_old new
+elif [ "${PART}" = s32d ]; then
+  gpu_tests gpu_tests_s32d
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s32d.log" | head -30 >> "$LOG"
+  for v in ab_old new; do
+    use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 60 --variants "all native"
+  done
+  use new
+  store_rows new ab_old new ab_old new
+elif [ "${PART}" = s32e ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    tests/test_client_device.py tests/test_placed_reads.py tests/test_landing.py tests/test_kept_reads.py \
+    tests/test_reservations.py > "$OUT/gpu_tests_s32e.log" 2>&1
+  tail -1 "$OUT/gpu_tests_s32e.log" >> "$LOG"
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s32e.log" | head -30 >> "$LOG"
+  store_rows new ab_old new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

@@ -263,10 +263,11 @@ class BatchMixin:
                 out[i] = exc
         return out
 
-    def _seal_batch_locked(self, entries: list[Entry]) -> None:
+    def _seal_batch_locked(self, entries: list[Entry], *, published: bool = False) -> None:
         """:meth:`_seal_locked` of each entry in order (none has an SSD file to commit; all become immutable),
-        with the loop's lookups hoisted and the blocks of the versions they replace given back together."""
-        if self._placements is not None:
+        with the loop's lookups hoisted and the blocks of the versions they replace given back together.
+        ``published``: their placements are in the table already."""
+        if self._placements is not None and not published:
             # Before the loop, not after: their bytes are final, and a reader that copies from these places at once
             # asks for its leases under this lock, so it gets them once the loop is done (and they confirm its
             # copies). After a mset_d2h of 64 keys (its commit settled when the client said the copies landed), the

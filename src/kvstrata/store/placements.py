@@ -68,21 +68,26 @@ class PlacementTable:
         """Write the placements of ``entries`` (store Entries whose bytes are final: ``key``, ``loc``, ``placed``).
         Called under the store's lock by whatever made them so; entries without DRAM bytes are skipped, and so are
         mutable ones, unless ``sealing``: the caller seals them all before it lets the lock go."""
+        if self._words is not None:
+            self.publish_rows((e.key, e.loc, e.placed) for e in entries if sealing or not e.mutable)
+
+    def publish_rows(self, rows: Iterable[tuple[str, Any, int]]) -> None:
+        """:meth:`publish` of ``(key, location, placement)`` rows: the placements of objects whose bytes are final,
+        before their Entries exist (a commit ahead of its copies, as it lands)."""
         words = self._words
         if words is None:
             return
         crc32, mask = zlib.crc32, BUCKETS - 1
-        for e in entries:
-            loc = e.loc
-            if loc is None or not loc.size or (e.mutable and not sealing):
+        for key, loc, placed in rows:
+            if loc is None or not loc.size:
                 continue
-            raw = e.key.encode()
+            raw = key.encode()
             crc = crc32(raw)
             at = (crc & mask) * WORDS
             words[at] = _FILLED | (len(raw) & 0xFFFF) << 32 | crc
             words[at + 1] = loc.segment << _OFFSET_BITS | loc.offset
             words[at + 2] = loc.size
-            words[at + 3] = e.placed
+            words[at + 3] = placed
 
     def withdraw(self, e: Any) -> None:
         """``e``'s placement ends (its version retired, or its bytes freed or moved): clear its bucket if that

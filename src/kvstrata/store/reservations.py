@@ -296,6 +296,8 @@ class ReservationMixin:
             for item in waiting:
                 uncreate(item[0])
             if state:
+                if self._placements is not None:  # first: a reader right after the word copies from them (batch.py)
+                    self._placements.publish_rows((item[0], item[2], item[3]) for item in waiting)
                 entries = []
                 memory = WriteMode.MEMORY  # (the only mode a commit ahead of its copies makes)
                 for key, size, loc, version in waiting:
@@ -309,9 +311,9 @@ class ReservationMixin:
                 replaced = [e.key for e in entries if e.key in objects] if change is not None else None
                 if replaced:
                     with change(replaced):
-                        self._seal_batch_locked(entries)
+                        self._seal_batch_locked(entries, published=True)
                 else:
-                    self._seal_batch_locked(entries)
+                    self._seal_batch_locked(entries, published=True)
             else:
                 self._counts["carved"] -= len(waiting)
                 freed = [item[2] for item in waiting if item[1]]
