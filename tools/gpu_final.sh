@@ -346,20 +346,21 @@
 #           bench store's device rows with ab_old/src and the new code in turn, three times
 #   PART=s31e: the session's last call, final code: every GPU test; tools/probe_call_steps.py --op mset; bench store's
 #           device rows four times
-#   PART=s32a (at 21209d5): every GPU test; tools/probe_native_planner.py (a kept read's first lookup of the first batch's leases,
-#           the join folded into the first pass, both, neither: call by call) twice, around bench store's device rows
-#           with ab_old/src (the session's start, untracked) and the new code in turn (A/B/A/B)
-#   PART=s32b (at 69cd9f6): every GPU test; tools/probe_native_planner.py (a write's commits while its later batches are queued,
-#           at 32, 64 and 128 keys a commit, against one commit once every copy is queued: call by call) twice; bench
-#           store's device rows with ab_old/src (the session's start, untracked) and the new code in turn (A/B/A/B)
-#   PART=s32c (at 870a3ec): every GPU test; tools/probe_native_planner.py with ab_old/src (the session's start, untracked; one
-#           commit once every copy is queued, the worker's commit making every object) and the new code (its objects
-#           made when the commit lands; commits while later batches are queued at 32, 64 and 128 keys, and none),
-#           twice in turn; bench store's device rows A/B/A/B
-#   PART=s32d: session 32's final code: every GPU test; tools/probe_native_planner.py with ab_old/src (the session's
-#           start, untracked) and the final code in turn; bench store's device rows new/ab_old/new/ab_old/new
-#   PART=s32e: the client-device, placed-read, landing, kept-read and reservation GPU tests; bench store's device rows
-#           new/ab_old/new (a landing commit's placements published before its objects are made)
+#   PART=s32a (run at 21209d5): every GPU test; tools/probe_native_planner.py (a kept read's first lookup of the
+#           first batch's leases, the join folded into the first pass, both, neither: call by call) twice, around
+#           bench store's device rows with ab_old/src (the session's start, untracked) and the new code in turn
+#   PART=s32b (run at e431db5 with 69cd9f6's client change, before f463997): every GPU test;
+#           tools/probe_native_planner.py (a write's commits while its later batches are queued, at 32, 64 and 128
+#           keys a commit, against one commit once every copy is queued: call by call) twice; bench store's device
+#           rows with ab_old/src and the new code in turn (A/B/A/B)
+#   PART=s32c (run at 870a3ec): every GPU test; tools/probe_native_planner.py with ab_old/src (one commit once every
+#           copy is queued, the worker's commit making every object) and the new code (its objects made when the
+#           commit lands; commits while later batches are queued at 32, 64 and 128 keys, and none), twice in turn;
+#           bench store's device rows A/B/A/B
+#   PART=s32d (run at fedbe4a): every GPU test; tools/probe_native_planner.py with ab_old/src and the new code in
+#           turn; bench store's device rows new/ab_old/new/ab_old/new
+#   PART=s32e (run at db5cb0d): the client-device, placed-read, landing, kept-read and reservation GPU tests; bench
+#           store's device rows new/ab_old/new (a landing commit's placements published before its objects are made)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
