@@ -210,6 +210,29 @@ def test_a_landing_commits_objects_are_made_when_it_lands_with_its_ttl_from_then
         store.close()
 
 
+def test_a_worker_over_a_shared_store_takes_its_validity_hook_back_when_it_stops(tmp_path):
+    from kvstrata.server import Worker, WorkerConfig
+    from kvstrata.store import ObjectStore, StoreConfig
+
+    store = ObjectStore(StoreConfig(memory_bytes=4 << 20, segment_bytes=1 << 20, numa_node=None, hugepages="off"))
+    try:
+        worker = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=4 << 20, disk_dir=""), store=store)
+        worker.start()
+        assert store.visibility_change is not None
+        worker.stop()
+        assert store.visibility_change is None  # the worker's validity table is closed: never bumped again
+        # the store goes on: a commit that replaces a version lands without it
+        store.put("shared/k", b"old")
+        loc = store.reserve("w", 4096)
+        store.buffer(type(loc)(loc.segment, loc.offset, 3))[:] = b"new"
+        word = [None]
+        assert store.commit("w", [("shared/k", 3, loc.offset)], landed=lambda: word[0]) == [None]
+        word[0] = True
+        assert store.get_bytes("shared/k") == b"new"
+    finally:
+        store.close()
+
+
 _HOLDER = """
 import sys, time, kvstrata
 kv = kvstrata.connect(sys.argv[1])

@@ -148,6 +148,8 @@ class Worker:
             time.sleep(0.01)
         if self.placements is not None and self._store is not None:
             self._store.publish_placements(None)  # a shared store outlives this worker: stop its writes here
+        if getattr(self._store, "visibility_change", None) is not None:
+            self._store.visibility_change = None  # (and its bumps of this worker's validity table, closed below)
         if self._store is not None and self._own_store:
             self._store.close()
             log.info("worker stopped; write-back data flushed")
