@@ -218,9 +218,9 @@ def test_a_worker_over_a_shared_store_takes_its_validity_hook_back_when_it_stops
     try:
         worker = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=4 << 20, disk_dir=""), store=store)
         worker.start()
-        assert store.visibility_change is not None
+        assert store._visibility_change is not None
         worker.stop()
-        assert store.visibility_change is None  # the worker's validity table is closed: never bumped again
+        assert store._visibility_change is None  # the worker's validity table is closed: never bumped again
         # the store goes on: a commit that replaces a version lands without it
         store.put("shared/k", b"old")
         loc = store.reserve("w", 4096)

@@ -71,10 +71,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._lock: threading.Lock | SettlingLock = self._plain_lock
         # commits waiting for their copies, in order: (landed, owner, (their items, ttl)) (store.reservations)
         self._landings: list[tuple] = []
-        #: what a settled commit that replaces versions written meanwhile goes inside (``keys -> context manager``),
-        #: the worker's :meth:`kvstrata.server.validity.Validity.change`: its clients' kept leases of those keys go
-        #: stale. Called under this store's lock (it takes none that is held while taking this one).
-        self.visibility_change: Callable[[list[str]], Any] | None = None
+        # what a settled commit that replaces versions written meanwhile goes inside (set_visibility_change)
+        self._visibility_change: Callable[[list[str]], Any] | None = None
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []
@@ -153,6 +151,14 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         worker's clients start copies from it), or stop (None)."""
         with self._lock:
             self._placements = table
+
+    def set_visibility_change(self, change: Callable[[list[str]], Any] | None) -> None:
+        """Settle a commit sent ahead of its copies whose objects replace versions written meanwhile (a plain put
+        does not wait for creates) inside ``change(keys)``, a context manager: the worker's
+        :meth:`kvstrata.server.validity.Validity.change`, so its clients' kept leases of those keys go stale. Called
+        under this store's lock (it must take no lock held by anyone waiting for this one); None stops it."""
+        with self._lock:
+            self._visibility_change = change
 
     def _announce_segments(self) -> None:
         # Whoever announces, a segment is announced before the write that made it returns: a

@@ -307,7 +307,7 @@ class ReservationMixin:
                     entries.append(e)
                 # A key written meanwhile by a write that does not wait for creates (a plain put): this commit's
                 # object replaces that version now, which readers may have kept leases on.
-                change, objects = self.visibility_change, self._objects
+                change, objects = self._visibility_change, self._objects
                 replaced = [e.key for e in entries if e.key in objects] if change is not None else None
                 if replaced:
                     with change(replaced):
