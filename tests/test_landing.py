@@ -21,7 +21,7 @@ import torch
 import kvstrata
 from _stages import batches_of
 from kvstrata.client import device
-from kvstrata.errors import InvalidValue, KeyExists, KvstrataError
+from kvstrata.errors import KeyExists, KvstrataError
 from kvstrata.server import lane as L
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -128,10 +128,28 @@ def test_commits_of_a_different_write_mode_are_refused_per_item(worker):
         opts = dict(OPTS, mode="write_through")
         res, _ = b.commit_finish(b.commit_start([("land/wt", 4, loc.offset)], opts, landing=True))
         assert isinstance(res[0], ValueError) and "memory" in str(res[0])
-        assert kv.exists(["land/wt"]) == [False]
-        with pytest.raises(InvalidValue, match="no TTL"):  # (its TTL would be unknown to readers' kept leases)
-            b.commit_finish(b.commit_start([("land/ttl", 4, loc.offset)], dict(OPTS, ttl=5.0), landing=True))
-        assert kv.exists(["land/ttl"]) == [False] and kv.stats()["creates_in_progress"] == 0
+        assert kv.exists(["land/wt"]) == [False] and kv.stats()["creates_in_progress"] == 0
+
+
+def test_a_landing_commits_keys_are_read_from_kept_leases_once_shown_but_never_with_a_ttl(worker):
+    # The validity's no-TTL set learns a landing commit's keys as they land (Validity.shown, under the store's lock): a
+    # reader keeps its lease then; never for a commit with a TTL, which the engine ends with no change kept leases see.
+    with kvstrata.connect(worker) as kv, kvstrata.connect(worker) as reader:
+        kv.delete(["land/nottl", "land/ttl"])
+        b, loc = _reserve(kv)
+        head = loc.offset
+        for key, ttl in (("land/nottl", None), ("land/ttl", 0.5)):
+            b.view(type(loc)(loc.segment, head, 3))[:] = key[-3:].encode()
+            token = b.commit_start([(key, 3, head)], dict(OPTS, ttl=ttl), landing=True)
+            res, head = b.commit_finish(token)
+            assert res == [None] and reader.exists([key]) == [False]
+            b.land(token)
+            assert reader.get(key) == key[-3:].encode() and reader.get(key) == key[-3:].encode()
+        assert reader._backend._local.lookup("land/nottl") is not None  # the second get was a local read
+        assert reader._backend._local.lookup("land/ttl") is None
+        time.sleep(0.6)  # its TTL ran from the landing
+        assert reader.exists(["land/nottl", "land/ttl"]) == [True, False]
+        kv.delete(["land/nottl"])
 
 
 def test_the_store_alone_shows_a_landing_commit_to_operations_after_the_word():
@@ -210,6 +228,51 @@ def test_a_landing_commits_objects_are_made_when_it_lands_with_its_ttl_from_then
         store.close()
 
 
+def test_a_landing_commit_is_cut_off_the_reservation_after_its_answer_in_order_or_when_anything_needs_it():
+    # The commit only checks its items and takes their keys; their pieces are cut off the reservation's block (and
+    # their versions given) by cut_landings (the worker's, right after its answer) or by whatever needs the block:
+    # a later plain commit, a new reservation, the landing itself. Every way cuts the owner's commits in order.
+    from kvstrata.store import ObjectStore, StoreConfig
+
+    store = ObjectStore(StoreConfig(memory_bytes=4 << 20, segment_bytes=1 << 20, numa_node=None, hugepages="off"))
+    try:
+        word = [None]
+        loc = store.reserve("w", 1 << 16)
+        used = store.stats()["tiers"]["memory"]["used"]
+
+        def commit(keys, landed=True, nx=True):
+            at = store.reservation("w").offset
+            items = []
+            for key in keys:
+                store.buffer(type(loc)(loc.segment, at, 3))[:] = key[-3:].encode()
+                items.append((key, 3, at))
+                at += 64
+            return store.commit("w", items, nx=nx, landed=(lambda: word[0]) if landed else None)
+
+        assert commit(["c/a01", "c/a02"]) == [None, None] and commit(["c/b01"]) == [None]
+        assert store._uncut == 2 and store.exists(["c/a01", "c/b01"]) == [False, False]
+        assert len(store._creating) == 3  # taken, not made
+        assert commit(["c/c01"], landed=False) == [None]  # a plain commit: the two before it are cut first
+        assert store._uncut == 0 and store.get_bytes("c/c01") == b"c01"
+        assert store.exists(["c/a01", "c/b01"]) == [False, False]  # cut, not shown: their copies did not land
+        assert commit(["c/d01"]) == [None] and store._uncut == 1
+        loc = store.reserve("w", 1 << 16)  # the old reservation's rest is freed after this commit's piece is cut
+        assert store._uncut == 0
+        refused = commit(["c/a01"])  # every key refused (taken while waiting): no landing, its piece freed
+        assert isinstance(refused[0], KeyExists) and store._uncut == 0 and len(store._landings) == 3
+        word[0] = True
+        assert [store.get_bytes(k) for k in ("c/a01", "c/a02", "c/b01", "c/d01")] == [b"a01", b"a02", b"b01", b"d01"]
+        assert store.settle() is False and not store._creating
+        store.delete(["c/a01", "c/a02", "c/b01", "c/c01", "c/d01"])
+        store.reserve("w", 0)
+        assert store.stats()["tiers"]["memory"]["used"] == used - (1 << 16)  # every piece and reservation freed
+        # a commit whose word came before the worker cut it: its landing cuts it, then shows it
+        loc = store.reserve("w", 1 << 16)
+        assert commit(["c/e01"]) == [None] and store._uncut == 0 and store.get_bytes("c/e01") == b"e01"
+    finally:
+        store.close()
+
+
 def test_a_worker_over_a_shared_store_takes_its_validity_hook_back_when_it_stops(tmp_path):
     from kvstrata.server import Worker, WorkerConfig
     from kvstrata.store import ObjectStore, StoreConfig
@@ -218,9 +281,9 @@ def test_a_worker_over_a_shared_store_takes_its_validity_hook_back_when_it_stops
     try:
         worker = Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=4 << 20, disk_dir=""), store=store)
         worker.start()
-        assert store._visibility_change is not None
+        assert store._visibility is not None
         worker.stop()
-        assert store._visibility_change is None  # the worker's validity table is closed: never bumped again
+        assert store._visibility is None  # the worker's validity table is closed: never bumped again
         # the store goes on: a commit that replaces a version lands without it
         store.put("shared/k", b"old")
         loc = store.reserve("w", 4096)

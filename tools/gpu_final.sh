@@ -361,6 +361,9 @@
 #           turn; bench store's device rows new/ab_old/new/ab_old/new
 #   PART=s32e (run at db5cb0d): the client-device, placed-read, landing, kept-read and reservation GPU tests; bench
 #           store's device rows new/ab_old/new (a landing commit's placements published before its objects are made)
+#   PART=s33a: every GPU test; tools/probe_native_planner.py with ab_old/src (the session's start) and the new code (a
+#           landing commit answered once its items are checked and its keys taken; its pieces cut after the answer)
+#           in turn, twice; bench store's device rows A/B/A/B
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1101,6 +1104,15 @@ elif [ "${PART}" = s32e ]; then
   tail -1 "$OUT/gpu_tests_s32e.log" >> "$LOG"
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s32e.log" | head -30 >> "$LOG"
   store_rows new ab_old new
+elif [ "${PART}" = s33a ]; then
+  gpu_tests gpu_tests_s33a
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s33a.log" | head -30 >> "$LOG"
+  for r in 1 2; do
+    for v in ab_old new; do
+      use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 60 --variants "all native"
+    done
+  done
+  store_rows ab_old new ab_old new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

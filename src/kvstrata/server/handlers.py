@@ -13,7 +13,7 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import CapacityError, InvalidType, InvalidValue, KvstrataError, ServerError
+from kvstrata.errors import CapacityError, InvalidType, KvstrataError, ServerError
 from kvstrata.server import protocol as P
 from kvstrata.server.validity import SLOTS
 from kvstrata.store.tiers.base import Location
@@ -201,23 +201,24 @@ def _commit(s: Session, msg: dict) -> dict:
     head is now (None: the client holds none), and the refused items (absent when every one was sealed).
     ``"landing": true``: sent before the copies into the objects finished; answered at once, the objects made
     visible when the client says in the lane page that the copies landed (``store.reservations``; every
-    request of anyone after that sees them), freed if it says they failed; with no TTL (InvalidValue)."""
+    request of anyone after that sees them), freed if it says they failed; a TTL runs from then."""
     opts = s.write_options(msg)
     items = msg.get("items", [])
     if type(items) is not list or len(items) > P.MAX_BATCH:
         raise InvalidType(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
-    landed = None
     if msg.get("landing"):
-        if opts["ttl"] is not None:  # its objects' TTL would have to be known to the validity table once they land
-            raise InvalidValue("landing: a commit ahead of its copies makes objects with no TTL")
-        landed = s.landing_check(msg.get("tag"))
-    keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
-    with _sealing(s.validity, keys):
-        results = s.store.commit(s.owner, items, **opts, landed=landed)
-        if landed is not None and None in results:
+        # Nothing becomes visible now: the store shows the objects as they land, inside the validity's change of
+        # the keys they replace, and tells it which (ObjectStore.set_visibility). The store only checks the items
+        # and takes their keys before this answer; their pieces are cut right after it (Session._next).
+        results = s.store.commit(s.owner, items, **opts, landed=s.landing_check(msg.get("tag")))
+        if None in results:
             s.landing_tags.append(msg["tag"])  # the session watches for the word (Session._next)
-        ok = [it[0] for it, r in zip(items, results) if r is None]  # a sealed item is a well-formed one
-        s.validity.written_many(ok, [opts["ttl"]] * len(ok))
+    else:
+        keys = [it[0] for it in items if type(it) in _PAIR_TYPES and len(it) == 3 and type(it[0]) is str and it[0]]
+        with _sealing(s.validity, keys):
+            results = s.store.commit(s.owner, items, **opts)
+            ok = [it[0] for it, r in zip(items, results) if r is None]  # a sealed item is a well-formed one
+            s.validity.written_many(ok, [opts["ttl"]] * len(ok))
     rest = s.store.reservation(s.owner)
     reply: dict = {"head": None if rest is None else rest.offset}
     if results.count(None) != len(results):

@@ -208,6 +208,9 @@ class Session:
         none waits. Returns with commits still waiting when a request came: the next wait goes on watching."""
         lane, tags, conn = self.lane, self.landing_tags, self.conn
         landing, settle = lane.landing, self.store.settle  # type: ignore[union-attr]
+        # First the work the commits' answers did not wait for (their pieces cut, their versions given), while the
+        # copies still run: their landing then only shows the objects.
+        self.store.cut_landings(self.owner)
         lane_poller = self.worker.lane_poller  # while it serves, it answers the lane: keep watching here
         yield_cpu, clock = os.sched_yield, time.perf_counter
         start = clock()

@@ -144,6 +144,14 @@ class Validity:
         for key, ttl in zip(keys, ttls):
             self.written(key, ttl)
 
+    def shown(self, keys: list[str], ttl: float | None) -> None:
+        """Commits sent ahead of their copies made ``keys`` visible as they landed, all with ``ttl``: the store calls
+        this under its lock (:meth:`kvstrata.store.engine.ObjectStore.set_visibility`), so the set changes in the same
+        step as the versions, and no stripe is taken (stripes are taken before the store's lock, never after). None
+        is needed: a write of one of these keys racing with the landing either shows its version before it (then
+        replaced here) or after it, and then updates the set itself, as after any write."""
+        self.written_many(keys, [ttl] * len(keys))
+
     def written(self, key: str, ttl: float | None) -> None:
         """Call under ``key_lock(key)`` right after a version of ``key`` became visible."""
         if ttl is not None:

@@ -88,8 +88,8 @@ class Worker:
 
             self._store = ObjectStore(self.config.store_config())
         self.validity = Validity()
-        if hasattr(self._store, "set_visibility_change"):  # commits settled outside a request's change (landing)
-            self._store.set_visibility_change(self.validity.change)
+        if hasattr(self._store, "set_visibility"):  # commits settled outside a request's change (landing)
+            self._store.set_visibility(self.validity)
         if self.config.placement_table and hasattr(self._store, "publish_placements"):
             self.placements = PlacementTable()
             self._store.publish_placements(self.placements)
@@ -148,8 +148,8 @@ class Worker:
             time.sleep(0.01)
         if self.placements is not None and self._store is not None:
             self._store.publish_placements(None)  # a shared store outlives this worker: stop its writes here
-        if self._store is not None and hasattr(self._store, "set_visibility_change"):
-            self._store.set_visibility_change(None)  # (and its bumps of this worker's validity table, closed below)
+        if self._store is not None and hasattr(self._store, "set_visibility"):
+            self._store.set_visibility(None)  # (and its bumps of this worker's validity table, closed below)
         if self._store is not None and self._own_store:
             self._store.close()
             log.info("worker stopped; write-back data flushed")

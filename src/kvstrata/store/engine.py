@@ -31,7 +31,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from kvstrata.errors import CapacityError, InvalidType
 from kvstrata.memory.shm import SharedSegment
@@ -43,7 +42,7 @@ from kvstrata.store.leases import LeaseMixin
 from kvstrata.store.objects import Entry, check_key, check_keys, check_ttl
 from kvstrata.store.placements import PlacementTable
 from kvstrata.store.reads import ReadMixin
-from kvstrata.store.reservations import ReservationMixin, SettlingLock
+from kvstrata.store.reservations import Landing, ReservationMixin, SettlingLock, Visibility
 from kvstrata.store.tiering import TieringMixin
 from kvstrata.store.tiers.base import Location
 from kvstrata.store.tiers.disk import DiskTier
@@ -69,10 +68,11 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._plain_lock = threading.Lock()
         self._settling_lock = SettlingLock(self, self._plain_lock)
         self._lock: threading.Lock | SettlingLock = self._plain_lock
-        # commits waiting for their copies, in order: (landed, owner, (their items, ttl)) (store.reservations)
-        self._landings: list[tuple] = []
-        # what a settled commit that replaces versions written meanwhile goes inside (set_visibility_change)
-        self._visibility_change: Callable[[list[str]], Any] | None = None
+        # commits waiting for their copies, in commit order (store.reservations); how many are not cut yet
+        self._landings: list[Landing] = []
+        self._uncut = 0
+        # told what settled commits show, which no request's validity change covers (set_visibility)
+        self._visibility: Visibility | None = None
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []
@@ -152,13 +152,15 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         with self._lock:
             self._placements = table
 
-    def set_visibility_change(self, change: Callable[[list[str]], Any] | None) -> None:
-        """Settle a commit sent ahead of its copies whose objects replace versions written meanwhile (a plain put
-        does not wait for creates) inside ``change(keys)``, a context manager: the worker's
-        :meth:`kvstrata.server.validity.Validity.change`, so its clients' kept leases of those keys go stale. Called
-        under this store's lock (it must take no lock held by anyone waiting for this one); None stops it."""
+    def set_visibility(self, hooks: Visibility | None) -> None:
+        """Tell ``hooks`` (the worker's :class:`kvstrata.server.validity.Validity`) what the commits sent ahead of
+        their copies show as they settle, which happens outside any request's validity change: those whose objects
+        replace versions written meanwhile (a plain put does not wait for creates) are settled inside
+        ``hooks.change(keys)``, so its clients' kept leases of those keys go stale, and ``hooks.shown(keys, ttl)``
+        hears of every key they show. Both are called under this store's lock (they must take no lock held by
+        anyone waiting for this one); None stops them."""
         with self._lock:
-            self._visibility_change = change
+            self._visibility = hooks
 
     def _announce_segments(self) -> None:
         # Whoever announces, a segment is announced before the write that made it returns: a

@@ -34,6 +34,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from kvstrata.errors import (
     CapacityError,
@@ -85,6 +87,38 @@ class SettlingLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class Visibility(Protocol):
+    """What the store tells of the commits it settles outside any request (:meth:`ObjectStore.set_visibility`)."""
+
+    def change(self, keys: list[str]) -> AbstractContextManager[Any]:
+        """Around showing new versions of ``keys`` that replace visible ones."""
+
+    def shown(self, keys: list[str], ttl: float | None) -> None:
+        """``keys`` just became visible, all with that TTL."""
+
+
+class Landing:
+    """A commit waiting for its copies, in :attr:`ObjectStore._landings`: ``landed`` says when they landed. Until it
+    is cut (:meth:`ReservationMixin._cut_locked`) it keeps the items as carved (``carved``, ``refused``: each one's
+    error or None) from ``start``; then ``waiting`` holds ``(key, size, location, version)`` per object to make."""
+
+    __slots__ = ("carved", "landed", "owner", "refused", "segment", "start", "ttl_s", "waiting")
+
+    def __init__(
+        self,
+        landed: Callable[[], bool | None],
+        owner: object,
+        ttl_s: float,
+        segment: int,
+        start: int,
+        carved: list[tuple[str, int]],
+        refused: list[Any],
+    ) -> None:
+        self.landed, self.owner, self.ttl_s = landed, owner, ttl_s
+        self.segment, self.start, self.carved, self.refused = segment, start, carved, refused
+        self.waiting: list[tuple[str, int, Location, int]] | None = None
 
 
 class Reservation:
@@ -165,6 +199,13 @@ class ReservationMixin:
         for a write-through) gets its exception and its piece is freed. Committed objects are as if created
         and sealed: new versions, waiters woken, TTLs started, written through to SSD where ``write_mode``
         says so.
+
+        With ``landed``, the commit does only what its results depend on: it checks the items and takes their
+        keys (a write-once write meanwhile sees them, as unsealed creates). The rest, cutting the pieces off the
+        reservation's block and giving the objects their versions (~half the work), waits in the commit's
+        :class:`Landing` until :meth:`cut_landings` (which the worker calls right after its answer, while the
+        copies still run) or until anything else needs it: its landing, another commit or reservation of the
+        owner. The worker's answer waits for none of it.
         """
         items = items if isinstance(items, list) else list(items)
         n = len(items)
@@ -182,8 +223,7 @@ class ReservationMixin:
             if self._closed:
                 return [ClosedError("the object store is closed")] * n
             r = self._reservations.get(owner)
-            # 1. every item checked against the head, in order, up to the first bad one; then one split
-            # carves all the good ones' pieces off the reservation's block
+            # 1. every item checked against the head, in order, up to the first bad one
             carved: list[tuple[str, int]] = []  # (key, size) of the items carved, in order
             if r is not None:
                 start = head = r.head
@@ -212,21 +252,15 @@ class ReservationMixin:
                         break
                 carved.append((key, size))
                 head += (size + _MASK) & ~_MASK
-            if carved:
-                mem = self._mem
-                segment = r.segment
-                offsets = iter(mem.split_many(segment, start, [size for _, size in carved if size]))
-                r.head = head
-                self._reserved -= head - start
-            # 2. each carved item checked as a key and made an object (sealed together below); where its copies may
-            # still run, only its key taken and its version given: the object is made when they landed (settle), so
-            # the writer's answer does not wait for it (~0.6 us a key on the development machine)
-            objects, creating, versions = self._objects, self._creating, self._versions
-            entries: list[Entry] = []
-            waiting: list[tuple[str, int, Location, int]] = []  # (key, size, location, version), landed
+            if not carved:
+                return out
+            r.head = head
+            self._reserved -= head - start
+            # 2. each carved item checked as a key; where its copies may still run, its key taken (a write-once write
+            # meanwhile must see it, as an unsealed create) and the rest left to cut_landings
+            objects, creating = self._objects, self._creating
             seen: set[str] = set()  # an nx batch: a key committed earlier in it exists already
-            for i, (key, size) in enumerate(carved):
-                loc = tuple.__new__(Location, (segment, next(offsets), size)) if size else ZERO_LOCATION
+            for i, (key, _) in enumerate(carved):
                 try:
                     if type(key) is not str or not key or len(key) > FAST_KEY_CHARS or not key.isascii():
                         check_key(key, f"items[{i}]")
@@ -236,14 +270,31 @@ class ReservationMixin:
                         seen.add(key)
                 except (KvstrataError, ValueError, TypeError) as exc:
                     out[i] = exc
-                    if size:
-                        mem.free(loc)
                     continue
-                if landed is not None:  # taken: a write-once write meanwhile must see it (as an unsealed create)
+                if landed is not None:
                     creating[key] = creating.get(key, 0) + 1
-                    waiting.append((key, size, loc, next(versions)))
+            if landed is not None and None in out:  # (with every key refused, the pieces are freed below)
+                self._landings.append(Landing(landed, owner, ttl_s, r.segment, start, carved, out[: len(carved)]))
+                self._uncut += 1
+                # The writer may have said so already (its word can come before its request is read): settle
+                # now, and have every later ``with`` of the lock settle while any commit still waits. An
+                # operation that read the plain lock before this switch began before the word was written.
+                self._settle_locked()
+                if self._landings:
+                    self._lock = self._settling_lock
+                return out
+            # 3. the pieces cut off the reservation's block, each made an object (sealed together below)
+            if self._uncut:
+                self._cut_locked(owner)  # this owner's earlier pieces first: its block begins where they end
+            entries: list[Entry] = []
+            refused: list[Location] = []
+            version = self._versions
+            for i, ((key, size), loc) in enumerate(zip(carved, self._pieces_locked(r.segment, start, carved))):
+                if out[i] is not None:
+                    if size:
+                        refused.append(loc)
                     continue
-                e = Entry(key, size, loc, mode, next(versions), owner)
+                e = Entry(key, size, loc, mode, next(version), owner)
                 if ttl_s:
                     e.ttl = ttl_s
                 if mode is WriteMode.WRITE_THROUGH:
@@ -251,18 +302,50 @@ class ReservationMixin:
                     slow.append((i, e))
                     continue
                 entries.append(e)
-            self._counts["carved"] += len(entries) + len(slow) + len(waiting)
-            if waiting:
-                self._landings.append((landed, owner, (waiting, ttl_s)))
-                # The writer may have said so already (its word can come before its request is read): settle
-                # now, and have every later ``with`` of the lock settle while any commit still waits. An
-                # operation that read the plain lock before this switch began before the word was written.
-                self._settle_locked()
-                if self._landings:
-                    self._lock = self._settling_lock
-            elif entries:
+            if refused:
+                self._mem.free_many(refused)
+            self._counts["carved"] += len(entries) + len(slow)
+            if entries:
                 self._seal_batch_locked(entries)
         return self._finish_slow(slow, out)
+
+    def cut_landings(self, owner: object) -> None:
+        """Cut the pieces of ``owner``'s commits waiting for their copies off its reservation and give their
+        objects their versions, where not done yet (see :meth:`commit`): the worker does it right after answering
+        such a commit, while the copies still run, so that their landing only has to show the objects."""
+        with self._lock:  # (which settles those that landed, cutting them first)
+            if self._uncut:
+                self._cut_locked(owner)
+
+    def _pieces_locked(self, segment: int, start: int, carved: list[tuple[str, int]]) -> list[Location]:
+        """The locations of ``carved`` items laid side by side from ``start``, each piece cut off the block there
+        (a reservation's) as a block of its own: one split of the allocator."""
+        sizes = [size for _, size in carved if size]
+        offsets = iter(self._mem.split_many(segment, start, sizes) if sizes else ())
+        new = tuple.__new__
+        return [new(Location, (segment, next(offsets), size)) if size else ZERO_LOCATION for _, size in carved]
+
+    def _cut_locked(self, owner: object) -> None:
+        """Cut every commit of ``owner`` waiting for its copies and not cut yet, in commit order (each one's
+        pieces start where the previous one's end): their pieces become blocks, their objects get versions."""
+        version = self._versions
+        for batch in self._landings:
+            if batch.waiting is not None or batch.owner is not owner:
+                continue
+            refused = batch.refused
+            locs = self._pieces_locked(batch.segment, batch.start, batch.carved)
+            batch.waiting = [
+                (key, size, loc, next(version))
+                for (key, size), loc, err in zip(batch.carved, locs, refused)
+                if err is None
+            ]
+            if refused.count(None) != len(refused):
+                freed = [loc for (_, size), loc, err in zip(batch.carved, locs, refused) if err is not None and size]
+                if freed:
+                    self._mem.free_many(freed)
+            self._counts["carved"] += len(batch.waiting)
+            batch.carved = batch.refused = None
+            self._uncut -= 1
 
     def settle(self, owner: object = None, *, final: bool = False) -> bool:
         """Seal (or free) the commits waiting for their copies whose writer said so, ``owner``'s only if given;
@@ -270,20 +353,21 @@ class ReservationMixin:
         with self._lock:  # which settles them all, except for final
             if final:
                 self._settle_locked(owner, final=True)
-            return any(owner is None or who is owner for _, who, _ in self._landings)
+            return any(owner is None or batch.owner is owner for batch in self._landings)
 
     def _settle_locked(self, owner: object = None, *, final: bool = False) -> None:
         if self._closed:  # the tiers are gone with every object: nothing to show or free
             self._landings = []
+            self._uncut = 0
             self._lock = self._plain_lock
             return
         keep = []
         for batch in self._landings:
-            landed, who, (waiting, ttl_s) = batch
             state = None
+            who = batch.owner
             if owner is None or who is owner:
                 try:
-                    state = landed()
+                    state = batch.landed()
                 except Exception:  # a bug: never leave the batch half-made, never raise into an unrelated call
                     log.exception("a commit's landing check failed; its objects are dropped")
                     state = False
@@ -292,28 +376,14 @@ class ReservationMixin:
             if state is None:
                 keep.append(batch)
                 continue
+            if batch.waiting is None:
+                self._cut_locked(who)
+            waiting = batch.waiting
             uncreate = self._uncreate
             for item in waiting:
                 uncreate(item[0])
             if state:
-                if self._placements is not None:  # first: a reader right after the word copies from them (batch.py)
-                    self._placements.publish_rows((item[0], item[2], item[3]) for item in waiting)
-                entries = []
-                memory = WriteMode.MEMORY  # (the only mode a commit ahead of its copies makes)
-                for key, size, loc, version in waiting:
-                    e = Entry(key, size, loc, memory, version, who)
-                    if ttl_s:
-                        e.ttl = ttl_s
-                    entries.append(e)
-                # A key written meanwhile by a write that does not wait for creates (a plain put): this commit's
-                # object replaces that version now, which readers may have kept leases on.
-                change, objects = self._visibility_change, self._objects
-                replaced = [e.key for e in entries if e.key in objects] if change is not None else None
-                if replaced:
-                    with change(replaced):
-                        self._seal_batch_locked(entries, published=True)
-                else:
-                    self._seal_batch_locked(entries, published=True)
+                self._show_locked(waiting, who, batch.ttl_s)
             else:
                 self._counts["carved"] -= len(waiting)
                 freed = [item[2] for item in waiting if item[1]]
@@ -323,8 +393,34 @@ class ReservationMixin:
         if not keep:
             self._lock = self._plain_lock  # nothing waits: back to the plain lock (no Python call per ``with``)
 
+    def _show_locked(self, waiting: list[tuple[str, int, Location, int]], owner: object, ttl_s: float) -> None:
+        """Make the objects of a landed commit, ``(key, size, location, version)`` each, and show them."""
+        if self._placements is not None:  # first: a reader right after the word copies from them (batch.py)
+            self._placements.publish_rows((item[0], item[2], item[3]) for item in waiting)
+        memory = WriteMode.MEMORY  # (the only mode a commit ahead of its copies makes)
+        entries = [Entry(key, size, loc, memory, version, owner) for key, size, loc, version in waiting]
+        if ttl_s:
+            for e in entries:
+                e.ttl = ttl_s
+        hooks = self._visibility
+        if hooks is None:
+            self._seal_batch_locked(entries, published=True)
+            return
+        # A key written meanwhile by a write that does not wait for creates (a plain put): this commit's object
+        # replaces that version now, which readers may have kept leases on.
+        objects = self._objects
+        replaced = [e.key for e in entries if e.key in objects]
+        if replaced:
+            with hooks.change(replaced):
+                self._seal_batch_locked(entries, published=True)
+        else:
+            self._seal_batch_locked(entries, published=True)
+        hooks.shown([e.key for e in entries], ttl_s or None)
+
     def _drop_reservation(self, owner: object) -> None:
         """Free the unused rest of ``owner``'s reservation (under the lock)."""
+        if self._uncut:
+            self._cut_locked(owner)  # the rest is a block of its own only once the pieces before it were cut
         r = self._reservations.pop(owner, None)
         if r is not None and r.remaining:
             self._mem.free(Location(r.segment, r.head, r.remaining))
@@ -349,4 +445,12 @@ def _carving(item: object, i: int, r: Reservation | None) -> tuple[object, int, 
     return key, size, offset
 
 
-__all__ = ["RESERVED_TOTAL_SHARE", "RESERVE_SHARE", "Reservation", "ReservationMixin", "SettlingLock"]
+__all__ = [
+    "RESERVED_TOTAL_SHARE",
+    "RESERVE_SHARE",
+    "Landing",
+    "Reservation",
+    "ReservationMixin",
+    "SettlingLock",
+    "Visibility",
+]
