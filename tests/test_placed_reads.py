@@ -155,7 +155,9 @@ def test_missing_keys_and_size_mismatches_are_their_own_slots(kv, writer, monkey
     keys, src = _written(writer, "placed-mixed", 6)
     _gpu(monkeypatch, gpu)
     advice = kv._backend.placement_hints(keys)
-    writer.delete([keys[2]])  # gone after the advice was read
+    writer.delete([keys[2], keys[3]])  # gone after the advice was read
+    src[3] = _lists(1, seed=7)[0]
+    assert writer.mset_d2h([keys[3]], src[3:4]) == [None]  # and written again: its early copy read the old place
     monkeypatch.setattr(kv._backend, "placement_hints", lambda ks: advice)
     took = outcomes(monkeypatch, placed_reads)
     dst = _poisoned(src)
@@ -163,7 +165,7 @@ def test_missing_keys_and_size_mismatches_are_their_own_slots(kv, writer, monkey
     res = kv.mget_h2d(keys, dst)
     assert took == [True]
     assert isinstance(res[2], KeyNotFound) and isinstance(res[4], ValueError) and "which holds 1000" in str(res[4])
-    assert all(res[i] is None and torch.equal(src[i][0], dst[i][0]) for i in (0, 1, 3, 5))
+    assert all(res[i] is None and torch.equal(src[i][0], dst[i][0]) for i in (0, 1, 3, 5))  # key 3 copied again
     assert torch.equal(dst[4][0], torch.zeros(999, dtype=torch.uint8))
     kv.delete(keys)
     assert kv.stats()["leases"] == 0

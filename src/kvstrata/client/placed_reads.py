@@ -21,6 +21,8 @@ against 0.837-0.935; what is left for many keys is the lease request's answer an
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+from operator import eq, not_
 from typing import Any
 
 from kvstrata.client import batching as _batching
@@ -164,7 +166,22 @@ def queue(
         unread = False  # out first: an answer is read once, even one that raises (the connection then ends)
         leases = backend.acquire_finish(token)  # sent here where nothing did; indexed by key - start
         placed = backend.acquire_placements(token) or [0] * (n - start)  # none: an older worker, all redone
-        for i in range(start, n):
+        # A key copied early whose lease names the very placement and place its copy read is done (copy_from): all
+        # of them found at once, in C (the lease's place as the reply gave it against the hint the copy read),
+        # ~0.1 us a key where the loop below took ~0.6 (256 keys, the development machine). The loop takes the
+        # others: refused keys, keys not copied early, or copied from a placement gone since.
+        columns = backend.acquire_columns(token)
+        if columns is not None:
+            ids, places = columns
+            stands = list(map(eq, map(early.get, range(start, n)), places))
+            done = list(compress(ids, stands))
+            rest = [None] * len(leases) if len(done) == len(leases) else list(map(_unless, stands, leases))
+            held += done
+            leases[:] = rest  # counted in ``held`` from here on
+            todo = [start + j for j in compress(range(n - start), map(not_, stands))] if len(done) < n - start else ()
+        else:
+            todo = range(start, n)
+        for i in todo:
             lease, leases[i - start] = leases[i - start], None  # counted in ``held`` or ``results`` from here on
             went = early.get(i)
             got = checked[i]
@@ -216,3 +233,8 @@ def copy_from(
         results[i] = InvalidValue(f"tensor_lists[{i}]: {nbytes} bytes for {keys[i]!r}, which holds {loc.size}")
         return None
     return loc
+
+
+def _unless(stands: bool, lease: Any) -> Any:
+    """A lease not yet counted in the read's ``held`` list: None for one whose early copy stands (counted)."""
+    return None if stands else lease

@@ -284,7 +284,7 @@ class RemoteBackend(WorkerConnection):
                                 out[i] = _new(Lease, (lease_id, entry[1], False))  # in C: a device call's every key
         nothing = out.count(None)
         if not nothing:
-            return keys, out, None, None, generation, cache, None
+            return keys, out, None, None, generation, cache, None, None
         if nothing == n:  # none kept (a first read, or the keys were rewritten): ask for all, as given
             missing: list[int] | None = None
             msg = {"op": "acquire", "keys": keys, "timeout": timeout}
@@ -298,7 +298,9 @@ class RemoteBackend(WorkerConnection):
             msg["placements"] = True
             placed = [0] * n
         sent = (self.send_tagged(msg, carry=carry), timeout) if send else _Unsent(msg, carry, timeout)
-        return keys, out, missing, sent, generation, cache, placed
+        # (the reply's columns, for acquire_columns: filled by acquire_finish where every key was asked with placements)
+        columns = [] if placed is not None and missing is None else None
+        return keys, out, missing, sent, generation, cache, placed, columns
 
     def kept_leases(self, keys: list[str]) -> tuple[list[int], list[Loc]] | None:
         """The leases the local-read cache keeps current for the longest run of ``keys`` from the first, pinned for
@@ -343,6 +345,15 @@ class RemoteBackend(WorkerConnection):
         asked key's lease's placement (0 for the keys the cache served and the refused ones); else None."""
         return token[6]
 
+    @staticmethod
+    def acquire_columns(token: Any) -> tuple[list[int], list[tuple[int, int, int, int]]] | None:
+        """After :meth:`acquire_finish` of one started with ``placements=True`` and ``local=False`` (every key asked
+        of the worker): each key's lease id (0 where refused) and ``(segment, offset, size, placement)`` of its
+        lease (zeros where refused, placement 0 from an older worker), built in C from the reply, as a placement
+        hint is (:meth:`placement_hints`): a caller compares them all at once. Else None."""
+        columns = token[7]
+        return (columns[0], columns[1]) if columns else None
+
     def placement_hints(self, keys: list[str]) -> list[tuple[int, int, int, int] | None] | None:
         """Where the worker's table says each key's bytes lie now, ``(segment, offset, size, placement)`` or
         None per key; None where there is no table. Advice only (:mod:`kvstrata.store.placements`)."""
@@ -355,7 +366,7 @@ class RemoteBackend(WorkerConnection):
         cache may keep are judged at once and entered at the next :meth:`settle`."""
         if type(token[3]) is _Unsent:
             token = self.acquire_send(token)
-        keys, out, missing, sent, generation, cache, placed = token
+        keys, out, missing, sent, generation, cache, placed, columns = token
         if sent is None:
             return out
         reply = self.tagged_reply(*sent)
@@ -370,6 +381,8 @@ class RemoteBackend(WorkerConnection):
                     for i, p in zip(missing, got):
                         placed[i] = p
             # else: an older worker; every early copy is redone from its lease
+            if columns is not None:
+                columns += ids, list(zip(flat[0::3], flat[1::3], flat[2::3], placed))
         locs = list(_locs(flat))
         leases = map(_new, repeat(Lease), zip(ids, locs, map(_ONE.__eq__, flags)))
         if missing is None:
