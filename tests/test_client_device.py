@@ -744,7 +744,7 @@ def _order(monkeypatch, backend, *, requests: bool = False) -> list[str]:
         names = ("native", "plan", "lay_out", "lay_out_copy", "CUT", "DONE", "NO_BASE", "PYTHON_PATH", "FULL")
         wrapped = types.SimpleNamespace(plan_copy=plan_copy, **{name: getattr(planner, name) for name in names})
         monkeypatch.setattr(batching, "planner", lambda: wrapped)
-    monkeypatch.setattr(backend, "acquire_finish", lambda tok: events.append("answer") or real_finish(tok))
+    monkeypatch.setattr(backend, "acquire_finish", lambda tok, **kw: events.append("answer") or real_finish(tok, **kw))
     if requests:
 
         def send(msg, **kw):

@@ -164,37 +164,35 @@ def queue(
         if pending or runs.host:
             hand_over()
         unread = False  # out first: an answer is read once, even one that raises (the connection then ends)
-        leases = backend.acquire_finish(token)  # sent here where nothing did; indexed by key - start
-        placed = backend.acquire_placements(token) or [0] * (n - start)  # none: an older worker, all redone
-        # A key copied early whose lease names the very placement and place its copy read is done (copy_from): all
-        # of them found at once, in C (the lease's place as the reply gave it against the hint the copy read),
-        # ~0.1 us a key where the loop below took ~0.6 (256 keys, the development machine). The loop takes the
-        # others: refused keys, keys not copied early, or copied from a placement gone since.
-        columns = backend.acquire_columns(token)
-        if columns is not None:
-            ids, places = columns
-            stands = list(map(eq, map(early.get, range(start, n)), places))
-            done = list(compress(ids, stands))
-            rest = [None] * len(leases) if len(done) == len(leases) else list(map(_unless, stands, leases))
-            held += done
-            leases[:] = rest  # counted in ``held`` from here on
-            todo = [start + j for j in compress(range(n - start), map(not_, stands))] if len(done) < n - start else ()
-        else:
-            todo = range(start, n)
-        for i in todo:
-            lease, leases[i - start] = leases[i - start], None  # counted in ``held`` or ``results`` from here on
+        # The leases as the reply's columns (acquire_columns: every key was asked, with placements), no lease object
+        # per key: every granted one counted in ``held`` at once; ``leases`` keeps only the refused keys' errors.
+        leases = backend.acquire_finish(token, leases=False)  # sent here where nothing did; indexed by key - start
+        ids, places = backend.acquire_columns(token)
+        held += compress(ids, ids)  # (a refused key's id is 0)
+        # A key copied early whose lease names the very placement and place its copy read is done: all of them found
+        # at once, in C (each lease's place against the hint its copy read), ~0.1 us a key where a loop over lease
+        # objects took ~0.6 (256 keys, the development machine). The loop takes the others: refused keys, keys not
+        # copied early, or copied from a placement gone since, which are copied again from where their lease says.
+        stands = list(map(eq, map(early.get, range(start, n)), places))
+        for i in [start + j for j in compress(range(n - start), map(not_, stands))] if not all(stands) else ():
+            refused = leases[i - start]
+            if refused is not None:  # (missing, or on SSD and not brought back)
+                results[i] = refused
+                continue
+            segment, offset, size, _ = places[i - start]
             went = early.get(i)
             got = checked[i]
             if got is None:  # passed natively: an early copy's bytes are its hint's; any other key is checked now
                 got = checked[i] = (None, went[2], None) if went is not None else check(tensor_lists[i], i)
             pieces, total, _ = got
-            loc = copy_from(i, keys, lease, went, placed[i - start], total, results, held)
-            if loc is not None:
-                if pieces is None:  # a key the native passes went by: checked now, as the loop above would have
-                    pieces, _, dev = check(tensor_lists[i], i)
-                    if dev is not None and s is None:
-                        device, s = dev, _device.start(dev, stream)
-                lay_out(pieces, loc.segment, loc.offset, total)
+            if total != size:
+                results[i] = InvalidValue(f"tensor_lists[{i}]: {total} bytes for {keys[i]!r}, which holds {size}")
+                continue
+            if pieces is None:  # a key the native passes went by: checked now, as the loop above would have
+                pieces, _, dev = check(tensor_lists[i], i)
+                if dev is not None and s is None:
+                    device, s = dev, _device.start(dev, stream)
+            lay_out(pieces, segment, offset, total)
         if pending or runs.host:
             hand_over()
         event = _device.mark(s)
@@ -221,7 +219,8 @@ def copy_from(
     """Where key ``i`` must be copied from now that its lease (or error) came back: the lease's location, or None
     where its early copy stands (the lease pins the very placement the copy read, ``went``: see
     :mod:`kvstrata.store.placements`) or its slot of ``results`` now holds its error (missing; ``nbytes`` of
-    tensors for an object of another size). A lease goes in ``held``. (Every cold ``mget_h2d``'s, staged too.)"""
+    tensors for an object of another size). A lease goes in ``held``. (The staged path's, key by key as its stages'
+    leases come back; this module's path checks its keys all at once.)"""
     if isinstance(lease, BaseException):
         results[i] = lease
         return None
@@ -233,8 +232,3 @@ def copy_from(
         results[i] = InvalidValue(f"tensor_lists[{i}]: {nbytes} bytes for {keys[i]!r}, which holds {loc.size}")
         return None
     return loc
-
-
-def _unless(stands: bool, lease: Any) -> Any:
-    """A lease not yet counted in the read's ``held`` list: None for one whose early copy stands (counted)."""
-    return None if stands else lease

@@ -360,10 +360,12 @@ class RemoteBackend(WorkerConnection):
         hints = self.placements
         return None if hints is None else hints.lookup(keys)
 
-    def acquire_finish(self, token: Any) -> list[Any]:
+    def acquire_finish(self, token: Any, *, leases: bool = True) -> list[Any]:
         """The leases of an :meth:`acquire_start` (a key's error in its slot). The worker's reply is checked for
         shape (ProtocolError, and the connection ends, where it is not what was asked for); leases the local-read
-        cache may keep are judged at once and entered at the next :meth:`settle`."""
+        cache may keep are judged at once and entered at the next :meth:`settle`. ``leases=False``, for a token
+        whose reply :meth:`acquire_columns` keeps: no lease objects, only the errors in their slots (None for the
+        keys granted: the caller reads their leases in the columns)."""
         if type(token[3]) is _Unsent:
             token = self.acquire_send(token)
         keys, out, missing, sent, generation, cache, placed, columns = token
@@ -384,12 +386,13 @@ class RemoteBackend(WorkerConnection):
             if columns is not None:
                 columns += ids, list(zip(flat[0::3], flat[1::3], flat[2::3], placed))
         locs = list(_locs(flat))
-        leases = map(_new, repeat(Lease), zip(ids, locs, map(_ONE.__eq__, flags)))
-        if missing is None:
-            out[:] = leases
-        else:
-            for i, lease in zip(missing, leases):
-                out[i] = lease
+        if leases or columns is None:
+            made = map(_new, repeat(Lease), zip(ids, locs, map(_ONE.__eq__, flags)))
+            if missing is None:
+                out[:] = made
+            else:
+                for i, lease in zip(missing, made):
+                    out[i] = lease
         if errs:
             for j, name, message in errs:
                 out[j if missing is None else missing[j]] = P.error_from_record((name, message))
