@@ -364,6 +364,10 @@
 #   PART=s33a: every GPU test; tools/probe_native_planner.py with ab_old/src (the session's start) and the new code (a
 #           landing commit answered once its items are checked and its keys taken; its pieces cut after the answer)
 #           in turn, twice; bench store's device rows A/B/A/B
+#   PART=s33b (run at ede1e91): the client-device, placed-read, landing, kept-read, reservation and acquire GPU
+#           tests; tools/probe_cold_phases.py (the lease request after 1 or 2 batches, call by call);
+#           tools/probe_native_planner.py with ab_old/src (the session's start) and the new code in turn, twice;
+#           bench store's device rows new/ab_old/new
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1113,6 +1117,20 @@ elif [ "${PART}" = s33a ]; then
     done
   done
   store_rows ab_old new ab_old new
+elif [ "${PART}" = s33b ]; then
+  KVSTRATA_TEST_WAIT=20 timeout 200 python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider --timeout 120 \
+    tests/test_client_device.py tests/test_placed_reads.py tests/test_landing.py tests/test_kept_reads.py \
+    tests/test_reservations.py tests/test_acquire_batches.py > "$OUT/gpu_tests_s33b.log" 2>&1
+  tail -1 "$OUT/gpu_tests_s33b.log" >> "$LOG"
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s33b.log" | head -30 >> "$LOG"
+  echo "=== tools/probe_cold_phases.py --rounds 40 --send-after 1,2" >> "$LOG"
+  timeout 150 python3 tools/probe_cold_phases.py --rounds 40 --send-after 1,2 >> "$LOG" 2>&1
+  for r in 1 2; do
+    for v in ab_old new; do
+      use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 40 --variants "all native"
+    done
+  done
+  store_rows new ab_old new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

@@ -6,9 +6,11 @@ local-read cache's judgement), the check of the early copies against it (``acqui
 cache's entries (``settle``); for the write, the commit's send and its answer (the worker's work on it) and the
 landing word. Printed per shape and case: the median of each step's start and end (us after the call began) and of
 the call, against one pinned copy of the same bytes (the ceiling, on a GPU). With ``--cpu`` (no GPU needed) the tensors
-are CPU ones and there is no ceiling.
+are CPU ones and there is no ceiling. ``--send-after 1,2``: the read's lease request goes once that many batches are
+queued (``placed_reads.SEND_AFTER_BATCHES``), switched call by call, a row each.
 
     PYTHONPATH=src python3 tools/probe_cold_phases.py [--rounds 60] [--shapes 256x64,256x256,64x1024] [--cpu]
+        [--send-after 2]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import kvstrata
 from kvstrata.bench._common import device_time, python_loop_us
 from kvstrata.bench.store import _start_worker
+from kvstrata.client import placed_reads
 
 READ_STEPS = ("acquire_send", "acquire_finish", "acquire_columns", "settle")
 WRITE_STEPS = ("commit_start", "commit_finish", "land")
@@ -50,6 +53,9 @@ def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 60
     shapes = sys.argv[sys.argv.index("--shapes") + 1] if "--shapes" in sys.argv else "256x64,256x256,64x1024"
     cpu = "--cpu" in sys.argv or not torch.cuda.is_available()
+    send_after = (
+        [int(x) for x in sys.argv[sys.argv.index("--send-after") + 1].split(",")] if "--send-after" in sys.argv else [2]
+    )
     loops = [python_loop_us()]
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = _start_worker(Path(tmp), 4 << 30)
@@ -72,11 +78,13 @@ def main() -> None:
                     keys = [f"cp/{kib}/{i}" for i in range(n)]
                     assert kv.mset_d2h(keys, src) == [None] * n
                     kv.mget_h2d(keys, dst)
-                    rows: dict[str, list[dict[str, float]]] = {"cold read": [], "write": []}
+                    reads = [f"cold read, request after {k}" for k in send_after]
+                    rows: dict[str, list[dict[str, float]]] = {**{r: [] for r in reads}, "write": []}
                     for it in range(rounds + 3):
                         for case, out in rows.items():
                             fresh = [f"cpw/{kib}/{it}/{i}" for i in range(n)]
-                            if case == "cold read":
+                            if case != "write":
+                                placed_reads.SEND_AFTER_BATCHES = send_after[reads.index(case)]
                                 kv.delete(keys)
                                 assert kv.mset_d2h(keys, src) == [None] * n
                             kv.exists(keys[:1])
@@ -101,8 +109,8 @@ def main() -> None:
                     for case, got in rows.items():
                         call = statistics.median(r["call"] for r in got)
                         ratio = "" if ceiling is None else f" ({ceiling / call:.3f} of the ceiling)"
-                        print(f"  {case:9s} call {call * 1e6:7.0f}{ratio}")
-                        for name in READ_STEPS if case == "cold read" else WRITE_STEPS:
+                        print(f"  {case} call {call * 1e6:7.0f}{ratio}")
+                        for name in WRITE_STEPS if case == "write" else READ_STEPS:
                             have = [r for r in got if name + " began" in r]
                             if not have:
                                 continue
