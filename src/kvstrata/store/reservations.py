@@ -19,12 +19,14 @@ Example::
     assert store.get_bytes("k") == b"hello"
 
 A commit may also come *before* the writer's copies into those places finished (``landed=``, a callable saying
-whether they landed: True, failed: False, not yet: None). Its items are checked and carved at once and its
-per-item results returned, but its objects stay invisible (their keys taken for write-once writes) until the
-callable says True: the engine asks it whenever its lock is next taken (:class:`SettlingLock`), so every
+whether they landed: True, failed: False, not yet: None). Its items are checked and its keys taken (for write-once
+writes) at once and its per-item results returned; its pieces are cut off the reservation's block later
+(:meth:`~ReservationMixin.cut_landings`, or whatever needs the block first), and its objects stay invisible until
+the callable says True: the engine asks it whenever its lock is next taken (:class:`SettlingLock`), so every
 operation after the writer said so, in any thread, sees the objects, and none before it does. False frees
 them. :meth:`~ReservationMixin.settle` asks it now (the worker calls it while it waits for the word, to wake
-readers waiting for those keys), and ``release_owner`` asks one last time when the writer goes away.
+readers waiting for those keys), and ``release_owner`` asks one last time when the writer goes away. What the
+objects show as they land is told to the worker's validity table (:class:`Visibility`).
 
 This is a mixin of :class:`~kvstrata.store.engine.ObjectStore`; every method takes its one metadata lock.
 """
