@@ -20,8 +20,9 @@ from _stages import PLANNER_IDS, PLANNERS, _Stream, batch_call, batches_of, copi
 from kv_helpers import worker_fixtures
 from kvstrata.client import device, device_calls
 from kvstrata.client.reservation import CALLS_AHEAD, FLOOR_BYTES, WriteReservation
-from kvstrata.errors import CapacityError, KeyExists, KvstrataError, ProtocolError
+from kvstrata.errors import CapacityError, InvalidType, KeyExists, KvstrataError, ProtocolError
 from kvstrata.ops.copy_engine import CopyEngineError
+from kvstrata.server import protocol as P
 from kvstrata.store import ObjectStore, StoreConfig
 from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
 from kvstrata.store.tiers.base import Location
@@ -293,6 +294,37 @@ def test_handlers_reserve_commit_and_bad_input_keep_the_worker_serving(worker):
         assert all(isinstance(r, (TypeError, ValueError, ProtocolError)) for r in res)
         assert kv.exists(["h/a", "h/b"]) == [True, False] and kv.get("h/a") == b"data"
         kv.delete(["h/a"])
+
+
+def test_commits_and_acquires_in_columns_and_bad_columns_keep_the_worker_serving(worker):
+    # The worker's hello says "columns": a commit's sizes and offsets, and an acquire's reply's integers, go as int64
+    # bytes (protocol.int_column); an older client's lists still work, and a bad column is refused as a whole.
+    with kvstrata.connect(worker.address) as kv:
+        b = kv._backend
+        assert b.columns
+        kv.delete(["col/a", "col/b"])
+        loc = b.reserve_finish(b.reserve_start(1 << 20))
+        b.view(type(loc)(loc.segment, loc.offset, 4))[:] = b"cols"
+        at = loc.offset
+        msg = {"op": "commit", "keys": ["col/a"], "sizes": P.int_column([4]), "offsets": P.int_column([at]), "nx": True}
+        assert b.request(msg)["head"] == at + ALIGNMENT and kv.get("col/a") == b"cols"
+        for bad, name in (
+            ({"sizes": P.int_column([4, 4])}, "sizes"),
+            ({"sizes": b"abc"}, "sizes"),
+            ({"offsets": [at + ALIGNMENT]}, "offsets"),
+            ({"keys": "col/b"}, "keys"),
+        ):
+            one = {"keys": ["col/b"], "sizes": P.int_column([4]), "offsets": P.int_column([at + ALIGNMENT])}
+            with pytest.raises(InvalidType, match=name):
+                b.request({"op": "commit", **one, **bad})
+        got = b.request({"op": "acquire", "keys": ["col/a", "col/none"], "cols": 1})
+        ids = P.column_ints(got["ids"], 2, "ids")
+        assert P.column_ints(got["locs"], 6, "locs")[2] == 4 and ids[1] == 0 and got["errs"][0][0] == 1
+        plain = b.request({"op": "acquire", "keys": ["col/a"]})  # an older client's: lists
+        assert type(plain["ids"]) is list and plain["locs"][2] == 4
+        b.release(ids[:1] + plain["ids"])
+        assert kv.exists(["col/a", "col/b"]) == [True, False] and kv.get("col/a") == b"cols"
+        kv.delete(["col/a"])
 
 
 _HOLDER = """

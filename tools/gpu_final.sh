@@ -370,6 +370,9 @@
 #           bench store's device rows new/ab_old/new
 #   PART=s33c (run at the session's final src): every GPU test; tools/probe_cold_phases.py; tools/probe_native_planner.py
 #           with the new code and ab_old/src in turn; bench store's device rows new/ab_old/new/new
+#   PART=s33d (run with ab_old/src = b9c1c67's, before the integer columns as bytes): every GPU test;
+#           tools/probe_cold_phases.py; tools/probe_native_planner.py with the new code and ab_old/src in turn; bench
+#           store's device rows new/ab_old/new
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1142,6 +1145,15 @@ elif [ "${PART}" = s33c ]; then
     use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 40 --variants "all native"
   done
   store_rows new ab_old new new
+elif [ "${PART}" = s33d ]; then
+  gpu_tests gpu_tests_s33d
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s33d.log" | head -30 >> "$LOG"
+  echo "=== tools/probe_cold_phases.py --rounds 40" >> "$LOG"
+  timeout 120 python3 tools/probe_cold_phases.py --rounds 40 >> "$LOG" 2>&1
+  for v in new ab_old; do
+    use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 40 --variants "all native"
+  done
+  store_rows new ab_old new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

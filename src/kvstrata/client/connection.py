@@ -70,6 +70,8 @@ class WorkerConnection:
         self.address = address
         self._conn = connect(address, timeout=timeout, hello=hello)
         self.inline_max = int(self._conn.peer_info.get("inline_max", P.INLINE_MAX))
+        #: the worker takes and gives integer columns as bytes (protocol: "columns")
+        self.columns = self._conn.peer_info.get("columns") == 1
         self.shm = self._conn.can_pass_fds
         self._segments: dict[int, Any] = {}
         #: segment index -> bytes mapped, of every segment this process maps (what a copy from a placement hint may

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from kvstrata._proc import PID
 from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
-from kvstrata.errors import CapacityError, ProtocolError
+from kvstrata.errors import CapacityError, InvalidType, ProtocolError
 from kvstrata.server import protocol as P
 
 _ONE = 1  # a flag of 1: a mutable object (kvstrata.server.handlers._acquire)
@@ -116,7 +116,14 @@ class RemoteBackend(WorkerConnection):
         ``landing`` (where :attr:`can_land`): sent before the copies into the objects finished; answered at
         once, its objects visible only once :meth:`land` says the copies did (freed if it says they failed),
         which the caller must then say."""
-        msg = {"op": "commit", "items": items}
+        msg: dict = {"op": "commit", "items": items}
+        if self.columns and items:  # as columns (protocol: "columns")
+            try:
+                if set(map(len, items)) == {3}:
+                    keys, sizes, offsets = zip(*items)
+                    msg = {"op": "commit", "keys": keys, "sizes": P.int_column(sizes), "offsets": P.int_column(offsets)}
+            except (TypeError, OverflowError):  # not (key, int, int) triples: as they are, for the worker to name
+                pass
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
         if linger_us > 0:
@@ -293,6 +300,8 @@ class RemoteBackend(WorkerConnection):
             msg = {"op": "acquire", "keys": [keys[i] for i in missing], "timeout": timeout}
         if cache and local is not None:
             msg["cache"] = True
+        if self.columns:
+            msg["cols"] = 1  # the reply's integer columns as bytes (protocol: "columns")
         placed = None
         if placements:
             msg["placements"] = True
@@ -432,6 +441,18 @@ class RemoteBackend(WorkerConnection):
         shape. A malformed one ends the connection (its leases go back with it: the worker releases a lost
         client's)."""
         ids, flat, flags, errs = reply.get("ids"), reply.get("locs"), reply.get("flags"), reply.get("errs", ())
+        if type(ids) is bytes:  # columns as bytes (protocol: "columns"): the lengths are checked as they decode
+            try:
+                ids, flat, flags = (
+                    P.column_ints(ids, n, "ids"),
+                    P.column_ints(flat, 3 * n, "locs"),
+                    P.column_ints(flags, n, "flags"),
+                )
+                placed = reply.get("placed")
+                if type(placed) is bytes and len(placed) == 8 * n:  # (anything else: as from an older worker)
+                    reply["placed"] = P.column_ints(placed, n, "placed")
+            except InvalidType:
+                ids = None  # malformed: said so below
         ok = (
             type(ids) is list
             and type(flat) is list

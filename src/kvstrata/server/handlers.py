@@ -203,7 +203,15 @@ def _commit(s: Session, msg: dict) -> dict:
     visible when the client says in the lane page that the copies landed (``store.reservations``; every
     request of anyone after that sees them), freed if it says they failed; a TTL runs from then."""
     opts = s.write_options(msg)
-    items = msg.get("items", [])
+    keys = msg.get("keys")
+    if keys is not None:  # the items as columns (protocol: "columns"), each item a tuple made in C
+        if type(keys) is not list or len(keys) > P.MAX_BATCH:
+            raise InvalidType(f"keys: expected a list of at most {P.MAX_BATCH} keys")
+        n = len(keys)
+        sizes, offsets = P.column_ints(msg.get("sizes"), n, "sizes"), P.column_ints(msg.get("offsets"), n, "offsets")
+        items = list(zip(keys, sizes, offsets))
+    else:
+        items = msg.get("items", [])
     if type(items) is not list or len(items) > P.MAX_BATCH:
         raise InvalidType(f"items: expected a list of at most {P.MAX_BATCH} [key, size, offset] triples")
     if msg.get("landing"):
@@ -297,9 +305,10 @@ def _acquire(s: Session, msg: dict) -> dict:
             errs.append([i, *P.error_record(exc)["err"]])
         reply["errs"] = errs
     s.new_segments(flat, reply)
-    reply["ids"], reply["locs"], reply["flags"] = ids, flat, flags
+    column = P.int_column if msg.get("cols") else list  # (the integer columns as bytes: protocol, "columns")
+    reply["ids"], reply["locs"], reply["flags"] = column(ids), column(flat), column(flags)
     if msg.get("placements"):
-        reply["placed"] = placed
+        reply["placed"] = column(placed)
     return reply
 
 

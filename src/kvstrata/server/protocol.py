@@ -19,10 +19,14 @@ when it stores it in ``cancelled``: the copies failed).
 Any request may carry ``"linger": us``, and the one-way ``linger`` op carries only that: the client's next
 request follows within that many microseconds, so the worker's thread for it keeps polling until then (where
 the worker polls at all) instead of going to sleep and paying a wake-up when it comes.
+A worker whose hello says ``"columns": 1`` also takes a ``commit``'s items as columns (``"keys"``, and ``"sizes"``
+and ``"offsets"`` as :func:`int_column` bytes) and answers an ``acquire`` with ``"cols": 1`` with its integer
+columns as such bytes: a 256-key batch encodes and decodes in ~20 us instead of ~110 (one int at a time).
 """
 
 from __future__ import annotations
 
+import array
 import numbers
 from typing import Any
 
@@ -110,6 +114,21 @@ def check_ids(ids: Any, name: str = "ids") -> list[int]:
         bad = next(i for i, x in enumerate(ids) if type(x) is not int)
         raise InvalidType(f"{name}[{bad}]: expected an int, got {type(ids[bad]).__name__}")
     return ids if type(ids) is list else list(ids)
+
+
+def int_column(values: Any) -> bytes:
+    """Integers as one bytes column: int64 in the host's order (client and worker share the host)."""
+    return array.array("q", values).tobytes()
+
+
+def column_ints(raw: Any, n: int, name: str) -> list[int]:
+    """The ``n`` integers of an :func:`int_column`; InvalidType naming ``name`` where it is not one."""
+    if type(raw) is not bytes or len(raw) != 8 * n:
+        got = f"{len(raw)} bytes" if type(raw) is bytes else type(raw).__name__
+        raise InvalidType(f"{name}: expected {n} int64s as {8 * n} bytes, got {got}")
+    column = array.array("q")
+    column.frombytes(raw)
+    return column.tolist()
 
 
 def check_ttl(ttl: Any) -> float | None:

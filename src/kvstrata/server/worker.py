@@ -193,7 +193,7 @@ class Worker:
     def _on_hello(self, conn: Connection, hello: dict) -> tuple[dict, list[int]]:
         session = Session(self, conn, hello)
         conn.session = session  # type: ignore[attr-defined]
-        reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH}
+        reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH, "columns": 1}
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
             # room for the page, the placements, the lane, devobj's page
