@@ -217,7 +217,7 @@ def _commit(s: Session, msg: dict) -> dict:
     if msg.get("landing"):
         # Nothing becomes visible now: the store shows the objects as they land, inside the validity's change of
         # the keys they replace, and tells it which (ObjectStore.set_visibility). The store only checks the items
-        # and takes their keys before this answer; their pieces are cut right after it (Session._next).
+        # and takes their keys before this answer; their pieces are cut right after it (Session._watch_landings).
         results = s.store.commit(s.owner, items, **opts, landed=s.landing_check(msg.get("tag")))
         if None in results:
             s.landing_tags.append(msg["tag"])  # the session watches for the word (Session._next)
