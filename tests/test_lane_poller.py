@@ -79,7 +79,7 @@ def test_status_and_metrics_show_the_pollers_work(worker):
         base = [sys.executable, "-m", "kvstrata.cli.main", "status", "--address", worker]
         out = subprocess.run(base, env=env, capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
-        assert "lane requests served by the poller" in out.stdout
+        assert "small requests answered by the worker's polling thread" in out.stdout
         out = subprocess.run([*base, "--prometheus"], env=env, capture_output=True, text=True, timeout=30)
         polled = [line for line in out.stdout.splitlines() if line.startswith("kvstrata_lane_requests_polled_total ")]
         assert len(polled) == 1 and float(polled[0].split()[1]) > 0, out.stdout

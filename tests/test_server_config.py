@@ -93,6 +93,32 @@ def test_prometheus_text():
     # every sample line belongs to a declared metric
     declared = {ln.split()[2] for ln in lines if ln.startswith("# TYPE")}
     assert all(ln.split("{")[0].split()[0] in declared for ln in lines if not ln.startswith("#"))
+    # and each has its HELP line, just before its TYPE line
+    helped = [ln.split()[2] for ln in lines if ln.startswith("# HELP")]
+    assert sorted(helped) == sorted(declared)
+    assert "# HELP kvstrata_hits_total reads of keys found, the clients' own from shared memory included" in lines
+    text = to_prometheus({"tiers": {"disk": {"reserved": 4}}})
+    assert 'kvstrata_tier_reserved_bytes{tier="disk"} 4' in text.splitlines()
+
+
+@pytest.mark.parametrize(
+    "setting, value, says",
+    [
+        ("socket_mode", 600, "octal"),  # YAML's bare 600 is decimal: 0o1130
+        ("socket_mode", "rw", "octal"),
+        ("socket_mode", "0400", "owner read and write"),
+        ("disk_dir", 5, "folder path"),
+    ],
+)
+def test_bad_socket_modes_and_folders_are_named(setting, value, says):
+    with pytest.raises(ValueError, match=f"{setting}.*{says}"):
+        WorkerConfig.load({setting: value, "socket": "/tmp/x.sock"}, environ={})
+
+
+def test_socket_mode_from_yaml_in_octal(tmp_path):
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("socket_mode: '0660'\ndisk_dir: ''\n")
+    assert WorkerConfig.load(config_file=str(cfg), environ={}).socket_mode == 0o660
 
 
 def test_demo_runs_and_checks_its_data(capsys):

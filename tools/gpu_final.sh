@@ -373,6 +373,8 @@
 #   PART=s33d (run with ab_old/src = b9c1c67's, before the integer columns as bytes): every GPU test;
 #           tools/probe_cold_phases.py; tools/probe_native_planner.py with the new code and ab_old/src in turn; bench
 #           store's device rows new/ab_old/new
+#   PART=s34a: session 34's check (the client's lifecycle fixes, write-back holds): every GPU test; bench store's
+#     device rows three times; tools/probe_handoff.py GPU0 -> GPU0
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1154,6 +1156,12 @@ elif [ "${PART}" = s33d ]; then
     use "$v"; echo "=== ($v code)" >> "$LOG"; tool_runs 1 probe_native_planner --rounds 40 --variants "all native"
   done
   store_rows new ab_old new
+elif [ "${PART}" = s34a ]; then
+  gpu_tests gpu_tests_s34a
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s34a.log" | head -30 >> "$LOG"
+  store_rows new new new
+  echo "=== tools/probe_handoff.py --devices 0,0 --iters 150 --variants on" >> "$LOG"
+  timeout 120 python3 tools/probe_handoff.py --devices 0,0 --iters 150 --variants on >> "$LOG" 2>&1
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

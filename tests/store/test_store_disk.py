@@ -207,13 +207,56 @@ def test_time_to_live_survives_restart(tmp_path, make_config):
     s3.close()
 
 
-def test_flush_reports_write_back_data_it_could_not_persist(tmp_path, make_config):
+def test_a_write_back_write_the_ssd_tier_cannot_take_is_refused_not_lost(tmp_path, make_config):
+    # Acknowledged and marked dirty with no room to flush, it was lost at close (the log said "flushed").
     s = ObjectStore(make_config(tmp_path, disk=10_000))
     s.put("fits", bytes(5000), write_mode="write_back")
-    s.put("too_big", bytes(9000), write_mode="write_back")
-    with pytest.raises(CapacityError, match="1 write-back objects"):
+    with pytest.raises(CapacityError, match=r"SSD tier full.*'too_big'"):
+        s.put("too_big", bytes(9000), write_mode="write_back")
+    with pytest.raises(CapacityError, match="SSD tier full"):  # the batch and create paths hold room the same way
+        s.create("also", 9000, owner="me", write_mode="write_back")
+    assert s.put_many([("k1", bytes(3000)), ("k2", bytes(3000))], write_mode="write_back")[1] is not None
+    assert not s.exists(["too_big", "also", "k2"]).count(True)
+    s.delete(["k1"])  # its room goes back
+    s.put("fits", bytes(4000), write_mode="write_back")  # a new version: the old one's room goes back
+    assert s._disk.stats()["reserved"] == s._disk.file_bytes("fits", 4000)
+    s.flush()  # takes the held room, holds nothing more
+    assert s._disk.stats()["reserved"] == 0 and s.unflushed == 0
+    s.put("wb", bytes(3000), write_mode="write_back")
+    s.close()
+    with ObjectStore(make_config(tmp_path, disk=10_000)) as again:
+        assert again.get_bytes("fits") == bytes(4000) and again.get_bytes("wb") == bytes(3000)
+
+
+def test_a_full_file_system_under_the_ssd_tier_is_a_capacity_error_and_write_back_retries(tmp_path, make_config):
+    import errno
+
+    from kvstrata.store.tiers import disk as disk_mod
+
+    s = ObjectStore(make_config(tmp_path, disk=1 << 20))
+    real_open = disk_mod.os.open
+    full = {"on": True}
+
+    def open_on_a_full_disk(path, *args):
+        if full["on"] and path.endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args)
+
+    disk_mod.os.open = open_on_a_full_disk
+    try:
+        with pytest.raises(CapacityError, match=r"file system .* has no room"):
+            s.put("wt", bytes(100), write_mode="write_through")
+        s.put("wb", bytes(100), write_mode="write_back")  # room held in the tier's accounting: acknowledged
+        with pytest.raises(CapacityError, match="could not be written"):
+            s.flush()
+        held = s._disk.stats()["reserved"]
+        assert held == s._disk.file_bytes("wb", 100)  # kept for the retry, not given back nor doubled
+        full["on"] = False
         s.flush()
-    assert s.get_bytes("too_big") == bytes(9000)  # still served from DRAM
+        assert s._disk.stats()["reserved"] == 0
+    finally:
+        disk_mod.os.open = real_open
+    assert s.get_bytes("wb") == bytes(100) and not s.exists(["wt"])[0]
     s.close()
 
 

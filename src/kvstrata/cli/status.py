@@ -47,18 +47,19 @@ def render(stats: dict[str, Any], address: str) -> str:
         lines.append(f"  {tier:<7} {format_size(used):>10} of {format_size(cap):>10} used ({pct:4.1f}%)")
     hits, misses = stats.get("hits", 0), stats.get("misses", 0)
     rate = 100 * hits / (hits + misses) if hits + misses else 0
-    lines.append(f"  objects {stats.get('objects', 0)}   hits {hits}   misses {misses}   (hit rate {rate:.1f}%)")
+    local = stats.get("local_hits", 0)
     lines.append(
-        "  evictions {}   spills {}   promotions {}   expired {}   corrupt {}".format(
-            *(stats.get(k, 0) for k in ("evictions", "spills", "promotions", "expired", "corrupt"))
+        f"  objects {stats.get('objects', 0)}   hits {hits} ({local} served by the clients from shared memory)   "
+        f"misses {misses}   (hit rate {rate:.1f}%)"
+    )
+    lines.append(
+        "  evictions {}   spills {}   promotions {}   expired {}   corrupt {}   write-back pending {}".format(
+            *(stats.get(k, 0) for k in ("evictions", "spills", "promotions", "expired", "corrupt", "dirty"))
         )
     )
     lines.append(f"  requests {stats.get('requests', 0)}   refused {stats.get('request_errors', 0)}")
-    if stats.get("lane_requests_polled") or stats.get("lane_wakeups"):  # several clients' small requests
-        lines.append(
-            f"  lane requests served by the poller {stats['lane_requests_polled']}"
-            f" in {stats.get('lane_poll_spells', 0)} spells   clients' wake-ups {stats.get('lane_wakeups', 0)}"
-        )
+    if stats.get("lane_requests_polled"):  # several clients' small requests
+        lines.append(f"  small requests answered by the worker's polling thread {stats['lane_requests_polled']}")
     d = stats.get("device_objects")
     if d:
         lines.append(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from kvstrata.errors import KvstrataError
 
@@ -15,7 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the node's worker in the foreground. Every flag can also be set in the YAML file "
         "(--config) or as KVSTRATA_<FLAG> in the environment; flags win, then the environment, then the file.",
     )
-    p.add_argument("--socket", help="Unix socket path or address (default: $XDG_RUNTIME_DIR/kvstrata/worker.sock)")
+    p.add_argument(
+        "--socket",
+        help="Unix socket path or address (default: $XDG_RUNTIME_DIR/kvstrata/worker.sock, "
+        "else /tmp/kvstrata-<uid>/worker.sock)",
+    )
     p.add_argument("--memory", help="DRAM tier size, e.g. 8GiB (default: 25%% of RAM, at most 64 GiB)")
     p.add_argument("--disk-dir", dest="disk_dir", help="SSD tier folder ('' for none; default ~/.cache/kvstrata/disk)")
     p.add_argument("--disk-size", dest="disk_size", help="SSD tier size, e.g. 100GiB (default: from free space)")
@@ -26,7 +31,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--numa-node", dest="numa_node", help="bind the DRAM tier to this NUMA node ('auto': the GPU's; 'none')"
     )
-    p.add_argument("--socket-mode", dest="socket_mode", type=lambda s: int(s, 8), help="socket file mode (0600)")
+    p.add_argument("--socket-mode", dest="socket_mode", help="socket file mode, in octal (default 0600)")
+    p.add_argument(
+        "--high-watermark",
+        dest="high_watermark",
+        type=float,
+        help="DRAM use (a fraction of the tier) above which objects are spilled or evicted (default 0.9)",
+    )
+    p.add_argument("--low-watermark", dest="low_watermark", type=float, help="where that eviction stops (default 0.8)")
+    p.add_argument(
+        "--disk-sync",
+        dest="disk_sync",
+        action="store_const",
+        const=True,
+        help="fsync every SSD file, spills and write-back flushes too (write_through ones always are)",
+    )
     p.add_argument(
         "--spin-us",
         dest="spin_us",
@@ -40,7 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         const=False,
         help="no table of where objects lie: cold device reads wait for their leases before copying",
     )
-    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level",
+        dest="log_level",
+        choices=("debug", "info", "warning", "error"),
+        help="what the worker logs (default info; -v / -vv before 'worker' mean info / debug too)",
+    )
     p.add_argument("--config", help="YAML file of settings (same names as the flags, with underscores)")
     p.set_defaults(func=run)
 
@@ -61,15 +85,20 @@ def run(args: argparse.Namespace) -> int:
             "hugepages",
             "numa_node",
             "socket_mode",
+            "high_watermark",
+            "low_watermark",
+            "disk_sync",
             "log_level",
             "spin_us",
             "placement_table",
         )
     }
+    if flags["log_level"] is None and getattr(args, "verbose", 0):
+        flags["log_level"] = "debug" if args.verbose > 1 else "info"
     try:
         config = WorkerConfig.load(flags, config_file=args.config)
     except ValueError as exc:
-        print(f"kvstrata worker: {exc}")
+        print(f"kvstrata worker: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("kvstrata").setLevel(config.log_level.upper())
     if not logging.getLogger().handlers:
@@ -77,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         worker = Worker(config).start()
     except (KvstrataError, ValueError, OSError) as exc:
-        print(f"kvstrata worker: cannot start: {exc}")
+        print(f"kvstrata worker: cannot start: {exc}", file=sys.stderr)
         return 1
     worker.serve_forever()
     return 0

@@ -7,20 +7,33 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.errors import ClosedError, InvalidValue
+from kvstrata.errors import ClosedError, InvalidType, InvalidValue
 
 
 def _numpy(view: memoryview, dtype: Any, shape: Any, readonly: bool) -> np.ndarray:
-    arr = np.frombuffer(view, dtype=np.dtype(dtype)) if len(view) else np.empty(0, dtype=np.dtype(dtype))
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise InvalidType(f"dtype: {dtype!r} is not a numpy dtype") from exc
+    if len(view) % max(dtype.itemsize, 1):
+        raise InvalidValue(f"dtype: {len(view)} bytes is not a whole number of {dtype} elements")
+    arr = np.frombuffer(view, dtype=dtype) if len(view) else np.empty(0, dtype=dtype)
     if readonly:
         arr.flags.writeable = False
-    return arr if shape is None else arr.reshape(shape)
+    if shape is None:
+        return arr
+    try:
+        return arr.reshape(shape)
+    except (TypeError, ValueError) as exc:
+        raise InvalidValue(f"shape: {shape!r} does not fit {arr.size} elements of {dtype}") from exc
 
 
 def _tensor(view: memoryview, dtype: Any, shape: Any) -> Any:
     import torch
 
     dtype = dtype or torch.uint8
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidType(f"dtype: {dtype!r} is not a torch dtype")
     if len(view) == 0:
         t = torch.empty(0, dtype=dtype)
     else:
@@ -28,7 +41,12 @@ def _tensor(view: memoryview, dtype: Any, shape: Any) -> Any:
         if len(view) % itemsize:
             raise InvalidValue(f"dtype: {len(view)} bytes is not a whole number of {dtype} elements")
         t = torch.frombuffer(view, dtype=dtype)
-    return t if shape is None else t.view(shape)
+    if shape is None:
+        return t
+    try:
+        return t.view(shape)
+    except (TypeError, RuntimeError) as exc:
+        raise InvalidValue(f"shape: {shape!r} does not fit {t.numel()} elements of {dtype}") from exc
 
 
 class WritableBuffer:
@@ -39,6 +57,11 @@ class WritableBuffer:
 
         with client.create("weights/0", arr.nbytes) as buf:
             buf.numpy(arr.dtype, arr.shape)[:] = arr
+
+    The bytes start out as whatever the memory last held (as ``numpy.empty``): write every one before
+    sealing. Views taken from the buffer (its memoryview, numpy arrays, tensors) write straight into the
+    store, so drop them at ``seal()`` / ``publish()`` / ``abort()``: after a seal they would change an
+    object others read as immutable, after an abort memory the store gives to other objects.
     """
 
     def __init__(self, client: Any, key: str, location: Any, view: memoryview) -> None:
@@ -74,6 +97,9 @@ class WritableBuffer:
 
         src = byte_view(data, "data")
         view = self._live()
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+            raise InvalidType(f"offset: an int, not {type(offset).__name__}")
+        offset = int(offset)
         if offset < 0 or offset + len(src) > len(view):
             raise InvalidValue(f"offset: {len(src)} bytes at {offset} do not fit in {len(view)}")
         view[offset : offset + len(src)] = src
@@ -115,8 +141,11 @@ class WritableBuffer:
 class ReadBuffer:
     """A read-only zero-copy view of a stored object, holding a lease so it cannot be freed or moved.
 
-    Release it with ``release()``, a ``with`` block, or by dropping it (garbage collection). Views
-    taken from it must not be used after release.
+    Release it with ``release()``, a ``with`` block, or by dropping it (garbage collection). Closing the
+    client releases it too (its methods then raise ``ClosedError``). Views taken from it must not be used
+    after either: the memory goes back to the store. Its memoryview and numpy arrays are read-only; torch
+    has no read-only tensors, so :meth:`tensor` must be treated as one (an in-place op on it would change
+    the object under every reader).
     """
 
     def __init__(self, client: Any, key: str, lease_id: int, view: memoryview, tensor_view: Any = None) -> None:
@@ -131,11 +160,13 @@ class ReadBuffer:
     def _live(self) -> memoryview:
         if self._view is None:
             raise ClosedError(f"buffer for {self.key!r} was released")
+        if self._client._closed:  # its lease went back with the client's others: the bytes may be another's now
+            raise ClosedError(f"buffer for {self.key!r}: its client is closed")
         return self._view
 
     @property
     def released(self) -> bool:
-        return self._view is None
+        return self._view is None or self._client._closed
 
     def memoryview(self) -> memoryview:
         """A read-only memoryview of the object's bytes."""
@@ -146,7 +177,8 @@ class ReadBuffer:
         return _numpy(self._live(), dtype, shape, readonly=True)
 
     def tensor(self, dtype: Any = None, shape: Any = None) -> Any:
-        """A CPU torch view (uint8 unless ``dtype``). Do not write to it: the object is shared."""
+        """A CPU torch view (uint8 unless ``dtype``, reshaped to ``shape`` if given). Never write to it: the object
+        is shared, and torch cannot mark a tensor read-only."""
         self._live()
         return _tensor(self._raw, dtype, shape)
 

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvstrata._proc import PID
 from kvstrata.client import device as _device
 from kvstrata.client import reservation as _reservation
 from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
@@ -28,7 +29,7 @@ from kvstrata.client.buffers import ReadBuffer, WritableBuffer
 from kvstrata.client.device_calls import DeviceCallsMixin
 from kvstrata.client.values import byte_view
 from kvstrata.devobj.service import DeviceObjectsMixin
-from kvstrata.errors import ClosedError, InvalidType, KvstrataError
+from kvstrata.errors import ClosedError, InvalidType, KeyExists, KvstrataError
 from kvstrata.server import protocol as P
 
 Result = Any  # per-key: a value (or None) on success, the KvstrataError instance on failure
@@ -56,6 +57,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._backend = backend
         self._reservation = _reservation.WriteReservation(reserve_bytes)
         self._closed = False
+        self._pid = PID[0]
         self._issuer: concurrent.futures.ThreadPoolExecutor | None = None  # async calls' copies queued
         self._completer: concurrent.futures.ThreadPoolExecutor | None = None  # and waited for
         self._exec_lock = threading.Lock()
@@ -83,6 +85,11 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         if self._closed:
             return
         self._closed = True
+        if self._pid != PID[0]:
+            # A copy inherited through fork(): the worker's connection, leases, device objects and CUDA
+            # registrations are the parent's. Only this process's handles go (nothing the parent sees).
+            self._backend.close()
+            return
         self._close_device_objects()
         for pool in (self._issuer, self._completer):  # the issuer hands its calls' waits on
             if pool is not None:
@@ -128,6 +135,25 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._write_through_shm(backend, key, backend.create(key, len(view), opts), view)
         backend.finish("seal", key)
 
+    def _mset_repeated(self, pairs: list, keys: list[str], **opts: Any) -> list[Result]:
+        """:meth:`mset` of pairs that name a key more than once: each key written once (what writing the pairs in
+        order would leave), the other pairs given that write's result (``KeyExists`` for those ``nx`` refuses)."""
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+            last[key] = i
+        chosen = first if opts["nx"] else last
+        order = sorted(chosen.values())
+        done = dict(zip(order, self.mset([pairs[i] for i in order], **opts)))
+        out: list[Result] = []
+        for i, key in enumerate(keys):
+            got = done.get(i, done[chosen[key]])
+            if i not in done and opts["nx"] and got is None:
+                got = KeyExists(f"key {key!r} already exists")
+            out.append(got)
+        return out
+
     @staticmethod
     def _write_through_shm(backend: Any, key: str, loc: Any, view: memoryview) -> None:
         try:
@@ -158,9 +184,14 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         nx: bool = False,
         write_mode: str = "memory",
     ) -> list[Result]:
-        """Store many values; returns None per stored key, the exception where a key was refused."""
+        """Store many values; returns None per stored key, the exception where a key was refused.
+
+        A key named twice ends as if its pairs were written in order: the last value stands (with ``nx``, the first;
+        the later ones are refused with ``KeyExists``)."""
         pairs = _pairs(items)
         keys = P.check_keys([k for k, _ in pairs])
+        if len(set(keys)) != len(keys):
+            return self._mset_repeated(pairs, keys, ttl=ttl, nx=nx, write_mode=write_mode)
         views = [byte_view(v, f"items[{k!r}]") for k, v in pairs]
         opts = self._write_opts(ttl, nx, write_mode)
         backend = self._b()

@@ -151,6 +151,7 @@ class WorkerConnection:
         self._untagged: list[dict] = []
         self._untagged_due = False  # an ordinary request was sent and its reply not read yet
         self._tag = 0
+        self._hits_told = 0  # the local-read cache's hits the worker was told of
         self._read_tag = 0  # the tag of the last pipelined reply read off the connection
         self._landing_last = 0  # the tag of the last commit sent ahead of its copies (RemoteBackend.can_land)
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
@@ -169,11 +170,24 @@ class WorkerConnection:
                         raise P.error_from_record(reply["err"])
                     return reply
             self._untagged_due = True
-            self._conn.send(msg)
-            reply = self._untagged_reply(msg, spin)
+            try:
+                self._conn.send(msg)
+                reply = self._untagged_reply(msg, spin)
+            except KvstrataError:
+                raise  # the connection's own failures mark it (lost, or the worker silent) where they happen
+            except BaseException as exc:
+                self._abandon(msg, exc)
+                raise
         if "err" in reply:
             raise P.error_from_record(reply["err"])
         return reply
+
+    def _abandon(self, msg: dict, exc: BaseException) -> None:
+        """A request sent and its reply not read (the wait interrupted: KeyboardInterrupt, a signal handler's
+        exception): that reply would answer the next request, so this connection is done (the worker releases
+        what this client held when it closes). Call under the lock."""
+        self._broken = f"{msg.get('op')!r} was interrupted by {type(exc).__name__} before its reply came"
+        self._conn.close()
 
     def send_tagged(self, msg: dict, *, carry: bool = True) -> int:
         """Send ``msg`` as a pipelined request and return its tag at once; :meth:`tagged_reply` collects
@@ -182,9 +196,13 @@ class WorkerConnection:
         releases and aborts do not ride along (they would delay this reply; a later message takes them)."""
         with self._lock:
             self._prepare(msg, carry=carry)
-            self._tag += 1
-            msg["tag"] = tag = self._tag
-            self._conn.send(msg)
+            msg["tag"] = tag = self._tag + 1
+            try:
+                self._conn.send(msg)
+            except ConnectionLost as exc:
+                self._broken = f"a request could not be sent: {exc}"
+                raise
+            self._tag = tag
             return tag
 
     def tagged_reply(self, tag: int, wait: float | None = 0) -> dict:
@@ -222,8 +240,13 @@ class WorkerConnection:
             raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
         if self._pid != PID[0]:
             raise ClosedError("this client was connected in the parent process; connect again after fork()")
-        if self._local is not None and len(self._local):
-            self._deferred.extend(self._local.stale())
+        local = self._local
+        if local is not None:
+            if len(local):
+                self._deferred.extend(local.stale())
+            if local.hits != self._hits_told:  # the worker's hit count includes the reads it never saw
+                msg["lh"] = local.hits - self._hits_told
+                self._hits_told = local.hits
         if not carry:
             return
         if self._deferred:
@@ -256,6 +279,8 @@ class WorkerConnection:
         Seen there less than :data:`WORKER_SEEN_S` ago (by this check, or by an answer it sent), it is taken as there
         with no system call: a device call asks stage after stage (~1.4 us per ``select`` on the development machine,
         a few times that cold)."""
+        if self._broken or self._conn.closed:
+            return False  # lost (a send or a read failed): nothing the cache holds is served any more
         if self._read_tag != self._tag:
             return True
         now = time.monotonic()
@@ -304,8 +329,14 @@ class WorkerConnection:
             return unpack(lane.reply())
         if not lane.answered(seq):  # the worker stopped polling, or is slow: ask it over the socket
             self._untagged_due = True
-            self._conn.send({"op": "lane", "seq": seq})
-            reply = self._untagged_reply({"op": "lane"}, 0.0)
+            try:
+                self._conn.send({"op": "lane", "seq": seq})
+                reply = self._untagged_reply({"op": "lane"}, 0.0)
+            except KvstrataError:
+                raise
+            except BaseException as exc:
+                self._abandon({"op": "lane"}, exc)
+                raise
             if "err" in reply:
                 raise P.error_from_record(reply["err"])
             if not lane.answered(seq):
@@ -460,8 +491,11 @@ class WorkerConnection:
                 return
             self._closed = True
             if not self._conn.closed and self._pid == PID[0]:
+                bye: dict = {"op": "bye"}
+                if self._local is not None and self._local.hits != self._hits_told:
+                    bye["lh"] = self._local.hits - self._hits_told
                 try:
-                    self._conn.send({"op": "bye"})
+                    self._conn.send(bye)
                 except KvstrataError:
                     pass
             self._conn.close()  # the worker releases our leases and aborts our unfinished writes

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import collections
 import itertools
-import os
 from typing import Any
 
+from kvstrata._proc import PID
 from kvstrata.client._shared import Lease, Loc, _segment_tensor
 from kvstrata.errors import CapacityError, ClosedError, KvstrataError
 
@@ -27,7 +27,7 @@ class EmbeddedBackend:
     def __init__(self, store: Any, *, own_store: bool) -> None:
         self.store = store
         self._own_store = own_store
-        self.owner = ("embedded", os.getpid(), next(_embedded_owners))
+        self.owner = ("embedded", PID[0], next(_embedded_owners))
         self.inline_max = 1 << 62  # no wire: put copies once either way
         self._tensors: dict[int, Any] = {}
         self._closed = False
@@ -39,6 +39,10 @@ class EmbeddedBackend:
     def _check(self) -> Any:
         if self._closed:
             raise ClosedError("client is closed")
+        if self.owner[1] != PID[0]:
+            # The store's bookkeeping was copied by fork(), its shared memory was not: the two copies would hand
+            # out the same bytes twice.
+            raise ClosedError("this embedded store belongs to the parent process; open one after fork()")
         while self._deferred:
             self.store.release(self._deferred.popleft())
         while self._deferred_aborts:
@@ -233,6 +237,8 @@ class EmbeddedBackend:
             return
         self._closed = True
         self._tensors.clear()
+        if self.owner[1] != PID[0]:
+            return  # a copy inherited through fork(): the store is the parent's (nothing flushed or unlocked here)
         self.store.release_owner(self.owner)
         if self._own_store:
             self.store.close()

@@ -27,13 +27,19 @@ def byte_view(value: Any, name: str = "value") -> memoryview:
         return memoryview(value.reshape(-1).view(np.uint8))
     torch = _torch_if_tensor(value)
     if torch is not None:
-        return memoryview(tensor_bytes(value, name).numpy())
+        try:
+            return memoryview(tensor_bytes(value, name).numpy())
+        except RuntimeError as exc:  # a lazy view (conjugate, negative bit), a nested tensor...: no plain bytes
+            why = f"{name}: this tensor has no plain raw bytes to store ({exc}); .clone() it first"
+            raise InvalidValue(why) from exc
     try:
         view = memoryview(value)
     except TypeError:
         raise InvalidType(
             f"{name}: expected bytes-like, a numpy array or a CPU torch tensor, got {type(value).__name__}"
         ) from None
+    except ValueError as exc:  # a released memoryview, say
+        raise InvalidValue(f"{name}: {exc}") from None
     if not view.c_contiguous:
         raise InvalidValue(f"{name}: buffer must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view

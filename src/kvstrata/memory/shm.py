@@ -54,6 +54,9 @@ def _address_of(mm: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
+_warned_no_huge: list[bool] = []
+
+
 class SharedSegment:
     """One shared memory mapping: ``fd``, ``nbytes``, ``address``, ``buffer`` (a writable memoryview).
 
@@ -130,6 +133,14 @@ class SharedSegment:
                     kind = "thp" if _shmem_thp_enabled() else "off"
                 except OSError:
                     kind = "off"
+        if kind == "off" and hugepages in ("on", True) and not _warned_no_huge:
+            _warned_no_huge.append(True)  # once per process: every segment of the tier would say the same
+            log.warning(
+                "huge pages were asked for (hugepages=on) but none are available: %s uses normal pages "
+                "(reserve hugetlb pages in /proc/sys/vm/nr_hugepages, or enable shmem THP in "
+                "/sys/kernel/mm/transparent_hugepage/shmem_enabled)",
+                name,
+            )
         bound: int | None = None
         if numa_node is not None:
             try:

@@ -99,6 +99,21 @@ class WorkerConfig:
             object.__setattr__(self, "numa_node", None if node in ("none", "off", "") else _int("numa_node", node))
         if not isinstance(self.socket, str) or not self.socket:
             raise InvalidValue(f"socket: must be a path or address, got {self.socket!r}")
+        mode = raw_mode = self.socket_mode
+        if isinstance(mode, str):  # "0600" (in YAML a bare 600 is a decimal integer: quote it, or write 0o600)
+            try:
+                mode = int(mode, 8)
+            except ValueError:
+                mode = None
+            object.__setattr__(self, "socket_mode", mode)
+        if type(mode) is not int or not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+            raise InvalidValue(
+                'socket_mode: permission bits in octal with owner read and write, such as "0600" or "0660" '
+                f"(in YAML quote them or write 0o600), got {raw_mode!r}"
+                + (f" (octal {raw_mode:o})" if type(raw_mode) is int else "")
+            )
+        if not isinstance(self.disk_dir, str):
+            raise InvalidValue(f'disk_dir: must be a folder path ("" for no SSD tier), got {self.disk_dir!r}')
         if self.memory <= 0:
             raise InvalidValue("memory: must be > 0")
         if self.log_level not in _LEVELS:

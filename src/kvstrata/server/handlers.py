@@ -141,7 +141,11 @@ def _finish_one(s: Session, action: str, key: str) -> None:
         s.writes.pop(key, None)
         return
     with s.validity.key_lock(key):
-        getattr(s.store, action)(key, owner=s.owner)
+        try:
+            getattr(s.store, action)(key, owner=s.owner)
+        except BaseException:
+            s.writes.pop(key, None)  # a refused seal ends the create too (the store dropped it)
+            raise
         s.validity.written(key, s.writes.pop(key, 0.0))  # an unknown TTL counts as one
 
 

@@ -17,6 +17,7 @@ WORKER_COUNTERS = frozenset(
     {
         "requests",
         "request_errors",
+        "local_hits",
         "connections",
         "lane_requests_polled",
         "lane_wakeups",
@@ -49,7 +50,36 @@ def counters() -> frozenset[str]:
 
 
 # Leaves that are byte counts get the ``_bytes`` unit suffix Prometheus asks for.
-BYTES = frozenset({"used", "capacity", "mapped", "free", "size"})
+BYTES = frozenset({"used", "capacity", "mapped", "free", "size", "reserved"})
+
+#: ``# HELP`` text of the metrics, by their stat's name (the path below the prefix, before any unit suffix)
+HELP = {
+    "hits": "reads of keys found, the clients' own from shared memory included",
+    "local_hits": "reads the clients served from shared memory without asking the worker",
+    "misses": "reads of keys not found (or expired, or corrupt on SSD)",
+    "objects": "objects stored (visible versions)",
+    "evictions": "evictable objects dropped to make room in DRAM",
+    "spills": "objects moved out of DRAM to live on SSD only",
+    "promotions": "objects brought back from SSD into DRAM when read",
+    "flushes": "write-back objects written to SSD",
+    "expired": "objects dropped when their TTL ran out",
+    "corrupt": "SSD files that failed their checksum (quarantined, never served)",
+    "dirty": "write-back objects not yet on SSD",
+    "leases": "leases clients hold (zero-copy views, cached reads, copies in flight)",
+    "creates_in_progress": "objects being written, not yet sealed",
+    "clients": "clients connected",
+    "connections": "client connections accepted since start",
+    "requests": "requests served",
+    "request_errors": "requests refused as invalid or failed in the worker (misses and timeouts not counted)",
+    "uptime_seconds": "seconds since the worker started",
+    "reserved": "memory-tier bytes held in clients' write reservations",
+    "tier_used": "bytes used in the tier",
+    "tier_capacity": "the tier's size",
+    "tier_reserved": "bytes reserved in the tier for writes under way (SSD: files being written, write-back data)",
+    "tier_mapped": "bytes of shared memory mapped for the tier",
+    "tier_files": "files in the SSD tier",
+    "tier_segments": "shared-memory segments of the tier",
+}
 
 
 def _singular(name: str) -> str:
@@ -98,6 +128,8 @@ def to_prometheus(stats: dict[str, Any], prefix: str = "kvstrata") -> str:
         is_counter = name.removeprefix(prefix + "_") in counters() or base in counters()
         metric = f"{name}_bytes" if base in BYTES else name
         metric = f"{metric}_total" if is_counter and not metric.endswith("_total") else metric
+        stat = name.removeprefix(prefix + "_")
+        lines.append(f"# HELP {metric} {HELP.get(stat, 'kvstrata worker stat ' + stat.replace('_', ' '))}")
         lines.append(f"# TYPE {metric} {'counter' if is_counter else 'gauge'}")
         for label_text, value in rows:
             lines.append(f"{metric}{label_text} {_format(value)}")

@@ -131,15 +131,19 @@ def column_ints(raw: Any, n: int, name: str) -> list[int]:
     return column.tolist()
 
 
+#: a timeout or TTL of this many seconds or more (~31 years; infinity too) means forever (None)
+FOREVER_S = 1e9
+
+
 def check_ttl(ttl: Any) -> float | None:
-    """Seconds to live; None or 0 means until deleted."""
+    """Seconds to live; None or 0 means until deleted (so does :data:`FOREVER_S` or more)."""
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
         raise InvalidType(f"ttl: must be seconds (a number) or None, got {type(ttl).__name__}")
     if not ttl >= 0:  # NaN too
         raise InvalidValue(f"ttl: must be >= 0 seconds, got {ttl}")
-    return float(ttl) or None
+    return (float(ttl) or None) if ttl < FOREVER_S else None
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -147,12 +151,12 @@ def check_timeout(timeout: Any) -> float | None:
     if timeout is None:
         return None
     if (type(timeout) is int or type(timeout) is float) and timeout >= 0:  # the common case: no ABC check
-        return float(timeout)
+        return float(timeout) if timeout < FOREVER_S else None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidType(f"timeout: must be seconds (a number), got {type(timeout).__name__}")
     if not timeout >= 0:  # NaN too
         raise InvalidValue(f"timeout: must be >= 0 seconds, got {timeout}")
-    return float(timeout)
+    return float(timeout) if timeout < FOREVER_S else None
 
 
 def check_write_mode(mode: Any) -> str:

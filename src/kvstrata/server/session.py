@@ -17,7 +17,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, KvstrataError, ServerError, Timeout
+from kvstrata.errors import (
+    ClosedError,
+    ConnectionLost,
+    InvalidValue,
+    KeyExists,
+    KeyNotFound,
+    KvstrataError,
+    ServerError,
+    Timeout,
+)
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.gil_spin import ReadyCheck
@@ -75,10 +84,13 @@ class Session:
         self.lane = _lane.Lane(seg)
 
     def run(self) -> None:
+        if hasattr(self.store, "guard_waits"):
+            self.store.guard_waits(self.client_gone)  # a request waiting for a key ends when its client does
         while True:
             msg, from_lane = self._next()
             op = msg.get("op")
             if op == "bye":  # a clean close, as opposed to a crash
+                self._count_local_hits(msg)
                 return
             if op == "lane":  # the client stopped waiting on the lane: answer its request, then say so here
                 self.worker.counters["lane_wakeups"] += 1
@@ -102,7 +114,37 @@ class Session:
                 self.send(reply)
             except TypeError as exc:  # an unencodable reply is a bug: report it, keep the connection
                 log.exception("reply to %r for client %s could not be encoded", op, self.name)
-                self.send(P.error_record(ServerError(f"internal error in {op!r}: {exc}")))
+                self._send_error(reply, ServerError(f"internal error in {op!r}: {exc}"))
+            except InvalidValue as exc:  # a reply over the frame limit (a read of a huge range): nothing was sent
+                self._send_error(reply, InvalidValue(f"{op}: the reply is too large to send ({exc}); ask for less"))
+
+    def _send_error(self, reply: dict, exc: Exception) -> None:
+        """``exc`` in the place of ``reply``, which could not be sent (under its tag, for a pipelined request)."""
+        error = P.error_record(exc)
+        if "tag" in reply:
+            error["tag"] = reply["tag"]
+        self.send(error)
+
+    def _count_local_hits(self, msg: dict) -> None:
+        n = msg.get("lh")
+        if type(n) is int and 0 < n < 1 << 62:  # (a bad count is dropped: it is a statistic, not a request)
+            self.worker.counters["local_hits"] += n
+
+    def client_gone(self) -> bool:
+        """Whether this connection's client is gone: the connection closed (the worker stopping), or its socket hung up
+        (the client exited or was killed), even with requests it sent still unread (``POLLRDHUP``)."""
+        conn = self.conn
+        if conn.closed:
+            return True
+        fileno = getattr(conn, "fileno", None)
+        if fileno is None:  # an in-process connection: closed is all there is
+            return False
+        try:
+            poller = select.poll()
+            poller.register(fileno(), select.POLLRDHUP)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # its descriptor closed under us
+            return True
 
     def _next(self) -> tuple[dict, bool]:
         """The next request: ``(message, came through the lane)``.
@@ -275,6 +317,8 @@ class Session:
             linger = msg.get("linger")
             if linger:  # another request of this client follows within this many us: poll until then
                 self.linger_until = time.perf_counter() + min(P.check_size(linger, "linger"), LINGER_MAX_US) * 1e-6
+            if "lh" in msg:  # reads the client served from shared memory since its last request
+                self._count_local_hits(msg)
             if msg.get("rel"):  # releases deferred by the client's garbage collector
                 release(self, {"ids": P.check_ids(msg["rel"], "rel")})
             aborts = msg.get("abort_keys")
@@ -286,6 +330,8 @@ class Session:
                     except (KvstrataError, ValueError, TypeError):
                         pass  # not this client's unsealed write (any more): nothing to abort
             reply = handler(self, msg)
+        except (KeyNotFound, KeyExists, Timeout) as exc:  # answers, not faults (the store counts misses)
+            reply = P.error_record(exc)
         except (KvstrataError, ValueError, TypeError, KeyError) as exc:
             self.worker.counters["errors"] += 1
             reply = P.error_record(exc)

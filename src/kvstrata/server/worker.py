@@ -143,6 +143,8 @@ class Worker:
             sessions = list(self._sessions.values())
         for s in sessions:
             s.conn.close()
+        if self._store is not None and hasattr(self._store, "wake_waiters"):
+            self._store.wake_waiters()  # requests waiting for keys see their connections closed (Session.client_gone)
         deadline = time.monotonic() + 5  # let requests in flight finish before the store goes
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -152,7 +154,12 @@ class Worker:
             self._store.set_visibility(None)  # (and its bumps of this worker's validity table, closed below)
         if self._store is not None and self._own_store:
             self._store.close()
-            log.info("worker stopped; write-back data flushed")
+            if self._store.unflushed:
+                log.error(
+                    "worker stopped; %d write-back objects could not be flushed (see above)", self._store.unflushed
+                )
+            else:
+                log.info("worker stopped; write-back data flushed")
             self._own_store = False
         if self.validity is not None:
             self.validity.close()
@@ -173,6 +180,10 @@ class Worker:
         stats = dict(self._store.stats())
         with self._lock:
             stats["clients"] = len(self._sessions)
+        # Hits the clients served from shared memory with no request, as they reported them (with their next request)
+        local = self.counters["local_hits"]
+        stats["local_hits"] = local
+        stats["hits"] = stats.get("hits", 0) + local
         stats["requests"] = self.counters["requests"]
         stats["request_errors"] = self.counters["errors"]
         stats["connections"] = self.counters["connections"]

@@ -27,7 +27,7 @@ import heapq
 import time
 from collections.abc import Iterable
 
-from kvstrata.errors import ClosedError, InvalidValue, KeyExists, KeyNotFound, KvstrataError
+from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyExists, KeyNotFound, KvstrataError
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import (
     FAST_KEY_CHARS,
@@ -203,7 +203,15 @@ class BatchMixin:
                         out[i] = exc
                         continue
                     out[i] = loc
+                try:
+                    hold = self._hold_disk_locked(key, size, mode)
+                except CapacityError as exc:
+                    self._uncreate(key)
+                    self._free_loc(loc)
+                    out[i] = exc
+                    continue
                 e = Entry(key, size, loc, mode, next(versions), owner)
+                e.disk_hold = hold
                 if ttl_s:
                     e.ttl = ttl_s
                 if (key, owner) in pending:  # this owner's earlier create of it is open (named twice, say)

@@ -118,6 +118,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._evict_blocked = False
         self._moving = 0  # resident objects being written to SSD outside the lock (spills, write-back flushes)
         self._flush_warned = -1e9
+        self.unflushed = 0  # write-back objects close() could not write to SSD
+        self._flush_failed_warned = -1e9
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt
             self._counts["expired"] = self._disk.expired
@@ -357,7 +359,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
 
     def close(self) -> None:
         """Flush write-back data, stop the background thread, unmap the segments. Idempotent: a second call,
-        also one from another thread while the first runs, returns at once."""
+        also one from another thread while the first runs, returns at once. :attr:`unflushed` then says how many
+        write-back objects could not be written to SSD (their data is lost with the process)."""
         with self._lock:
             if self._closing:
                 return
@@ -365,6 +368,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         try:
             self.flush()
         except CapacityError as exc:
+            self.unflushed = len(self._dirty)
             log.error("closing the store: %s; that data is lost", exc)
         self._stop.set()
         self._wake.set()

@@ -14,6 +14,8 @@ ZERO_LOCATION = Location(0, 0, 0)  # empty values own no bytes
 #: a non-empty ASCII str of at most this many characters is a valid key (batch loops test this inline and
 #: call check_key only for the rest, which names what is wrong)
 FAST_KEY_CHARS = MAX_KEY_BYTES // 4
+#: a timeout or TTL of this many seconds or more (~31 years; infinity too) means forever
+FOREVER_S = 1e9
 
 
 class Lease(NamedTuple):
@@ -39,6 +41,7 @@ class Entry:
     __slots__ = (
         "dead",
         "dirty",
+        "disk_hold",
         "expires",
         "flushing",
         "gpu",
@@ -77,6 +80,7 @@ class Entry:
         self.expires = 0.0  # monotonic deadline, 0 = never
         self.on_disk = False  # a committed SSD file holds this version
         self.dirty = False  # write-back data not yet on SSD
+        self.disk_hold = 0  # SSD bytes reserved for a write-back version's file until it is flushed (or dies)
         self.flushing = False
         self.loading = False  # being promoted from SSD; readers wait for it
         self.gpu = None  # the HBM copy (kvstrata.store.device.GpuCopy), if any
@@ -84,7 +88,7 @@ class Entry:
 
 
 def check_key(key: object, name: str = "key") -> str:
-    if type(key) is not str:
+    if type(key) is not str and not isinstance(key, str):  # (a str subclass, numpy's str_ say, is a str)
         raise InvalidValue(f"{name}: must be a str, got {type(key).__name__}")
     n = len(key)
     if n == 0:
@@ -119,7 +123,7 @@ def check_ttl(ttl: object) -> float:
         return 0.0
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 0 or ttl != ttl:
         raise InvalidValue(f"ttl: must be None or a number of seconds >= 0, got {ttl!r}")
-    return float(ttl)
+    return float(ttl) if ttl < FOREVER_S else 0.0
 
 
 def check_timeout(timeout: object) -> float | None:
@@ -127,7 +131,7 @@ def check_timeout(timeout: object) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0 or timeout != timeout:
         raise InvalidValue(f"timeout: must be None or a number of seconds >= 0, got {timeout!r}")
-    return float(timeout)
+    return float(timeout) if timeout < FOREVER_S else None
 
 
 def check_mode(write_mode: object) -> WriteMode:

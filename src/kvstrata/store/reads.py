@@ -14,14 +14,33 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyNotFound, Timeout
 from kvstrata.store.objects import Entry, check_key, check_size, check_timeout
 from kvstrata.store.writes import _SMALL
 
+#: how often a wait guarded by :meth:`ReadMixin.guard_waits` asks whether whoever waits is still there (s)
+GUARD_CHECK_S = 0.25
+_guards = threading.local()
+
 
 class ReadMixin:
     """``get_bytes`` / ``read`` of the engine, and the lookups every other path uses (see the module docstring)."""
+
+    @staticmethod
+    def guard_waits(gone: Callable[[], bool] | None) -> None:
+        """Make this thread's waits for keys (``timeout`` other than 0) ask ``gone()`` every :data:`GUARD_CHECK_S`
+        seconds and at :meth:`wake_waiters`, and end with ``ClosedError`` once it says True: a worker's connection
+        thread waits for its client, which may die or be disconnected by a stopping worker meanwhile (else the
+        thread would wait out a timeout of minutes, or of None, for nobody). ``None``: unguarded again."""
+        _guards.gone = gone
+
+    def wake_waiters(self) -> None:
+        """Wake every thread waiting for a key to look again (and its guard to be asked, see :meth:`guard_waits`)."""
+        with self._lock:
+            for w in self._waiters.values():
+                w[0].notify_all()
 
     def _lookup(self, key: str) -> Entry | None:
         e = self._objects.get(key)
@@ -66,7 +85,13 @@ class ReadMixin:
                     if w is None:
                         w = self._waiters[key] = [threading.Condition(self._lock), 0]
                     w[1] += 1
-                w[0].wait(remaining)
+                gone = getattr(_guards, "gone", None)
+                if gone is None:
+                    w[0].wait(remaining)
+                    continue
+                w[0].wait(GUARD_CHECK_S if remaining is None else min(remaining, GUARD_CHECK_S))
+                if gone():
+                    raise ClosedError(f"stopped waiting for {key!r}: whoever asked is gone")
         finally:
             if w is not None:
                 w[1] -= 1

@@ -292,11 +292,19 @@ class ReservationMixin:
             refused: list[Location] = []
             version = self._versions
             for i, ((key, size), loc) in enumerate(zip(carved, self._pieces_locked(r.segment, start, carved))):
+                if out[i] is None and mode is WriteMode.WRITE_BACK:
+                    try:
+                        hold = self._hold_disk_locked(key, size, mode)
+                    except CapacityError as exc:
+                        out[i] = exc
+                else:
+                    hold = 0
                 if out[i] is not None:
                     if size:
                         refused.append(loc)
                     continue
                 e = Entry(key, size, loc, mode, next(version), owner)
+                e.disk_hold = hold
                 if ttl_s:
                     e.ttl = ttl_s
                 if mode is WriteMode.WRITE_THROUGH:

@@ -72,7 +72,7 @@ class TieringMixin:
         if e.mode is WriteMode.EVICTABLE or (e.on_disk and not e.dirty):
             return True
         disk = self._disk
-        return disk is not None and disk.has_room(disk.file_bytes(e.key, e.size))
+        return disk is not None and (e.disk_hold > 0 or disk.has_room(disk.file_bytes(e.key, e.size)))
 
     def _make_room(self, goal: int) -> bool:
         """Free about ``goal`` bytes of DRAM; False when nothing could be freed. May release the lock.
@@ -93,10 +93,15 @@ class TieringMixin:
                 freed += e.size
                 self._retire(e)
                 self._counts["evictions"] += 1
-            elif e.on_disk and not e.dirty:
+            elif e.on_disk and not e.dirty:  # spilled with no write: its SSD copy is current
                 freed += e.size
                 self._free_locked(e)
-                self._counts["evictions"] += 1
+                self._counts["spills"] += 1
+            elif e.disk_hold:  # a write-back version: the room its file needs is held already
+                nbytes, e.disk_hold = e.disk_hold, 0
+                e.leases += 1
+                jobs.append((e, nbytes))
+                pending += e.size
             else:
                 nbytes = disk.file_bytes(e.key, e.size)
                 disk.reserve(nbytes)  # cannot fail: _can_evict checked the room under this same lock
@@ -134,7 +139,10 @@ class TieringMixin:
             e.leases -= 1
             current = not e.dead and self._objects.get(e.key) is e
             if pending is None:
-                disk.unreserve(nbytes)
+                if current and e.dirty:
+                    e.disk_hold = nbytes  # still owed to the write-back flush
+                else:
+                    disk.unreserve(nbytes)
             elif not current:
                 disk.discard(pending)
             else:
@@ -256,10 +264,13 @@ class TieringMixin:
                 for e in self._dirty.values():
                     if e.flushing or e.loc is None:
                         continue
-                    nbytes = disk.file_bytes(e.key, e.size)
-                    if not disk.reserve(nbytes):
-                        postponed += 1
-                        continue
+                    if e.disk_hold:  # reserved when it was written (_hold_disk_locked)
+                        nbytes, e.disk_hold = e.disk_hold, 0
+                    else:
+                        nbytes = disk.file_bytes(e.key, e.size)
+                        if not disk.reserve(nbytes):
+                            postponed += 1
+                            continue
                     e.flushing = True
                     e.leases += 1
                     batch.append((e, nbytes))
@@ -268,18 +279,22 @@ class TieringMixin:
                 if postponed and now - self._flush_warned > 10.0:  # at most one warning per 10 s
                     self._flush_warned = now
                     log.warning("SSD tier full: write-back of %d objects postponed", postponed)
+            failed: list[tuple[str, Exception]] = []
             for e, nbytes in batch:
                 pending = None
                 try:
                     pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode, self._wall_expiry(e))
                 except Exception as exc:  # the pin below must be undone whatever went wrong
-                    log.error("write-back of %r failed: %s; will retry", e.key, exc)
+                    failed.append((e.key, exc))
                 with self._lock:
                     self._moving -= 1
                     e.flushing = False
                     e.leases -= 1
                     if pending is None:
-                        disk.unreserve(nbytes)
+                        if not e.dead and e.dirty:
+                            e.disk_hold = nbytes  # kept for the next try
+                        else:
+                            disk.unreserve(nbytes)
                     elif not e.dead and self._objects.get(e.key) is e:
                         disk.commit(e.key, pending, e.mode, e.size)
                         e.on_disk = True
@@ -290,6 +305,17 @@ class TieringMixin:
                         disk.discard(pending)
                     if e.dead and e.leases == 0:
                         self._free_locked(e)
+            if failed:
+                now = time.monotonic()
+                if now - self._flush_failed_warned > 10.0:  # a failing device fails every pass: one line per 10 s
+                    self._flush_failed_warned = now
+                    key, exc = failed[0]
+                    log.error(
+                        "write-back of %d objects to SSD failed (first %r: %s); they stay in DRAM, retried",
+                        len(failed),
+                        key,
+                        exc,
+                    )
 
     def flush(self) -> None:
         """Write all write-back data to SSD now; CapacityError if some could not be (SSD full or failing)."""

@@ -143,12 +143,14 @@ class WriteMixin:
             # the new version there instead of allocating and freeing. Under the lock, so no
             # reader sees the bytes change; the new version is still a new Entry (version, TTL,
             # placement: a device read that copied early from the old one, unpinned, is redone).
+            hold = self._hold_disk_locked(key, size, mode)
             loc = old.loc
             if loc.size != size:
                 loc = Location(loc.segment, loc.offset, size)
             self._mem.view(loc)[:] = view
             old.loc = None  # the block is the new version's now: retiring the old one frees nothing
             e = Entry(key, size, loc, mode, next(self._versions), owner)
+            e.disk_hold = hold
             if ttl_s:
                 e.ttl = ttl_s
         else:
@@ -168,7 +170,13 @@ class WriteMixin:
             if self._closed:
                 raise ClosedError("the object store is closed")
             raise KeyExists(f"key {key!r} already exists")
+        try:
+            hold = self._hold_disk_locked(key, loc.size, mode)
+        except CapacityError:
+            self._mem.free(loc)
+            raise
         e = Entry(key, loc.size, loc, mode, next(self._versions), owner)
+        e.disk_hold = hold
         if ttl_s:
             e.ttl = ttl_s
         self._mem.view(loc)[:] = view
@@ -199,6 +207,7 @@ class WriteMixin:
             raise ClosedError("the object store is closed")
         if nx and (key in self._creating or self._lookup(key) is not None):
             raise KeyExists(f"key {key!r} already exists")
+        hold = self._hold_disk_locked(key, size, mode)
         # counted before allocating: _allocate may release the lock, and a concurrent nx write of
         # the same key must see this one
         self._creating[key] = self._creating.get(key, 0) + 1
@@ -206,11 +215,35 @@ class WriteMixin:
             loc = self._allocate(size)
         except BaseException:
             self._uncreate(key)
+            if hold:
+                self._disk.unreserve(hold)
             raise
         e = Entry(key, size, loc, mode, next(self._versions), owner)
+        e.disk_hold = hold
         if ttl_s:
             e.ttl = ttl_s
         return e
+
+    def _hold_disk_locked(self, key: str, size: int, mode: WriteMode) -> int:
+        """The SSD bytes reserved now for a ``write_back`` version's file (0 for other modes), so that every write-back
+        write acknowledged can be flushed: one the SSD tier cannot take is refused with ``CapacityError`` here, as a
+        ``write_through`` one is, not acknowledged and lost at shutdown. Given back by :meth:`_drop_disk_hold`, or
+        taken by the flush or spill that writes the file."""
+        if mode is not WriteMode.WRITE_BACK:
+            return 0
+        disk = self._disk
+        nbytes = disk.file_bytes(key, size)
+        if not disk.reserve(nbytes):
+            raise CapacityError(
+                f"SSD tier full: {nbytes} bytes needed to write {key!r} back, {disk.used} of {disk.capacity} used "
+                f"and {disk.stats()['reserved']} reserved"
+            )
+        return nbytes
+
+    def _drop_disk_hold(self, e: Entry) -> None:
+        if e.disk_hold:
+            self._disk.unreserve(e.disk_hold)
+            e.disk_hold = 0
 
     def _take_pending(self, key: str, owner: object) -> Entry:
         check_key(key)
@@ -319,6 +352,8 @@ class WriteMixin:
         self._free_locked(e)
 
     def _free_locked(self, e: Entry) -> None:
+        if e.disk_hold:
+            self._drop_disk_hold(e)
         if e.loc is not None and e.loc.size:
             if self._placements is not None and not e.dead:  # a dead version's placement went with _retire
                 self._placements.withdraw(e)
@@ -336,6 +371,8 @@ class WriteMixin:
         self._clock.remove(key, e)
         if self._dirty.get(key) is e:
             del self._dirty[key]
+        if e.disk_hold:  # never flushed: its file's room goes back
+            self._drop_disk_hold(e)
         if e.on_disk and not keep_disk_file:
             self._disk.remove(key)
         e.on_disk = False

@@ -84,7 +84,10 @@ class UnixBackend(Backend):
         if len(os.fsencode(path)) > 107:
             raise InvalidValue(f"address: unix socket path longer than 107 bytes: {path!r}")
         folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise TransportError(f"socket: cannot make the folder of {path}: {exc}") from exc
         owner = os.stat(folder).st_uid
         if owner != os.getuid() and owner != 0:
             # Another user's folder (say a /tmp/kvstrata-<uid> made in advance) could swap our socket.

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgpack
 
+from kvstrata._proc import PID
 from kvstrata.errors import ClosedError, ConnectionLost, InvalidType, InvalidValue, ProtocolError, Timeout
 from kvstrata.transport.base import Connection, Message
 
@@ -65,6 +66,7 @@ class StreamConnection(Connection):
         self._recv_lock = threading.Lock()
         self._closed = False
         self._lost = False
+        self._pid = PID[0]  # a forked child's copy must not shut the parent's connection down (close)
         # Frames are read into one preallocated buffer (no allocation per message); the unread
         # bytes are _rbuf[_rpos:_rend]. It is never resized: _rview exports it.
         self._rbuf = bytearray(_BUF_BYTES)
@@ -245,10 +247,11 @@ class StreamConnection(Connection):
         self._closed = True
         while self._rfds:
             os.close(self._rfds.popleft())
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
-        except OSError:
-            pass
+        if self._pid == PID[0]:  # (in a forked child the socket is the parent's too: only this copy is closed)
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
+            except OSError:
+                pass
         self._sock.close()
 
 

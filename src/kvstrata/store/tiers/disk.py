@@ -17,6 +17,7 @@ never served.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstrata.errors import CorruptData, KvstrataError
+from kvstrata.errors import CapacityError, CorruptData, InvalidValue, KvstrataError, ServerError
 from kvstrata.store.config import WriteMode
 from kvstrata.store.tiers.base import Tier
 
@@ -73,7 +74,12 @@ class DiskTier(Tier):
 
     def __init__(self, directory: str, capacity: int, *, sync: bool = False):
         self.directory = os.path.abspath(directory)
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            if not os.path.isdir(self.directory):
+                raise NotADirectoryError(f"{self.directory} is a file")
+        except OSError as exc:
+            raise InvalidValue(f"disk_dir: cannot use {self.directory} as the SSD tier's folder: {exc}") from exc
         self._lock_fd = _lock_directory(self.directory)
         self._capacity = capacity
         self._sync = sync
@@ -138,6 +144,14 @@ class DiskTier(Tier):
             self._used += file_bytes
         if self.index:
             log.info("disk tier: %d objects (%d bytes) found in %s", len(self.index), self._used, self.directory)
+        if self._used > self._capacity:
+            log.warning(
+                "disk tier: the %d bytes of objects found in %s exceed its size (%d bytes): nothing more is written "
+                "to SSD until enough are deleted or expire (start with a larger disk_size to keep writing)",
+                self._used,
+                self.directory,
+                self._capacity,
+            )
 
     @staticmethod
     def _read_header(f, path: str) -> tuple[str, int, WriteMode, int, float]:
@@ -161,9 +175,12 @@ class DiskTier(Tier):
             raise CorruptData(f"{path}: key is not UTF-8") from exc
         return key, size, _MODES[mode_i], checksum, expires_at
 
-    def _quarantine(self, path: str, why: str) -> None:
+    def _quarantine(self, path: str, why: str, key: str | None = None) -> None:
         self.corrupt += 1
-        log.error("disk tier: corrupt object file %s (%s); it will not be served", path, why)
+        if why.startswith(path + ": "):
+            why = why[len(path) + 2 :]  # (said once)
+        whose = f"key {key!r}: " if key is not None else ""
+        log.error("disk tier: %scorrupt object file %s (%s); moved aside, never served", whose, path, why)
         try:
             os.replace(path, path + ".corrupt")
         except OSError:
@@ -193,7 +210,10 @@ class DiskTier(Tier):
         head = _HEADER.pack(*fields)
         head += _CRC.pack(xxhash.xxh32_intdigest(head + key_raw))
         path = os.path.join(self.directory, f".{os.getpid()}-{next(self._tmp_ids)}.tmp")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise _storage_error(exc, key, self.directory) from exc
         try:
             with open(fd, "wb", buffering=0, closefd=True) as f:
                 f.write(head + key_raw)
@@ -203,8 +223,10 @@ class DiskTier(Tier):
                     view = view[n:]
                 if self._sync or mode == WriteMode.WRITE_THROUGH:
                     os.fsync(f.fileno())  # write-through: on the device, not only in the page cache
-        except BaseException:
+        except BaseException as exc:
             _unlink(path)
+            if isinstance(exc, OSError):
+                raise _storage_error(exc, key, self.directory) from exc
             raise
         return PendingFile(path, HEADER_BYTES + len(key_raw) + len(data), expires_at)
 
@@ -284,7 +306,7 @@ class DiskTier(Tier):
         self._forget(key)
         path = os.path.join(self.directory, file_name(key))
         if os.path.exists(path):
-            self._quarantine(path, why)
+            self._quarantine(path, why, key)
         else:
             self.corrupt += 1
             log.error("disk tier: object file of %r is gone (%s)", key, why)
@@ -293,6 +315,16 @@ class DiskTier(Tier):
         rec = self.index.pop(key, None)
         if rec is not None:
             self._used -= rec.nbytes
+
+
+def _storage_error(exc: OSError, key: str, directory: str) -> KvstrataError:
+    """What a failed write of ``key``'s file says to the writer: the SSD tier's file system full (before the tier's own
+    size is reached: other files share it) is a ``CapacityError`` like a full tier; any other failure of the device
+    a ``ServerError`` naming it."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = exc.strerror
+        return CapacityError(f"SSD tier full: the file system of {directory} has no room left for {key!r} ({why})")
+    return ServerError(f"SSD tier: writing {key!r} to {directory} failed: {exc}")
 
 
 def _unlink(path: str) -> None:
