@@ -108,6 +108,9 @@ def test_prometheus_text():
         ("socket_mode", "rw", "octal"),
         ("socket_mode", "0400", "owner read and write"),
         ("disk_dir", 5, "folder path"),
+        ("metrics_address", "localhost:http", "HOST:PORT"),
+        ("metrics_address", "127.0.0.1:70000", "HOST:PORT"),
+        ("metrics_address", True, "HOST:PORT"),
     ],
 )
 def test_bad_socket_modes_and_folders_are_named(setting, value, says):
@@ -170,3 +173,19 @@ def test_placement_table_setting_and_a_worker_without_it(tmp_path):
         dst = [[torch.zeros_like(t[0])] for t in src]
         assert kv.mget_h2d(["a", "b"], dst) == [None, None]
         assert all(torch.equal(x[0], y[0]) for x, y in zip(src, dst))
+
+
+@pytest.mark.parametrize(
+    "value, endpoint",
+    [
+        ("", None),
+        (9464, ("127.0.0.1", 9464)),
+        ("9464", ("127.0.0.1", 9464)),
+        ("0.0.0.0:80", ("0.0.0.0", 80)),
+        (":9464", ("0.0.0.0", 9464)),
+        ("[::1]:9464", ("::1", 9464)),
+    ],
+)
+def test_metrics_address_forms(value, endpoint):
+    config = WorkerConfig.load({"metrics_address": value, "disk_dir": ""}, environ={})
+    assert config.metrics_endpoint() == endpoint

@@ -162,6 +162,11 @@ def test_status_command(worker):
     assert out.returncode == 0, out.stderr
     assert "memory" in out.stdout and "hits" in out.stdout and "clients" in out.stdout
     assert "device objects" not in out.stdout  # no device-object client yet
+    # The command neither maps the worker's memory nor imports the client SDK (torch): it answers at once.
+    code = f"import sys; from kvstrata.cli.main import main; rc = main(['status', '--address', {worker!r}]); "
+    code += "print(rc, sorted(m for m in ('torch', 'numpy', 'kvstrata.client') if m in sys.modules))"
+    lean = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert lean.stdout.splitlines()[-1] == "0 []", lean.stdout + lean.stderr
     # A device-object hand-off between two CPU clients of this process: the broker's counts show up.
     import torch
 
@@ -188,6 +193,63 @@ def test_status_command(worker):
         [*base[:-1], worker + ".nope", "--timeout", "0.2"], env=env, capture_output=True, text=True, timeout=30
     )
     assert missing.returncode == 1 and "no worker" in missing.stderr
+
+
+def test_worker_serves_prometheus_metrics_over_http(tmp_path):
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:  # a port free now (the worker binds it just after)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, address = start_worker(tmp_path, "--metrics-address", f"127.0.0.1:{port}")
+    try:
+        with kvstrata.connect(address) as kv:
+            kv.set("k", b"v")
+            assert kv.get("k") == b"v"
+            with pytest.raises(kvstrata.KeyNotFound):
+                kv.get("gone")
+            url = f"http://127.0.0.1:{port}/metrics"
+            reply = urllib.request.urlopen(url, timeout=10)
+            assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            lines = reply.read().decode().splitlines()
+            assert "kvstrata_objects 1" in lines and "kvstrata_misses_total 1" in lines
+            assert "kvstrata_clients 1" in lines and "# TYPE kvstrata_hits_total counter" in lines
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/nope", timeout=10)
+            assert kv.get("k") == b"v"  # scrapes leave the clients' service alone
+    finally:
+        out = stop(proc)
+    assert f"Prometheus metrics at http://127.0.0.1:{port}/metrics" in out
+    # A port that is taken: the worker says which setting and exits, it does not run half set up.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        sock = tmp_path / "again.sock"
+        bad = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvstrata.cli.main",
+                "worker",
+                "--socket",
+                str(sock),
+                "--memory",
+                "16MiB",
+                "--disk-dir",
+                "",
+                "--metrics-address",
+                f"127.0.0.1:{taken}",
+            ],
+            env={**os.environ, "PYTHONPATH": SRC},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert bad.returncode == 1 and "metrics_address" in bad.stderr, bad.stderr
+    assert not sock.exists()
 
 
 def test_worker_killed_keeps_write_through_and_sigterm_flushes_write_back(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -18,13 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import kvstrata
     from kvstrata.server.metrics import to_prometheus
 
     try:
-        with kvstrata.connect(args.address, timeout=args.timeout, name="kvstrata status") as kv:
-            stats = kv.stats()
-            address = kv.address
+        stats, address = fetch_stats(args.address, timeout=args.timeout)
     except KvstrataError as exc:
         print(f"kvstrata status: no worker reachable: {exc}", file=sys.stderr)
         return 1
@@ -33,6 +31,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(stats, address))
     return 0
+
+
+def fetch_stats(address: str | None = None, *, timeout: float = 2.0) -> tuple[dict[str, Any], str]:
+    """The worker's stats and its address, through a bare connection: no shared memory is mapped and the
+    client SDK (with torch) is not imported, so the command answers in a fraction of a second."""
+    from kvstrata.server import protocol as P
+    from kvstrata.server.config import worker_address
+    from kvstrata.transport import connect
+
+    address = worker_address(address)
+    with connect(address, timeout=timeout, hello={"shm": False, "name": "kvstrata status"}) as conn:
+        conn.send({"op": "stats"})
+        reply, fds = conn.recv(timeout=timeout)
+        for fd in fds:  # none are sent for this request; never leak one if a worker does
+            os.close(fd)
+    if "err" in reply:
+        raise P.error_from_record(reply["err"])
+    return reply["stats"], address
 
 
 def render(stats: dict[str, Any], address: str) -> str:

@@ -60,6 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="no table of where objects lie: cold device reads wait for their leases before copying",
     )
     p.add_argument(
+        "--metrics-address",
+        dest="metrics_address",
+        help="serve Prometheus metrics over HTTP at HOST:PORT/metrics (a bare port: 127.0.0.1; default: none)",
+    )
+    p.add_argument(
         "--log-level",
         dest="log_level",
         choices=("debug", "info", "warning", "error"),
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             "log_level",
             "spin_us",
             "placement_table",
+            "metrics_address",
         )
     }
     if flags["log_level"] is None and getattr(args, "verbose", 0):

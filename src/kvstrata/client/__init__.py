@@ -70,18 +70,16 @@ def connect(
         return Client(EmbeddedBackend(ObjectStore(StoreConfig(**options)), own_store=True), reserve_bytes=reserve)
     if store_options:
         raise InvalidValue(f"{next(iter(store_options))}: store options apply only with embedded=True")
-    if address is None:
-        from kvstrata.server.config import default_address
+    from kvstrata.server.config import worker_address
 
-        address = default_address()
+    if address is None:
+        address = worker_address(None)
     if not isinstance(address, str | os.PathLike):
         raise InvalidType(f"address: a socket path or an address such as 'unix:///run/kv.sock', got {address!r}")
     address = os.fspath(address)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise InvalidValue(f"timeout: seconds to wait for the worker (a number > 0), got {timeout!r}")
-    if "://" not in address:  # a bare path (argument or KVSTRATA_WORKER): the worker's Unix socket
-        address = f"unix://{os.path.abspath(address)}"
-    return Client(RemoteBackend(address, timeout=timeout, name=name), reserve_bytes=reserve)
+    return Client(RemoteBackend(worker_address(address), timeout=timeout, name=name), reserve_bytes=reserve)
 
 
 __all__ = ["Client", "ReadBuffer", "WritableBuffer", "connect"]

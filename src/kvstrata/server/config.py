@@ -36,6 +36,14 @@ def default_address() -> str:
     return os.environ.get("KVSTRATA_WORKER") or f"unix://{default_socket_path()}"
 
 
+def worker_address(address: str | None) -> str:
+    """A client's address for the node's worker: the default when None; a bare path (an argument or
+    ``KVSTRATA_WORKER``) is the worker's Unix socket."""
+    if address is None:
+        address = default_address()
+    return address if "://" in address else f"unix://{os.path.abspath(address)}"
+
+
 def default_memory_bytes() -> int:
     import psutil
 
@@ -90,6 +98,9 @@ class WorkerConfig:
     #: keep the table of where objects lie that lets clients start device reads before their leases come back
     #: (kvstrata.store.placements); off, a cold ``mget_h2d`` waits one round trip before its first copy
     placement_table: bool = True
+    #: where to serve Prometheus metrics over HTTP (``GET /metrics``): ``"HOST:PORT"``, or a bare port for
+    #: 127.0.0.1; "" (the default): no HTTP endpoint (``kvstrata status --prometheus`` still prints them)
+    metrics_address: str = ""
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -122,6 +133,7 @@ class WorkerConfig:
             raise InvalidValue(f"spin_us: must be a number of microseconds in [0, 100000], got {self.spin_us!r}")
         if not isinstance(self.placement_table, bool):
             raise InvalidValue(f"placement_table: must be true or false, got {self.placement_table!r}")
+        self.metrics_endpoint()  # raises naming the setting
         if self.disk_dir and self.disk_size == 0:
             object.__setattr__(self, "disk_size", default_disk_bytes(self.disk_dir))
         self.store_config()  # the engine validates its own fields, with their names
@@ -129,6 +141,21 @@ class WorkerConfig:
     @property
     def address(self) -> str:
         return self.socket if "://" in self.socket else f"unix://{self.socket}"
+
+    def metrics_endpoint(self) -> tuple[str, int] | None:
+        """``metrics_address`` as ``(host, port)``, or None when there is no HTTP endpoint."""
+        raw = self.metrics_address
+        if raw is None or raw == "":
+            return None
+        text = str(raw).strip()
+        host, sep, port = text.rpartition(":")
+        host = host.strip("[]") if sep else "127.0.0.1"
+        if not isinstance(raw, str | int) or isinstance(raw, bool) or not port.isdigit() or int(port) > 65535:
+            raise InvalidValue(
+                'metrics_address: where to serve Prometheus metrics, "HOST:PORT" or a port such as 9464 '
+                f'("" for none), got {raw!r}'
+            )
+        return host or "0.0.0.0", int(port)
 
     def store_config(self) -> Any:
         from kvstrata.store import StoreConfig

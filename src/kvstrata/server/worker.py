@@ -25,11 +25,12 @@ from collections import Counter
 from typing import Any
 
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import ClosedError, ConnectionLost, TransportError
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, TransportError
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
 from kvstrata.server.gil_spin import GIL_SWITCH_S
+from kvstrata.server.http_metrics import MetricsServer
 from kvstrata.server.lane_poller import LanePoller
 from kvstrata.server.session import Session
 from kvstrata.server.validity import SLOTS, SLOTS_OFFSET, SPIN_HINT_OFFSET, Validity
@@ -70,6 +71,7 @@ class Worker:
         self.spin = 0.0
         #: polls every client's lane while several are connected (see _update_spin)
         self.lane_poller = LanePoller(config.spin_us * 1e-6)
+        self.metrics_server: MetricsServer | None = None  # GET /metrics, with config.metrics_address
 
     # lifecycle -----------------------------------------------------------------------------------
     @property
@@ -105,6 +107,16 @@ class Worker:
             if self._own_store:
                 self._store.close()
             raise
+        endpoint = self.config.metrics_endpoint()
+        if endpoint is not None:
+            try:
+                self.metrics_server = MetricsServer(self.stats, *endpoint)
+            except OSError as exc:
+                self.stop()
+                raise InvalidValue(
+                    f"metrics_address: cannot serve metrics at {self.config.metrics_address!r}: {exc}"
+                ) from exc
+            log.info("Prometheus metrics at %s", self.metrics_server.url)
         stats = self._store.stats()
         log.info(
             "worker pid %d listening on %s (memory tier %s, disk tier %s)",
@@ -134,6 +146,9 @@ class Worker:
     def stop(self) -> None:
         """Stop listening, disconnect clients, flush write-back data and close the store (idempotent)."""
         self._stopped.set()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
         if self.validity is not None:
             self.validity.bump_all()  # clients stop answering from shared memory
         if self._listener is not None:
