@@ -246,3 +246,26 @@ def test_failing_ssd_keeps_data_in_dram_and_refuses_new_writes(tmp_path, make_co
     s.put("more", bytes(300 * KB))  # the SSD works again: spilling resumes
     assert s.stats()["spills"] >= 1 and s.stats()["tiers"]["disk"]["reserved"] == 0
     s.close()
+
+
+def test_moves_between_tiers_are_logged_each_and_summed_up(tmp_path, make_config, caplog, monkeypatch):
+    import logging
+
+    from kvstrata.store import tiering
+
+    monkeypatch.setattr(tiering, "MOVES_REPORT_S", 0.0)  # a summary at every move
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kvstrata.store"):
+            for i in range(12):  # 1.2 MiB into a 1 MiB tier: the oldest leave DRAM
+                s.put(f"mem{i}", bytes([i]) * (100 * KB), write_mode="memory" if i % 2 else "evictable")
+            assert _wait(lambda: s.stats()["spills"] > 0 and s.stats()["evictions"] > 0)
+            assert s.get_bytes("mem1") == bytes([1]) * (100 * KB)  # spilled first, promoted back
+        text = caplog.text
+        assert "evictable dropped 'mem0' (102400 bytes)" in text
+        assert "spilled to SSD 'mem1' (102400 bytes)" in text
+        assert "promoted back 'mem1' (102400 bytes)" in text
+        summaries = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+        assert any("evictable dropped (100.0 KiB)" in m and m.startswith("memory tier ") for m in summaries)
+    finally:
+        s.close()

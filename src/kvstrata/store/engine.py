@@ -120,6 +120,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._flush_warned = -1e9
         self.unflushed = 0  # write-back objects close() could not write to SSD
         self._flush_failed_warned = -1e9
+        self._moves_untold: dict[str, list[int]] = {}  # tiering moves since the last summary in the log
+        self._moves_told = time.monotonic()
         if self._disk is not None:
             self._counts["corrupt"] = self._disk.corrupt
             self._counts["expired"] = self._disk.expired

@@ -20,11 +20,17 @@ from kvstrata.errors import CapacityError, CorruptData, KeyNotFound
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import ZERO_LOCATION, Entry
 from kvstrata.store.tiers.base import Location
+from kvstrata.units import format_size
 
 #: how long an allocation waits for objects another thread is writing to SSD (they can then be dropped to make
 #: room) before it gives up, and how often it looks again meanwhile
 MOVE_WAIT_S = 10.0
 MOVE_POLL_S = 0.0005
+#: at most one info line this often sums up the spills, evictions and promotions since the last one
+#: (each is logged at debug level)
+MOVES_REPORT_S = 10.0
+#: what the summary calls each move
+_MOVE_WORDS = {"spills": "spilled to SSD", "evictions": "evictable dropped", "promotions": "promoted back"}
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +98,11 @@ class TieringMixin:
                 del self._objects[e.key]
                 freed += e.size
                 self._retire(e)
-                self._counts["evictions"] += 1
+                self._moved("evictions", e)
             elif e.on_disk and not e.dirty:  # spilled with no write: its SSD copy is current
                 freed += e.size
                 self._free_locked(e)
-                self._counts["spills"] += 1
+                self._moved("spills", e)
             elif e.disk_hold:  # a write-back version: the room its file needs is held already
                 nbytes, e.disk_hold = e.disk_hold, 0
                 e.leases += 1
@@ -161,7 +167,7 @@ class TieringMixin:
             freed += e.size
             self._free_locked(e)
             if current:
-                self._counts["spills"] += 1
+                self._moved("spills", e)
         return freed, len(written) - written.count(None)
 
     def _evict_to_low(self) -> None:
@@ -210,8 +216,32 @@ class TieringMixin:
             self._clock.add(e.key, e)
             if self._placements is not None and e.sealed:
                 self._placements.publish((e,))
-        self._counts["promotions"] += 1
+        self._moved("promotions", e)
         return True
+
+    def _moved(self, what: str, e: Entry) -> None:
+        """Count one object moved between tiers (``what``: a key of :data:`_MOVE_WORDS`). Each is a debug line; at
+        most every :data:`MOVES_REPORT_S` an info line sums them up, so that a busy tier tells what it does
+        without a line per object. Under the lock."""
+        self._counts[what] += 1
+        log.debug("%s %r (%d bytes)", _MOVE_WORDS[what], e.key, e.size)
+        tally = self._moves_untold.setdefault(what, [0, 0])
+        tally[0] += 1
+        tally[1] += e.size
+        now = time.monotonic()
+        if now - self._moves_told < MOVES_REPORT_S:
+            return
+        parts = [f"{n} {_MOVE_WORDS[w]} ({format_size(b)})" for w, (n, b) in sorted(self._moves_untold.items())]
+        mem = self._mem
+        log.info(
+            "memory tier %s of %s used; in the last %.0f s: %s",
+            format_size(mem.used),
+            format_size(mem.capacity),
+            now - self._moves_told,
+            ", ".join(parts),
+        )
+        self._moves_untold.clear()
+        self._moves_told = now
 
     def _read_unlocked(self, e: Entry, dest: memoryview) -> CorruptData | None:
         self._lock.release()
