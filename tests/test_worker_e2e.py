@@ -161,6 +161,7 @@ def test_status_command(worker):
     out = subprocess.run(base, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert "memory" in out.stdout and "hits" in out.stdout and "clients" in out.stdout
+    assert "client pid " in out.stdout and "(kvstrata status): connected" in out.stdout  # each client, by name
     assert "device objects" not in out.stdout  # no device-object client yet
     # The command neither maps the worker's memory nor imports the client SDK (torch): it answers at once.
     code = f"import sys; from kvstrata.cli.main import main; rc = main(['status', '--address', {worker!r}]); "
@@ -193,6 +194,23 @@ def test_status_command(worker):
         [*base[:-1], worker + ".nope", "--timeout", "0.2"], env=env, capture_output=True, text=True, timeout=30
     )
     assert missing.returncode == 1 and "no worker" in missing.stderr
+
+
+def test_stats_name_each_client_and_what_it_holds(worker):
+    with kvstrata.connect(worker, name="holder") as holder, kvstrata.connect(worker) as other:
+        other.set("held", os.urandom(1 << 20))
+        (view,) = holder.get_buffers(["held"])
+        buf = holder.create("being-written", 4096)
+
+        def mine(stats):
+            return [c for c in stats["client_list"] if c["name"].endswith("(holder)")]
+
+        (me,) = mine(other.stats())
+        assert me["pid"] == os.getpid() and me["leases"] >= 1 and me["open_writes"] == 1
+        buf.seal()
+        view.release()
+        assert wait_for(lambda: mine(other.stats())[0]["open_writes"] == 0)
+        assert len(other.stats()["client_list"]) == other.stats()["clients"]
 
 
 def test_worker_serves_prometheus_metrics_over_http(tmp_path):

@@ -9,6 +9,9 @@ from typing import Any
 
 from kvstrata.errors import KvstrataError
 
+#: clients the summary names one by one
+CLIENTS_SHOWN = 10
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the node worker's tiers, objects, hit rate and clients")
@@ -74,6 +77,14 @@ def render(stats: dict[str, Any], address: str) -> str:
         )
     )
     lines.append(f"  requests {stats.get('requests', 0)}   refused {stats.get('request_errors', 0)}")
+    listed = stats.get("client_list") or []
+    for c in listed[:CLIENTS_SHOWN]:
+        lines.append(
+            f"  client {c.get('name')}: connected {c.get('connected_seconds', 0):.0f} s, "
+            f"{c.get('leases', 0)} leases held, {c.get('open_writes', 0)} writes open"
+        )
+    if clients > min(len(listed), CLIENTS_SHOWN):
+        lines.append(f"  ... and {clients - min(len(listed), CLIENTS_SHOWN)} more clients")
     if stats.get("lane_requests_polled"):  # several clients' small requests
         lines.append(f"  small requests answered by the worker's polling thread {stats['lane_requests_polled']}")
     d = stats.get("device_objects")

@@ -63,6 +63,7 @@ class Session:
         # Large values go through shared memory only if the client can map it.
         self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
         self.sent_segments: set[int] = set()
+        self.connected_at = time.time()
         self.leases: set[int] = set()
         self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
         self.validity = worker.validity

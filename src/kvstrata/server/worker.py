@@ -40,6 +40,9 @@ from kvstrata.transport import Connection, Listener, listen
 from kvstrata.transport.stream import MAX_FDS
 
 log = logging.getLogger("kvstrata.worker")
+
+#: clients listed one by one in the stats (and ``kvstrata status``); the count covers them all
+CLIENT_LIST_MAX = 64
 #: the lane poller serves while at most this many clients per CPU are connected (on the 2-CPU development VM, 4
 #: clients' 4 KiB sets went from 9-10k to 16-18k ops/s with it; past that its clients' polling starves it)
 POLLED_CLIENTS_PER_CPU = 2
@@ -193,8 +196,20 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """The store's stats plus the worker's own (clients, requests, errors, uptime)."""
         stats = dict(self._store.stats())
+        now = time.time()
         with self._lock:
             stats["clients"] = len(self._sessions)
+            # who holds what: the first thing to look at when memory stays leased or a write stays open
+            stats["client_list"] = [
+                {
+                    "name": s.name,
+                    "pid": s.pid,
+                    "connected_seconds": round(now - s.connected_at, 1),
+                    "leases": len(s.leases),
+                    "open_writes": len(s.writes),
+                }
+                for s in list(self._sessions.values())[:CLIENT_LIST_MAX]
+            ]
         # Hits the clients served from shared memory with no request, as they reported them (with their next request)
         local = self.counters["local_hits"]
         stats["local_hits"] = local
