@@ -5,6 +5,7 @@ no deadlock between many pairs in both directions, and bad input rejected before
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -261,7 +262,9 @@ def test_cpu_tensor_rejected_with_clear_message():
         (["a"], [[]], TypeError, r"tensor_lists\[0\]"),
         (["a"], [[[1, 2]]], TypeError, "torch.Tensor"),
         (["a"], [[torch.zeros(4, 4).t()]], ValueError, "not contiguous"),
-        ([""], [[torch.zeros(1)]], TypeError, r"keys\[0\]"),
+        ([""], [[torch.zeros(1)]], ValueError, r"keys\[0\]: must not be empty"),
+        (["bad\ud800"], [[torch.zeros(1)]], ValueError, r"keys\[0\]: .* not valid Unicode"),
+        (["k" * 1025], [[torch.zeros(1)]], ValueError, r"keys\[0\]: 1025 bytes long"),
     ],
 )
 def test_bad_input(keys, lists, exc, match):
@@ -456,9 +459,133 @@ def test_debug_state_names_what_is_pending(make):
     assert state["poller_alive"] and not state["closed"]
 
 
-def test_copy_timeout_validated():
-    with pytest.raises(ValueError, match="copy_timeout"):
-        DeviceObjectConfig(copy_timeout=0)
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("copy_timeout", 0),
+        ("copy_timeout", float("nan")),
+        ("poll_seconds", float("nan")),  # a NaN or infinite poll ended the event thread: receives hung
+        ("poll_seconds", float("inf")),
+        ("poll_seconds", "1"),
+        ("chunk_bytes", 1e9),
+        ("copy_threads", 2.5),
+        ("copy_threads", True),
+    ],
+)
+def test_config_numbers_validated(field, value):
+    with pytest.raises(errors.InvalidValue, match=field):
+        DeviceObjectConfig(**{field: value})
+
+
+def test_delete_returns_once_reads_in_flight_finished(make):
+    """The documented way to change a dev_mset object: dev_delete, write, register again. A read matched before
+    the delete copied after it (the owner already writing) and reported success with torn data."""
+    a, c = make("a"), make("c")
+    buf = torch.zeros(8)
+    assert a.dev_mset(["m"], [[buf]]) == [None]
+    order = []
+    copy = c._enqueue_batch
+
+    def owner():
+        order.append(("deleted", a.dev_delete(["m"])))
+        buf[:4] = 1.0  # the new data, written as soon as the delete allows
+
+    def slow_copy(items, fail, **kw):  # the read is matched: the owner deletes while it is about to copy
+        threading.Thread(target=owner).start()
+        time.sleep(0.3)
+        order.append(("copied", None))
+        return copy(items, fail, **kw)
+
+    c._enqueue_batch = slow_copy
+    dst = torch.full((8,), -1.0)
+    assert c.dev_mget(["m"], [[dst]], timeout=WAIT)[0].result(WAIT) is None
+    assert torch.equal(dst, torch.zeros(8))  # the old bytes whole, never half new
+    deadline = time.monotonic() + WAIT
+    while len(order) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == [("copied", None), ("deleted", [None])]
+    c._enqueue_batch = copy
+    with pytest.raises(errors.Timeout):  # later reads: nothing there
+        c.dev_mget(["m"], [[dst]], timeout=0)[0].result(WAIT)
+
+
+def test_a_withdrawn_broadcast_receiver_leaves_the_chain(make, broker):
+    s, r1, r2, r3 = make("s"), make("r1"), make("r2"), make("r3")
+    src = torch.arange(8.0)
+    sent = s.dev_broadcast("bk", [src], 2)
+    (gone,) = r1.dev_subscribe(["bk"], [[torch.zeros(8)]], timeout=None)
+    deadline = time.monotonic() + WAIT
+    while not broker._objects["bk"].pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone.cancel()
+    assert broker._objects["bk"].pending == []  # the broadcast waits for another receiver instead
+    dsts = [torch.zeros(8), torch.zeros(8)]
+    futs = [r.dev_subscribe(["bk"], [[d]], timeout=WAIT)[0] for r, d in zip((r2, r3), dsts)]
+    assert [f.result(WAIT) for f in futs] == [None, None] and sent.result(WAIT) is None
+    assert all(torch.equal(d, src) for d in dsts)
+
+
+def test_timeouts_beyond_the_clock_mean_forever(make):
+    a, b = make(), make()
+    dst = torch.zeros(4)
+    (f,) = b.dev_subscribe(["later"], [[dst]], timeout=10**400)  # once an OverflowError inside the broker
+    a.dev_publish(["later"], [[torch.ones(4)]])
+    assert f.result(WAIT) is None and dst[0] == 1
+    with pytest.raises(errors.InvalidType):
+        b.dev_subscribe(["x"], [[dst]], timeout="1")
+    with pytest.raises(errors.InvalidValue):
+        b.dev_subscribe(["x"], [[dst]], timeout=float("nan"))
+
+
+def test_a_registered_publish_cannot_be_cancelled_only_deleted(make):
+    a, b = make(), make()
+    src = torch.ones(4)
+    (pub,) = a.dev_publish(["p"], [[src]])
+    assert not pub.cancel() and pub.running()  # cancel() used to say True and withdraw nothing
+    assert a.dev_delete(["p"]) == [None]
+    with pytest.raises(errors.KeyNotFound):
+        pub.result(WAIT)
+    with pytest.raises(errors.Timeout):
+        b.dev_subscribe(["p"], [[torch.zeros(4)]], timeout=0.1)[0].result(WAIT)
+
+
+def test_parameters_are_sent_and_filled(make):
+    """Tensors that require grad (model parameters) move like any other; a copy into one used to fail the whole
+    batch with a bare RuntimeError."""
+    a, b = make(), make()
+    weight = torch.nn.Parameter(torch.arange(4.0))
+    target = [torch.nn.Parameter(torch.zeros(4)), torch.zeros(4), torch.nn.Parameter(torch.zeros(4))]
+    a.dev_publish(["w0", "w1", "w2"], [[weight], [torch.ones(4)], [weight]])
+    futs = b.dev_subscribe(["w0", "w1", "w2"], [[t] for t in target], timeout=WAIT)
+    assert [f.result(WAIT) for f in futs] == [None, None, None]
+    assert torch.equal(target[0].detach(), weight.detach()) and target[1][0] == 1 and target[0].requires_grad
+
+
+def test_errors_name_the_key_and_the_call_that_reads_it(make):
+    a, b = make(), make()
+    a.dev_mset(["reg"], [[torch.ones(4)]])
+    a.dev_publish(["pub"], [[torch.ones(4)]])
+    with pytest.raises(errors.Timeout, match="'reg' was registered with dev_mset: dev_mget reads it"):
+        b.dev_subscribe(["reg"], [[torch.zeros(4)]], timeout=0.1)[0].result(WAIT)
+    with pytest.raises(errors.Timeout, match="'pub' is published for one receiver: dev_subscribe takes it"):
+        b.dev_mget(["pub"], [[torch.zeros(4)]], timeout=0.1)[0].result(WAIT)
+    with pytest.raises(errors.InvalidValue, match="'pub': tensor_lists: tensor 0 is float32"):
+        b.dev_subscribe(["pub"], [[torch.zeros(5)]], timeout=WAIT)[0].result(WAIT)
+
+
+def test_closed_clients_refuse_device_objects(make):
+    import kvstrata
+
+    kv = kvstrata.connect(embedded=True, memory_bytes="16MiB")
+    kv.close()
+    with pytest.raises(errors.ClosedError):  # it used to start a new DeviceObjects and register the key
+        kv.dev_mset(["after"], [[torch.ones(4)]])
+    c = make()
+    c.close()
+    with pytest.raises(errors.ClosedError):
+        c.dev_delete(["k"])
+    with pytest.raises(errors.ClosedError):
+        c.dev_local_delete(["k"])
 
 
 class _BytesOnlyNccl:

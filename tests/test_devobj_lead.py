@@ -363,3 +363,24 @@ def test_events_after_an_interrupted_dispatch_go_to_the_next_holder(make):
     with pytest.raises(errors.Timeout):  # events keep flowing; the leftovers were dispatched by the next holder
         fut.result(WAIT)
     assert seen == [0, 2, 3] and b._leftover == []
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, float("inf")])
+def test_an_odd_result_timeout_leaves_the_event_connection_alone(make, timeout):
+    """``result(nan)`` used to reach the leader's select() and end this client's event connection: every other
+    receive then failed, and later ones never settled. Now such a timeout gets a plain future's answer."""
+    a, b = make(), make()
+    (f,) = b.dev_subscribe(["odd"], [[torch.zeros(4)]], timeout=WAIT)
+    (g,) = b.dev_subscribe(["other"], [[torch.zeros(4)]], timeout=WAIT)
+    if timeout == float("inf"):
+        with pytest.raises(OverflowError):
+            f.result(timeout)
+    else:
+        with pytest.raises(cf.TimeoutError):
+            f.result(timeout)
+    a.dev_publish(["other"], [[torch.ones(4)]])
+    assert g.result(WAIT) is None and not b._poll_over
+    dst = torch.zeros(4)
+    a.dev_publish(["later"], [[torch.full((4,), 3.0)]])
+    assert b.dev_subscribe(["later"], [[dst]], timeout=WAIT)[0].result(WAIT) is None and dst[0] == 3
+    f.cancel()

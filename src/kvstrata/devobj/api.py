@@ -36,6 +36,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -221,18 +222,38 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         return self._register("broadcast", keys, lists, receivers=receivers, chunk_bytes=chunk)[0]
 
     def dev_delete(self, keys: Sequence[str]) -> list[Exception | None]:
-        """Remove keys this client registered or published. Each key is free for a new registration at once; reads
-        of the deleted object already in flight finish first, and its tensors stay referenced here until they did."""
+        """Remove keys this client registered or published; per-key ``None`` or the error.
+
+        Each key is free for a new registration at once. Reads of a deleted object already in flight finish
+        first: this call returns once they did, so the caller may then write to the tensors (reads that come
+        later fail with ``KeyNotFound``). Should those reads not finish within ``config.copy_timeout``, the key
+        gets ``Timeout`` (its tensors may still be read). Called from a future's callback (this client's event
+        thread, which hears when reads end), it returns at once instead, without waiting.
+        """
         keys = self._check_keys(keys)
         results = self._call("delete", {"keys": keys})["results"]
         out: list[Exception | None] = []
-        for r in results:
+        reading: dict[int, Future] = {}  # position -> the object's release, for objects read at the delete
+        for i, r in enumerate(results):
             if not r.get("ok"):
                 out.append(error_from(r.get("error"), r.get("message", "")))
                 continue
             out.append(None)
             if not r.get("pending"):
                 self._release(r["obj"], errors.KeyNotFound("deleted before anyone received it"))
+                continue
+            with self._lock:
+                owned = self._owned.get(r["obj"])
+            if owned is not None and owned.future is not None:
+                reading[i] = owned.future
+        if reading and not self._is_event_thread():
+            _, late = futures_wait(list(reading.values()), timeout=self.config.copy_timeout)
+            for i, fut in reading.items():
+                if fut in late:
+                    out[i] = errors.Timeout(
+                        f"device object {keys[i]!r} deleted, but reads of it in flight did not finish within "
+                        f"{self.config.copy_timeout} s: do not write to its tensors yet"
+                    )
         return out
 
     def dev_local_delete(self, keys: Sequence[str]) -> None:
@@ -348,12 +369,20 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
             self._devinfo = info
         return info
 
+    def _check_open(self) -> None:
+        """Raise when calls can no longer complete: this client closed, or its broker lost (no event would come
+        to settle a future)."""
+        if self._closed:
+            raise errors.ClosedError("device-object client closed")
+        if self._poll_over:
+            raise errors.ConnectionLost("device-object broker unreachable (see the log); make a new client")
+
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
+        self._check_open()
         return check_keys(keys)
 
     def _check(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]]):
-        if self._closed:
-            raise errors.ClosedError("device-object client closed")
+        self._check_open()
         return check_tensor_lists(keys, tensor_lists, self.device, allow_cpu=self.config.allow_cpu)
 
 

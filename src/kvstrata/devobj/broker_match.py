@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstrata.devobj._broker_types import E_MISMATCH, E_TIMEOUT, _Object, _Waiter
 from kvstrata.devobj.offers import OFFER_MAX_KEYS
+from kvstrata.server.protocol import FOREVER_S
 
 
 class Matcher:
@@ -67,6 +68,8 @@ class Matcher:
         # Publishers offer only small publishes: a subscribe of many keys is not hinted (it would cost every
         # waiter a table write and its publisher the lookups, for copies that the broker's batch does better).
         offerable = kind == "sub" and len(args["keys"]) <= OFFER_MAX_KEYS
+        # (before the loop: nothing here may fail once a key is claimed)
+        deadline = None if timeout is None or timeout >= FOREVER_S else self._clock() + max(0.0, float(timeout))
         out = []
         for i, (key, spec) in enumerate(zip(args["keys"], specs, strict=True)):
             obj = self._objects.get(key)
@@ -80,7 +83,6 @@ class Matcher:
                     # Publisher first, nobody queued ahead: claim it now (no waiter, deadline or timer to undo).
                     out.append(self._claim_now(client, key, obj, spec))
                     continue
-            deadline = None if timeout is None else self._clock() + max(0.0, float(timeout))
             w = _Waiter(next(self._ids), client, key, kind, spec, deadline, offerable)
             self._waiters.setdefault(key, deque()).append(w)
             self._waiter_by_id[w.wid] = w
@@ -101,7 +103,7 @@ class Matcher:
         wid = next(self._ids)
         mismatch = _mismatch(obj.record["tensors"], spec) if spec != obj.record["tensors"] else None
         if mismatch:
-            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
+            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": f"{key!r}: {mismatch}"}
         t = self._start_transfer(obj, _Waiter(wid, client, key, "get", spec, None))
         if known == obj.record["obj"]:  # the reader holds this record: send only what it lacks
             t = {k: v for k, v in t.items() if k != "record"}
@@ -114,7 +116,7 @@ class Matcher:
         wid = next(self._ids)
         mismatch = _mismatch(obj.record["tensors"], spec) if spec != obj.record["tensors"] else None
         if mismatch:
-            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": mismatch}
+            return {"status": "error", "wid": wid, "key": key, "error": E_MISMATCH, "message": f"{key!r}: {mismatch}"}
         t = self._start_transfer(obj, _Waiter(wid, client, key, "sub", spec, None))
         obj.state = "claimed"
         return {"status": "matched", "wid": wid, "key": key, "transfer": t}
@@ -127,8 +129,16 @@ class Matcher:
             w = self._waiter_by_id.get(wid)
             if w is not None and w.client == client:
                 self._drop_waiter(w)
+                self._leave_broadcast(w)
                 withdrawn.append(wid)
         return {"ok": True, "withdrawn": withdrawn}
+
+    def _leave_broadcast(self, w: _Waiter) -> None:
+        """A receiver that joined a broadcast's chain (left the queue, counted in ``pending``) and is withdrawn or
+        timed out before the chain is planned: the broadcast waits for another one instead."""
+        obj = self._objects.get(w.key)
+        if obj is not None and obj.record["mode"] == "broadcast":
+            obj.pending[:] = [(c, x) for c, x in obj.pending if x != w.wid]
 
     def _drop_waiter(self, w: _Waiter) -> None:
         self._waiter_by_id.pop(w.wid, None)
@@ -161,9 +171,7 @@ class Matcher:
                 continue
             self._drop_waiter(w)
             self.counts["timeouts"] += 1
-            obj = self._objects.get(w.key)
-            if obj is not None and obj.record["mode"] == "broadcast":
-                obj.pending[:] = [(c, x) for c, x in obj.pending if x != wid]
+            self._leave_broadcast(w)
             self._push(
                 w.client,
                 {
@@ -171,7 +179,7 @@ class Matcher:
                     "wid": wid,
                     "key": w.key,
                     "error": E_TIMEOUT,
-                    "message": f"no device object {w.key!r} within the timeout",
+                    "message": _timeout_message(w, self._objects.get(w.key)),
                 },
             )
 
@@ -198,7 +206,8 @@ class Matcher:
                 continue
             self._drop_waiter(w)
             if mismatch:
-                result = {"status": "error", "wid": w.wid, "key": key, "error": E_MISMATCH, "message": mismatch}
+                message = f"{key!r}: {mismatch}"
+                result = {"status": "error", "wid": w.wid, "key": key, "error": E_MISMATCH, "message": message}
             else:
                 t = self._start_transfer(obj, w)
                 if mode == "oneshot":
@@ -258,6 +267,15 @@ class Matcher:
         if rec["mode"] != "broadcast" and (rec.get("transport") == "nccl" or not same_node or hidden):
             return "nccl"
         return "ipc"
+
+
+def _timeout_message(w: _Waiter, obj: _Object | None) -> str:
+    """Why a receive timed out, in the caller's terms: nothing came, or what came is read by the other call."""
+    if obj is not None and (obj.record["mode"] == "mset") != (w.kind == "get"):
+        if w.kind == "get":
+            return f"device object {w.key!r} is published for one receiver: dev_subscribe takes it, not dev_mget"
+        return f"device object {w.key!r} was registered with dev_mset: dev_mget reads it, not dev_subscribe"
+    return f"no device object {w.key!r} within the timeout"
 
 
 def _mismatch(tensors: list[dict[str, Any]], specs: list[dict[str, Any]] | None) -> str | None:

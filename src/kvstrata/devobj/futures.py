@@ -123,6 +123,13 @@ def set_result_spin(seconds: float) -> float:
     return old
 
 
+def _usual(timeout: Any) -> bool:
+    """Whether ``timeout`` is one this module's waits handle (None or a number of seconds a clock can reach)."""
+    return timeout is None or (
+        (type(timeout) is float or type(timeout) is int) and 0 <= timeout <= threading.TIMEOUT_MAX
+    )
+
+
 class SpinFuture(Future):
     """A :class:`~concurrent.futures.Future` whose waiters poll briefly before sleeping (module docstring)."""
 
@@ -143,6 +150,8 @@ class SpinFuture(Future):
         return running
 
     def result(self, timeout: float | None = None) -> Any:
+        if not _usual(timeout):  # NaN, negative, beyond the clock: whatever a plain future does with it
+            return super().result(timeout)
         if self._lead is not None and self._state == PENDING:
             timeout = self._lead(self, timeout)
         if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either
@@ -154,6 +163,8 @@ class SpinFuture(Future):
             self._leave()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not _usual(timeout):  # NaN, negative, beyond the clock: whatever a plain future does with it
+            return super().exception(timeout)
         if self._lead is not None and self._state == PENDING:
             timeout = self._lead(self, timeout)
         if self._state == FINISHED or _SPIN[0] <= 0.0:  # not polling: a plain future, no hand-off either

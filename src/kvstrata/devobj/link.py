@@ -19,6 +19,7 @@ import torch
 from kvstrata import errors
 from kvstrata.devobj import broker as B
 from kvstrata.errors import InvalidType, InvalidValue
+from kvstrata.server.protocol import FOREVER_S, MAX_KEY_BYTES
 
 
 class BrokerLink(Protocol):
@@ -82,18 +83,18 @@ class DeviceObjectConfig:
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "nccl"):
             raise InvalidValue(f"transport: expected 'auto' or 'nccl', got {self.transport!r}")
-        if self.chunk_bytes < 4096:
-            raise InvalidValue(f"chunk_bytes: at least 4096, got {self.chunk_bytes}")
-        if self.copy_threads < 1:
-            raise InvalidValue(f"copy_threads: at least 1, got {self.copy_threads}")
+        for name, least in (("chunk_bytes", 4096), ("copy_threads", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidValue(f"{name}: expected an int >= {least}, got {value!r}")
+        for name in ("poll_seconds", "copy_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < FOREVER_S:
+                raise InvalidValue(f"{name}: expected seconds, a finite number > 0, got {value!r}")
         if self.same_gpu_copy not in ("memcpy", "kernel"):
             raise InvalidValue(f"same_gpu_copy: expected 'memcpy' or 'kernel', got {self.same_gpu_copy!r}")
         if self.broadcast_wait not in ("host", "stream"):
             raise InvalidValue(f"broadcast_wait: expected 'host' or 'stream', got {self.broadcast_wait!r}")
-        if self.poll_seconds <= 0:
-            raise InvalidValue(f"poll_seconds: must be > 0, got {self.poll_seconds}")
-        if self.copy_timeout <= 0:
-            raise InvalidValue(f"copy_timeout: must be > 0 seconds, got {self.copy_timeout}")
         if isinstance(self.stage_bytes, bool) or not isinstance(self.stage_bytes, int) or self.stage_bytes < 0:
             raise InvalidValue(f"stage_bytes: expected an int >= 0, got {self.stage_bytes!r}")
 
@@ -112,17 +113,30 @@ def error_from(code: str | None, message: str) -> Exception:
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:
-    """Keys of one call: a list of distinct non-empty strings."""
+    """Keys of one call: a list of distinct, non-empty strings of at most 1024 UTF-8 bytes (the KV API's limit)."""
     if isinstance(keys, str) or not isinstance(keys, Sequence):
         raise InvalidType(f"keys: expected a list of str, got {type(keys).__name__}")
     seen = set()
+    out = []
     for i, k in enumerate(keys):
-        if not isinstance(k, str) or not k:
-            raise InvalidType(f"keys[{i}]: expected a non-empty str, got {k!r}")
+        if type(k) is not str:
+            if not isinstance(k, str):
+                raise InvalidType(f"keys[{i}]: expected a non-empty str, got {k!r}")
+            k = str(k)  # a str subclass (numpy.str_): the plain str goes on the wire
+        if not k:
+            raise InvalidValue(f"keys[{i}]: must not be empty")
+        if not (k.isascii() and len(k) <= MAX_KEY_BYTES):
+            try:
+                n = len(k.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise InvalidValue(f"keys[{i}]: {k!r} is not valid Unicode (a lone surrogate)") from None
+            if n > MAX_KEY_BYTES:
+                raise InvalidValue(f"keys[{i}]: {n} bytes long, over the {MAX_KEY_BYTES}-byte limit")
         if k in seen:
             raise InvalidValue(f"keys: duplicate key {k!r} in one call")
         seen.add(k)
-    return list(keys)
+        out.append(k)
+    return out
 
 
 def check_tensor_lists(
@@ -138,6 +152,7 @@ def check_tensor_lists(
     for i, ts in enumerate(tensor_lists):
         if isinstance(ts, torch.Tensor) or not isinstance(ts, Sequence) or not ts:
             raise InvalidType(f"tensor_lists[{i}]: expected a non-empty list of tensors")
+        grads = False
         for j, t in enumerate(ts):
             # The common case in one test per tensor (a call may carry hundreds); the message only on failure.
             if (
@@ -147,6 +162,7 @@ def check_tensor_lists(
                 and t.layout == torch.strided
                 and not t.is_quantized
                 and t.is_contiguous()
+                and not t.requires_grad
             ):
                 continue
             where = f"tensor_lists[{i}][{j}] (key {keys[i]!r})"
@@ -158,11 +174,14 @@ def check_tensor_lists(
                 )
             if t.device != device:
                 raise InvalidValue(f"{where}: on {t.device}, but this client's device is {device}")
+            if t.layout != torch.strided or t.is_quantized:
+                kind = "quantized" if t.is_quantized else str(t.layout).removeprefix("torch.")
+                raise InvalidType(f"{where}: a {kind} tensor; device objects hold dense (strided) tensors only")
             if not t.is_contiguous():
                 raise InvalidValue(f"{where}: not contiguous (call .contiguous() first)")
-            if t.is_sparse or t.is_quantized:
-                raise InvalidType(f"{where}: sparse/quantized tensors are not supported")
-        lists.append(list(ts))
+            grads = True  # all else is fine: a tensor that requires grad (a parameter to send or to fill)
+        # Parameters: their bytes, outside autograd (a copy into a leaf that requires grad would be refused)
+        lists.append([t.detach() for t in ts] if grads else list(ts))
     return keys, lists
 
 

@@ -111,11 +111,11 @@ class Publisher:
         trace(f"{op}: stream reached the publish point")
         exported = [self._export(k, ts, op, ready) for k, ts in zip(keys, lists)]
         trace(f"{op}: exported")
-        if op == "publish" and self._offer_box is not None and self.send_offers and len(exported) <= OFFER_MAX_KEYS:
-            # Before the request: the hints are dropped as the broker registers the keys, and an offer taken is
-            # the hand-off itself (the broker's hop is then off its path).
-            self._offer(exported)
         try:
+            if op == "publish" and self._offer_box is not None and self.send_offers and len(exported) <= OFFER_MAX_KEYS:
+                # Before the request: the hints are dropped as the broker registers the keys, and an offer taken is
+                # the hand-off itself (the broker's hop is then off its path).
+                self._offer(exported)
             if op == "broadcast":
                 item = dict(exported[0][0], **extra)
                 results = self._call("broadcast", {"item": item})["results"]
@@ -134,6 +134,9 @@ class Publisher:
                 self._free(owned)
                 _settle(owned.future, error_from(r.get("error"), r.get("message", "")))
             else:
+                # Registered: the future runs until a receiver has it (cancel() is then refused, as for any running
+                # future; dev_delete withdraws the object).
+                owned.future.set_running_or_notify_cancel()
                 with self._lock:
                     self._owned[r["obj"]] = owned
                     early = self._early.pop(("obj", r["obj"]), [])

@@ -24,8 +24,8 @@ from kvstrata.devobj.debug import brief, trace
 from kvstrata.devobj.futures import SpinFuture
 from kvstrata.devobj.ipc import dtype_name
 from kvstrata.devobj.link import error_from
-from kvstrata.errors import InvalidValue
 from kvstrata.ops import current_stream
+from kvstrata.server.protocol import check_timeout
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ class Requester:
         and sees it; a dead owner is seen by the pid check. A read that overlaps a delete may thus
         fail where, through the broker, it would have held up the delete instead.
         """
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
-            raise InvalidValue(f"timeout: expected None or seconds >= 0, got {timeout!r}")
+        timeout = check_timeout(timeout)
         trace(f"{op} {len(keys)} keys: call")
         after = None
         if self._cuda:

@@ -32,7 +32,7 @@ from kvstrata.devobj.broker_args import check_args, check_seconds
 from kvstrata.devobj.debug import trace
 from kvstrata.devobj.futures import spin_seconds
 from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
-from kvstrata.errors import InvalidType, InvalidValue
+from kvstrata.errors import ClosedError, InvalidType, InvalidValue
 
 if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
     from kvstrata.devobj.api import DeviceObjects
@@ -287,6 +287,8 @@ class DeviceObjectsMixin:
         from kvstrata.devobj.link import InprocBrokerLink
 
         with _client_lock:
+            if getattr(self, "_closed", False):
+                raise ClosedError("client is closed: device objects need an open one")
             if self._devobj is None:
                 backend = self._backend  # type: ignore[attr-defined]
                 if getattr(backend, "address", "embedded") == "embedded":
