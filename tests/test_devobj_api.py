@@ -4,6 +4,7 @@ no deadlock between many pairs in both directions, and bad input rejected before
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -672,3 +673,105 @@ def test_registrations_reads_and_deletes_by_two_owners_match_a_model(make, seed)
         else:
             with pytest.raises((errors.Timeout, errors.KeyNotFound)):
                 rng.choice(readers).dev_mget([key], [[torch.zeros(3)]], timeout=0.0)[0].result(WAIT)
+
+
+def test_a_forked_child_cannot_use_the_parents_device_objects(make):
+    import os
+
+    c = make()
+    c.dev_mset(["warm"], [[torch.ones(4)]])
+    pid = os.fork()
+    if pid == 0:  # the child: its calls would go through the parent's connections and event thread
+        code = 1
+        try:
+            c.dev_subscribe(["late"], [[torch.zeros(4)]], timeout=1)
+        except errors.ClosedError as exc:
+            code = 0 if "fork()" in str(exc) else 2
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert c.dev_mget(["warm"], [[torch.zeros(4)]], timeout=WAIT)[0].result(WAIT) is None  # the parent goes on
+
+
+def test_a_dead_event_thread_refuses_calls_and_lets_the_broker_go_on(make, broker):
+    a, b, c = make("a"), make("b"), make("c")
+    (lost,) = b.dev_subscribe(["x"], [[torch.zeros(4)]], timeout=WAIT)
+
+    def die(ev):  # what gets past the event thread's guards (SystemExit from a callback, say)
+        raise SystemExit(3)
+
+    b._dispatch = die
+    (sent,) = a.dev_publish(["x"], [[torch.ones(4)]])  # matched to b, whose thread dies on the match
+    deadline = time.monotonic() + WAIT
+    while b._poller.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(errors.ServerError, match="event thread died"):
+        lost.result(WAIT)
+    with pytest.raises(errors.ConnectionLost, match="event thread died"):
+        b.dev_publish(["y"], [[torch.ones(4)]])  # accepted before, and its future never settled
+    assert "b" not in broker._clients  # the broker was told: the object b had matched is there for others
+    dst = torch.zeros(4)
+    assert c.dev_subscribe(["x"], [[dst]], timeout=WAIT)[0].result(WAIT) is None and dst[0] == 1
+    assert sent.result(WAIT) is None
+
+
+def test_waiting_on_a_receive_inside_a_callback_is_refused_not_a_deadlock(make):
+    a, b = make(), make()
+    seen = []
+
+    def wait_for_inner(_):
+        (inner,) = b.dev_subscribe(["inner"], [[torch.zeros(4)]], timeout=WAIT)
+        try:
+            inner.result(WAIT)  # on b's event thread, which is the one that would deliver it
+        except errors.DeadlockError as exc:
+            seen.append(exc)
+        inner.cancel()
+
+    (outer,) = b.dev_subscribe(["outer"], [[torch.zeros(4)]], timeout=WAIT)
+    outer.add_done_callback(wait_for_inner)
+    a.dev_publish(["outer"], [[torch.ones(4)]])
+    outer.result(WAIT)
+    deadline = time.monotonic() + WAIT
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen and "event thread" in str(seen[0])
+
+
+def test_matched_waiters_leave_no_deadlines_behind(make, broker):
+    a, b = make(), make()
+    for i in range(300):  # subscriber first, an hour's timeout: matched at once, the deadline entry stays
+        (f,) = b.dev_subscribe([f"k{i}"], [[torch.zeros(2)]], timeout=3600)
+        a.dev_publish([f"k{i}"], [[torch.ones(2)]])
+        f.result(WAIT)
+    assert len(broker._deadlines) <= 2 * len(broker._waiter_by_id) + 65
+
+
+def test_a_reader_forgets_what_it_read_from_an_owner_that_left(make, broker):
+    r = make("reader")
+    for gen in range(3):
+        owner = make(f"owner{gen}")
+        keys = [f"g{gen}-{i}" for i in range(20)]
+        owner.dev_mset(keys, [[torch.ones(2)] for _ in keys])
+        assert [f.result(WAIT) for f in r.dev_mget(keys, [[torch.zeros(2)] for _ in keys], timeout=WAIT)] == [None] * 20
+        owner.close()
+    deadline = time.monotonic() + WAIT
+    while (r._read or r._records) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not r._read and not r._records  # 60 entries stayed, one per object ever read
+
+
+def test_pid_watch_keeps_no_descriptor_for_exited_peers():
+    import subprocess
+    import sys
+
+    from kvstrata.devobj._core import PidWatch
+
+    watch = PidWatch()
+    for _ in range(6):
+        p = subprocess.Popen([sys.executable, "-c", "pass"])
+        assert watch.alive(p.pid)
+        p.wait()
+    assert watch.alive(os.getpid()) and len(watch._polls) <= 2  # the one exited last may still be there
+    watch.close()

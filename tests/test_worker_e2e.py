@@ -213,6 +213,43 @@ def test_stats_name_each_client_and_what_it_holds(worker):
         assert len(other.stats()["client_list"]) == other.stats()["clients"]
 
 
+def test_device_object_clients_in_status_and_log_and_a_frozen_worker(tmp_path):
+    from kvstrata.devobj import DeviceObjectConfig
+
+    proc, address = start_worker(tmp_path)
+    child = None
+    try:
+        kv = kvstrata.connect(address)
+        kv.device_objects(device="cpu", config=DeviceObjectConfig(allow_cpu=True))
+        stats = kv.stats()  # one process: one client (its device-object link's two connections apart)
+        assert stats["clients"] == 1 and stats["device_object_connections"] == 2
+        code = (
+            "import sys, time, torch, kvstrata; from kvstrata.devobj import DeviceObjectConfig\n"
+            f"kv = kvstrata.connect({address!r})\n"
+            "kv.device_objects(device='cpu', config=DeviceObjectConfig(allow_cpu=True))\n"
+            "kv.dev_mset(['owned'], [[torch.ones(4)]]); print('ready', flush=True); time.sleep(60)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": SRC}
+        child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        child.kill()  # its key vanishes; the worker's log says so
+        child.wait(30)
+        assert wait_for(lambda: kv.stats()["device_objects"]["objects"] == 0)
+        proc.send_signal(signal.SIGSTOP)  # a frozen worker: close() gives up on its goodbye instead of hanging
+        try:
+            t0 = time.monotonic()
+            kv.close()
+            took = time.monotonic() - t0
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert took < 8, took
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+        out = stop(proc)
+    assert "1 device-object key vanished" in out, out
+
+
 def test_worker_serves_prometheus_metrics_over_http(tmp_path):
     import socket
     import urllib.error

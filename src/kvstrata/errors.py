@@ -79,6 +79,11 @@ class InvalidType(InvalidArgument, TypeError):
     """An argument of the wrong type (a str where bytes go, a CPU tensor where a CUDA one must be)."""
 
 
+class DeadlockError(KvstrataError, RuntimeError):
+    """A wait that could never end, refused: a receive's ``result()`` awaited in a callback on the thread
+    that must deliver it."""
+
+
 class ProtocolError(TransportError):
     """The peer spoke a protocol version or message this side does not understand."""
 
@@ -88,6 +93,7 @@ __all__ = [
     "ClosedError",
     "ConnectionLost",
     "CorruptData",
+    "DeadlockError",
     "InvalidArgument",
     "InvalidType",
     "InvalidValue",

@@ -41,7 +41,7 @@ class PidWatch:
     even if its pid is reused. Where pidfds are missing (Linux < 5.3), :func:`pid_alive` answers.
     """
 
-    def __init__(self, max_pids: int = 1024) -> None:
+    def __init__(self, max_pids: int = 64) -> None:
         self._polls: OrderedDict[int, tuple[int, Any]] = OrderedDict()
         self._max = max_pids
         self._lock = threading.Lock()
@@ -64,8 +64,11 @@ class PidWatch:
             entry = (fd, poll)
             with self._lock:
                 old = self._polls.pop(pid, None)
+                # A new peer (rare): forget the ones that exited, whose keys vanished with them (one fd each)
+                dead = [p for p, (_, pl) in self._polls.items() if pl.poll(0)]
+                evicted = [self._polls.pop(p) for p in dead]
                 self._polls[pid] = entry
-                evicted = [self._polls.popitem(last=False)[1] for _ in range(len(self._polls) - self._max)]
+                evicted += [self._polls.popitem(last=False)[1] for _ in range(len(self._polls) - self._max)]
             for e in ([old] if old else []) + evicted:
                 os.close(e[0])
         with self._lock:  # a poll object takes one poll() at a time (RuntimeError otherwise)

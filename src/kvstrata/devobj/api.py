@@ -42,11 +42,12 @@ from typing import Any
 import torch
 
 from kvstrata import errors
+from kvstrata._proc import PID
 from kvstrata.devobj._core import PidWatch
 from kvstrata.devobj._core import Want as _Want
 from kvstrata.devobj.broadcast import BroadcastReceiver
 from kvstrata.devobj.debug import configure_from_env
-from kvstrata.devobj.events import EventThread
+from kvstrata.devobj.events import GOODBYE_S, EventThread
 from kvstrata.devobj.ipc import EventPool, ImportCache, StreamSet
 from kvstrata.devobj.lead import PollRole, lead_enabled, lead_spin_seconds
 from kvstrata.devobj.link import (
@@ -78,6 +79,7 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         config: DeviceObjectConfig | None = None,
     ) -> None:
         configure_from_env()
+        self._pid = PID[0]
         self.config = config or DeviceObjectConfig()
         self.link = link
         self.device = self._pick_device(device)
@@ -275,6 +277,25 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
             if self._closed:
                 return
             self._closed = True
+        self._goodbye()
+        self._fail_all(errors.ClosedError("device-object client closed"))
+        if self._role is not None:
+            self._role.close()
+        if threading.current_thread() is not self._poller:  # close() may run in a future's callback
+            self._poller.join(timeout=self.config.poll_seconds + 1)
+        if not self._poller.is_alive():  # else they go with the process
+            if self._offer_box is not None:
+                self._offer_box.close()
+            if self._role is not None:
+                self._role.release()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._nccl is not None:
+            self._nccl.close()
+        self._pids.close()
+
+    def _goodbye(self) -> None:
+        """Tell the broker this client leaves (its owned keys vanish, what it had matched goes back), with what
+        it received here that the broker may not know of yet."""
         self._flush_done()  # the broker hears of every finished receive before this client leaves
         with self._lock:  # and of those sent with a poll it may not have read yet (it ignores repeats)
             unacked = list(self._unacked.values())
@@ -284,20 +305,9 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         if taken:
             args["taken"] = taken
         try:
-            self.link.call("goodbye", args)
+            self.link.call("goodbye", args, GOODBYE_S)
         except Exception as exc:  # the worker may be gone already
             log.debug("devobj goodbye: %s", exc)
-        self._fail_all(errors.ClosedError("device-object client closed"))
-        if self._role is not None:
-            self._role.close()
-        if threading.current_thread() is not self._poller:  # close() may run in a future's callback
-            self._poller.join(timeout=self.config.poll_seconds + 1)
-        if self._offer_box is not None and not self._poller.is_alive():  # else it goes with the process
-            self._offer_box.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._nccl is not None:
-            self._nccl.close()
-        self._pids.close()
 
     def __enter__(self) -> DeviceObjects:
         return self
@@ -374,8 +384,13 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         to settle a future)."""
         if self._closed:
             raise errors.ClosedError("device-object client closed")
+        if self._pid != PID[0]:  # its connections, threads and registrations are the parent's
+            raise errors.ClosedError("device objects were started before fork(): connect again in this process")
         if self._poll_over:
-            raise errors.ConnectionLost("device-object broker unreachable (see the log); make a new client")
+            raise errors.ConnectionLost(
+                "this client's device-object events stopped (broker lost, or its event thread died: see the log); "
+                "make a new client"
+            )
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         self._check_open()

@@ -67,7 +67,7 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from kvstrata.devobj._broker_types import (  # noqa: F401 (the error codes are this module's API)
@@ -139,6 +139,9 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         #: side objects by object id: publishes whose offer a receive may have taken while their key had
         #: another object (see _ask_offer_fate)
         self._side: dict[int, _Object] = {}
+        #: offerable receives timed out here, whose waiter may have taken an offer all the same (then it was no
+        #: timeout: the count is undone when the offer's fate says so); the latest TIMED_OUT_KEEP only
+        self._timed_out: OrderedDict[int, None] = OrderedDict()
         #: deleted objects by object id whose reads in flight have not all completed: out of ``_objects``, so the key
         #: is free for a new registration at once; released to their owner when the last read completes
         self._deleting: dict[int, _Object] = {}
@@ -228,10 +231,18 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         self._events.setdefault(client, deque())
         return {"ok": True}
 
-    def owner_gone(self, client: str) -> None:
-        """Forget ``client`` (its connection dropped or it died): its keys vanish, its peers get errors."""
+    def owner_gone(self, client: str) -> dict[str, int]:
+        """Forget ``client`` (its connection dropped or it died): its keys vanish, its peers get errors. Returns
+        what went with it, for the log: ``keys`` it owned, ``copies`` failed (from it or into it), ``waits``
+        of its receives dropped."""
         with self._lock:
-            self._clients.pop(client, None)
+            known = self._clients.pop(client, None) is not None
+            keys = sum(1 for o in self._objects.values() if o.record["owner"] == client)
+            copies = 0
+            for t in self._transfers.values() if known else ():
+                src = self._object_of(t)
+                copies += t["dst"] == client or (src is not None and src.record["owner"] == client)
+            waits = sum(1 for w in self._waiter_by_id.values() if w.client == client)
             self._offers_client_gone_locked(client)
             if any(o.record["owner"] == client and o.record["mode"] == "mset" for o in self._objects.values()):
                 self._bump_locked()  # cached readers of its keys stop trusting them (see the module doc)
@@ -288,6 +299,7 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
         if parked is not None:
             out.append((parked[0], {"events": [], "closed": True}))
         _deliver(out)
+        return {"keys": keys, "copies": copies, "waits": waits}
 
     # -- writers ----------------------------------------------------------------------------------
     def op_publish(self, client: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,9 @@ from kvstrata.devobj._broker_types import E_MISMATCH, E_TIMEOUT, _Object, _Waite
 from kvstrata.devobj.offers import OFFER_MAX_KEYS
 from kvstrata.server.protocol import FOREVER_S
 
+#: timed-out receives remembered in case an offer turns out to have reached them (Broker._timed_out)
+TIMED_OUT_KEEP = 4096
+
 
 class Matcher:
     """The meeting methods of :class:`~kvstrata.devobj.broker.DeviceBroker` (run under its lock)."""
@@ -87,6 +90,12 @@ class Matcher:
             self._waiters.setdefault(key, deque()).append(w)
             self._waiter_by_id[w.wid] = w
             if deadline is not None:
+                if len(self._deadlines) > 2 * len(self._waiter_by_id) + 64:
+                    # Mostly waiters matched or withdrawn before their deadline: keep the heap to the live ones
+                    # (amortized: rebuilt once the dead entries outnumber the live ones)
+                    live = self._waiter_by_id
+                    self._deadlines = [d for d in self._deadlines if d[1] in live]
+                    heapq.heapify(self._deadlines)
                 heapq.heappush(self._deadlines, (deadline, w.wid))
                 if self._parked:
                     self._plan_timer_locked(deadline)
@@ -171,6 +180,10 @@ class Matcher:
                 continue
             self._drop_waiter(w)
             self.counts["timeouts"] += 1
+            if w.offerable:
+                self._timed_out[wid] = None
+                if len(self._timed_out) > TIMED_OUT_KEEP:
+                    self._timed_out.popitem(last=False)
             self._leave_broadcast(w)
             self._push(
                 w.client,

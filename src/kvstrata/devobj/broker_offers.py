@@ -137,6 +137,8 @@ class OfferReconciler:
             w = self._waiter_by_id.get(wid)
             if w is not None and w.key == key:  # still queued (behind the key's other object): it has its bytes
                 self._drop_waiter(w)
+            elif self._timed_out.pop(wid, 0) is None:  # timed out here, but its receive had the offer: no timeout
+                self.counts["timeouts"] -= 1
         if side:  # never under its key: its publisher hears the outcome
             del self._side[rec["obj"]]
             self.counts["received"] += 1 if took else 0

@@ -26,6 +26,9 @@ from kvstrata.devobj.link import error_from
 
 log = logging.getLogger(__name__)
 
+#: longest wait for the broker's answer to a goodbye (a frozen worker must not hold a close() up)
+GOODBYE_S = 2.0
+
 #: seconds an event that arrived before its receive, transfer or object was known here is kept for it:
 #: such a race lasts milliseconds; an event for something already gone (a transfer failed here first)
 #: would otherwise be kept for the client's whole life
@@ -55,6 +58,10 @@ class EventThread:
             self._poll()
         except BaseException as exc:
             log.exception("devobj: the event thread of %s died", getattr(self.link, "client_id", "?"))
+            # Nothing reads this client's events any more: later calls are refused (_check_open), and the broker
+            # is told to forget it, which hands back what it had matched here (its publishers are not left waiting).
+            self._poll_over = True
+            self._goodbye()
             self._fail_all(errors.ServerError(f"device-object event thread died: {type(exc).__name__}: {exc}"))
 
     def _poll(self) -> None:
@@ -77,7 +84,7 @@ class EventThread:
                 return
             self._acked(done)
             if r.get("closed"):
-                self._fail_all(errors.ClosedError("the broker forgot this client"))
+                self._fail_all(self._forgotten())
                 return
             self._dispatch_all(r["events"])
 
@@ -138,7 +145,7 @@ class EventThread:
         self._acked(done)
         if r.get("closed"):
             self._poll_over = True
-            self._fail_all(errors.ClosedError("the broker forgot this client"))
+            self._fail_all(self._forgotten())
             return False
         self._dispatch_all(r["events"])
         return True
@@ -263,10 +270,18 @@ class EventThread:
             with self._lock:
                 for k in [k for k, e in self._records.items() if e[1]["owner"] == ev["client"]]:
                     del self._records[k]
+                for obj in [o for o, e in self._read.items() if e[0] == ev["client"]]:
+                    del self._read[obj]  # its imports go with drop_peer below
             if self._nccl is not None:
                 self._nccl.peer_gone(ev["client"])
             if self._imports is not None:
                 self._imports.drop_peer(ev["client"])
+
+    def _forgotten(self) -> BaseException:
+        """What pending calls fail with once the broker forgot this client: closed here, or dropped there."""
+        if self._closed:
+            return errors.ClosedError("device-object client closed")
+        return errors.ConnectionLost("the worker dropped this device-object client (shutting down?)")
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

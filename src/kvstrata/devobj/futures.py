@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
 from typing import Any
 
-from kvstrata.errors import InvalidValue
+from kvstrata.errors import DeadlockError, InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ class SpinFuture(Future):
         #: ``lead(future, timeout) -> timeout left``: lets a waiter read the match itself while the receive
         #: waits in the broker (kvstrata.devobj.lead); set by the client, None where it cannot
         self._lead: Any = None
+        #: the thread that settles this future (its client's event thread), which must never wait for it
+        self._settler: threading.Thread | None = None
 
     def set_running_or_notify_cancel(self) -> bool:
         running = super().set_running_or_notify_cancel()
@@ -150,6 +152,8 @@ class SpinFuture(Future):
         return running
 
     def result(self, timeout: float | None = None) -> Any:
+        if self._state == PENDING and self._settler is threading.current_thread():
+            self._refuse_deadlock()
         if not _usual(timeout):  # NaN, negative, beyond the clock: whatever a plain future does with it
             return super().result(timeout)
         if self._lead is not None and self._state == PENDING:
@@ -163,6 +167,8 @@ class SpinFuture(Future):
             self._leave()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._state == PENDING and self._settler is threading.current_thread():
+            self._refuse_deadlock()
         if not _usual(timeout):  # NaN, negative, beyond the clock: whatever a plain future does with it
             return super().exception(timeout)
         if self._lead is not None and self._state == PENDING:
@@ -174,6 +180,12 @@ class SpinFuture(Future):
             return super().exception(self._await(timeout))
         finally:
             self._leave()
+
+    def _refuse_deadlock(self) -> None:
+        raise DeadlockError(
+            "a device-object receive's result() was awaited on its client's event thread (in a future's callback?), "
+            "which is the thread that would deliver it: wait for it in another thread"
+        )
 
     def handoff(self, timeout: float = HANDOFF_S) -> bool:
         """For the thread that just settled this future: wait (GIL released) up to ``timeout`` seconds until

@@ -170,6 +170,18 @@ class PollRole:
             self._cond.notify_all()
         self._signal()
 
+    def release(self) -> None:
+        """After :meth:`close`, with the event thread gone: close the wake pipe now, unless a thread still holds
+        the role (then the finalizer does). A closed client's pipe would otherwise wait for the garbage
+        collector: the client's threads and callbacks make reference cycles."""
+        with self._cond:
+            if not self._closed or self.holder is not None:
+                return
+            fds, self._rfd, self._wfd = (self._rfd, self._wfd), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
     def __del__(self) -> None:
         for fd in (getattr(self, "_rfd", -1), getattr(self, "_wfd", -1)):
             if fd >= 0:

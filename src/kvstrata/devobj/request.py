@@ -84,6 +84,8 @@ class Requester:
                 after = torch.cuda.Event()
                 after.record(stream)
         wants = [_Want(k, ts, SpinFuture(), after) for k, ts in zip(keys, lists)]
+        for want in wants:
+            want.future._settler = self._poller
         hits: list[tuple[dict[str, Any], _Want]] = []
         rest = wants
         if op == "mget" and self._gen is not None:

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvstrata import errors
+from kvstrata._proc import PID
 from kvstrata.devobj.broker import DeviceBroker
 from kvstrata.devobj.broker_args import check_args, check_seconds
 from kvstrata.devobj.debug import trace
@@ -115,15 +116,24 @@ def _handle(session: Any, msg: dict) -> dict:
     return {"r": r}
 
 
-def session_closed(session: Any) -> None:
-    """A connection ended: every device-object client that used it is gone."""
+def session_closed(session: Any) -> list[str]:
+    """A connection ended: every device-object client that used it is gone. Returns what went with them, for the
+    worker's log line (empty when nothing did)."""
     cids = session.__dict__.get("devobj_clients")
     if not cids:
-        return
+        return []
     broker = broker_of(session.worker)
+    gone = {"keys": 0, "copies": 0, "waits": 0}
     for cid in list(cids):
-        broker.owner_gone(cid)
+        for what, n in broker.owner_gone(cid).items():
+            gone[what] += n
     cids.clear()
+    said = {  # what: (one, many)
+        "keys": ("device-object key vanished", "device-object keys vanished"),
+        "copies": ("device-object copy failed", "device-object copies failed"),
+        "waits": ("receive dropped", "receives dropped"),
+    }
+    return [f"{n} {said[what][n != 1]}" for what, n in gone.items() if n]
 
 
 # -- client side ----------------------------------------------------------------------------------
@@ -163,7 +173,8 @@ class WorkerBrokerLink:
         from kvstrata.transport import connect
 
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        hello = {"shm": False, "name": f"devobj {self.client_id}"}
+        # (a link's connections count with their process's client, not as clients of their own: Session.devobj_link)
+        hello = {"shm": False, "name": f"devobj {self.client_id}", "devobj_link": True}
         self._conns = [connect(address, timeout=timeout, hello=dict(hello, devobj_generation=i == 0)) for i in range(2)]
         self._locks = [threading.Lock(), threading.Lock()]
         #: seconds a request (never the long poll of events) polls for its reply before sleeping
@@ -227,6 +238,9 @@ class WorkerBrokerLink:
                 # The late reply would answer the next call: this connection is out of step for good.
                 conn.close()
                 raise errors.ConnectionLost(f"device objects: no reply to {op!r} within {timeout} s") from None
+            except BaseException:  # interrupted (Ctrl-C, a signal handler's exception): out of step the same way
+                conn.close()
+                raise
         if "err" in reply:
             from kvstrata.server import protocol as P
 
@@ -289,6 +303,8 @@ class DeviceObjectsMixin:
         with _client_lock:
             if getattr(self, "_closed", False):
                 raise ClosedError("client is closed: device objects need an open one")
+            if getattr(self, "_pid", PID[0]) != PID[0]:
+                raise ClosedError("this client was connected before fork(): connect again in this process")
             if self._devobj is None:
                 backend = self._backend  # type: ignore[attr-defined]
                 if getattr(backend, "address", "embedded") == "embedded":

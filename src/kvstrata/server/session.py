@@ -64,6 +64,8 @@ class Session:
         self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
         self.sent_segments: set[int] = set()
         self.connected_at = time.time()
+        #: one of a device-object link's connections (kvstrata.devobj.service): part of a client, not one
+        self.devobj_link = bool(hello.get("devobj_link"))
         self.leases: set[int] = set()
         self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
         self.validity = worker.validity
@@ -365,7 +367,7 @@ class Session:
             self.conn.send(reply)
 
     def cleanup(self) -> str:
-        devobj_service.session_closed(self)  # its device objects vanish, their waiters get errors
+        devobj = devobj_service.session_closed(self)  # its device objects vanish, their waiters get errors
         leases, writes = len(self.leases), len(self.writes)
         try:
             self.store.release_owner(self.owner)
@@ -376,12 +378,12 @@ class Session:
         if self.lane is not None:
             self.lane.close()
             self.lane = None
-        parts = []
+        parts = list(devobj)
         if leases:
-            parts.append(f"{leases} read lease{'s' * (leases != 1)}")
+            parts.append(f"released {leases} read lease{'s' * (leases != 1)}")
         if writes:
             parts.append(f"{writes} unfinished write{'s' * (writes != 1)} aborted")
-        return f"; released {', '.join(parts)}" if parts else ""
+        return f"; {', '.join(parts)}" if parts else ""
 
     # helpers -------------------------------------------------------------------------------------
     def loc(self, location: Any, reply: dict) -> list[int]:

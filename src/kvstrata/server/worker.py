@@ -198,7 +198,9 @@ class Worker:
         stats = dict(self._store.stats())
         now = time.time()
         with self._lock:
-            stats["clients"] = len(self._sessions)
+            clients = [s for s in self._sessions.values() if not s.devobj_link]
+            stats["clients"] = len(clients)
+            stats["device_object_connections"] = len(self._sessions) - len(clients)
             # who holds what: the first thing to look at when memory stays leased or a write stays open
             stats["client_list"] = [
                 {
@@ -208,7 +210,7 @@ class Worker:
                     "leases": len(s.leases),
                     "open_writes": len(s.writes),
                 }
-                for s in list(self._sessions.values())[:CLIENT_LIST_MAX]
+                for s in clients[:CLIENT_LIST_MAX]
             ]
         # Hits the clients served from shared memory with no request, as they reported them (with their next request)
         local = self.counters["local_hits"]
@@ -270,7 +272,7 @@ class Worker:
             self._update_spin()
         if session.lane is not None:
             self.lane_poller.attach(session)
-        log.info("client %s connected (%d connected)", session.name, n)
+        (log.debug if session.devobj_link else log.info)("client %s connected (%d connected)", session.name, n)
         why = "disconnected"
         try:
             session.run()
@@ -290,7 +292,8 @@ class Worker:
                 self._update_spin()
             released = session.cleanup()
             conn.session = None  # type: ignore[attr-defined]  # the two refer to each other: freed by refcount
-            log.info("client %s %s%s (%d connected)", session.name, why, released, n)
+            quiet = session.devobj_link and not released  # a link's connection that took nothing with it
+            (log.debug if quiet else log.info)("client %s %s%s (%d connected)", session.name, why, released, n)
 
     def _update_spin(self) -> None:
         """Busy-poll only where it cannot hurt: waking a sleeping thread costs ~50 us, a small request ~20.
