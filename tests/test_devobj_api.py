@@ -775,3 +775,37 @@ def test_pid_watch_keeps_no_descriptor_for_exited_peers():
         p.wait()
     assert watch.alive(os.getpid()) and len(watch._polls) <= 2  # the one exited last may still be there
     watch.close()
+
+
+def test_an_aborted_broadcast_leader_settles_once_it_stopped_writing(make, monkeypatch):
+    """A leader's future failed at the abort while its step still copied chunks into the caller's tensors (a
+    member waited for its leader to stop; a leader did not wait for itself)."""
+    from kvstrata.devobj import broadcast
+
+    gpus = {"s": "GPU-A", "r0": "GPU-A", "r1": "GPU-B"}  # two groups: r0 and r1 both lead, both pull
+    monkeypatch.setattr(DeviceObjects, "_device_info", lambda self: {"uuid": gpus[self.link.client_id], "index": -1})
+    real_pump = broadcast.pump
+
+    def slow_pump(n, enqueue, **kw):  # each chunk's copy takes a while (on a GPU: queued, not yet drained)
+        def slowly(c):
+            time.sleep(0.05)
+            return enqueue(c)
+
+        return real_pump(n, slowly, **kw)
+
+    monkeypatch.setattr(broadcast, "pump", slow_pump)
+    s, r0, r1 = make("s"), make("r0"), make("r1")
+    n = 40000  # 160 KB in 4 KiB chunks: ~2 s of copying
+    dst = torch.zeros(n)
+    sent = s.dev_broadcast("k", [torch.ones(n)], receivers=2)
+    (mine,) = r0.dev_subscribe(["k"], [[dst]], timeout=WAIT)
+    r1.dev_subscribe(["k"], [[torch.zeros(n)]], timeout=WAIT)
+    time.sleep(0.15)
+    r1.close()  # another receiver goes away: the broadcast is aborted for all
+    with pytest.raises(errors.ServerError, match="went away"):
+        mine.result(WAIT)
+    dst.fill_(-1)  # the caller has its buffer back
+    time.sleep(0.3)
+    assert int((dst != -1).sum()) == 0  # and nothing writes into it any more
+    with pytest.raises(errors.ServerError):
+        sent.result(WAIT)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from kvstrata.bench import device
 
 
@@ -41,3 +43,24 @@ def test_hand_offs_alternate_offers_on_and_off_evenly():
     pattern = [offers_on(i) for i in range(8)]
     assert pattern == [True, False, False, True] * 2  # neither variant always goes first
     assert sum(offers_on(i) for i in range(200)) == 100
+
+
+BAD_NUMBERS = [["--wait", "-5"], ["--rounds", "0"], ["--chunk-mib", "0"], ["--broadcast-gib", "inf"]]
+
+
+@pytest.mark.parametrize("flags", BAD_NUMBERS)
+def test_bench_device_refuses_bad_numbers(flags, capsys):
+    from kvstrata.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "device", "--smoke", *flags])
+    assert exc.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_a_bad_results_folder_fails_before_the_run(tmp_path):
+    from kvstrata.cli.main import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match="--out: cannot make the folder"):
+        main(["bench", "device", "--smoke", "--out", str(blocker / "results")])

@@ -360,6 +360,51 @@ def test_nccl_pair_uid_from_destination_then_sends_flow(broker):
     assert got == [("send", "a", [1, 2, 3]), ("send", "b", [1, 2, 3])]
 
 
+@pytest.mark.parametrize("uid_first", [False, True], ids=["before-uid", "after-uid"])
+def test_a_failed_nccl_transfer_resets_its_pair(broker, uid_first):
+    """Both ends run a pair's transfers strictly in sequence: one that never runs (a receive cancelled as it
+    matched, a start that failed) used to hold every later transfer of the pair forever, and the pair's unique
+    id was never made when that one was the first."""
+    broker.handle("pub", "publish", {"items": [item(k, transport="nccl") for k in ("a", "b", "c")]})
+    ta = broker.handle("sub", "subscribe", {"keys": ["a"]})["results"][0]["transfer"]
+    if uid_first:
+        broker.handle("sub", "pair_uid", {"src": "pub", "uid": [1, 2, 3]})
+    tb = broker.handle("sub", "subscribe", {"keys": ["b"]})["results"][0]["transfer"]
+    events(broker, "pub")
+    assert broker.handle("sub", "complete", {"tid": ta["tid"], "ok": False, "error": "receive cancelled"})["ok"]
+    # The pair is reset: its other transfer fails too (its object goes back), both ends drop their channel.
+    assert [e["type"] for e in events(broker, "pub")] == ["pair_reset"]
+    got = events(broker, "sub")
+    assert [e["type"] for e in got] == ["error", "error", "pair_reset"] and got[1]["tid"] == tb["tid"]
+    assert broker.snapshot()["transfers"] == 0 and not broker._pairs
+    again = broker.handle("sub", "subscribe", {"keys": ["a"]})["results"][0]["transfer"]
+    assert again["nccl"] == {"seq": 0, "create_uid": True}  # a new pair, with a new unique id
+    # The sender may find the object released: it says so, and the pair is reset the same way.
+    assert broker.handle("pub", "nccl_failed", {"tid": again["tid"], "error": "released"})["ok"]
+    assert [e["type"] for e in events(broker, "pub")] == ["pair_reset"]
+    assert broker.handle("sub2", "nccl_failed", {"tid": again["tid"]})["error"] == B.E_NOT_FOUND
+
+
+def test_a_client_in_a_broadcast_twice_going_away(broker):
+    broker.handle("pub", "broadcast", {"item": item("b", receivers=3)})
+    broker.handle("sub", "subscribe", {"keys": ["b"]})
+    broker.handle("sub", "subscribe", {"keys": ["b"]})  # once as the leader of GPU-b, once as its member
+    broker.handle("sub2", "subscribe", {"keys": ["b"]})
+    assert broker.snapshot()["transfers"] == 3
+    assert broker.owner_gone("sub") == {"keys": 0, "copies": 2, "waits": 0}  # raised KeyError, half done
+    assert [e["type"] for e in events(broker, "pub")] == ["failed", "peer_gone"]
+    assert broker.snapshot()["transfers"] == 0 and "sub" not in broker._peers and "sub" not in broker._events
+
+
+def test_receivers_waiting_for_a_broadcast_whose_sender_left_are_forgotten(broker):
+    broker.handle("pub", "broadcast", {"item": item("b", receivers=3)})
+    broker.handle("sub", "subscribe", {"keys": ["b"]})
+    broker.handle("sub2", "subscribe", {"keys": ["b"], "timeout": 60})
+    broker.owner_gone("pub")
+    assert [e["error"] for e in events(broker, "sub") + events(broker, "sub2")] == [B.E_OWNER_GONE] * 2
+    assert broker.stats()["waiters"] == 0 and not broker._waiter_by_id
+
+
 def test_other_node_uses_nccl_same_pid_uses_local():
     b = DeviceBroker()
     b.handle("p", "hello", {"info": {"pid": 7, "node_id": "n1"}})

@@ -7,6 +7,7 @@ measured in the same run, never from numbers copied from elsewhere.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -136,14 +137,41 @@ def _nvidia_smi(query: str) -> str | None:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
+def results_folder(out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where results go (``out_dir``, else ``$KVSTRATA_BENCH_OUT``, else ``bench/results``), made and checked
+    writable: called before a benchmark runs, so that a bad ``--out`` fails at once, not after the run."""
+    folder = Path(out_dir or os.environ.get("KVSTRATA_BENCH_OUT") or "bench/results")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"--out: cannot make the folder {str(folder)!r}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SystemExit(f"--out: cannot write into {str(folder)!r}")
+    return folder
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+    """An argparse ``type`` for a number > 0 of ``kind`` (int or float)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def write_result(name: str, result: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
     """Write ``{"environment": ..., **result}`` to ``<out_dir>/<name>.json`` and return the path.
 
     ``out_dir`` defaults to ``$KVSTRATA_BENCH_OUT``, else ``bench/results`` under the current folder.
     """
-    folder = Path(out_dir or os.environ.get("KVSTRATA_BENCH_OUT") or "bench/results")
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
+    path = results_folder(out_dir) / f"{name}.json"
     record = {"environment": environment(), **result}
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return path

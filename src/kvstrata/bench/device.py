@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench._common import gbps, print_table, write_result
+from kvstrata.bench._common import gbps, positive, print_table, write_result
 from kvstrata.bench._procs import device_client, get_queued, run_spawned, wait_future
 from kvstrata.devobj import debug
 from kvstrata.devobj.chain import chunk_size
@@ -54,9 +54,14 @@ QUIET_S = 0.001
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds (< 90 s)")
     parser.add_argument("--smoke", action="store_true", help="no GPU: broker/client timings with CPU tensors")
-    parser.add_argument("--broadcast-gib", type=float, default=None, help="broadcast size (default 8, quick 2)")
     parser.add_argument(
-        "--chunk-mib", type=int, default=None, help="broadcast pipeline chunk (MiB; default DeviceObjectConfig's, 32)"
+        "--broadcast-gib", type=positive(float), default=None, help="broadcast size (default 8, quick 2)"
+    )
+    parser.add_argument(
+        "--chunk-mib",
+        type=positive(int),
+        default=None,
+        help="broadcast pipeline chunk (MiB; default DeviceObjectConfig's, 32)",
     )
     parser.add_argument(
         "--broadcast-wait",
@@ -64,8 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="host",
         help="how broadcast receivers wait for their predecessor's chunks (DeviceObjectConfig.broadcast_wait)",
     )
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size (default 10, quick 4)")
-    parser.add_argument("--wait", type=float, default=None, help="seconds any one step may take before failing (300)")
+    parser.add_argument(
+        "--rounds", type=positive(int), default=None, help="timed rounds per size (default 10, quick 4)"
+    )
+    parser.add_argument(
+        "--wait", type=positive(float), default=None, help="seconds any one step may take before failing (300)"
+    )
 
 
 CALL_BYTES = 2 * GiB  # bytes per timed call: per-call control costs are paid once per 2 GiB at most

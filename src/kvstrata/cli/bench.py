@@ -31,10 +31,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             job_parser.set_defaults(func=lambda args, exc=exc: _unavailable(args, exc))
             continue
         module.add_arguments(job_parser)
-        job_parser.set_defaults(func=module.run)
+        job_parser.set_defaults(func=lambda args, run=module.run: _checked_run(run, args))
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
 def _unavailable(args: argparse.Namespace, exc: ImportError) -> int:
     print(f"kvstrata bench {args.job}: unavailable here ({exc})")
     return 2
+
+
+def _checked_run(run, args: argparse.Namespace) -> int:
+    """Run a job once its results folder is known to be usable (a bad --out fails before the run, not after)."""
+    from kvstrata.bench._common import results_folder
+
+    results_folder(args.out)
+    return run(args)

@@ -100,7 +100,7 @@ class _Step:
 
     role: str  # leader | member
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # leader: members' exports
-    running: bool = False  # member: its thread watches its counter (an abort is handed to it)
+    running: bool = False  # its thread writes into (member: watches) the buffers: an abort is handed to it
     abort: BaseException | None = None
 
 
@@ -187,7 +187,13 @@ class BroadcastReceiver:
         plan = self._plan(rec)
         link = ChainLink()
         with self._lock:
-            step = self._bcast_steps().get(t["tid"]) or _Step("leader")
+            step = self._bcast_steps().get(t["tid"])
+            if step is None:  # forgotten: the broadcast was aborted (its future is settled)
+                step = _Step("leader")
+            elif not want.future.done():
+                # Copying into our buffers from now on: an abort is handed to this thread (_bcast_done), which
+                # settles the future once nothing writes into them any more.
+                step.running = True
         started = time.perf_counter()
         gpu_waits = self._cuda and self.config.broadcast_wait == "stream"
         if gpu_waits and not gpu_ops_available():
@@ -238,7 +244,7 @@ class BroadcastReceiver:
                 enqueue,
                 available=pred_p.value if pred_p is not None and wait_ptr is None else lambda: len(plan),
                 publish=mine_p.advance if mine_p is not None and write_ptr is None else None,
-                aborted=lambda: _aborted(want, what) if want.future.done() else None,
+                aborted=lambda: step.abort or (_aborted(want, what) if want.future.done() else None),
                 recycle=recycle,
                 fanout=fan,
                 timeout=self.config.copy_timeout,
@@ -260,8 +266,19 @@ class BroadcastReceiver:
                 link.release()
             else:
                 link.abandon()
+            with self._lock:
+                step.running = False
+                abort = step.abort
+            if abort is not None and abort is not exc:
+                raise abort from exc  # the broker's reason, now that our buffers are the caller's again
             raise
         fan.close()
+        with self._lock:
+            step.running = False  # every chunk landed: an abort from now on settles the future at once
+            abort = step.abort
+        if abort is not None:
+            link.release()
+            raise abort
         copied = time.perf_counter()
         trace(f"{what}: all chunks copied ({len(fan.members)} members)")
         self._log_receive(rec, pos, len(plan), started, copied, role="leader")
@@ -542,7 +559,7 @@ class BroadcastReceiver:
         with self._lock:
             step = self._bcast_steps().get(want.tid) if want.tid is not None else None
             if exc is not None and step is not None and step.running:
-                step.abort = exc  # a member: it settles once its leader stopped writing into its buffers
+                step.abort = exc  # its step thread settles it once nothing writes into its buffers any more
                 return
             if step is not None and want.tid is not None:  # a leader's thread keeps its own reference
                 self._bcast_steps().pop(want.tid, None)

@@ -250,9 +250,13 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
                 if obj.record["owner"] != client:
                     continue
                 for tid in list(obj.transfers):
-                    t = self._transfers.pop(tid)
-                    self._push(t["dst"], self._error_event(t, E_OWNER_GONE, f"owner of {key!r} went away"))
+                    t = self._transfers.pop(tid, None)
+                    if t is not None:
+                        self._push(t["dst"], self._error_event(t, E_OWNER_GONE, f"owner of {key!r} went away"))
                 for c, wid in obj.pending:
+                    w = self._waiter_by_id.get(wid)
+                    if w is not None:  # its receive ends with this error: no timeout to run for it any more
+                        self._drop_waiter(w)
                     self._push(
                         c,
                         {
@@ -268,12 +272,14 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
             for oid, obj in list(self._deleting.items()):  # deleted, still read: those reads fail too
                 if obj.record["owner"] == client:
                     for tid in obj.transfers:
-                        t = self._transfers.pop(tid)
-                        self._push(t["dst"], self._error_event(t, E_OWNER_GONE, f"owner of {t['key']!r} went away"))
+                        t = self._transfers.pop(tid, None)
+                        if t is not None:
+                            message = f"owner of {t['key']!r} went away"
+                            self._push(t["dst"], self._error_event(t, E_OWNER_GONE, message))
                     del self._deleting[oid]
             for tid, t in list(self._transfers.items()):
-                if t["dst"] == client:
-                    self._transfers.pop(tid)
+                # (one failed link fails its whole broadcast: a later transfer of the list may be gone already)
+                if t["dst"] == client and self._transfers.pop(tid, None) is not None:
                     self._receiver_failed_locked(t, f"receiver {client!r} went away")
             for obj in self._objects.values():
                 obj.readers.discard(client)
@@ -517,10 +523,36 @@ class DeviceBroker(Matcher, OfferReconciler, EventQueues, BroadcastPlanner):
             )
         obj.pending.clear()
 
+    def op_nccl_failed(self, client: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Either end of NCCL transfer ``tid`` could not take part (the sender's object was released first): it
+        fails, and its pair is reset (see :meth:`_reset_pair_locked`)."""
+        t = self._transfers.get(args["tid"])
+        if t is None or t.get("path") != "nccl" or client not in (t["src"], t["dst"]):
+            return _err(E_NOT_FOUND, f"NCCL transfer {args['tid']} is not in flight")
+        self._transfers.pop(t["tid"])
+        self._receiver_failed_locked(t, args.get("error") or "NCCL transfer failed")
+        return {"ok": True}
+
+    def _reset_pair_locked(self, src: str, dst: str, message: str) -> None:
+        """An NCCL transfer between ``src`` and ``dst`` failed: its sequence number will never run at one end,
+        and both ends run a pair's transfers strictly in order, so the pair is done for. Its other transfers fail
+        (their objects go back to be received again) and both ends drop their channel (``pair_reset``, which
+        breaks a send or receive left waiting); the pair's next transfer starts a new one, with a new unique id."""
+        if self._pairs.pop((src, dst), None) is None:
+            return
+        pair = [t for t in self._transfers.values() if t.get("path") == "nccl" and (t["src"], t["dst"]) == (src, dst)]
+        for t in pair:
+            self._transfers.pop(t["tid"])
+            self._receiver_failed_locked(t, f"an earlier transfer between the same processes failed: {message}")
+        for c in (src, dst):
+            self._push(c, {"type": "pair_reset", "src": src, "dst": dst})
+
     def _receiver_failed_locked(self, t: dict[str, Any], message: str) -> None:
         self.counts["receives_failed"] += 1
         obj = self._object_of(t)
         self._push(t["dst"], self._error_event(t, E_ABORTED, message))
+        if t.get("path") == "nccl":
+            self._reset_pair_locked(t["src"], t["dst"], message)
         if obj is None:
             return
         obj.transfers.discard(t["tid"])

@@ -215,6 +215,7 @@ CHECKS: dict[str, tuple[Callable[[dict[str, Any]], None], ...]] = {
     "complete": (lambda args: _completion(args, "a"),),
     "complete_many": (_field("items", _list_of(_completion, "a list of completions")),),
     "pair_uid": (_field("src", _key), _required("uid", "the NCCL pair's unique id")),
+    "nccl_failed": (_field("tid", _int),),
     "chain_ready": (_field("tid", _int), _field("export", _map)),
     "member_ready": (_field("tid", _int), _field("export", _map)),
     "wait_events": (_field("timeout", check_seconds),),

@@ -285,6 +285,8 @@ class Matcher:
 def _timeout_message(w: _Waiter, obj: _Object | None) -> str:
     """Why a receive timed out, in the caller's terms: nothing came, or what came is read by the other call."""
     if obj is not None and (obj.record["mode"] == "mset") != (w.kind == "get"):
+        if w.kind == "get" and obj.record["mode"] == "broadcast":
+            return f"device object {w.key!r} is being broadcast: its receivers call dev_subscribe, not dev_mget"
         if w.kind == "get":
             return f"device object {w.key!r} is published for one receiver: dev_subscribe takes it, not dev_mget"
         return f"device object {w.key!r} was registered with dev_mset: dev_mget reads it, not dev_subscribe"

@@ -266,6 +266,9 @@ class EventThread:
                 entry = self._read.pop(ev["obj"], None)
             if entry is not None and self._imports is not None:
                 self._imports.drop_handles(entry[0], entry[1], obj=ev["obj"])
+        elif kind == "pair_reset":
+            if self._nccl is not None:
+                self._nccl.reset(ev["src"], ev["dst"])
         elif kind == "peer_gone":
             with self._lock:
                 for k in [k for k, e in self._records.items() if e[1]["owner"] == ev["client"]]:

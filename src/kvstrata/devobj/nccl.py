@@ -141,7 +141,7 @@ class Channel:
             queued, self._heap = self._heap, []
             self._cond.notify_all()
         for _, _, _, fail in queued:
-            fail("NCCL channel aborted: the peer went away")
+            fail("NCCL channel aborted (the peer went away, or a transfer of the pair failed)")
         comm, self._comm = self._comm, None
         if comm is not None:
             try:
@@ -163,6 +163,14 @@ class Channels:
             if ch is None:
                 ch = self._channels[(src, dst)] = Channel(rank=rank, device=device, name=f"{src}->{dst}")
             return ch
+
+    def reset(self, src: str, dst: str) -> None:
+        """The broker reset this pair (one of its transfers failed): break its channel; the next transfer
+        between the two makes a new one."""
+        with self._lock:
+            ch = self._channels.pop((src, dst), None)
+        if ch is not None:
+            ch.abort()
 
     def peer_gone(self, peer: str) -> None:
         with self._lock:

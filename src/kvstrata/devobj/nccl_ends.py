@@ -30,15 +30,21 @@ class NcclEnds:
             return self._nccl
 
     def _start_nccl_recv(self, t: dict[str, Any], want: _Want) -> None:
-        from kvstrata.devobj.nccl import new_unique_id
+        """Queue the receive of NCCL transfer ``t`` on its pair's channel; a failure before that fails the
+        transfer (the broker then resets the pair: its later transfers would wait for this one forever)."""
+        try:
+            if not self._cuda:
+                raise InvalidValue("tensor_lists: the NCCL path needs CUDA tensors")
+            ch = self._channels().get(t["src"], t["dst"], rank=1, device=self.device.index)
+            if t["nccl"]["create_uid"]:
+                from kvstrata.devobj.nccl import new_unique_id
 
-        if not self._cuda:
-            raise InvalidValue("tensor_lists: the NCCL path needs CUDA tensors")
-        ch = self._channels().get(t["src"], t["dst"], rank=1, device=self.device.index)
-        if t["nccl"]["create_uid"]:
-            uid = new_unique_id()
-            ch.set_uid(uid)
-            self._call("pair_uid", {"src": t["src"], "uid": uid})
+                uid = new_unique_id()
+                ch.set_uid(uid)
+                self._call("pair_uid", {"src": t["src"], "uid": uid})
+        except BaseException as exc:
+            self._fail_transfer(t, want, exc)
+            return
 
         def op() -> None:
             try:
@@ -55,8 +61,12 @@ class NcclEnds:
             owned = self._owned.get(t["record"]["obj"])
         ch = self._channels().get(t["src"], t["dst"], rank=0, device=self.device.index)
         ch.set_uid(ev["uid"])
-        if owned is None:  # released meanwhile: the receiver's side fails by the broker's error
+        if owned is None:  # released meanwhile: the transfer fails, and the broker resets the pair
             log.warning("devobj: NCCL send for released object %r", t["key"])
+            try:
+                self._call("nccl_failed", {"tid": t["tid"], "error": f"the sender of {t['key']!r} released it"})
+            except Exception as exc:
+                log.debug("devobj nccl_failed: %s", exc)
             return
 
         def op() -> None:
