@@ -138,7 +138,9 @@ def _worker(rank: int, config: dict, store: str, out_file: str) -> None:
                         load.stop()
                 if seconds is not None:
                     algbw = world * size / seconds / 1e9
-                    row.update(ms=round(seconds * 1e3, 3), busbw_gbs=round(algbw * (world - 1) / world, 2))
+                    # (3 significant digits: a small smoke run on a busy CPU moves well under 0.01 GB/s, not 0)
+                    busbw = float(f"{algbw * (world - 1) / world:.3g}")
+                    row.update(ms=float(f"{seconds * 1e3:.4g}"), busbw_gbs=busbw)
                 if ratio == "auto":
                     choice = ag.auto_choices.get((world, str(dtype), size.bit_length() - 1))
                     row["auto_choice"] = "nccl" if not choice or not choice[0] else f"r={choice[0]} {choice[1]}"
