@@ -377,6 +377,7 @@
 #     device rows three times; tools/probe_handoff.py GPU0 -> GPU0
 #   PART=s35a: session 35's check (device-object fixes from an audit: delete waits for reads, fork, leaks): every
 #     GPU test; bench store's device rows three times; tools/probe_handoff.py GPU0 -> GPU0
+#   PART=s35b: every GPU test again (the broadcast leader's abort, NCCL pair resets); the hand-off probe
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1168,6 +1169,11 @@ elif [ "${PART}" = s35a ]; then
   gpu_tests gpu_tests_s35a
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s35a.log" | head -30 >> "$LOG"
   store_rows new new new
+  echo "=== tools/probe_handoff.py --devices 0,0 --iters 150 --variants on" >> "$LOG"
+  timeout 120 python3 tools/probe_handoff.py --devices 0,0 --iters 150 --variants on >> "$LOG" 2>&1
+elif [ "${PART}" = s35b ]; then
+  gpu_tests gpu_tests_s35b
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s35b.log" | head -30 >> "$LOG"
   echo "=== tools/probe_handoff.py --devices 0,0 --iters 150 --variants on" >> "$LOG"
   timeout 120 python3 tools/probe_handoff.py --devices 0,0 --iters 150 --variants on >> "$LOG" 2>&1
 elif [ "${PART}" = s24e ]; then
