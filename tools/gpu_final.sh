@@ -378,6 +378,7 @@
 #   PART=s35a: session 35's check (device-object fixes from an audit: delete waits for reads, fork, leaks): every
 #     GPU test; bench store's device rows three times; tools/probe_handoff.py GPU0 -> GPU0
 #   PART=s35b: every GPU test again (the broadcast leader's abort, NCCL pair resets); the hand-off probe
+#   PART=s35c: the 4 KiB hand-off, session 34's src (base/src, from caaab09) against this session's, alternating
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1176,6 +1177,15 @@ elif [ "${PART}" = s35b ]; then
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s35b.log" | head -30 >> "$LOG"
   echo "=== tools/probe_handoff.py --devices 0,0 --iters 150 --variants on" >> "$LOG"
   timeout 120 python3 tools/probe_handoff.py --devices 0,0 --iters 150 --variants on >> "$LOG" 2>&1
+elif [ "${PART}" = s35c ]; then
+  for r in 1 2 3; do
+    for v in base new; do
+      use "$v"
+      echo "=== round $r: $v: tools/probe_handoff.py --devices 0,0 --iters 100 --variants on" >> "$LOG"
+      timeout 100 python3 tools/probe_handoff.py --devices 0,0 --iters 100 --variants on 2>&1 | tail -3 >> "$LOG"
+    done
+  done
+  use new
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
