@@ -227,8 +227,8 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         """Remove keys this client registered or published; per-key ``None`` or the error.
 
         Each key is free for a new registration at once. Reads of a deleted object already in flight finish
-        first: this call returns once they did, so the caller may then write to the tensors (reads that come
-        later fail with ``KeyNotFound``). Should those reads not finish within ``config.copy_timeout``, the key
+        first: this call returns once they did, so the caller may then write to the tensors (later reads no
+        longer find the key). Should those reads not finish within ``config.copy_timeout``, the key
         gets ``Timeout`` (its tensors may still be read). Called from a future's callback (this client's event
         thread, which hears when reads end), it returns at once instead, without waiting.
         """
