@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,11 +100,45 @@ def _cpu_layout() -> KVLayout:
         (lambda: HostPool.allocate(_cpu_layout(), True), TypeError, "num_blocks: expected an int"),
         (lambda: HostPool.allocate(_cpu_layout(), 0), ValueError, "num_blocks"),
         (lambda: HostPool.allocate(_cpu_layout(), 1 << 50), MemoryError, "do not fit in host memory"),
+        # caches whose segments share bytes: a transfer would write one over the other (silently lost data)
+        (lambda: KVLayout.from_vllm([_ALIAS, _ALIAS]), ValueError, "share memory"),
+        (lambda: KVLayout.from_vllm([_ALIAS[:1].expand(2, 4, 2, 2, 4)]), ValueError, "share memory|overlap"),
+        (lambda: KVLayout.from_vllm([torch.zeros(2, 0, 2, 2, 4)]), ValueError, "no blocks"),  # was an IndexError
+        (lambda: KVLayout.from_mla([torch.zeros(0, 2, 4)]), ValueError, "no blocks"),
+        (lambda: HostPool(torch.zeros(12, dtype=torch.uint8), "block_first", True, 12), ValueError, "num_segments"),
+        (lambda: HostPool(torch.zeros(12, dtype=torch.uint8), "block_first", 3, True), ValueError, "chunk_bytes"),
+        (lambda: _cpu_pool().seg_view(-1), ValueError, "seg: expected an int"),
+        (lambda: _cpu_pool().seg_view(99), ValueError, "seg: expected an int"),
+        (lambda: _cpu_pool().block_view(1.0), ValueError, "block: expected an int"),
     ],
 )
 def test_bad_layouts(build, exc, word):
     with pytest.raises(exc, match=word):
         build()
+
+
+_ALIAS = torch.zeros(2, 4, 2, 2, 4)
+
+
+def _cpu_pool() -> HostPool:
+    return HostPool.allocate(_cpu_layout(), 2)
+
+
+def test_interleaved_segments_of_one_tensor_are_not_aliasing():
+    """A blocks-major cache gives K and V segments whose extents cross, block by block, without sharing a byte."""
+    cache = torch.zeros(4, 2, 2, 2, 8)  # [num_blocks, K/V, block_size, heads, head_dim]
+    layout = KVLayout.from_vllm([cache.transpose(0, 1)])
+    assert layout.num_segments == 2 and layout.num_blocks == 4
+
+
+def test_numpy_ids_must_be_one_dimensional_as_tensor_ids_are():
+    from kvstrata.ops import transfer_blocks
+
+    layout = _cpu_layout()
+    pool = HostPool.allocate(layout, 2)
+    with pytest.raises(ValueError, match="must be 1-D"):  # was flattened silently
+        transfer_blocks(layout, pool, np.array([[0, 1]]), np.array([0, 1]))
+    transfer_blocks(layout, pool, np.array([0], dtype=">i8"), [1])  # big-endian ids: read, not refused
 
 
 @pytest.mark.gpu

@@ -254,3 +254,33 @@ def test_registry_counts_nested_registrations():
         unregister(addr)
     del t
     m.close()
+
+
+def test_freeing_a_buffer_the_caller_also_registered_leaves_no_region():
+    """HeteroFusedKernels' pairing (allocate, then register): the second registration counted one more use, and the
+    buffer's release dropped only one, so the registry went on vouching for unmapped memory."""
+    buf = alloc_numa_pinned_tensor(1 << 16)
+    addr, n = buf.data_ptr(), buf.numel()
+    host_register(buf)
+    del buf
+    gc.collect()
+    assert not is_registered(addr, n)
+
+
+def test_register_checks_sizes_and_addresses():
+    t = torch.zeros(1024, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="more than the tensor's 1024"):
+        register(t, 1 << 30)  # CUDA would pin pages the tensor does not own
+    with pytest.raises(TypeError, match="nbytes"):
+        register(t, 1.9)
+    with pytest.raises(TypeError, match="nbytes"):
+        register(t, "16")
+    for addr in (0, -100):
+        with pytest.raises(ValueError, match="host address > 0"):
+            register(addr, 100)
+
+
+@pytest.mark.parametrize("nbytes", [2**63 - 1, 2**64])
+def test_alloc_pinned_beyond_an_address_space_is_a_memory_error(nbytes):
+    with pytest.raises(MemoryError, match=str(nbytes)):
+        alloc_pinned(nbytes, numa=None)

@@ -142,6 +142,7 @@ def _args(gen):
         (lambda p, h, kw: (p[:2], h, kw), ValueError, "layer_ptrs"),
         (lambda p, h, kw: (p.to(torch.int32), h, kw), TypeError, "layer_ptrs"),
         (lambda p, h, kw: (torch.zeros_like(p), h, kw), ValueError, "layer_ptrs"),
+        (lambda p, h, kw: (torch.full_like(p, -4096), h, kw), ValueError, "layer_ptrs"),  # segfaulted
         (lambda p, h, kw: (p, h.transpose(0, 1), kw), ValueError, "host_block"),
         (lambda p, h, kw: (p, h[0], kw), ValueError, "host_block"),
         (lambda p, h, kw: (p, h.double(), kw), TypeError, "host_block"),

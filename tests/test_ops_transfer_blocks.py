@@ -347,3 +347,30 @@ def test_gpu_store_and_load_at_once(seeded, method):
         for d, h in zip(load_dev, load_host):
             expect = host_chunk(pool_before, "block_first", 8, 64, layout.chunk_bytes, seg, h)
             assert same(device_chunk(cache, seg, d).cpu(), expect)
+
+
+@pytest.mark.parametrize(
+    ("direction", "method", "dev_ids", "host_ids", "exc", "word"),
+    [
+        ("sideways", "torch", [0], [1], ValueError, "direction"),  # ran as h2d, over the device cache
+        ("d2h", "fastest", [0], [1], ValueError, "method"),
+        ("d2h", "torch", [0.7], [1.2], TypeError, "device_block_ids"),  # floats were taken as ids
+        ("d2h", "torch", [[0]], [[1]], ValueError, "1-D"),
+        ("d2h", "torch", [0, 1], [1], ValueError, "host_block_ids: 1 ids"),
+    ],
+)
+def test_the_registered_op_checks_its_arguments(direction, method, dev_ids, host_ids, exc, word):
+    """``torch.ops.kvstrata.transfer_blocks`` itself (what torch.compile traces) checks kinds and shapes."""
+    from kvstrata.ops import KVLayout
+    from kvstrata.ops.transfer_blocks import _geom_list
+
+    cache = torch.randn(2, 4, 2, 2, 4)
+    layout = KVLayout.from_vllm([cache])
+    pool = HostPool.allocate(layout, 2)
+    before = cache.clone()
+    with pytest.raises(exc, match=word):
+        torch.ops.kvstrata.transfer_blocks(
+            *layout.op_args(), pool.tensor, torch.tensor(dev_ids), torch.tensor(host_ids), _geom_list(layout, pool),
+            direction, method, 0,
+        )  # fmt: skip
+    assert torch.equal(cache, before)

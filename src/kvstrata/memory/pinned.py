@@ -167,15 +167,16 @@ class _Registry:
             self.generation += 1
             return region, True
 
-    def remove(self, start: int) -> Region:
+    def remove(self, start: int, *, every_use: bool = False) -> Region:
         """Undo one :meth:`add` of a range starting at ``start`` (inside a region); the last use
-        unregisters the region from CUDA."""
+        unregisters the region from CUDA. ``every_use``: drop the region whatever its count (its memory is
+        being unmapped: the uses a caller's own :func:`register` calls added end with it)."""
         with self._lock:
             k = bisect.bisect_right(self._starts, start) - 1
             if k < 0 or start >= self._regions[k].end:
                 raise InvalidValue(f"tensor_or_addr: no registered region contains {start:#x}")
             region = self._regions[k]
-            self._uses[region.start] -= 1
+            self._uses[region.start] = 0 if every_use else self._uses[region.start] - 1
             if self._uses[region.start] > 0:
                 return region
             del self._uses[region.start]
@@ -195,18 +196,25 @@ _REGISTRY = _Registry()
 
 
 def _span(tensor_or_addr: torch.Tensor | int, nbytes: int | None) -> tuple[int, int]:
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)):
+        raise InvalidType(f"nbytes: expected an int, got {type(nbytes).__name__} {nbytes!r}")
     if isinstance(tensor_or_addr, torch.Tensor):
         t = tensor_or_addr
         if t.device.type != "cpu":
             raise InvalidValue(f"tensor_or_addr: expected a CPU tensor, got one on {t.device}")
         if not t.is_contiguous():
             raise InvalidValue("tensor_or_addr: tensor must be contiguous")
-        return t.data_ptr(), t.numel() * t.element_size() if nbytes is None else int(nbytes)
+        size = t.numel() * t.element_size()
+        if nbytes is not None and nbytes > size:  # CUDA would pin pages the tensor does not own
+            raise InvalidValue(f"nbytes: {nbytes} bytes, more than the tensor's {size}")
+        return t.data_ptr(), size if nbytes is None else nbytes
     if isinstance(tensor_or_addr, bool) or not isinstance(tensor_or_addr, int):
         raise InvalidType(f"tensor_or_addr: expected a tensor or an int address, got {type(tensor_or_addr).__name__}")
+    if tensor_or_addr <= 0:
+        raise InvalidValue(f"tensor_or_addr: expected a host address > 0, got {tensor_or_addr}")
     if nbytes is None:
         raise InvalidValue("nbytes: required when registering a raw address")
-    return tensor_or_addr, int(nbytes)
+    return tensor_or_addr, nbytes
 
 
 def register(tensor_or_addr: torch.Tensor | int, nbytes: int | None = None) -> int:
@@ -378,7 +386,7 @@ class _Mapping(mmap.mmap):
                 if region.cuda_registered and not torch.cuda.is_current_stream_capturing():
                     # Like cudaFreeHost: let queued copies and kernels that use the memory finish.
                     torch.cuda.synchronize(region.device)
-                _REGISTRY.remove(start)
+                _REGISTRY.remove(start, every_use=True)  # the memory goes now, whoever else registered it
         except Exception as exc:  # a finalizer must not raise (e.g. CUDA already torn down at exit)
             log.debug("releasing pinned memory at %#x: %s", start or 0, exc)
         try:
@@ -455,6 +463,8 @@ def alloc_pinned(
         mapping, huge_kind = _map(nbytes, hugepages, fallbacks)
     except OSError as exc:  # ENOMEM and the like: say how much was asked for
         raise MemoryError(f"alloc_pinned: could not map {nbytes} bytes of host memory ({exc.strerror})") from exc
+    except OverflowError as exc:  # beyond what an address space can hold
+        raise MemoryError(f"alloc_pinned: {nbytes} bytes is more than a mapping can hold") from exc
     tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
     addr = tensor.data_ptr()
     bound = False

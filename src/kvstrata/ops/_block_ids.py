@@ -48,7 +48,9 @@ def _eager_ids(ids: Ids, name: str) -> np.ndarray | torch.Tensor:
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise InvalidType(f"{name} must hold integers, got {ids.dtype}")
-        return ids.reshape(-1)
+        if ids.ndim != 1:  # as a tensor's ids must be (never flattened silently)
+            raise InvalidValue(f"{name} must be 1-D, got shape {ids.shape}")
+        return ids if ids.dtype.isnative else ids.astype(ids.dtype.newbyteorder("="))
     if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
         raise InvalidType(f"{name} must be a list of ints or an int tensor")
     if len(ids) == 0:

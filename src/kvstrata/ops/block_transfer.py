@@ -229,8 +229,9 @@ def _impl(
     num_ctas: int | None,
 ) -> None:
     _check_meta(layer_ptrs, host_block, direction, method, staging, num_ctas)
-    if layer_ptrs.device.type == "cpu" and host_block.numel() and (layer_ptrs == 0).any():
-        raise InvalidValue(f"layer_ptrs: null pointer for layer {int((layer_ptrs == 0).nonzero()[0])}")
+    if layer_ptrs.device.type == "cpu" and host_block.numel() and (layer_ptrs <= 0).any():
+        bad = int((layer_ptrs <= 0).nonzero()[0])
+        raise InvalidValue(f"layer_ptrs: layer {bad}'s pointer is {int(layer_ptrs[bad])} (null or negative)")
     T, L, H, D = host_block.shape
     if host_block.numel() == 0:
         return

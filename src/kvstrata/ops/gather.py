@@ -105,6 +105,10 @@ def _check_meta(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_c
         check_tensor(t, name)
         if t.layout != torch.strided:
             raise InvalidType(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise InvalidValue(f"{name}: expected a CPU or CUDA tensor, got one on {t.device}")
+    if out.requires_grad:
+        raise InvalidValue("out: requires grad, and gather writes into it (pass a tensor that does not)")
     check_ndim(table, "table", 2)
     check_ndim(out, "out", 2)
     check_ndim(ids, "ids", 1)
@@ -117,6 +121,8 @@ def _check_meta(table: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, num_c
     for name, t in (("table", table), ("out", out)):
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise InvalidValue(f"{name}: rows must be contiguous (stride {t.stride()})")
+    if out.shape[0] > 1 and out.shape[1] > 0 and out.stride(0) < out.shape[1]:
+        raise InvalidValue(f"out: its rows overlap (row stride {out.stride(0)} < row length {out.shape[1]})")
     check_optional_positive_int(num_ctas, "num_ctas")
     cuda = [t.device for t in (table, out) if t.device.type == "cuda"]
     if len(set(cuda)) > 1:

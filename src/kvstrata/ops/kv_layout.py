@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -152,16 +153,17 @@ class KVLayout:
     ) -> KVLayout:
         t0 = segs[0][0]
         elt = t0.element_size()
+        if num_blocks < 1:  # (before the chunk's size is read off block 0)
+            raise InvalidValue(f"{kind} cache has no blocks")
         if page:  # a page = block_span rows of a contiguous [slots, heads, head_dim] tensor
             chunk = block_span * t0[0].numel() * elt
             block_stride = chunk
         else:
             chunk = t0[(0,) * (block_dim + 1)].numel() * elt
             block_stride = t0.stride(block_dim) * elt
-        if num_blocks < 1:
-            raise InvalidValue(f"{kind} cache has no blocks")
         if block_stride < chunk:
             raise InvalidValue(f"{kind} cache: blocks overlap (block stride {block_stride} B < block size {chunk} B)")
+        _check_no_aliasing(kind, segs, num_blocks, block_stride, chunk)
         views, ptrs, owners, offsets = [], [], [], []
         index = {id(t): i for i, t in enumerate(tensors)}
         for t, off in segs:
@@ -190,6 +192,40 @@ class KVLayout:
             seg_views=tuple(views),
             tensors=tuple(tensors),
         )
+
+
+def _check_no_aliasing(
+    kind: str, segs: list[tuple[torch.Tensor, int]], num_blocks: int, block_stride: int, chunk: int
+) -> None:
+    """Segments whose blocks share bytes (one tensor passed twice, K and V made by ``expand``) would make a
+    transfer write one block's bytes over another's: refused. Each segment's extent is
+    ``[ptr, ptr + (num_blocks - 1) * block_stride + chunk)``; segments interleaved block by block (vLLM's
+    ``[2, num_blocks, ...]`` K/V, a layer-first cache) do not share bytes even though their extents cross,
+    so those are compared chunk by chunk within one period."""
+    spans = sorted((t.data_ptr() + off, i) for i, (t, off) in enumerate(segs))
+    extent = (num_blocks - 1) * block_stride + chunk
+    for x, (a, i) in enumerate(spans):
+        for b, j in spans[x + 1 :]:
+            if b >= a + extent:
+                break  # this one and every later one start past a's last block
+            # Inside a's extent: they share bytes unless each block of one falls between two blocks of the other
+            gap = (b - a) % block_stride
+            if gap < chunk or block_stride - gap < chunk:
+                raise InvalidValue(
+                    f"{kind} cache: segments {min(i, j)} and {max(i, j)} share memory (the same tensor twice, or "
+                    "views of one another): a transfer would write one over the other"
+                )
+
+
+def _index(value: object, name: str, n: int) -> int:
+    """``value`` as an index in ``[0, n)`` (ints and numpy integers; not bools), or InvalidValue naming ``name``."""
+    try:
+        i = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        i = None
+    if i is None or not 0 <= i < n:
+        raise InvalidValue(f"{name}: expected an int in [0, {n}), got {value!r}")
+    return i
 
 
 def _alignment(*values: int) -> int:
@@ -256,8 +292,10 @@ class HostPool:
             raise InvalidValue(f"layout must be one of {HOST_LAYOUTS}, got {self.layout!r}")
         for name in ("num_segments", "chunk_bytes"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidValue(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(self.num_blocks, bool):
+            raise InvalidValue(f"num_blocks must be an int >= 1 (or -1: the tensor's size), got {self.num_blocks!r}")
         nbytes = t.numel() * t.element_size()
         per_block = self.num_segments * self.chunk_bytes
         n = self.num_blocks if self.num_blocks != -1 else nbytes // per_block
@@ -282,6 +320,7 @@ class HostPool:
 
     def seg_view(self, seg: int) -> torch.Tensor:
         """``[num_blocks, chunk_bytes]`` uint8 view of one segment."""
+        seg = _index(seg, "seg", self.num_segments)
         return self.flat.as_strided(
             (self.num_blocks, self.chunk_bytes),
             (self.block_stride, 1),
@@ -292,8 +331,7 @@ class HostPool:
         """The bytes of one host block (all layers, K and V): one storable object. ``block_first`` only."""
         if self.layout != "block_first":
             raise InvalidValue("block_view: a block is contiguous only in the block_first layout")
-        if not 0 <= block < self.num_blocks:
-            raise InvalidValue(f"block: {block} out of range [0, {self.num_blocks})")
+        block = _index(block, "block", self.num_blocks)
         n = self.block_stride
         return self.flat[block * n : (block + 1) * n]
 

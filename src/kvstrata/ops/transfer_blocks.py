@@ -71,6 +71,9 @@ def transfer_blocks(
     int32/int64 tensors (host or device). ``num_ctas`` caps the SMs of the kernels. With ``check=True``
     (default) bad input raises ``ValueError``/``TypeError`` before anything is written; device-resident
     ids are then copied to the host (a sync). ``staging``/``copy_engine`` need the ids on the host.
+    ``check=False`` trusts the ids' values (no range or duplicate check, no sync: what CUDA-graph capture
+    and ``torch.compile(fullgraph=True)`` need, since the check reads the values): an id out of range then
+    reads or writes outside the cache or the pool. The arguments' types and shapes are checked either way.
 
     ``method="auto"`` picks per call signature from the device's calibration, SM-frugal (details in
     :mod:`kvstrata.ops.auto_policy`): ``copy_engine`` (no SMs), then ``staging`` (a short gather, then
@@ -410,6 +413,7 @@ def _transfer_blocks_impl(
 
     ``geom`` = [chunk bytes, device block stride, host block stride, host seg stride, block_first, device alignment].
     """
+    _check_op_args(dev_ids, host_ids, direction, method)
     chunk, dbs, hbs, hss, block_first, dev_align = geom
     device = seg_table.device
     n = dev_ids.numel()
@@ -476,7 +480,24 @@ _transfer_blocks_op = torch.library.custom_op("kvstrata::transfer_blocks", mutat
 @_transfer_blocks_op.register_fake
 def _(dev_tensors, seg_table, seg_ptrs, seg_owner, seg_offset, host, dev_ids, host_ids, geom, direction, method,
       num_ctas) -> None:  # fmt: skip
+    _check_op_args(dev_ids, host_ids, direction, method)
     return None
+
+
+def _check_op_args(dev_ids: torch.Tensor, host_ids: torch.Tensor, direction: str, method: str) -> None:
+    """What ``torch.ops.kvstrata.transfer_blocks`` checks of its arguments whatever ``check`` says: their kinds
+    and shapes, nothing that reads the ids' values (no sync; also under torch.compile)."""
+    if direction not in DIRECTIONS:
+        raise InvalidValue(f"direction: expected one of {DIRECTIONS}, got {direction!r}")
+    if method not in METHODS:
+        raise InvalidValue(f"method: expected one of {METHODS}, got {method!r}")
+    for name, ids in (("device_block_ids", dev_ids), ("host_block_ids", host_ids)):
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise InvalidType(f"{name}: expected int32 or int64 ids, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise InvalidValue(f"{name}: expected a 1-D tensor of ids, got shape {tuple(ids.shape)}")
+    if dev_ids.shape[0] != host_ids.shape[0]:
+        raise InvalidValue(f"host_block_ids: {host_ids.shape[0]} ids, device_block_ids has {dev_ids.shape[0]}")
 
 
 class _null:
