@@ -379,6 +379,7 @@
 #     GPU test; bench store's device rows three times; tools/probe_handoff.py GPU0 -> GPU0
 #   PART=s35b: every GPU test again (the broadcast leader's abort, NCCL pair resets); the hand-off probe
 #   PART=s35c: the 4 KiB hand-off, session 34's src (base/src, from caaab09) against this session's, alternating
+#   PART=s35d: every GPU test on the session's final src (the ops' and memory's argument checks)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1186,6 +1187,9 @@ elif [ "${PART}" = s35c ]; then
     done
   done
   use new
+elif [ "${PART}" = s35d ]; then
+  gpu_tests gpu_tests_s35d
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s35d.log" | head -30 >> "$LOG"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
