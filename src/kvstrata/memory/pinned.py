@@ -27,6 +27,7 @@ import bisect
 import ctypes
 import logging
 import mmap
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -250,10 +251,14 @@ def is_registered(ptr: int, nbytes: int = 1) -> bool:
 
 def device_ptr(host_ptr: int) -> int:
     """The device address of registered host address ``host_ptr`` (ValueError naming it when unregistered)."""
-    region = _REGISTRY.find(int(host_ptr))
+    try:
+        host_ptr = operator.index(host_ptr)  # ints, numpy integers (not strings or floats)
+    except TypeError:
+        raise InvalidType(f"host_ptr: expected an int address, got {type(host_ptr).__name__} {host_ptr!r}") from None
+    region = _REGISTRY.find(host_ptr)
     if region is None:
-        raise InvalidValue(f"host_ptr: {int(host_ptr):#x} is not in any registered host region")
-    return region.device_ptr + (int(host_ptr) - region.start)
+        raise InvalidValue(f"host_ptr: {host_ptr:#x} is not in any registered host region")
+    return region.device_ptr + (host_ptr - region.start)
 
 
 def registry_generation() -> int:
