@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -284,3 +285,67 @@ def test_a_reply_over_the_frame_limit_is_an_error_and_the_connection_stays(worke
         assert kv.read("big", 0, 4) == bytes(range(4))
         monkeypatch.undo()
         assert kv.get("big") == bytes(range(256)) * 4096
+
+
+@pytest.fixture(params=["embedded", "worker"])
+def any_client(request, worker):
+    embedded = request.param == "embedded"
+    kv = kvstrata.connect(embedded=True, memory_bytes="32MiB") if embedded else kvstrata.connect(worker.address)
+    yield kv
+    kv.close()
+
+
+def test_lazy_conjugate_and_negative_views_are_refused_by_device_calls(any_client):
+    """Their raw bytes are not their values: ``mset_d2h`` stored 1+2j for a conjugate 1-2j, and a negative view's
+    bytes read back with the wrong sign."""
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    neg = torch.tensor([1.0 + 1j]).conj().imag  # a real tensor with the negative bit
+    for bad in (z.conj(), neg):
+        with pytest.raises(kvstrata.InvalidValue, match="lazy conjugate or negative view"):
+            any_client.mset_d2h(["lazy"], [[bad]])
+    assert any_client.mset_d2h(["z"], [[z.conj().resolve_conj()]]) == [None]
+    with pytest.raises(kvstrata.InvalidValue, match="lazy conjugate"):
+        any_client.mget_h2d(["z"], [[torch.zeros(2, dtype=torch.complex64).conj()]])
+    out = torch.zeros(2, dtype=torch.complex64)
+    assert any_client.mget_h2d(["z"], [[out]]) == [None] and torch.equal(out, z.conj().resolve_conj())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [None, float("inf"), 1e30])
+@pytest.mark.parametrize("mode", ["embedded", "worker"])
+def test_mget_h2d_waits_forever_when_asked(worker, mode, timeout):
+    """``timeout=None`` (or infinity) raised a TypeError from inside the call; it waits until the key exists."""
+    if mode == "embedded":
+        kv = writer = kvstrata.connect(embedded=True, memory_bytes="32MiB")
+    else:  # another client writes: a call waiting for a key holds its client's connection
+        kv, writer = kvstrata.connect(worker.address), kvstrata.connect(worker.address)
+    src = torch.arange(8, dtype=torch.uint8)
+    later = threading.Timer(0.3, lambda: writer.mset_d2h(["later"], [[src]]))
+    later.start()
+    out = torch.zeros(8, dtype=torch.uint8)
+    assert kv.mget_h2d(["later"], [[out]], timeout=timeout) == [None] and torch.equal(out, src)
+    later.join()
+    for c in {kv, writer}:
+        c.close()
+
+
+def test_close_from_an_async_calls_callback(worker):
+    """It raised ``cannot join current thread`` and left the worker's connection, leases and memory held."""
+    kv = kvstrata.connect(worker.address)
+    watcher = kvstrata.connect(worker.address)
+    kv.mset_d2h(["cb"], [[torch.ones(100_000, dtype=torch.uint8)]])
+    outcome = []
+
+    def close_it(_):
+        try:
+            kv.close()
+            outcome.append("closed")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    kv.async_mget_h2d(["cb"], [[torch.zeros(100_000, dtype=torch.uint8)]]).add_done_callback(close_it)
+    assert wait_for(lambda: outcome) and outcome == ["closed"]
+    assert wait_for(lambda: watcher.stats()["clients"] == 1)  # its connection (and what it held) went
+    with pytest.raises(kvstrata.ClosedError):
+        kv.get("cb")
+    watcher.close()

@@ -26,7 +26,7 @@ from kvstrata.client import device as _device
 from kvstrata.client import reservation as _reservation
 from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
 from kvstrata.client.buffers import ReadBuffer, WritableBuffer
-from kvstrata.client.device_calls import DeviceCallsMixin
+from kvstrata.client.device_calls import DeviceCallsMixin, on_pool_thread
 from kvstrata.client.values import byte_view
 from kvstrata.devobj.service import DeviceObjectsMixin
 from kvstrata.errors import ClosedError, InvalidType, KeyExists, KvstrataError
@@ -90,12 +90,24 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
             # registrations are the parent's. Only this process's handles go (nothing the parent sees).
             self._backend.close()
             return
-        self._close_device_objects()
-        for pool in (self._issuer, self._completer):  # the issuer hands its calls' waits on
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._registrations.undo()  # before the segments are unmapped
-        self._backend.close()
+        if on_pool_thread(self):
+            # Called from an async call's callback, on a thread of the pools joined below: the rest runs on a thread
+            # of its own once this one is free to finish the calls still queued.
+            threading.Thread(target=self._finish_close, name="kvstrata-close").start()
+            return
+        self._finish_close()
+
+    def _finish_close(self) -> None:
+        try:
+            self._close_device_objects()
+            # Pending async calls finish first (their copies use the segments unmapped below); one that waits for a
+            # missing key holds this up to its timeout.
+            for pool in (self._issuer, self._completer):  # the issuer hands its calls' waits on
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._registrations.undo()  # before the segments are unmapped
+        finally:
+            self._backend.close()  # whatever failed above: the worker's leases and memory go back
 
     def __enter__(self) -> Client:
         return self

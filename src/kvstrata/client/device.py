@@ -124,7 +124,14 @@ def check_key(ts: Any, i: int) -> tuple[list[tuple], int, Any]:
     total = 0
     for t in ts:
         # `layout` first: a sparse tensor has no is_contiguous
-        if not isinstance(t, tensor_type) or t.layout is not strided or t.is_quantized or not t.is_contiguous():
+        if (
+            not isinstance(t, tensor_type)
+            or t.layout is not strided
+            or t.is_quantized
+            or not t.is_contiguous()
+            or t.is_conj()  # lazy views (a conjugate, a negation): their bytes are not their values
+            or t.is_neg()
+        ):
             _refuse(ts, i)
         n = t.nbytes
         if t.is_cuda:
@@ -164,6 +171,11 @@ def _refuse(ts: Any, i: int) -> None:
             raise InvalidValue(f"tensor_lists[{i}][{j}]: tensor must be contiguous (call .contiguous() first)")
         if not (t.is_cuda or t.is_cpu):
             raise InvalidType(f"tensor_lists[{i}][{j}]: a {t.device} tensor; only CPU and CUDA tensors are copied")
+        if t.is_conj() or t.is_neg():
+            raise InvalidValue(
+                f"tensor_lists[{i}][{j}]: a lazy conjugate or negative view, whose raw bytes are not its values "
+                "(call .resolve_conj() / .resolve_neg(), or .clone(), first)"
+            )
     raise AssertionError(f"tensor_lists[{i}]: refused, yet every tensor passes")  # pragma: no cover
 
 

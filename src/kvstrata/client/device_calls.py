@@ -11,6 +11,8 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import math
+import threading
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -27,6 +29,19 @@ from kvstrata.errors import KvstrataError
 from kvstrata.server import protocol as P
 
 log = logging.getLogger(__name__)
+
+#: ``.client``: the client whose async executor runs on this thread (see :func:`on_pool_thread`)
+_POOL_THREAD = threading.local()
+
+
+def _mark_pool_thread(client: Any) -> None:
+    _POOL_THREAD.client = client
+
+
+def on_pool_thread(client: Any) -> bool:
+    """Whether this thread is one of ``client``'s async executors' (a callback of its calls runs there)."""
+    return getattr(_POOL_THREAD, "client", None) is client
+
 
 Result = Any  # per-key: None on success, the KvstrataError instance on failure (as in kvstrata.client.client)
 #: the rate (bytes per us) a device write's lingering hints assume its copies run at: a bit under PCIe Gen5's ~55
@@ -473,7 +488,8 @@ class DeviceCallsMixin:
         kept: list[Any] = [None] * n if hinted else []  # the leases the local-read cache served (no early copy)
         early_stages: set[int] = set()  # the ``lo`` of stages with early copies
         held: list[int] = []
-        deadline = time.monotonic() + timeout
+        waits = timeout is None or timeout > 0  # None (or FOREVER_S and more, made None): until the keys exist
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         s = None
         first = True
         asked: collections.deque = collections.deque()  # (lo, hi, acquire token), in key order, answers not read
@@ -485,7 +501,7 @@ class DeviceCallsMixin:
         def ask(lo: int, hi: int, *, send: bool = True, local: bool = True) -> None:
             nonlocal covered
             if lo < hi:
-                left = max(0.0, deadline - time.monotonic()) if timeout else 0
+                left = None if timeout is None else max(0.0, deadline - time.monotonic()) if waits else 0
                 # Lease releases due (e.g. stale local-read entries) go with the final release, not ahead.
                 token = backend.acquire_start(
                     keys[lo:hi], left, cache="fit", carry=False, placements=hinted, send=send, local=local
@@ -561,7 +577,7 @@ class DeviceCallsMixin:
                         copy_early(st)  # before any further request: nothing in front of these bytes
                     if hinted and st.lo == start:
                         send_asked()
-                    if st.lo == start and cold and not timeout and covered < n:
+                    if st.lo == start and cold and not waits and covered < n:
                         # The worker is asked (keys not read before, or changed). This thread would only wait for
                         # the first answer: it asks now for the next keys too, up to 4x the first stage's (the
                         # worker reads that request right after its first reply, with no wake-up), and sets the
@@ -754,7 +770,9 @@ class DeviceCallsMixin:
         with self._exec_lock:
             pool = getattr(self, attr)
             if pool is None:
-                pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=name, initializer=_mark_pool_thread, initargs=(self,)
+                )
                 setattr(self, attr, pool)
             return pool
 

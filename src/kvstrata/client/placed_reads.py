@@ -51,7 +51,7 @@ def queue(
     slot (its tensors may have been written by an early copy); a bad tensor raises after the copies already queued
     landed and every lease taken went back."""
     n = len(keys)
-    if timeout or start >= n:
+    if timeout is None or timeout > 0 or start >= n:  # a waiting call (None: until the keys exist) goes staged
         return None
     _device.check_outer(n, tensor_lists)
     lookup = backend.placement_hints

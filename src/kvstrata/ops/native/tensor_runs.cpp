@@ -64,8 +64,9 @@ struct Pass {
         // the lists under this pass), or mean something else by them; the Python path takes it.
         if (!THPVariable_CheckExact(o)) return false;
         const at::TensorBase& t = THPVariable_Unpack(o);
+        // (a lazy conjugate or negative view's bytes are not its values: the Python path refuses it)
         if (t.layout() != at::kStrided || t.is_quantized() || (cuda ? !t.is_cuda() : !t.is_cpu()) ||
-            !t.is_contiguous() || !t.has_storage())
+            !t.is_contiguous() || !t.has_storage() || t.is_conj() || t.is_neg())
           return false;
         // what lay() reads, read here first: a tensor that cannot answer (a wrapper without data) throws now
         (void)t.data_ptr();
