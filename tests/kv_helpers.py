@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn]
@@ -98,9 +100,15 @@ def worker_fixtures(name: str, *, memory: int, segment: int, modes: tuple[str, .
 
     @pytest.fixture(params=list(modes))
     def kv(request, worker):
+        others = worker.stats()["clients"]
         client = client_for(request.param, worker, memory=memory, segment=segment)
         yield client
         client.close()
+        # The worker lets go of a closed client's leases on its own thread: wait for that, so that the next
+        # test's counts (leases, clients) start from this one's end rather than change under it
+        deadline = time.monotonic() + 10
+        while worker.stats()["clients"] > others and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     return worker, kv
 

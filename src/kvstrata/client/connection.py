@@ -50,6 +50,8 @@ _LANE_NAP_S = 20e-6
 
 #: how long a worker seen there (its socket not at EOF) is taken as there without looking again, by cached reads
 WORKER_SEEN_S = 1e-3
+#: how long ``close()`` waits for the worker to have released what the client held (a frozen worker: no longer)
+GOODBYE_WAIT_S = 2.0
 
 
 class WorkerConnection:
@@ -485,6 +487,18 @@ class WorkerConnection:
     def _loc(raw: list) -> Loc:
         return Loc(*raw)
 
+    def _await_end(self) -> None:
+        """After the goodbye: wait (up to :data:`GOODBYE_WAIT_S`) for the worker to end the connection, which it does
+        once it has let go of everything this client held, so that what ``close()`` gave back is back when it returns
+        (another process's write finds the room, a count of leases is exact). Not while another thread of this
+        process reads a reply on the connection (a waiting call): that one would lose it."""
+        if not self._read_lock.acquire(blocking=False):
+            return
+        try:
+            _drain_until_end(self._conn, GOODBYE_WAIT_S)
+        finally:
+            self._read_lock.release()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -498,7 +512,9 @@ class WorkerConnection:
                     self._conn.send(bye)
                 except KvstrataError:
                     pass
-            self._conn.close()  # the worker releases our leases and aborts our unfinished writes
+                else:
+                    self._await_end()
+            self._conn.close()  # the worker has released our leases and aborted our unfinished writes
         self._tensors.clear()
         if self._lane is not None:
             self._lane.close()
@@ -512,6 +528,18 @@ class WorkerConnection:
         for seg in self._segments.values():
             _close_segment(seg)
         self._segments.clear()
+
+
+def _drain_until_end(conn: Any, timeout: float) -> None:
+    """Read (and drop) what ``conn`` still brings until the peer ends it, or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            _, fds = conn.recv(timeout=left)
+        except (KvstrataError, OSError):
+            return  # the end (ConnectionLost), or the wait ran out (Timeout): either way, done
+        for fd in fds:
+            os.close(fd)
 
 
 def _close_segment(seg: Any) -> None:

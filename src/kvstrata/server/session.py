@@ -66,6 +66,8 @@ class Session:
         self.connected_at = time.time()
         #: one of a device-object link's connections (kvstrata.devobj.service): part of a client, not one
         self.devobj_link = bool(hello.get("devobj_link"))
+        #: the client closed (rather than vanished): it waits for the connection's end, which comes after the cleanup
+        self.said_bye = False
         self.leases: set[int] = set()
         self.writes: dict[str, float | None] = {}  # unsealed creates -> their TTL
         self.validity = worker.validity
@@ -94,6 +96,7 @@ class Session:
             op = msg.get("op")
             if op == "bye":  # a clean close, as opposed to a crash
                 self._count_local_hits(msg)
+                self.said_bye = True
                 return
             if op == "lane":  # the client stopped waiting on the lane: answer its request, then say so here
                 self.worker.counters["lane_wakeups"] += 1
