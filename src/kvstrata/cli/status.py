@@ -63,7 +63,10 @@ def render(stats: dict[str, Any], address: str) -> str:
     for tier, t in stats.get("tiers", {}).items():
         used, cap = t.get("used", 0), t.get("capacity", 0)
         pct = 100 * used / cap if cap else 0
-        lines.append(f"  {tier:<7} {format_size(used):>10} of {format_size(cap):>10} used ({pct:4.1f}%)")
+        line = f"  {tier:<7} {format_size(used):>10} of {format_size(cap):>10} used ({pct:4.1f}%)"
+        if t.get("retired_segments"):  # emptied to map values larger than a segment
+            line += f", {t['retired_segments']} segments retired"
+        lines.append(line)
     hits, misses = stats.get("hits", 0), stats.get("misses", 0)
     rate = 100 * hits / (hits + misses) if hits + misses else 0
     local = stats.get("local_hits", 0)

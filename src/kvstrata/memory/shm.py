@@ -192,6 +192,21 @@ class SharedSegment:
 
         return torch.frombuffer(self.buffer, dtype=torch.uint8)
 
+    def discard_pages(self) -> bool:
+        """Give the segment's memory back to the kernel (``MADV_REMOVE``: a hole punched in the shared file, in every
+        process that maps it); the mapping stays, and reads as zeros. False where the kernel refused, or closed.
+
+        Pages page-locked by CUDA in some process stay allocated until that process unregisters them.
+        """
+        if self._closed or not hasattr(mmap, "MADV_REMOVE"):
+            return False
+        try:
+            self._mm.madvise(mmap.MADV_REMOVE)
+        except (OSError, ValueError) as exc:
+            log.info("segment %s: pages not discarded (%s)", self.name, exc)
+            return False
+        return True
+
     def close(self) -> None:
         """Unmap and close the descriptor. Safe to call twice.
 

@@ -367,8 +367,8 @@ def _flush(s: Session, msg: dict) -> dict:
 def _segments(s: Session, msg: dict) -> dict:
     """Descriptors of segments the client lacks (after a reconnect, say)."""
     want = P.check_ids(msg.get("indices", []), "indices")
-    n = len(s.store.segments)
-    reply: dict = {"_segs": [i for i in want if 0 <= i < n]}
+    n, retired = len(s.store.segments), s.store.retired_segments
+    reply: dict = {"_segs": [i for i in want if 0 <= i < n and i not in retired]}
     return reply
 
 

@@ -76,9 +76,10 @@ HELP = {
     "tier_used": "bytes used in the tier",
     "tier_capacity": "the tier's size",
     "tier_reserved": "bytes reserved in the tier for writes under way (SSD: files being written, write-back data)",
-    "tier_mapped": "bytes of shared memory mapped for the tier",
+    "tier_mapped": "bytes of shared memory mapped for the tier (retired segments not counted)",
     "tier_files": "files in the SSD tier",
-    "tier_segments": "shared-memory segments of the tier",
+    "tier_segments": "shared-memory segments of the tier in use",
+    "tier_retired_segments": "empty segments whose memory went back, to map a value larger than a segment",
 }
 
 

@@ -240,20 +240,21 @@ class Worker:
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
             # room for the page, the placements, the lane, devobj's page
-            segs = list(self._store.segments)[: MAX_FDS - 4]
-            reply["segs"] = [[i, seg.nbytes] for i, seg in enumerate(segs)]
+            retired = set(self._store.retired_segments)
+            segs = [(i, seg) for i, seg in enumerate(self._store.segments) if i not in retired][: MAX_FDS - 4]
+            reply["segs"] = [[i, seg.nbytes] for i, seg in segs]
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
             reply["spin_hint"] = SPIN_HINT_OFFSET  # where in that page the polling advice is
             reply["slots"] = SLOTS_OFFSET  # where in it the per-key counters start
             reply["slot_count"] = SLOTS  # and how many there are
             # what one client may keep leased for local reads (pinned: not evictable while held)
             reply["cache_bytes"] = self.config.memory // CACHE_SHARE
-            fds = [self.validity.fd] + [seg.fd for seg in segs]
+            fds = [self.validity.fd] + [seg.fd for _, seg in segs]
             if self.placements is not None:
                 reply["placements"] = len(fds)  # where objects lie (store.placements): early copies
                 reply["placement_buckets"] = PLACEMENT_BUCKETS
                 fds.append(self.placements.fd)
-            session.sent_segments.update(range(len(segs)))
+            session.sent_segments.update(i for i, _ in segs)
             if hello.get("lane") and _lane.supported():
                 session.open_lane()
                 reply["lane"] = len(fds)
@@ -283,14 +284,20 @@ class Worker:
         except TransportError as exc:
             why = f"broke the protocol ({exc})"
         finally:
-            conn.close()
+            if not session.said_bye:
+                conn.close()
             if session.lane is not None:
                 self.lane_poller.detach(session)  # before cleanup closes the lane
-            with self._lock:
-                self._sessions.pop(session.owner, None)
-                n = len(self._sessions)
-                self._update_spin()
-            released = session.cleanup()
+            # Listed until its leases and writes are back, so that a client count that dropped means they are; and a
+            # client that closed waits in close() for the connection's end, so it ends after the cleanup
+            try:
+                released = session.cleanup()
+            finally:
+                conn.close()
+                with self._lock:
+                    self._sessions.pop(session.owner, None)
+                    n = len(self._sessions)
+                    self._update_spin()
             conn.session = None  # type: ignore[attr-defined]  # the two refer to each other: freed by refcount
             quiet = session.devobj_link and not released  # a link's connection that took nothing with it
             (log.debug if quiet else log.info)("client %s %s%s (%d connected)", session.name, why, released, n)

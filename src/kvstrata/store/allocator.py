@@ -186,6 +186,10 @@ class OffsetAllocator:
         return self._used[offset]
 
     @property
+    def allocated_blocks(self) -> int:
+        return len(self._used)
+
+    @property
     def free_bytes(self) -> int:
         return self.capacity - self.used_bytes
 

@@ -83,6 +83,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
             segment_bytes=config.segment_bytes,
             hugepages=config.hugepages,
             numa_node=config.resolved_numa_node(),
+            on_retire_segment=self._segment_retired,
         )
         self._announced = len(self._mem.segments)  # the first segment is visible through .segments from the start
         self._disk = DiskTier(config.disk_dir, config.disk_bytes, sync=config.disk_sync) if config.disk_dir else None
@@ -144,6 +145,16 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
     def segments(self) -> list[SharedSegment]:
         """The DRAM tier's shared segments; ``Location.segment`` indexes this list."""
         return self._mem.segments
+
+    @property
+    def retired_segments(self) -> list[int]:
+        """Indices of the DRAM segments retired to make room for values larger than a segment (their memory went back
+        to the kernel; nothing will point into them again). A client need not map them."""
+        return self._mem.retired
+
+    def _segment_retired(self, seg: SharedSegment) -> None:
+        if self._gpu is not None:  # page-locked for the HBM tier's loads: its pages would stay
+            self._gpu.unregister_host(seg.address)
 
     def add_segment_listener(self, fn: Callable[[SharedSegment], None]) -> None:
         """Call ``fn(segment)`` (outside the store's lock) whenever the DRAM tier adds a segment."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 from kvstrata.errors import CapacityError, CorruptData, KeyNotFound
 from kvstrata.store.config import WriteMode
@@ -46,13 +47,14 @@ class TieringMixin:
             return ZERO_LOCATION
         mem = self._mem
         deadline = None
+        own = mem.own_segment_bytes(size)  # larger than a segment: it needs a segment of its own
         while True:
             loc = mem.allocate(size)
             if loc is not None:
                 if mem.used > self._high:
                     self._wake.set()
                 return loc
-            if self._make_room(size):
+            if self._clear_segments(own - mem.segment_room()) if own else self._make_room(size):
                 continue
             if self._moving:
                 # The objects that could make room are being written to SSD by another thread (a write-back
@@ -67,6 +69,12 @@ class TieringMixin:
                     finally:
                         self._lock.acquire()
                     continue
+            if own:
+                raise CapacityError(
+                    f"no room for {size} bytes: a value larger than a segment ({self.config.segment_bytes} bytes) "
+                    f"needs {own} bytes of the memory tier to itself, and its segments hold objects that cannot be "
+                    f"evicted (leased, unsealed, or no SSD room to spill); {mem.used} of {mem.capacity} bytes used"
+                )
             raise CapacityError(
                 f"no room for {size} bytes: memory tier {mem.used} of {mem.capacity} bytes used and nothing "
                 f"more can be evicted (leased, unsealed, or no SSD room to spill)"
@@ -80,18 +88,52 @@ class TieringMixin:
         disk = self._disk
         return disk is not None and (e.disk_hold > 0 or disk.has_room(disk.file_bytes(e.key, e.size)))
 
-    def _make_room(self, goal: int) -> bool:
+    def _clear_segments(self, need: int) -> bool:
+        """Empty DRAM segments for a value larger than a segment: evict or spill every object of the segments holding
+        the fewest bytes, until segments of ``need`` bytes are empty (the memory tier then retires them to map the
+        value's own). Only segments whose every block is an object that may go are chosen: emptying one that keeps a
+        lease would drop objects for nothing. False when no such segments add up to ``need``. May release the lock."""
+        mem = self._mem
+        usage = mem.segment_usage()
+        if need <= 0 or not usage:
+            return False
+        held: dict[int, list[Entry]] = {u[0]: [] for u in usage}
+        for e in self._objects.values():
+            loc = e.loc
+            if loc is not None and loc.size and loc.segment in held:
+                held[loc.segment].append(e)
+        chosen: list[int] = []
+        found = 0
+        for i, nbytes, _, blocks in sorted(usage, key=lambda u: u[2]):  # the fewest bytes to move first
+            if found >= need:
+                break
+            entries = held[i]
+            if len(entries) == blocks and all(map(self._can_evict, entries)):
+                chosen.append(i)
+                found += nbytes
+        if found < need:
+            return False
+        victims = [e for i in chosen for e in held[i]]
+        return self._make_room(sum(e.size for e in victims), iter(victims))
+
+    def _make_room(self, goal: int, victims: Iterator[Entry] | None = None) -> bool:
         """Free about ``goal`` bytes of DRAM; False when nothing could be freed. May release the lock.
 
         Evictable objects are dropped and objects with a clean SSD copy lose their DRAM copy at
-        once; others are spilled (file written without the lock, then committed).
+        once; others are spilled (file written without the lock, then committed). The victims are the
+        eviction policy's, or ``victims`` (resident objects that may go, each checked with :meth:`_can_evict`).
         """
         freed = 0
         jobs: list[tuple[Entry, int]] = []
         pending = 0
         disk = self._disk
         while freed + pending < goal:
-            e = self._clock.next_victim(self._can_evict)
+            if victims is None:
+                e = self._clock.next_victim(self._can_evict)
+            else:
+                e = next(victims, None)
+                if e is not None:
+                    self._clock.remove(e.key, e)  # as next_victim would: a spill puts it back if it stays
             if e is None:
                 break
             if e.mode is WriteMode.EVICTABLE:

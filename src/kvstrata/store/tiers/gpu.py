@@ -81,6 +81,13 @@ class GpuTier(BlockTier):
         self._registered[address] = nbytes
         return True
 
+    def unregister_host(self, address: int) -> None:
+        """Undo :meth:`register_host` of the range at ``address`` (a no-op where it was not registered)."""
+        if self._registered.pop(address, None) is not None:
+            from kvstrata.memory import unregister
+
+            unregister(address)
+
     def unregister_all(self) -> None:
         """Undo :meth:`register_host` (before the host memory is unmapped)."""
         from kvstrata.memory import unregister

@@ -1,9 +1,15 @@
 """The DRAM tier: shared memory segments carved by offset allocators.
 
 The tier starts with one segment and grows by ``segment_bytes`` (or by what a large object needs)
-up to ``capacity``; segments are never unmapped while the store runs, because clients hold mappings
-of them. Every segment is a :class:`~kvstrata.memory.shm.SharedSegment`, so a worker can pass its fd
-to clients for zero-copy access.
+up to ``capacity``. Every segment is a :class:`~kvstrata.memory.shm.SharedSegment`, so a worker can pass
+its fd to clients for zero-copy access.
+
+A value larger than a segment needs a segment of its own. Once the segments mapped fill ``capacity``,
+empty segments are *retired* to make that room: their pages go back to the kernel (``MADV_REMOVE``),
+they take no more allocations and no longer count as mapped. A retired segment keeps its index and its
+mapping (clients may still map it, and indices in their hands must never point elsewhere); only its memory
+goes. Without this, a worker whose small values had once grown the tier to ``capacity`` refused every value
+larger than a segment for the rest of its life, even empty.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from itertools import repeat
+from typing import Any
 
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.allocator import ALIGNMENT, OffsetAllocator
@@ -19,6 +26,22 @@ from kvstrata.store.tiers.base import BlockTier, Location
 log = logging.getLogger(__name__)
 
 _GROW_GRANULE = 2 << 20  # segments are whole huge pages
+
+
+class _RetiredAllocator:
+    """What a retired segment allocates from: nothing."""
+
+    capacity = used_bytes = free_bytes = largest_free = allocated_blocks = 0
+    fragmentation = 0.0
+
+    def allocate(self, size: int) -> None:
+        return None
+
+    def allocate_run(self, sizes: list[int]) -> None:
+        return None
+
+
+_RETIRED_ALLOCATOR: Any = _RetiredAllocator()
 
 
 class MemoryTier(BlockTier):
@@ -34,13 +57,18 @@ class MemoryTier(BlockTier):
         hugepages: str | bool = "auto",
         numa_node: int | None = None,
         on_new_segment: Callable[[SharedSegment], None] | None = None,
+        on_retire_segment: Callable[[SharedSegment], None] | None = None,
     ):
         self._capacity = capacity
         self._segment_bytes = segment_bytes
         self._hugepages = hugepages
         self._numa_node = numa_node
         self._on_new_segment = on_new_segment
+        #: called before a segment's pages go (whoever page-locked it with CUDA must undo that first)
+        self._on_retire_segment = on_retire_segment
         self.segments: list[SharedSegment] = []
+        #: indices of the segments retired (see the module docstring), in the order they went
+        self.retired: list[int] = []
         self._allocators: list[OffsetAllocator] = []
         self._mapped = 0
         self._used = 0
@@ -77,12 +105,57 @@ class MemoryTier(BlockTier):
         return len(self.segments) - 1
 
     def fits_ever(self, size: int) -> bool:
-        if size <= self._allocators[0].capacity:
-            return True
-        rounded = -(-size // ALIGNMENT) * ALIGNMENT
-        if any(a.capacity >= rounded for a in self._allocators):
-            return True
-        return rounded <= self._capacity - self._mapped
+        # empty segments are retired to make room for a large value: the whole capacity is there in the end
+        return -(-size // ALIGNMENT) * ALIGNMENT <= self._capacity - self._capacity % ALIGNMENT
+
+    def own_segment_bytes(self, size: int) -> int:
+        """The segment a value of ``size`` bytes gets for itself, where it is larger than a segment (else 0)."""
+        if size <= self._segment_bytes:
+            return 0
+        return -(-size // _GROW_GRANULE) * _GROW_GRANULE
+
+    def segment_room(self) -> int:
+        """Bytes not mapped yet: what a new segment may take."""
+        return self._capacity - self._mapped
+
+    def segment_usage(self) -> list[tuple[int, int, int, int]]:
+        """``(index, bytes, bytes in use, blocks allocated)`` of every segment not retired."""
+        return [
+            (i, a.capacity, a.used_bytes, a.allocated_blocks)
+            for i, a in enumerate(self._allocators)
+            if a is not _RETIRED_ALLOCATOR
+        ]
+
+    def retire_empty(self, need: int, *, only: set[int] | None = None) -> int:
+        """Retire empty segments (of ``only``, where given) until ``need`` more bytes may be mapped; the bytes
+        freed. Retires nothing when the empty ones are not enough: their memory would go for no gain."""
+        empty = [
+            (a.capacity, i)
+            for i, a in enumerate(self._allocators)
+            if a is not _RETIRED_ALLOCATOR and a.used_bytes == 0 and (only is None or i in only)
+        ]
+        if sum(n for n, _ in empty) < need:
+            return 0
+        freed = 0
+        for nbytes, i in sorted(empty, reverse=True):  # the largest first: the fewest segments go
+            if freed >= need:
+                break
+            self._retire(i)
+            freed += nbytes
+        return freed
+
+    def _retire(self, index: int) -> None:
+        seg, nbytes = self.segments[index], self._allocators[index].capacity
+        if self._on_retire_segment is not None:
+            self._on_retire_segment(seg)
+        if not seg.discard_pages():
+            log.warning("memory tier: segment %d retired, but its pages stay until every mapping of it goes", index)
+        self._allocators[index] = _RETIRED_ALLOCATOR
+        self._mapped -= nbytes
+        self.retired.append(index)
+        if self._last == index:
+            self._last = 0  # tried first: a retired one allocates nothing, and the others are tried next
+        log.info("memory tier: segment %d (%d bytes) retired, to map a value larger than a segment", index, nbytes)
 
     def allocate(self, size: int) -> Location | None:
         allocs = self._allocators
@@ -98,10 +171,11 @@ class MemoryTier(BlockTier):
                     self._last = i
                     self._used += (size + ALIGNMENT - 1) & -ALIGNMENT
                     return Location(i, off, size)
-        room = self._capacity - self._mapped
         # a value larger than a segment gets a segment of its own, in whole huge pages
-        want = self._segment_bytes if size <= self._segment_bytes else -(-size // _GROW_GRANULE) * _GROW_GRANULE
-        want = min(want, room)
+        own = self.own_segment_bytes(size)
+        if own and self._capacity - self._mapped < own:
+            self.retire_empty(own - (self._capacity - self._mapped))
+        want = min(own or self._segment_bytes, self._capacity - self._mapped)
         if want - want % ALIGNMENT >= size and want >= ALIGNMENT:
             i = self._add_segment(want)
             off = allocs[i].allocate(size)
@@ -150,12 +224,13 @@ class MemoryTier(BlockTier):
 
     def stats(self) -> dict:
         used = self.used
-        frag = [a.fragmentation for a in self._allocators]
+        frag = [a.fragmentation for a in self._allocators if a is not _RETIRED_ALLOCATOR]
         return {
             "used": used,
             "capacity": self._capacity,
             "mapped": self._mapped,
-            "segments": len(self.segments),
+            "segments": len(self.segments) - len(self.retired),
+            "retired_segments": len(self.retired),
             "hugepages": self.segments[0].hugepages if self.segments else "off",
             "fragmentation": round(max(frag), 4) if frag else 0.0,
         }

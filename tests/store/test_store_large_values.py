@@ -1,0 +1,158 @@
+"""Values larger than a DRAM segment once the segments mapped fill the tier: whole segments are emptied (their objects
+evicted or spilled) and retired, their memory given back, so the value gets a segment of its own; what cannot go
+(leases) is never touched, and a refusal says why."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.errors import CapacityError
+from kvstrata.store import ObjectStore
+from kvstrata.store.tiers.memory import MemoryTier
+
+KB, MB = 1024, 1 << 20
+
+
+def _value(i: int, size: int) -> bytes:
+    return bytes([i % 251 + 1]) * size
+
+
+def _filled(store: ObjectStore, n: int, size: int = 900 * KB, **kw) -> list[str]:
+    """``n`` values of ``size`` bytes: one per 1 MiB segment, so that ``n`` segments are mapped."""
+    keys = [f"small/{i}" for i in range(n)]
+    for i, key in enumerate(keys):
+        store.put(key, _value(i, size), **kw)
+    return keys
+
+
+def _memory(store: ObjectStore) -> dict:
+    return store.stats()["tiers"]["memory"]
+
+
+def test_a_value_larger_than_a_segment_fits_a_fully_mapped_tier_by_spilling_whole_segments(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=4 * MB, segment=1 * MB))
+    try:
+        keys = _filled(s, 4)
+        assert _memory(s)["mapped"] == 4 * MB  # every byte of the tier is in 1 MiB segments now
+        big = _value(200, 3 * MB // 2)  # 1.5 MiB: needs a 2 MiB segment of its own
+        s.put("big", big)
+        mem = _memory(s)
+        assert mem["retired_segments"] == 2 and mem["mapped"] <= 4 * MB
+        assert s.get_bytes("big") == big
+        # the objects of the emptied segments were spilled, not lost: each reads back exactly
+        for i, key in enumerate(keys):
+            assert s.get_bytes(key) == _value(i, 900 * KB)
+        assert s.stats()["spills"] >= 2
+    finally:
+        s.close()
+
+
+def test_evictable_objects_go_and_the_tier_keeps_working_through_many_rounds(make_config):
+    s = ObjectStore(make_config(memory=4 * MB, segment=1 * MB))
+    try:
+        for round_ in range(6):  # small values map segments, a large one empties them (or one it had), again and again
+            _filled(s, 4, write_mode="evictable")
+            big = _value(round_, 3 * MB // 2)
+            s.put(f"big/{round_}", big, write_mode="evictable")
+            assert s.get_bytes(f"big/{round_}") == big
+            mem = _memory(s)
+            assert mem["mapped"] <= 4 * MB and mem["used"] <= mem["mapped"]
+        assert _memory(s)["retired_segments"] >= 2
+    finally:
+        s.close()
+
+
+def test_empty_segments_are_retired_with_nothing_evicted(make_config):
+    s = ObjectStore(make_config(memory=4 * MB, segment=1 * MB))
+    try:
+        keys = _filled(s, 4)
+        s.delete(keys)
+        s.put("big", _value(7, 3 * MB))  # 3 MiB of the 4: three segments must go
+        assert s.get_bytes("big") == _value(7, 3 * MB)
+        assert _memory(s)["retired_segments"] >= 3
+        assert s.stats()["evictions"] == 0 and s.stats()["spills"] == 0
+    finally:
+        s.close()
+
+
+def test_a_leased_object_keeps_its_segment_and_the_others_make_the_room(tmp_path, make_config):
+    s = ObjectStore(make_config(tmp_path, memory=4 * MB, segment=1 * MB))
+    try:
+        keys = _filled(s, 4)
+        lease = s.acquire(keys[0], owner="reader")
+        view = s.buffer(lease.location)
+        s.put("big", _value(9, 3 * MB // 2))
+        assert lease.location.segment not in s.retired_segments
+        assert bytes(view) == _value(0, 900 * KB)  # the reader's bytes never moved
+        s.release(lease.lease_id)
+        assert s.get_bytes("big") == _value(9, 3 * MB // 2)
+        for i, key in enumerate(keys):
+            assert s.get_bytes(key) == _value(i, 900 * KB)
+    finally:
+        s.close()
+
+
+def test_a_value_that_only_leased_segments_could_make_room_for_is_refused_and_nothing_moves(make_config):
+    s = ObjectStore(make_config(memory=4 * MB, segment=1 * MB))
+    try:
+        keys = _filled(s, 4, write_mode="evictable")
+        leases = [s.acquire(key, owner="reader") for key in keys[:3]]  # only one segment could go: 2 are needed
+        with pytest.raises(CapacityError, match="larger than a segment"):
+            s.put("big", _value(3, 3 * MB // 2))
+        assert s.stats()["evictions"] == 0  # no object dropped for a room that could not be made
+        assert _memory(s)["retired_segments"] == 0
+        for i, key in enumerate(keys):
+            assert s.get_bytes(key) == _value(i, 900 * KB)
+        for lease in leases:
+            s.release(lease.lease_id)
+        s.put("big", _value(3, 3 * MB // 2))  # the leases are back: now it fits
+        assert s.get_bytes("big") == _value(3, 3 * MB // 2)
+    finally:
+        s.close()
+
+
+def test_a_value_larger_than_the_tier_is_still_refused_up_front(make_config):
+    s = ObjectStore(make_config(memory=4 * MB, segment=1 * MB))
+    try:
+        with pytest.raises(CapacityError, match="does not fit the memory tier"):
+            s.put("huge", b"x" * (4 * MB + 1))
+        s.put("whole", _value(1, 4 * MB))  # the whole tier, in one segment of its own, is fine
+        assert s.get_bytes("whole") == _value(1, 4 * MB)
+    finally:
+        s.close()
+
+
+def _shmem_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def test_a_retired_segment_gives_its_memory_back_and_allocates_nothing():
+    tier = MemoryTier(8 * MB, segment_bytes=4 * MB, hugepages="off", numa_node=None)
+    try:
+        first = tier.allocate(MB)
+        second = tier.allocate(4 * MB)  # a second 4 MiB segment: the tier is fully mapped
+        assert second.segment == 1 and tier.mapped == 8 * MB
+        tier.free(first)
+        before = _shmem_kib()
+        assert tier.retire_empty(4 * MB) == 4 * MB
+        assert tier.retired == [0]
+        assert before - _shmem_kib() >= 4 * 1024 - 64  # its pages went back to the kernel
+        assert tier.mapped == 4 * MB and tier.stats()["segments"] == 1
+        tier.free(second)
+        loc = tier.allocate(6 * MB)  # needs 6 of the 8 MiB: segment 1 goes as well, a new one comes
+        assert loc.segment == 2 and tier.retired == [0, 1] and tier.mapped == 6 * MB
+        assert all(tier.allocate(KB).segment == 3 for _ in range(3))  # small ones: a new segment, never 0 or 1
+    finally:
+        tier.close()
+
+
+def test_retire_empty_retires_nothing_when_the_empty_segments_are_not_enough():
+    tier = MemoryTier(8 * MB, segment_bytes=2 * MB, hugepages="off", numa_node=None)
+    try:
+        held = [tier.allocate(2 * MB) for _ in range(4)]
+        tier.free(held[0])
+        assert tier.retire_empty(4 * MB) == 0  # one empty segment of the two needed: keep it
+        assert tier.retired == [] and tier.mapped == 8 * MB
+    finally:
+        tier.close()

@@ -1,0 +1,46 @@
+"""A worker whose small values once mapped its whole memory tier still takes a value larger than a segment (whole
+segments emptied and retired: kvstrata.store.tiers.memory), and its clients, old and new, read everything back; a
+client connecting afterwards is not handed the retired segments."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvstrata
+from kv_helpers import worker_fixtures
+from kvstrata.cli.status import render
+from kvstrata.server.metrics import to_prometheus
+
+MB = 1 << 20
+
+worker, kv = worker_fixtures("large-values-worker", memory=8 * MB, segment=2 * MB, modes=("unix",))
+
+
+def _value(i: int, size: int) -> np.ndarray:
+    return np.full(size, i % 251 + 1, dtype=np.uint8)
+
+
+def test_a_large_value_after_the_tier_filled_with_small_ones_and_a_client_connecting_afterwards(kv, worker):
+    keys = [f"small/{i}" for i in range(4)]
+    for i, key in enumerate(keys):  # one per 2 MiB segment: the 8 MiB tier is fully mapped
+        kv.set(key, _value(i, 2 * MB - 64 * 1024), write_mode="evictable")
+    assert kv.stats()["tiers"]["memory"]["mapped"] == 8 * MB
+    kv.set("big", _value(77, 5 * MB))  # 5 MiB: a 6 MiB segment of its own, three small segments go
+    retired = worker._store.retired_segments
+    assert len(retired) == 3
+    assert np.array_equal(np.frombuffer(kv.get("big"), dtype=np.uint8), _value(77, 5 * MB))
+    with kvstrata.connect(worker.address, timeout=5) as other:
+        backend = other._backend
+        assert not set(retired) & set(backend._segments)  # never mapped by a client that came later
+        assert backend.request({"op": "segments", "indices": retired}) is not None
+        assert not set(retired) & set(backend._segments)  # nor handed out when asked for
+        with other.get_buffers(["big"])[0] as view:  # a zero-copy view in the value's own segment
+            assert np.array_equal(view.numpy(), _value(77, 5 * MB))
+    stats = kv.stats()["tiers"]["memory"]
+    assert stats["retired_segments"] == 3 and stats["mapped"] <= 8 * MB
+    assert "3 segments retired" in render(kv.stats(), worker.address)  # kvstrata status says so
+    assert "kvstrata_tier_retired_segments" in to_prometheus(kv.stats())
+    # the evicted small values miss; the one left reads back whole
+    left = [key for key in keys if kv.exists([key])[0]]
+    for key in left:
+        assert np.array_equal(np.frombuffer(kv.get(key), dtype=np.uint8), _value(keys.index(key), 2 * MB - 64 * 1024))
