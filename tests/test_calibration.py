@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import kvstrata
 from kvstrata.ops import calibration
 from kvstrata.ops.calibration import Calibration, calibrate, choose_method, static_rule
 
@@ -174,3 +175,10 @@ def test_measure_setup_views_move_the_right_bytes():
         for s, view in enumerate(layout.seg_views):
             assert torch.equal(pool.flat[(b * 6 + s) * 16 : (b * 6 + s + 1) * 16], view[d])
     assert int(host[5 * 6 * 16 :].count_nonzero()) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")
+def test_calibrate_without_a_gpu_says_so():
+    """It failed with torch's ``Torch not compiled with CUDA enabled`` AssertionError."""
+    with pytest.raises(kvstrata.InvalidValue, match="needs a CUDA device"):
+        calibrate()

@@ -220,6 +220,16 @@ def test_status_counts_the_reads_clients_served_themselves_and_not_misses_as_ref
     assert wait_for(lambda: worker.stats()["clients"] == 0)
 
 
+def test_kvstrata_status_says_goodbye_and_is_not_logged_as_a_crashed_client(worker, caplog):
+    from kvstrata.cli.status import fetch_stats
+
+    with caplog.at_level("INFO", logger="kvstrata.worker"):
+        stats, _ = fetch_stats(worker.address)
+        assert stats["clients"] == 1  # itself
+        assert wait_for(lambda: "(kvstrata status) " in caplog.text.split("connected (1 connected)")[-1])
+    assert "went away without closing" not in caplog.text
+
+
 def test_an_interrupted_wait_ends_the_connection_rather_than_shift_its_replies(worker):
     # A wait interrupted after its request went (Ctrl-C, a signal handler's exception) left its reply to answer the
     # next request: get("b") then returned a's value.
@@ -373,3 +383,23 @@ def test_what_a_client_held_is_back_in_the_worker_when_close_returns(worker, mon
     began = time.monotonic()
     frozen.close()
     assert time.monotonic() - began < 1.2
+
+
+def test_a_disk_tier_larger_than_its_file_system_is_warned_about_at_start(tmp_path, caplog):
+    settings = {"socket": str(tmp_path / "w.sock"), "memory": "16MiB", "numa_node": "none"}
+    config = WorkerConfig.load({**settings, "disk_dir": str(tmp_path / "ssd"), "disk_size": "1000TiB"}, environ={})
+    with caplog.at_level("WARNING", logger="kvstrata.worker"), Worker(config).start():
+        pass
+    assert "free: writes will be refused once it is full (lower --disk-size)" in caplog.text
+
+
+def test_every_metric_of_a_worker_says_what_it_counts_and_gauges_are_not_counters(worker):
+    from kvstrata.server.metrics import to_prometheus
+
+    with kvstrata.connect(worker.address) as kv:
+        kv.set("m", b"x" * 5000)
+        text = to_prometheus(kv.stats())
+    helps = [line for line in text.splitlines() if line.startswith("# HELP")]
+    assert helps and not [line for line in helps if "kvstrata worker stat" in line]  # no made-up text left
+    assert "# TYPE kvstrata_device_object_connections gauge" in text  # connections now, not ever
+    assert "# TYPE kvstrata_connections_total counter" in text

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvstrata
 from kv_helpers import (
     DTYPES,
     clone_all,
@@ -374,3 +375,18 @@ def test_the_registered_op_checks_its_arguments(direction, method, dev_ids, host
             direction, method, 0,
         )  # fmt: skip
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("method", ["zero_copy", "staging"])
+def test_a_method_the_device_cannot_run_is_refused_even_unchecked(method, monkeypatch):
+    """With ``check=False`` the call reached Triton (``0 active drivers``): the method is checked once per plan."""
+    import importlib
+
+    module = importlib.import_module("kvstrata.ops.transfer_blocks")
+
+    monkeypatch.setattr(module, "interpreting", lambda: False)  # a CPU process without TRITON_INTERPRET
+    cache = make_cache("vllm", layers=2, blocks=4, dtype=torch.float16, device="cpu", head_dim=8, page=3)
+    layout = layout_of(cache)
+    pool = _pool(layout, 4, "block_first", "cpu")
+    with pytest.raises(kvstrata.InvalidValue, match="needs a CUDA device layout"):
+        transfer_blocks(layout, pool, [0, 1], [2, 3], direction="d2h", method=method, check=False)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
+import pytest
+import torch
+
+from kvstrata.cli.main import main
 from kvstrata.server import WorkerConfig, to_prometheus
 from kvstrata.units import format_size, parse_size
 
@@ -137,11 +141,41 @@ def test_demo_runs_and_checks_its_data(capsys):
     assert int(re.search(r"reused from kvstrata\s+(\d+)", out).group(1)) > 0
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--sessions", "0"], "--sessions: must be a finite number > 0"),
+        (["--layers", "-2"], "--layers: must be a finite number > 0"),
+        (["--memory", "1KiB"], "must hold at least 8 KV blocks"),
+        (["--memory", "lots"], "--memory: memory: expected a size"),
+        (["--device", "bogus"], "--device 'bogus'"),
+    ],
+)
+def test_demo_refuses_bad_arguments_by_name(args, says, capsys):
+    """They ended in tracebacks (ZeroDivisionError, CapacityError) or ran with nothing to show."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *args])
+    assert says in f"{exit_.value.code} {capsys.readouterr().err}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")
+def test_demo_on_a_cuda_device_there_is_not():
+    with pytest.raises(SystemExit, match="no CUDA device here"):
+        main(["demo", "--device", "cuda"])
+
+
 def test_worker_socket_follows_kvstrata_worker():
     env = {"KVSTRATA_WORKER": "unix:///tmp/shared-name.sock"}
     assert WorkerConfig.load({"disk_dir": ""}, environ=env).address == "unix:///tmp/shared-name.sock"
     env["KVSTRATA_SOCKET"] = "/tmp/explicit.sock"  # an explicit socket setting wins
     assert WorkerConfig.load({"disk_dir": ""}, environ=env).socket == "/tmp/explicit.sock"
+    # a bare path is a Unix socket to clients: to the worker too (it listened on the default socket instead)
+    env = {"KVSTRATA_WORKER": "/tmp/bare-name.sock"}
+    assert WorkerConfig.load({"disk_dir": ""}, environ=env).address == "unix:///tmp/bare-name.sock"
+    relative = {"KVSTRATA_WORKER": "rel.sock"}  # where a client in this folder looks: os.path.abspath
+    assert WorkerConfig.load({"disk_dir": ""}, environ=relative).address == f"unix://{os.path.abspath('rel.sock')}"
+    env = {"KVSTRATA_WORKER": "tcp://127.0.0.1:7000"}  # not a socket of ours to take
+    assert WorkerConfig.load({"disk_dir": ""}, environ=env).address != "tcp://127.0.0.1:7000"
 
 
 def test_spin_us(tmp_path):

@@ -2,8 +2,10 @@
 
 Layers, each calling only downward::
 
-    memory  <-  ops  <-  store  <-  server / client / transport  <-  comm / cluster  <-  integrations
-                                                                                       cli on top
+    memory  <-  ops  <-  store  <-  server / client / transport / devobj  <-  comm
+                                                                              cli and bench on top
+
+One node for now: the cluster mode over etcd and the model-code integrations are not built yet.
 
 Submodules are imported lazily so ``import kvstrata`` stays cheap and works without a GPU.
 """
@@ -18,6 +20,7 @@ from kvstrata.errors import (
     ClosedError,
     ConnectionLost,
     CorruptData,
+    DeadlockError,
     InvalidArgument,
     InvalidType,
     InvalidValue,
@@ -32,7 +35,7 @@ from kvstrata.errors import (
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("memory", "ops", "store", "client", "server", "transport", "comm", "bench", "cli")
+_LAZY_SUBMODULES = ("memory", "ops", "store", "client", "server", "transport", "devobj", "comm", "bench", "cli")
 
 
 def __getattr__(name: str) -> Any:
@@ -48,6 +51,7 @@ __all__ = [
     "ClosedError",
     "ConnectionLost",
     "CorruptData",
+    "DeadlockError",
     "InvalidArgument",
     "InvalidType",
     "InvalidValue",

@@ -470,9 +470,10 @@ def _graph_replay_us(s: Setup, direction: str) -> float:
 # ------------------------------------------------------------------------------------------ smoke
 def _smoke(args: argparse.Namespace) -> int:
     """Tiny CPU run: each CPU-capable method checked against the reference and timed on the host."""
+    # Triton decides at a kernel's definition whether it runs in the interpreter: set before kvstrata.ops is loaded
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     from kvstrata.ops import transfer_blocks
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     rows = []
     s = Setup(2, 256, 2 * 4 * 256, device="cpu")
     for method in ("torch", "copy_engine", "zero_copy", "staging", "auto"):

@@ -22,13 +22,17 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvstrata.bench._common import positive
+
     p = subparsers.add_parser("demo", help="KV-cache offload and prefix reuse on the embedded store (start here)")
-    p.add_argument("--sessions", type=int, default=40, help="chat sessions (default 40)")
+    p.add_argument("--sessions", type=positive(int), default=40, help="chat sessions (default 40)")
     p.add_argument("--memory", default="48MiB", help="host (DRAM) tier size (default 48MiB: smaller than the data)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument(
+        "--layers", type=positive(int), default=8, help="decoder layers whose K and V each block holds (default 8)"
+    )
+    p.add_argument("--block-tokens", type=positive(int), default=16, help="tokens per KV block (default 16)")
     p.add_argument("--device", default=None, help="where the KV tensors live (default: cuda if present, else cpu)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sessions' prompts and KV values (default 0)")
     p.set_defaults(func=run)
 
 
@@ -83,12 +87,26 @@ def run(args: argparse.Namespace) -> int:
 
     rng = random.Random(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(f"kvstrata demo: --device {args.device!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"kvstrata demo: --device {args.device}: no CUDA device here (use --device cpu)")
     model = Model(args.layers, heads=8, head_dim=64, block_tokens=args.block_tokens, device=device)
     bt = args.block_tokens
     system_prompts = [[rng.randrange(32000) for _ in range(bt * 8)] for _ in range(4)]
     histories: dict[int, list[int]] = {}
     disk_dir = tempfile.mkdtemp(prefix="kvstrata-demo-ssd-")
-    memory = parse_size(args.memory, "memory")
+    try:
+        memory = parse_size(args.memory, "memory")
+    except ValueError as exc:
+        raise SystemExit(f"kvstrata demo: --memory: {exc}") from None
+    if memory < 8 * model.block_bytes:
+        raise SystemExit(
+            f"kvstrata demo: --memory {args.memory}: the host tier must hold at least 8 KV blocks of "
+            f"{format_size(model.block_bytes)} ({format_size(8 * model.block_bytes)})"
+        )
     totals = dict(requests=0, blocks=0, hit_blocks=0, computed=0, deduped=0, loaded_bytes=0, stored_bytes=0)
     load_s = store_s = 0.0
     mismatches = 0

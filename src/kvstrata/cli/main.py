@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-DESCRIPTION = "kvstrata: move and cache AI tensors across GPU memory, host memory and SSD, on one node and many"
+DESCRIPTION = "kvstrata: move and cache AI tensors across GPU memory, host memory and SSD on one node"
 
 # Subcommand modules, in the order `kvstrata --help` lists them.
 SUBCOMMAND_MODULES = [

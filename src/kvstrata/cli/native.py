@@ -29,7 +29,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"kvstrata native: ready in {took:.1f} s: {got['path']}")
     entry = tensor_runs.batch_entry()
-    if entry is None:
+    import torch
+
+    if entry is None and not torch.cuda.is_available():
+        print("  no GPU here: its passes have no copies to queue (no driver with cuMemcpyBatchAsync)")
+    elif entry is None:
         print("  its passes answer their runs (no GPU driver with cuMemcpyBatchAsync here): cuda-bindings queues them")
     else:
         print(f"  its passes queue their own copies: the driver's cuMemcpyBatchAsync (ABI {entry[1]}) at {entry[0]:#x}")

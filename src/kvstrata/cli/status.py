@@ -49,6 +49,7 @@ def fetch_stats(address: str | None = None, *, timeout: float = 2.0) -> tuple[di
         reply, fds = conn.recv(timeout=timeout)
         for fd in fds:  # none are sent for this request; never leak one if a worker does
             os.close(fd)
+        conn.send({"op": "bye"})  # a clean close: the worker's log would call an unannounced one a crash
     if "err" in reply:
         raise P.error_from_record(reply["err"])
     return reply["stats"], address

@@ -32,8 +32,9 @@ def connect(
     ``address``: ``unix:///path.sock`` (default: ``$KVSTRATA_WORKER`` or the default socket path).
     ``embedded=True``: no worker process; an :class:`~kvstrata.store.ObjectStore` is built in this
     process from ``store_options`` (:class:`~kvstrata.store.StoreConfig` fields; sizes may be
-    strings like ``"1GiB"``; memory defaults to a quarter of RAM, at most 4 GiB; no SSD tier unless
-    ``disk_dir``/``disk_bytes`` are given), or an existing one is shared through ``store=``.
+    strings like ``"1GiB"``; memory defaults to a quarter of RAM, at most 4 GiB; an SSD tier only with
+    ``disk_dir`` and ``disk_bytes`` both given, ``disk_dir=""`` or None meaning none, as for the worker), or an
+    existing one is shared through ``store=``.
 
     >>> import kvstrata
     >>> with kvstrata.connect(embedded=True, memory_bytes="64MiB") as kv:
@@ -62,6 +63,8 @@ def connect(
                 raise InvalidType(
                     f"{key}: not an option of an embedded store (its options: {', '.join(sorted(fields))})"
                 )
+        if options.get("disk_dir") == "":  # the worker's way (--disk-dir '') of saying "no SSD tier"
+            options["disk_dir"] = None
         for key in _SIZE_OPTIONS:
             if key in options:
                 options[key] = parse_size(options[key], key)

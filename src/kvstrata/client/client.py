@@ -67,10 +67,12 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
     # lifecycle -----------------------------------------------------------------------------------
     @property
     def address(self) -> str:
+        """The worker's address (``unix:///...``), or ``"embedded"`` for an in-process store."""
         return self._backend.address
 
     @property
     def embedded(self) -> bool:
+        """Whether the store runs in this process (``connect(embedded=True)``) rather than in a worker."""
         return isinstance(self._backend, EmbeddedBackend)
 
     @property
@@ -184,7 +186,9 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         return self._b().get(key, P.check_timeout(timeout))
 
     def mget(self, keys: Iterable[str], *, timeout: float = 0) -> list[Result]:
-        """Values of ``keys``: bytes, or the exception (KeyNotFound, Timeout...) in a missing key's slot."""
+        """Values of ``keys``: bytes, or the exception (KeyNotFound, Timeout...) in a missing key's slot.
+
+        ``timeout`` as in :meth:`get`, for the batch: 0 does not wait, None waits for every key."""
         keys = P.check_keys(keys)
         return self._b().mget(keys, P.check_timeout(timeout)) if keys else []
 
@@ -299,7 +303,8 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._b().finish(action, key)
 
     def get_buffers(self, keys: str | Iterable[str], *, timeout: float = 0) -> list[ReadBuffer | KvstrataError]:
-        """Zero-copy read-only views of objects, each holding a lease until released (or collected)."""
+        """Zero-copy read-only views of objects, each holding a lease until released (or collected); the exception in
+        a missing key's slot. ``timeout`` as in :meth:`get`: 0 does not wait, None waits for every key."""
         keys = P.check_keys(keys)
         backend = self._b()
         out: list[Any] = []
@@ -332,6 +337,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         return _one_or_many(keys, self._keys_op("decref", keys))
 
     def refcount(self, key: str) -> int:
+        """The global reference count of ``key`` (:meth:`incref` / :meth:`decref`; 0 when never counted)."""
         return self._b().refcount(P.check_key(key))
 
     # operations ----------------------------------------------------------------------------------
@@ -344,6 +350,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._b().flush()
 
     def ping(self) -> None:
+        """A round trip to the worker (ConnectionLost when it is gone); nothing to do for an embedded store."""
         if isinstance(self._b(), RemoteBackend):
             self._backend.request({"op": "ping"})
 

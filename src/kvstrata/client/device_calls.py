@@ -408,7 +408,8 @@ class DeviceCallsMixin:
         """Fill each key's tensors (device or CPU) from its object, split in order. Returns None per key filled.
 
         The tensors' sizes must add up to the object's size (ValueError in that key's slot otherwise). Waits up to
-        ``timeout`` for missing keys. The copies run as copy-engine batches on a copy stream that waits for
+        ``timeout`` seconds for missing keys (0: not at all, a miss is KeyNotFound in its slot; None: until they
+        come). The copies run as copy-engine batches on a copy stream that waits for
         ``stream`` (default: current); the call returns once they have landed. Leases on the objects pin their
         bytes until then. The keys from the first that this client read before and that are unchanged since go in
         one pass with no round trip to the worker (:mod:`kvstrata.client.kept_reads`); the rest of the call (all of

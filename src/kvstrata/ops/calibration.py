@@ -222,8 +222,11 @@ def calibrate(
 ) -> Calibration:
     """Load this device's calibration from the cache, or measure and cache it (``force=True``: always measure).
 
-    ``measure`` replaces the timing function and ``key`` the device key (tests pass fakes).
+    ``measure`` replaces the timing function and ``key`` the device key (tests pass fakes). Needs a CUDA device
+    (``InvalidValue`` without one: on CPU, ``method="auto"`` has nothing to choose between).
     """
+    if key is None and not torch.cuda.is_available():
+        raise InvalidValue("calibrate: needs a CUDA device (none is available); nothing to calibrate on CPU")
     dev = torch.device("cuda", _index(device)) if key is None else torch.device("cpu")
     key = key if key is not None else device_key(dev)
     path = cache_path(key)

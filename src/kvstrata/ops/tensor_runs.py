@@ -276,6 +276,10 @@ def batch_entry() -> tuple[int, int] | None:
     CUDA 13 has it) or 12080 (CUDA 12.8's, with a failure index), or None (no cuda-bindings, a driver older than
     12.8, no GPU). Looked up with ``cuGetProcAddress`` for that ABI version, so a newer driver answers the call this
     module declares."""
+    import torch
+
+    if not torch.cuda.is_available():  # no driver to ask (and nothing to warn about)
+        return None
     try:
         from cuda.bindings import driver
     except ImportError:

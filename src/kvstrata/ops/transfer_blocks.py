@@ -258,8 +258,9 @@ def _run_plan(layout, pool, dev_ids, host_ids, n, direction, method, num_ctas, c
 def _build_plan(layout, pool, n, direction, method, num_ctas, check, busy, other=None,
                 host_ids_on_device=False) -> _plan.TransferPlan:  # fmt: skip
     generation = registry_generation()  # read before the lookups: a change meanwhile invalidates the plan
-    if check:
-        _check_signature(layout, pool, method)
+    # whatever ``check`` says: a plan is built once per signature, and a method the device cannot run would
+    # otherwise fail deep in Triton or the driver
+    _check_signature(layout, pool, method)
     device = layout.device
     cuda = device.type == "cuda"
     if method == "auto":

@@ -184,12 +184,14 @@ class WorkerConfig:
     ) -> WorkerConfig:
         """Merge defaults < YAML file < ``KVSTRATA_<FIELD>`` environment < ``flags`` (None values ignored).
 
-        With no socket set anywhere, a ``unix://`` ``KVSTRATA_WORKER`` (what clients use) is the socket.
+        With no socket set anywhere, a ``KVSTRATA_WORKER`` (what clients use) that names a Unix socket, as
+        ``unix://PATH`` or a bare path, is the socket.
         """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        if environ.get("KVSTRATA_WORKER", "").startswith("unix://"):  # where clients will look for us
-            values["socket"] = environ["KVSTRATA_WORKER"]
+        clients_look_at = environ.get("KVSTRATA_WORKER", "")
+        if clients_look_at and ("://" not in clients_look_at or clients_look_at.startswith("unix://")):
+            values["socket"] = worker_address(clients_look_at)  # a bare path means the same to clients
         if config_file:
             values.update(_read_yaml(config_file))
         values.update(_from_environ(environ))

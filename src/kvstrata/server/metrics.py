@@ -79,6 +79,17 @@ HELP = {
     "tier_mapped": "bytes of shared memory mapped for the tier (retired segments not counted)",
     "tier_files": "files in the SSD tier",
     "tier_segments": "shared-memory segments of the tier in use",
+    "tier_fragmentation": "1 - largest free block / free bytes, in the worst segment (0: free space in one piece)",
+    "carved": "objects committed out of clients' write reservations (host<->device writes with no request each)",
+    "reservations": "write reservations granted to clients",
+    "reserved_bytes": "bytes in clients' write reservations not committed yet",
+    "device_loads": "objects loaded into the HBM tier",
+    "device_evictions": "objects dropped from the HBM tier",
+    "device_object_connections": "connections of device-object links (part of the clients counted in clients)",
+    "lane_requests_polled": "requests answered from clients' shared-memory request pages by the polling thread",
+    "lane_poll_spells": "polling spells the lane poller began",
+    "lane_poll_kicks": "times a client woke the lane poller, having found its request page unpolled",
+    "lane_wakeups": "lane requests a client had to wake a sleeping worker thread for",
     "tier_retired_segments": "empty segments whose memory went back, to map a value larger than a segment",
 }
 
@@ -126,10 +137,11 @@ def to_prometheus(stats: dict[str, Any], prefix: str = "kvstrata") -> str:
     lines = []
     for name, rows in sorted(samples.items()):
         base = name.rsplit("_", 1)[-1]
-        is_counter = name.removeprefix(prefix + "_") in counters() or base in counters()
+        stat = name.removeprefix(prefix + "_")
+        # a tier's stats carry the store's names (tier_spills ...); elsewhere only the full name says
+        is_counter = stat in counters() or (stat.startswith("tier_") and base in counters())
         metric = f"{name}_bytes" if base in BYTES else name
         metric = f"{metric}_total" if is_counter and not metric.endswith("_total") else metric
-        stat = name.removeprefix(prefix + "_")
         lines.append(f"# HELP {metric} {HELP.get(stat, 'kvstrata worker stat ' + stat.replace('_', ' '))}")
         lines.append(f"# TYPE {metric} {'counter' if is_counter else 'gauge'}")
         for label_text, value in rows:

@@ -129,7 +129,29 @@ class Worker:
             f"{_fmt(self.config.disk_size)} in {self.config.disk_dir}" if self.config.disk_dir else "off",
         )
         log.debug("store stats at start: %s", stats)
+        self._warn_if_disk_short()
         return self
+
+    def _warn_if_disk_short(self) -> None:
+        """The SSD tier's size is a promise to the writes it takes: say so at start when its file system cannot
+        keep it (a full file system then refuses writes with CapacityError, rather than the tier's accounting)."""
+        if not self.config.disk_dir:
+            return
+        import shutil
+
+        try:
+            free = shutil.disk_usage(self.config.disk_dir).free
+        except OSError:
+            return
+        used = (self._store.stats().get("tiers", {}).get("disk") or {}).get("used", 0)
+        if self.config.disk_size - used > free:
+            log.warning(
+                "disk tier of %s in %s, but its file system has %s free: writes will be refused once it is full "
+                "(lower --disk-size)",
+                _fmt(self.config.disk_size),
+                self.config.disk_dir,
+                _fmt(free),
+            )
 
     def serve_forever(self) -> None:
         """Block until stop() or SIGTERM/SIGINT (when called from the main thread), then shut down."""

@@ -138,7 +138,10 @@ class BatchMixin:
     def _check_batch_options(self, ttl: object, write_mode: object) -> None:
         check_ttl(ttl)
         if check_mode(write_mode) in (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK) and self._disk is None:
-            raise InvalidValue(f"write_mode: {write_mode} needs an SSD tier (StoreConfig.disk_dir)")
+            raise InvalidValue(
+                f"write_mode: {write_mode} needs an SSD tier (the worker's --disk-dir, or disk_dir= of an "
+                f"embedded store)"
+            )
 
     def create_many(
         self,

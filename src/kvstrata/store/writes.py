@@ -189,7 +189,10 @@ class WriteMixin:
         mode = write_mode if type(write_mode) is WriteMode else check_mode(write_mode)
         ttl_s = 0.0 if ttl is None else check_ttl(ttl)
         if mode in _PERSISTENT and self._disk is None:
-            raise InvalidValue(f"write_mode: {mode.value} needs an SSD tier (StoreConfig.disk_dir)")
+            raise InvalidValue(
+                f"write_mode: {mode.value} needs an SSD tier (the worker's --disk-dir, or disk_dir= of an "
+                f"embedded store)"
+            )
         if not self._mem.fits_ever(size):
             raise CapacityError(
                 f"value of {size} bytes does not fit the memory tier ({self._mem.capacity} bytes, "
