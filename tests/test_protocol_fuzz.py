@@ -185,3 +185,13 @@ def test_a_read_that_names_no_timeout_does_not_wait(worker):
             conn.send(msg)
             reply = conn.recv(timeout=REPLY_S)[0]  # at once: a left-out timeout is 0, not "until it exists"
             assert "KeyNotFound" in str(reply), reply
+
+
+@pytest.mark.parametrize("op", [[1], {"a": 1}, None, 7, b"get"])
+def test_a_lane_request_of_any_op_type_gets_an_error_reply(op):
+    """An unhashable op (a list) raised TypeError out of the session: the client was dropped with a traceback in the
+    worker's log, where the same request on the socket gets an error record."""
+    from kvstrata.server.session import Session
+
+    reply = Session._handle_lane(object(), {"op": op})  # refused before anything of the session is used
+    assert "cannot travel through the lane" in P.error_from_record(reply["err"]).args[0]

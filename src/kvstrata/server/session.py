@@ -293,7 +293,7 @@ class Session:
     def _handle_lane(self, msg: dict) -> dict:
         """The reply to a request that came through the lane, whether taken while polling or when woken."""
         op = msg.get("op")
-        if op not in _lane.LANE_OPS:  # its reply could need descriptors, or not fit
+        if type(op) is not str or op not in _lane.LANE_OPS:  # its reply could need descriptors, or not fit
             return P.error_record(ServerError(f"request {op!r:.100} cannot travel through the lane"))
         reply = self.handle(msg)
         return reply if reply is not None else {}
