@@ -156,3 +156,26 @@ def test_retire_empty_retires_nothing_when_the_empty_segments_are_not_enough():
         assert tier.retired == [] and tier.mapped == 8 * MB
     finally:
         tier.close()
+
+
+@pytest.mark.gpu
+def test_a_retired_segment_is_unregistered_from_cuda_and_the_hbm_tier_loads_the_large_value():
+    import torch
+
+    from kvstrata.store import StoreConfig
+
+    s = ObjectStore(StoreConfig(memory_bytes=8 * MB, segment_bytes=2 * MB, gpu_bytes=8 * MB, numa_node=None))
+    try:
+        for i in range(4):
+            s.put(f"small/{i}", _value(i, 2 * MB - 64 * KB), write_mode="evictable")
+        assert s.stats()["tiers"]["gpu"]["host_registered"] == 8 * MB  # every DRAM segment page-locked
+        s.put("big", _value(5, 5 * MB), write_mode="evictable")  # three segments retired, a 6 MiB one mapped
+        assert len(s.retired_segments) == 3
+        assert s.stats()["tiers"]["gpu"]["host_registered"] == 8 * MB  # 3 x 2 MiB unregistered, 6 MiB registered
+        lease = s.acquire_device("big", owner=1)
+        assert torch.equal(
+            s.device_tensor(lease.location).cpu(), torch.frombuffer(_value(5, 5 * MB), dtype=torch.uint8)
+        )
+        s.release(lease.lease_id)
+    finally:
+        s.close()
