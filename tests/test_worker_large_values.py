@@ -5,6 +5,7 @@ client connecting afterwards is not handed the retired segments."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import kvstrata
 from kv_helpers import worker_fixtures
@@ -44,3 +45,20 @@ def test_a_large_value_after_the_tier_filled_with_small_ones_and_a_client_connec
     left = [key for key in keys if kv.exists([key])[0]]
     for key in left:
         assert np.array_equal(np.frombuffer(kv.get(key), dtype=np.uint8), _value(keys.index(key), 2 * MB - 64 * 1024))
+
+
+@pytest.mark.gpu
+def test_a_gpu_client_that_page_locked_the_retired_segments_reads_the_large_value_into_cuda(kv, worker):
+    import torch
+
+    keys = [f"gpu-small/{i}" for i in range(4)]
+    kv.delete([*keys, "gpu-big", "big", *(f"small/{i}" for i in range(4))])  # the first test's too
+    for i, key in enumerate(keys):
+        kv.set(key, _value(i, 2 * MB - 64 * 1024), write_mode="evictable")
+    dst = [[torch.empty(2 * MB - 64 * 1024, dtype=torch.uint8, device="cuda")] for _ in keys]
+    assert kv.mget_h2d(keys, dst) == [None] * 4  # this client registers the segments they lie in with CUDA
+    src = torch.randint(0, 256, (5 * MB,), dtype=torch.uint8, device="cuda")
+    assert kv.mset_d2h(["gpu-big"], [[src]]) == [None]  # empties and retires segments this client registered
+    out = torch.zeros_like(src)
+    assert kv.mget_h2d(["gpu-big"], [[out]]) == [None]
+    assert torch.equal(out, src)
