@@ -57,8 +57,10 @@ def test_a_gpu_client_that_page_locked_the_retired_segments_reads_the_large_valu
         kv.set(key, _value(i, 2 * MB - 64 * 1024), write_mode="evictable")
     dst = [[torch.empty(2 * MB - 64 * 1024, dtype=torch.uint8, device="cuda")] for _ in keys]
     assert kv.mget_h2d(keys, dst) == [None] * 4  # this client registers the segments they lie in with CUDA
-    src = torch.randint(0, 256, (5 * MB,), dtype=torch.uint8, device="cuda")
-    assert kv.mset_d2h(["gpu-big"], [[src]]) == [None]  # empties and retires segments this client registered
+    src = torch.randint(0, 256, (7 * MB,), dtype=torch.uint8, device="cuda")
+    retired = len(worker._store.retired_segments)
+    assert kv.mset_d2h(["gpu-big"], [[src]]) == [None]  # the whole tier: every segment this client registered goes
+    assert len(worker._store.retired_segments) > retired
     out = torch.zeros_like(src)
     assert kv.mget_h2d(["gpu-big"], [[out]]) == [None]
     assert torch.equal(out, src)
