@@ -380,6 +380,9 @@
 #   PART=s35b: every GPU test again (the broadcast leader's abort, NCCL pair resets); the hand-off probe
 #   PART=s35c: the 4 KiB hand-off, session 34's src (base/src, from caaab09) against this session's, alternating
 #   PART=s35d: every GPU test on the session's final src (the ops' and memory's argument checks)
+#   PART=s36a: session 36's one call: every GPU test (large values retiring page-locked segments, close() waiting
+#           for the worker's release, the transport/all-gather/device-object fixes), bench store's device rows twice,
+#           the 4 KiB hand-off on one GPU, the time of one forced calibrate()
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1190,6 +1193,15 @@ elif [ "${PART}" = s35c ]; then
 elif [ "${PART}" = s35d ]; then
   gpu_tests gpu_tests_s35d
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s35d.log" | head -30 >> "$LOG"
+elif [ "${PART}" = s36a ]; then
+  gpu_tests gpu_tests_s36a
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s36a.log" | head -30 >> "$LOG"
+  store_rows new new
+  echo "=== tools/probe_handoff.py --devices 0,0 --iters 100 --variants on" >> "$LOG"
+  timeout 90 python3 tools/probe_handoff.py --devices 0,0 --iters 100 --variants on 2>&1 | tail -4 >> "$LOG"
+  echo "=== kvstrata.ops.calibrate(force=True): seconds" >> "$LOG"
+  timeout 90 python3 -c "import time; from kvstrata.ops import calibrate; t = time.perf_counter(); calibrate(force=True); \
+print(f'calibrate took {time.perf_counter() - t:.1f} s')" >> "$LOG" 2>&1
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
