@@ -11,7 +11,8 @@
 * :mod:`~kvstrata.devobj.link`: the client's broker link, settings and argument checks.
 * :mod:`~kvstrata.devobj.ipc`: the same-node data path (CUDA IPC, peer copies over NVLink/PCIe).
 * :mod:`~kvstrata.devobj.nccl`: the between-nodes data path (NCCL send/recv per pair).
-* :mod:`~kvstrata.devobj.service`: the worker handler and the Client mixin.
+* :mod:`~kvstrata.devobj.service`: the worker handler and the Client mixin; parked polls are answered through
+  :mod:`~kvstrata.devobj.outbox` (never waiting on a client that stopped reading).
 
 The client-side names load torch, so they are imported on first use (the worker needs only the broker).
 """

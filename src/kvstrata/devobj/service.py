@@ -8,10 +8,11 @@ Client side: :class:`WorkerBrokerLink` speaks ``{"op": "dev", "dop": op, "cid": 
 worker over two connections of its own (requests, and the long poll of events, so a poll never delays
 a request). The worker parks a poll in the broker instead of blocking a thread on it: the thread that
 pushes the client's next event (e.g. the publisher's request thread, for a match) sends it at once,
-before its own reply, so no worker thread wakes up to carry an event. ``"ow": true`` marks a one-way
-request (no reply; finished receives sent by a client's copy threads). :class:`DeviceObjectsMixin`
-gives :class:`kvstrata.client.Client` its ``dev_*`` methods, started on first use (embedded clients
-share one in-process broker).
+before its own reply, so no worker thread wakes up to carry an event; it never waits on the client's
+socket for that (:mod:`kvstrata.devobj.outbox`: a client that stops reading stalls no other client's
+thread). ``"ow": true`` marks a one-way request (no reply; finished receives sent by a client's copy
+threads). :class:`DeviceObjectsMixin` gives :class:`kvstrata.client.Client` its ``dev_*`` methods,
+started on first use (embedded clients share one in-process broker).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvstrata.devobj.broker_args import check_args, check_seconds
 from kvstrata.devobj.debug import trace
 from kvstrata.devobj.futures import spin_seconds
 from kvstrata.devobj.offers import TABLE_BYTES, OfferTable
+from kvstrata.devobj.outbox import Outbox
 from kvstrata.errors import ClosedError, InvalidType, InvalidValue
 
 if TYPE_CHECKING:  # the worker imports this module; torch loads only when a client uses devices
@@ -73,15 +75,17 @@ def handle(session: Any, msg: dict) -> dict:
             log.warning("device objects: one-way %r request failed: %s: %s", msg.get("dop"), type(exc).__name__, exc)
         return DEFERRED
     if msg.get("dop") == "wait_events" and isinstance(msg.get("cid"), str):
-        conn = session.conn
         cids = session.__dict__.setdefault("devobj_clients", set())
         cids.add(msg["cid"])
         tag = msg.get("tag")  # a parked poll's answer carries its request's tag too, as every reply does
+        outbox = session.__dict__.get("devobj_outbox")
+        if outbox is None:
+            outbox = session.devobj_outbox = Outbox(session.conn, getattr(session, "name", msg["cid"]))
 
         def deliver(r: dict) -> None:
+            # Often on another client's thread (the publisher's, the timer's): never blocks on this client's socket
             try:
-                conn.send({"r": r} if tag is None else {"r": r, "tag": tag})
-                trace("worker: events sent")
+                outbox.send({"r": r} if tag is None else {"r": r, "tag": tag})
             except Exception as exc:  # the client went away meanwhile: its session cleanup forgets it
                 log.debug("device objects: event delivery to %s failed: %s", msg["cid"], exc)
 
@@ -93,6 +97,9 @@ def handle(session: Any, msg: dict) -> dict:
         if args is not None and args.get("done"):
             broker.completed(msg["cid"], args["done"])
         r = broker.park_poll(msg["cid"], msg.get("t"), deliver)
+        if r is not None and outbox.busy:  # earlier answers still wait to go out: this one goes after them
+            deliver(r)
+            return DEFERRED
         return DEFERRED if r is None else {"r": r}
     return _handle(session, msg)
 
