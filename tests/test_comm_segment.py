@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 
 from kvstrata.comm import hostpath, segment
 from kvstrata.comm.hybrid import _parse_numa_map
+from kvstrata.errors import CapacityError
 
 
 @pytest.mark.parametrize("tail", [1, 7, 4095, 4096, 4097, 3 * (4 << 20) + 5, 200 << 20])
@@ -43,7 +46,9 @@ def test_segment_create_attach_share_and_unlink(tmp_path: Path) -> None:
     assert a.size == segment.segment_bytes(3, 8192, huge=False) and torch.count_nonzero(a.data) == 0
     a.slot(1, 2).fill_(7)
     a.flags[2] = 123
-    assert b.flags[2] == 123 and torch.all(b.slot(1, 2) == 7)
+    a.calls[1, 2] = (5, 6, 7, 8)
+    assert b.flags[2] == 123 and torch.all(b.slot(1, 2) == 7) and tuple(b.calls[1, 2]) == (5, 6, 7, 8)
+    assert not b.calls[0].any() and not b.flags[:2].any()
     assert torch.count_nonzero(b.slot(0, 2)) == 0 and torch.count_nonzero(b.slot(1, 1)) == 0
     a.unlink()
     assert not path.exists()
@@ -56,9 +61,33 @@ def test_segment_create_attach_share_and_unlink(tmp_path: Path) -> None:
 
 def test_segment_refuses_what_tmpfs_cannot_hold(tmp_path: Path) -> None:
     huge_slot = 1 << 50
-    with pytest.raises(RuntimeError, match="bytes free"):
+    with pytest.raises(CapacityError, match="bytes free"):
         segment.NodeSegment.create(tmp_path / "big", world=2, slot_bytes=huge_slot, huge=False, node=None)
     assert not (tmp_path / "big").exists()
+
+
+def test_segment_reserves_its_pages_and_reports_a_full_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free space can go between the check and the first touch (two creators at once): the pages are
+    reserved with posix_fallocate, so a full tmpfs is a CapacityError naming the directory and size, not
+    a SIGBUS, and nothing is left behind."""
+    reserved = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        reserved.append((offset, length))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(segment.os, "posix_fallocate", full)
+    path = tmp_path / "seg"
+    size = segment.segment_bytes(2, 8192, huge=False)
+    with pytest.raises(
+        CapacityError, match=rf"{re.escape(str(tmp_path))} has \d+ bytes free, a hybrid all-gather segment needs {size}"
+    ):
+        segment.NodeSegment.create(path, world=2, slot_bytes=8192, huge=False, node=0)
+    assert reserved == [(0, size)]
+    assert not path.exists()
+    assert str(path) not in Path("/proc/self/maps").read_text()
 
 
 def test_sweep_removes_files_of_dead_creators_only(tmp_path: Path) -> None:

@@ -3,13 +3,18 @@
 One helper thread per :class:`HostPath` runs the calls in order. For call ``seq`` with tail chunks
 ``k = 0..K-1`` each rank:
 
-1. copies its tail chunk by chunk into its slot of its node's segment and, after each chunk, sets its
-   ready flag to ``seq << 16 | k + 1``. On CUDA both copies are D2H on one stream, so the flag lands
-   after the data; on CPU they are plain stores in program order.
+1. writes its call record (``seq``, input bytes, tail bytes, how the heads move) next to its flags,
+   then copies its tail chunk by chunk into its slot of its node's segment and, after each chunk, sets
+   its ready flag to ``seq << 16 | k + 1``. On CUDA both copies are D2H on one stream, so the flag
+   lands after the data (and after the record, a host store made before the copies were queued); on
+   CPU they are plain stores in program order.
 2. if it is the relay for a node pair ``(src, dst = its node)``: waits for the src ranks' flags in the
-   src segment, copies their chunks H2H into its own node's segment and sets their flags there.
+   src segment, copies their chunks H2H (and their records) into its own node's segment and sets their
+   flags there.
 3. waits for every peer's flag in its node's segment and copies the peer's chunk into ``out``
-   (H2D on CUDA), taking peers in the order they arrive.
+   (H2D on CUDA), taking peers in the order they arrive. At a peer's first chunk it checks the peer's
+   record against its own: ranks that disagree on the call (size, ratio, head) raise
+   :class:`~kvstrata.errors.InvalidValue` naming the peer instead of returning the wrong bytes.
 
 With ``direct=True`` there are no relays: a rank reads each peer's chunk from the peer's own node
 segment (the DMA crosses the socket link instead of a CPU memcpy).
@@ -17,8 +22,9 @@ segment (the DMA crosses the socket link instead of a CPU memcpy).
 Segments are double buffered (call ``seq`` uses buffer ``seq % 2``), which is safe without
 acknowledgements: a rank raises its flags for call ``seq + 1`` only after its reads of call ``seq``
 finished (on CUDA the D2H stream waits for the previous H2D event), and a rank writes buffer
-``seq % 2`` again for call ``seq + 2`` only after it saw every peer's ``seq + 1`` flags. Every wait
-has a deadline and checks that the peer process is alive, so a lost rank surfaces as an error.
+``seq % 2`` again for call ``seq + 2`` only after it saw every peer's ``seq + 1`` flags (the call
+records are double buffered the same way). Every wait has a deadline and checks that the peer process,
+and the relay it comes through, is alive, so a lost rank surfaces as an error naming it.
 """
 
 from __future__ import annotations
@@ -26,19 +32,21 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
 
 from kvstrata._proc import pid_alive
 from kvstrata.comm.segment import NodeSegment
-from kvstrata.errors import ConnectionLost, Timeout
+from kvstrata.errors import ConnectionLost, InvalidValue, KvstrataError, Timeout
 from kvstrata.memory import device_ptr
 from kvstrata.ops.stream_ops import stream_writes_supported, write_value64
 
 CHUNK_BYTES = 4 << 20  # pipelining grain: a peer's H2D of chunk k overlaps the D2H of chunk k + 1
 MAX_CHUNKS = 16
 _ALIGN = 4096
+_HEAD_CODES = {None: 0, "p2p": 1, "gather": 2}  # how the heads move, in a call record (None: no head)
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,21 @@ class _Call:
     inp_tail: torch.Tensor  # this rank's tail bytes (uint8, contiguous)
     out_tails: list[torch.Tensor]  # every rank's tail bytes inside ``out``
     ev_in: torch.cuda.Event | None  # inputs ready on the caller's stream (CUDA only)
+    nbytes: int  # this rank's whole input in bytes, head and tail
+    head: str | None  # how the collective leg moves the heads ("p2p", "gather"; None: no head)
+
+    def record(self) -> tuple[int, int, int, int]:
+        """The call as this rank sees it, published next to its flags: every peer must see the same."""
+        return (self.seq, self.nbytes, self.inp_tail.numel(), _HEAD_CODES[self.head])
+
+
+def describe_record(record: tuple[int, ...]) -> str:
+    """A call record in words, for error messages."""
+    seq, nbytes, tail, head = record
+    if tail == nbytes:
+        return f"call {seq}: {nbytes} bytes per rank, all through the host"
+    how = {code: name for name, code in _HEAD_CODES.items()}.get(head, f"#{head}")
+    return f"call {seq}: {nbytes} bytes per rank, the last {tail} through the host, the rest by {how}"
 
 
 class HostPath:
@@ -110,6 +133,11 @@ class HostPath:
         self.timeout = timeout
         self.relay_sources = [] if direct else topo.relay_sources(rank)
         self.peers = [q for q in range(len(topo.node_of)) if q != rank]
+        # The rank that copies each remote peer's slot into this node's segment (relay mode only).
+        relays = topo.relays()
+        self._relay_of = {
+            q: relays[(topo.node_of[q], self.node)] for q in self.peers if not direct and topo.node_of[q] != self.node
+        }
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-ag-r{rank}")
         self._last: concurrent.futures.Future | None = None
         self._error: BaseException | None = None
@@ -162,6 +190,7 @@ class HostPath:
                     return self._run(call)
             return self._run(call)
         except BaseException as exc:
+            _drop_frames(exc)
             self._error = exc
             raise
 
@@ -172,17 +201,24 @@ class HostPath:
         bounds = chunk_bounds(call.inp_tail.numel())
         if self._cuda:
             self._h2d.wait_event(call.ev_in)
+        record = call.record()
+        # Before this call's first flag (on CUDA: before its flag writes are even queued), so a peer
+        # that sees a flag of this call reads this record.
+        seg.calls[buf, self.rank] = record
         self._write(seg, buf, base, bounds, call)
         for k, (lo, hi) in enumerate(bounds):
             value = base + k + 1
             for src in self.relay_sources:
                 src_seg = self.segments[src]
-                for q in self._arrivals(
-                    self.topo.ranks_on(src), lambda _q, s=src_seg: s, value, call.seq, k, len(bounds)
-                ):
+                for q in self._arrivals(self.topo.ranks_on(src), lambda _q, s=src_seg: s, call, k, len(bounds)):
                     seg.slot(buf, q)[lo:hi].copy_(src_seg.slot(buf, q)[lo:hi])
+                    if k == 0:  # forwarded unchecked: the readers here check it (this rank among them)
+                        seg.calls[buf, q] = src_seg.calls[buf, q]
                     seg.flags[q] = value
-            for q in self._arrivals(self.peers, self._source, value, call.seq, k, len(bounds)):
+            # Every peer's first chunk is checked against this rank's record before any later chunk
+            # is awaited: a peer with a different size may never raise the flags this rank expects.
+            expect = record if k == 0 else None
+            for q in self._arrivals(self.peers, self._source, call, k, len(bounds), expect=expect, relayed=True):
                 src = self._source(q).slot(buf, q)[lo:hi]
                 if self._cuda:
                     with torch.cuda.stream(self._h2d):
@@ -225,8 +261,26 @@ class HostPath:
         """The segment where rank ``q``'s data shows up for this rank (its own node's, unless direct)."""
         return self.segments[self.topo.node_of[q] if self.direct else self.node]
 
-    def _arrivals(self, ranks: list[int], where, value: int, seq: int, chunk: int, chunks: int):
-        """Yield the ranks of ``ranks`` as their flag in segment ``where(rank)`` reaches ``value``, in arrival order."""
+    def _arrivals(
+        self,
+        ranks: list[int],
+        where,
+        call: _Call,
+        chunk: int,
+        chunks: int,
+        *,
+        expect: tuple[int, ...] | None = None,
+        relayed: bool = False,
+    ):
+        """Yield the ranks of ``ranks`` as their flag in segment ``where(rank)`` reaches chunk ``chunk`` of
+        ``call``, in arrival order.
+
+        ``expect``: this rank's call record; an arriving rank whose record differs raises
+        :class:`~kvstrata.errors.InvalidValue`. ``relayed``: the ranks' data comes through this node's
+        relays (unless direct), whose liveness is checked as well as the ranks' own.
+        """
+        value = (call.seq << 16) + chunk + 1
+        buf = call.seq % 2
         pending = list(ranks)
         deadline = time.monotonic() + self.timeout
         next_check = time.monotonic() + 0.2
@@ -237,6 +291,8 @@ class HostPath:
             if ready:
                 spins = 0
                 for q in ready:
+                    if expect is not None:
+                        self._check_record(q, tuple(int(v) for v in where(q).calls[buf, q]), expect)
                     pending.remove(q)
                     yield q
                 continue
@@ -247,17 +303,57 @@ class HostPath:
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.2
-                for q in pending:
-                    if not pid_alive(self.topo.pids[q]):
-                        raise ConnectionLost(
-                            f"hybrid all-gather: rank {q} (pid {self.topo.pids[q]}) exited before call {seq} "
-                            f"arrived (rank {self.rank} waiting on chunk {chunk + 1}/{chunks})"
-                        )
+                self._check_alive(pending, relayed, call.seq, chunk, chunks)
                 if now >= deadline:
                     raise Timeout(
-                        f"hybrid all-gather: rank(s) {pending} did not arrive within {self.timeout:g} s "
-                        f"(call {seq}, chunk {chunk + 1}/{chunks}, rank {self.rank} waiting on NUMA node {self.node})"
+                        f"hybrid all-gather: rank(s) {pending} did not arrive within {self.timeout:g} s (call "
+                        f"{call.seq}, chunk {chunk + 1}/{chunks}, rank {self.rank} waiting on NUMA node {self.node})"
                     )
 
+    def _check_record(self, q: int, theirs: tuple[int, ...], mine: tuple[int, ...]) -> None:
+        if theirs == mine:
+            return
+        raise InvalidValue(
+            f"hybrid all-gather: rank {q} and rank {self.rank} disagree on the call (rank {q}: "
+            f"{describe_record(theirs)}; rank {self.rank}: {describe_record(mine)}); every rank must pass "
+            "the same size, dtype and ratio"
+        )
 
-__all__ = ["CHUNK_BYTES", "HostPath", "Topology", "chunk_bounds"]
+    def _check_alive(self, pending: list[int], relayed: bool, seq: int, chunk: int, chunks: int) -> None:
+        """Raise ConnectionLost naming a pending rank, or the relay a pending rank comes through, that exited."""
+        where = f"(rank {self.rank} waiting on chunk {chunk + 1}/{chunks})"
+        for q in pending:
+            if not pid_alive(self.topo.pids[q]):
+                raise ConnectionLost(
+                    f"hybrid all-gather: rank {q} (pid {self.topo.pids[q]}) exited before call {seq} arrived {where}"
+                )
+        if not relayed:
+            return
+        for relay in sorted({self._relay_of[q] for q in pending if q in self._relay_of} - {self.rank}):
+            if not pid_alive(self.topo.pids[relay]):
+                src = sorted({self.topo.node_of[q] for q in pending if self._relay_of.get(q) == relay})
+                raise ConnectionLost(
+                    f"hybrid all-gather: rank {relay} (pid {self.topo.pids[relay]}), which relays NUMA node "
+                    f"{', '.join(map(str, src))}'s slots to node {self.node}, exited before call {seq} arrived "
+                    f"{where}; rank(s) {pending} come through it"
+                )
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Drop the tracebacks of a helper-thread error (and its causes) before it is stored and re-raised.
+
+    Their frames hold views of the segments (flag arrays, slot tensors), which would keep the mappings
+    from being unmapped by ``close()`` for as long as the error lives (in a future, in the caller's hands).
+    The frames of an unexpected error are kept as text in a note.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            if not isinstance(exc, KvstrataError):
+                exc.add_note("host path thread traceback:\n" + "".join(traceback.format_tb(exc.__traceback__)))
+            exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
+__all__ = ["CHUNK_BYTES", "HostPath", "Topology", "chunk_bounds", "describe_record"]

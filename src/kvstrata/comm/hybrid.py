@@ -22,6 +22,7 @@ import atexit
 import concurrent.futures
 import logging
 import math
+import numbers
 import os
 import socket
 import time
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from kvstrata.comm import segment as _segment
 from kvstrata.comm.hostpath import HostPath, Topology, _Call
-from kvstrata.errors import ClosedError, InvalidType, InvalidValue
+from kvstrata.errors import ClosedError, InvalidArgument, InvalidType, InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class HybridAllGather:
             huge pages exist).
         numa_map: NUMA node of each rank (sequence or ``{rank: node}``), identical on every rank;
             default: the node of each rank's GPU (node 0 without CUDA or NUMA information).
-        timeout: seconds a rank waits for a peer on the host leg before raising.
+        timeout: seconds (finite, > 0) a rank waits for a peer on the host leg before raising.
         head: how the collective leg moves the heads: ``"p2p"`` (batched send/recv straight into
             ``out``), ``"gather"`` (``all_gather_into_tensor`` into a scratch buffer, then one strided
             copy into ``out``), or ``"auto"`` (measured with ``ratio="auto"``; for a fixed ratio
@@ -102,6 +103,11 @@ class HybridAllGather:
         cross_node: with ranks on several NUMA nodes, ``"relay"`` (one rank per node pair copies the
             other node's slots into its node's segment, as in the seed) or ``"direct"`` (each GPU reads
             a remote rank's slot straight from that rank's node segment; no CPU copy).
+
+    Construction is collective: every rank of the group constructs it with the same ``head``,
+    ``cross_node`` and ``numa_map``. A bad or mismatched argument on any rank raises
+    :class:`~kvstrata.errors.InvalidValue` (or :class:`~kvstrata.errors.InvalidType`) naming the
+    argument and the ranks on every rank, instead of leaving the others waiting.
     """
 
     def __init__(
@@ -117,25 +123,21 @@ class HybridAllGather:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised (call init_process_group first)")
-        _check_ratio(ratio)
-        if hugepages not in (True, False, "auto"):
-            raise InvalidValue(f"hugepages: expected True, False or 'auto', got {hugepages!r}")
-        if not timeout > 0:
-            raise InvalidValue(f"timeout: must be > 0, got {timeout!r}")
-        if head not in (*HEADS, "auto"):
-            raise InvalidValue(f"head: expected one of {(*HEADS, 'auto')}, got {head!r}")
-        if cross_node not in ("relay", "direct"):
-            raise InvalidValue(f"cross_node: expected 'relay' or 'direct', got {cross_node!r}")
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        backend = str(dist.get_backend(self.group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        # Not raised here: a rank raising alone would leave the others in _discover's collective.
+        problems = _option_problems(ratio=ratio, hugepages=hugepages, timeout=timeout, head=head, cross_node=cross_node)
+        self.topology, self.host_path_enabled = self._discover(
+            numa_map, problems, {"head": head, "cross_node": cross_node}
+        )
         self.ratio: int | str = "auto" if ratio == "auto" else (ratio or 0)
         self.hugepages = hugepages
         self.timeout = float(timeout)
         self.head = head
         self.cross_node = cross_node
-        backend = str(dist.get_backend(self.group)).lower()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._closed = False
         self._seq = 0
         self._gen = 0
@@ -146,28 +148,44 @@ class HybridAllGather:
         self._host: HostPath | None = None
         if self.device.type == "cuda":
             self._comm_stream = torch.cuda.Stream(self.device)
-        self.topology, self.host_path_enabled = self._discover(numa_map)
         self._uid = self._broadcast_uid()
         _live.add(self)
 
     # --- setup ---------------------------------------------------------------------------------------
 
-    def _discover(self, numa_map) -> tuple[Topology, bool]:
+    def _discover(self, numa_map, problems: list[tuple[str, str]], options: dict[str, object]) -> tuple[Topology, bool]:
+        """Collective: every rank's host, pid and NUMA node; raises on every rank when any rank reported
+        a bad argument (``problems``: ``(kind, message)``) or the ranks' protocol ``options`` differ."""
+        nodes = None
         if numa_map is not None:
-            nodes = _parse_numa_map(numa_map, self.world)
+            try:
+                nodes = _parse_numa_map(numa_map, self.world)
+            except InvalidArgument as exc:
+                problems.append(("type" if isinstance(exc, InvalidType) else "value", str(exc)))
+        node = 0
+        if nodes is not None:
             node = nodes[self.rank]
-        else:
-            nodes = None
-            node = 0
-            if self.device.type == "cuda":
-                from kvstrata.memory.numa import numa_node
+        elif numa_map is None and self.device.type == "cuda":
+            from kvstrata.memory.numa import numa_node
 
-                node = numa_node(self.device.index) or 0
-        info = (_host_id(), os.getpid(), node, nodes)
+            node = numa_node(self.device.index) or 0
+        shown = {name: repr(value) for name, value in options.items()}  # reprs: whatever was passed pickles
+        info = (_host_id(), os.getpid(), node, nodes, shown, problems)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, info, group=self.group)
-        if any(g[3] != nodes for g in gathered):
-            raise InvalidValue("numa_map: must be the same on every rank")
+        reported = [(r, kind, text) for r, g in enumerate(gathered) for kind, text in g[5]]
+        if reported:
+            kind = InvalidType if any(k == "type" for _, k, _ in reported) else InvalidValue
+            raise kind("HybridAllGather: " + _by_rank([(r, text) for r, _, text in reported]))
+        differ = [(name, [g[4][name] for g in gathered]) for name in shown]
+        differ += [("numa_map", [repr(g[3]) for g in gathered])]
+        differ = [(name, values) for name, values in differ if len(set(values)) > 1]
+        if differ:
+            raise InvalidValue(
+                "; ".join(
+                    f"{name}: must be the same on every rank ({_by_rank(list(enumerate(v)))})" for name, v in differ
+                )
+            )
         topo = Topology(node_of=tuple(g[2] for g in gathered), pids=tuple(g[1] for g in gathered))
         one_host = len({g[0] for g in gathered}) == 1
         if not one_host:
@@ -273,10 +291,15 @@ class HybridAllGather:
         untouched until ``token.wait()``. Otherwise the result is ordered on the current stream.
         ``ratio`` overrides the instance's split for this call (same meaning as in the constructor;
         use 0 for the collective alone).
+
+        Bad input (wrong types, layout, sizes, ratio) on any rank raises the same
+        :class:`~kvstrata.errors.InvalidValue` / :class:`~kvstrata.errors.InvalidType` on every rank
+        on the first call of a shape (a collective check, then cached). Later, ranks whose calls
+        through the host path disagree (size, ratio) raise :class:`~kvstrata.errors.InvalidValue`
+        naming each other from the host leg, and the host path stays broken afterwards.
         """
         if self._closed:
             raise ClosedError("HybridAllGather is closed")
-        _check_ratio(ratio)
         ratio = self.ratio if ratio is None else ratio
         self._validate(out, inp, ratio)
         ratio, head = self._choose(out, inp, ratio)
@@ -314,7 +337,8 @@ class HybridAllGather:
         if cuda:
             ev_in = torch.cuda.Event()
             ev_in.record(torch.cuda.current_stream(self.device))
-        call = _Call(self._seq, inp_b[head_bytes:], [out_2d[q, head_bytes:] for q in range(self.world)], ev_in)
+        out_tails = [out_2d[q, head_bytes:] for q in range(self.world)]
+        call = _Call(self._seq, inp_b[head_bytes:], out_tails, ev_in, nbytes, head if head_bytes else None)
         future = self._host.submit(call)
         if cuda:
             comm = self._comm_stream
@@ -338,12 +362,14 @@ class HybridAllGather:
             return lambda: None
         src = inp_b[:head_bytes]
         if head == "gather":
-            scratch = self._scratch_bytes(self.world * head_bytes)
-            work = _gather(scratch, src, group=self.group, async_op=True)
+            nbytes = self.world * head_bytes
+            scratch = self._borrow_scratch(nbytes)
+            work = _gather(scratch[:nbytes], src, group=self.group, async_op=True)
 
             def finish_gather() -> None:
                 work.wait()
-                out_2d[:, :head_bytes].copy_(scratch.view(self.world, head_bytes))
+                out_2d[:, :head_bytes].copy_(scratch[:nbytes].view(self.world, head_bytes))
+                self._return_scratch(scratch)
 
             return finish_gather
         ops = []
@@ -369,39 +395,61 @@ class HybridAllGather:
         work = _gather(flat_out, flat_in, group=self.group, async_op=True)
         return Token(lambda _s: work.wait(), None, self.device)
 
-    def _scratch_bytes(self, nbytes: int) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = None
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._scratch[:nbytes]
+    def _borrow_scratch(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` for one gather head, until :meth:`_return_scratch`.
+
+        On CUDA one buffer serves every call: each call's copy out of it is queued on the comm stream
+        right after its collective, before any later call's collective. On CPU that copy waits for
+        ``token.wait()``, and a later call may start before it: the call owns the buffer until then
+        (a call that finds it lent out gets a new one).
+        """
+        buf = self._scratch
+        if buf is None or buf.numel() < nbytes:
+            self._scratch = buf = None  # the old one goes first (CUDA: its last use is ordered before ours)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._scratch = buf if self.device.type == "cuda" else None
+        return buf
+
+    def _return_scratch(self, buf: torch.Tensor) -> None:
+        """Take back a buffer from :meth:`_borrow_scratch` once its copy is done (keep the larger one)."""
+        if not self._closed and (self._scratch is None or self._scratch.numel() < buf.numel()):
+            self._scratch = buf
 
     # --- checks and the automatic split --------------------------------------------------------------
 
     def _validate(self, out: torch.Tensor, inp: torch.Tensor, ratio: int | str) -> None:
         """Collective on the first call of a shape: every rank raises the same error for bad input."""
-        if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
-            raise InvalidType("out, inp: expected torch.Tensor")
         problems = 0
-        if not inp.is_contiguous():
-            problems |= 1
-        if not out.is_contiguous():
-            problems |= 2
-        if out.numel() != self.world * inp.numel():
-            problems |= 4
-        if out.dtype != inp.dtype:
-            problems |= 8
-        if inp.device != self.device or out.device != self.device:
-            problems |= 16
-        code = -1 if ratio == "auto" else int(ratio)
-        key = (inp.numel(), inp.dtype, out.numel(), out.dtype, inp.device, out.device, code, problems)
-        if problems == 0 and key in self._validated:
-            return
-        meta = torch.tensor([inp.numel(), zlib.crc32(str(inp.dtype).encode()), problems, code], dtype=torch.int64)
+        tensors = isinstance(inp, torch.Tensor) and isinstance(out, torch.Tensor)
+        if not tensors:
+            problems |= 32
+        if _ratio_problem(ratio) is not None:
+            problems |= 64
+        if tensors:
+            if not inp.is_contiguous():
+                problems |= 1
+            if not out.is_contiguous():
+                problems |= 2
+            if out.numel() != self.world * inp.numel():
+                problems |= 4
+            if out.dtype != inp.dtype:
+                problems |= 8
+            if inp.device != self.device or out.device != self.device:
+                problems |= 16
+        code = -2 if problems & 64 else (-1 if ratio == "auto" else int(ratio))
+        if problems == 0:
+            key = (inp.numel(), inp.dtype, out.numel(), out.dtype, inp.device, out.device, code)
+            if key in self._validated:
+                return
+        count, dtype_id = (inp.numel(), zlib.crc32(str(inp.dtype).encode())) if tensors else (-1, 0)
+        meta = torch.tensor([count, dtype_id, problems, code], dtype=torch.int64)
         gathered = torch.empty(self.world * 4, dtype=torch.int64, device=self.device)
         _gather(gathered, meta.to(self.device), group=self.group)
         rows = [tuple(r) for r in gathered.view(self.world, 4).tolist()]
         messages = []
         names = {
+            32: "out and inp must both be torch.Tensor",
+            64: "ratio: expected 'auto', None or an int >= 0",
             1: "inp is not contiguous",
             2: "out is not contiguous",
             4: "out has the wrong number of elements (need world * inp.numel())",
@@ -411,8 +459,8 @@ class HybridAllGather:
         for r, (_, _, bits, _) in enumerate(rows):
             messages += [f"rank {r}: {text}" for bit, text in names.items() if bits & bit]
         if messages:
-            kind = InvalidType if any(row[2] & (8 | 16) for row in rows) else InvalidValue
-            raise kind("out/inp: " + "; ".join(messages))
+            kind = InvalidType if any(row[2] & (8 | 16 | 32) for row in rows) else InvalidValue
+            raise kind("all_gather: " + "; ".join(messages))
         if len({(n, d) for n, d, _, _ in rows}) != 1:
             detail = ", ".join(f"rank {r}: {n} elements, dtype #{d:x}" for r, (n, d, _, _) in enumerate(rows))
             raise InvalidValue(f"inp: size and dtype must match on every rank ({detail})")
@@ -512,11 +560,41 @@ class HybridAllGather:
         self.close()
 
 
-def _check_ratio(ratio) -> None:
-    if ratio is None or ratio == "auto":
-        return
+def _ratio_problem(ratio) -> str | None:
+    """What is wrong with a ``ratio`` argument, or None."""
+    if ratio is None or (isinstance(ratio, str) and ratio == "auto"):
+        return None
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0:
-        raise InvalidValue(f"ratio: expected 'auto', None or an int >= 0, got {ratio!r}")
+        return f"ratio: expected 'auto', None or an int >= 0, got {ratio!r}"
+    return None
+
+
+def _option_problems(*, ratio, hugepages, timeout, head, cross_node) -> list[tuple[str, str]]:
+    """The constructor's local argument checks: ``(kind, message)`` with kind "type" or "value"."""
+    problems = []
+    if (text := _ratio_problem(ratio)) is not None:
+        problems.append(("value", text))
+    if hugepages not in (True, False, "auto"):
+        problems.append(("value", f"hugepages: expected True, False or 'auto', got {hugepages!r}"))
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        problems.append(("type", f"timeout: expected a number of seconds, got {timeout!r}"))
+    elif not (math.isfinite(timeout) and timeout > 0):
+        problems.append(("value", f"timeout: expected a finite number of seconds > 0, got {timeout!r}"))
+    if not (isinstance(head, str) and head in (*HEADS, "auto")):
+        problems.append(("value", f"head: expected one of {(*HEADS, 'auto')}, got {head!r}"))
+    if not (isinstance(cross_node, str) and cross_node in ("relay", "direct")):
+        problems.append(("value", f"cross_node: expected 'relay' or 'direct', got {cross_node!r}"))
+    return problems
+
+
+def _by_rank(items: list[tuple[int, str]]) -> str:
+    """``[(rank, text)]`` as "rank 1: a; ranks 0, 2: b" (ranks with the same text together, first seen first)."""
+    ranks: dict[str, list[int]] = {}
+    for r, text in items:
+        ranks.setdefault(text, []).append(r)
+    return "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}" for text, rs in ranks.items()
+    )
 
 
 def _wait_on(work, stream: torch.cuda.Stream) -> None:
@@ -527,10 +605,13 @@ def _wait_on(work, stream: torch.cuda.Stream) -> None:
 def _parse_numa_map(numa_map, world: int) -> tuple[int, ...]:
     if isinstance(numa_map, Mapping):
         if set(numa_map) != set(range(world)):
-            raise InvalidValue(f"numa_map: needs exactly the ranks 0..{world - 1}, got {sorted(numa_map)}")
+            raise InvalidValue(f"numa_map: needs exactly the ranks 0..{world - 1}, got {list(numa_map)}")
         nodes = tuple(numa_map[r] for r in range(world))
     else:
-        nodes = tuple(numa_map)
+        try:
+            nodes = tuple(numa_map)
+        except TypeError:
+            raise InvalidType(f"numa_map: expected a sequence or a mapping of NUMA nodes, got {numa_map!r}") from None
         if len(nodes) != world:
             raise InvalidValue(f"numa_map: needs {world} entries, got {len(nodes)}")
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nodes):

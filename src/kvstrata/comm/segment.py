@@ -2,18 +2,22 @@
 
 A segment is a named file under ``/dev/hugepages`` (hugetlbfs) or ``/dev/shm`` that every local rank
 maps. The node's first rank creates it, binds its pages to the node (``kvstrata.memory.numa.bind``)
-before first touch, and zeroes it; the others attach; then the creator unlinks the name, so the
-memory lives exactly as long as some process maps it and nothing is left behind even after SIGKILL.
-Names carry the creator's pid, so a file left by a creator that died between create and unlink is
-swept by the next job on the host.
+before first touch, reserves them (a tmpfs file is sparse: a page that does not fit would SIGBUS the
+first process touching it, so ``posix_fallocate`` turns "full" into :class:`~kvstrata.errors.CapacityError`
+up front) and zeroes it; the others attach; then the creator unlinks the name, so the memory lives
+exactly as long as some process maps it and nothing is left behind even after SIGKILL. Names carry the
+creator's pid, so a file left by a creator that died between create and unlink is swept by the next
+job on the host.
 
-Layout: a 4 KiB header of int64 ready flags (one per global rank), then two buffers of
+Layout: a header of one int64 ready flag per global rank (4 KiB), then per buffer and rank the call
+record that rank's flags announce (:data:`CALL_WORDS` int64, see ``hostpath``), then two buffers of
 ``world * slot_bytes`` (double buffering: call ``seq`` uses buffer ``seq % 2``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -24,13 +28,15 @@ import numpy as np
 import torch
 
 from kvstrata._proc import sweep_dead_owner_files
-from kvstrata.errors import InvalidValue
+from kvstrata.errors import CapacityError, InvalidValue
 from kvstrata.memory import numa, register, unregister
 
 log = logging.getLogger(__name__)
 
-HEADER_BYTES = 4096
-MAX_RANKS = HEADER_BYTES // 8
+FLAGS_BYTES = 4096  # one int64 ready flag per global rank
+MAX_RANKS = FLAGS_BYTES // 8
+CALL_WORDS = 4  # int64 per call record (what a rank's flags of one buffer announce)
+HEADER_BYTES = FLAGS_BYTES + 2 * MAX_RANKS * CALL_WORDS * 8
 SHM_DIR = Path("/dev/shm")
 HUGEPAGES_DIR = Path("/dev/hugepages")
 PREFIX = "kvstrata-ag-"
@@ -105,35 +111,46 @@ class NodeSegment:
         self.data = torch.frombuffer(mm, dtype=torch.uint8, count=size)
         self.flags = np.frombuffer(mm, dtype=np.int64, count=world)
         self.flags_tensor = torch.from_numpy(self.flags)
+        # calls[buffer, rank]: the call that rank's flags in ``buffer`` announce; peers check it matches theirs
+        self.calls = np.frombuffer(mm, dtype=np.int64, count=2 * world * CALL_WORDS, offset=FLAGS_BYTES).reshape(
+            2, world, CALL_WORDS
+        )
         self._registered = False
 
     @classmethod
     def create(cls, path: Path, world: int, slot_bytes: int, *, huge: bool, node: int | None) -> NodeSegment:
-        """Create, bind to ``node`` (when it is online), zero and map the segment at ``path``."""
+        """Create, bind to ``node`` (when it is online), reserve, zero and map the segment at ``path``.
+
+        Raises :class:`~kvstrata.errors.CapacityError` (naming the directory and the size) when the
+        directory's file system cannot hold it; nothing is left behind then.
+        """
         if world > MAX_RANKS:
             raise InvalidValue(f"group: at most {MAX_RANKS} ranks, got {world}")
         size = segment_bytes(world, slot_bytes, huge=huge)
-        if not huge:  # tmpfs hands out sparse files and SIGBUSes on first touch when full: check first
-            st = os.statvfs(path.parent)
-            if st.f_bavail * st.f_frsize < size:
-                raise RuntimeError(
-                    f"{path.parent} has {st.f_bavail * st.f_frsize} bytes free, the segment needs {size} "
-                    "(enlarge it, e.g. docker --shm-size, or use a larger ratio)"
-                )
+        if not huge:  # the quick, common answer; _reserve below is the one that holds under races
+            free = _free_bytes(path.parent)
+            if free < size:
+                raise CapacityError(_no_room(path.parent, size, free))
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        seg = None
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            seg = cls(path, size, world, slot_bytes, mm, creator=True)
+            if node is not None and node in numa.online_nodes():
+                numa.bind(seg.data.data_ptr(), size, node)
+            if not huge:  # hugetlbfs reserves its pages at mmap already
+                _reserve(fd, path, size)  # after bind: the pages are allocated on the bound node
+            seg.data.zero_()  # first touch, on the bound node
         except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            if seg is not None:
+                seg.close()  # unmaps and unlinks
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             raise
-        os.close(fd)
-        seg = cls(path, size, world, slot_bytes, mm, creator=True)
-        if node is not None and node in numa.online_nodes():
-            numa.bind(seg.data.data_ptr(), size, node)
-        seg.data.zero_()  # first touch, on the bound node
+        finally:
+            os.close(fd)
         return seg
 
     @classmethod
@@ -181,14 +198,38 @@ class NodeSegment:
             cuda_host_unregister(self.data.data_ptr())
             self._registered = False
         mm, self._mm = self._mm, None
-        del self.data, self.flags, self.flags_tensor
+        del self.data, self.flags, self.flags_tensor, self.calls
         try:
             mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it
             log.debug("segment %s: views still alive, unmapped at garbage collection", self.path)
 
 
+def _free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _no_room(directory: Path, size: int, free: int) -> str:
+    return (
+        f"{directory} has {free} bytes free, a hybrid all-gather segment needs {size} "
+        "(enlarge it, e.g. docker --shm-size, or use a larger ratio)"
+    )
+
+
+def _reserve(fd: int, path: Path, size: int) -> None:
+    """Allocate every page of the file now, so that running out of room is an error here and not a
+    SIGBUS later (two creators may both have passed the free-space check before either allocated)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        raise CapacityError(_no_room(path.parent, size, _free_bytes(path.parent))) from exc
+
+
 __all__ = [
+    "CALL_WORDS",
     "HEADER_BYTES",
     "NodeSegment",
     "cuda_host_register",
