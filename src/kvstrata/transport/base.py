@@ -7,9 +7,10 @@ scheme (``unix:///run/kvstrata.sock``, ``inproc://name``, ``tcp://host:port``); 
 :class:`Backend` here, so the server and client never name a concrete socket type.
 
 Error contract, the same for every backend: the peer went away -> :class:`ConnectionLost`; this
-side closed the connection -> :class:`ClosedError`; nothing arrived before ``timeout`` ->
-:class:`Timeout` (the connection stays usable); garbage on the wire or a version mismatch ->
-:class:`ProtocolError`; could not connect -> :class:`TransportError`.
+side closed the connection -> :class:`ClosedError`; no whole message arrived before ``timeout`` ->
+:class:`Timeout` (the connection stays usable: a message cut short is kept, and the next ``recv``
+continues it); garbage on the wire, a frame over the size limit or a version mismatch ->
+:class:`ProtocolError` (the connection is lost); could not connect -> :class:`TransportError`.
 """
 
 from __future__ import annotations
@@ -46,11 +47,17 @@ class Connection(abc.ABC):
         """Send one message; ``fds`` are duplicated into the peer (the caller keeps its own)."""
 
     @abc.abstractmethod
-    def recv(self, timeout: float | None = None, *, spin: float = 0.0) -> tuple[Message, list[int]]:
+    def recv(
+        self, timeout: float | None = None, *, spin: float = 0.0, max_bytes: int | None = None
+    ) -> tuple[Message, list[int]]:
         """The next message and the descriptors attached to it; waits up to ``timeout`` seconds (None: forever).
 
+        ``timeout`` bounds the whole message, not only the wait for its first byte: a peer that stops
+        halfway through a frame gets :class:`Timeout` raised here, and the part read is kept for the next call.
         ``spin``: busy-poll up to this many seconds before sleeping (a hint; backends may ignore it).
         It trades CPU for latency: only worth it while the machine has an idle core for the poller.
+        ``max_bytes``: a message's largest encoded size (None: the backend's limit, 1 GiB); a larger one
+        is a :class:`ProtocolError`. For peers not trusted yet, such as a listener's first message.
         """
 
     @abc.abstractmethod

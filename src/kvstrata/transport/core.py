@@ -18,7 +18,21 @@ log = logging.getLogger(__name__)
 #: hello -> (extra fields for the reply, fds to attach); lets a server hand out its state in the handshake
 HelloHook = Callable[[Connection, Message], tuple[Message, Sequence[int]]]
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has to send its whole hello
+#: The largest hello a listener reads. Until its handshake a peer is nobody: it must not get to make the
+#: listener hold a frame of the 1 GiB any frame may have (clients' hellos are a few hundred bytes).
+HELLO_MAX_BYTES = 1 << 16
+
+# What a connect attempt may meet that heals by itself: nothing listening yet, the socket file not there
+# yet, a reset, a timeout, and a full accept backlog (a unix socket's connect fails with EAGAIN at once then).
+_RETRIED_CONNECT_ERRORS = (
+    ConnectionRefusedError,
+    FileNotFoundError,
+    ConnectionResetError,
+    TimeoutError,
+    BlockingIOError,
+    InterruptedError,
+)
 
 
 def connect(
@@ -31,7 +45,8 @@ def connect(
 ) -> Connection:
     """Connect to ``address`` and handshake, retrying with jittered backoff until ``timeout`` seconds pass.
 
-    Retries only what may heal by itself (nothing listening yet, socket file not there yet, reset).
+    Retries only what may heal by itself (nothing listening yet, socket file not there yet, reset, the
+    listener's accept backlog full).
     The handshake sends ``{"op": "hello", "protocol": PROTOCOL_VERSION, **hello}``; the reply is in
     ``conn.peer_info`` and any descriptors attached to it in ``conn.handshake_fds``.
 
@@ -54,7 +69,7 @@ def connect(
         try:
             conn = backend.connect(address, max(left, 0.001))
             break
-        except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, TimeoutError) as exc:
+        except _RETRIED_CONNECT_ERRORS as exc:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransportError(
@@ -91,9 +106,9 @@ def _client_handshake(conn: Connection, hello: Message, timeout: float) -> None:
 
 def _server_handshake(conn: Connection, on_hello: HelloHook | None) -> bool:
     try:
-        hello, fds = conn.recv(timeout=HANDSHAKE_TIMEOUT)
+        hello, fds = conn.recv(timeout=HANDSHAKE_TIMEOUT, max_bytes=HELLO_MAX_BYTES)
     except KvstrataError as exc:
-        log.debug("client on %s left before the handshake: %s", conn.address, exc)
+        log.debug("no hello from a client on %s (dropped): %s", conn.address, exc)
         return False
     for fd in fds:
         os.close(fd)

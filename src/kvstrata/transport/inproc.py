@@ -14,7 +14,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, Timeout, TransportError
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, ProtocolError, Timeout, TransportError
 from kvstrata.transport.base import Backend, Connection, Handler, Listener, Message, register_backend, split_address
 from kvstrata.transport.stream import MAX_FDS, pack, unpack
 
@@ -25,12 +25,23 @@ _ids = itertools.count(1)
 
 
 class InprocConnection(Connection):
+    """One end of an in-process connection: what it sends goes through a queue to the other end's inbox.
+
+    Both ends share a :class:`_Link`, so that a send either reaches a peer that is still open, or raises: the
+    descriptors of a message nobody will read are never duplicated (or, queued before the peer closed,
+    are closed by its close), as a socket's close closes what it holds.
+    """
+
     can_pass_fds = True
 
-    def __init__(self, address: str, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
+    def __init__(
+        self, address: str, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue, link: _Link, end: int
+    ) -> None:
         self._address = address
         self._inbox = inbox
         self._outbox = outbox
+        self._link = link  # shared with the peer, which is end 1 - end of it
+        self._end = end
         self._closed = False
         self._lost = False
         self._recv_lock = threading.Lock()
@@ -49,13 +60,18 @@ class InprocConnection(Connection):
         payload = pack(msg)
         if len(fds) > MAX_FDS:
             raise InvalidValue(f"fds: at most {MAX_FDS} per message, got {len(fds)}")
-        if self._closed:
-            raise ClosedError(f"connection to {self._address} is closed")
-        if self._lost:
-            raise ConnectionLost(f"connection to {self._address} was lost")
-        self._outbox.put((payload, [os.dup(fd) for fd in fds]))
+        link = self._link
+        with link.lock:
+            if self._closed:
+                raise ClosedError(f"connection to {self._address} is closed")
+            if self._lost or link.closed[1 - self._end]:
+                self._lost = True
+                raise ConnectionLost(f"lost connection to {self._address} (peer closed the connection)")
+            self._outbox.put((payload, [os.dup(fd) for fd in fds]))
 
-    def recv(self, timeout: float | None = None, *, spin: float = 0.0) -> tuple[Message, list[int]]:
+    def recv(
+        self, timeout: float | None = None, *, spin: float = 0.0, max_bytes: int | None = None
+    ) -> tuple[Message, list[int]]:
         if self._closed:
             raise ClosedError(f"connection to {self._address} is closed")
         if self._lost:
@@ -71,14 +87,46 @@ class InprocConnection(Connection):
             self._lost = True
             raise ConnectionLost(f"lost connection to {self._address} (peer closed the connection)")
         payload, fds = item
+        if max_bytes is not None and len(payload) > max_bytes:
+            _close_all(fds)
+            self._lost = True
+            raise ProtocolError(f"message from {self._address} has {len(payload)} bytes, over the limit {max_bytes}")
         return unpack(payload), fds
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._outbox.put(_CLOSED)
-        self._inbox.put(_CLOSED)  # wakes a local thread blocked in recv
+        with self._link.lock:
+            if self._closed:
+                return
+            self._closed = self._link.closed[self._end] = True
+            # Messages that came and will never be read: their descriptors are ours to close.
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _CLOSED:
+                    _close_all(item[1])
+            self._outbox.put(_CLOSED)
+            self._inbox.put(_CLOSED)  # wakes a local thread blocked in recv
+
+
+class _Link:
+    """What the two ends of an in-process connection share: which of them closed, under one lock (so that no
+    message enters an inbox after its end closed)."""
+
+    __slots__ = ("closed", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = [False, False]
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class InprocListener(Listener):
@@ -94,8 +142,9 @@ class InprocListener(Listener):
     def connect(self) -> InprocConnection:
         a_to_b: queue.SimpleQueue = queue.SimpleQueue()
         b_to_a: queue.SimpleQueue = queue.SimpleQueue()
-        client = InprocConnection(self._address, inbox=b_to_a, outbox=a_to_b)
-        server = InprocConnection(self._address, inbox=a_to_b, outbox=b_to_a)
+        link = _Link()
+        client = InprocConnection(self._address, inbox=b_to_a, outbox=a_to_b, link=link, end=0)
+        server = InprocConnection(self._address, inbox=a_to_b, outbox=b_to_a, link=link, end=1)
         self._accept(server)
         return client
 

@@ -3,16 +3,20 @@
 ``unix:///path.sock`` is the node-local transport: it can pass file descriptors (the shared memory
 segments) and its socket file is created with mode 0600, so only the worker's user can connect.
 A stale socket file left by a killed worker is replaced; a live one is an error.
-``tcp://host:port`` is for the cluster mode; it cannot pass descriptors.
+``tcp://host:port`` is for the cluster mode; it cannot pass descriptors. Its sockets keep alive
+(TCP keepalive and a user timeout): a peer whose host vanished is found gone within about a minute,
+rather than holding its connection open forever.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import stat
 import threading
+import time
 from typing import Any
 
 from kvstrata.errors import InvalidValue, TransportError
@@ -20,6 +24,45 @@ from kvstrata.transport.base import Backend, Handler, Listener, register_backend
 from kvstrata.transport.stream import StreamConnection
 
 log = logging.getLogger(__name__)
+
+# accept() failures that say nothing about the listening socket, so the loop goes on: out of descriptors
+# or memory for now (EMFILE after a burst of clients: it pauses, as descriptors free up when peers leave),
+# or one peer's trouble: gone before it was taken, or, for TCP, a network error of that peer passed on
+# (Linux's accept(2) asks to treat those like EAGAIN).
+_ACCEPT_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_ACCEPT_TRANSIENT_ERRNOS = _ACCEPT_OUT_OF_RESOURCES | frozenset(
+    getattr(errno, name)
+    for name in (
+        "ECONNABORTED", "EINTR", "EAGAIN", "EPERM", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET",
+        "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH",
+    )
+    if hasattr(errno, name)
+)  # fmt: skip
+ACCEPT_RETRY_S = 0.05  # the accept loop's pause when out of descriptors or memory
+ACCEPT_LOG_EVERY_S = 10.0  # at most one warning per this many seconds of failed accepts
+
+# TCP keepalive: an idle connection is probed after KEEPIDLE s, every KEEPINTVL s, and dropped after
+# KEEPCNT probes go unanswered; the user timeout drops it when sent data stays unacknowledged as long.
+TCP_KEEPIDLE_S = 30
+TCP_KEEPINTVL_S = 10
+TCP_KEEPCNT = 3
+TCP_USER_TIMEOUT_S = TCP_KEEPIDLE_S + TCP_KEEPINTVL_S * TCP_KEEPCNT
+
+
+def tune_tcp(sock: socket.socket) -> None:
+    """Set a TCP connection's options: no Nagle delay, keepalive probes and a user timeout (where the platform has
+    them), so a peer whose host vanished without a FIN or RST is found gone in about a minute."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", TCP_KEEPIDLE_S),
+        ("TCP_KEEPINTVL", TCP_KEEPINTVL_S),
+        ("TCP_KEEPCNT", TCP_KEEPCNT),
+        ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_S * 1000),  # (in milliseconds)
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class StreamListener(Listener):
@@ -41,18 +84,38 @@ class StreamListener(Listener):
         return self._address
 
     def _run(self) -> None:
+        failures, logged_at = 0, -ACCEPT_LOG_EVERY_S
         while not self._stopped.is_set():
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError as exc:
-                if not self._stopped.is_set():
+                if self._stopped.is_set():
+                    return
+                if exc.errno not in _ACCEPT_TRANSIENT_ERRNOS:  # the listening socket itself is broken
                     log.error("stopped accepting on %s: %s", self._address, exc)
-                return
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._accept(StreamConnection(conn, self._address))
+                    return
+                failures += 1
+                now = time.monotonic()
+                if now - logged_at >= ACCEPT_LOG_EVERY_S:
+                    log.warning(
+                        "accept on %s failed (%d time(s) since the last warning): %s; still accepting",
+                        self._address,
+                        failures,
+                        exc,
+                    )
+                    failures, logged_at = 0, now
+                if exc.errno in _ACCEPT_OUT_OF_RESOURCES:
+                    self._stopped.wait(ACCEPT_RETRY_S)
+                continue
+            try:
+                if conn.family != socket.AF_UNIX:
+                    tune_tcp(conn)
+                self._accept(StreamConnection(conn, self._address))
+            except Exception as exc:  # (a peer reset already, no thread to spare): drop this one, accept the next
+                log.warning("dropped a connection on %s: %s", self._address, exc)
+                conn.close()
 
     def stop(self) -> None:
         if self._stopped.is_set():
@@ -67,9 +130,19 @@ class StreamListener(Listener):
                 pass
 
 
+def _unix_path(address: str) -> str:
+    """The socket path of a ``unix://`` address; InvalidValue naming the address if no socket can have it."""
+    _, path = split_address(address)
+    if "\x00" in path:
+        raise InvalidValue(f"address: a unix socket path cannot contain a NUL byte: {address!r}")
+    if len(os.fsencode(path)) > 107:
+        raise InvalidValue(f"address: unix socket path longer than 107 bytes: {path!r}")
+    return path
+
+
 class UnixBackend(Backend):
     def connect(self, address: str, timeout: float) -> StreamConnection:
-        _, path = split_address(address)
+        path = _unix_path(address)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
@@ -80,9 +153,7 @@ class UnixBackend(Backend):
         return StreamConnection(sock, address)
 
     def listen(self, address: str, accept: Handler, *, mode: int = 0o600, **options: Any) -> StreamListener:
-        _, path = split_address(address)
-        if len(os.fsencode(path)) > 107:
-            raise InvalidValue(f"address: unix socket path longer than 107 bytes: {path!r}")
+        path = _unix_path(address)
         folder = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -105,6 +176,11 @@ class UnixBackend(Backend):
 
 
 def _remove_stale_socket(path: str, address: str) -> None:
+    """Unlink the socket file at ``path`` if nothing listens there any more (its worker was killed).
+
+    Only a refused connect proves that: a listener that is alive but busy (its accept backlog full: EAGAIN,
+    or slow: a timeout) must keep its socket, so anything else is a TransportError.
+    """
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -115,31 +191,51 @@ def _remove_stale_socket(path: str, address: str) -> None:
     probe.settimeout(1.0)
     try:
         probe.connect(path)
-    except OSError:
+    except (ConnectionRefusedError, FileNotFoundError):
         log.info("removing stale socket %s (its worker is gone)", path)
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         return
+    except OSError as exc:
+        raise TransportError(
+            f"cannot listen on {address}: a worker seems to be listening there, busy (a connect to it failed: "
+            f"{exc}); stop it or choose another path"
+        ) from exc
     finally:
         probe.close()
     raise TransportError(f"cannot listen on {address}: another worker is already listening there")
 
 
-def _host_port(address: str) -> tuple[str, int]:
+def _host_port(address: str, *, listening: bool) -> tuple[str, int]:
+    """``tcp://host:port`` -> ``(host, port)``; InvalidValue naming the address if it is not one.
+
+    Port 0 (any free port) is for listening only.
+    """
     _, location = split_address(address)
-    host, sep, port = location.rstrip("/").rpartition(":")
-    if not sep or not port.isdigit():
+    host, sep, port_text = location.rstrip("/").rpartition(":")
+    if not sep or not port_text.isdigit():
         raise InvalidValue(f"address: expected tcp://host:port, got {address!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    port = int(port_text)
+    if not (0 if listening else 1) <= port <= 65535:
+        allowed = "0-65535" if listening else "1-65535"
+        raise InvalidValue(f"address: port {port} is not in {allowed} in {address!r}")
+    return host.strip("[]") or "127.0.0.1", port
 
 
 class TcpBackend(Backend):
     def connect(self, address: str, timeout: float) -> StreamConnection:
-        sock = socket.create_connection(_host_port(address), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = socket.create_connection(_host_port(address, listening=False), timeout=timeout)
+        try:
+            tune_tcp(sock)
+        except BaseException:
+            sock.close()
+            raise
         return StreamConnection(sock, address)
 
     def listen(self, address: str, accept: Handler, **options: Any) -> StreamListener:
-        host, port = _host_port(address)
+        host, port = _host_port(address, listening=True)
         try:
             sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as exc:

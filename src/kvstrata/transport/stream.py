@@ -3,12 +3,17 @@
 Frame: ``<u32 payload length><u32 number of fds>`` then the msgpack payload. Descriptors ride as
 SCM_RIGHTS ancillary data on the first byte of the header, so the receiver reads every header with
 ``recvmsg`` and collects them there.
+
+A receiver trusts a header's length only as far as bytes back it: a large frame's buffer grows as its
+payload arrives, so a peer that announces a gigabyte and sends nine bytes costs about a megabyte.
+``recv``'s ``max_bytes`` caps frames further where the peer is not known yet (a listener's handshake).
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import math
 import os
 import select
 import socket
@@ -34,6 +39,12 @@ _FD = array.array("i")
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * _FD.itemsize)
 _READ_CHUNK = 1 << 16
 _BUF_BYTES = 2 * _READ_CHUNK  # the read buffer: any frame up to _READ_CHUNK fits after compaction
+# A large frame's payload buffer starts at this size (or the frame's, if smaller) and doubles whenever the
+# peer has filled it: memory follows the bytes that arrived, never a length the peer merely announced.
+_FIRST_LARGE_ALLOC = 1 << 20
+# A spin that makes _fill try one non-blocking read before it waits: the rest of a frame begun has usually come.
+_ONE_POLL = 1e-9
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 def pack(msg: Message) -> bytes:
@@ -73,6 +84,9 @@ class StreamConnection(Connection):
         self._rview = memoryview(self._rbuf)
         self._rpos = self._rend = 0
         self._rfds: collections.deque[int] = collections.deque()
+        # A large frame whose payload is being read (straight into its own buffer), kept across a recv that
+        # timed out halfway so that the next recv continues it: the stream never loses its place.
+        self._large: _LargeFrame | None = None
         sock.settimeout(None)
 
     @property
@@ -124,48 +138,89 @@ class StreamConnection(Connection):
                     raise ClosedError(f"connection to {self._address} is closed") from exc
                 raise ConnectionLost(f"lost connection to {self._address} while sending: {exc}") from exc
 
-    def recv(self, timeout: float | None = None, *, spin: float = 0.0) -> tuple[Message, list[int]]:
+    def recv(
+        self, timeout: float | None = None, *, spin: float = 0.0, max_bytes: int | None = None
+    ) -> tuple[Message, list[int]]:
+        """The next message and its descriptors; ``timeout`` bounds the whole frame, not just its first byte.
+
+        A frame cut short by ``timeout`` raises :class:`Timeout` and keeps what was read of it: the next
+        ``recv`` continues that frame, so the connection stays in step. A frame longer than ``max_bytes``
+        (default :data:`MAX_FRAME`), or a header or descriptors that do not add up, raise
+        :class:`ProtocolError`, after which the connection is lost.
+        """
         self._check_open()
         with self._recv_lock:
             try:
-                return self._recv_frame(timeout, spin)
+                return self._recv_frame(timeout, spin, MAX_FRAME if max_bytes is None else max_bytes)
             except ProtocolError:
                 self._lost = True
+                self._large = None
+                self._close_queued_fds()
                 self._sock.close()
                 raise
 
-    def _recv_frame(self, timeout: float | None, spin: float = 0.0) -> tuple[Message, list[int]]:
+    def _recv_frame(self, timeout: float | None, spin: float, max_bytes: int) -> tuple[Message, list[int]]:
         # Frames are parsed out of a read buffer filled by recvmsg, so a small message costs one
         # system call. Descriptors are queued in arrival order and handed to frames by their
         # header's count: the kernel delivers them with the first byte of their frame.
+        if self._large is not None:  # an earlier recv timed out halfway through a large frame: finish it first
+            return self._finish_large(timeout, 0.0)
+        waited_since = 0.0
         if self._rpos == self._rend:
             self._rpos = self._rend = 0
-            self._fill(timeout, spin)
+            waited_since = self._fill(timeout, spin)
+        # The deadline for the frame's rest is worked out only once a read leaves it incomplete: most
+        # frames arrive whole in the first read, and they pay no clock read for it.
+        deadline: float | None = None
         while self._rend - self._rpos < _HEADER.size:
-            self._fill(None)
+            if deadline is None:
+                deadline = _deadline(timeout, waited_since)
+            self._fill_until(deadline, timeout)
         length, nfds = _HEADER.unpack_from(self._rbuf, self._rpos)
-        if length > MAX_FRAME or nfds > MAX_FDS:
-            raise ProtocolError(f"frame header announces {length} bytes and {nfds} fds: not a kvstrata peer")
+        if length > max_bytes or nfds > MAX_FDS:
+            raise ProtocolError(
+                f"frame header from {self._address} announces {length} bytes (limit {max_bytes}) and {nfds} "
+                f"file descriptors (limit {MAX_FDS}): not a kvstrata peer, or not one allowed to send that yet"
+            )
         start = self._rpos + _HEADER.size
-        payload: Any
         if length > _READ_CHUNK:  # a large frame: read its rest straight into place
             have = min(self._rend - start, length)
-            payload = bytearray(length)
+            payload = bytearray(max(have, min(length, _FIRST_LARGE_ALLOC)))
             payload[:have] = self._rview[start : start + have]
             self._rpos = start + have
             if self._rpos == self._rend:
                 self._rpos = self._rend = 0
-            if have < length:  # nothing of the next frame was read yet: read exactly the rest
-                self._read_into(memoryview(payload)[have:])
-        else:
-            while self._rend - start < length:
-                self._fill(None)
-                start = self._rpos + _HEADER.size  # _fill may have moved the unread bytes
-            payload = self._rview[start : start + length]
-            self._rpos = start + length
-        if len(self._rfds) < nfds:
-            raise ProtocolError(f"expected {nfds} file descriptors with the message, got {len(self._rfds)}")
-        fds = [self._rfds.popleft() for _ in range(nfds)]
+            self._large = _LargeFrame(payload, have, length, nfds)
+            return self._finish_large(timeout, waited_since)
+        while self._rend - start < length:
+            if deadline is None:
+                deadline = _deadline(timeout, waited_since)
+            self._fill_until(deadline, timeout)
+            start = self._rpos + _HEADER.size  # _fill may have moved the unread bytes
+        view = self._rview[start : start + length]
+        self._rpos = start + length
+        fds = self._take_fds(nfds) if nfds or self._rfds else []
+        try:
+            return unpack(view), fds
+        except ProtocolError:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _finish_large(self, timeout: float | None, waited_since: float) -> tuple[Message, list[int]]:
+        """Read the rest of ``self._large`` (by the deadline ``timeout`` sets) and decode it."""
+        frame = self._large
+        assert frame is not None
+        payload, length = frame.payload, frame.length
+        if frame.have < length:
+            deadline = _deadline(timeout, waited_since)
+            while frame.have < length:
+                if frame.have == len(payload):  # the peer filled what it has shown it sends: double the room
+                    payload.extend(bytes(min(length, 2 * len(payload)) - len(payload)))
+                with memoryview(payload) as whole, whole[frame.have :] as rest:  # (released: payload can grow)
+                    frame.have += self._read_into(rest, deadline, timeout)
+        self._large = None
+        fds = self._take_fds(frame.nfds) if frame.nfds or self._rfds else []
         try:
             return unpack(payload), fds
         except ProtocolError:
@@ -173,13 +228,46 @@ class StreamConnection(Connection):
                 os.close(fd)
             raise
 
-    def _fill(self, timeout: float | None, spin: float = 0.0) -> None:
-        """One recvmsg into the read buffer; only the wait for a new frame's first byte may time out.
+    def _take_fds(self, nfds: int) -> list[int]:
+        """The ``nfds`` descriptors of the frame just read; ProtocolError if too few came, or ones no frame claims.
 
+        One recvmsg brings the descriptors of at most one frame (the kernel ends a read after the message
+        that carried them), and a new read starts only when the buffer holds no whole frame. So what is
+        queued beyond this frame's can only be the next frame's, which then has begun in the buffer, and
+        is at most MAX_FDS: anything else was attached to no frame (a peer flooding this process's fd table).
+        """
+        queued = self._rfds
+        if len(queued) < nfds:
+            raise ProtocolError(
+                f"frame from {self._address} announces {nfds} file descriptors, but {len(queued)} came with it"
+            )
+        fds = [queued.popleft() for _ in range(nfds)]
+        if queued and (self._rpos == self._rend or len(queued) > MAX_FDS):
+            stray = len(queued)
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(
+                f"{self._address}: {stray} file descriptor(s) came that no frame announces (this one announced {nfds})"
+            )
+        return fds
+
+    def _close_queued_fds(self) -> None:
+        while self._rfds:
+            try:
+                os.close(self._rfds.popleft())
+            except OSError:
+                pass
+
+    def _fill(self, timeout: float | None, spin: float = 0.0) -> float:
+        """One recvmsg into the read buffer, waiting up to ``timeout`` seconds (None: forever) for data.
+
+        Returns when a timed wait began (``time.monotonic()``; 0.0 when none was timed), from which the
+        caller dates the deadline of a frame the read left incomplete.
         The socket stays blocking (a socket timeout would also cut sends short); a timed wait polls first.
         ``spin`` seconds of non-blocking polls come before the blocking wait: waking a sleeping
         process costs tens of microseconds, several times a small request's whole round trip.
         """
+        waited_since = 0.0
         try:
             if len(self._rbuf) - self._rend < _READ_CHUNK:  # make room: move the unread bytes to the front
                 n = self._rend - self._rpos
@@ -188,7 +276,12 @@ class StreamConnection(Connection):
             into = [self._rview[self._rend :]]
             got = self._poll(into, spin) if spin > 0.0 else None
             if got is None:
-                ready = timeout is None or select.select([self._sock], [], [], max(timeout, 0))[0]
+                if timeout is None:
+                    ready = True
+                else:
+                    if timeout > 0:  # (next to a select that may sleep, a clock read costs nothing)
+                        waited_since = time.monotonic()
+                    ready = select.select([self._sock], [], [], max(timeout, 0))[0]
                 if ready:
                     got = self._sock.recvmsg_into(into, _ANC_SPACE, _CMSG_FLAGS)
         except (OSError, ValueError) as exc:  # ValueError: select on a socket closed by another thread
@@ -196,15 +289,36 @@ class StreamConnection(Connection):
         if got is None:
             raise Timeout(f"no message from {self._address} within {timeout} s")
         nbytes, ancdata, flags, _ = got
+        if ancdata:
+            self._queue_fds(ancdata)
+        if flags & _CTRUNC:
+            raise ProtocolError(f"file descriptors from {self._address} were truncated in transit")
+        if not nbytes:
+            raise self._lost_error(None)
+        self._rend += nbytes
+        return waited_since
+
+    def _queue_fds(self, ancdata: list[tuple[int, int, bytes]]) -> None:
         for level, kind, fd_bytes in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 usable = len(fd_bytes) - len(fd_bytes) % _FD.itemsize
                 self._rfds.extend(array.array("i", fd_bytes[:usable]))
-        if flags & _CTRUNC:
-            raise ProtocolError("file descriptors were truncated in transit")
-        if not nbytes:
-            raise self._lost_error(None)
-        self._rend += nbytes
+        # At most the frame being read and the next one have descriptors queued (see _take_fds): a peer
+        # attaching more to a frame it trickles in must not get to fill this process's fd table meanwhile.
+        if len(self._rfds) > 2 * MAX_FDS:
+            raise ProtocolError(f"{self._address} sent {len(self._rfds)} file descriptors that no frame announces")
+
+    def _fill_until(self, deadline: float, timeout: float | None) -> None:
+        """:meth:`_fill` for the rest of a frame begun: Timeout once ``deadline`` (``time.monotonic()``) passed."""
+        if deadline == math.inf:
+            self._fill(None)
+            return
+        try:
+            self._fill(max(deadline - time.monotonic(), 0.0), _ONE_POLL)
+        except Timeout:
+            raise Timeout(
+                f"only part of a message from {self._address} arrived within {timeout} s (the next recv continues it)"
+            ) from None
 
     def _poll(self, into: list[memoryview], spin: float) -> Any:
         """recvmsg's result if data arrives within ``spin`` seconds of busy polling, else None.
@@ -222,17 +336,30 @@ class StreamConnection(Connection):
                     return None
                 yield_cpu()
 
-    def _read_into(self, view: memoryview) -> None:
-        """Exactly len(view) bytes: never past the frame, so the next frame's descriptors are not lost."""
-        got, n = 0, len(view)
-        while got < n:
-            try:
-                k = self._sock.recv_into(view[got:])
-            except OSError as exc:
-                raise self._lost_error(exc) from exc
-            if k == 0:
-                raise self._lost_error(None)
-            got += k
+    def _read_into(self, view: memoryview, deadline: float, timeout: float | None) -> int:
+        """Bytes read into ``view`` (at least one; never past it, so the next frame's descriptors are not lost).
+
+        Waits until ``deadline`` (``time.monotonic()``; ``math.inf``: forever), then raises Timeout.
+        """
+        got = -1
+        try:
+            if deadline == math.inf:
+                got = self._sock.recv_into(view)
+            else:
+                try:  # what has come already, with no select: a large frame's rest mostly has
+                    got = self._sock.recv_into(view, 0, _DONTWAIT)
+                except BlockingIOError:
+                    if select.select([self._sock], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+                        got = self._sock.recv_into(view)
+        except (OSError, ValueError) as exc:  # ValueError: select on a socket closed by another thread
+            raise self._lost_error(exc if isinstance(exc, OSError) else None) from exc
+        if got < 0:
+            raise Timeout(
+                f"only part of a message from {self._address} arrived within {timeout} s (the next recv continues it)"
+            )
+        if got == 0:
+            raise self._lost_error(None)
+        return got
 
     def _lost_error(self, exc: OSError | None) -> Exception:
         if self._closed:
@@ -245,14 +372,33 @@ class StreamConnection(Connection):
         if self._closed:
             return
         self._closed = True
-        while self._rfds:
-            os.close(self._rfds.popleft())
+        self._large = None
+        self._close_queued_fds()
         if self._pid == PID[0]:  # (in a forked child the socket is the parent's too: only this copy is closed)
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
             except OSError:
                 pass
         self._sock.close()
+
+
+class _LargeFrame:
+    """A frame over _READ_CHUNK being read into its own buffer: ``payload[:have]`` arrived of ``length``."""
+
+    __slots__ = ("have", "length", "nfds", "payload")
+
+    def __init__(self, payload: bytearray, have: int, length: int, nfds: int) -> None:
+        self.payload = payload
+        self.have = have
+        self.length = length
+        self.nfds = nfds
+
+
+def _deadline(timeout: float | None, waited_since: float) -> float:
+    """When a frame begun must be whole (``time.monotonic()``): ``timeout`` after its wait began, or from now."""
+    if timeout is None:
+        return math.inf
+    return (waited_since or time.monotonic()) + timeout
 
 
 def sendall_msg(sock: socket.socket, buffers: list[Any]) -> None:
