@@ -403,3 +403,28 @@ def test_every_metric_of_a_worker_says_what_it_counts_and_gauges_are_not_counter
     assert helps and not [line for line in helps if "kvstrata worker stat" in line]  # no made-up text left
     assert "# TYPE kvstrata_device_object_connections gauge" in text  # connections now, not ever
     assert "# TYPE kvstrata_connections_total counter" in text
+
+
+def test_a_client_gone_before_its_welcome_leaves_no_lane_behind(worker):
+    """The worker opened a lane (shared memory) for a hello asking for one; a peer that left before the welcome
+    kept it open for good (one memfd and one mapping per such peer)."""
+    import socket
+
+    from kvstrata.transport.base import PROTOCOL_VERSION
+    from kvstrata.transport.stream import _HEADER, pack
+
+    def lanes() -> int:
+        with open("/proc/self/maps") as f:
+            return sum("kvstrata-lane" in line for line in f)
+
+    before = lanes()
+    hello = pack({"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "shm": True, "lane": True})
+    for _ in range(20):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(worker.address.removeprefix("unix://"))
+        s.sendall(_HEADER.pack(len(hello), 0) + hello)
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+    with kvstrata.connect(worker.address) as kv:  # the worker serves on
+        kv.set("after", b"v")
+    assert wait_for(lambda: lanes() <= before)

@@ -103,7 +103,11 @@ class Worker:
         self.lane_poller.start()
         try:
             self._listener = listen(
-                self.config.address, self._serve, on_hello=self._on_hello, mode=self.config.socket_mode
+                self.config.address,
+                self._serve,
+                on_hello=self._on_hello,
+                on_abandon=self._on_abandon,
+                mode=self.config.socket_mode,
             )
         except BaseException:
             self.lane_poller.stop()
@@ -285,6 +289,14 @@ class Worker:
             reply["devobj_generation"] = len(fds)
             fds.append(devobj_service.broker_of(self).generation_fd)
         return reply, fds
+
+    def _on_abandon(self, conn: Connection) -> None:
+        """A client that left before its welcome: nothing will serve its session, so let go of what _on_hello
+        opened for it (its lane's shared memory)."""
+        session = getattr(conn, "session", None)
+        if session is not None:
+            conn.session = None  # type: ignore[attr-defined]
+            session.cleanup()
 
     def _serve(self, conn: Connection) -> None:
         session: Session = conn.session  # type: ignore[attr-defined]

@@ -104,7 +104,9 @@ def _client_handshake(conn: Connection, hello: Message, timeout: float) -> None:
     conn.handshake_fds = fds
 
 
-def _server_handshake(conn: Connection, on_hello: HelloHook | None) -> bool:
+def _server_handshake(
+    conn: Connection, on_hello: HelloHook | None, on_abandon: Callable[[Connection], None] | None = None
+) -> bool:
     try:
         hello, fds = conn.recv(timeout=HANDSHAKE_TIMEOUT, max_bytes=HELLO_MAX_BYTES)
     except KvstrataError as exc:
@@ -126,20 +128,34 @@ def _server_handshake(conn: Connection, on_hello: HelloHook | None) -> bool:
         return False
     conn.peer_info = hello
     extra, reply_fds = on_hello(conn, hello) if on_hello else ({}, ())
-    conn.send({**extra, "op": "welcome", "protocol": PROTOCOL_VERSION, "pid": os.getpid()}, reply_fds)
+    try:
+        conn.send({**extra, "op": "welcome", "protocol": PROTOCOL_VERSION, "pid": os.getpid()}, reply_fds)
+    except BaseException:
+        # the peer left before its welcome: what on_hello set up for it (a lane, say) will see no handler
+        if on_abandon is not None:
+            on_abandon(conn)
+        raise
     return True
 
 
-def listen(address: str, handler: Handler, *, on_hello: HelloHook | None = None, **options: Any) -> Listener:
+def listen(
+    address: str,
+    handler: Handler,
+    *,
+    on_hello: HelloHook | None = None,
+    on_abandon: Callable[[Connection], None] | None = None,
+    **options: Any,
+) -> Listener:
     """Listen on ``address``; each connection is handshaken, then ``handler(conn)`` runs in its own thread.
 
     The handler owns the connection (close it when done). ``options`` go to the backend
-    (``mode=0o600`` for ``unix://``). ``on_hello`` may add fields and descriptors to the handshake reply.
+    (``mode=0o600`` for ``unix://``). ``on_hello`` may add fields and descriptors to the handshake reply;
+    ``on_abandon(conn)`` undoes what it set up where the welcome could not be sent (no handler runs then).
     """
 
     def serve(conn: Connection) -> None:
         try:
-            if _server_handshake(conn, on_hello):
+            if _server_handshake(conn, on_hello, on_abandon):
                 handler(conn)
                 return
         except KvstrataError as exc:
