@@ -6,7 +6,7 @@ request's blocks (one block, at most ``SMALL_BYTES``), plus a store and a load a
 methods that could win, and writes ``calibration-<key>.json`` under ``$KVSTRATA_CACHE_DIR`` (default
 ``~/.cache/kvstrata``). The key is the device name, capability, SM count, driver, torch/triton/CUDA
 versions and ``FORMAT``: a new GPU, driver, library or measuring method is measured again. The first
-``auto`` call on a GPU calibrates when no file exists (~10 s; ``KVSTRATA_AUTO_CALIBRATE=0`` uses the
+``auto`` call on a GPU calibrates when no file exists (~7 s on an H200; ``KVSTRATA_AUTO_CALIBRATE=0`` uses the
 static rule instead), never while a CUDA graph is being captured.
 
 How it measures (why the rates agree with ``kvstrata bench transfer``): on a stream of its own; bulk
