@@ -428,3 +428,27 @@ def test_a_client_gone_before_its_welcome_leaves_no_lane_behind(worker):
     with kvstrata.connect(worker.address) as kv:  # the worker serves on
         kv.set("after", b"v")
     assert wait_for(lambda: lanes() <= before)
+
+
+def test_every_close_of_a_client_closed_by_several_threads_returns_once_its_leases_are_back(worker, monkeypatch):
+    """The second and later close() returned at once, before the worker had released what the client held."""
+    from kvstrata.server.session import Session
+
+    real_cleanup = Session.cleanup
+    monkeypatch.setattr(Session, "cleanup", lambda self: time.sleep(0.3) or real_cleanup(self))
+    kv = kvstrata.connect(worker.address)
+    kv.set("held-by-many", b"x" * 100_000)
+    views = kv.get_buffers(["held-by-many"])
+    seen = []
+
+    def close_and_count():
+        kv.close()
+        seen.append(worker.stats()["leases"])
+
+    threads = [threading.Thread(target=close_and_count) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [0, 0, 0, 0]
+    del views

@@ -179,3 +179,64 @@ def test_a_retired_segment_is_unregistered_from_cuda_and_the_hbm_tier_loads_the_
         s.release(lease.lease_id)
     finally:
         s.close()
+
+
+def test_segments_are_emptied_only_as_far_as_the_ssd_takes_their_objects_together(tmp_path, make_config):
+    """Each victim fitted the SSD alone, so two segments' worth were spilled into a 1 MiB SSD tier: 1.8 MB on disk,
+    its reserved count negative for good."""
+    s = ObjectStore(make_config(tmp_path, memory=4 * MB, segment=1 * MB, disk=1 * MB))
+    try:
+        keys = _filled(s, 4)
+        with pytest.raises(CapacityError, match="larger than a segment"):
+            s.put("big", _value(5, 3 * MB // 2))  # two segments to empty: their 1.8 MB do not fit the SSD
+        disk = s.stats()["tiers"]["disk"]
+        assert disk["used"] <= disk["capacity"] and disk["reserved"] >= 0
+        for i, key in enumerate(keys):
+            assert s.get_bytes(key) == _value(i, 900 * KB)
+    finally:
+        s.close()
+
+
+def test_a_large_value_waits_for_writes_in_progress_rather_than_be_refused(make_config):
+    """Unsealed creates keep their segments from being emptied for milliseconds: the large value was refused at once."""
+    import threading
+    import time
+
+    s = ObjectStore(make_config(memory=4 * MB, segment=1 * MB))
+    try:
+        s.put("old", _value(1, 900 * KB), write_mode="evictable")
+        for key in ("w/0", "w/1", "w/2"):  # three segments held by writes in progress
+            s.create(key, 900 * KB, owner="writer", write_mode="evictable")
+        sealer = threading.Timer(0.3, lambda: s.seal("w/0", owner="writer"))  # one lands: its segment may go then
+        sealer.start()
+        began = time.monotonic()
+        s.put("big", _value(2, 3 * MB // 2), write_mode="evictable")
+        assert time.monotonic() - began >= 0.25
+        assert s.get_bytes("big") == _value(2, 3 * MB // 2)
+        sealer.join()
+    finally:
+        s.close()
+
+
+def test_a_value_of_nearly_the_whole_tier_fits_when_its_rounded_segment_would_not(make_config):
+    """Its own segment is rounded up to whole huge pages (2 MiB): 4.5 MiB of a 5 MiB tier asked for 6 MiB."""
+    s = ObjectStore(make_config(memory=5 * MB, segment=1 * MB))
+    try:
+        s.put("most", _value(3, 9 * MB // 2))
+        assert s.get_bytes("most") == _value(3, 9 * MB // 2)
+    finally:
+        s.close()
+
+
+def test_a_segment_not_yet_announced_is_not_retired():
+    """A segment whose listeners (CUDA page-locking it) still run would be page-locked after it was retired."""
+    tier = MemoryTier(8 * MB, segment_bytes=4 * MB, hugepages="off", numa_node=None)
+    try:
+        assert tier.allocate(4 * MB).segment == 0  # segment 0 full
+        tier.free(tier.allocate(MB))  # segment 1 mapped, empty
+        tier.retirable = lambda index: index < 1  # segment 1 still being announced
+        assert tier.retire_empty(4 * MB) == 0 and tier.retired == []
+        tier.retirable = lambda index: True  # announced
+        assert tier.retire_empty(4 * MB) == 4 * MB and tier.retired == [1]
+    finally:
+        tier.close()

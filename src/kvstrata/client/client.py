@@ -57,6 +57,8 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._backend = backend
         self._reservation = _reservation.WriteReservation(reserve_bytes)
         self._closed = False
+        self._close_lock = threading.Lock()  # one close() does the work
+        self._close_done = threading.Event()  # ... and the others return once it is done
         self._pid = PID[0]
         self._issuer: concurrent.futures.ThreadPoolExecutor | None = None  # async calls' copies queued
         self._completer: concurrent.futures.ThreadPoolExecutor | None = None  # and waited for
@@ -83,14 +85,22 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         return self._backend.store
 
     def close(self) -> None:
-        """Release every lease and unfinished write of this client (idempotent)."""
-        if self._closed:
+        """Release every lease and unfinished write of this client (idempotent: a close() beside another one returns
+        when that one is done, except on an async call's callback thread, which that one waits for)."""
+        with self._close_lock:
+            first = not self._closed
+            self._closed = True
+        if not first:
+            if not on_pool_thread(self):
+                self._close_done.wait()
             return
-        self._closed = True
         if self._pid != PID[0]:
             # A copy inherited through fork(): the worker's connection, leases, device objects and CUDA
             # registrations are the parent's. Only this process's handles go (nothing the parent sees).
-            self._backend.close()
+            try:
+                self._backend.close()
+            finally:
+                self._close_done.set()
             return
         if on_pool_thread(self):
             # Called from an async call's callback, on a thread of the pools joined below: the rest runs on a thread
@@ -109,7 +119,10 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
                     pool.shutdown(wait=True)
             self._registrations.undo()  # before the segments are unmapped
         finally:
-            self._backend.close()  # whatever failed above: the worker's leases and memory go back
+            try:
+                self._backend.close()  # whatever failed above: the worker's leases and memory go back
+            finally:
+                self._close_done.set()
 
     def __enter__(self) -> Client:
         return self

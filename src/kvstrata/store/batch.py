@@ -195,7 +195,10 @@ class BatchMixin:
             creates = self._owner_creates.get(owner)
             if creates is None and todo:
                 creates = self._owner_creates[owner] = set()
-            for i in todo:
+            # Values larger than a segment first: segments are emptied for them, and the batch's own unsealed smaller
+            # objects, allocated before, would keep them from being emptied
+            big = self.config.segment_bytes
+            for i in sorted(todo, key=lambda i: items[i][1] <= big) if run is None else todo:
                 key, size = items[i]
                 loc = out[i]
                 if loc is None:

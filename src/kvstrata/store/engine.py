@@ -86,6 +86,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
             on_retire_segment=self._segment_retired,
         )
         self._announced = len(self._mem.segments)  # the first segment is visible through .segments from the start
+        # a segment still being announced (page-locked with CUDA, say) is not retired under its listeners
+        self._mem.retirable = lambda index: index < self._announced
         self._disk = DiskTier(config.disk_dir, config.disk_bytes, sync=config.disk_sync) if config.disk_dir else None
         self._gpu = None
         if config.gpu_bytes:

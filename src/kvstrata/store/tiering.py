@@ -27,6 +27,9 @@ from kvstrata.units import format_size
 #: room) before it gives up, and how often it looks again meanwhile
 MOVE_WAIT_S = 10.0
 MOVE_POLL_S = 0.0005
+#: how long a value larger than a segment waits for other writes in progress to seal (their blocks keep a segment
+#: from being emptied for it) before it is refused
+LARGE_WAIT_S = 2.0
 #: at most one info line this often sums up the spills, evictions and promotions since the last one
 #: (each is logged at debug level)
 MOVES_REPORT_S = 10.0
@@ -46,8 +49,17 @@ class TieringMixin:
         if size == 0:
             return ZERO_LOCATION
         mem = self._mem
-        deadline = None
         own = mem.own_segment_bytes(size)  # larger than a segment: it needs a segment of its own
+        if not own:
+            return self._allocate_in(size, 0)
+        try:
+            return self._allocate_in(size, own)
+        finally:
+            mem.drain(())  # the segments emptied for it take small writes again (or were retired)
+
+    def _allocate_in(self, size: int, own: int) -> Location:
+        mem = self._mem
+        deadline = None
         while True:
             loc = mem.allocate(size)
             if loc is not None:
@@ -56,12 +68,16 @@ class TieringMixin:
                 return loc
             if self._clear_segments(own - mem.segment_room()) if own else self._make_room(size):
                 continue
-            if self._moving:
+            # Unsealed creates (writes in progress) hold blocks for milliseconds, most often: a value that needs
+            # whole segments waits for them, up to LARGE_WAIT_S, rather than be refused while they land
+            waits_for_writes = own and self._pending
+            if self._moving or waits_for_writes:
                 # The objects that could make room are being written to SSD by another thread (a write-back
                 # flush, the background eviction): they become free to drop once written, within milliseconds.
                 # Wait for them rather than refuse a write that fits.
                 now = time.monotonic()
-                deadline = now + MOVE_WAIT_S if deadline is None else deadline
+                if deadline is None:
+                    deadline = now + (MOVE_WAIT_S if self._moving else LARGE_WAIT_S)
                 if now < deadline:
                     self._lock.release()
                     try:
@@ -104,17 +120,31 @@ class TieringMixin:
                 held[loc.segment].append(e)
         chosen: list[int] = []
         found = 0
+        disk = self._disk
+        spill_room = disk.capacity - disk.used - disk.stats()["reserved"] if disk is not None else 0
         for i, nbytes, _, blocks in sorted(usage, key=lambda u: u[2]):  # the fewest bytes to move first
             if found >= need:
                 break
             entries = held[i]
-            if len(entries) == blocks and all(map(self._can_evict, entries)):
-                chosen.append(i)
-                found += nbytes
+            if len(entries) != blocks or not all(map(self._can_evict, entries)):
+                continue
+            files = sum(disk.file_bytes(e.key, e.size) for e in entries if self._needs_file(e)) if disk else 0
+            if files > spill_room:  # each fits alone (_can_evict), not all of them together
+                continue
+            spill_room -= files
+            chosen.append(i)
+            found += nbytes
         if found < need:
             return False
+        # New small writes go elsewhere while these empty (a spill releases the lock): else they refill them
+        mem.drain(chosen)
         victims = [e for i in chosen for e in held[i]]
         return self._make_room(sum(e.size for e in victims), iter(victims))
+
+    @staticmethod
+    def _needs_file(e: Entry) -> bool:
+        """Whether evicting ``e`` writes an SSD file whose room is not held yet."""
+        return e.mode is not WriteMode.EVICTABLE and not (e.on_disk and not e.dirty) and not e.disk_hold
 
     def _make_room(self, goal: int, victims: Iterator[Entry] | None = None) -> bool:
         """Free about ``goal`` bytes of DRAM; False when nothing could be freed. May release the lock.
@@ -152,7 +182,9 @@ class TieringMixin:
                 pending += e.size
             else:
                 nbytes = disk.file_bytes(e.key, e.size)
-                disk.reserve(nbytes)  # cannot fail: _can_evict checked the room under this same lock
+                if not disk.reserve(nbytes):  # _can_evict saw room for it alone; earlier victims took it
+                    self._clock.add(e.key, e)
+                    continue
                 e.leases += 1
                 jobs.append((e, nbytes))
                 pending += e.size

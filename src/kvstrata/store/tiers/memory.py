@@ -69,6 +69,10 @@ class MemoryTier(BlockTier):
         self.segments: list[SharedSegment] = []
         #: indices of the segments retired (see the module docstring), in the order they went
         self.retired: list[int] = []
+        #: which segments may be retired (the engine's: those whose listeners, CUDA page-locking them, are done)
+        self.retirable: Callable[[int], bool] = lambda index: True
+        #: segments being emptied for a value larger than a segment: small allocations go elsewhere meanwhile
+        self._draining: frozenset[int] = frozenset()
         self._allocators: list[OffsetAllocator] = []
         self._mapped = 0
         self._used = 0
@@ -112,7 +116,8 @@ class MemoryTier(BlockTier):
         """The segment a value of ``size`` bytes gets for itself, where it is larger than a segment (else 0)."""
         if size <= self._segment_bytes:
             return 0
-        return -(-size // _GROW_GRANULE) * _GROW_GRANULE
+        # in whole huge pages, but never more than the tier (a value of nearly all of it still fits)
+        return min(-(-size // _GROW_GRANULE) * _GROW_GRANULE, self._capacity - self._capacity % ALIGNMENT)
 
     def segment_room(self) -> int:
         """Bytes not mapped yet: what a new segment may take."""
@@ -126,13 +131,17 @@ class MemoryTier(BlockTier):
             if a is not _RETIRED_ALLOCATOR
         ]
 
+    def drain(self, segments: Any) -> None:
+        """Keep small allocations out of ``segments`` (indices) until the next call (``drain(())``: none)."""
+        self._draining = frozenset(segments)
+
     def retire_empty(self, need: int, *, only: set[int] | None = None) -> int:
         """Retire empty segments (of ``only``, where given) until ``need`` more bytes may be mapped; the bytes
         freed. Retires nothing when the empty ones are not enough: their memory would go for no gain."""
         empty = [
             (a.capacity, i)
             for i, a in enumerate(self._allocators)
-            if a is not _RETIRED_ALLOCATOR and a.used_bytes == 0 and (only is None or i in only)
+            if a is not _RETIRED_ALLOCATOR and a.used_bytes == 0 and (only is None or i in only) and self.retirable(i)
         ]
         if sum(n for n, _ in empty) < need:
             return 0
@@ -160,12 +169,14 @@ class MemoryTier(BlockTier):
     def allocate(self, size: int) -> Location | None:
         allocs = self._allocators
         last = self._last
-        off = allocs[last].allocate(size)
+        # segments being emptied take no small value (a large one, what they are emptied for, may go there)
+        draining = self._draining if size <= self._segment_bytes else ()
+        off = allocs[last].allocate(size) if not draining or last not in draining else None
         if off is not None:
             self._used += (size + ALIGNMENT - 1) & -ALIGNMENT
             return Location(last, off, size)
         for i, a in enumerate(allocs):
-            if i != last and a.largest_free >= size:
+            if i != last and a.largest_free >= size and i not in draining:
                 off = a.allocate(size)
                 if off is not None:
                     self._last = i
@@ -192,6 +203,8 @@ class MemoryTier(BlockTier):
         last = self._last
         order = [last] + [i for i in range(len(allocs)) if i != last]
         for i in order:
+            if i in self._draining:
+                continue
             offs = allocs[i].allocate_run(sizes)
             if offs is not None:
                 self._last = i
