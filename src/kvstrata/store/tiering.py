@@ -68,9 +68,10 @@ class TieringMixin:
                 return loc
             if self._clear_segments(own - mem.segment_room()) if own else self._make_room(size):
                 continue
-            # Unsealed creates (writes in progress) hold blocks for milliseconds, most often: a value that needs
-            # whole segments waits for them, up to LARGE_WAIT_S, rather than be refused while they land
-            waits_for_writes = own and self._pending
+            # Writes in progress (unsealed creates, puts copying their bytes) hold blocks for milliseconds, most often:
+            # a value that needs whole segments waits for them, up to LARGE_WAIT_S, rather than be refused while they
+            # land (this write counts itself among the puts in progress)
+            waits_for_writes = own and (self._pending or sum(self._creating.values()) > 1)
             if self._moving or waits_for_writes:
                 # The objects that could make room are being written to SSD by another thread (a write-back
                 # flush, the background eviction): they become free to drop once written, within milliseconds.
