@@ -87,6 +87,48 @@ def _bad_arguments_raise_everywhere(rank: int, world: int) -> None:
     ag.close()
 
 
+def _a_bad_ratio_after_validation_raises_at_once_on_its_rank(rank: int, world: int) -> None:
+    """Past the first call the peers skip the collective check: rank 1's bad ratio waited in it alone, then failed
+    with gloo's timeout. It is said at once on its rank; the group goes on."""
+    from kvstrata.comm.hybrid import HybridAllGather
+    from kvstrata.errors import InvalidValue
+
+    ag = HybridAllGather(ratio=2, numa_map=NUMA, timeout=10.0)
+    n = 4096
+    inp, out = torch.full((n,), float(rank + 1)), torch.empty(world * n)
+    ag.all_gather(out, inp)
+    if rank == 1:
+        began = time.monotonic()
+        with pytest.raises(InvalidValue, match="ratio: expected"):
+            ag.all_gather(out, inp, ratio=-1)
+        assert time.monotonic() - began < 1.0
+    ag.all_gather(out, inp)  # the call every rank makes
+    assert torch.equal(out, _ranks_values(world, n, 1))
+    ag.close()
+
+
+def _a_full_dev_shm_is_capacity_error_on_every_rank(rank: int, world: int) -> None:
+    """Rank 0 found /dev/shm full: every rank raised a RuntimeError, not the CapacityError the README promises."""
+    from kvstrata.comm import segment
+    from kvstrata.comm.hybrid import HybridAllGather
+    from kvstrata.errors import CapacityError
+
+    real = segment.NodeSegment.create
+
+    def full(*args, **kwargs):
+        raise CapacityError("/dev/shm: no room for the segment (a test's)")
+
+    ag = HybridAllGather(ratio=2, numa_map=NUMA, timeout=10.0)
+    if rank == 0:  # node 0's segment is rank 0's to create
+        segment.NodeSegment.create = full
+    try:
+        with pytest.raises(CapacityError, match="could not create segments"):
+            ag.all_gather(torch.empty(world * 4096), torch.zeros(4096))
+    finally:
+        segment.NodeSegment.create = real
+    ag.close()
+
+
 def _validated_sizes_that_differ_raise(rank: int, world: int) -> None:
     """Both sizes were validated (the check is cached), then rank 2 alone passes the other one: every rank
     raises naming a rank it disagrees with, instead of returning stale or half-filled output."""
@@ -124,6 +166,8 @@ def _cases(rank: int, world: int, store: str, done_dir: str) -> None:
     _async_gather_heads_stay_apart(rank, world)
     _options_must_agree(rank, world)
     _bad_arguments_raise_everywhere(rank, world)
+    _a_bad_ratio_after_validation_raises_at_once_on_its_rank(rank, world)
+    _a_full_dev_shm_is_capacity_error_on_every_rank(rank, world)
     _validated_sizes_that_differ_raise(rank, world)
     _validated_ratios_that_differ_raise(rank, world)
     # The group is out of step now (rank 2's head collective is unmatched): meet through files, skip the teardown.

@@ -221,3 +221,21 @@ def test_outbox_drops_a_reader_whose_backlog_grows_past_the_cap(pair, monkeypatc
         for i in range(1000):  # 4 MB
             box.send({"i": i, "blob": "x" * 4096})
     assert worker_end.closed
+
+
+def test_outbox_that_cannot_start_its_drain_thread_drops_the_connection_rather_than_wedge_it(pair, monkeypatch):
+    """Part of a frame sent, the send lock kept for the drain thread, and then no thread: the lock stayed held and the
+    connection's own replies waited for ever."""
+    worker_end, _ = pair
+    box = outbox_mod.Outbox(worker_end, "no-threads")
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(outbox_mod.threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        for i in range(1000):  # until a frame does not go out whole
+            box.send({"i": i, "blob": "x" * 4096})
+    assert not worker_end._send_lock.locked() and worker_end.closed
+    with pytest.raises(ConnectionLost):
+        box.send({"i": -1})

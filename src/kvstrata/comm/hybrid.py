@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from kvstrata.comm import segment as _segment
 from kvstrata.comm.hostpath import HostPath, Topology, _Call
-from kvstrata.errors import ClosedError, InvalidArgument, InvalidType, InvalidValue
+from kvstrata.errors import CapacityError, ClosedError, InvalidArgument, InvalidType, InvalidValue
 
 log = logging.getLogger(__name__)
 
@@ -230,13 +230,19 @@ class HybridAllGather:
                     segments[node] = _segment.NodeSegment.create(path, self.world, slot, huge=huge, node=node)
         except Exception as exc:
             error = f"creating {path}: {exc!r}"
+            full = isinstance(exc, CapacityError)
+        else:
+            full = False
         try:
             info: list = [None] * self.world
-            dist.all_gather_object(info, (error, {n: str(s.path) for n, s in segments.items()}), group=self.group)
-            bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(info) if e]
+            report = (error, {n: str(s.path) for n, s in segments.items()}, full)
+            dist.all_gather_object(info, report, group=self.group)
+            bad = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(info) if e]
             if bad:
-                raise RuntimeError("hybrid all-gather: could not create segments: " + "; ".join(bad))
-            paths = {n: Path(p) for _, d in info for n, p in d.items()}
+                # the same class on every rank: a full /dev/shm is a CapacityError wherever it was found
+                kind = CapacityError if any(f for _, _, f in info) else RuntimeError
+                raise kind("hybrid all-gather: could not create segments: " + "; ".join(bad))
+            paths = {n: Path(p) for _, d, _ in info for n, p in d.items()}
             error = None
             try:
                 for node in needed - set(segments):
@@ -441,6 +447,12 @@ class HybridAllGather:
             key = (inp.numel(), inp.dtype, out.numel(), out.dtype, inp.device, out.device, code)
             if key in self._validated:
                 return
+        if problems & (32 | 64) and self._validated:
+            # Past the first calls the peers may hold this shape as checked and skip the collective check: this rank
+            # would wait in it alone. Said here, at once (the first call of a shape says it on every rank).
+            if problems & 32:
+                raise InvalidType("all_gather: out and inp must both be torch.Tensor")
+            raise InvalidValue(f"all_gather: {_ratio_problem(ratio)}")
         count, dtype_id = (inp.numel(), zlib.crc32(str(inp.dtype).encode())) if tensors else (-1, 0)
         meta = torch.tensor([count, dtype_id, problems, code], dtype=torch.int64)
         gathered = torch.empty(self.world * 4, dtype=torch.int64, device=self.device)
@@ -498,7 +510,7 @@ class HybridAllGather:
                 candidates += [(r, h) for h in (heads if inp.numel() // r < inp.numel() else heads[:1])]
         try:
             self._ensure_capacity(max((inp.numel() // r for r, _ in candidates if r), default=0) * inp.element_size())
-        except RuntimeError as exc:  # raised on every rank alike (setup agrees collectively)
+        except (RuntimeError, CapacityError) as exc:  # raised on every rank alike (setup agrees collectively)
             log.warning("hybrid all-gather: host path unavailable at this size, using the collective: %s", exc)
             return candidates[0]
         for r, h in candidates:  # warm-up: first use of each leg (P2P communicators, page faults)

@@ -107,7 +107,16 @@ class Outbox:
             # (if part of the frame went out, the send lock stays held: the drain thread sends the rest, then frees it)
             rest = memoryview(frame)[sent:]
             self._draining = True
-            threading.Thread(target=self._drain, args=(rest, held), name="kvstrata-devobj-outbox", daemon=True).start()
+            try:
+                drain = threading.Thread(target=self._drain, args=(rest, held), name="kvstrata-devobj-outbox")
+                drain.daemon = True
+                drain.start()
+            except BaseException:  # no thread to finish the frame (threads exhausted): the connection cannot go on
+                self._draining = False
+                if held:
+                    send_lock.release()
+                self._drop_locked("no thread could be started to send its events")
+                raise
             trace("worker: events handed to the outbox")
 
     def _drop_locked(self, why: str) -> None:

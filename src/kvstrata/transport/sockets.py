@@ -42,16 +42,19 @@ ACCEPT_RETRY_S = 0.05  # the accept loop's pause when out of descriptors or memo
 ACCEPT_LOG_EVERY_S = 10.0  # at most one warning per this many seconds of failed accepts
 
 # TCP keepalive: an idle connection is probed after KEEPIDLE s, every KEEPINTVL s, and dropped after
-# KEEPCNT probes go unanswered; the user timeout drops it when sent data stays unacknowledged as long.
+# KEEPCNT probes go unanswered; the user timeout drops it when sent data stays unacknowledged as long. That
+# includes data a live peer does not read (a zero window: a client paused in a debugger, or busy): so minutes,
+# not the keepalive's minute, which finds a vanished idle peer.
 TCP_KEEPIDLE_S = 30
 TCP_KEEPINTVL_S = 10
 TCP_KEEPCNT = 3
-TCP_USER_TIMEOUT_S = TCP_KEEPIDLE_S + TCP_KEEPINTVL_S * TCP_KEEPCNT
+TCP_USER_TIMEOUT_S = 600
 
 
 def tune_tcp(sock: socket.socket) -> None:
     """Set a TCP connection's options: no Nagle delay, keepalive probes and a user timeout (where the platform has
-    them), so a peer whose host vanished without a FIN or RST is found gone in about a minute."""
+    them), so an idle peer whose host vanished without a FIN or RST is found gone in about a minute, and one that
+    leaves data sent to it unacknowledged (vanished, or not reading) in ten."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
