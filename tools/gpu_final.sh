@@ -383,6 +383,7 @@
 #   PART=s36a: session 36's one call: every GPU test (large values retiring page-locked segments, close() waiting
 #           for the worker's release, the transport/all-gather/device-object fixes), bench store's device rows twice,
 #           the 4 KiB hand-off on one GPU, the time of one forced calibrate()
+#   PART=s36b: every GPU test again on the session's final src (the large values' audit fixes, the review's)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1202,6 +1203,9 @@ elif [ "${PART}" = s36a ]; then
   echo "=== kvstrata.ops.calibrate(force=True): seconds" >> "$LOG"
   timeout 90 python3 -c "import time; from kvstrata.ops import calibrate; t = time.perf_counter(); calibrate(force=True); \
 print(f'calibrate took {time.perf_counter() - t:.1f} s')" >> "$LOG" 2>&1
+elif [ "${PART}" = s36b ]; then
+  gpu_tests gpu_tests_s36b
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s36b.log" | head -30 >> "$LOG"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
