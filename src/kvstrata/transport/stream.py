@@ -218,9 +218,13 @@ class StreamConnection(Connection):
             start = self._rpos + _HEADER.size  # _fill may have moved the unread bytes
         view = self._rview[start : start + length]
         self._rpos = start + length
+        return self._decode(view, nfds)
+
+    def _decode(self, payload: Any, nfds: int) -> tuple[Message, list[int]]:
+        """A whole frame's message and its ``nfds`` descriptors (closed if the payload does not decode)."""
         fds = self._take_fds(nfds) if nfds or self._rfds else []
         try:
-            return unpack(view), fds
+            return unpack(payload), fds
         except ProtocolError:
             for fd in fds:
                 os.close(fd)
@@ -239,13 +243,8 @@ class StreamConnection(Connection):
                 with memoryview(payload) as whole, whole[frame.have :] as rest:  # (released: payload can grow)
                     frame.have += self._read_into(rest, deadline, timeout)
         self._large = None
-        fds = self._take_fds(frame.nfds) if frame.nfds or self._rfds else []
         try:
-            return unpack(payload), fds
-        except ProtocolError:
-            for fd in fds:
-                os.close(fd)
-            raise
+            return self._decode(payload, frame.nfds)
         finally:
             if isinstance(payload, mmap.mmap):
                 try:
