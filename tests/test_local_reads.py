@@ -143,7 +143,7 @@ def test_kept_leases_are_bounded_and_given_back(worker):
         assert kv.stats()["leases"] == local.max_entries  # (in order after the one-way releases)
         kv.set("other", b"x")  # another key changed: the kept leases stay good
         before = requests(worker)
-        assert kv.get("n299") == bytes([299 % 256]) * 100
+        assert kv.get("n255") == bytes([255 % 256]) * 100  # the last one kept (the cache was full after it)
         assert requests(worker) == before and len(local) == local.max_entries
         kv.delete([f"n{i}" for i in range(300)])  # theirs changed: every kept lease goes back with the next message
         kv.exists("other")
@@ -439,3 +439,59 @@ def test_a_change_of_many_keys_moves_each_of_their_slots():
         assert all(after[i] == before[i] for i in range(SLOTS) if i not in slots)
     finally:
         table.close()
+
+
+def test_keys_read_in_turn_past_the_cache_keep_what_it_holds(worker):
+    """More keys read in turn than the cache holds: a full cache keeps its entries rather than have each get push
+    out the entry the next pass needs first (plain LRU: no hit ever). The keys it holds are served from shared
+    memory pass after pass; each other key is one plain get."""
+    with kvstrata.connect(worker.address) as kv:
+        local = kv._backend._local
+        n = local.max_entries + 44
+        kv.mset({f"r{i}": bytes([i % 256]) * 512 for i in range(n)})
+        for i in range(n):
+            assert kv.get(f"r{i}") == bytes([i % 256]) * 512
+        for _ in range(3):
+            before = requests(worker)
+            for i in range(n):
+                assert kv.get(f"r{i}") == bytes([i % 256]) * 512
+            assert requests(worker) - before == n - local.max_entries
+        assert worker.store.stats()["leases"] == len(local) == local.max_entries
+
+
+def test_keys_read_more_often_take_the_place_of_others_and_each_get_is_one_message(worker):
+    """Keys read more often lately than the cache's oldest entry take its place: the lease let go of rides along
+    with the next request, so such a get is one message to the worker, not a get and a release; what is kept
+    stays within the cache's bound."""
+    with kvstrata.connect(worker.address) as kv:
+        local = kv._backend._local
+        m = local.max_entries
+        kv.mset({f"a{i}": b"a" * 512 for i in range(m)} | {f"b{i}": b"b" * 512 for i in range(44)})
+        for i in range(m):  # the cache fills with keys read once
+            kv.get(f"a{i}")
+        before = requests(worker)
+        for _ in range(2):  # the first get of each is not kept, the second is (read twice against once)
+            for i in range(44):
+                assert kv.get(f"b{i}") == b"b" * 512
+        assert requests(worker) - before == 88
+        before = requests(worker)
+        for i in range(44):  # kept now
+            assert kv.get(f"b{i}") == b"b" * 512
+        assert requests(worker) == before
+        kv.exists("b0")  # carries the leases let go of
+        assert worker.store.stats()["leases"] == len(local) == m
+
+
+def test_counts_age():
+    """The counts behind the admission halve every AGE_EVERY x max_entries gets: a key read often long ago loses
+    its claim."""
+    from kvstrata.client.local_reads import AGE_EVERY, LocalReads
+
+    reads = LocalReads.__new__(LocalReads)
+    reads._freq, reads._counted, reads.max_entries = {}, 0, 4
+    for _ in range(10):
+        reads.count("old")
+    assert reads.count("old") == 11
+    for i in range(AGE_EVERY * 4 - 11):
+        reads.count(f"k{i % 3}")
+    assert reads._freq["old"] == 5 and reads._counted == 0
