@@ -174,8 +174,8 @@ def test_worker_socket_follows_kvstrata_worker():
     assert WorkerConfig.load({"disk_dir": ""}, environ=env).address == "unix:///tmp/bare-name.sock"
     relative = {"KVSTRATA_WORKER": "rel.sock"}  # where a client in this folder looks: os.path.abspath
     assert WorkerConfig.load({"disk_dir": ""}, environ=relative).address == f"unix://{os.path.abspath('rel.sock')}"
-    env = {"KVSTRATA_WORKER": "tcp://127.0.0.1:7000"}  # not a socket of ours to take
-    assert WorkerConfig.load({"disk_dir": ""}, environ=env).address != "tcp://127.0.0.1:7000"
+    env = {"KVSTRATA_WORKER": "tcp://127.0.0.1:7000"}  # any scheme: clients look there, so the worker listens there
+    assert WorkerConfig.load({"disk_dir": ""}, environ=env).address == "tcp://127.0.0.1:7000"
 
 
 def test_spin_us(tmp_path):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
 
-from kvstrata.errors import KvstrataError
+from kvstrata.errors import InvalidArgument, KvstrataError
 
 #: clients the summary names one by one
 CLIENTS_SHOWN = 10
@@ -24,13 +25,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvstrata.server.metrics import to_prometheus
 
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        print(
+            f"kvstrata status: --timeout: seconds to wait for the worker, a number > 0, got {args.timeout}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         stats, address = fetch_stats(args.address, timeout=args.timeout)
+    except InvalidArgument as exc:  # (an empty --address, say): nothing to wait for
+        print(f"kvstrata status: {exc}", file=sys.stderr)
+        return 2
     except KvstrataError as exc:
         print(f"kvstrata status: no worker reachable: {exc}", file=sys.stderr)
         return 1
-    if args.prometheus:
-        sys.stdout.write(to_prometheus(stats))
+    if args.prometheus:  # what a scraper sees at the worker's /metrics: this command is no client of it
+        sys.stdout.write(to_prometheus(without_self(stats)))
     else:
         print(render(stats, address))
     return 0
@@ -38,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
 def fetch_stats(address: str | None = None, *, timeout: float = 2.0) -> tuple[dict[str, Any], str]:
     """The worker's stats and its address, through a bare connection: no shared memory is mapped and the
-    client SDK (with torch) is not imported, so the command answers in a fraction of a second."""
+    client SDK (with torch) is not imported, so the command answers in a fraction of a second. The stats count and
+    list this command's own connection among the clients (:func:`without_self` takes it out)."""
     from kvstrata.server import protocol as P
     from kvstrata.server.config import worker_address
     from kvstrata.transport import connect
@@ -53,6 +64,19 @@ def fetch_stats(address: str | None = None, *, timeout: float = 2.0) -> tuple[di
     if "err" in reply:
         raise P.error_from_record(reply["err"])
     return reply["stats"], address
+
+
+def without_self(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with this process's connection (the one that asked for them) taken out of the clients."""
+    listed = stats.get("client_list") or []
+    mine = [c for c in listed if isinstance(c, dict) and c.get("pid") == os.getpid()]
+    if not mine:  # (a worker that does not list it)
+        return stats
+    return {
+        **stats,
+        "clients": max(0, stats.get("clients", 0) - len(mine)),
+        "client_list": [c for c in listed if c not in mine],
+    }
 
 
 def render(stats: dict[str, Any], address: str) -> str:

@@ -1,12 +1,21 @@
-"""``kvstrata worker``: run this node's worker in the foreground (SIGTERM/SIGINT: clean shutdown)."""
+"""``kvstrata worker``: run this node's worker in the foreground (SIGTERM/SIGINT/SIGHUP: clean shutdown).
+
+Exit status: 0 stopped cleanly; 1 could not start; 2 bad settings; 3 (:data:`EXIT_WRITE_BACK_LOST`) stopped, but
+write-back data could not be flushed to SSD and is lost.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from kvstrata.errors import KvstrataError
+
+#: the exit status of a worker that stopped with write-back objects it could not flush to SSD (lost)
+EXIT_WRITE_BACK_LOST = 3
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -14,24 +23,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "worker",
         help="run the node's worker (shared-memory store served over a Unix socket)",
         description="Run the node's worker in the foreground. Every flag can also be set in the YAML file "
-        "(--config) or as KVSTRATA_<FLAG> in the environment; flags win, then the environment, then the file.",
+        "(--config, or KVSTRATA_CONFIG) under its name with underscores (disk_size, no_placement_table), or as "
+        "KVSTRATA_<FLAG> in the environment (KVSTRATA_DISK_SIZE, KVSTRATA_NO_DISK_SYNC=1); flags win, then the "
+        "environment, then the file. Without --socket or KVSTRATA_SOCKET, the worker listens at KVSTRATA_WORKER "
+        "(where clients look) when that is set.",
+        epilog="SIGTERM, SIGINT and SIGHUP stop the worker cleanly (write-back data flushed). Exit status: 0 stopped "
+        "cleanly; 1 could not start; 2 bad settings; 3 stopped, but write-back data could not be written to SSD "
+        "and is lost.",
     )
     p.add_argument(
         "--socket",
-        help="Unix socket path or address (default: $XDG_RUNTIME_DIR/kvstrata/worker.sock, "
-        "else /tmp/kvstrata-<uid>/worker.sock)",
+        help="Unix socket path, unix://PATH or tcp://HOST:PORT (default: $KVSTRATA_WORKER, else "
+        "$XDG_RUNTIME_DIR/kvstrata/worker.sock, else /tmp/kvstrata-<uid>/worker.sock)",
     )
-    p.add_argument("--memory", help="DRAM tier size, e.g. 8GiB (default: 25%% of RAM, at most 64 GiB)")
+    p.add_argument(
+        "--memory",
+        help="DRAM tier size, e.g. 8GiB, at least 1MiB (default: 25%% of RAM, or of the cgroup's memory limit where "
+        "lower; at most 64 GiB)",
+    )
     p.add_argument("--disk-dir", dest="disk_dir", help="SSD tier folder ('' for none; default ~/.cache/kvstrata/disk)")
-    p.add_argument("--disk-size", dest="disk_size", help="SSD tier size, e.g. 100GiB (default: from free space)")
+    p.add_argument(
+        "--disk-size",
+        dest="disk_size",
+        help="SSD tier size, e.g. 100GiB; 0: no SSD tier (default: the size recorded in --disk-dir at its first "
+        "start, which chose half the room there: free space plus the tier's files, at most 64 GiB)",
+    )
     p.add_argument("--gpu-memory", dest="gpu_memory", help="HBM tier size on --gpu-device (default: none)")
     p.add_argument("--gpu-device", dest="gpu_device", type=int, help="CUDA device of the HBM tier")
-    p.add_argument("--segment-size", dest="segment_size", help="DRAM tier growth step (default 256MiB)")
+    p.add_argument("--segment-size", dest="segment_size", help="DRAM tier growth step, at least 1MiB (default 256MiB)")
     p.add_argument("--hugepages", choices=("auto", "on", "off"), help="huge pages for the DRAM tier")
     p.add_argument(
         "--numa-node", dest="numa_node", help="bind the DRAM tier to this NUMA node ('auto': the GPU's; 'none')"
     )
-    p.add_argument("--socket-mode", dest="socket_mode", help="socket file mode, in octal (default 0600)")
+    p.add_argument(
+        "--socket-mode",
+        dest="socket_mode",
+        help="socket file mode, in octal (default 0600); 0660/0666 also give the folder kvstrata makes for the socket "
+        "the group's/others' search (x) bit, and a warning names any folder above that keeps them out",
+    )
     p.add_argument(
         "--high-watermark",
         dest="high_watermark",
@@ -42,9 +71,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--disk-sync",
         dest="disk_sync",
-        action="store_const",
-        const=True,
-        help="fsync every SSD file, spills and write-back flushes too (write_through ones always are)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fsync every SSD file, spills and write-back flushes too (write_through ones always are); "
+        "--no-disk-sync: not those (the default, and over a file's or the environment's setting)",
     )
     p.add_argument(
         "--spin-us",
@@ -70,12 +100,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("debug", "info", "warning", "error"),
         help="what the worker logs (default info; -v / -vv before 'worker' mean info / debug too)",
     )
-    p.add_argument("--config", help="YAML file of settings (same names as the flags, with underscores)")
+    p.add_argument(
+        "--config", help="YAML file of settings (same names as the flags, with underscores; default $KVSTRATA_CONFIG)"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvstrata.server import Worker, WorkerConfig
+    from kvstrata.server.worker import SHUTDOWN_SIGNALS
 
     flags = {
         k: getattr(args, k)
@@ -109,10 +142,26 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kvstrata").setLevel(config.log_level.upper())
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A signal while the worker starts (its socket may be there already) waits for serve_forever, which stops at once
+    pending: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # (signal handlers are the main thread's)
+        previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in SHUTDOWN_SIGNALS}
     try:
         worker = Worker(config).start()
     except (KvstrataError, ValueError, OSError) as exc:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         print(f"kvstrata worker: cannot start: {exc}", file=sys.stderr)
         return 1
-    worker.serve_forever()
+    if pending:
+        worker._on_signal(pending[0])
+    lost = worker.serve_forever()
+    if lost:
+        print(
+            f"kvstrata worker: stopped, but {lost} write-back objects could not be written to SSD and are lost "
+            f"(exit status {EXIT_WRITE_BACK_LOST})",
+            file=sys.stderr,
+        )
+        return EXIT_WRITE_BACK_LOST
     return 0

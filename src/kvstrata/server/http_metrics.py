@@ -14,6 +14,7 @@ True
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,13 +28,21 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a slow scraper never holds the worker's shutdown
+
+
+class _HTTPServer6(_HTTPServer):
+    address_family = socket.AF_INET6  # an IPv6 host, such as ::1 (from "[::1]:9464")
+
+
 class MetricsServer:
-    """Serves ``to_prometheus(stats())`` at ``http://host:port/metrics`` until :meth:`stop`."""
+    """Serves ``to_prometheus(stats())`` at ``http://host:port/metrics`` until :meth:`stop`; ``host`` may be IPv6."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], host: str, port: int) -> None:
         handler = type("MetricsHandler", (_Handler,), {"stats": staticmethod(stats)})
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True  # a slow scraper never holds the worker's shutdown
+        server = _HTTPServer6 if ":" in host else _HTTPServer
+        self._httpd = server((host, port), handler)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvstrata-metrics", daemon=True)
         self._thread.start()
 

@@ -7,12 +7,14 @@ Stats are a nested dict (the store's plus the worker's). Numbers at the top beco
 
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import Any
 
-# Stats that only grow (Prometheus counters): the store's own (kvstrata.store.config.STORE_COUNTERS,
-# added at first use: importing the store package imports torch), plus the worker's; the rest are gauges.
+from kvstrata.stat_names import STORE_COUNTERS
+
+# Stats that only grow (Prometheus counters): the store's own (kvstrata.stat_names.STORE_COUNTERS, kept apart
+# from the store package, which imports torch: `kvstrata status --prometheus` must not), plus the worker's; the
+# rest are gauges.
 WORKER_COUNTERS = frozenset(
     {
         "requests",
@@ -42,11 +44,11 @@ WORKER_COUNTERS = frozenset(
 )
 
 
-@functools.cache
-def counters() -> frozenset[str]:
-    from kvstrata.store.config import STORE_COUNTERS
+COUNTERS = WORKER_COUNTERS | frozenset(STORE_COUNTERS)
 
-    return WORKER_COUNTERS | frozenset(STORE_COUNTERS)
+
+def counters() -> frozenset[str]:
+    return COUNTERS
 
 
 # Leaves that are byte counts get the ``_bytes`` unit suffix Prometheus asks for.

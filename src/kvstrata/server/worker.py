@@ -10,7 +10,7 @@ reply points into them. A bad request gets an error record back; it never takes 
 Example (what ``kvstrata worker`` does)::
 
     worker = Worker(WorkerConfig.load(flags={"socket": "/tmp/kv.sock", "memory": "1GiB"})).start()
-    worker.serve_forever()          # until SIGTERM/SIGINT or worker.stop()
+    lost = worker.serve_forever()   # until SIGTERM/SIGINT/SIGHUP or worker.stop(); write-back objects not flushed
 """
 
 from __future__ import annotations
@@ -48,10 +48,13 @@ CLIENT_LIST_MAX = 64
 POLLED_CLIENTS_PER_CPU = 2
 #: one client's local-read cache may pin 1/CACHE_SHARE of the memory tier (kvstrata.client.local_reads)
 CACHE_SHARE = 16
+#: signals that shut a worker down cleanly in serve_forever (SIGHUP: the terminal of a `kvstrata worker &` closed)
+SHUTDOWN_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
 
 class Worker:
-    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM in ``serve_forever``) shuts down cleanly.
+    """A running worker. ``start()`` listens; ``stop()`` (or SIGTERM, SIGINT, SIGHUP in ``serve_forever``) shuts
+    down cleanly, and says how many write-back objects it could not flush to SSD (lost).
 
     A ``store`` passed in must be changed only through this worker: clients' local reads trust the
     worker to announce every change (:mod:`kvstrata.server.validity`).
@@ -75,6 +78,8 @@ class Worker:
         #: polls every client's lane while several are connected (see _update_spin)
         self.lane_poller = LanePoller(config.spin_us * 1e-6)
         self.metrics_server: MetricsServer | None = None  # GET /metrics, with config.metrics_address
+        #: write-back objects the store could not flush to SSD when stop() closed it: lost with the worker
+        self.unflushed = 0
 
     # lifecycle -----------------------------------------------------------------------------------
     @property
@@ -133,8 +138,31 @@ class Worker:
             f"{_fmt(self.config.disk_size)} in {self.config.disk_dir}" if self.config.disk_dir else "off",
         )
         log.debug("store stats at start: %s", stats)
+        if self.config.disk_dir:
+            self.config.record_default_disk_size()  # (the store made its folder)
         self._warn_if_disk_short()
+        self._warn_if_memory_short()
         return self
+
+    def _warn_if_memory_short(self) -> None:
+        """Say so at start when the memory tier is larger than the machine's RAM or this process's cgroup memory
+        limit: it grows by segments as it fills, and the kernel's OOM killer would end the worker before it is full."""
+        from kvstrata.server import config as _config
+
+        try:
+            limits = (("physical RAM", _config.physical_memory_bytes()),)
+        except Exception:  # (psutil could not say)
+            limits = ()
+        limits += (("this process's cgroup memory limit", _config.cgroup_memory_limit()),)
+        for what, have in limits:
+            if have is not None and self.config.memory > have:
+                log.warning(
+                    "memory tier of %s, but %s is %s: the worker may be killed for memory before the tier is full "
+                    "(lower --memory)",
+                    _fmt(self.config.memory),
+                    what,
+                    _fmt(have),
+                )
 
     def _warn_if_disk_short(self) -> None:
         """The SSD tier's size is a promise to the writes it takes: say so at start when its file system cannot
@@ -157,23 +185,30 @@ class Worker:
                 _fmt(free),
             )
 
-    def serve_forever(self) -> None:
-        """Block until stop() or SIGTERM/SIGINT (when called from the main thread), then shut down."""
+    def serve_forever(self) -> int:
+        """Block until stop() or SIGTERM/SIGINT/SIGHUP (when called from the main thread), then shut down.
+
+        Returns what :meth:`stop` does: the write-back objects that could not be flushed (0: none lost).
+        """
         if threading.current_thread() is threading.main_thread():
             _tune_gc()
             sys.setswitchinterval(GIL_SWITCH_S)  # polling threads never pause on their own (server.gil_spin)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in SHUTDOWN_SIGNALS:
                 signal.signal(sig, lambda signum, frame: self._on_signal(signum))
         while not self._stopped.wait(0.5):
             pass
-        self.stop()
+        return self.stop()
 
     def _on_signal(self, signum: int) -> None:
         log.info("received %s: shutting down", signal.Signals(signum).name)
         self._stopped.set()
 
-    def stop(self) -> None:
-        """Stop listening, disconnect clients, flush write-back data and close the store (idempotent)."""
+    def stop(self) -> int:
+        """Stop listening, disconnect clients, flush write-back data and close the store (idempotent).
+
+        Returns how many write-back objects could not be flushed to SSD (lost with the worker; 0: none), also kept
+        in :attr:`unflushed`.
+        """
         self._stopped.set()
         if self.metrics_server is not None:
             self.metrics_server.stop()
@@ -198,10 +233,9 @@ class Worker:
             self._store.set_visibility(None)  # (and its bumps of this worker's validity table, closed below)
         if self._store is not None and self._own_store:
             self._store.close()
-            if self._store.unflushed:
-                log.error(
-                    "worker stopped; %d write-back objects could not be flushed (see above)", self._store.unflushed
-                )
+            self.unflushed = int(self._store.unflushed or 0)
+            if self.unflushed:
+                log.error("worker stopped; %d write-back objects could not be flushed (see above)", self.unflushed)
             else:
                 log.info("worker stopped; write-back data flushed")
             self._own_store = False
@@ -211,6 +245,7 @@ class Worker:
         if self.placements is not None:
             self.placements.close()
             self.placements = None
+        return self.unflushed
 
     def __enter__(self) -> Worker:
         return self if self._listener else self.start()

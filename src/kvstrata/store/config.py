@@ -9,21 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.errors import InvalidValue
-
-STORE_COUNTERS = (  # stats that only grow; the worker's metrics export them as counters
-    "hits",
-    "misses",
-    "evictions",
-    "spills",
-    "promotions",
-    "expired",
-    "corrupt",
-    "flushes",
-    "device_loads",
-    "device_evictions",
-    "reservations",  # write reservations granted (store.reservations)
-    "carved",  # objects committed out of write reservations
-)
+from kvstrata.stat_names import STORE_COUNTERS  # noqa: F401 - stats that only grow (metrics' counters)
 
 
 class WriteMode(enum.StrEnum):

@@ -2,7 +2,10 @@
 
 ``unix:///path.sock`` is the node-local transport: it can pass file descriptors (the shared memory
 segments) and its socket file is created with mode 0600, so only the worker's user can connect.
-A stale socket file left by a killed worker is replaced; a live one is an error.
+A stale socket file left by a killed worker is replaced; a live one is an error. A listener removes its
+socket file when it stops, unless another listener's has taken that path since. A client connects only to a
+socket in a folder named for its user (``/tmp/kvstrata-<uid>``, the default's) only if its listener runs as that
+user or root (``SO_PEERCRED``): another user's (a squatted folder) is a :class:`ForeignSocketError`.
 ``tcp://host:port`` is for the cluster mode; it cannot pass descriptors. Its sockets keep alive
 (TCP keepalive and a user timeout): a peer whose host vanished is found gone within about a minute,
 rather than holding its connection open forever.
@@ -15,6 +18,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from typing import Any
@@ -51,6 +55,11 @@ TCP_KEEPCNT = 3
 TCP_USER_TIMEOUT_S = 600
 
 
+class ForeignSocketError(TransportError, PermissionError):
+    """The process listening on a Unix socket runs as another user (not root): a client talking to it would hand
+    that user its data, so it does not."""
+
+
 def tune_tcp(sock: socket.socket) -> None:
     """Set a TCP connection's options: no Nagle delay, keepalive probes and a user timeout (where the platform has
     them), so an idle peer whose host vanished without a FIN or RST is found gone in about a minute, and one that
@@ -71,11 +80,20 @@ def tune_tcp(sock: socket.socket) -> None:
 class StreamListener(Listener):
     """Accept loop on a listening socket, in a daemon thread."""
 
-    def __init__(self, sock: socket.socket, address: str, accept: Handler, cleanup_path: str | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        address: str,
+        accept: Handler,
+        cleanup_path: str | None = None,
+        cleanup_id: tuple[int, ...] | None = None,
+    ) -> None:
         self._sock = sock
         self._address = address
         self._accept = accept
+        #: the socket file to remove at stop, and its (st_dev, st_ino): removed only while it is still ours
         self._cleanup_path = cleanup_path
+        self._cleanup_id = cleanup_id
         self._stopped = threading.Event()
         # A timeout lets the loop notice stop(): closing a socket does not wake accept() on Linux.
         sock.settimeout(0.2)
@@ -125,12 +143,15 @@ class StreamListener(Listener):
             return
         self._stopped.set()
         self._thread.join(timeout=2)
+        # (compared while this socket holds its file's inode: another file at the path cannot have its number)
+        ours = self._cleanup_path is not None and _is_file(self._cleanup_path, self._cleanup_id)
         self._sock.close()
-        if self._cleanup_path:
-            try:
-                os.unlink(self._cleanup_path)
-            except FileNotFoundError:
-                pass
+        if ours:
+            _unlink(self._cleanup_path)
+        elif self._cleanup_path and os.path.lexists(self._cleanup_path):
+            log.info(
+                "left %s in place: it is no longer this listener's socket (another took the path)", self._cleanup_path
+            )
 
 
 def _unix_path(address: str) -> str:
@@ -150,6 +171,7 @@ class UnixBackend(Backend):
         sock.settimeout(timeout)
         try:
             sock.connect(path)
+            _check_peer_user(sock, path)
         except BaseException:
             sock.close()
             raise
@@ -158,24 +180,99 @@ class UnixBackend(Backend):
     def listen(self, address: str, accept: Handler, *, mode: int = 0o600, **options: Any) -> StreamListener:
         path = _unix_path(address)
         folder = os.path.dirname(os.path.abspath(path))
+        # a mode that lets the group or others connect lets them reach the socket in a folder made here too
+        folder_mode = 0o700 | (0o010 if mode & 0o060 else 0) | (0o001 if mode & 0o006 else 0)
+        created = not os.path.isdir(folder)
         try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
+            os.makedirs(folder, mode=folder_mode, exist_ok=True)
         except OSError as exc:
             raise TransportError(f"socket: cannot make the folder of {path}: {exc}") from exc
         owner = os.stat(folder).st_uid
         if owner != os.getuid() and owner != 0:
             # Another user's folder (say a /tmp/kvstrata-<uid> made in advance) could swap our socket.
             raise TransportError(f"cannot listen on {address}: {folder} belongs to uid {owner}, not to us")
+        if created and owner == os.getuid():
+            os.chmod(folder, folder_mode)  # (makedirs' mode went through the umask)
         _remove_stale_socket(path, address)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
+            st = os.lstat(path)
             os.chmod(path, mode)  # before listen(): until then a connect is refused, so no window
             sock.listen(128)
         except OSError as exc:
             sock.close()
             raise TransportError(f"cannot listen on {address}: {exc}") from exc
-        return StreamListener(sock, address, accept, cleanup_path=path)
+        _warn_if_unreachable(path, mode)
+        return StreamListener(sock, address, accept, cleanup_path=path, cleanup_id=(st.st_dev, st.st_ino))
+
+
+def _check_peer_user(sock: socket.socket, path: str) -> None:
+    """ForeignSocketError unless the process listening at ``path`` runs as this user or root (``SO_PEERCRED``), where
+    ``path`` lies in a folder named for this user (``kvstrata-<uid>``, the default socket's when there is no
+    ``XDG_RUNTIME_DIR``): a name anyone can predict, and make first. A socket named anywhere else was chosen by
+    whoever names it, and may be another user's on purpose (a worker shared with its group, ``--socket-mode
+    0660``)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:  # not Linux: the socket's folder (made 0700 by the worker) is all there is
+        return
+    if os.path.basename(os.path.dirname(os.path.abspath(path))) != f"kvstrata-{os.getuid()}":
+        return
+    size = struct.calcsize("3i")
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, size))
+    if uid in (0, os.getuid(), os.geteuid()):
+        return
+    raise ForeignSocketError(
+        f"refusing the socket {path}: the process listening there (pid {pid}) runs as uid {uid}, not as this user "
+        f"(uid {os.getuid()}) or root; it is not this user's kvstrata worker (remove the socket, or point "
+        "KVSTRATA_WORKER at the worker's)"
+    )
+
+
+def _warn_if_unreachable(path: str, mode: int) -> None:
+    """A socket mode that lets the group or other users connect does nothing while a folder above the socket denies
+    them its search (x) permission: say which folders, at start, rather than leave them with a refused connect."""
+    who = [label for label, bits in (("its group", 0o060), ("other users", 0o006)) if mode & bits]
+    if not who:
+        return
+    blocked = []
+    folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        try:
+            folder_mode = os.stat(folder).st_mode
+        except OSError:
+            break
+        if (mode & 0o006 and not folder_mode & 0o001) or (mode & 0o060 and not folder_mode & 0o011):
+            blocked.append(f"{folder} (mode {stat.S_IMODE(folder_mode):04o})")
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    if blocked:
+        log.warning(
+            "socket mode %04o lets %s connect to %s, but they cannot reach it: %s deny them search (x) permission "
+            "(chmod g+x or o+x those folders, or put the socket elsewhere with --socket)",
+            mode,
+            " and ".join(who),
+            path,
+            ", ".join(blocked),
+        )
+
+
+def _is_file(path: str, ident: tuple[int, ...] | None) -> bool:
+    """Whether ``path`` is the file ``ident`` names (``(st_dev, st_ino[, st_ctime_ns])``; None: any file)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return ident is None or (st.st_dev, st.st_ino, st.st_ctime_ns)[: len(ident)] == ident
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _remove_stale_socket(path: str, address: str) -> None:
@@ -185,7 +282,7 @@ def _remove_stale_socket(path: str, address: str) -> None:
     or slow: a timeout) must keep its socket, so anything else is a TransportError.
     """
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
@@ -195,11 +292,11 @@ def _remove_stale_socket(path: str, address: str) -> None:
     try:
         probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
-        log.info("removing stale socket %s (its worker is gone)", path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        # the file probed, not one a worker starting meanwhile put in its place (nothing holds a stale socket's inode,
+        # so the new file may have its number: its change time tells them apart)
+        if _is_file(path, (st.st_dev, st.st_ino, st.st_ctime_ns)):
+            _unlink(path)
+            log.info("removed stale socket %s (its worker is gone)", path)
         return
     except OSError as exc:
         raise TransportError(
