@@ -384,6 +384,8 @@
 #           for the worker's release, the transport/all-gather/device-object fixes), bench store's device rows twice,
 #           the 4 KiB hand-off on one GPU, the time of one forced calibrate()
 #   PART=s36b: every GPU test again on the session's final src (the large values' audit fixes, the review's)
+#   PART=s37a: session 37's call: every GPU test (the audits' fixes: SSD faults, worker configuration, demo, bench
+#           tools; the local-read cache's admission), bench store's device rows three times, the 4 KiB hand-off
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1206,6 +1208,12 @@ print(f'calibrate took {time.perf_counter() - t:.1f} s')" >> "$LOG" 2>&1
 elif [ "${PART}" = s36b ]; then
   gpu_tests gpu_tests_s36b
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s36b.log" | head -30 >> "$LOG"
+elif [ "${PART}" = s37a ]; then
+  gpu_tests gpu_tests_s37a
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s37a.log" | head -30 >> "$LOG"
+  store_rows new new new
+  echo "=== tools/probe_handoff.py --devices 0,0 --iters 100 --variants on" >> "$LOG"
+  timeout 90 python3 tools/probe_handoff.py --devices 0,0 --iters 100 --variants on 2>&1 | tail -4 >> "$LOG"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

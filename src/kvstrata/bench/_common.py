@@ -89,10 +89,14 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def environment() -> dict[str, Any]:
-    """Device, versions, host and date: the context a figure needs to be trusted."""
+    """Device, versions, code, host and date: the context a figure needs to be trusted."""
+    import kvstrata
+
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "kvstrata": kvstrata.__version__,
+        **git_state(),
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
@@ -120,6 +124,32 @@ def environment() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def git_state(folder: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """``{"git_commit": HEAD's hash, "git_dirty": whether the files under ``folder`` differ from it}`` for the
+    checkout holding ``folder`` (default: the kvstrata package's own folder, so "dirty" means the code that ran is
+    not the commit's: changed, added or deleted files there, untracked ones included). Both None where git is
+    missing or the folder is not in a checkout (an installed wheel)."""
+    import subprocess
+
+    if folder is None:
+        import kvstrata
+
+        folder = Path(kvstrata.__file__).resolve().parent
+    unknown = {"git_commit": None, "git_dirty": None}
+    try:
+        git = ["git", "-C", str(folder)]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)
+        if head.returncode != 0:
+            return unknown
+        status = subprocess.run([*git, "status", "--porcelain", "--", "."], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return unknown
+    return {
+        "git_commit": head.stdout.strip() or None,
+        "git_dirty": bool(status.stdout.strip()) if status.returncode == 0 else None,
+    }
 
 
 def _nvidia_smi(query: str) -> str | None:
@@ -166,6 +196,39 @@ def positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def size_list(text: str) -> list[int]:
+    """An argparse ``type`` for comma-separated sizes, each > 0 (``4KiB,1MiB``, ``4K``, ``1000``: what
+    :func:`kvstrata.units.parse_size` reads)."""
+    from kvstrata.units import parse_size
+
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = parse_size(part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if size <= 0:
+            raise argparse.ArgumentTypeError(f"sizes must be > 0, got {part.strip()!r}")
+        sizes.append(size)
+    return sizes
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type`` for comma-separated integers > 0 (``1,8``)."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected integers > 0 separated by commas, got {part.strip()!r}"
+            ) from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"every value must be > 0, got {value}")
+        values.append(value)
+    return values
+
+
 def write_result(name: str, result: dict[str, Any], out_dir: str | os.PathLike[str] | None = None) -> Path:
     """Write ``{"environment": ..., **result}`` to ``<out_dir>/<name>.json`` and return the path.
 
@@ -191,4 +254,15 @@ def print_table(rows: list[dict[str, Any]], columns: list[str] | None = None) ->
     sys.stdout.flush()
 
 
-__all__ = ["device_time", "environment", "gbps", "host_time", "print_table", "write_result"]
+__all__ = [
+    "device_time",
+    "environment",
+    "gbps",
+    "git_state",
+    "host_time",
+    "positive",
+    "positive_ints",
+    "print_table",
+    "size_list",
+    "write_result",
+]

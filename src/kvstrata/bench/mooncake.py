@@ -11,9 +11,11 @@ Needs: ``pip install mooncake-transfer-engine-non-cuda`` (the ``bench`` extra), 
 ``libibverbs1`` (the wheel links it even for TCP), ``ip`` from iproute2, and root (``ip netns add``).
 Without any of them the Mooncake rows are skipped with the reason printed.
 
-Run as ``python -m kvstrata.bench.mooncake OP SIZE N ME`` inside the namespace, it is one client
-process: it connects, warms up, prints ``ready``, waits for a start time on stdin, runs N ops and
-prints the per-op seconds as JSON.
+Run as ``python -m kvstrata.bench.mooncake OP SIZE N ME [KEYS]`` inside the namespace, it is one client
+process: it connects, warms up, prints ``ready``, waits for a start time on stdin, runs N ops on KEYS keys
+(default 4) round-robin and prints, as JSON, the per-op seconds, the loop's wall seconds and whether the
+last value read (after ``set``: read back) was the one written (None after ``get_buffers``: its bytes are
+not read).
 """
 
 from __future__ import annotations
@@ -149,8 +151,11 @@ class MooncakeStore:
             time.sleep(0.1)
         raise RuntimeError(f"{what} not listening on {ports} after {timeout:.0f} s")
 
-    def run_clients(self, op: str, size: int, clients: int, n: int, timeout: float = 300.0) -> list[list[float]]:
-        """Per-op seconds of each of ``clients`` processes, all started at the same moment."""
+    def run_clients(
+        self, op: str, size: int, clients: int, n: int, timeout: float = 300.0, *, keys: int = KEYS_PER_CLIENT
+    ) -> list[dict[str, Any]]:
+        """What each of ``clients`` processes, all started at the same moment, measured on ``keys`` keys of its own:
+        ``{"times": per-op seconds, "wall": the loop's seconds, "correct": bool or None}``."""
         src = str(Path(__file__).resolve().parents[2])  # so the namespace's python finds kvstrata
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
         argv = [sys.executable, "-m", "kvstrata.bench.mooncake", op, str(size), str(n)]
@@ -162,7 +167,7 @@ class MooncakeStore:
                 self._logs.append(log)
                 procs.append(
                     subprocess.Popen(
-                        self._exec([*argv, str(me)]),
+                        self._exec([*argv, str(me), str(keys)]),
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=log,
@@ -236,7 +241,7 @@ def _readline(p: subprocess.Popen, deadline: float) -> bytes:
 
 
 # ------------------------------------------------------------------------------------- client process
-def _client(op: str, size: int, n: int, me: int) -> list[float]:
+def _client(op: str, size: int, n: int, me: int, nkeys: int = KEYS_PER_CLIENT) -> dict[str, Any]:
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
@@ -245,22 +250,22 @@ def _client(op: str, size: int, n: int, me: int) -> list[float]:
     if store.setup_dummy(pool, pool, f"127.0.0.1:{CLIENT_PORT}") != 0:
         raise RuntimeError("setup_dummy failed")
     value = os.urandom(size)
-    keys = [f"bench/{me}/{i}" for i in range(KEYS_PER_CLIENT)]
+    keys = [f"bench/{me}/{i}" for i in range(nkeys)]
 
     def put(k: str) -> None:
         rc = store.upsert(k, value)  # put() leaves an existing key as it is: upsert is Redis's SET
         if rc != 0:
             raise RuntimeError(f"upsert {k}: rc {rc}")
 
-    def get(k: str) -> None:
-        if len(store.get(k)) != size:
-            raise RuntimeError(f"get {k}: wrong size")
+    def get(k: str) -> bytes:
+        return store.get(k)
 
     def get_buffer(k: str) -> None:
+        # the handle is dropped (its buffer freed) within the op, as kvstrata's view is released within its op
         if store.get_buffer(k).size() != size:
             raise RuntimeError(f"get_buffer {k}: wrong size")
 
-    do = {"set": put, "get": get, "get_buffers": get_buffer}[op]
+    do = {"set": put, "get": get, "get_cached": get, "get_buffers": get_buffer}[op]
     for k in keys:
         put(k)
         do(k)
@@ -269,14 +274,26 @@ def _client(op: str, size: int, n: int, me: int) -> list[float]:
     while time.time() < start_at:
         time.sleep(0.001)
     times = []
+    last = None
+    loop_start = time.perf_counter()
     for i in range(n):
         t0 = time.perf_counter()
-        do(keys[i % KEYS_PER_CLIENT])
+        last = do(keys[i % nkeys])
         times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - loop_start
+    if op == "set":
+        last = store.get(keys[(n - 1) % nkeys])
+    correct = None if op == "get_buffers" else last == value
+    for k in keys:  # best effort (a key read within Mooncake's lease time stays): later rows' values need the room
+        try:
+            store.remove(k)
+        except Exception:
+            pass
     store.close()
-    return times
+    return {"times": times, "wall": wall, "correct": correct}
 
 
 if __name__ == "__main__":
     op_, size_, n_, me_ = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    print(json.dumps(_client(op_, size_, n_, me_)), flush=True)
+    keys_ = int(sys.argv[5]) if len(sys.argv) > 5 else KEYS_PER_CLIENT
+    print(json.dumps(_client(op_, size_, n_, me_, keys_)), flush=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvstrata.bench._common import device_time, gbps, host_time, print_table, write_result
+from kvstrata.bench._common import device_time, gbps, host_time, positive, positive_ints, print_table, write_result
 
 # Rates are streamed: STREAM_CALLS back-to-back calls per timed sample (one call's host work overlaps the
 # previous call's copy, as in an engine offloading continuously); ceilings are timed the same way.
@@ -36,9 +36,15 @@ KIB = 1024
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a subset (< 90 s on an H200)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, runs on CPU (for tests)")
-    parser.add_argument("--layers", default=None, help="comma-separated layer counts (default 32,80)")
-    parser.add_argument("--chunks-kib", default=None, help="comma-separated chunk sizes in KiB (default 2..2048 x4)")
-    parser.add_argument("--total-mib", type=int, default=None, help="bytes moved per point (default 512, quick 256)")
+    parser.add_argument(
+        "--layers", type=positive_ints, default=None, help="comma-separated layer counts (default 32,80)"
+    )
+    parser.add_argument(
+        "--chunks-kib", type=positive_ints, default=None, help="comma-separated chunk sizes in KiB (default 2..2048 x4)"
+    )
+    parser.add_argument(
+        "--total-mib", type=positive(int), default=None, help="bytes moved per point (default 512, quick 256)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
             print("kvstrata bench transfer: no CUDA device; running the CPU smoke version")
         return _smoke(args)
     quick = args.quick
-    layers = _ints(args.layers) or ([32] if quick else [32, 80])
-    chunks = [c * KIB for c in (_ints(args.chunks_kib) or ([2, 32, 2048] if quick else [2, 8, 32, 128, 512, 2048]))]
+    layers = args.layers or ([32] if quick else [32, 80])
+    chunks = [c * KIB for c in (args.chunks_kib or ([2, 32, 2048] if quick else [2, 8, 32, 128, 512, 2048]))]
     total = (args.total_mib or (256 if quick else 512)) << 20
     # Every transfer runs on one non-default stream, as in an engine (and as the raw baselines always did:
     # on the legacy default stream the batch API needs a fork/join through a side stream).
@@ -75,15 +81,7 @@ def _run(quick: bool, layers: list[int], chunks: list[int], total: int, args: ar
             point = measure_point(n_layers, chunk, total, quick=quick)
             points.append(point)
             _progress["done"] += 1
-            for direction in ("d2h", "h2d"):
-                ceil = result["ceiling"][direction]
-                row = {"layers": n_layers, "chunk": _size(chunk), "dir": direction}
-                for name, rate in point[direction].items():
-                    row[name] = rate if isinstance(rate, str) else f"{rate:.1f}"
-                row["auto/ceil"] = f"{point[direction]['auto'] / ceil:.2f}" if "auto" in point[direction] else "-"
-                row["auto_is"] = point["auto_chooses"][direction]
-                row["mlbt_auto_is"] = point.get("mlbt_auto_chooses", {}).get(direction, "-")
-                rows.append(row)
+            rows += point_rows(point, result["ceiling"])
             print(f"L={n_layers} chunk={_size(chunk)}: {point}", flush=True)
     result["points"] = points
     _say("store + load at once, each pair of methods")
@@ -109,32 +107,56 @@ def _run(quick: bool, layers: list[int], chunks: list[int], total: int, args: ar
     return 0
 
 
+def point_rows(point: dict, ceiling: dict[str, float]) -> list[dict]:
+    """The table's rows of one point, a direction each: every method's GB/s, or what it got instead ("WRONG": its
+    check failed; "error: ..."), and auto's share of the ceiling where auto measured a rate."""
+    rows = []
+    for direction in ("d2h", "h2d"):
+        row = {"layers": point["layers"], "chunk": _size(point["chunk"]), "dir": direction}
+        for name, rate in point[direction].items():
+            row[name] = f"{rate:.1f}" if _is_rate(rate) else str(rate)
+        auto = point[direction].get("auto", "-")
+        row["auto/ceil"] = f"{auto / ceiling[direction]:.2f}" if _is_rate(auto) else str(auto)
+        row["auto_is"] = point["auto_chooses"][direction]
+        row["mlbt_auto_is"] = point.get("mlbt_auto_chooses", {}).get(direction, "-")
+        rows.append(row)
+    return rows
+
+
+def _is_rate(value: object) -> bool:
+    """A measured rate, not the word a failed check or an error left in its place."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _verdicts(result: dict) -> list[dict]:
     """Issue 4's targets, each with the figure measured in this run."""
     out = []
+    # A method counts toward a target only where it passed every check of the run (a fast wrong method never wins).
+    checked = {m: all(p["correct"].get(m) is True for p in result["points"]) for m in METHODS}
     for p in result["points"]:
         for d in ("d2h", "h2d"):
-            rate = p[d].get("auto")
-            ratio = rate / result["ceiling"][d] if isinstance(rate, float) else 0.0
+            rate = p[d].get("auto") if p["correct"].get("auto") is True else None
+            ratio = rate / result["ceiling"][d] if _is_rate(rate) else 0.0
             out.append({"target": f"auto {d} L={p['layers']} {_size(p['chunk'])} >= 0.95 ceiling",
                         "measured": f"{ratio:.3f}", "ok": ratio >= 0.95})  # fmt: skip
             rate = p.get(f"mlbt_auto_{d}")
-            ratio = rate / result["ceiling"][d] if isinstance(rate, float) else 0.0
+            ratio = rate / result["ceiling"][d] if _is_rate(rate) else 0.0
             out.append({"target": f"mlbt auto {d} L={p['layers']} {_size(p['chunk'])} >= 0.95 ceiling",
                         "measured": f"{ratio:.3f}", "ok": ratio >= 0.95})  # fmt: skip
+    wrong = {m: "" if ok else " (failed its check)" for m, ok in checked.items()}
     sl = result["store_and_load"]["vs_both_ceiling"]
-    out.append({"target": "store+load >= 0.90 both-ways ceiling", "measured": f"{sl:.3f}", "ok": sl >= 0.90})
+    out.append({"target": "store+load >= 0.90 both-ways ceiling", "measured": f"{sl:.3f}{wrong['auto']}",
+                "ok": sl >= 0.90 and checked["auto"]})  # fmt: skip
     for k, v in result["under_gemm"].items():
         if k.startswith("auto@"):
-            out.append(
-                {"target": f"GEMM kept >= 0.95 beside {k}", "measured": v["gemm_kept"], "ok": v["gemm_kept"] >= 0.95}
-            )
+            out.append({"target": f"GEMM kept >= 0.95 beside {k}", "measured": f"{v['gemm_kept']}{wrong['auto']}",
+                        "ok": v["gemm_kept"] >= 0.95 and checked["auto"]})  # fmt: skip
     for k, v in result["latency"].items():
-        out.append({"target": f"request {k}: auto <= 1.3 DMA + 15 us", "measured": f"{v['auto_us']} us",
-                    "ok": v["auto_us"] <= v["target_us"]})  # fmt: skip
+        out.append({"target": f"request {k}: auto <= 1.3 DMA + 15 us", "measured": f"{v['auto_us']} us{wrong['auto']}",
+                    "ok": v["auto_us"] <= v["target_us"] and checked["auto"]})  # fmt: skip
         out.append({"target": f"request {k}: graph-replayed <= 1.3 DMA + 15 us",
-                    "measured": f"{v['zero_copy_graph_us']} us",
-                    "ok": v["zero_copy_graph_us"] <= v["target_us"]})  # fmt: skip
+                    "measured": f"{v['zero_copy_graph_us']} us{wrong['zero_copy']}",
+                    "ok": v["zero_copy_graph_us"] <= v["target_us"] and checked["zero_copy"]})  # fmt: skip
     return out
 
 
@@ -322,18 +344,60 @@ def _mlbt(n_layers: int, chunk: int, total: int) -> dict:
 
     out: dict = {"mlbt_auto_chooses": {dr: choose_method(nbytes, dr, row_bytes=chunk, device=ptrs.device)
                                        for dr in ("d2h", "h2d")}}  # fmt: skip
+    reference = _mlbt_reference(host, layers)
     for method in ("auto", "zero_copy", "staging"):
+        call = lambda dr, m=method: multi_layer_block_transfer(ptrs, host, direction=dr, method=m)
+        try:
+            ok = mlbt_check(call, host, layers, reference)
+        except Exception as exc:
+            for direction in ("d2h", "h2d"):
+                out[f"mlbt_{method}_{direction}"] = f"error: {exc!r}"[:160]
+            continue
         for direction in ("d2h", "h2d"):
             try:
-                fn = lambda m=method, dr=direction: multi_layer_block_transfer(ptrs, host, direction=dr, method=m)
-                fn()
-                torch.cuda.synchronize()
-                ok = all(torch.equal(host[:, i, 0].cuda(), layers[i][0]) for i in range(n_layers))
-                rate = gbps(nbytes, timed(fn))
-                out[f"mlbt_{method}_{direction}"] = rate if ok else "WRONG"
+                rate = gbps(nbytes, timed(lambda dr=direction, c=call: c(dr)))
+                out[f"mlbt_{method}_{direction}"] = rate if ok[direction] else "WRONG"
             except Exception as exc:
                 out[f"mlbt_{method}_{direction}"] = f"error: {exc!r}"[:160]
     return out
+
+
+def _mlbt_reference(host: torch.Tensor, layers: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What a correct transfer leaves: the host block [T, L, 1, D] holding every layer's [1, T, D] (d2h), and the
+    layers themselves (h2d), saved before any method runs."""
+    expected_host = torch.stack([x[0] for x in layers], dim=1).unsqueeze(2)  # on the layers' device
+    return expected_host, [x.clone() for x in layers]
+
+
+def mlbt_check(
+    call: Callable[[str], object],
+    host: torch.Tensor,
+    layers: list[torch.Tensor],
+    reference: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+) -> dict[str, bool]:
+    """Whether ``call(direction)`` moves multi_layer_block_transfer's bytes, each direction checked as
+    :meth:`Setup.check` checks transfer_blocks: the destination poisoned first (the host block before d2h, the
+    layers before h2d) and compared with the reference saved before (``_mlbt_reference``), so a method that
+    writes nothing fails. The layers hold their reference again afterwards, whatever the method did."""
+    expected_host, expected_layers = reference or _mlbt_reference(host, layers)
+    host.view(torch.int16).fill_(0x5A5A)  # a bf16 pattern (~1.5e16) randn never gives
+    call("d2h")
+    _sync()
+    ok_d2h = torch.equal(host.to(expected_host.device), expected_host)
+    host.copy_(expected_host)  # h2d reads a correct host block, whatever d2h wrote
+    for x in layers:
+        x.view(torch.int16).fill_(0x5A5A)
+    call("h2d")
+    _sync()
+    ok_h2d = all(torch.equal(x, r) for x, r in zip(layers, expected_layers))
+    for x, r in zip(layers, expected_layers):
+        x.copy_(r)
+    return {"d2h": bool(ok_d2h), "h2d": bool(ok_h2d)}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 STORE_LOAD_PAIRS = (
@@ -491,10 +555,6 @@ def _smoke(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------- misc
-def _ints(text: str | None) -> list[int]:
-    return [int(x) for x in text.split(",")] if text else []
-
-
 def _size(n: int) -> str:
     return f"{n // (1 << 20)}M" if n >= 1 << 20 else f"{n // KIB}K"
 

@@ -15,7 +15,10 @@ JOBS: dict[str, tuple[str, str]] = {
     "transfer": ("kvstrata.bench.transfer", "KV block transfer methods vs the DMA ceiling and baselines"),
     "allgather": ("kvstrata.bench.allgather", "hybrid all-gather (NCCL + host path) vs NCCL and the host path alone"),
     "device": ("kvstrata.bench.device", "GPU-to-GPU device objects vs peer copy and NCCL (2 GPUs; --smoke: CPU)"),
-    "store": ("kvstrata.bench.store", "kvstrata's node-local clients vs Redis: set/get 4KiB-16MiB, 1 and 8 clients"),
+    "store": (
+        "kvstrata.bench.store",
+        "kvstrata's node-local clients vs Redis and Mooncake Store: set/get 4KiB-16MiB (--sizes: any), 1 and 8 clients",
+    ),
 }
 
 

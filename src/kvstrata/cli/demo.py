@@ -2,23 +2,33 @@
 
 Simulated sessions send prompts that share system-prompt prefixes. Each prompt is cut into blocks
 of tokens; a block's key is a hash chain over its tokens and everything before it (as in vLLM's
-prefix caching), so equal prefixes give equal keys. For every request the engine looks up the
-longest cached prefix, loads those blocks into its (GPU, or here CPU) KV tensors with one
-``mget_h2d``, "computes" the rest and offloads them with one ``mset_d2h`` (write-once: a block
-another session stored first is left alone). The host tier is smaller than the working set, so
-older blocks spill to a temporary SSD folder and come back when a session returns for a second
-turn. Every reused block is checked bit for bit against what was computed for it.
+prefix caching), so equal prefixes give equal keys. For every request the engine looks up its
+blocks, loads the longest cached prefix into its (GPU, or here CPU) KV tensors with one
+``mget_h2d``, "computes" the rest and offloads the computed blocks the store does not hold with one
+``mset_d2h``. The host tier is smaller than the working set, so older blocks spill to a temporary
+SSD folder (sized for the planned sessions) and come back when a session returns for a second turn.
+A block the store has no room for is left out (counted as not offloaded) and computed again when it
+is next needed; a block that cannot be loaded is computed again too. Every reused block is checked
+bit for bit against what was computed for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import random
 import shutil
 import tempfile
 import time
 from typing import Any
+
+SYSTEM_PROMPTS = 4  # shared system prompts, one per session in turn
+SYSTEM_BLOCKS = 8  # blocks of each system prompt
+FIRST_TURN_BLOCKS = 6  # a session's own blocks in its first turn
+SECOND_TURN_BLOCKS = 3  # the blocks its second turn adds to the whole first conversation
+#: blocks of the largest request (a second turn's prompt), all leased at once while they load
+LARGEST_REQUEST = SYSTEM_BLOCKS + FIRST_TURN_BLOCKS + SECOND_TURN_BLOCKS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,6 +80,31 @@ class Model:
         return list(kv.unbind(0))
 
 
+@dataclasses.dataclass
+class Tally:
+    """What the requests did, block by block. Every prompt block is either reused or computed
+    (``blocks == hit_blocks + computed``), and every computed block either offloaded, left out for want of
+    room, or already in the store (``computed == offloaded + store_full + already_stored``)."""
+
+    planned: int = 0  # requests in the schedule
+    requests: int = 0
+    blocks: int = 0
+    lookup_hits: int = 0  # blocks of the longest cached prefix of each prompt
+    lookup_misses: int = 0  # blocks looked up and not cached
+    cached_past_miss: int = 0  # cached, but after a block that is not: not a prefix, so computed
+    hit_blocks: int = 0  # loaded and reused
+    load_failed: int = 0  # in the cached prefix but not loaded: computed instead
+    computed: int = 0
+    offloaded: int = 0
+    store_full: int = 0  # computed, not offloaded: the store had no room (CapacityError)
+    already_stored: int = 0  # computed, not offloaded: the store holds it already
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    load_s: float = 0.0
+    store_s: float = 0.0
+    mismatches: int = 0
+
+
 def block_keys(tokens: list[int], block_tokens: int) -> list[str]:
     keys, parent = [], b""
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
@@ -79,132 +114,241 @@ def block_keys(tokens: list[int], block_tokens: int) -> list[str]:
     return keys
 
 
-def run(args: argparse.Namespace) -> int:
+def planned_blocks(sessions: int) -> int:
+    """Distinct KV blocks the sessions' prompts hold at most: the working set the SSD tier is sized for."""
+    return min(sessions, SYSTEM_PROMPTS) * SYSTEM_BLOCKS + sessions * (FIRST_TURN_BLOCKS + SECOND_TURN_BLOCKS)
+
+
+def ssd_bytes(sessions: int, block_bytes: int) -> int:
+    """The SSD tier's size: the whole planned working set, each block with a page of overhead, plus a quarter and
+    16 MiB of headroom (the host tier holds part of it too: what is left over is the margin)."""
+    return planned_blocks(sessions) * (block_bytes + 4096) * 5 // 4 + (16 << 20)
+
+
+def min_memory(block_bytes: int) -> int:
+    """The smallest host tier the demo runs in: the largest request's blocks, leased together while they load, and
+    a block to spare (free space is not all in one piece) beside the client's write reservation, which may hold
+    1/RESERVE_SHARE of the tier (:mod:`kvstrata.store.reservations`). Smaller, loads fail for want of room."""
+    from kvstrata.store.allocator import ALIGNMENT
+    from kvstrata.store.reservations import RESERVE_SHARE
+
+    aligned = -(-block_bytes // ALIGNMENT) * ALIGNMENT
+    return -(-(LARGEST_REQUEST + 1) * aligned * RESERVE_SHARE // (RESERVE_SHARE - 1))
+
+
+def _device(text: str | None) -> Any:
+    """The KV tensors' device from ``--device``, or a clean argument error (SystemExit)."""
     import torch
 
+    name = text or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(f"kvstrata demo: --device {text!r}: {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"kvstrata demo: --device {text!r}: KV tensors must be on cpu or cuda, not {device.type}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"kvstrata demo: --device {text}: no CUDA device here (use --device cpu)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise SystemExit(
+                f"kvstrata demo: --device {text}: there {'is' if count == 1 else 'are'} {count} CUDA"
+                f" device{'' if count == 1 else 's'} here (cuda:0{f'..cuda:{count - 1}' if count > 1 else ''})"
+            )
+    return device
+
+
+def run(args: argparse.Namespace) -> int:
     import kvstrata
     from kvstrata.units import format_size, parse_size
 
-    rng = random.Random(args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise SystemExit(f"kvstrata demo: --device {args.device!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"kvstrata demo: --device {args.device}: no CUDA device here (use --device cpu)")
+    # Every argument is checked before anything is made (the SSD folder last).
+    device = _device(args.device)
     model = Model(args.layers, heads=8, head_dim=64, block_tokens=args.block_tokens, device=device)
-    bt = args.block_tokens
-    system_prompts = [[rng.randrange(32000) for _ in range(bt * 8)] for _ in range(4)]
-    histories: dict[int, list[int]] = {}
-    disk_dir = tempfile.mkdtemp(prefix="kvstrata-demo-ssd-")
     try:
         memory = parse_size(args.memory, "memory")
     except ValueError as exc:
         raise SystemExit(f"kvstrata demo: --memory: {exc}") from None
-    if memory < 8 * model.block_bytes:
+    need = min_memory(model.block_bytes)
+    if memory < need:
         raise SystemExit(
-            f"kvstrata demo: --memory {args.memory}: the host tier must hold at least 8 KV blocks of "
-            f"{format_size(model.block_bytes)} ({format_size(8 * model.block_bytes)})"
+            f"kvstrata demo: --memory {args.memory}: the host tier must hold at least {format_size(need)}: the"
+            f" largest request's {LARGEST_REQUEST} KV blocks of {format_size(model.block_bytes)} and room to spare"
         )
-    totals = dict(requests=0, blocks=0, hit_blocks=0, computed=0, deduped=0, loaded_bytes=0, stored_bytes=0)
-    load_s = store_s = 0.0
-    mismatches = 0
+    disk_bytes = ssd_bytes(args.sessions, model.block_bytes)
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    ssd_note = ""
+    if disk_bytes > free * 9 // 10:  # a tier larger than the disk would fail writes later, not say so now
+        disk_bytes = max(free * 9 // 10, model.block_bytes)
+        ssd_note = f" (capped by the free space in {tempfile.gettempdir()}: blocks past it are not offloaded)"
+    rng = random.Random(args.seed)
+    tally = Tally(planned=2 * args.sessions)
+    stats: dict | None = None
+    interrupted = False
     print(f"kvstrata demo: KV-cache offload for {args.sessions} chat sessions on the embedded store")
     print(
-        f"  model: {args.layers} layers x 8 heads x 64 dims, fp16, {bt}-token blocks = {format_size(model.block_bytes)}"
-        f" per block; KV tensors on {device}"
+        f"  model: {args.layers} layers x 8 heads x 64 dims, fp16, {args.block_tokens}-token blocks ="
+        f" {format_size(model.block_bytes)} per block; KV tensors on {device}"
     )
-    print(f"  host tier {format_size(memory)} (DRAM, shared memory), SSD tier in {disk_dir}\n")
     t_start = time.perf_counter()
+    disk_dir = None
     try:
+        disk_dir = tempfile.mkdtemp(prefix="kvstrata-demo-ssd-")
+        print(
+            f"  host tier {format_size(memory)} (DRAM, shared memory), SSD tier of {format_size(disk_bytes)}"
+            f" in {disk_dir}{ssd_note}\n",
+            flush=True,
+        )
         with kvstrata.connect(
             embedded=True,
             memory_bytes=memory,
-            segment_bytes=min(memory, 16 << 20),
+            segment_bytes=min(memory, max(16 << 20, model.block_bytes)),
             disk_dir=disk_dir,
-            disk_bytes=8 * memory,
+            disk_bytes=disk_bytes,
         ) as kv:
-            # Two turns per session: the second turn's prompt is the whole first conversation plus more.
-            schedule = [(s, 1) for s in range(args.sessions)] + [
-                (s, 2) for s in rng.sample(range(args.sessions), args.sessions)
-            ]
-            for session, turn in schedule:
-                if turn == 1:
-                    prompt = system_prompts[session % len(system_prompts)] + [
-                        rng.randrange(32000) for _ in range(bt * 6)
-                    ]
-                else:
-                    prompt = histories[session] + [rng.randrange(32000) for _ in range(bt * 3)]
-                histories[session] = prompt
-                keys = block_keys(prompt, bt)
-                present = kv.exists(keys)
-                n_hit = next((i for i, p in enumerate(present) if not p), len(keys))  # longest cached prefix
-                totals["requests"] += 1
-                totals["blocks"] += len(keys)
-                if n_hit:
-                    dst = [model.empty_block() for _ in range(n_hit)]
-                    t0 = time.perf_counter()
-                    results = kv.mget_h2d(keys[:n_hit], dst)
-                    load_s += time.perf_counter() - t0
-                    for key, tensors, r in zip(keys[:n_hit], dst, results):
-                        if r is not None:  # evicted between exists and load: recompute instead
-                            continue
-                        totals["hit_blocks"] += 1
-                        totals["loaded_bytes"] += model.block_bytes
-                        expected = model.compute_block(key)
-                        mismatches += sum(not torch.equal(a, b) for a, b in zip(tensors, expected))
-                new_keys = keys[n_hit:]
-                if new_keys:
-                    computed = [model.compute_block(k) for k in new_keys]
-                    totals["computed"] += len(new_keys)
-                    t0 = time.perf_counter()
-                    results = kv.mset_d2h(new_keys, computed)
-                    store_s += time.perf_counter() - t0
-                    for r in results:
-                        if r is None:
-                            totals["stored_bytes"] += model.block_bytes
-                        elif isinstance(r, kvstrata.KeyExists):
-                            totals["deduped"] += 1
-                        else:
-                            raise r
+            try:
+                serve(kv, model, args.sessions, rng, tally)
+            except KeyboardInterrupt:
+                interrupted = True
             stats = kv.stats()
+    except KeyboardInterrupt:  # before the first request, or a second Ctrl-C while closing
+        interrupted = True
     finally:
-        shutil.rmtree(disk_dir, ignore_errors=True)
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
-    _summary(totals, stats, load_s, store_s, elapsed, mismatches, model)
-    return 0 if mismatches == 0 else 1
+    if interrupted:
+        if stats is None or tally.requests == 0:
+            print("kvstrata demo: interrupted", flush=True)
+            return 130
+        print(f"  interrupted after {tally.requests} of {tally.planned} requests: what they did\n")
+    _summary(tally, stats, elapsed, model)
+    if interrupted:
+        return 130
+    return 0 if tally.mismatches == 0 else 1
 
 
-def _summary(
-    totals: dict, stats: dict, load_s: float, store_s: float, elapsed: float, mismatches: int, model: Model
-) -> None:
+def serve(kv: Any, model: Model, sessions: int, rng: random.Random, tally: Tally) -> None:
+    """Every session's two turns, in the demo's order, each request counted in ``tally`` as it ends."""
+    bt = model.block_tokens
+    system_prompts = [[rng.randrange(32000) for _ in range(bt * SYSTEM_BLOCKS)] for _ in range(SYSTEM_PROMPTS)]
+    histories: dict[int, list[int]] = {}
+    # Two turns per session: the second turn's prompt is the whole first conversation plus more.
+    schedule = [(s, 1) for s in range(sessions)] + [(s, 2) for s in rng.sample(range(sessions), sessions)]
+    for session, turn in schedule:
+        if turn == 1:
+            own = [rng.randrange(32000) for _ in range(bt * FIRST_TURN_BLOCKS)]
+            prompt = system_prompts[session % SYSTEM_PROMPTS] + own
+        else:
+            prompt = histories[session] + [rng.randrange(32000) for _ in range(bt * SECOND_TURN_BLOCKS)]
+        histories[session] = prompt
+        request(kv, model, block_keys(prompt, bt), tally)
+
+
+def request(kv: Any, model: Model, keys: list[str], tally: Tally) -> None:
+    """One prompt: look its blocks up, load the cached prefix, compute the rest, offload what the store lacks."""
+    import torch
+
+    import kvstrata
+
+    present = [bool(p) for p in kv.exists(keys)]
+    n_hit = next((i for i, p in enumerate(present) if not p), len(keys))  # longest cached prefix
+    recompute: list[str] = []  # in the cached prefix but not loaded
+    if n_hit:
+        dst = [model.empty_block() for _ in range(n_hit)]
+        t0 = time.perf_counter()
+        results = kv.mget_h2d(keys[:n_hit], dst)
+        load_s = time.perf_counter() - t0
+        hits = loaded = mismatches = 0
+        for key, tensors, r in zip(keys[:n_hit], dst, results):
+            if r is not None:  # gone between the lookup and the load: computed like a miss
+                recompute.append(key)
+                continue
+            hits += 1
+            loaded += model.block_bytes
+            expected = model.compute_block(key)
+            mismatches += sum(not torch.equal(a, b) for a, b in zip(tensors, expected))
+    else:
+        load_s, hits, loaded, mismatches = 0.0, 0, 0, 0
+    # Computed: the blocks not loaded. Offloaded: those of them the lookup did not find (a block cached after a
+    # missing one is computed, since only a prefix is reusable, but the store holds it already).
+    computed = recompute + keys[n_hit:]
+    offload = recompute + [k for k, p in zip(keys[n_hit:], present[n_hit:]) if not p]
+    stored = full = exists = 0
+    store_s = 0.0
+    if offload:
+        tensors = [model.compute_block(k) for k in offload]
+        t0 = time.perf_counter()
+        try:
+            results = kv.mset_d2h(offload, tensors)
+        except kvstrata.CapacityError as exc:  # the call as a whole found no room: no block of it stored
+            results = [exc] * len(offload)
+        store_s = time.perf_counter() - t0
+        for r in results:
+            if r is None:
+                stored += 1
+            elif isinstance(r, kvstrata.CapacityError):  # memory and SSD full: this block stays out
+                full += 1
+            elif isinstance(r, kvstrata.KeyExists):  # write-once: stored since the lookup (a failed load's block)
+                exists += 1
+            else:
+                raise r
+    # Counted once the request is through, so that an interrupted request leaves the totals consistent.
+    tally.requests += 1
+    tally.blocks += len(keys)
+    tally.lookup_hits += n_hit
+    tally.lookup_misses += present.count(False)
+    tally.cached_past_miss += sum(present[n_hit:])
+    tally.hit_blocks += hits
+    tally.load_failed += len(recompute)
+    tally.loaded_bytes += loaded
+    tally.load_s += load_s
+    tally.mismatches += mismatches
+    tally.computed += len(computed)
+    tally.offloaded += stored
+    tally.stored_bytes += stored * model.block_bytes
+    tally.store_s += store_s
+    tally.store_full += full
+    tally.already_stored += exists + len(computed) - len(offload)
+
+
+def _summary(t: Tally, stats: dict, elapsed: float, model: Model) -> None:
     from kvstrata.units import format_size
 
     def rate(nbytes: int, secs: float) -> str:
         return f"{nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else "-"
 
-    hit_pct = 100 * totals["hit_blocks"] / max(totals["blocks"], 1)
+    hit_pct = 100 * t.hit_blocks / max(t.blocks, 1)
     mem = stats["tiers"]["memory"]
     disk = stats["tiers"].get("disk", {})
-    print(f"  requests served            {totals['requests']}")
-    print(f"  prompt blocks              {totals['blocks']}  ({totals['blocks'] * model.block_tokens} tokens)")
-    print(f"  reused from kvstrata       {totals['hit_blocks']}  ({hit_pct:.1f}% of blocks: prefill skipped for them)")
-    deduped = f" (+{totals['deduped']} stored first by another session: write-once)" if totals["deduped"] else ""
-    print(f"  computed and offloaded     {totals['computed'] - totals['deduped']}{deduped}")
+    past = f", {t.cached_past_miss} cached after a miss (not a prefix)" if t.cached_past_miss else ""
+    print(f"  requests served            {t.requests}")
+    print(f"  prompt blocks              {t.blocks}  ({t.blocks * model.block_tokens} tokens)")
     print(
-        f"  loaded  (mget_h2d)         {format_size(totals['loaded_bytes'])} at {rate(totals['loaded_bytes'], load_s)}"
+        f"  lookups                    {t.lookup_hits} hits (the cached prefix of each prompt),"
+        f" {t.lookup_misses} misses (not cached){past}"
     )
-    print(
-        f"  offloaded (mset_d2h)       {format_size(totals['stored_bytes'])} at {rate(totals['stored_bytes'], store_s)}"
-    )
+    failed = f"; {t.load_failed} cached but not loaded: computed" if t.load_failed else ""
+    print(f"  reused from kvstrata       {t.hit_blocks}  ({hit_pct:.1f}% of blocks: prefill skipped for them){failed}")
+    parts = [f"{t.offloaded} offloaded"]
+    if t.store_full:
+        parts.append(f"{t.store_full} not offloaded: store full")
+    if t.already_stored:
+        parts.append(f"{t.already_stored} not offloaded: already stored")
+    print(f"  computed                   {t.computed}  ({', '.join(parts)})")
+    print(f"  loaded  (mget_h2d)         {format_size(t.loaded_bytes)} at {rate(t.loaded_bytes, t.load_s)}")
+    print(f"  offloaded (mset_d2h)       {format_size(t.stored_bytes)} at {rate(t.stored_bytes, t.store_s)}")
     print(f"  host tier                  {format_size(mem['used'])} of {format_size(mem['capacity'])} used")
     if disk:
-        print(f"  SSD tier                   {format_size(disk.get('used', 0))} used")
+        print(
+            f"  SSD tier                   {format_size(disk.get('used', 0))} of"
+            f" {format_size(disk.get('capacity', 0))} used"
+        )
     print(
-        f"  store                      {stats['objects']} objects, {stats['hits']} hits, {stats['misses']} misses,"
+        f"  store                      {stats['objects']} objects, {stats['hits']} reads served,"
         f" {stats['spills']} spills to SSD, {stats['promotions']} promotions back, {stats['evictions']} evictions"
     )
-    verdict = "every reused block matched bit for bit" if mismatches == 0 else f"{mismatches} TENSORS DIFFERED"
+    verdict = "every reused block matched bit for bit" if t.mismatches == 0 else f"{t.mismatches} TENSORS DIFFERED"
     print(f"  check                      {verdict}")
-    print(f"  done in {elapsed:.1f} s")
+    print(f"  done in {elapsed:.1f} s", flush=True)
