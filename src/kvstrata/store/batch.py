@@ -27,7 +27,7 @@ import heapq
 import time
 from collections.abc import Iterable
 
-from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyExists, KeyNotFound, KvstrataError
+from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyExists, KeyNotFound, KvstrataError, ServerError
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import (
     FAST_KEY_CHARS,
@@ -130,7 +130,7 @@ class BatchMixin:
                 continue  # most likely refused (put_small tells): no block for it
             if size and (nx or not reusable_block(old, size)):
                 fresh.append(j)
-        if len(fresh) < 2 or self._closed:
+        if len(fresh) < 2 or self._closing:
             return {}
         locs = self._mem.allocate_run([views[j].nbytes for j in fresh])
         return {} if locs is None else dict(zip(fresh, locs))
@@ -166,7 +166,7 @@ class BatchMixin:
         fits = self._mem.fits_ever
         todo: list[int] = []  # positions that passed the checks, counted in _creating, in order
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return [ClosedError("the object store is closed")] * len(items)
             creating, objects = self._creating, self._objects
             for i, (key, size) in enumerate(items):
@@ -236,8 +236,9 @@ class BatchMixin:
         out: list = []
         slow: list[tuple[int, Entry]] = []
         fast: list[Entry] = []
+        fast_at: list[int] = []  # each one's place in out
         with self._lock:
-            pending, creating, closed = self._pending, self._creating, self._closed
+            pending, creating, closed = self._pending, self._creating, self._closing
             creates = self._owner_creates.get(owner)
             for key in keys:
                 try:
@@ -261,8 +262,12 @@ class BatchMixin:
                 else:
                     creating.pop(key, None)
                 fast.append(e)
+                fast_at.append(len(out) - 1)
             if fast:
-                self._seal_batch_locked(fast)
+                refused = self._seal_batch_locked(fast)
+                if refused:
+                    for n, exc in refused:
+                        out[fast_at[n]] = exc
             if creates is not None and not creates:
                 self._owner_creates.pop(owner, None)
         return self._finish_slow(slow, out)
@@ -277,10 +282,15 @@ class BatchMixin:
                 out[i] = exc
         return out
 
-    def _seal_batch_locked(self, entries: list[Entry], *, published: bool = False) -> None:
+    def _seal_batch_locked(
+        self, entries: list[Entry], *, published: bool = False
+    ) -> list[tuple[int, ServerError]] | None:
         """:meth:`_seal_locked` of each entry in order (none has an SSD file to commit; all become immutable),
         with the loop's lookups hoisted and the blocks of the versions they replace given back together.
-        ``published``: their placements are in the table already."""
+        ``published``: their placements are in the table already.
+
+        An entry replacing a version whose SSD file cannot be deleted is freed, never shown (that version stays):
+        returned as ``(position in entries, error)``; None when there is none."""
         if self._placements is not None and not published:
             # Before the loop, not after: their bytes are final, and a reader that copies from these places at once
             # asks for its leases under this lock, so it gets them once the loop is done (and they confirm its
@@ -291,11 +301,21 @@ class BatchMixin:
         objects, dirty, waiters = self._objects, self._dirty, self._waiters
         clock_add, clock_remove = self._clock.add, self._clock.remove
         freed: list[Entry] = []
+        refused = None
         now = 0.0
-        for e in entries:
+        for n, e in enumerate(entries):
             key = e.key
             old = objects.get(key)
             if old is not None:
+                if old.on_disk:
+                    try:
+                        self._unlink_replaced(old)
+                    except ServerError as exc:
+                        self._free_locked(e)
+                        if refused is None:
+                            refused = []
+                        refused.append((n, exc))
+                        continue
                 e.ref = old.ref
                 if old.on_disk or old.gpu is not None or dirty:
                     self._retire(old, freed=freed)
@@ -330,6 +350,7 @@ class BatchMixin:
             self._free_entries(freed)
         if self._mem.used > self._high:
             self._wake.set()
+        return refused
 
 
 def _pairs(items: object, name: str) -> list[tuple]:

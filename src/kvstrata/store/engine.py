@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvstrata.errors import CapacityError, InvalidType
+from kvstrata.errors import InvalidType, KvstrataError, ServerError
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.batch import BatchMixin
 from kvstrata.store.config import STORE_COUNTERS, StoreConfig
@@ -88,16 +88,24 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._announced = len(self._mem.segments)  # the first segment is visible through .segments from the start
         # a segment still being announced (page-locked with CUDA, say) is not retired under its listeners
         self._mem.retirable = lambda index: index < self._announced
-        self._disk = DiskTier(config.disk_dir, config.disk_bytes, sync=config.disk_sync) if config.disk_dir else None
+        self._disk = None
         self._gpu = None
-        if config.gpu_bytes:
-            from kvstrata.store.tiers.gpu import GpuTier
+        try:
+            if config.disk_dir:
+                self._disk = DiskTier(config.disk_dir, config.disk_bytes, sync=config.disk_sync)
+            if config.gpu_bytes:
+                from kvstrata.store.tiers.gpu import GpuTier
 
-            self._gpu = GpuTier(config.gpu_bytes, device=config.gpu_device or 0)
-            # loads into HBM read DRAM segments: page-lock them so those copies run at DMA speed
-            for seg in self._mem.segments:
-                self._gpu.register_host(seg.address, seg.nbytes)
-            self._listeners.append(lambda seg: self._gpu.register_host(seg.address, seg.nbytes))
+                self._gpu = GpuTier(config.gpu_bytes, device=config.gpu_device or 0)
+                # loads into HBM read DRAM segments: page-lock them so those copies run at DMA speed
+                for seg in self._mem.segments:
+                    self._gpu.register_host(seg.address, seg.nbytes)
+                self._listeners.append(lambda seg: self._gpu.register_host(seg.address, seg.nbytes))
+        except BaseException:
+            # A tier that failed to start (an SSD folder that cannot be scanned, say): what the others hold goes back
+            # (the SSD folder's lock above all: else a retry in this process is refused as "in use")
+            self._close_tiers()
+            raise
         self._high = int(config.high_watermark * config.memory_bytes)
         self._low = int(config.low_watermark * config.memory_bytes)
         self._objects: dict[str, Entry] = {}  # visible versions
@@ -123,6 +131,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._flush_warned = -1e9
         self.unflushed = 0  # write-back objects close() could not write to SSD
         self._flush_failed_warned = -1e9
+        self._flush_cause: tuple[type[KvstrataError], str] | None = None  # why the last flush pass left objects dirty
         self._moves_untold: dict[str, list[int]] = {}  # tiering moves since the last summary in the log
         self._moves_told = time.monotonic()
         if self._disk is not None:
@@ -206,27 +215,39 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         """Delete keys; True where the key existed. Bytes under a lease are freed at its release.
 
         Many keys are deleted :data:`LOCK_CHUNK` at a time, the lock let go between chunks: 100,000 keys held it
-        ~200 ms in one go on the development machine, stalling every other client's request meanwhile."""
+        ~200 ms in one go on the development machine, stalling every other client's request meanwhile.
+
+        A key whose SSD file cannot be deleted (a read-only remount, EIO) stays, unchanged: the other keys are
+        deleted, then ``ServerError`` names the keys kept (a retry answers False for those deleted)."""
         keys = check_keys(keys)
         out = []
+        kept: list[tuple[str, ServerError]] = []
         objects, retire = self._objects, self._retire
         for lo in range(0, len(keys), LOCK_CHUNK):
             freed: list[Entry] = []  # blocks of a batch written together go back as one range
             with self._lock:
                 now = time.monotonic()
                 for k in keys[lo : lo + LOCK_CHUNK]:
-                    e = objects.pop(k, None)
+                    e = objects.get(k)
                     if e is None:
                         out.append(False)
                         continue
-                    retire(e, freed=freed)
                     if e.expires and e.expires <= now:  # expired already: counted as _lookup would, not deleted
-                        self._counts["expired"] += 1
+                        self._retire_expired(e)
                         out.append(False)
-                    else:
-                        out.append(True)
+                        continue
+                    try:
+                        retire(e, freed=freed)  # (its SSD file first: ServerError with nothing changed)
+                    except ServerError as exc:
+                        kept.append((k, exc))
+                        out.append(False)
+                        continue
+                    del objects[k]
+                    out.append(True)
                 if freed:
                     self._free_entries(freed)
+        if kept:
+            raise _kept_error("deleted", kept)
         return out
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
@@ -259,12 +280,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
                     e.expires = now + ttl_s if ttl_s else 0.0
                     if ttl_s:
                         heapq.heappush(self._ttl_heap, (e.expires, e.version, k))
-                    if e.on_disk:  # so a restart honours the new deadline too
-                        try:
-                            self._disk.set_expiry(k, self._wall_expiry(e))
-                        except OSError as exc:
-                            log.error("could not record the new expiry of %r on SSD: %s", k, exc)
-                    out.append(True)
+                    # so a restart honours the new deadline too (a file found corrupt meanwhile: dropped, a miss)
+                    out.append(not e.on_disk or self._record_expiry(e))
         return out
 
     def sizes(self, keys: Iterable[str]) -> list[int | None]:
@@ -288,20 +305,29 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         return out
 
     def decref(self, keys: Iterable[str]) -> list[int]:
-        """Drop one global reference from each key; a key whose count reaches 0 is deleted."""
+        """Drop one global reference from each key; a key whose count reaches 0 is deleted. A key whose SSD file
+        cannot be deleted then keeps its reference and stays: ``ServerError`` naming those after the others."""
         keys = check_keys(keys)
         out = []
+        kept: list[tuple[str, ServerError]] = []
         with self._lock:
             for k in keys:
                 e = self._lookup(k)
                 if e is None or e.ref == 0:
                     out.append(0)
                     continue
-                e.ref -= 1
-                if e.ref == 0:
+                if e.ref == 1:
+                    try:
+                        self._retire(e)
+                    except ServerError as exc:
+                        kept.append((k, exc))
+                        out.append(e.ref)
+                        continue
                     del self._objects[k]
-                    self._retire(e)
+                e.ref -= 1
                 out.append(e.ref)
+        if kept:
+            raise _kept_error("released (their last reference)", kept)
         return out
 
     def refcount(self, key: str) -> int:
@@ -368,9 +394,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
                 expires, version, key = heapq.heappop(heap)
                 e = self._objects.get(key)
                 if e is not None and e.version == version and e.expires == expires:
-                    del self._objects[key]
-                    self._retire(e)
-                    self._counts["expired"] += 1
+                    self._retire_expired(e)
 
     def close(self) -> None:
         """Flush write-back data, stop the background thread, unmap the segments. Idempotent: a second call,
@@ -379,11 +403,13 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         with self._lock:
             if self._closing:
                 return
+            # From here every write is refused (ClosedError): one acknowledged after the flush below would be lost
             self._closing = True
         try:
             self.flush()
-        except CapacityError as exc:
-            self.unflushed = len(self._dirty)
+        except KvstrataError as exc:
+            with self._lock:
+                self.unflushed = len(self._dirty)
             log.error("closing the store: %s; that data is lost", exc)
         self._stop.set()
         self._wake.set()
@@ -395,6 +421,9 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
             for w in self._waiters.values():
                 w[0].notify_all()
             self._gpu_cond.notify_all()
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
         if self._gpu is not None:
             self._gpu.close()  # unregisters the segments before they are unmapped
         self._mem.close()
@@ -406,6 +435,13 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kept_error(done: str, kept: list[tuple[str, ServerError]]) -> ServerError:
+    """The error of a batch whose keys ``kept`` (each with why) could not be ``done``: their SSD files could not be
+    deleted."""
+    names = ", ".join(repr(k) for k, _ in kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+    return ServerError(f"{len(kept)} keys not {done}, kept unchanged: {names} ({kept[0][1]})")
 
 
 __all__ = ["ObjectStore"]

@@ -81,7 +81,7 @@ class Entry:
         self.on_disk = False  # a committed SSD file holds this version
         self.dirty = False  # write-back data not yet on SSD
         self.disk_hold = 0  # SSD bytes reserved for a write-back version's file until it is flushed (or dies)
-        self.flushing = False
+        self.flushing = False  # its file is being written by a write-back flush or a spill (the other leaves it)
         self.loading = False  # being promoted from SSD; readers wait for it
         self.gpu = None  # the HBM copy (kvstrata.store.device.GpuCopy), if any
         self.referenced = False  # second-chance bit

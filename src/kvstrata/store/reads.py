@@ -45,9 +45,7 @@ class ReadMixin:
     def _lookup(self, key: str) -> Entry | None:
         e = self._objects.get(key)
         if e is not None and e.expires and e.expires <= time.monotonic():
-            del self._objects[key]
-            self._retire(e)
-            self._counts["expired"] += 1
+            self._retire_expired(e)
             return None
         return e
 

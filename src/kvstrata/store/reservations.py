@@ -149,7 +149,7 @@ class ReservationMixin:
         cap = min(self._mem.capacity // RESERVE_SHARE, self.config.segment_bytes) & ~_MASK
         grant = min((nbytes + _MASK) & ~_MASK, cap)
         with self._lock:
-            if self._closed:
+            if self._closing:
                 raise ClosedError("the object store is closed")
             self._drop_reservation(owner)
             if grant == 0:
@@ -163,7 +163,7 @@ class ReservationMixin:
             grant = min(grant, room)
             loc = self._allocate(grant)  # may release the lock to evict
             self._drop_reservation(owner)  # another thread of this owner reserved meanwhile: last one wins
-            if self._closed:
+            if self._closing:
                 self._mem.free(loc)
                 raise ClosedError("the object store is closed")
             self._reservations[owner] = Reservation(loc.segment, loc.offset, loc.offset + grant)
@@ -222,7 +222,7 @@ class ReservationMixin:
             return [exc] * n
         slow: list[tuple[int, Entry]] = []
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return [ClosedError("the object store is closed")] * n
             r = self._reservations.get(owner)
             # 1. every item checked against the head, in order, up to the first bad one
@@ -289,6 +289,7 @@ class ReservationMixin:
             if self._uncut:
                 self._cut_locked(owner)  # this owner's earlier pieces first: its block begins where they end
             entries: list[Entry] = []
+            entries_at: list[int] = []  # each one's place in out
             refused: list[Location] = []
             version = self._versions
             for i, ((key, size), loc) in enumerate(zip(carved, self._pieces_locked(r.segment, start, carved))):
@@ -312,11 +313,15 @@ class ReservationMixin:
                     slow.append((i, e))
                     continue
                 entries.append(e)
+                entries_at.append(i)
             if refused:
                 self._mem.free_many(refused)
             self._counts["carved"] += len(entries) + len(slow)
             if entries:
-                self._seal_batch_locked(entries)
+                kept = self._seal_batch_locked(entries)
+                if kept:
+                    for n, exc in kept:
+                        out[entries_at[n]] = exc
         return self._finish_slow(slow, out)
 
     def cut_landings(self, owner: object) -> None:
@@ -414,7 +419,7 @@ class ReservationMixin:
                 e.ttl = ttl_s
         hooks = self._visibility
         if hooks is None:
-            self._seal_batch_locked(entries, published=True)
+            _log_kept(self._seal_batch_locked(entries, published=True), entries)
             return
         # A key written meanwhile by a write that does not wait for creates (a plain put): this commit's object
         # replaces that version now, which readers may have kept leases on.
@@ -422,9 +427,13 @@ class ReservationMixin:
         replaced = [e.key for e in entries if e.key in objects]
         if replaced:
             with hooks.change(replaced):
-                self._seal_batch_locked(entries, published=True)
+                kept = self._seal_batch_locked(entries, published=True)
         else:
-            self._seal_batch_locked(entries, published=True)
+            kept = self._seal_batch_locked(entries, published=True)
+        _log_kept(kept, entries)
+        if kept:
+            gone = {n for n, _ in kept}
+            entries = [e for n, e in enumerate(entries) if n not in gone]
         hooks.shown([e.key for e in entries], ttl_s or None)
 
     def _drop_reservation(self, owner: object) -> None:
@@ -435,6 +444,14 @@ class ReservationMixin:
         if r is not None and r.remaining:
             self._mem.free(Location(r.segment, r.head, r.remaining))
             self._reserved -= r.remaining
+
+
+def _log_kept(kept: list | None, entries: list[Entry]) -> None:
+    """Objects of a landed commit not shown (the versions they replace kept their undeletable SSD files): logged,
+    as the commit's writer was answered before."""
+    if kept:
+        n, exc = kept[0]
+        log.error("%d objects of a landed commit were dropped, first %r: %s", len(kept), entries[n].key, exc)
 
 
 def _carving(item: object, i: int, r: Reservation | None) -> tuple[object, int, int]:

@@ -16,9 +16,10 @@ This is a mixin of :class:`~kvstrata.store.engine.ObjectStore`; it shares the en
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 
-from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyExists, KeyNotFound
+from kvstrata.errors import CapacityError, ClosedError, InvalidValue, KeyExists, KeyNotFound, KvstrataError, ServerError
 from kvstrata.store.allocator import ALIGNMENT
 from kvstrata.store.config import WriteMode
 from kvstrata.store.objects import Entry, as_bytes_view, check_key, check_mode, check_size, check_ttl
@@ -28,6 +29,8 @@ _SMALL = 64 << 10  # values up to this size are copied under the lock (cheaper t
 _ALIGN_MASK = ALIGNMENT - 1
 _ALIGN_SHIFT = ALIGNMENT.bit_length() - 1  # blocks are whole ALIGNMENT units: same units, same block
 _PERSISTENT = (WriteMode.WRITE_THROUGH, WriteMode.WRITE_BACK)
+
+log = logging.getLogger(__name__)
 
 
 #: why a create of a key is refused while the same owner's earlier create of it is open
@@ -137,13 +140,20 @@ class WriteMixin:
         """:meth:`put` of a value of at most ``_SMALL`` bytes, checked, not written through: reserved, copied and
         sealed under the lock (held; :meth:`_allocate` may let it go to wait for room)."""
         old = self._objects.get(key)
-        if not nx and not self._closed and reusable_block(old, size):
+        if not nx and not self._closing and reusable_block(old, size):
             # Nobody holds the old version's bytes (readers, local-read caches, the flusher and
             # spills all pin with a lease) and its block is the size the new one needs: write
             # the new version there instead of allocating and freeing. Under the lock, so no
             # reader sees the bytes change; the new version is still a new Entry (version, TTL,
             # placement: a device read that copied early from the old one, unpinned, is redone).
             hold = self._hold_disk_locked(key, size, mode)
+            if old.on_disk:  # its file goes before its bytes are overwritten (ServerError: the old one stays)
+                try:
+                    self._unlink_replaced(old)
+                except ServerError:
+                    if hold:
+                        self._disk.unreserve(hold)
+                    raise
             loc = old.loc
             if loc.size != size:
                 loc = Location(loc.segment, loc.offset, size)
@@ -165,9 +175,9 @@ class WriteMixin:
     ) -> None:
         """:meth:`_put_small_locked` into ``loc``, a block the caller allocated for it (freed here if the key is
         refused). The lock is held throughout, so no create of the key can come in between."""
-        if self._closed or (nx and (key in self._creating or self._lookup(key) is not None)):
+        if self._closing or (nx and (key in self._creating or self._lookup(key) is not None)):
             self._mem.free(loc)
-            if self._closed:
+            if self._closing:
                 raise ClosedError("the object store is closed")
             raise KeyExists(f"key {key!r} already exists")
         try:
@@ -206,7 +216,7 @@ class WriteMixin:
             return self._reserve_locked(key, size, owner, mode, ttl_s, nx)
 
     def _reserve_locked(self, key, size, owner, mode, ttl_s, nx) -> Entry:
-        if self._closed:
+        if self._closing:  # (close() flushes write-back data: nothing new may be written from then on)
             raise ClosedError("the object store is closed")
         if nx and (key in self._creating or self._lookup(key) is not None):
             raise KeyExists(f"key {key!r} already exists")
@@ -221,6 +231,12 @@ class WriteMixin:
             if hold:
                 self._disk.unreserve(hold)
             raise
+        if self._closing:  # close() began while _allocate let the lock go
+            self._uncreate(key)
+            self._free_loc(loc)
+            if hold:
+                self._disk.unreserve(hold)
+            raise ClosedError("the object store is closed")
         e = Entry(key, size, loc, mode, next(self._versions), owner)
         e.disk_hold = hold
         if ttl_s:
@@ -287,7 +303,7 @@ class WriteMixin:
                 raise
         with self._lock:
             self._uncreate(e.key)
-            if self._closed:
+            if self._closing:
                 if pending is not None:
                     disk.discard(pending)
                 self._free_locked(e)
@@ -295,12 +311,26 @@ class WriteMixin:
             self._seal_locked(e, pending, mutable)
 
     def _seal_locked(self, e: Entry, pending, mutable: bool) -> None:
-        """Make ``e`` the visible version of its key (after its bytes and any SSD file are complete)."""
+        """Make ``e`` the visible version of its key (after its bytes and any SSD file are complete).
+
+        When its SSD file (``pending``) cannot be committed, or the file of the version it replaces cannot be
+        deleted, ``e`` is freed and the ``ServerError`` raised: the older version stays, unchanged."""
         key = e.key
-        if pending is not None:
-            self._disk.commit(key, pending, e.mode, e.size)
-            e.on_disk = True
         old = self._objects.get(key)
+        try:
+            if pending is not None:
+                try:
+                    self._disk.commit(key, pending, e.mode, e.size)
+                except KvstrataError:
+                    if old is not None and old.on_disk and key not in self._disk.index:
+                        self._lost_disk_copy(old)  # (a second failure: its file could not be put back)
+                    raise
+                e.on_disk = True
+            elif old is not None and old.on_disk:
+                self._unlink_replaced(old)
+        except KvstrataError:
+            self._free_locked(e)
+            raise
         if old is not None:
             e.ref = old.ref
             self._retire(old, keep_disk_file=pending is not None)
@@ -363,9 +393,50 @@ class WriteMixin:
             self._mem.free(e.loc)
         e.loc = None
 
+    def _unlink_replaced(self, old: Entry) -> None:
+        """Delete the SSD file of ``old``, a visible version about to be replaced by one without a file (else a
+        restart would bring it back). ``ServerError`` with nothing changed when the file cannot be deleted."""
+        self._disk.remove(old.key)
+        old.on_disk = False
+
+    def _lost_disk_copy(self, e: Entry) -> None:
+        """``e``'s SSD file is gone (a failed commit over it could not put it back). Resident: kept, written to SSD
+        again by the write-back flusher where its mode persists; else its data is gone with the file."""
+        e.on_disk = False
+        if e.loc is not None:
+            if e.mode in _PERSISTENT:
+                e.dirty = True
+                self._dirty[e.key] = e
+                self._wake.set()
+            return
+        log.error("the SSD file of %r was lost in a failed commit over it, and no DRAM copy remains: dropped", e.key)
+        if self._objects.get(e.key) is e:
+            del self._objects[e.key]
+        self._retire(e)
+        self._counts["corrupt"] += 1
+
+    def _retire_expired(self, e: Entry) -> None:
+        """Take ``e``, a visible version whose time to live ran out, out of service, and count it. A file of it
+        the SSD tier cannot delete now stays indexed (never served; its header's deadline has passed, so the next
+        start drops it), logged."""
+        try:
+            self._retire(e)
+        except ServerError as exc:
+            log.error("expired %r: %s; its file stays until the next start", e.key, exc)
+            self._retire(e, keep_disk_file=True)
+        if self._objects.get(e.key) is e:
+            del self._objects[e.key]
+        self._counts["expired"] += 1
+
     def _retire(self, e: Entry, *, keep_disk_file: bool = False, freed: list[Entry] | None = None) -> None:
         """Take a visible version out of service (deleted, replaced, expired, dropped). With ``freed``, a block
-        to free is appended there instead (the caller frees them all with :meth:`_free_entries`)."""
+        to free is appended there instead (the caller frees them all with :meth:`_free_entries`).
+
+        Its SSD file is deleted first (unless ``keep_disk_file``): ``ServerError`` with nothing changed when that
+        fails, the caller keeping ``e`` visible (or deciding otherwise, as :meth:`_retire_expired` does)."""
+        if e.on_disk and not keep_disk_file:
+            self._disk.remove(e.key)
+        e.on_disk = False
         e.dead = True
         self._evict_blocked = False
         if self._placements is not None:
@@ -376,9 +447,6 @@ class WriteMixin:
             del self._dirty[key]
         if e.disk_hold:  # never flushed: its file's room goes back
             self._drop_disk_hold(e)
-        if e.on_disk and not keep_disk_file:
-            self._disk.remove(key)
-        e.on_disk = False
         if e.gpu is not None:
             self._gpu_retire(e)
         if e.leases == 0:

@@ -8,7 +8,9 @@ File layout (little endian)::
 
 A file is written under a temporary name and renamed into place (atomic: a reader or a restart
 sees the old file or the new one, never half of one). The engine does the rename under its lock, so
-the file on disk always matches the newest sealed version. At startup the index is rebuilt from the
+the file on disk always matches the newest sealed version; a rename (or its fsync) that fails leaves
+the older file in place and indexed, and a file that cannot be deleted stays indexed too, so that no
+file outside the index comes back at the next start. At startup the index is rebuilt from the
 headers; objects whose time to live ran out meanwhile, files of DRAM-only modes (spill files of a
 previous run) and temporary files are removed. A file whose header or payload fails its checksum,
 or that is truncated, is a miss: logged, counted in ``corrupt``, moved aside as ``*.corrupt`` and
@@ -89,7 +91,11 @@ class DiskTier(Tier):
         self.corrupt = 0
         self.expired = 0  # files dropped at startup because their time to live had run out
         self.index: dict[str, DiskRecord] = {}
-        self._scan()
+        try:
+            self._scan()
+        except BaseException:
+            self.close()  # else the folder stays locked: a retry in this process would be refused as "in use"
+            raise
 
     @property
     def capacity(self) -> int:
@@ -114,7 +120,7 @@ class DiskTier(Tier):
             if not entry.is_file():
                 continue
             if entry.name.endswith(".tmp"):
-                _unlink(entry.path)  # a write that never committed (killed process)
+                _unlink_or_log(entry.path, "a temporary file of a write that never committed")  # killed process
                 continue
             if not entry.name.endswith(_SUFFIX):
                 continue
@@ -134,10 +140,11 @@ class DiskTier(Tier):
                 log.error("disk tier: cannot read %s (%s); ignored", entry.path, exc)
                 continue
             if mode not in _PERSISTENT:
-                _unlink(entry.path)  # spill file of a previous run: DRAM-only data does not outlive it
+                # spill file of a previous run: DRAM-only data does not outlive it
+                _unlink_or_log(entry.path, f"the spill file of {key!r} of a previous run")
                 continue
             if expires_at and expires_at <= time.time():
-                _unlink(entry.path)
+                _unlink_or_log(entry.path, f"the file of {key!r}, whose time to live ran out")
                 self.expired += 1
                 continue
             self.index[key] = DiskRecord(size, mode, file_bytes, expires_at)
@@ -184,7 +191,7 @@ class DiskTier(Tier):
         try:
             os.replace(path, path + ".corrupt")
         except OSError:
-            _unlink(path)
+            _unlink_or_log(path, "a corrupt object file (never served: checked again at the next start)")
 
     # -- writes (write_temp runs outside the engine's lock; the rest under it) -------------------
     def file_bytes(self, key: str, size: int) -> int:
@@ -209,7 +216,7 @@ class DiskTier(Tier):
         fields = (MAGIC, FORMAT_VERSION, _MODES.index(mode), 0, len(key_raw), len(data), checksum, expires_at)
         head = _HEADER.pack(*fields)
         head += _CRC.pack(xxhash.xxh32_intdigest(head + key_raw))
-        path = os.path.join(self.directory, f".{os.getpid()}-{next(self._tmp_ids)}.tmp")
+        path = self._temp_path()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -224,24 +231,76 @@ class DiskTier(Tier):
                 if self._sync or mode == WriteMode.WRITE_THROUGH:
                     os.fsync(f.fileno())  # write-through: on the device, not only in the page cache
         except BaseException as exc:
-            _unlink(path)
+            _unlink_or_log(path, "a temporary file of a failed write")
             if isinstance(exc, OSError):
                 raise _storage_error(exc, key, self.directory) from exc
             raise
         return PendingFile(path, HEADER_BYTES + len(key_raw) + len(data), expires_at)
 
+    def _temp_path(self) -> str:
+        return os.path.join(self.directory, f".{os.getpid()}-{next(self._tmp_ids)}.tmp")
+
     def commit(self, key: str, pending: PendingFile, mode: WriteMode, size: int) -> None:
-        """Rename a reserved, written temp file into place as ``key``'s file (replacing any older one)."""
+        """Rename a reserved, written temp file into place as ``key``'s file (replacing any older one).
+
+        Failure-atomic: when the rename (or the folder's fsync that makes it durable) fails, the temp file is
+        removed, its reservation given back, ``key``'s older file put back in place (still indexed as before) and
+        a ``ServerError`` (``CapacityError`` for a full file system) raised. Only when the older file cannot be
+        put back either (a second failure) is it gone: its record goes with it (``key not in index``), and the
+        caller must treat the version it held as having lost its SSD copy."""
         final = os.path.join(self.directory, file_name(key))
-        os.replace(pending.path, final)
-        if self._sync or mode == WriteMode.WRITE_THROUGH:
-            _fsync_dir(self.directory)  # the rename itself survives a power loss
+        durable = self._sync or mode == WriteMode.WRITE_THROUGH
+        backup = None
+        try:
+            if durable and key in self.index:
+                # the folder's fsync after the rename may fail: a second name of the older file lets it be put back
+                backup = self._temp_path()
+                try:
+                    os.link(final, backup)
+                except OSError as exc:  # (no hard links on this file system, or the file is gone): no way back
+                    log.debug("disk tier: no second name for %s (%s)", final, exc)
+                    backup = None
+            os.replace(pending.path, final)
+        except OSError as exc:
+            self.discard(pending)
+            if backup is not None:
+                _unlink_or_log(backup, f"a second name of the file of {key!r}")
+            raise _storage_error(exc, key, self.directory, "committing") from exc
+        if durable:
+            try:
+                _fsync_dir(self.directory)  # the rename itself survives a power loss
+            except OSError as exc:
+                self._reserved -= pending.nbytes
+                self._put_back(key, final, backup)
+                raise _storage_error(exc, key, self.directory, "committing") from exc
+        if backup is not None:
+            _unlink_or_log(backup, f"a second name of the older file of {key!r}")
         self._reserved -= pending.nbytes
         old = self.index.get(key)
         if old is not None:
             self._used -= old.nbytes
         self.index[key] = DiskRecord(size, mode, pending.nbytes, pending.expires_at)
         self._used += pending.nbytes
+
+    def _put_back(self, key: str, final: str, backup: str | None) -> None:
+        """Undo a rename into ``final`` whose durability failed: the older file back (``backup``, a second name of
+        it), or the new one removed where there was none."""
+        try:
+            if backup is not None:
+                os.replace(backup, final)
+                return
+            os.unlink(final)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            # A second failure of a failing device: the older file cannot come back. The new one, never
+            # acknowledged, must not be served (or found at the next start) in its place.
+            log.error("disk tier: could not put the older file of %r back after a failed commit (%s)", key, exc)
+            if backup is not None:
+                _unlink_or_log(final, f"the unacknowledged file of {key!r}")
+                _unlink_or_log(backup, f"a second name of the older file of {key!r}")
+        if key in self.index:  # the older file is gone: so is its record
+            self._forget(key)
 
     def close(self) -> None:
         """Let another store open this folder (idempotent)."""
@@ -250,33 +309,60 @@ class DiskTier(Tier):
             os.close(fd)
 
     def set_expiry(self, key: str, expires_at: float) -> None:
-        """Rewrite the expiry in ``key``'s header in place (a few bytes; the payload is untouched)."""
+        """Rewrite the expiry in ``key``'s header in place (a few bytes; the payload is untouched).
+
+        The header is verified first (checksum, key, mode, size, file length), so a damaged one is never sealed
+        with a fresh checksum: ``CorruptData`` when it fails (the caller marks the file corrupt), ``OSError``
+        when the file cannot be read or written."""
         rec = self.index.get(key)
         if rec is None or rec.expires_at == expires_at:
             return
         path = os.path.join(self.directory, file_name(key))
-        with open(path, "r+b", buffering=0) as f:
-            raw = f.read(HEADER_BYTES)
-            fields = list(_HEADER.unpack_from(raw))
-            key_raw = f.read(fields[4])
-            fields[7] = expires_at
-            head = _HEADER.pack(*fields)
-            f.seek(0)
-            f.write(head + _CRC.pack(xxhash.xxh32_intdigest(head + key_raw)))
-            if self._sync:
-                os.fsync(f.fileno())
+        try:
+            with open(path, "r+b", buffering=0) as f:
+                raw = f.read(HEADER_BYTES)
+                f.seek(0)
+                hkey, size, mode, _, _ = self._read_header(f, path)
+                key_raw = hkey.encode()
+                if hkey != key or size != rec.size or mode is not rec.mode:
+                    raise CorruptData(
+                        f"{path}: header names {hkey!r} ({mode.value}, {size} bytes), expected {key!r} "
+                        f"({rec.mode.value}, {rec.size} bytes)"
+                    )
+                nbytes, expected = os.fstat(f.fileno()).st_size, HEADER_BYTES + len(key_raw) + size
+                if nbytes != expected:
+                    raise CorruptData(f"{path}: {nbytes} bytes on disk, header says {expected}")
+                fields = list(_HEADER.unpack_from(raw))
+                fields[7] = expires_at
+                head = _HEADER.pack(*fields)
+                f.seek(0)
+                f.write(head + _CRC.pack(xxhash.xxh32_intdigest(head + key_raw)))
+                if self._sync:
+                    os.fsync(f.fileno())
+        except FileNotFoundError as exc:
+            raise CorruptData(f"{path}: object file is missing") from exc
         rec.expires_at = expires_at
 
     def discard(self, pending: PendingFile) -> None:
-        _unlink(pending.path)
+        """Drop a temp file not committed; its reservation goes back."""
+        _unlink_or_log(pending.path, "a temporary file not committed")
         self._reserved -= pending.nbytes
 
     def remove(self, key: str) -> bool:
-        rec = self.index.pop(key, None)
+        """Delete ``key``'s file; False when it has none. The file goes first: ``ServerError`` with nothing changed
+        (the file still indexed and counted) when it cannot be deleted (a read-only remount, EIO, EPERM), so that
+        no file outlives its record to come back at the next start."""
+        rec = self.index.get(key)
         if rec is None:
             return False
+        try:
+            os.unlink(os.path.join(self.directory, file_name(key)))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise ServerError(f"SSD tier: cannot delete the file of {key!r} in {self.directory}: {exc}") from exc
+        del self.index[key]
         self._used -= rec.nbytes
-        _unlink(os.path.join(self.directory, file_name(key)))
         return True
 
     # -- reads ---------------------------------------------------------------------------------
@@ -317,21 +403,24 @@ class DiskTier(Tier):
             self._used -= rec.nbytes
 
 
-def _storage_error(exc: OSError, key: str, directory: str) -> KvstrataError:
+def _storage_error(exc: OSError, key: str, directory: str, doing: str = "writing") -> KvstrataError:
     """What a failed write of ``key``'s file says to the writer: the SSD tier's file system full (before the tier's own
     size is reached: other files share it) is a ``CapacityError`` like a full tier; any other failure of the device
     a ``ServerError`` naming it."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         why = exc.strerror
         return CapacityError(f"SSD tier full: the file system of {directory} has no room left for {key!r} ({why})")
-    return ServerError(f"SSD tier: writing {key!r} to {directory} failed: {exc}")
+    return ServerError(f"SSD tier: {doing} {key!r} to {directory} failed: {exc}")
 
 
-def _unlink(path: str) -> None:
+def _unlink_or_log(path: str, what: str) -> None:
+    """Delete ``path`` (``what`` it is, for the log); a failure is logged, not raised (a file that may stay)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.error("disk tier: cannot delete %s, %s (%s); it stays", what, path, exc)
 
 
 def _lock_directory(directory: str) -> int:

@@ -131,6 +131,10 @@ class MemoryTier(BlockTier):
             if a is not _RETIRED_ALLOCATOR
         ]
 
+    def blocks(self, index: int) -> int:
+        """How many blocks segment ``index`` has allocated (0 once retired)."""
+        return self._allocators[index].allocated_blocks
+
     def drain(self, segments: Any) -> None:
         """Keep small allocations out of ``segments`` (indices) until the next call (``drain(())``: none)."""
         self._draining = frozenset(segments)
