@@ -134,6 +134,26 @@ def test_status_prometheus_loads_no_torch_and_is_no_client(tmp_path):
             assert "kvstrata_clients 1" in done.stdout.splitlines()  # that one, not the command
 
 
+def test_a_client_is_counted_as_soon_as_its_connect_returned(tmp_path, monkeypatch):
+    """The welcome went before the session was listed (by the thread that then serves it): under load, a client whose
+    connect() had returned was missing from stats and status for a moment (the test above failed that way)."""
+    serve = Worker._serve
+
+    def late_serve(self, conn):  # the serving thread comes late, as on a loaded machine
+        time.sleep(0.3)
+        serve(self, conn)
+
+    monkeypatch.setattr(Worker, "_serve", late_serve)
+    with Worker(_config(tmp_path)).start() as worker:
+        with kvstrata.connect(worker.address, timeout=5) as kv:
+            assert worker.stats()["clients"] == 1
+            kv.set("k", b"v")
+        deadline = time.monotonic() + 10
+        while worker.stats()["clients"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.stats()["clients"] == 0
+
+
 # 15. status's own arguments ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "args, says",

@@ -51,6 +51,8 @@ def test_a_large_value_after_the_tier_filled_with_small_ones_and_a_client_connec
 def test_a_gpu_client_that_page_locked_the_retired_segments_reads_the_large_value_into_cuda(kv, worker):
     import torch
 
+    from kvstrata.memory import is_registered
+
     keys = [f"gpu-small/{i}" for i in range(3)]  # (a fourth would pass the high watermark: one evicted)
     kv.delete([*keys, "gpu-big", "big", *(f"small/{i}" for i in range(4))])  # the first test's too
     for i, key in enumerate(keys):
@@ -59,8 +61,17 @@ def test_a_gpu_client_that_page_locked_the_retired_segments_reads_the_large_valu
     assert kv.mget_h2d(keys, dst) == [None] * 3  # this client registers the segments they lie in with CUDA
     src = torch.randint(0, 256, (7 * MB,), dtype=torch.uint8, device="cuda")
     retired = len(worker._store.retired_segments)
+    registered = dict(kv._registrations.bases)  # segment -> address, page-locked by this client
+    assert registered and all(is_registered(addr) for addr in registered.values())
     assert kv.mset_d2h(["gpu-big"], [[src]]) == [None]  # the whole tier: every segment this client registered goes
-    assert len(worker._store.retired_segments) > retired
+    gone = set(worker._store.retired_segments[retired:])
+    assert gone
     out = torch.zeros_like(src)
     assert kv.mget_h2d(["gpu-big"], [[out]]) == [None]
     assert torch.equal(out, src)
+    # told with a reply, the client unregistered what it had page-locked (its pages would stay out of the kernel's
+    # hands for as long as the client lives) and unmapped it, once its copies could no longer read it
+    assert gone & set(registered) and kv._registrations.retiring == 0
+    for index in gone & set(registered):
+        assert not is_registered(registered[index]) and index not in kv._registrations.bases
+        assert index not in kv._backend._segments

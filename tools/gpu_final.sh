@@ -386,6 +386,9 @@
 #   PART=s36b: every GPU test again on the session's final src (the large values' audit fixes, the review's)
 #   PART=s37a: session 37's call: every GPU test (the audits' fixes: SSD faults, worker configuration, demo, bench
 #           tools; the local-read cache's admission), bench store's device rows three times, the 4 KiB hand-off
+#   PART=s38a: every GPU test; tools/probe_retired_pages.py with the session's starting code (ab_old/src, untracked)
+#           and the new code; bench store's device rows; tools/probe_handoff.py (4 KiB hand-off, one GPU)
+#   PART=s38b: every GPU test (the session's final code)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1214,6 +1217,21 @@ elif [ "${PART}" = s37a ]; then
   store_rows new new new
   echo "=== tools/probe_handoff.py --devices 0,0 --iters 100 --variants on" >> "$LOG"
   timeout 90 python3 tools/probe_handoff.py --devices 0,0 --iters 100 --variants on 2>&1 | tail -4 >> "$LOG"
+elif [ "${PART}" = s38a ]; then
+  gpu_tests gpu_tests_s38a
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s38a.log" | head -30 >> "$LOG"
+  for v in ab_old new; do
+    use "$v"
+    echo "=== tools/probe_retired_pages.py ($v code)" >> "$LOG"
+    timeout 120 python3 tools/probe_retired_pages.py --out "$OUT/retired_pages_$v.json" >> "$LOG" 2>&1
+  done
+  use new
+  store_rows new
+  echo "=== tools/probe_handoff.py --devices 0,0 --iters 100 --variants on" >> "$LOG"
+  timeout 90 python3 tools/probe_handoff.py --devices 0,0 --iters 100 --variants on 2>&1 | tail -4 >> "$LOG"
+elif [ "${PART}" = s38b ]; then
+  gpu_tests gpu_tests_s38b
+  grep -E "^FAILED|^E " "$OUT/gpu_tests_s38b.log" | head -30 >> "$LOG"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then

@@ -64,6 +64,8 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         self._completer: concurrent.futures.ThreadPoolExecutor | None = None  # and waited for
         self._exec_lock = threading.Lock()
         self._registrations = _device.Registrations()
+        # segments the worker retires are unregistered and unmapped once no copy of this client can read them
+        backend.watch_retired_segments(self._registrations.retire)
         self._counter = itertools.count()
 
     # lifecycle -----------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class WorkerConnection:
         #: read: :meth:`maps`, in one dict for a native lookup)
         self.segment_limits: dict[int, int] = {}
         self._tensors: dict[int, Any] = {}
+        # told of segments the worker retired (Registrations.retire: unmaps them once no copy can read them)
+        self._on_retired: Any = None
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
         self._deferred_aborts: collections.deque[str] = collections.deque()
@@ -308,6 +310,8 @@ class WorkerConnection:
         self._there_until = time.monotonic() + WORKER_SEEN_S  # it answered: there (see _worker_there)
         if fds or "segs" in reply:
             self._absorb_segments(reply.pop("segs", []), fds)
+        if "retired" in reply:
+            self._segments_retired(reply.pop("retired"))
         return reply
 
     def _lane_request(self, lane: _lane.Lane, payload: bytes, spin: float) -> dict:
@@ -412,6 +416,35 @@ class WorkerConnection:
                 self._segments[index] = seg = SharedSegment.attach(fd, nbytes)
                 self.segment_limits[index] = seg.nbytes
 
+    def watch_retired_segments(self, fn: Any) -> None:
+        """Have ``fn(indices, let_go)`` told of the segments the worker retires from now on (``let_go(index)`` unmaps
+        one; ``fn`` calls it once nothing copies from it: :meth:`kvstrata.client.device.Registrations.retire`).
+        Without ``fn``, a retired segment is unmapped as soon as the worker says so."""
+        self._on_retired = fn
+
+    def _segments_retired(self, indices: Any) -> None:
+        """The worker retired these segments (emptied, their memory given back: ``kvstrata.store.tiers.memory``) and
+        says so with the next reply to a client it sent them to. No copy started from now on reads them (they leave
+        the places a placement hint may point to); their mapping and CUDA registration go once none can."""
+        if type(indices) is not list or not all(type(i) is int for i in indices):
+            # advice about memory, not part of the reply's answer: the call goes on, the segments stay mapped
+            log.warning("worker sent retired segments as %.100r: ignored", indices)
+            return
+        for index in indices:
+            self.segment_limits.pop(index, None)
+            self._tensors.pop(index, None)
+        if self._on_retired is not None:
+            self._on_retired(indices, self._let_go)
+        else:
+            for index in indices:
+                self._let_go(index)
+
+    def _let_go(self, index: int) -> None:
+        """Unmap retired segment ``index`` (its pages went back to the kernel when the worker retired it)."""
+        seg = self._segments.pop(index, None)
+        if seg is not None:
+            _close_segment(seg)
+
     def view(self, loc: Any) -> memoryview:
         if loc.size == 0:
             return memoryview(bytearray())
@@ -444,8 +477,8 @@ class WorkerConnection:
     def maps(self, segment: int, offset: int, size: int) -> bool:
         """Whether ``size`` bytes at ``offset`` of segment ``segment`` lie in memory this process has mapped
         (what a copy started from a placement hint may read; never raises)."""
-        seg = self._segments.get(segment)
-        return seg is not None and offset >= 0 and offset + size <= seg.nbytes
+        limit = self.segment_limits.get(segment)  # (a retired segment is in none)
+        return limit is not None and offset >= 0 and offset + size <= limit
 
     def release(self, ids: list[int]) -> None:
         """Give back leases ``ids`` (a kept read's pin token may come first: :meth:`_pin`)."""

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import itertools
@@ -567,7 +568,23 @@ def _torch_copies(runs: Runs, device: Any) -> None:
 
 
 class Registrations:
-    """Which shared segments this client registered with CUDA (once each, cached; refusals too)."""
+    """Which shared segments this client registered with CUDA (once each, cached; refusals too), and the segments
+    the worker *retired* (emptied for a value larger than a segment, their memory given back to the kernel:
+    :mod:`kvstrata.store.tiers.memory`), whose registration goes too.
+
+    A registration page-locks the segment's pages: as long as it stands, the kernel cannot take them back, whatever
+    the worker does. So a retired segment is unregistered (and the hook given to :meth:`retire` called, which
+    unmaps it) once nothing of this process can still copy from it:
+
+    * the calls that may copy from a placement hint (advice read from the worker's table with no lease: the one
+      kind of copy that can read a segment the worker emptied meanwhile) bracket that work with :meth:`enter` /
+      :meth:`exit`; every call that entered before the retirement was heard of has exited,
+    * and then the copy streams have run past an event recorded after that (a call's copies may still run after it
+      returned, an async call's until its completion thread saw them land).
+
+    Calls started later never read the segment: the connection took it out of the places a hint may point to
+    (``segment_limits``) when it heard of the retirement, and :meth:`ensure` never registers it again. The check
+    runs at each :meth:`exit` and :meth:`ensure` while a retirement waits (one attribute test otherwise)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -575,18 +592,106 @@ class Registrations:
         #: segment index -> address, of every segment seen (a native pass's ``bases``: a segment it does not find there
         #: is one to register before its first copy)
         self.bases: dict[int, int] = {}
+        self._retired: set[int] = set()  # segments the worker retired: never registered again
+        # retirements heard of (retire(), called under the connection's locks, takes no lock: it appends here) ...
+        self._heard: collections.deque[tuple[list[int], Any]] = collections.deque()
+        # ... and taken on under the lock: [epoch, indices, hook, the copy streams' events (None: not recorded yet)]
+        self._retiring: list[list[Any]] = []
+        self._epoch = 0  # bumped by each retirement heard of
+        self._calls: dict[int, int] = {}  # epoch -> hint-reading calls that entered in it and have not exited
 
     def ensure(self, segments: Any, address_of: Any, nbytes_of: Any) -> None:
-        """Register the segments of ``segments`` (indices) not seen yet; a no-op for the others."""
+        """Register the segments of ``segments`` (indices) not seen yet; a no-op for the others (a retired one is
+        never registered: a stale hint's copy from it reads pageable memory, and its answer is discarded)."""
+        if self._heard or self._retiring:
+            self.reap()
         state = self._state
         for index in segments:
             if index in state:
                 continue
             with self._lock:
-                if index not in state:
+                if index not in state and index not in self._retired:
                     addr = address_of(index)
                     state[index] = (addr, register_segment(addr, nbytes_of(index)))
                     self.bases[index] = addr  # after the registration: a pass finding it here may copy from it
+
+    # -- retired segments -------------------------------------------------------------------------------------
+    def enter(self) -> int:
+        """A call that may copy from placement hints begins: a token for :meth:`exit`."""
+        if self._heard or self._retiring:
+            self.reap()
+        with self._lock:
+            epoch = self._epoch
+            self._calls[epoch] = self._calls.get(epoch, 0) + 1
+            return epoch
+
+    def exit(self, epoch: int) -> None:
+        """The call :meth:`enter` answered ``epoch`` to queued its last copy (they may still run)."""
+        with self._lock:
+            left = self._calls[epoch] - 1
+            if left:
+                self._calls[epoch] = left
+            else:
+                del self._calls[epoch]
+        if self._heard or self._retiring:
+            self.reap()
+
+    def retire(self, indices: list[int], hook: Any = None) -> None:
+        """The worker retired segments ``indices``: unregister them, then call ``hook(index)`` for each (None: no
+        hook), once nothing of this process can copy from them (the class docstring): at once where nothing holds
+        them up, else at a later :meth:`enter`, :meth:`exit` or :meth:`ensure`. Never waits for a lock: callable from
+        any thread, under the caller's locks (the connection's, the store's)."""
+        self._retired.update(indices)  # ensure() registers none of them from now on
+        self._heard.append((list(indices), hook))
+        self.reap(wait=False)
+
+    def reap(self, *, wait: bool = True) -> int:
+        """Finish the retirements nothing holds up any more; how many segments were unregistered or let go.
+        ``wait=False``: none where another thread holds the lock (it may be registering a segment, asking the worker
+        under the connection's lock the caller holds)."""
+        if not self._lock.acquire(wait):
+            return 0
+        try:
+            done = self._reap_locked()
+        finally:
+            self._lock.release()
+        gone = 0
+        for indices, hook in done:  # (outside the lock: the hook unmaps)
+            gone += len(indices)
+            if hook is not None:
+                for index in indices:
+                    hook(index)
+        return gone
+
+    def _reap_locked(self) -> list[tuple[list[int], Any]]:
+        """:meth:`reap` under the lock: the retirements done, with their hooks (called after the lock goes)."""
+        done: list[tuple[list[int], Any]] = []
+        while self._heard:  # calls that entered before this are held to have read hints into these segments
+            indices, hook = self._heard.popleft()
+            self._retiring.append([self._epoch, indices, hook, None])
+            self._epoch += 1
+        oldest = min(self._calls, default=self._epoch)
+        for entry in list(self._retiring):
+            epoch, indices, hook, events = entry
+            if oldest <= epoch:
+                break  # a call that may have read a hint into these segments before they were heard of
+            if events is None:
+                events = entry[3] = _copy_stream_events()  # what those calls queued runs before these
+            if not all(e.query() for e in events):
+                break
+            self._retiring.remove(entry)
+            for index in indices:
+                addr, registered = self._state.pop(index, (0, False))
+                self.bases.pop(index, None)
+                if registered:
+                    unregister_segment(addr)
+            done.append((indices, hook))
+        return done
+
+    @property
+    def retiring(self) -> int:
+        """Retired segments whose registration or mapping has not gone yet."""
+        return sum(len(entry[1]) for entry in self._retiring) + sum(len(got[0]) for got in list(self._heard))
 
     def undo(self) -> None:
         """Unregister every segment this client registered (before the segments are unmapped)."""
@@ -596,6 +701,23 @@ class Registrations:
                     unregister_segment(addr)
             self._state.clear()
             self.bases.clear()
+            self._retiring.clear()
+            self._heard.clear()
+
+
+def _copy_stream_events() -> list[Any]:
+    """An event recorded now on each of this process's copy streams (:func:`start`): done when every copy queued
+    on them so far has run. None exist without CUDA, or before the first device call."""
+    if not _copy_streams:
+        return []
+    import torch
+
+    events = []
+    for stream in list(_copy_streams.values()):
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    return events
 
 
 def register_segment(addr: int, nbytes: int) -> bool:

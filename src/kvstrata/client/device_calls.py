@@ -471,7 +471,20 @@ class DeviceCallsMixin:
     ) -> tuple[list[Result], Any, list[int]]:
         """Keys ``start`` on of :meth:`_mget_h2d_queue` (those before went another way; their slots of the results
         are left None), whose leases are not all kept: in one pass where the worker's placement table places the
-        first of them (:mod:`kvstrata.client.placed_reads`), else in stages."""
+        first of them (:mod:`kvstrata.client.placed_reads`), else in stages. Its copies from placement hints may
+        read a segment the worker retires meanwhile: the segment stays registered until this returned
+        (:class:`~kvstrata.client.device.Registrations`)."""
+        registrations = self._registrations
+        epoch = registrations.enter()
+        try:
+            return self._mget_h2d_hinted(backend, keys, tensor_lists, timeout, stream, start)
+        finally:
+            registrations.exit(epoch)
+
+    def _mget_h2d_hinted(
+        self, backend: Any, keys: list[str], tensor_lists: Any, timeout: float, stream: Any, start: int
+    ) -> tuple[list[Result], Any, list[int]]:
+        """:meth:`_mget_h2d_cold` within its bracket."""
         placed = _placed_reads.queue(self, backend, keys, tensor_lists, stream, timeout, start)
         if placed is not None:
             return placed

@@ -35,6 +35,7 @@ class EmbeddedBackend:
         # only queue their work here; the next call drains it.
         self._deferred: collections.deque[int] = collections.deque()
         self._deferred_aborts: collections.deque[str] = collections.deque()
+        self._retire_listener: Any = None  # (watch_retired_segments)
 
     def _check(self) -> Any:
         if self._closed:
@@ -232,6 +233,17 @@ class EmbeddedBackend:
     def flush(self) -> None:
         self._check().flush()
 
+    def watch_retired_segments(self, fn: Any) -> None:
+        """Have ``fn([index], None)`` told of each segment the store retires from now on (the store keeps the
+        mapping: nothing to let go of here but the caller's CUDA registration)."""
+
+        def retired(index: int) -> None:
+            self._tensors.pop(index, None)
+            fn([index], None)
+
+        self._retire_listener = retired
+        self.store.add_retire_listener(retired)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -239,6 +251,8 @@ class EmbeddedBackend:
         self._tensors.clear()
         if self.owner[1] != PID[0]:
             return  # a copy inherited through fork(): the store is the parent's (nothing flushed or unlocked here)
+        if self._retire_listener is not None:
+            self.store.remove_retire_listener(self._retire_listener)
         self.store.release_owner(self.owner)
         if self._own_store:
             self.store.close()

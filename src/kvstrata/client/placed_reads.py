@@ -141,6 +141,8 @@ def queue(
                     token, unread = backend.acquire_send(token), True
             if why == native.NO_BASE:  # a segment not registered yet: registered, then on from this key
                 client._registrations.ensure((hints[stop][0],), address, backend.segment_nbytes)
+                if hints[stop][0] not in registered:  # a segment the worker retired since: the hint is stale
+                    hints[stop] = None
                 continue
             if why == native.CUT or (why == native.DONE and i < n):
                 continue

@@ -63,6 +63,9 @@ class Session:
         # Large values go through shared memory only if the client can map it.
         self.shm = bool(hello.get("shm", True)) and conn.can_pass_fds
         self.sent_segments: set[int] = set()
+        #: how many of the store's retired segments (``store.retired_segments``, in the order they went) this client
+        #: was told of or never sent: the rest go with the next reply (:meth:`send`)
+        self.retired_told = 0
         self.connected_at = time.time()
         #: one of a device-object link's connections (kvstrata.devobj.service): part of a client, not one
         self.devobj_link = bool(hello.get("devobj_link"))
@@ -357,6 +360,9 @@ class Session:
         return reply
 
     def send(self, reply: dict) -> None:
+        retired = self.store.retired_segments
+        if len(retired) != self.retired_told:
+            self._tell_retired(reply, retired)
         new = reply.pop("_segs", None)
         if new and len(new) > MAX_FDS:  # the rest are fetched by the client with a "segments" request
             self.sent_segments.difference_update(new[MAX_FDS:])
@@ -368,6 +374,16 @@ class Session:
             self.sent_segments.update(new)
         else:
             self.conn.send(reply)
+
+    def _tell_retired(self, reply: dict, retired: list[int]) -> None:
+        """Say in ``reply`` which of the segments sent to this client were retired since it was last told: it
+        unregisters them with CUDA (its page-locking would keep their pages from the kernel) and unmaps them."""
+        start, end = self.retired_told, len(retired)  # (the store only appends to the list)
+        self.retired_told = end
+        gone = [i for i in retired[start:end] if i in self.sent_segments]
+        if gone:
+            reply["retired"] = gone
+            self.sent_segments.difference_update(gone)
 
     def cleanup(self) -> str:
         devobj = devobj_service.session_closed(self)  # its device objects vanish, their waiters get errors

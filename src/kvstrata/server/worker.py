@@ -301,7 +301,9 @@ class Worker:
         fds: list[int] = []
         if session.shm:  # map what exists now; later segments come with the first reply pointing into them
             # room for the page, the placements, the lane, devobj's page
-            retired = set(self._store.retired_segments)
+            gone = self._store.retired_segments
+            session.retired_told = len(gone)  # taken first: a segment retired after this is told of with a reply
+            retired = set(gone[: session.retired_told])
             segs = [(i, seg) for i, seg in enumerate(self._store.segments) if i not in retired][: MAX_FDS - 4]
             reply["segs"] = [[i, seg.nbytes] for i, seg in segs]
             reply["generation_page"] = 0  # fds[0]: the page of server.validity, for local reads
@@ -323,6 +325,11 @@ class Worker:
         if hello.get("devobj_generation"):  # a device-object link: its broker's generation page
             reply["devobj_generation"] = len(fds)
             fds.append(devobj_service.broker_of(self).generation_fd)
+        # Listed before the welcome goes: a client whose connect() returned is counted (stats, status) at once
+        with self._lock:
+            self._sessions[session.owner] = session
+            self.counters["connections"] += 1
+            self._update_spin()
         return reply, fds
 
     def _on_abandon(self, conn: Connection) -> None:
@@ -331,15 +338,17 @@ class Worker:
         session = getattr(conn, "session", None)
         if session is not None:
             conn.session = None  # type: ignore[attr-defined]
-            session.cleanup()
+            try:
+                session.cleanup()
+            finally:
+                with self._lock:
+                    self._sessions.pop(session.owner, None)
+                    self._update_spin()
 
     def _serve(self, conn: Connection) -> None:
         session: Session = conn.session  # type: ignore[attr-defined]
-        with self._lock:
-            self._sessions[session.owner] = session
-            self.counters["connections"] += 1
+        with self._lock:  # (listed by _on_hello)
             n = len(self._sessions)
-            self._update_spin()
         if session.lane is not None:
             self.lane_poller.attach(session)
         (log.debug if session.devobj_link else log.info)("client %s connected (%d connected)", session.name, n)

@@ -76,6 +76,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._closed = False
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []
+        self._retire_listeners: list[Callable[[int], None]] = []  # told of each segment retired (its index)
         self._placements: PlacementTable | None = None  # where sealed objects lie, for clients' copies
         self._announce_lock = threading.RLock()
         self._mem = MemoryTier(
@@ -166,6 +167,23 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
     def _segment_retired(self, seg: SharedSegment) -> None:
         if self._gpu is not None:  # page-locked for the HBM tier's loads: its pages would stay
             self._gpu.unregister_host(seg.address)
+        if self._retire_listeners:
+            index = next(i for i, s in enumerate(self._mem.segments) if s is seg)
+            for fn in list(self._retire_listeners):
+                fn(index)
+
+    def add_retire_listener(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(index)`` whenever the DRAM tier retires a segment (under this store's lock: ``fn`` must be quick
+        and take no lock that anyone waits on holding this one). An embedded client page-locks segments with CUDA:
+        it is told, and lets go of the ones retired."""
+        with self._lock:
+            self._retire_listeners.append(fn)
+
+    def remove_retire_listener(self, fn: Callable[[int], None]) -> None:
+        """Stop calling ``fn`` (:meth:`add_retire_listener`); a no-op where it is not listening."""
+        with self._lock:
+            if fn in self._retire_listeners:
+                self._retire_listeners.remove(fn)
 
     def add_segment_listener(self, fn: Callable[[SharedSegment], None]) -> None:
         """Call ``fn(segment)`` (outside the store's lock) whenever the DRAM tier adds a segment."""
