@@ -30,6 +30,7 @@ Example (two processes on one node, through a worker)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -90,7 +91,8 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         self._inflight: dict[int, _Want] = {}  # by tid
         self._owned: dict[int, _Owned] = {}  # by broker object id
         self._early: dict[tuple[str, int], list[dict[str, Any]]] = {}  # events ahead of their receive (_park)
-        self._early_at: deque[tuple[float, tuple[str, int]]] = deque()  # (when parked, key), oldest first
+        # when each key of _early was parked, oldest first: the same keys as _early (see _park, _take_early)
+        self._early_at: OrderedDict[tuple[str, int], float] = OrderedDict()
         self._cancelled: set[int] = set()  # wids withdrawn by their caller
         self._read: dict[int, tuple[str, list[dict[str, Any]], str]] = {}  # obj -> (owner, handles, key) read
         self._bcast_log: deque[dict[str, Any]] = deque(maxlen=64)  # see broadcast_log()
@@ -109,8 +111,12 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         self._helper = threading.local()  # .on: this thread is one of this client's own
         # Helper threads start with GPU 0 current (CUDA's per-thread default): make it this client's GPU,
         # so streams, events and torch's per-device current streams in them are the client's.
+        # (the initializer holds what it sets, not this client: the pool's threads and their work queue would
+        # otherwise keep a reference cycle through it, freed by the cyclic GC alone)
         self._pool = ThreadPoolExecutor(
-            self.config.copy_threads, thread_name_prefix="kvstrata-devobj", initializer=self._thread_init
+            self.config.copy_threads,
+            thread_name_prefix="kvstrata-devobj",
+            initializer=functools.partial(_init_helper_thread, self._helper, self.device if self._cuda else None),
         )
         self._events = EventPool() if self._cuda else None
         self._imports = ImportCache() if self._cuda else None
@@ -288,6 +294,14 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
                 self._offer_box.close()
             if self._role is not None:
                 self._role.release()
+            # Let go of the link's maps (the broker's generation page and offer table) and of the hook that ties
+            # the link to this client (a reference cycle): the link's close() can then unmap them and close their
+            # descriptors at once, instead of whenever the cyclic GC frees this client. Readers of these take
+            # them once into a local and treat None as "closed".
+            self._gen = None
+            self._offer_table = None
+            if self._hook and getattr(self.link, "on_poll_sent", None) == self._poll_sent:
+                self.link.on_poll_sent = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._nccl is not None:
             self._nccl.close()
@@ -344,9 +358,7 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
         return contextlib.nullcontext()
 
     def _thread_init(self) -> None:
-        self._helper.on = True  # this client's event or copy thread (see _notify_done)
-        if self._cuda:
-            torch.cuda.set_device(self.device)
+        _init_helper_thread(self._helper, self.device if self._cuda else None)
 
     # -- validation -------------------------------------------------------------------------------
     def _pick_device(self, device: torch.device | int | str | None) -> torch.device:
@@ -399,6 +411,14 @@ class DeviceObjects(Publisher, Requester, EventThread, NcclEnds, BroadcastReceiv
     def _check(self, keys: Sequence[str], tensor_lists: Sequence[Sequence[torch.Tensor]]):
         self._check_open()
         return check_tensor_lists(keys, tensor_lists, self.device, allow_cpu=self.config.allow_cpu)
+
+
+def _init_helper_thread(helper: threading.local, device: torch.device | None) -> None:
+    """Start one of a client's own threads (event or copy thread): marked in ``helper`` (see ``_notify_done``), on the
+    client's GPU where it has one (helper threads start with GPU 0 current, CUDA's per-thread default)."""
+    helper.on = True
+    if device is not None:
+        torch.cuda.set_device(device)
 
 
 __all__ = [

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstrata.errors import InvalidType, InvalidValue
+from kvstrata.server.protocol import FOREVER_S
 
 _NONE = type(None)
 _SEQ = (list, tuple)
@@ -59,14 +60,22 @@ def _ints(value: Any, name: str) -> None:
             _int(x, f"{name}[{i}]")
 
 
-def check_seconds(value: Any, name: str) -> None:
-    """A timeout: None (no limit) or a number of seconds >= 0 (TypeError / ValueError naming ``name``)."""
-    if value is None or ((type(value) is float or type(value) is int) and value >= 0):  # NaN fails
-        return
+def check_seconds(value: Any, name: str) -> float | None:
+    """A timeout: None (no limit) or a number of seconds >= 0 (TypeError / ValueError naming ``name``).
+
+    Returns it as the broker keeps it: seconds as a float, or None for no limit, which
+    :data:`~kvstrata.server.protocol.FOREVER_S` or more (infinity too) also means, as it does for the client's
+    timeouts (``check_timeout``) and the waiters' deadlines: no deadline past the clock's range is ever computed.
+    """
+    if value is None:
+        return None
+    if (type(value) is float or type(value) is int) and value >= 0:  # the common case; NaN fails
+        return float(value) if value < FOREVER_S else None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(name, "a number of seconds >= 0 or None", value)
     if not value >= 0:  # NaN fails too
         _fail(name, "a number of seconds >= 0 or None", value, InvalidValue)
+    return float(value) if value < FOREVER_S else None
 
 
 def _specs(value: Any, name: str) -> None:
@@ -197,13 +206,44 @@ def _list_of(check: Callable[[Any, str], None], what: str) -> Callable[[Any, str
     return check_all
 
 
+#: a client's hello info, fields the broker reads when it matches that client's receives and publishes (the path of a
+#: copy, a broadcast's groups): (field, types allowed besides None, what)
+_INFO_FIELDS = (
+    ("pid", (int,), "an int"),
+    ("node_id", (str,), "a str"),
+    ("device", (dict,), "a device record (a map)"),
+    ("visible", _SEQ, "a list of GPU uuids (str)"),
+)
+
+
+def _info(value: Any, name: str) -> None:
+    """hello's ``info`` (None or a map): checked here, because the broker reads it later inside other clients'
+    requests (a publish matching this client's receive), where a bad field would fail them instead."""
+    if value is None:
+        return
+    if type(value) is not dict:
+        _fail(name, "a map or None", value)
+    for field, types, what in _INFO_FIELDS:
+        x = value.get(field)
+        if x is not None and type(x) not in types:
+            _fail(f"{name}.{field}", f"{what} or None", x)
+    visible = value.get("visible")
+    if visible is not None and not _STRS.issuperset(map(type, visible)):
+        for i, uuid in enumerate(visible):
+            if type(uuid) is not str:
+                _fail(f"{name}.visible[{i}]", "a GPU uuid (str)", uuid)
+    uuid = (value.get("device") or {}).get("uuid")
+    if uuid is not None and type(uuid) is not str:
+        _fail(f"{name}.device.uuid", "a str or None", uuid)
+
+
 def _broadcast(args: dict[str, Any]) -> None:
     _record(args.get("item"), "a.item", set())
 
 
 #: per operation, the checks of its arguments (``done``, which any request may carry, is checked for all)
 CHECKS: dict[str, tuple[Callable[[dict[str, Any]], None], ...]] = {
-    "hello": (_field("info", _optional((dict,), "a map")),),
+    "hello": (_field("info", _info),),
     "publish": (_field("items", _items),),
     "mset": (_field("items", _items),),
     "broadcast": (_broadcast,),

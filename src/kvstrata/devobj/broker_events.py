@@ -9,8 +9,13 @@ tables it uses). Events pushed under the lock to a parked poll are answered afte
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
+
+from kvstrata.devobj.broker_args import check_seconds
+
+log = logging.getLogger(__name__)
 
 
 class EventQueues:
@@ -22,8 +27,10 @@ class EventQueues:
         reply), else ``None``, and ``deliver(reply)`` is called exactly once later: by the thread that
         pushes the client's next event (no thread wakes up to carry it), with ``{"events": []}`` at
         ``timeout``, or ``{"events": [], "closed": True}`` when the client goes away. ``deliver`` runs
-        outside the broker's lock and must not raise.
+        outside the broker's lock and must not raise. A ``timeout`` of
+        :data:`~kvstrata.server.protocol.FOREVER_S` or more waits as None does.
         """
+        timeout = check_seconds(timeout, "timeout")
         reply = None
         with self._lock:
             self._expire_locked()
@@ -38,15 +45,15 @@ class EventQueues:
                 old = self._parked.pop(client, None)
                 if old is not None:  # a client polls once at a time; a second poll ends the first (empty)
                     out.append((old[0], {"events": []}))
-                end = None if timeout is None else self._clock() + float(timeout)
+                end = None if timeout is None else self._clock() + timeout
                 self._parked[client] = (deliver, end)
                 self._plan_timer_locked(end)
         _deliver(out)
         return reply
 
     def op_wait_events(self, client: str, args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-        """Long poll: this client's events, waiting up to ``timeout`` for the first one."""
-        timeout = args.get("timeout", timeout)
+        """Long poll: this client's events, waiting up to ``timeout`` for the first one (FOREVER_S or more: forever)."""
+        timeout = check_seconds(args.get("timeout", timeout), "a.timeout")
         end = None if timeout is None else self._clock() + timeout
         with self._lock:
             while True:
@@ -64,7 +71,7 @@ class EventQueues:
                 if end is not None and now >= end:
                     return {"events": []}
                 waits = [x - now for x in (end, self._deadlines[0][0] if self._deadlines else None) if x is not None]
-                self._cond.wait(max(0.0, min(waits)) + 1e-4 if waits else None)
+                self._cond.wait(_bounded(max(0.0, min(waits)) + 1e-4) if waits else None)
 
     def _push(self, client: str, event: dict[str, Any]) -> None:
         q = self._events.get(client)
@@ -97,32 +104,54 @@ class EventQueues:
             self._timer_cond.notify()
 
     def _timer_main(self) -> None:
-        """Answers parked polls at their deadline and times out waiters while polls are parked."""
+        """Answers parked polls at their deadline and times out waiters while polls are parked.
+
+        Should a round fail anyway, the thread logs it and stops with ``_timer`` cleared, so the next parked poll
+        starts another one: a thread that died with ``_timer`` still set would leave every later parked poll and
+        waiter of this worker without its timeout.
+        """
         while True:
-            with self._lock:
-                if not self._parked:
-                    self._timer = None
-                    return
-                now = self._clock()
-                self._expire_locked()
-                out = self._take_due_locked()
-                for client, (deliver, end) in list(self._parked.items()):
-                    if end is not None and end <= now:
-                        del self._parked[client]
-                        out.append((deliver, {"events": []}))
-                if not out:
-                    ends = [e for _, e in self._parked.values() if e is not None]
-                    if self._deadlines:
-                        ends.append(self._deadlines[0][0])
-                    self._timer_wake = min(ends) if ends else None
-                    self._timer_cond.wait(None if self._timer_wake is None else max(0.0, self._timer_wake - now))
-                    self._timer_wake = None
-            _deliver(out)
+            try:
+                with self._lock:
+                    if not self._parked:
+                        self._timer = None
+                        return
+                    now = self._clock()
+                    self._expire_locked()
+                    out = self._take_due_locked()
+                    for client, (deliver, end) in list(self._parked.items()):
+                        if end is not None and end <= now:
+                            del self._parked[client]
+                            out.append((deliver, {"events": []}))
+                    if not out:
+                        ends = [e for _, e in self._parked.values() if e is not None]
+                        if self._deadlines:
+                            ends.append(self._deadlines[0][0])
+                        self._timer_wake = min(ends) if ends else None
+                        self._timer_cond.wait(None if self._timer_wake is None else _bounded(self._timer_wake - now))
+                        self._timer_wake = None
+                _deliver(out)
+            except Exception:
+                log.exception("device objects: the broker's timer thread failed; the next parked poll starts another")
+                with self._lock:
+                    if self._timer is threading.current_thread():
+                        self._timer = None
+                        self._timer_wake = None
+                return
+
+
+def _bounded(seconds: float) -> float:
+    """``seconds`` as a condition wait takes it: at least 0, at most ``threading.TIMEOUT_MAX`` (above it the wait
+    raises OverflowError; a deadline that far off is woken for early, harmlessly, and planned again)."""
+    return min(max(0.0, seconds), threading.TIMEOUT_MAX)
 
 
 def _deliver(out: list[tuple[Any, dict[str, Any]]]) -> None:
     for deliver, reply in out:
-        deliver(reply)
+        try:
+            deliver(reply)
+        except Exception:  # against its contract: the other answers still go out
+            log.exception("device objects: delivering a parked poll's answer failed")
 
 
 __all__ = ["EventQueues"]

@@ -11,12 +11,15 @@ registered (:meth:`Matcher._match_locked`), a broadcast's once all its receivers
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import deque
 from typing import Any
 
-from kvstrata.devobj._broker_types import E_MISMATCH, E_TIMEOUT, _Object, _Waiter
+from kvstrata.devobj._broker_types import E_BAD_REQUEST, E_MISMATCH, E_TIMEOUT, _Object, _Waiter
 from kvstrata.devobj.offers import OFFER_MAX_KEYS
 from kvstrata.server.protocol import FOREVER_S
+
+log = logging.getLogger(__name__)
 
 #: timed-out receives remembered in case an offer turns out to have reached them (Broker._timed_out)
 TIMED_OUT_KEEP = 4096
@@ -222,10 +225,19 @@ class Matcher:
                 message = f"{key!r}: {mismatch}"
                 result = {"status": "error", "wid": w.wid, "key": key, "error": E_MISMATCH, "message": message}
             else:
-                t = self._start_transfer(obj, w)
-                if mode == "oneshot":
-                    obj.state = "claimed"
-                result = {"status": "matched", "wid": w.wid, "key": key, "transfer": t}
+                try:
+                    t = self._start_transfer(obj, w)
+                except Exception as exc:
+                    # A backstop (hello's info is checked, _start_transfer changes nothing before its last step
+                    # that can fail): this waiter's receive fails, the object stays for the next one, and the
+                    # request that registered it (another client's publish) goes on.
+                    log.exception("device objects: matching %r with a receive of %s failed", key, w.client)
+                    message = f"{key!r}: the broker could not start this receive ({type(exc).__name__}: {exc})"
+                    result = {"status": "error", "wid": w.wid, "key": key, "error": E_BAD_REQUEST, "message": message}
+                else:
+                    if mode == "oneshot":
+                        obj.state = "claimed"
+                    result = {"status": "matched", "wid": w.wid, "key": key, "transfer": t}
             if w.wid == only:
                 answer = result
             else:
@@ -234,6 +246,12 @@ class Matcher:
 
     def _start_transfer(self, obj: _Object, w: _Waiter, **extra: Any) -> dict[str, Any]:
         rec = obj.record
+        # The path first: it reads the clients' infos, the one step here that could fail; nothing has changed yet.
+        # It follows from the record's shared fields and the two clients' infos: worked out once per (shared
+        # fields, receiver); cleared when a client says hello or goes.
+        memo = self._paths.get((id(obj.shared), w.client))
+        if memo is None or memo[0] is not obj.shared:
+            memo = self._paths[(id(obj.shared), w.client)] = (obj.shared, self._path(rec, w.client))
         t = {
             "tid": next(self._ids),
             "wid": w.wid,
@@ -252,11 +270,6 @@ class Matcher:
         self._transfers[t["tid"]] = t
         self._peers.setdefault(rec["owner"], set()).add(w.client)
         self._peers.setdefault(w.client, set()).add(rec["owner"])
-        # The path follows from the record's shared fields and the two clients' infos: worked out once
-        # per (shared fields, receiver); cleared when a client says hello or goes.
-        memo = self._paths.get((id(obj.shared), w.client))
-        if memo is None or memo[0] is not obj.shared:
-            memo = self._paths[(id(obj.shared), w.client)] = (obj.shared, self._path(rec, w.client))
         t["path"] = memo[1]
         if t["path"] == "nccl":
             pair = self._pairs.setdefault((rec["owner"], w.client), {"uid": None, "seq": 0, "queued": []})

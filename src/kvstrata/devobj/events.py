@@ -196,13 +196,26 @@ class EventThread:
         what was parked more than :data:`EARLY_KEEP_S` ago (nothing came for it)."""
         now = _clock()
         parked = self._early_at
-        while parked and parked[0][0] < now - EARLY_KEEP_S:
-            _, old = parked.popleft()
+        while parked:
+            old, when = next(iter(parked.items()))
+            if when >= now - EARLY_KEEP_S:
+                break
+            del parked[old]
             if self._early.pop(old, None) is not None:
                 log.debug("devobj: dropped events for %s:%s, which never came", *old)
         if key not in self._early:
-            parked.append((now, key))
+            parked[key] = now
         self._early.setdefault(key, []).append(ev)
+
+    def _take_early(self, key: tuple[str, int]) -> list[dict[str, Any]]:
+        """The events parked for ``key`` (none: an empty list), forgotten here (under the lock). Every consumer takes
+        them through this, so ``_early_at`` holds exactly ``_early``'s keys: one taken and parked again later is
+        timed from then, and none lingers behind a taken one until :data:`EARLY_KEEP_S` passes."""
+        events = self._early.pop(key, None)
+        if events is None:
+            return []
+        self._early_at.pop(key, None)
+        return events
 
     def _dispatch(self, ev: dict[str, Any]) -> None:
         kind = ev["type"]

@@ -99,6 +99,22 @@ class DeviceObjectConfig:
             raise InvalidValue(f"stage_bytes: expected an int >= 0, got {self.stage_bytes!r}")
 
 
+class OwnerGone(errors.ServerError):
+    """The process that owned a device object went away (closed, died, lost its worker connection): its keys
+    vanished, and receives of them failed or were dropped. A :class:`~kvstrata.errors.ServerError`, as before
+    this type existed; the message starts with ``OwnerGone:``."""
+
+
+class TransferAborted(errors.ServerError):
+    """A receive's copy was abandoned by the broker: the broadcast it belonged to failed, or the NCCL pair it
+    travelled on broke. Nothing half-received is reported done; the message says why and starts with
+    ``Aborted:``. A :class:`~kvstrata.errors.ServerError`, as before this type existed."""
+
+
+#: broker error codes with an exception type of their own (a ServerError each: ``except ServerError`` still holds)
+_SERVER_ERRORS: dict[str, type[errors.ServerError]] = {B.E_OWNER_GONE: OwnerGone, B.E_ABORTED: TransferAborted}
+
+
 def error_from(code: str | None, message: str) -> Exception:
     """Map a broker error code to the exception users catch."""
     if code == B.E_NOT_FOUND:
@@ -109,7 +125,7 @@ def error_from(code: str | None, message: str) -> Exception:
         return errors.Timeout(message)
     if code in (B.E_MISMATCH, B.E_BAD_REQUEST):
         return InvalidValue(message)
-    return errors.ServerError(f"{code}: {message}" if code else message)
+    return _SERVER_ERRORS.get(code, errors.ServerError)(f"{code}: {message}" if code else message)
 
 
 def check_keys(keys: Sequence[str]) -> list[str]:
@@ -185,4 +201,13 @@ def check_tensor_lists(
     return keys, lists
 
 
-__all__ = ["BrokerLink", "DeviceObjectConfig", "InprocBrokerLink", "check_keys", "check_tensor_lists", "error_from"]
+__all__ = [
+    "BrokerLink",
+    "DeviceObjectConfig",
+    "InprocBrokerLink",
+    "OwnerGone",
+    "TransferAborted",
+    "check_keys",
+    "check_tensor_lists",
+    "error_from",
+]

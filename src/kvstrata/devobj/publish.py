@@ -139,7 +139,7 @@ class Publisher:
                 owned.future.set_running_or_notify_cancel()
                 with self._lock:
                     self._owned[r["obj"]] = owned
-                    early = self._early.pop(("obj", r["obj"]), [])
+                    early = self._take_early(("obj", r["obj"]))
                 for ev in early:
                     self._dispatch(ev)
             futures.append(owned.future)
@@ -150,10 +150,13 @@ class Publisher:
         the key's item whom it went to (``offered``: the broker then asks that subscriber whether it took it
         if its receive no longer waits; kvstrata.devobj.offers)."""
         me = self.link.client_id
+        table = self._offer_table  # once: close() lets it go (None)
+        if table is None:
+            return
         for item, _ in exported:
             if item["transport"] == "nccl":
                 continue
-            hint = self._offer_table.lookup(item["key"])
+            hint = table.lookup(item["key"])
             if hint is None or hint[1] == me:
                 continue
             if self._offer_box.send(hint[1], hint[0], item["key"], dict(item, owner=me)):

@@ -96,7 +96,8 @@ class CopyReceiver:
                 self._wait_copies(done[0], queued)
                 self._events.put([done[0]], done[1])
             trace("cached read: copies done")
-            still = self._gen.value == gen
+            counter = self._gen  # None once this client closed: then every key is re-read (and fails, closed)
+            still = counter is not None and counter.value == gen
             lost = self._lost_owners([rec for rec, _ in queued])
             settled = []
             for rec, want in queued:
@@ -138,7 +139,7 @@ class CopyReceiver:
         want.transfer = t
         with self._lock:
             self._inflight[t["tid"]] = want
-            early = self._early.pop(("tid", t["tid"]), [])
+            early = self._take_early(("tid", t["tid"]))
         if t["path"] == "nccl":
             self._start_nccl_recv(t, want)
         elif t["kind"] == "bcast":

@@ -88,8 +88,9 @@ class Requester:
             want.future._settler = self._poller
         hits: list[tuple[dict[str, Any], _Want]] = []
         rest = wants
-        if op == "mget" and self._gen is not None:
-            gen = self._gen.value
+        counter = self._gen  # once: close() lets it go (None)
+        if op == "mget" and counter is not None:
+            gen = counter.value
             with self._lock:
                 entries = [self._records.get(k) for k in keys]
             rest = []
@@ -185,8 +186,9 @@ class Requester:
         }
         known: list[dict[str, Any] | None] = []
         gen0 = None
-        if op == "mget" and self._gen is not None:
-            gen0 = self._gen.value  # before the request: records it returns are good while the page says this
+        counter = self._gen  # once: close() lets it go (None)
+        if op == "mget" and counter is not None:
+            gen0 = counter.value  # before the request: records it returns are good while the page says this
             with self._lock:
                 known = [(e[1] if e is not None else None) for e in map(self._records.get, keys)]
             args["known"] = [r["obj"] if r is not None else None for r in known]
@@ -217,7 +219,7 @@ class Requester:
             elif status == "waiting":
                 with self._lock:
                     self._wants[r["wid"]] = want
-                    early = self._early.pop(("wid", r["wid"]), [])
+                    early = self._take_early(("wid", r["wid"]))
                 want.future.add_done_callback(lambda f, wid=r["wid"]: self._on_cancel(f, wid))
                 if self._role is not None and self.lead_waiters:  # its waiter may read the match itself (.lead)
                     want.future._lead = self._lead

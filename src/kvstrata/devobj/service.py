@@ -93,10 +93,10 @@ def handle(session: Any, msg: dict) -> dict:
         args = msg.get("a")
         if args is not None:
             check_args("wait_events", args)
-        check_seconds(msg.get("t"), "t")
+        wait = check_seconds(msg.get("t"), "t")  # FOREVER_S or more: None (no deadline past the clock's range)
         if args is not None and args.get("done"):
             broker.completed(msg["cid"], args["done"])
-        r = broker.park_poll(msg["cid"], msg.get("t"), deliver)
+        r = broker.park_poll(msg["cid"], wait, deliver)
         if r is not None and outbox.busy:  # earlier answers still wait to go out: this one goes after them
             deliver(r)
             return DEFERRED
@@ -202,7 +202,7 @@ class WorkerBrokerLink:
         fds = list(getattr(conn, "handshake_fds", ()) or ())
         if isinstance(at, int) and 0 <= at < len(fds):
             try:
-                # Mapped for as long as this link lives (never unmapped under a reader: close() leaves it).
+                # Unmapped by close() once nothing reads it (mmap.close() refuses while a view exports it).
                 self._page = mmap.mmap(fds[at], mmap.PAGESIZE, flags=mmap.MAP_SHARED)
                 self.generation_counter = ctypes.c_uint64.from_buffer(self._page)
             except (OSError, ValueError) as exc:
@@ -283,8 +283,25 @@ class WorkerBrokerLink:
         return reply["r"]
 
     def close(self) -> None:
+        """Close the connections and unmap the generation page and offer table (closing their descriptors).
+
+        A map that a reader still holds a view of (a client not closed yet: its ``generation_counter`` or
+        ``offer_table``) stays mapped until that view goes: ``mmap.close()`` refuses (BufferError) while the
+        buffer is exported, so nothing is unmapped under a reader.
+        """
         for conn in self._conns:
             conn.close()
+        self.generation_counter = None
+        self.offer_table = None
+        for name in ("_page", "_table_map"):
+            m = getattr(self, name)
+            if m is None:
+                continue
+            try:
+                m.close()
+            except BufferError:  # still exported by a reader: freed with it
+                continue
+            setattr(self, name, None)
 
 
 def embedded_broker() -> DeviceBroker:
