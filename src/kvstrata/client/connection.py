@@ -31,6 +31,13 @@ from kvstrata.store.placements import PlacementHints
 from kvstrata.transport.stream import pack, unpack
 
 log = logging.getLogger(__name__)
+#: how often the local-read cache's keeper looks for leases to give back (the worker waits up to
+#: ``kvstrata.store.tiering.RECLAIM_WAIT_S`` for them when a write finds no room but leased objects)
+KEEPER_POLL_S = 0.01
+#: ... and for how many of its looks the application must have made no call before it gives back stale entries' leases
+#: and deferred ones (a busy client's calls carry them, with no message of their own)
+KEEPER_IDLE_ROUNDS = 10
+KEEPER_JOIN_S = 2.0  # close() waits this long for it (it never waits on anything but a send)
 #: seconds a lane request is polled for before the worker is asked over the socket, at least
 _LANE_MIN_POLL = 50e-6
 #: ... and at most, while the worker's polling flag stays up and this host has a core for every client. The
@@ -130,6 +137,10 @@ class WorkerConnection:
                     spin_offset=spin_offset,
                     slots_offset=SLOTS_OFFSET,
                 )
+        # The local-read cache's keeper (_keep): gives back what the cache lets go of while no call is made
+        self._keeper_stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._calls = 0  # requests prepared: the keeper tells a busy client from an idle one by them
         # Leases shared by the local-read cache and zero-copy views made from its entries: how many
         # of them hold each one. Such a lease goes back to the worker only when the last lets go, so
         # a view's bytes stay pinned even after the cache dropped its entry.
@@ -159,6 +170,7 @@ class WorkerConnection:
         self._read_tag = 0  # the tag of the last pipelined reply read off the connection
         self._landing_last = 0  # the tag of the last commit sent ahead of its copies (RemoteBackend.can_land)
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
+        self._start_keeper()
 
     # plumbing ----------------------------------------------------------------------------------------
     def request(self, msg: dict) -> dict:
@@ -238,6 +250,7 @@ class WorkerConnection:
 
     def _prepare(self, msg: dict, *, carry: bool = True) -> None:
         """Checks before a request is sent, and what rides along with it (call under the lock)."""
+        self._calls += 1  # (the keeper leaves a busy client's cache to its calls)
         if self._closed:
             raise ClosedError("client is closed")
         if self._broken:
@@ -504,6 +517,47 @@ class WorkerConnection:
             if ids:
                 self._conn.send({"op": "release", "ids": ids})
 
+    def _start_keeper(self) -> None:
+        """Start the local-read cache's keeper thread (once the connection is set up; no cache: none)."""
+        if self._local is not None and self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, name="kvstrata-cache-keeper", daemon=True)
+            self._keeper.start()
+
+    def _keep(self) -> None:
+        """The keeper thread, every :data:`KEEPER_POLL_S`: where the worker asked for the leases caches keep
+        (:meth:`LocalReads.reclaim_asked`), give back every one the cache keeps (views the application holds keep
+        theirs); else, where the application made no call for :data:`KEEPER_IDLE_ROUNDS` looks and the cache holds
+        leases, give back those of stale entries (a key deleted or rewritten since: its old version stays pinned
+        until then) and the leases deferred meanwhile. A busy client's calls carry these themselves, with no message
+        of their own. The keeper never waits for the connection: a call in progress carries them too."""
+        stop, lock = self._keeper_stop, self._lock
+        calls, idle = -1, 0
+        while not stop.wait(KEEPER_POLL_S):
+            local = self._local
+            if local is None:
+                return
+            reclaim = local.reclaim_asked()
+            if calls != self._calls:
+                calls, idle = self._calls, 0
+            else:
+                idle += 1
+            if not reclaim and (idle < KEEPER_IDLE_ROUNDS or (not len(local) and not self._deferred)):
+                continue  # busy (its next call carries what is due), or nothing held
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                if self._closed or self._broken or self._conn.closed or self._pid != PID[0]:
+                    return
+                self._deferred.extend(local.clear() if reclaim else local.stale())
+                if self._deferred:
+                    ids = self._outgoing(self._drain_deferred())
+                    if ids:
+                        self._conn.send({"op": "release", "ids": ids})
+            except KvstrataError:
+                return  # the connection is gone: the worker released every lease with it
+            finally:
+                lock.release()
+
     def defer_release(self, lease_id: int) -> None:
         """From a finalizer: no locks or I/O here, the next request carries it."""
         self._deferred.append(lease_id)
@@ -533,6 +587,7 @@ class WorkerConnection:
             self._read_lock.release()
 
     def close(self) -> None:
+        self._keeper_stop.set()
         with self._lock:
             if self._closed:
                 return
@@ -552,7 +607,10 @@ class WorkerConnection:
         if self._lane is not None:
             self._lane.close()
             self._lane = None
-        if self._local is not None:
+        keeper = self._keeper
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(KEEPER_JOIN_S)  # it reads the cache's page with no lock: unmapped only once it is gone
+        if self._local is not None and (keeper is None or not keeper.is_alive()):
             self._local.close()
         if self.placements is not None:
             hints, self.placements = self.placements, None

@@ -8,6 +8,10 @@ in :mod:`kvstrata.server.validity`). Writes to other keys leave the entry alone.
 dropped when it is next looked up, or by the sweep that runs at most every ``SWEEP_S`` seconds while
 the generation moves, and its lease given back with the client's next message.
 
+A thread of the client, its *keeper*, gives back every lease the cache keeps when the worker asks for them (a write
+that found no room but leased objects: caches of idle clients would otherwise pin memory the worker needs, each up to
+its budget), and, while the application makes no call, stale entries' leases (else they go with the next call).
+
 ``get_buffers`` keeps entries too (any size, up to the budget the worker advertises): a later view of
 the same key shares the entry's lease with no round trip. The backend counts a shared lease's holders
 and gives it back only when the cache and every view let go, so a view's bytes stay pinned after
@@ -23,7 +27,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from kvstrata.server.validity import SLOTS  # the worker's slot numbers index this table
+from kvstrata.server.validity import RECLAIM_OFFSET, SLOTS  # the worker's slot numbers index this table
 
 MAX_ENTRIES = 256
 MAX_BYTES = 4 << 20  # what one client may keep pinned (leased objects cannot be evicted or spilled)
@@ -57,6 +61,9 @@ class LocalReads:
         self._slots_address = page.address + slots_offset
         # The worker's advice on busy-polling for replies (microseconds), where it gives one.
         self._spin = None if spin_offset is None else ctypes.c_uint64.from_address(page.address + spin_offset)
+        # The worker's reclaim count: it moves when a write found no room but leased objects (keeper_round)
+        self._reclaim = ctypes.c_uint64.from_address(page.address + RECLAIM_OFFSET)
+        self._reclaim_seen = self._reclaim.value
         self._entries: OrderedDict[str, list] = OrderedDict()
         self._dropped: list[int] = []  # leases of stale entries, given back with the next message
         # Leases a batch read took to keep, judged current and not entered yet (add_columns(later=True)):
@@ -222,6 +229,15 @@ class LocalReads:
         out, self._dropped = self._dropped, []
         return out
 
+    def reclaim_asked(self) -> bool:
+        """Whether the worker asked for the leases caches keep since the last call (a write found no room but leased
+        objects: its reclaim count moved). Read by the client's keeper thread alone, with no lock."""
+        count = self._reclaim.value
+        if count == self._reclaim_seen:
+            return False
+        self._reclaim_seen = count
+        return True
+
     def dropped(self) -> list[int]:
         """The leases let go of and not given back yet, without looking for stale entries (see :meth:`stale`)."""
         out, self._dropped = self._dropped, []
@@ -337,7 +353,7 @@ class LocalReads:
         self._dropped = []
         self._add_later = []
         self._touch_later = []
-        self._gen = self._slots = None  # type: ignore[assignment]
+        self._gen = self._slots = self._reclaim = None  # type: ignore[assignment]
         self._spin = None
         self._page.close()
 

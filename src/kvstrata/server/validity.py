@@ -42,8 +42,11 @@ log = logging.getLogger(__name__)
 _STRIPES = 64
 #: byte offset, in the page, of the worker's advice to clients: microseconds to busy-poll for a reply
 SPIN_HINT_OFFSET = 8
+#: byte offset, in the page, of the worker's *reclaim* count: bumped when a write finds no room but leased objects,
+#: so that clients give back the leases their local-read caches keep (:mod:`kvstrata.client.local_reads`)
+RECLAIM_OFFSET = 16
 MAX_TRACKED_KEYS = 1_000_000  # beyond this many, new keys are just not cacheable (bounded memory)
-PAGE_BYTES = 4096  # the generation and the spin hint
+PAGE_BYTES = 4096  # the generation, the spin hint and the reclaim count
 SLOTS = 1 << 17  # per-key counters after the first page (a power of two: a slot is a hash's low bits)
 SLOTS_OFFSET = PAGE_BYTES
 TABLE_BYTES = PAGE_BYTES + 8 * SLOTS
@@ -93,6 +96,7 @@ class Validity:
         # One aligned 8-byte store/load: readers never see a torn value.
         self._gen = ctypes.c_uint64.from_address(self.segment.address)
         self._spin_hint = ctypes.c_uint64.from_address(self.segment.address + SPIN_HINT_OFFSET)
+        self._reclaim = ctypes.c_uint64.from_address(self.segment.address + RECLAIM_OFFSET)
         self._slots = (ctypes.c_uint64 * SLOTS).from_address(self.segment.address + SLOTS_OFFSET)
         self._counts = np.frombuffer(self._slots, dtype=np.uint64)  # the same counters, for batches
         self._gen_lock = threading.Lock()
@@ -126,6 +130,14 @@ class Validity:
         """Tell clients how long to busy-poll for a reply (0: sleep at once); see kvstrata.server.worker."""
         if self._spin_hint is not None:
             self._spin_hint.value = int(microseconds)
+
+    def ask_reclaim(self) -> None:
+        """Ask every client to give back the leases its local-read cache keeps (a write found no room but leased
+        objects): each client's keeper thread sees the count move within ``KEEPER_POLL_S`` and lets go of every
+        entry no view of the application holds."""
+        with self._gen_lock:
+            if self._reclaim is not None:  # (closed: the worker stopped)
+                self._reclaim.value += 1
 
     def key_lock(self, key: str) -> threading.Lock:
         return self._stripes[hash(key) % _STRIPES]
@@ -176,5 +188,5 @@ class Validity:
 
     def close(self) -> None:
         self._gen = self._slots = self._counts = None  # type: ignore[assignment]  # never a store into an unmapped page
-        self._spin_hint = None  # type: ignore[assignment]
+        self._spin_hint = self._reclaim = None  # type: ignore[assignment]
         self.segment.close()

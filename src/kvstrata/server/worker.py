@@ -100,6 +100,7 @@ class Worker:
         self.validity = Validity()
         if hasattr(self._store, "set_visibility"):  # commits settled outside a request's change (landing)
             self._store.set_visibility(self.validity)
+            self._store.set_reclaim(self.validity.ask_reclaim)  # a write short of room asks the caches' leases back
         if self.config.placement_table and hasattr(self._store, "publish_placements"):
             self.placements = PlacementTable()
             self._store.publish_placements(self.placements)
@@ -231,6 +232,7 @@ class Worker:
             self._store.publish_placements(None)  # a shared store outlives this worker: stop its writes here
         if self._store is not None and hasattr(self._store, "set_visibility"):
             self._store.set_visibility(None)  # (and its bumps of this worker's validity table, closed below)
+            self._store.set_reclaim(None)
         if self._store is not None and self._own_store:
             self._store.close()
             self.unflushed = int(self._store.unflushed or 0)

@@ -77,6 +77,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._closing = False  # a close() has begun (a second one returns at once)
         self._listeners: list[Callable[[SharedSegment], None]] = []
         self._retire_listeners: list[Callable[[int], None]] = []  # told of each segment retired (its index)
+        self._reclaim: Callable[[], None] | None = None  # asks clients for their caches' leases (set_reclaim)
         self._placements: PlacementTable | None = None  # where sealed objects lie, for clients' copies
         self._announce_lock = threading.RLock()
         self._mem = MemoryTier(
@@ -171,6 +172,14 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
             index = next(i for i, s in enumerate(self._mem.segments) if s is seg)
             for fn in list(self._retire_listeners):
                 fn(index)
+
+    def set_reclaim(self, fn: Callable[[], None] | None) -> None:
+        """Have an allocation that finds no room but leased objects call ``fn()`` (under this store's lock: quick, no
+        lock) and wait up to :data:`~kvstrata.store.tiering.RECLAIM_WAIT_S`, the lock let go, for leases to come back
+        before it gives up: the worker's :meth:`~kvstrata.server.validity.Validity.ask_reclaim`, which has its
+        clients' local-read caches give back what they keep. None: refuse at once, as without clients."""
+        with self._lock:
+            self._reclaim = fn
 
     def add_retire_listener(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(index)`` whenever the DRAM tier retires a segment (under this store's lock: ``fn`` must be quick

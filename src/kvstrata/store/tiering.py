@@ -35,6 +35,12 @@ MOVE_POLL_S = 0.0005
 #: how long a value larger than a segment waits for other writes in progress to seal (their blocks keep a segment
 #: from being emptied for it) before it is refused
 LARGE_WAIT_S = 2.0
+#: how long an allocation that found no room but leased objects waits for the leases that clients' local-read caches
+#: keep to come back, once asked (:meth:`~kvstrata.store.ObjectStore.set_reclaim`), and how often it looks meanwhile
+RECLAIM_WAIT_S = 0.5
+RECLAIM_POLL_S = 0.002
+#: ... giving up sooner once no lease came back for this long (a keeper looks every 10 ms)
+RECLAIM_QUIET_S = 0.05
 #: at most one info line this often sums up the spills, evictions and promotions since the last one
 #: (each is logged at debug level)
 MOVES_REPORT_S = 10.0
@@ -74,7 +80,7 @@ class TieringMixin:
 
     def _allocate_in(self, size: int, own: int) -> Location:
         mem = self._mem
-        deadline = None
+        deadline = reclaim_deadline = None
         while True:
             loc = mem.allocate(size)
             if loc is not None:
@@ -98,6 +104,25 @@ class TieringMixin:
                     self._lock.release()
                     try:
                         time.sleep(MOVE_POLL_S)
+                    finally:
+                        self._lock.acquire()
+                    continue
+            if self._reclaim is not None and self._leases:
+                # Leases may be all that holds the room: the clients' local-read caches keep some for reads with no
+                # round trip, and give them back when asked (their keeper threads look every few milliseconds). The
+                # wait ends once no lease came back for RECLAIM_QUIET_S: a full store of other objects is refused
+                # about that much later than it was.
+                now = time.monotonic()
+                leased = len(self._leases)
+                if reclaim_deadline is None:
+                    reclaim_deadline, last_leased, quiet_since = now + RECLAIM_WAIT_S, leased, now
+                    self._reclaim()
+                elif leased < last_leased:
+                    last_leased, quiet_since = leased, now
+                if now < reclaim_deadline and now - quiet_since < RECLAIM_QUIET_S:
+                    self._lock.release()
+                    try:
+                        time.sleep(RECLAIM_POLL_S)
                     finally:
                         self._lock.acquire()
                     continue
