@@ -27,9 +27,11 @@ from kvstrata.errors import (
     KeyExists,
     KeyNotFound,
     KvstrataError,
+    OwnerGone,
     ProtocolError,
     ServerError,
     Timeout,
+    TransferAborted,
     TransportError,
 )
 
@@ -58,9 +60,11 @@ __all__ = [
     "KeyExists",
     "KeyNotFound",
     "KvstrataError",
+    "OwnerGone",
     "ProtocolError",
     "ServerError",
     "Timeout",
+    "TransferAborted",
     "TransportError",
     "__version__",
     "connect",

@@ -51,6 +51,16 @@ class KeyExists(ServerError):
     """A write-once or ``nx`` write found the key already present."""
 
 
+class OwnerGone(ServerError):
+    """The process that owned a device object went away (closed, died, lost its worker connection): its keys
+    vanished, and receives of them failed or were dropped. The message starts with ``OwnerGone:``."""
+
+
+class TransferAborted(ServerError):
+    """A device object's copy was abandoned by the broker: the broadcast it belonged to failed, or the NCCL pair it
+    travelled on broke. Nothing half-received is reported done; the message says why and starts with ``Aborted:``."""
+
+
 class Timeout(KvstrataError, TimeoutError):
     """A wait (for a key, a peer, a transfer) ran past its deadline."""
 

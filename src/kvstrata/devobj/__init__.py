@@ -9,7 +9,7 @@
   :mod:`~kvstrata.devobj.receive`, :mod:`~kvstrata.devobj.events`, :mod:`~kvstrata.devobj.broadcast`,
   :mod:`~kvstrata.devobj.nccl_ends`.
 * :mod:`~kvstrata.devobj.link`: the client's broker link, settings and argument checks, and the errors of
-  device objects beyond :mod:`kvstrata.errors` (:class:`OwnerGone`, :class:`TransferAborted`: ServerErrors).
+  device objects (:class:`OwnerGone`, :class:`TransferAborted`: ServerErrors of :mod:`kvstrata.errors`).
 * :mod:`~kvstrata.devobj.ipc`: the same-node data path (CUDA IPC, peer copies over NVLink/PCIe).
 * :mod:`~kvstrata.devobj.nccl`: the between-nodes data path (NCCL send/recv per pair).
 * :mod:`~kvstrata.devobj.service`: the worker handler and the Client mixin; parked polls are answered through
@@ -30,8 +30,8 @@ _LAZY = {
     "DeviceObjectConfig": "kvstrata.devobj.link",
     "DeviceObjects": "kvstrata.devobj.api",
     "InprocBrokerLink": "kvstrata.devobj.link",
-    "OwnerGone": "kvstrata.devobj.link",
-    "TransferAborted": "kvstrata.devobj.link",
+    "OwnerGone": "kvstrata.errors",
+    "TransferAborted": "kvstrata.errors",
 }
 
 

@@ -18,7 +18,7 @@ import torch
 
 from kvstrata import errors
 from kvstrata.devobj import broker as B
-from kvstrata.errors import InvalidType, InvalidValue
+from kvstrata.errors import InvalidType, InvalidValue, OwnerGone, TransferAborted
 from kvstrata.server.protocol import FOREVER_S, MAX_KEY_BYTES
 
 
@@ -97,18 +97,6 @@ class DeviceObjectConfig:
             raise InvalidValue(f"broadcast_wait: expected 'host' or 'stream', got {self.broadcast_wait!r}")
         if isinstance(self.stage_bytes, bool) or not isinstance(self.stage_bytes, int) or self.stage_bytes < 0:
             raise InvalidValue(f"stage_bytes: expected an int >= 0, got {self.stage_bytes!r}")
-
-
-class OwnerGone(errors.ServerError):
-    """The process that owned a device object went away (closed, died, lost its worker connection): its keys
-    vanished, and receives of them failed or were dropped. A :class:`~kvstrata.errors.ServerError`, as before
-    this type existed; the message starts with ``OwnerGone:``."""
-
-
-class TransferAborted(errors.ServerError):
-    """A receive's copy was abandoned by the broker: the broadcast it belonged to failed, or the NCCL pair it
-    travelled on broke. Nothing half-received is reported done; the message says why and starts with
-    ``Aborted:``. A :class:`~kvstrata.errors.ServerError`, as before this type existed."""
 
 
 #: broker error codes with an exception type of their own (a ServerError each: ``except ServerError`` still holds)
