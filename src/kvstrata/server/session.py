@@ -66,6 +66,8 @@ class Session:
         #: how many of the store's retired segments (``store.retired_segments``, in the order they went) this client
         #: was told of or never sent: the rest go with the next reply (:meth:`send`)
         self.retired_told = 0
+        # the store's list of them (appended to, never replaced; a store without a memory tier's retirements: none)
+        self._retired: list[int] = getattr(worker.store, "retired_segments", [])
         self.connected_at = time.time()
         #: one of a device-object link's connections (kvstrata.devobj.service): part of a client, not one
         self.devobj_link = bool(hello.get("devobj_link"))
@@ -360,9 +362,8 @@ class Session:
         return reply
 
     def send(self, reply: dict) -> None:
-        retired = self.store.retired_segments
-        if len(retired) != self.retired_told:
-            self._tell_retired(reply, retired)
+        if len(self._retired) != self.retired_told:
+            self._tell_retired(reply, self._retired)
         new = reply.pop("_segs", None)
         if new and len(new) > MAX_FDS:  # the rest are fetched by the client with a "segments" request
             self.sent_segments.difference_update(new[MAX_FDS:])

@@ -162,7 +162,8 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
     @property
     def retired_segments(self) -> list[int]:
         """Indices of the DRAM segments retired to make room for values larger than a segment (their memory went back
-        to the kernel; nothing will point into them again). A client need not map them."""
+        to the kernel; nothing will point into them again). A client need not map them. The same list all along, only
+        ever appended to (a worker's sessions keep it and tell their clients of what it gains)."""
         return self._mem.retired
 
     def _segment_retired(self, seg: SharedSegment) -> None:
