@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.errors import ClosedError, InvalidType, InvalidValue
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidType, InvalidValue
 
 
 def _numpy(view: memoryview, dtype: Any, shape: Any, readonly: bool) -> np.ndarray:
@@ -77,6 +77,13 @@ class WritableBuffer:
     def _live(self) -> memoryview:
         if self._view is None:
             raise ClosedError(f"buffer for {self.key!r} was already {self.state}")
+        # The write ends with its client's close, or its connection (the worker aborts a lost client's writes): the
+        # bytes may be another object's by now, so nothing more goes into them
+        if self._client._closed:
+            raise ClosedError(f"buffer for {self.key!r}: its client is closed, which aborted the write")
+        lost = self._client._backend.connection_lost()
+        if lost:
+            raise ConnectionLost(f"buffer for {self.key!r}: {lost}; the worker aborted the write")
         return self._view
 
     def memoryview(self) -> memoryview:

@@ -24,12 +24,13 @@ from typing import Any
 from kvstrata._proc import PID
 from kvstrata.client import device as _device
 from kvstrata.client import reservation as _reservation
+from kvstrata.client._shared import MAX_OBJECT_BYTES, check_key, check_keys
 from kvstrata.client.backends import EmbeddedBackend, RemoteBackend
 from kvstrata.client.buffers import ReadBuffer, WritableBuffer
 from kvstrata.client.device_calls import DeviceCallsMixin, on_pool_thread
 from kvstrata.client.values import byte_view
 from kvstrata.devobj.service import DeviceObjectsMixin
-from kvstrata.errors import ClosedError, InvalidType, KeyExists, KvstrataError
+from kvstrata.errors import CapacityError, ClosedError, InvalidType, InvalidValue, KeyExists, KvstrataError
 from kvstrata.server import protocol as P
 
 Result = Any  # per-key: a value (or None) on success, the KvstrataError instance on failure
@@ -143,7 +144,9 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
     # KV ------------------------------------------------------------------------------------------
     @staticmethod
     def _write_opts(ttl: Any, nx: bool, write_mode: Any) -> dict:
-        return {"ttl": P.check_ttl(ttl), "nx": bool(nx), "mode": P.check_write_mode(write_mode)}
+        if type(nx) is not bool:  # (nx="no" would be true)
+            raise InvalidType(f"nx: must be a bool, got {type(nx).__name__}")
+        return {"ttl": P.check_ttl(ttl), "nx": nx, "mode": P.check_write_mode(write_mode)}
 
     def set(
         self, key: str, value: Any, *, ttl: float | None = None, nx: bool = False, write_mode: str = "memory"
@@ -154,7 +157,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         ``write_mode``: ``memory``, ``write_through``, ``write_back`` or ``evictable``.
         A value over the inline limit is copied once, straight into shared memory.
         """
-        P.check_key(key)
+        check_key(key)
         view = byte_view(value)
         opts = self._write_opts(ttl, nx, write_mode)
         backend = self._b()
@@ -197,15 +200,16 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         KeyNotFound at once when ``timeout`` is 0, Timeout when it ran out; ``timeout=None`` waits
         until the key exists (as in the store and ``queue.Queue.get``).
         """
-        P.check_key(key)
+        check_key(key)
         return self._b().get(key, P.check_timeout(timeout))
 
     def mget(self, keys: Iterable[str], *, timeout: float = 0) -> list[Result]:
         """Values of ``keys``: bytes, or the exception (KeyNotFound, Timeout...) in a missing key's slot.
 
         ``timeout`` as in :meth:`get`, for the batch: 0 does not wait, None waits for every key."""
-        keys = P.check_keys(keys)
-        return self._b().mget(keys, P.check_timeout(timeout)) if keys else []
+        keys = check_keys(keys)
+        backend = self._b()  # (a closed client refuses an empty batch too)
+        return backend.mget(keys, P.check_timeout(timeout)) if keys else []
 
     def mset(
         self,
@@ -220,11 +224,11 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         A key named twice ends as if its pairs were written in order: the last value stands (with ``nx``, the first;
         the later ones are refused with ``KeyExists``)."""
         pairs = _pairs(items)
-        keys = P.check_keys([k for k, _ in pairs])
+        keys = check_keys([k for k, _ in pairs])
+        opts = self._write_opts(ttl, nx, write_mode)  # (before the way for repeated keys reads nx)
         if len(set(keys)) != len(keys):
             return self._mset_repeated(pairs, keys, ttl=ttl, nx=nx, write_mode=write_mode)
         views = [byte_view(v, f"items[{k!r}]") for k, v in pairs]
-        opts = self._write_opts(ttl, nx, write_mode)
         backend = self._b()
         results: list[Result] = [None] * len(keys)
         # Values past the backend's inline limit go through shared memory (create, copy, seal); so do those past its
@@ -272,8 +276,16 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
 
     def read(self, key: str, offset: int, size: int) -> bytes:
         """``size`` bytes of ``key``'s value from ``offset`` (ValueError for a range outside it)."""
-        P.check_key(key)
-        return self._b().read(key, P.check_size(offset, "offset"), P.check_size(size))
+        check_key(key)
+        offset, size = P.check_size(offset, "offset"), P.check_size(size)
+        # Past 2**63 no store has the bytes, and the request could not be encoded (2**64): refused here, naming the
+        # argument at fault, in both modes
+        if offset + size > MAX_OBJECT_BYTES:
+            most = f"past the end of any object (at most {MAX_OBJECT_BYTES} bytes)"
+            if offset > MAX_OBJECT_BYTES:
+                raise InvalidValue(f"offset: {offset} is {most}")
+            raise InvalidValue(f"size: range [{offset}, {offset + size}) is {most}")
+        return self._b().read(key, offset, size)
 
     def delete(self, keys: str | Iterable[str]) -> bool | list[bool]:
         """Delete keys; True where a key existed. A str gives one bool, an iterable a list."""
@@ -292,22 +304,25 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
         return _one_or_many(keys, self._keys_op("sizes", keys))
 
     def _keys_op(self, op: str, keys: Any, **kw: Any) -> list[Any]:
-        keys = P.check_keys(keys)
-        return self._b().keys_op(op, keys, **kw) if keys else []
+        keys = check_keys(keys)
+        backend = self._b()  # (a closed client refuses an empty batch too)
+        return backend.keys_op(op, keys, **kw) if keys else []
 
     def generate_key(self, prefix: str = "") -> str:
         """A new unique key, ``prefix`` followed by 32 hex digits."""
         if not isinstance(prefix, str):
             raise InvalidType(f"prefix: must be a str, got {type(prefix).__name__}")
-        return P.check_key(f"{prefix}{uuid.uuid4().hex}", "prefix")
+        return check_key(f"{prefix}{uuid.uuid4().hex}", "prefix")
 
     # objects -------------------------------------------------------------------------------------
     def create(
         self, key: str, size: int, *, ttl: float | None = None, nx: bool = False, write_mode: str = "memory"
     ) -> WritableBuffer:
         """Reserve ``size`` bytes of shared memory for ``key``; fill the returned buffer, then seal/publish."""
-        P.check_key(key)
+        check_key(key)
         size = P.check_size(size)
+        if size > MAX_OBJECT_BYTES:  # what a store says of any size it has no room for, and 2**64 cannot be sent
+            raise CapacityError(f"size: {size} bytes does not fit any store (at most {MAX_OBJECT_BYTES} bytes)")
         backend = self._b()
         if not backend.shm:
             raise KvstrataError("create needs shared memory with the worker (connect over unix://)")
@@ -320,7 +335,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
     def get_buffers(self, keys: str | Iterable[str], *, timeout: float = 0) -> list[ReadBuffer | KvstrataError]:
         """Zero-copy read-only views of objects, each holding a lease until released (or collected); the exception in
         a missing key's slot. ``timeout`` as in :meth:`get`: 0 does not wait, None waits for every key."""
-        keys = P.check_keys(keys)
+        keys = check_keys(keys)
         backend = self._b()
         out: list[Any] = []
         leases = backend.acquire(keys, P.check_timeout(timeout), cache=True) if keys else []
@@ -353,7 +368,7 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
 
     def refcount(self, key: str) -> int:
         """The global reference count of ``key`` (:meth:`incref` / :meth:`decref`; 0 when never counted)."""
-        return self._b().refcount(P.check_key(key))
+        return self._b().refcount(check_key(key))
 
     # operations ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import logging
 import operator
 import os
 import select
+import socket
 import threading
 import time
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from kvstrata._proc import PID
 from kvstrata.client._shared import Loc, _segment_tensor
 from kvstrata.client.local_reads import MAX_BYTES, LocalReads
-from kvstrata.errors import ClosedError, ConnectionLost, KvstrataError, ProtocolError, Timeout
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidArgument, KvstrataError, ProtocolError, Timeout
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.store.placements import BUCKETS as PLACEMENT_BUCKETS
@@ -59,6 +60,9 @@ _LANE_NAP_S = 20e-6
 WORKER_SEEN_S = 1e-3
 #: how long ``close()`` waits for the worker to have released what the client held (a frozen worker: no longer)
 GOODBYE_WAIT_S = 2.0
+#: how long ``close()`` waits for a request of another thread to end before it ends the request itself (a ``get``
+#: waiting for its key holds the connection as long as it waits: with ``timeout=None``, for ever)
+CLOSE_WAIT_S = 0.05
 
 
 class WorkerConnection:
@@ -179,7 +183,11 @@ class WorkerConnection:
             spin = self._local.spin() if self._local is not None else 0.0
             lane = self._lane
             if lane is not None and msg["op"] in _lane.LANE_OPS and lane.polling():
-                payload = pack(msg)
+                try:
+                    payload = pack(msg)
+                except InvalidArgument:
+                    self._unprepare(msg)
+                    raise
                 if len(payload) <= _lane.REQUEST_BYTES:
                     reply = self._lane_request(lane, payload, spin)
                     if "err" in reply:
@@ -188,6 +196,11 @@ class WorkerConnection:
             self._untagged_due = True
             try:
                 self._conn.send(msg)
+            except InvalidArgument:  # not encodable (a frame too large...): nothing of it was sent
+                self._untagged_due = False
+                self._unprepare(msg)
+                raise
+            try:
                 reply = self._untagged_reply(msg, spin)
             except KvstrataError:
                 raise  # the connection's own failures mark it (lost, or the worker silent) where they happen
@@ -217,6 +230,9 @@ class WorkerConnection:
                 self._conn.send(msg)
             except ConnectionLost as exc:
                 self._broken = f"a request could not be sent: {exc}"
+                raise
+            except InvalidArgument:  # not encodable: nothing of it was sent
+                self._unprepare(msg)
                 raise
             self._tag = tag
             return tag
@@ -273,6 +289,22 @@ class WorkerConnection:
         if self._deferred_aborts:
             msg["abort_keys"] = [self._deferred_aborts.popleft() for _ in range(len(self._deferred_aborts))]
 
+    def _unprepare(self, msg: dict) -> None:
+        """Undo :meth:`_prepare` for ``msg``, which could not be encoded (nothing of it was sent): the releases and
+        aborts it took go back to their queues for the next request, the hits it told are told again (call under the
+        lock). The ids are those left after the holds were counted: none is held any more, so the next drain sends
+        them as they are. The keys the client takes are checked beforehand (``kvstrata.client._shared.check_key``):
+        this is for whatever gets past that."""
+        rel = msg.pop("rel", None)
+        if rel:
+            self._deferred.extend(rel)
+        aborts = msg.pop("abort_keys", None)
+        if aborts:
+            self._deferred_aborts.extend(aborts)
+        told = msg.pop("lh", 0)
+        if told:
+            self._hits_told -= told
+
     def _untagged_reply(self, msg: dict, spin: float) -> dict:
         """The reply to the ordinary request ``msg`` just sent (call under the lock). Replies of pipelined
         requests sent before it come first: they are kept for their senders."""
@@ -320,6 +352,10 @@ class WorkerConnection:
             raise ConnectionLost(
                 f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
             ) from None
+        except ConnectionLost as exc:
+            if self._closed:  # close() ended the wait (see close): the worker ended the connection for it
+                raise ClosedError(f"client is closed (while {msg.get('op')!r} waited for its reply)") from exc
+            raise
         self._there_until = time.monotonic() + WORKER_SEEN_S  # it answered: there (see _worker_there)
         if fds or "segs" in reply:
             self._absorb_segments(reply.pop("segs", []), fds)
@@ -493,8 +529,22 @@ class WorkerConnection:
         limit = self.segment_limits.get(segment)  # (a retired segment is in none)
         return limit is not None and offset >= 0 and offset + size <= limit
 
+    def connection_lost(self) -> str:
+        """Why the connection to the worker is gone, or "" while it is not: a send or a read found it lost, or it was
+        ended here (an interrupted wait, a silent worker, a malformed reply). The worker then released this client's
+        leases and aborted its unfinished writes."""
+        if self._broken:
+            return f"connection to the worker at {self.address} was lost ({self._broken})"
+        if self._conn.closed and not self._closed:
+            return f"connection to the worker at {self.address} was lost"
+        return ""
+
     def release(self, ids: list[int]) -> None:
         """Give back leases ``ids`` (a kept read's pin token may come first: :meth:`_pin`)."""
+        if self._pid != PID[0]:
+            # A copy inherited through fork(): the leases and the socket are the parent's (and the lock may be held
+            # for good: copied while a thread of the parent, absent here, held it)
+            return
         with self._lock:
             if self._closed or self._conn.closed:
                 return  # the worker released them when the connection ended
@@ -574,35 +624,82 @@ class WorkerConnection:
     def _loc(raw: list) -> Loc:
         return Loc(*raw)
 
-    def _await_end(self) -> None:
-        """After the goodbye: wait (up to :data:`GOODBYE_WAIT_S`) for the worker to end the connection, which it does
-        once it has let go of everything this client held, so that what ``close()`` gave back is back when it returns
-        (another process's write finds the room, a count of leases is exact). Not while another thread of this
-        process reads a reply on the connection (a waiting call): that one would lose it."""
+    def _say_goodbye(self) -> None:
+        """Tell the worker this client is done and wait for it to have let go of what the client held (call under the
+        lock, once ``_closed`` is set)."""
+        if not self._conn.closed:
+            try:
+                self._conn.send(self._bye())
+            except KvstrataError:
+                pass
+            else:
+                self._await_end()
+        self._conn.close()  # the worker has released our leases and aborted our unfinished writes
+
+    def _bye(self) -> dict:
+        bye: dict = {"op": "bye"}
+        if self._local is not None and self._local.hits != self._hits_told:
+            bye["lh"] = self._local.hits - self._hits_told
+        return bye
+
+    def _end_waiting_request(self) -> None:
+        """``close()`` while another thread's request holds the lock past :data:`CLOSE_WAIT_S`: most likely a ``get``
+        waiting for its key, which with ``timeout=None`` would hold it for ever. The goodbye goes behind that request
+        (one-way, a frame of its own), then this side of the connection stops writing: a hang-up, for which the worker
+        ends the waiting request with ClosedError (which its thread raises); it then reads the goodbye, lets go of
+        everything this client held and ends the connection, as after any goodbye. (A hang-up alone would do, but the
+        worker ends such a connection before it lets go: close() would return first.) A worker that has not ended it
+        within :data:`GOODBYE_WAIT_S` is cut off (the reads shut down too, which wakes the waiting thread)."""
+        self._closed = True  # (from here on, every call is refused)
+        deadline = time.monotonic() + GOODBYE_WAIT_S
+        try:
+            self._conn.send(self._bye())
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:  # (a copy: the original stays open)
+                sock.shutdown(socket.SHUT_WR)
+        except (KvstrataError, OSError):
+            self._conn.close()  # lost meanwhile: nothing to wait for
+        if not self._lock.acquire(timeout=GOODBYE_WAIT_S):
+            self._conn.close()
+            self._lock.acquire()  # the request ends at once: its reads fail
+        try:
+            if not self._conn.closed:  # (the worker's end, after the waiting request's answer: at once, most often)
+                self._await_end(deadline - time.monotonic())
+            self._conn.close()
+        finally:
+            self._lock.release()
+
+    def _await_end(self, wait: float | None = None) -> None:
+        """After the goodbye: wait (up to ``wait`` seconds, else :data:`GOODBYE_WAIT_S`) for the worker to end the
+        connection, which it does once it has let go of everything this client held, so that what ``close()`` gave back
+        is back when it returns (another process's write finds the room, a count of leases is exact). Not while another
+        thread of this process reads a reply on the connection (a waiting call): that one would lose it."""
         if not self._read_lock.acquire(blocking=False):
             return
         try:
-            _drain_until_end(self._conn, GOODBYE_WAIT_S)
+            _drain_until_end(self._conn, GOODBYE_WAIT_S if wait is None else wait)
         finally:
             self._read_lock.release()
 
     def close(self) -> None:
         self._keeper_stop.set()
-        with self._lock:
-            if self._closed:
-                return
+        if self._closed:
+            return
+        if self._pid != PID[0]:
+            # A copy inherited through fork(): only this process's handles go; the parent's connection, leases and
+            # writes stay as they are (nothing is sent, the socket is not shut down, and the lock is not waited for:
+            # it may be held for good, copied while a thread of the parent, absent here, held it)
             self._closed = True
-            if not self._conn.closed and self._pid == PID[0]:
-                bye: dict = {"op": "bye"}
-                if self._local is not None and self._local.hits != self._hits_told:
-                    bye["lh"] = self._local.hits - self._hits_told
-                try:
-                    self._conn.send(bye)
-                except KvstrataError:
-                    pass
-                else:
-                    self._await_end()
-            self._conn.close()  # the worker has released our leases and aborted our unfinished writes
+            self._conn.close()
+        elif self._lock.acquire(timeout=CLOSE_WAIT_S):
+            try:
+                if self._closed:
+                    return
+                self._closed = True
+                self._say_goodbye()
+            finally:
+                self._lock.release()
+        else:
+            self._end_waiting_request()
         self._tensors.clear()
         if self._lane is not None:
             self._lane.close()

@@ -71,6 +71,11 @@ class EmbeddedBackend:
     def segment_nbytes(self, index: int) -> int:
         return self._check().segments[index].nbytes
 
+    @staticmethod
+    def connection_lost() -> str:
+        """No connection to lose in-process (see ``WorkerConnection.connection_lost``)."""
+        return ""
+
     def release(self, ids: list[int]) -> None:
         if self._closed:
             return

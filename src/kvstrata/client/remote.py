@@ -148,7 +148,7 @@ class RemoteBackend(WorkerConnection):
         those not landed yet failed: from this store on, every operation of anyone sees its objects (or never
         will)."""
         lane = self._lane
-        if lane is not None:
+        if lane is not None and self._pid == PID[0]:  # (a forked child's copy of the lane is the parent's)
             lane.land(token[0], ok)
 
     def land_failed(self) -> None:
@@ -156,12 +156,14 @@ class RemoteBackend(WorkerConnection):
         failed (their objects are freed, never shown): the highest tag sent covers them all, as tags grow, even
         one whose :meth:`commit_start` was interrupted after its request went out."""
         lane = self._lane
-        if lane is not None:
+        if lane is not None and self._pid == PID[0]:  # (in a forked child: the parent's commits, not to be failed)
             lane.land(self._tag, ok=False)
 
     def linger(self, us: int) -> None:
         """Tell the worker (one-way) that this client's next request follows within ``us`` microseconds, so
         its thread keeps polling (where the worker polls at all) rather than sleep and be woken for it."""
+        if self._pid != PID[0]:
+            return  # a copy inherited through fork(): the socket is the parent's
         with self._lock:
             if not self._closed and not self._conn.closed:
                 self._conn.send({"op": "linger", "linger": us})
