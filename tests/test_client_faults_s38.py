@@ -223,3 +223,10 @@ def test_a_bytes_object_is_refused_as_keys(kv, keys):
         kv.delete(keys)
     with pytest.raises(InvalidType, match=r"^keys: "):
         kv.mget(keys)
+
+
+@pytest.mark.parametrize("offset, size, blamed", [(20, 1, "offset"), (4, 20, "size"), (10, 1, "size")])
+def test_a_read_outside_the_value_blames_the_argument_at_fault(kv, offset, size, blamed):
+    kv.set("ten-bytes", b"0123456789")
+    with pytest.raises(InvalidValue, match=f"^{blamed}: range"):
+        kv.read("ten-bytes", offset, size)

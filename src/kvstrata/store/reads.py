@@ -107,7 +107,8 @@ class ReadMixin:
                 e = self._wait_for(key, timeout, promote=False)
                 size = e.size - offset if want is None else want
                 if offset + size > e.size:
-                    raise InvalidValue(f"size: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
+                    what = "offset" if offset > e.size else "size"  # the one that is wrong whatever the other says
+                    raise InvalidValue(f"{what}: range [{offset}, {offset + size}) is outside {key!r} ({e.size} bytes)")
                 if e.loc is not None:
                     break
                 try:
