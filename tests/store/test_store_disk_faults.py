@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from kvstrata.errors import CapacityError, ClosedError, KeyNotFound, ServerError
-from kvstrata.store import ObjectStore
+from kvstrata.store import ObjectStore, WriteMode
 from kvstrata.store.tiers import disk as disk_mod
 from kvstrata.store.tiers.disk import DiskTier, file_name
 
@@ -585,3 +585,33 @@ def test_concurrent_faulty_writes_keep_the_ssd_accounts_straight(tmp_path, make_
     st = disk.stats()
     assert (st["reserved"], st["used"], st["files"]) == (0, 0, 0)
     s.close()
+
+
+def test_write_back_is_refused_when_the_file_system_has_no_room_for_what_is_held(tmp_path, make_config, monkeypatch):
+    """Session 38's crash audit: --disk-size counts only kvstrata's files, so with another program filling the SSD's
+    file system, write-back writes were acknowledged, their flushes failed with ENOSPC, and they were lost at shutdown.
+    A write-back write now checks the file system has room for every file held for writing."""
+    s = _quiet(ObjectStore(make_config(tmp_path)))
+    try:
+        real = os.statvfs
+
+        def room(free: int):
+            def statvfs(path):
+                st = real(path)
+                return os.statvfs_result((st.f_bsize, 1, st.f_blocks, free, free, *tuple(st)[5:]))
+
+            return statvfs
+
+        monkeypatch.setattr(disk_mod.os, "statvfs", room(disk_mod.FS_MARGIN_BYTES + 250 * KB))
+        s.put("wb/0", b"a" * (100 * KB), write_mode=WriteMode.WRITE_BACK)
+        s.put("wb/1", b"b" * (100 * KB), write_mode=WriteMode.WRITE_BACK)
+        with pytest.raises(CapacityError, match="file system"):
+            s.put("wb/2", b"c" * (100 * KB), write_mode=WriteMode.WRITE_BACK)
+        assert not s.exists(["wb/2"])[0]
+        s.put("mem/0", b"m" * (100 * KB))  # other modes do not hold SSD room
+        s.flush()  # what was acknowledged is written
+        monkeypatch.setattr(disk_mod.os, "statvfs", real)
+        s.put("wb/2", b"c" * (100 * KB), write_mode=WriteMode.WRITE_BACK)  # room again
+        assert s.get_bytes("wb/2") == b"c" * (100 * KB) and s._disk.stats()["reserved"] > 0
+    finally:
+        s.close()

@@ -257,6 +257,14 @@ class WriteMixin:
                 f"SSD tier full: {nbytes} bytes needed to write {key!r} back, {disk.used} of {disk.capacity} used "
                 f"and {disk.stats()['reserved']} reserved"
             )
+        short = disk.fs_shortfall()
+        if short:
+            disk.unreserve(nbytes)
+            raise CapacityError(
+                f"no room on the SSD tier's file system ({disk.directory}) to write {key!r} back: {short} bytes "
+                f"short of the {disk.stats()['reserved'] + nbytes} its files held for writing need (another program "
+                f"fills it, or --disk-size is larger than the room there)"
+            )
         return nbytes
 
     def _drop_disk_hold(self, e: Entry) -> None:
