@@ -615,3 +615,35 @@ def test_write_back_is_refused_when_the_file_system_has_no_room_for_what_is_held
         assert s.get_bytes("wb/2") == b"c" * (100 * KB) and s._disk.stats()["reserved"] > 0
     finally:
         s.close()
+
+
+def test_deletes_and_expiries_of_write_through_keys_reach_the_device(tmp_path, make_config, monkeypatch):
+    """Session 38's crash audit (code reading): a write-through version's create was fsynced with its folder, its
+    delete and its expiry change were not, so after a power loss an acknowledged delete could come back. A failing
+    folder sync after the unlink still deletes the key (the file is gone; only its durability is in doubt)."""
+    s = _quiet(ObjectStore(make_config(tmp_path)))
+    try:
+        synced_dirs: list[str] = []
+        synced_files: list[int] = []
+        real_dir, real_fsync = disk_mod._fsync_dir, disk_mod.os.fsync
+        monkeypatch.setattr(disk_mod, "_fsync_dir", lambda path: synced_dirs.append(path) or real_dir(path))
+        monkeypatch.setattr(disk_mod.os, "fsync", lambda fd: synced_files.append(fd) or real_fsync(fd))
+        s.put("wt", b"w" * KB, write_mode=WriteMode.WRITE_THROUGH)
+        s.put("wb", b"b" * KB, write_mode=WriteMode.WRITE_BACK)
+        s.flush()
+        synced_dirs.clear(), synced_files.clear()
+        assert s.expire("wt", 60)
+        assert len(synced_files) == 1  # the header's new expiry, on the device
+        assert s.delete(["wt"]) == [True]
+        assert synced_dirs == [str(s._disk.directory)]  # the unlink, on the device
+        assert s.delete(["wb"]) == [True] and len(synced_dirs) == 1  # write-back promises no more than a clean stop
+
+        def failing(path):
+            raise OSError(errno.EIO, "folder sync failed")
+
+        s.put("wt2", b"w" * KB, write_mode=WriteMode.WRITE_THROUGH)
+        monkeypatch.setattr(disk_mod, "_fsync_dir", failing)
+        assert s.delete(["wt2"]) == [True]
+        assert not s.exists(["wt2"])[0] and "wt2" not in s._disk.index and _files(tmp_path) == []
+    finally:
+        s.close()

@@ -351,8 +351,8 @@ class DiskTier(Tier):
                 head = _HEADER.pack(*fields)
                 f.seek(0)
                 f.write(head + _CRC.pack(xxhash.xxh32_intdigest(head + key_raw)))
-                if self._sync:
-                    os.fsync(f.fileno())
+                if self._sync or mode is WriteMode.WRITE_THROUGH:
+                    os.fsync(f.fileno())  # a durable version's expiry survives a power loss too
         except FileNotFoundError as exc:
             raise CorruptData(f"{path}: object file is missing") from exc
         rec.expires_at = expires_at
@@ -375,6 +375,12 @@ class DiskTier(Tier):
             pass
         except OSError as exc:
             raise ServerError(f"SSD tier: cannot delete the file of {key!r} in {self.directory}: {exc}") from exc
+        else:
+            if self._sync or rec.mode is WriteMode.WRITE_THROUGH:
+                try:
+                    _fsync_dir(self.directory)  # a durable version's delete survives a power loss too
+                except OSError as exc:  # the file is gone from the folder: only its durability is in doubt
+                    log.warning("disk tier: the folder's fsync after deleting %r's file failed: %s", key, exc)
         del self.index[key]
         self._used -= rec.nbytes
         return True
