@@ -62,7 +62,7 @@ def test_a_write_short_of_room_gets_the_leases_idle_caches_keep(worker, readers)
     with kvstrata.connect(worker.address, timeout=5) as writer:
         used = worker.stats()["tiers"]["memory"]["used"]
         assert used >= READERS * 2 * MB  # 28 of 32 MiB, every object leased
-        writer.set("new", np.full(6 * MB, 7, dtype=np.uint8), write_mode="evictable")
+        writer.set("new", np.full(6 * MB, 7, dtype=np.uint8))  # (memory mode: never evicted, no SSD here)
         assert np.array_equal(np.frombuffer(writer.get("new"), dtype=np.uint8), np.full(6 * MB, 7, dtype=np.uint8))
     # the caches gave everything back; a reader's next get asks the worker (the evicted keys miss, the others read)
     assert worker.stats()["leases"] <= READERS

@@ -78,6 +78,7 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         self._listeners: list[Callable[[SharedSegment], None]] = []
         self._retire_listeners: list[Callable[[int], None]] = []  # told of each segment retired (its index)
         self._reclaim: Callable[[], None] | None = None  # asks clients for their caches' leases (set_reclaim)
+        self._reclaim_until = 0.0  # the end of the last window writes waited in for those leases (tiering)
         self._placements: PlacementTable | None = None  # where sealed objects lie, for clients' copies
         self._announce_lock = threading.RLock()
         self._mem = MemoryTier(
@@ -175,10 +176,11 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
                 fn(index)
 
     def set_reclaim(self, fn: Callable[[], None] | None) -> None:
-        """Have an allocation that finds no room but leased objects call ``fn()`` (under this store's lock: quick, no
-        lock) and wait up to :data:`~kvstrata.store.tiering.RECLAIM_WAIT_S`, the lock let go, for leases to come back
-        before it gives up: the worker's :meth:`~kvstrata.server.validity.Validity.ask_reclaim`, which has its
-        clients' local-read caches give back what they keep. None: refuse at once, as without clients."""
+        """Have a write that finds no room but leased objects call ``fn()`` (under this store's lock: quick, no lock)
+        and wait up to :data:`~kvstrata.store.tiering.RECLAIM_WAIT_S`, the lock let go, for leases to come back
+        before it gives up (refused at once for a while after a wait that did not help): the worker's
+        :meth:`~kvstrata.server.validity.Validity.ask_reclaim`, which has its clients' local-read caches give back
+        what they keep. None: refuse at once, as without clients."""
         with self._lock:
             self._reclaim = fn
 

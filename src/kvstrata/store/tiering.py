@@ -35,12 +35,15 @@ MOVE_POLL_S = 0.0005
 #: how long a value larger than a segment waits for other writes in progress to seal (their blocks keep a segment
 #: from being emptied for it) before it is refused
 LARGE_WAIT_S = 2.0
-#: how long an allocation that found no room but leased objects waits for the leases that clients' local-read caches
-#: keep to come back, once asked (:meth:`~kvstrata.store.ObjectStore.set_reclaim`), and how often it looks meanwhile
-RECLAIM_WAIT_S = 0.5
+#: how long a write that found no room but leased objects waits for the leases clients' local-read caches keep to come
+#: back, once they were asked (:meth:`~kvstrata.store.ObjectStore.set_reclaim`: each client's keeper looks every
+#: 10 ms), and how often it looks meanwhile. Writes failing at the same time wait within the same window ...
+RECLAIM_WAIT_S = 0.1
 RECLAIM_POLL_S = 0.002
-#: ... giving up sooner once no lease came back for this long (a keeper looks every 10 ms)
-RECLAIM_QUIET_S = 0.05
+#: ... and for this long after a window that ended with a write still refused, writes are refused at once, as before
+#: the caches were asked: memory full of leases in use (readers copying, views held) is not waited for again and
+#: again (a churn of 1 MiB values in 16 MiB among busy readers, tests/test_worker_e2e.py, slowed to a crawl)
+RECLAIM_COOLDOWN_S = 1.0
 #: at most one info line this often sums up the spills, evictions and promotions since the last one
 #: (each is logged at debug level)
 MOVES_REPORT_S = 10.0
@@ -64,23 +67,41 @@ class TieringMixin:
     """Eviction, spill, promotion and flush mechanics of the engine (see the module docstring)."""
 
     # -- DRAM allocation and eviction --------------------------------------------------------------
-    def _allocate(self, size: int) -> Location:
+    def _allocate(self, size: int, *, reclaim: bool = True) -> Location:
         """A DRAM range of ``size`` bytes, evicting as needed (and waiting, up to :data:`MOVE_WAIT_S`, for objects
-        another thread is writing to SSD, which can be dropped then). Under the lock; may release the lock."""
+        another thread is writing to SSD, which can be dropped then; and, where ``reclaim``, up to
+        :data:`RECLAIM_WAIT_S` for the leases clients' caches keep). Under the lock; may release the lock."""
         if size == 0:
             return ZERO_LOCATION
         mem = self._mem
         own = mem.own_segment_bytes(size)  # larger than a segment: it needs a segment of its own
         if not own:
-            return self._allocate_in(size, 0)
+            return self._allocate_in(size, 0, reclaim)
         try:
-            return self._allocate_in(size, own)
+            return self._allocate_in(size, own, reclaim)
         finally:
             mem.drain(())  # the segments emptied for it take small writes again (or were retired)
 
-    def _allocate_in(self, size: int, own: int) -> Location:
+    def _reclaim_wait(self) -> bool:
+        """For an allocation that found no room but leased objects: whether to wait a moment (the lock let go) and
+        look again, having asked the clients' caches for their leases where no window is open (:data:`RECLAIM_WAIT_S`;
+        none for :data:`RECLAIM_COOLDOWN_S` after a window that ended with a write refused). Under the lock."""
+        now = time.monotonic()
+        if now >= self._reclaim_until:
+            if self._reclaim_until and now - self._reclaim_until < RECLAIM_COOLDOWN_S:
+                return False  # the last window did not make room: refuse at once for a while
+            self._reclaim_until = now + RECLAIM_WAIT_S
+            self._reclaim()  # type: ignore[misc]
+        self._lock.release()
+        try:
+            time.sleep(RECLAIM_POLL_S)
+        finally:
+            self._lock.acquire()
+        return True
+
+    def _allocate_in(self, size: int, own: int, reclaim: bool = True) -> Location:
         mem = self._mem
-        deadline = reclaim_deadline = None
+        deadline = None
         while True:
             loc = mem.allocate(size)
             if loc is not None:
@@ -107,25 +128,10 @@ class TieringMixin:
                     finally:
                         self._lock.acquire()
                     continue
-            if self._reclaim is not None and self._leases:
-                # Leases may be all that holds the room: the clients' local-read caches keep some for reads with no
-                # round trip, and give them back when asked (their keeper threads look every few milliseconds). The
-                # wait ends once no lease came back for RECLAIM_QUIET_S: a full store of other objects is refused
-                # about that much later than it was.
-                now = time.monotonic()
-                leased = len(self._leases)
-                if reclaim_deadline is None:
-                    reclaim_deadline, last_leased, quiet_since = now + RECLAIM_WAIT_S, leased, now
-                    self._reclaim()
-                elif leased < last_leased:
-                    last_leased, quiet_since = leased, now
-                if now < reclaim_deadline and now - quiet_since < RECLAIM_QUIET_S:
-                    self._lock.release()
-                    try:
-                        time.sleep(RECLAIM_POLL_S)
-                    finally:
-                        self._lock.acquire()
-                    continue
+            # Leases may be all that holds the room: the clients' local-read caches keep some for reads with no round
+            # trip, and give them back when asked (a promotion does not wait: its read is served from SSD instead)
+            if reclaim and self._reclaim is not None and self._leases and self._reclaim_wait():
+                continue
             if own:
                 raise CapacityError(
                     f"no room for {size} bytes: a value larger than a segment ({self.config.segment_bytes} bytes) "
@@ -461,7 +467,7 @@ class TieringMixin:
         """
         e.loading = True
         try:
-            loc = self._allocate(e.size)
+            loc = self._allocate(e.size, reclaim=False)
         except BaseException:
             e.loading = False
             self._notify(e.key)
