@@ -8,6 +8,9 @@ client keeps its registrations, the retired pages stay page-locked: the host is 
 lives. The client then closes, and the host is sampled once more (every page it held goes back).
 
     PYTHONPATH=src python3 tools/probe_retired_pages.py [--out FILE.json]
+
+The values are evictable: some may be evicted above the high watermark before the GPU read (its JSON says whether
+every read found its key, and how many segments the client registered).
 """
 
 from __future__ import annotations
