@@ -21,3 +21,7 @@ STORE_COUNTERS = (  # stats that only grow; the worker's metrics export them as 
     "reservations",  # write reservations granted (store.reservations)
     "carved",  # objects committed out of write reservations
 )
+
+TIER_COUNTERS = (  # a tier's stats (store.stats()["tiers"][name]) that only grow: kvstrata_tier_<name>_total
+    "retired_segments",  # the memory tier's segments emptied for a value larger than a segment (never un-retired)
+)

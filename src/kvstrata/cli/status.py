@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from typing import Any
 
 from kvstrata.errors import InvalidArgument, KvstrataError
@@ -32,50 +33,75 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        stats, address = fetch_stats(args.address, timeout=args.timeout)
+        # --prometheus: what a scraper sees at the worker's /metrics, where this command is no client
+        stats, address = fetch_stats(args.address, timeout=args.timeout, leave_out_self=args.prometheus)
     except InvalidArgument as exc:  # (an empty --address, say): nothing to wait for
         print(f"kvstrata status: {exc}", file=sys.stderr)
         return 2
     except KvstrataError as exc:
         print(f"kvstrata status: no worker reachable: {exc}", file=sys.stderr)
         return 1
-    if args.prometheus:  # what a scraper sees at the worker's /metrics: this command is no client of it
-        sys.stdout.write(to_prometheus(without_self(stats)))
+    if args.prometheus:
+        sys.stdout.write(to_prometheus(stats))
     else:
         print(render(stats, address))
     return 0
 
 
-def fetch_stats(address: str | None = None, *, timeout: float = 2.0) -> tuple[dict[str, Any], str]:
+def fetch_stats(
+    address: str | None = None, *, timeout: float = 2.0, leave_out_self: bool = False
+) -> tuple[dict[str, Any], str]:
     """The worker's stats and its address, through a bare connection: no shared memory is mapped and the
-    client SDK (with torch) is not imported, so the command answers in a fraction of a second. The stats count and
-    list this command's own connection among the clients (:func:`without_self` takes it out)."""
+    client SDK (with torch) is not imported, so the command answers in a fraction of a second.
+
+    ``timeout`` bounds the connection, the handshake and the stats together. The stats count and list this
+    command's own connection among the clients, unless ``leave_out_self`` (see :func:`without_self`).
+    """
+    from kvstrata.errors import Timeout
     from kvstrata.server import protocol as P
     from kvstrata.server.config import worker_address
     from kvstrata.transport import connect
 
     address = worker_address(address)
+    deadline = time.monotonic() + timeout
     with connect(address, timeout=timeout, hello={"shm": False, "name": "kvstrata status"}) as conn:
         conn.send({"op": "stats"})
-        reply, fds = conn.recv(timeout=timeout)
+        try:  # (a handshake that took it all still gets a moment: the reply may be there already)
+            reply, fds = conn.recv(timeout=max(deadline - time.monotonic(), 0.001))
+        except Timeout:
+            raise Timeout(f"the worker at {address} did not send its stats within {timeout:g} s") from None
         for fd in fds:  # none are sent for this request; never leak one if a worker does
             os.close(fd)
         conn.send({"op": "bye"})  # a clean close: the worker's log would call an unannounced one a crash
     if "err" in reply:
         raise P.error_from_record(reply["err"])
-    return reply["stats"], address
+    stats = reply["stats"]
+    return (without_self(stats, reply.get("asker")) if leave_out_self else stats), address
 
 
-def without_self(stats: dict[str, Any]) -> dict[str, Any]:
-    """``stats`` with this process's connection (the one that asked for them) taken out of the clients."""
+def without_self(stats: dict[str, Any], asker: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``stats`` with the connection that asked for them taken out of the clients.
+
+    ``asker`` is that connection as the worker's stats reply describes it (name, pid, whether ``clients``
+    counts it): it is taken out of the count even where the client list, cut short by the worker, does not name it.
+    None (a worker that does not describe it): the connections listed with this process's pid are taken out.
+    """
     listed = stats.get("client_list") or []
-    mine = [c for c in listed if isinstance(c, dict) and c.get("pid") == os.getpid()]
-    if not mine:  # (a worker that does not list it)
+    if asker is None:
+        mine = [c for c in listed if isinstance(c, dict) and c.get("pid") == os.getpid()]
+        counted = len(mine)
+    elif asker.get("counted"):
+        me = (asker.get("name"), asker.get("pid"))
+        mine = [c for c in listed if isinstance(c, dict) and (c.get("name"), c.get("pid")) == me][:1]
+        counted = 1
+    else:  # (a device-object link's connection: not counted as a client)
+        return stats
+    if not counted:
         return stats
     return {
         **stats,
-        "clients": max(0, stats.get("clients", 0) - len(mine)),
-        "client_list": [c for c in listed if c not in mine],
+        "clients": max(0, stats.get("clients", 0) - counted),
+        "client_list": [c for c in listed if not any(c is m for m in mine)],
     }
 
 

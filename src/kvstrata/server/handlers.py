@@ -356,7 +356,10 @@ def _refcount(s: Session, msg: dict) -> dict:
 
 
 def _stats(s: Session, msg: dict) -> dict:
-    return {"stats": s.worker.stats()}
+    # "asker": the connection that asked, as the stats count it, so that it can leave itself out of them
+    # (kvstrata status --prometheus) even where the client list, cut short, does not name it
+    asker = {"name": s.name, "pid": s.pid, "counted": not s.devobj_link}
+    return {"stats": s.worker.stats(), "asker": asker}
 
 
 def _flush(s: Session, msg: dict) -> dict:

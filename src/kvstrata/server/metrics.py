@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from kvstrata.stat_names import STORE_COUNTERS
+from kvstrata.stat_names import STORE_COUNTERS, TIER_COUNTERS
 
 # Stats that only grow (Prometheus counters): the store's own (kvstrata.stat_names.STORE_COUNTERS, kept apart
 # from the store package, which imports torch: `kvstrata status --prometheus` must not), plus the worker's; the
@@ -44,7 +44,8 @@ WORKER_COUNTERS = frozenset(
 )
 
 
-COUNTERS = WORKER_COUNTERS | frozenset(STORE_COUNTERS)
+# A tier's counters by their full stat name, as a tier's stat is looked up (tier_retired_segments).
+COUNTERS = WORKER_COUNTERS | frozenset(STORE_COUNTERS) | frozenset(f"tier_{name}" for name in TIER_COUNTERS)
 
 
 def counters() -> frozenset[str]:

@@ -344,7 +344,10 @@ class Session:
         except (KeyNotFound, KeyExists, Timeout) as exc:  # answers, not faults (the store counts misses)
             reply = P.error_record(exc)
         except (KvstrataError, ValueError, TypeError, KeyError) as exc:
-            self.worker.counters["errors"] += 1
+            # (a wait whose client was killed, or whose connection the worker closed, ends with ClosedError: no request
+            # was refused, and nobody hears of it)
+            if not (isinstance(exc, ClosedError) and self.client_gone()):
+                self.worker.counters["errors"] += 1
             reply = P.error_record(exc)
         except Exception as exc:  # a bug: say so, keep serving
             self.worker.counters["errors"] += 1
