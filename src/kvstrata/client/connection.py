@@ -98,6 +98,7 @@ class WorkerConnection:
         self._deferred_aborts: collections.deque[str] = collections.deque()
         self._pid = PID[0]
         self._there_until = 0.0  # the worker was seen there at a moment less than WORKER_SEEN_S before this
+        self._readable: Any = None  # a poll object on the connection's socket, made on _worker_there's first call
         self._broken = ""
         self._closed = False
         fds = list(self._conn.handshake_fds)
@@ -335,7 +336,10 @@ class WorkerConnection:
         now = time.monotonic()
         if now < self._there_until:
             return True  # seen there a moment ago (a device call's stages ask one after another)
-        if select.select([self._conn.fileno()], [], [], 0)[0]:
+        if self._readable is None:  # (poll, not select: select cannot take a descriptor numbered 1024 or more)
+            self._readable = select.poll()
+            self._readable.register(self._conn.fileno(), select.POLLIN)
+        if self._readable.poll(0):
             return False
         self._there_until = now + WORKER_SEEN_S
         return True

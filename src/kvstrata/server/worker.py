@@ -37,6 +37,7 @@ from kvstrata.server.validity import SLOTS, SLOTS_OFFSET, SPIN_HINT_OFFSET, Vali
 from kvstrata.store.placements import BUCKETS as PLACEMENT_BUCKETS
 from kvstrata.store.placements import PlacementTable
 from kvstrata.transport import Connection, Listener, listen
+from kvstrata.transport.core import OUT_OF_FDS_ERRNOS, HelloRefused, out_of_fds_reason
 from kvstrata.transport.stream import MAX_FDS
 
 log = logging.getLogger("kvstrata.worker")
@@ -297,6 +298,26 @@ class Worker:
         log.info("memory tier grew: %d segments, newest %s", len(self._store.segments), _fmt(segment.nbytes))
 
     def _on_hello(self, conn: Connection, hello: dict) -> tuple[dict, list[int]]:
+        """The welcome's fields and descriptors for a new client, whose session this lists.
+
+        A worker out of descriptors (the client's lane could not be made) turns the client away with the reason
+        (:class:`HelloRefused`) and goes on serving the others.
+        """
+        try:
+            return self._welcome(conn, hello)
+        except OSError as exc:
+            if exc.errno not in OUT_OF_FDS_ERRNOS:
+                raise
+            session = getattr(conn, "session", None)
+            conn.session = None  # type: ignore[attr-defined]
+            if session is not None and session.lane is not None:  # (made before what failed)
+                session.lane.close()
+                session.lane = None
+            with self._lock:
+                n = len(self._sessions)
+            raise HelloRefused(out_of_fds_reason(exc, f": {n} clients connected")) from exc
+
+    def _welcome(self, conn: Connection, hello: dict) -> tuple[dict, list[int]]:
         session = Session(self, conn, hello)
         conn.session = session  # type: ignore[attr-defined]
         reply: dict = {"inline_max": P.INLINE_MAX, "max_batch": P.MAX_BATCH, "columns": 1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -10,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstrata.errors import InvalidValue, KvstrataError, ProtocolError, TransportError
+from kvstrata.errors import ConnectionLost, InvalidValue, KvstrataError, ProtocolError, TransportError
 from kvstrata.transport.base import PROTOCOL_VERSION, Connection, Handler, Listener, Message, get_backend
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,11 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection has to send its whole hello
 #: The largest hello a listener reads. Until its handshake a peer is nobody: it must not get to make the
 #: listener hold a frame of the 1 GiB any frame may have (clients' hellos are a few hundred bytes).
 HELLO_MAX_BYTES = 1 << 16
+#: at most one warning per this many seconds about clients turned away for want of resources (a burst of clients
+#: past the worker's descriptor limit would otherwise log a line each)
+REFUSAL_LOG_EVERY_S = 10.0
+#: errors that say the process (EMFILE) or the system (ENFILE) has no descriptor left to give
+OUT_OF_FDS_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
 
 # What a connect attempt may meet that heals by itself: nothing listening yet, the socket file not there
 # yet, a reset, a timeout, and a full accept backlog (a unix socket's connect fails with EAGAIN at once then).
@@ -33,6 +39,50 @@ _RETRIED_CONNECT_ERRORS = (
     BlockingIOError,
     InterruptedError,
 )
+
+
+class HelloRefused(TransportError):
+    """Raised by a listener's ``on_hello`` hook to turn a client away for now (the worker out of file descriptors):
+    the client's ``connect`` raises :class:`~kvstrata.errors.ConnectionLost` with this message as the reason."""
+
+
+def out_of_fds_reason(exc: OSError, detail: str = "") -> str:
+    """What a client turned away for want of descriptors is told: whose limit ran out and how to raise it.
+
+    ``exc``: the EMFILE or ENFILE error; ``detail``: what the server adds (how many clients it holds).
+    """
+    if exc.errno == errno.ENFILE:
+        return f"the worker's system is out of file descriptors (ENFILE){detail}; raise fs.file-max (sysctl)"
+    try:
+        import resource
+
+        limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+    except (ImportError, OSError, ValueError):
+        limit = ""
+    return f"worker out of file descriptors (EMFILE){detail}; raise its ulimit -n{limit}"
+
+
+class _RefusalLog:
+    """One warning per :data:`REFUSAL_LOG_EVERY_S` about clients turned away, counting those it stood for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._unlogged = 0
+        self._logged_at = -REFUSAL_LOG_EVERY_S
+
+    def note(self, address: str, why: str) -> None:
+        with self._lock:
+            self._unlogged += 1
+            now = time.monotonic()
+            if now - self._logged_at < REFUSAL_LOG_EVERY_S:
+                return
+            count, self._unlogged, self._logged_at = self._unlogged, 0, now
+        log.warning(
+            "turned away %d client(s) on %s since the last warning: %s; still serving the others", count, address, why
+        )
+
+
+_refusals = _RefusalLog()
 
 
 def connect(
@@ -99,6 +149,8 @@ def _client_handshake(conn: Connection, hello: Message, timeout: float) -> None:
         for fd in fds:
             os.close(fd)
         why = reply.get("error") or f"unexpected reply {reply!r:.200}"
+        if reply.get("op") == "refused" and reply.get("busy"):  # turned away for now (out of descriptors)
+            raise ConnectionLost(f"{conn.address} turned the connection away: {why}")
         raise ProtocolError(f"{conn.address} refused the handshake: {why}")
     conn.peer_info = reply
     conn.handshake_fds = fds
@@ -127,7 +179,16 @@ def _server_handshake(
             pass
         return False
     conn.peer_info = hello
-    extra, reply_fds = on_hello(conn, hello) if on_hello else ({}, ())
+    try:
+        extra, reply_fds = on_hello(conn, hello) if on_hello else ({}, ())
+    except HelloRefused as exc:
+        _turn_away(conn, str(exc))
+        return False
+    except OSError as exc:
+        if exc.errno not in OUT_OF_FDS_ERRNOS:
+            raise
+        _turn_away(conn, out_of_fds_reason(exc))  # (what the hook opened for the client failed: it holds nothing)
+        return False
     try:
         conn.send({**extra, "op": "welcome", "protocol": PROTOCOL_VERSION, "pid": os.getpid()}, reply_fds)
     except BaseException:
@@ -136,6 +197,15 @@ def _server_handshake(
             on_abandon(conn)
         raise
     return True
+
+
+def _turn_away(conn: Connection, why: str) -> None:
+    """Tell a client why it cannot be served now (its connect raises ConnectionLost saying so); one warning a burst."""
+    _refusals.note(conn.address, why)
+    try:
+        conn.send({"op": "refused", "error": why, "busy": True})
+    except KvstrataError:  # gone already
+        pass
 
 
 def listen(

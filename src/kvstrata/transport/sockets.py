@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -25,7 +26,8 @@ from typing import Any
 
 from kvstrata.errors import InvalidValue, TransportError
 from kvstrata.transport.base import Backend, Handler, Listener, register_backend, split_address
-from kvstrata.transport.stream import StreamConnection
+from kvstrata.transport.core import OUT_OF_FDS_ERRNOS, out_of_fds_reason
+from kvstrata.transport.stream import StreamConnection, encode_frame
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,11 @@ _ACCEPT_TRANSIENT_ERRNOS = _ACCEPT_OUT_OF_RESOURCES | frozenset(
     if hasattr(errno, name)
 )  # fmt: skip
 ACCEPT_RETRY_S = 0.05  # the accept loop's pause when out of descriptors or memory
+#: how long the accept loop waits for a client it turns away to send its hello (a few ms after its connect)
+TURN_AWAY_HELLO_WAIT_MS = 100
+#: the most bytes a client turned away at accept may have sent (its hello) that are read and dropped before the refusal,
+#: so that closing the socket does not reset the connection under the refusal (TCP)
+_TURNED_AWAY_READ_MAX = 1 << 16
 ACCEPT_LOG_EVERY_S = 10.0  # at most one warning per this many seconds of failed accepts
 
 # TCP keepalive: an idle connection is probed after KEEPIDLE s, every KEEPINTVL s, and dropped after
@@ -95,6 +102,9 @@ class StreamListener(Listener):
         self._cleanup_path = cleanup_path
         self._cleanup_id = cleanup_id
         self._stopped = threading.Event()
+        # A descriptor held in reserve: out of descriptors, accept() leaves clients waiting in the backlog until
+        # their connect times out with no reason given, so it is given up to take one at a time and tell it why.
+        self._spare_fd = _open_spare()
         # A timeout lets the loop notice stop(): closing a socket does not wake accept() on Linux.
         sock.settimeout(0.2)
         self._thread = threading.Thread(target=self._run, name=f"kvstrata-accept {address}", daemon=True)
@@ -105,7 +115,7 @@ class StreamListener(Listener):
         return self._address
 
     def _run(self) -> None:
-        failures, logged_at = 0, -ACCEPT_LOG_EVERY_S
+        failures, turned_away, logged_at = 0, 0, -ACCEPT_LOG_EVERY_S
         while not self._stopped.is_set():
             try:
                 conn, _ = self._sock.accept()
@@ -118,16 +128,20 @@ class StreamListener(Listener):
                     log.error("stopped accepting on %s: %s", self._address, exc)
                     return
                 failures += 1
+                turned = exc.errno in OUT_OF_FDS_ERRNOS and self._turn_away_one(out_of_fds_reason(exc))
+                turned_away += turned
                 now = time.monotonic()
                 if now - logged_at >= ACCEPT_LOG_EVERY_S:
                     log.warning(
-                        "accept on %s failed (%d time(s) since the last warning): %s; still accepting",
+                        "accept on %s failed (%d time(s) since the last warning, %d client(s) turned away with the "
+                        "reason): %s; still accepting",
                         self._address,
                         failures,
+                        turned_away,
                         exc,
                     )
-                    failures, logged_at = 0, now
-                if exc.errno in _ACCEPT_OUT_OF_RESOURCES:
+                    failures, turned_away, logged_at = 0, 0, now
+                if not turned and exc.errno in _ACCEPT_OUT_OF_RESOURCES:  # (a pause, not a spin, until some free)
                     self._stopped.wait(ACCEPT_RETRY_S)
                 continue
             try:
@@ -138,11 +152,52 @@ class StreamListener(Listener):
                 log.warning("dropped a connection on %s: %s", self._address, exc)
                 conn.close()
 
+    def _turn_away_one(self, why: str) -> bool:
+        """Accept one waiting client on the spare descriptor and tell it ``why`` it cannot be served (its connect
+        raises ConnectionLost saying so); whether one was. The spare is taken again after (if another thread took
+        the descriptor meanwhile, the loop pauses as it did without one, and tries to take it back next time)."""
+        if self._spare_fd is None:
+            self._spare_fd = _open_spare()
+            return False
+        probe = _open_spare()
+        if probe is not None:  # descriptors are free again (others let theirs go): the next accept serves the client
+            os.close(probe)
+            return False
+        os.close(self._spare_fd)
+        self._spare_fd = None
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:  # gone, or the descriptor went to another thread
+            self._spare_fd = _open_spare()
+            return False
+        try:
+            # Its hello first (a client connects, then sends it): refused before it came, the client's send fails
+            # (a broken pipe, no reason); left unread, a TCP close resets the connection under the refusal
+            waiter = select.poll()
+            waiter.register(conn.fileno(), select.POLLIN)
+            waiter.poll(TURN_AWAY_HELLO_WAIT_MS)
+            conn.setblocking(False)
+            for _ in range(_TURNED_AWAY_READ_MAX // 4096):
+                if not conn.recv(4096):
+                    break
+        except OSError:  # (BlockingIOError: all read)
+            pass
+        try:
+            conn.send(encode_frame({"op": "refused", "error": why, "busy": True}))
+        except OSError:
+            pass
+        conn.close()
+        self._spare_fd = _open_spare()  # (the client's descriptor, let go just now)
+        return True
+
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
         self._thread.join(timeout=2)
+        if self._spare_fd is not None and not self._thread.is_alive():  # (a loop still running may swap it)
+            os.close(self._spare_fd)
+            self._spare_fd = None
         # (compared while this socket holds its file's inode: another file at the path cannot have its number)
         ours = self._cleanup_path is not None and _is_file(self._cleanup_path, self._cleanup_id)
         self._sock.close()
@@ -152,6 +207,14 @@ class StreamListener(Listener):
             log.info(
                 "left %s in place: it is no longer this listener's socket (another took the path)", self._cleanup_path
             )
+
+
+def _open_spare() -> int | None:
+    """A descriptor to hold in reserve (:class:`StreamListener`), or None where none is left."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _unix_path(address: str) -> str:

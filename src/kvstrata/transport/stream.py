@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import collections
+import errno
 import math
 import mmap
 import os
@@ -47,6 +48,9 @@ _BUF_BYTES = 2 * _READ_CHUNK  # the read buffer: any frame up to _READ_CHUNK fit
 # A spin that makes _fill try one non-blocking read before it waits: the rest of a frame begun has usually come.
 _ONE_POLL = 1e-9
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+# Waits go through poll(2), not select(2): select cannot take a descriptor numbered 1024 or more (FD_SETSIZE), which
+# a worker with a thousand clients, or a client process with many files open, hands out.
+_POLL_LONGEST_MS = (1 << 31) - 1  # poll's timeout is a C int of milliseconds: a longer wait ends there (24 days)
 
 
 #: MAP_NORESERVE (Linux): a large frame's buffer is charged to memory only as its bytes arrive
@@ -83,6 +87,12 @@ def unpack(payload: bytes | memoryview) -> Message:
     return msg
 
 
+def encode_frame(msg: Message) -> bytes:
+    """A whole frame carrying ``msg`` and no descriptors: what a socket with no connection made for it sends."""
+    payload = pack(msg)
+    return _HEADER.pack(len(payload), 0) + payload
+
+
 class StreamConnection(Connection):
     """A :class:`Connection` over a connected stream socket (AF_UNIX or AF_INET/6)."""
 
@@ -107,6 +117,9 @@ class StreamConnection(Connection):
         # timed out halfway so that the next recv continues it: the stream never loses its place.
         self._large: _LargeFrame | None = None
         sock.settimeout(None)
+        # One poll object for the connection's life: its timed waits register nothing anew
+        self._readable = select.poll()
+        self._readable.register(sock.fileno(), select.POLLIN)
 
     @property
     def address(self) -> str:
@@ -120,7 +133,7 @@ class StreamConnection(Connection):
         return self._sock.fileno()
 
     def buffered(self) -> bool:
-        """Whether bytes read from the socket wait in this connection's buffer (``select`` cannot see them)."""
+        """Whether bytes read from the socket wait in this connection's buffer (a poll of the socket misses them)."""
         return self._rpos != self._rend
 
     def _check_open(self) -> None:
@@ -303,12 +316,12 @@ class StreamConnection(Connection):
                 if timeout is None:
                     ready = True
                 else:
-                    if timeout > 0:  # (next to a select that may sleep, a clock read costs nothing)
+                    if timeout > 0:  # (next to a poll that may sleep, a clock read costs nothing)
                         waited_since = time.monotonic()
-                    ready = select.select([self._sock], [], [], max(timeout, 0))[0]
+                    ready = self._wait_readable(timeout)
                 if ready:
                     got = self._sock.recvmsg_into(into, _ANC_SPACE, _CMSG_FLAGS)
-        except (OSError, ValueError) as exc:  # ValueError: select on a socket closed by another thread
+        except OSError as exc:
             raise self._lost_error(exc if isinstance(exc, OSError) else None) from exc
         if got is None:
             raise Timeout(f"no message from {self._address} within {timeout} s")
@@ -370,12 +383,12 @@ class StreamConnection(Connection):
             if deadline == math.inf:
                 got = self._sock.recv_into(view)
             else:
-                try:  # what has come already, with no select: a large frame's rest mostly has
+                try:  # what has come already, with no poll: a large frame's rest mostly has
                     got = self._sock.recv_into(view, 0, _DONTWAIT)
                 except BlockingIOError:
-                    if select.select([self._sock], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+                    if self._wait_readable(deadline - time.monotonic()):
                         got = self._sock.recv_into(view)
-        except (OSError, ValueError) as exc:  # ValueError: select on a socket closed by another thread
+        except OSError as exc:
             raise self._lost_error(exc if isinstance(exc, OSError) else None) from exc
         if got < 0:
             raise Timeout(
@@ -384,6 +397,17 @@ class StreamConnection(Connection):
         if got == 0:
             raise self._lost_error(None)
         return got
+
+    def _wait_readable(self, timeout: float) -> bool:
+        """Whether the socket became readable (data, end of stream or an error) within ``timeout`` seconds.
+
+        Raises OSError (EBADF) where another thread closed the connection: its descriptor's number may be another
+        file's by now, so it is not waited on.
+        """
+        if self._closed:
+            raise OSError(errno.EBADF, "the connection was closed")
+        ms = 0 if timeout <= 0 else min(math.ceil(timeout * 1000), _POLL_LONGEST_MS)  # (up: never wake early)
+        return bool(self._readable.poll(ms))
 
     def _lost_error(self, exc: OSError | None) -> Exception:
         if self._closed:
