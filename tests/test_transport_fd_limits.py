@@ -205,3 +205,23 @@ def test_worker_out_of_descriptors_turns_clients_away_with_the_reason(tmp_path):
         assert "turned away" in log
     finally:
         worker.stop()
+
+
+def test_a_device_object_waiter_waits_on_descriptors_past_1024(high_fd_room):
+    """The device-object client's waits (kvstrata.devobj.lead.PollRole) watched their connection with select too."""
+    from kvstrata.devobj.lead import PollRole
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    high_a, high_b = os.dup2(a.fileno(), 1510), os.dup2(b.fileno(), 1511)
+    a.close()
+    b.close()
+    role = PollRole(high_b)
+    try:
+        assert not role.wait_readable(0.01) and not role.wait_readable(0.01, spin=0.005)  # nothing there: times out
+        os.write(high_a, b"x")
+        assert role.wait_readable(5) and role.wait_readable(5, spin=0.001)
+    finally:
+        role.close()
+        role.release()
+        os.close(high_a)
+        os.close(high_b)

@@ -25,6 +25,7 @@ released in between, compete with nobody for the GIL).
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import threading
@@ -32,6 +33,8 @@ import time
 from typing import Any
 
 from kvstrata.devobj.futures import SPIN_SLACK_NS, _pause, _slack_set, spin_seconds
+
+_POLL_MAX_MS = 2**31 - 1  # poll()'s timeout is a C int of milliseconds
 
 #: default busy-polling budget of a leading waiter (microseconds), on hosts with enough CPUs: a subscriber
 #: that waits for a publish about to come (the hand-off's shape) sees it without a thread wake-up
@@ -136,13 +139,19 @@ class PollRole:
         self.offers_ready = False
         if buffered is not None and buffered():
             return True
-        fds = [self._fd, self._rfd] if self._offers_fd is None else [self._fd, self._rfd, self._offers_fd]
+        # poll, not select: a process with 1,024 descriptors or more open (data loaders, many files) numbers its new
+        # ones past what select can watch (session 38's audit of many clients). One poll object per wait: a thread
+        # other than the holder never waits here at the same time, but a poll object must never be shared by two.
+        poller = select.poll()
+        for fd in (self._fd, self._rfd) if self._offers_fd is None else (self._fd, self._rfd, self._offers_fd):
+            poller.register(fd, select.POLLIN)
+        ready: set[int] = set()
         if spin > 0.0:
             end = time.monotonic() + (spin if timeout is None else min(spin, timeout))
             slack = _slack_set(SPIN_SLACK_NS)
             try:
                 while True:
-                    ready = select.select(fds, (), (), 0)[0]
+                    ready = {fd for fd, _ in poller.poll(0)}  # (readable, or at EOF / in error: a read says which)
                     if ready:
                         break
                     if time.monotonic() >= end:
@@ -153,10 +162,9 @@ class PollRole:
                     _slack_set(slack)
             if not ready and timeout is not None:
                 timeout = max(0.0, timeout - spin)
-        else:
-            ready = []
         if not ready:
-            ready = select.select(fds, (), (), timeout)[0]
+            wait_ms = None if timeout is None else min(math.ceil(timeout * 1000), _POLL_MAX_MS)  # never early
+            ready = {fd for fd, _ in poller.poll(wait_ms)}
         if self._offers_fd is not None and self._offers_fd in ready:
             self.offers_ready = True
         if self._rfd in ready:
