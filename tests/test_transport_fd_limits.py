@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import kvstrata
-from kvstrata.errors import ConnectionLost
+from kvstrata.errors import ConnectionLost, Timeout
 from kvstrata.transport.stream import StreamConnection
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -225,3 +225,15 @@ def test_a_device_object_waiter_waits_on_descriptors_past_1024(high_fd_room):
         role.release()
         os.close(high_a)
         os.close(high_b)
+
+
+def test_a_timeout_message_shows_its_seconds_to_three_digits():
+    """Session 38's audit saw "no message from ... within 4.999757560999569 s"."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    receiver = StreamConnection(b, "unix://short")
+    try:
+        with pytest.raises(Timeout, match=r"within 0\.0123 s$"):
+            receiver.recv(timeout=0.012345678)
+    finally:
+        receiver.close()
+        a.close()

@@ -354,7 +354,7 @@ class WorkerConnection:
             self._broken = "the worker stopped answering"
             self._conn.close()
             raise ConnectionLost(
-                f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout} s"
+                f"worker at {self.address} did not answer {msg.get('op')!r} within {self.request_timeout:.3g} s"
             ) from None
         except ConnectionLost as exc:
             if self._closed:  # close() ended the wait (see close): the worker ended the connection for it

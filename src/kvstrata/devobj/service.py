@@ -244,7 +244,7 @@ class WorkerBrokerLink:
             except errors.Timeout:
                 # The late reply would answer the next call: this connection is out of step for good.
                 conn.close()
-                raise errors.ConnectionLost(f"device objects: no reply to {op!r} within {timeout} s") from None
+                raise errors.ConnectionLost(f"device objects: no reply to {op!r} within {timeout:.3g} s") from None
             except BaseException:  # interrupted (Ctrl-C, a signal handler's exception): out of step the same way
                 conn.close()
                 raise

@@ -123,7 +123,7 @@ def connect(
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransportError(
-                    f"could not connect to {address} within {timeout} s ({attempt} attempts; last: {exc})"
+                    f"could not connect to {address} within {timeout:.3g} s ({attempt} attempts; last: {exc})"
                 ) from exc
             time.sleep(min(left, delay * random.uniform(0.5, 1.5)))
             delay = min(delay * 2, max_retry_delay)

@@ -80,7 +80,7 @@ class InprocConnection(Connection):
             try:
                 item = self._inbox.get(timeout=timeout)
             except queue.Empty:
-                raise Timeout(f"no message from {self._address} within {timeout} s") from None
+                raise Timeout(f"no message from {self._address} within {timeout:.3g} s") from None
         if item is _CLOSED:
             if self._closed:
                 raise ClosedError(f"connection to {self._address} is closed")

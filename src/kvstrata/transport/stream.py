@@ -87,6 +87,11 @@ def unpack(payload: bytes | memoryview) -> Message:
     return msg
 
 
+def _seconds(timeout: float | None) -> str:
+    """A timeout as a message shows it: three significant digits (not 4.999757560999569)."""
+    return f"{timeout:.3g}" if isinstance(timeout, int | float) else str(timeout)
+
+
 def encode_frame(msg: Message) -> bytes:
     """A whole frame carrying ``msg`` and no descriptors: what a socket with no connection made for it sends."""
     payload = pack(msg)
@@ -324,7 +329,7 @@ class StreamConnection(Connection):
         except OSError as exc:
             raise self._lost_error(exc if isinstance(exc, OSError) else None) from exc
         if got is None:
-            raise Timeout(f"no message from {self._address} within {timeout} s")
+            raise Timeout(f"no message from {self._address} within {_seconds(timeout)} s")
         nbytes, ancdata, flags, _ = got
         if ancdata:
             self._queue_fds(ancdata)
@@ -354,7 +359,8 @@ class StreamConnection(Connection):
             self._fill(max(deadline - time.monotonic(), 0.0), _ONE_POLL)
         except Timeout:
             raise Timeout(
-                f"only part of a message from {self._address} arrived within {timeout} s (the next recv continues it)"
+                f"only part of a message from {self._address} arrived within {_seconds(timeout)} s "
+                "(the next recv continues it)"
             ) from None
 
     def _poll(self, into: list[memoryview], spin: float) -> Any:
@@ -392,7 +398,8 @@ class StreamConnection(Connection):
             raise self._lost_error(exc if isinstance(exc, OSError) else None) from exc
         if got < 0:
             raise Timeout(
-                f"only part of a message from {self._address} arrived within {timeout} s (the next recv continues it)"
+                f"only part of a message from {self._address} arrived within {_seconds(timeout)} s "
+                "(the next recv continues it)"
             )
         if got == 0:
             raise self._lost_error(None)
