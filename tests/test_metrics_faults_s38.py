@@ -132,14 +132,18 @@ def test_status_prometheus_leaves_itself_out_of_more_clients_than_the_worker_lis
         args = argparse.Namespace(address=worker.address, prometheus=True, timeout=5.0)
         assert run(args) == 0
         assert f"\nkvstrata_clients {n}\n" in capsys.readouterr().out
+        # (each probe's connection is let go by the worker's thread after it closed: wait for that before the next)
+        assert _wait_for(lambda: worker.stats()["clients"] == n)
         stats, _ = fetch_stats(worker.address, timeout=5, leave_out_self=True)
         assert stats["clients"] == n and len(stats["client_list"]) == CLIENT_LIST_MAX
+        assert _wait_for(lambda: worker.stats()["clients"] == n)
         stats, _ = fetch_stats(worker.address, timeout=5)  # the human summary counts itself, as README says
         assert stats["clients"] == n + 1
     finally:
         for conn in conns:
             conn.close()
     # fewer clients: the probe is listed, and taken out of both the count and the list
+    assert _wait_for(lambda: worker.stats()["clients"] == 0)
     stats, _ = fetch_stats(worker.address, timeout=5, leave_out_self=True)
     assert stats["clients"] == 0 and stats["client_list"] == []
 
