@@ -132,3 +132,14 @@ class FakeReduce:
     def __call__(self, t):
         self.calls += 1
         return {"handle": bytes([self.calls]) * 8, "storage_bytes": t.untyped_storage().nbytes(), "storage_offset": 0}
+
+
+def wait_until(predicate, seconds: float = 5.0) -> bool:
+    """Whether ``predicate()`` came true within ``seconds`` (looked at every 5 ms): for what a worker's thread or a
+    client's keeper does on its own time (a session let go, a lease given back)."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvstrata
-from kv_helpers import worker_config
+from kv_helpers import wait_until, worker_config
 from kvstrata.errors import CapacityError
 from kvstrata.server import Worker
 
@@ -49,15 +49,6 @@ def readers(worker):
             client.close()
 
 
-def _wait_for(predicate, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_a_write_short_of_room_gets_the_leases_idle_caches_keep(worker, readers):
     with kvstrata.connect(worker.address, timeout=5) as writer:
         used = worker.stats()["tiers"]["memory"]["used"]
@@ -87,7 +78,7 @@ def test_an_idle_client_gives_back_the_leases_of_keys_deleted_since(worker, read
     with kvstrata.connect(worker.address, timeout=5) as writer:
         assert writer.delete([f"obj{i}" for i in range(READERS)]) == [True] * READERS
         # no reader makes a call: their keepers find their entries stale and give the leases back
-        assert _wait_for(lambda: worker.stats()["leases"] == 0), worker.stats()["leases"]
+        assert wait_until(lambda: worker.stats()["leases"] == 0), worker.stats()["leases"]
         assert worker.stats()["tiers"]["memory"]["used"] == 0
         writer.set("new", np.full(24 * MB, 3, dtype=np.uint8))  # the whole room is there, with no wait
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import kvstrata
-from kv_helpers import worker_fixtures
+from kv_helpers import wait_until, worker_fixtures
 from kvstrata.errors import CapacityError, ClosedError, ConnectionLost, InvalidType, InvalidValue
 
 MEMORY = 32 << 20
@@ -25,15 +25,6 @@ def _mine(worker, name: str) -> dict:
     """The worker's record of the client connected as ``name`` (its leases, its open writes)."""
     (entry,) = [c for c in worker.stats()["client_list"] if c["name"].endswith(f"({name})")]
     return entry
-
-
-def _wait_until(predicate, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 # 1. a write buffer once its write is over ------------------------------------------------------------------------
@@ -66,7 +57,7 @@ def test_a_buffer_refuses_writes_once_its_connection_is_lost(worker):
             sock.shutdown(socket.SHUT_RDWR)
         with pytest.raises(ConnectionLost):
             writer.stats()  # (not a ping: one may go through the lane, in shared memory)
-        assert _wait_until(lambda: worker.stats()["clients"] == 1)  # the worker let go of the writer's write
+        assert wait_until(lambda: worker.stats()["clients"] == 1)  # the worker let go of the writer's write
         other.set("victim", b"v" * 4096)
         with pytest.raises(ConnectionLost, match="aborted the write"):
             buf.write(b"EVIL" * 1024)

@@ -11,18 +11,10 @@ import urllib.request
 
 import pytest
 
+from kv_helpers import wait_until
 from kvstrata.server.http_metrics import LISTEN_BACKLOG, MetricsServer
 
 STATS = {"objects": 3, "clients": 1}
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def _closed_by_the_server(conn: socket.socket, timeout: float) -> bool:
@@ -87,7 +79,7 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_threads_stay_bounded(
                 conn.close()
         assert "closed 1 connection(s) unanswered: 4 are open already" in caplog.text  # warned once, not 36 times
         assert caplog.text.count("WARNING") == 1
-    assert _wait_for(lambda: threading.active_count() <= before)
+    assert wait_until(lambda: threading.active_count() <= before)
     assert "kvstrata_objects 3" in _scrape(idle_server.url)  # their slots are free again
 
 
@@ -113,7 +105,7 @@ def test_a_scraper_that_hangs_up_mid_reply_is_a_debug_line_not_a_traceback(capfd
                 assert answering.wait(2)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 conn.close()  # a reset: the worker's write finds the connection gone
-            assert _wait_for(lambda: caplog.text.count("went away") == 3), caplog.text
+            assert wait_until(lambda: caplog.text.count("went away") == 3), caplog.text
         assert "WARNING" not in caplog.text and "ERROR" not in caplog.text
         assert "Traceback" not in capfd.readouterr().err  # (socketserver's handle_error printed one each)
     finally:
@@ -128,22 +120,22 @@ def test_status_prometheus_leaves_itself_out_of_more_clients_than_the_worker_lis
     n = CLIENT_LIST_MAX + 6  # the worker's list names 64 of them: the status probe is not among them
     conns = [connect(worker.address, timeout=10, hello={"shm": False, "name": f"c{i}"}) for i in range(n)]
     try:
-        assert _wait_for(lambda: worker.stats()["clients"] == n)
+        assert wait_until(lambda: worker.stats()["clients"] == n)
         args = argparse.Namespace(address=worker.address, prometheus=True, timeout=5.0)
         assert run(args) == 0
         assert f"\nkvstrata_clients {n}\n" in capsys.readouterr().out
         # (each probe's connection is let go by the worker's thread after it closed: wait for that before the next)
-        assert _wait_for(lambda: worker.stats()["clients"] == n)
+        assert wait_until(lambda: worker.stats()["clients"] == n)
         stats, _ = fetch_stats(worker.address, timeout=5, leave_out_self=True)
         assert stats["clients"] == n and len(stats["client_list"]) == CLIENT_LIST_MAX
-        assert _wait_for(lambda: worker.stats()["clients"] == n)
+        assert wait_until(lambda: worker.stats()["clients"] == n)
         stats, _ = fetch_stats(worker.address, timeout=5)  # the human summary counts itself, as README says
         assert stats["clients"] == n + 1
     finally:
         for conn in conns:
             conn.close()
     # fewer clients: the probe is listed, and taken out of both the count and the list
-    assert _wait_for(lambda: worker.stats()["clients"] == 0)
+    assert wait_until(lambda: worker.stats()["clients"] == 0)
     stats, _ = fetch_stats(worker.address, timeout=5, leave_out_self=True)
     assert stats["clients"] == 0 and stats["client_list"] == []
 
@@ -166,7 +158,7 @@ def test_a_wait_of_a_client_that_vanished_is_not_counted_as_refused(worker):
     conn.send({"op": "get", "key": "never", "timeout": 30})
     time.sleep(0.3)  # waiting in the store
     conn.close()  # as a SIGKILL would: the socket hangs up, no bye
-    assert _wait_for(lambda: worker.stats()["clients"] == 0)
+    assert wait_until(lambda: worker.stats()["clients"] == 0)
     assert worker.stats()["request_errors"] == 0
     # a refused request of a client still there is still counted
     with connect(worker.address, timeout=5, hello={"shm": False}) as live:
