@@ -217,15 +217,83 @@ def test_a_write_back_write_the_ssd_tier_cannot_take_is_refused_not_lost(tmp_pat
         s.create("also", 9000, owner="me", write_mode="write_back")
     assert s.put_many([("k1", bytes(3000)), ("k2", bytes(3000))], write_mode="write_back")[1] is not None
     assert not s.exists(["too_big", "also", "k2"]).count(True)
-    s.delete(["k1"])  # its room goes back
+    s.delete(["k1"])  # its room goes back (also while the background flusher writes its file)
     s.put("fits", bytes(4000), write_mode="write_back")  # a new version: the old one's room goes back
-    assert s._disk.stats()["reserved"] == s._disk.file_bytes("fits", 4000)
+    held = s._disk.stats()
+    assert held["reserved"] + held["used"] == s._disk.file_bytes("fits", 4000)  # held, or flushed already
     s.flush()  # takes the held room, holds nothing more
     assert s._disk.stats()["reserved"] == 0 and s.unflushed == 0
     s.put("wb", bytes(3000), write_mode="write_back")
     s.close()
     with ObjectStore(make_config(tmp_path, disk=10_000)) as again:
         assert again.get_bytes("fits") == bytes(4000) and again.get_bytes("wb") == bytes(3000)
+
+
+def _write_temp_held_back(monkeypatch, store):
+    """Make the store's SSD file writes wait for the returned event (``started`` is set when one began)."""
+    import threading
+
+    started, go = threading.Event(), threading.Event()
+    real = store._disk.write_temp
+
+    def write_temp(*args, **kw):
+        started.set()
+        assert go.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(store._disk, "write_temp", write_temp)
+    return started, go
+
+
+def test_deleting_an_object_whose_flush_is_in_flight_gives_its_room_back_at_once(tmp_path, make_config, monkeypatch):
+    # The room stayed held until the file write ended (seconds for a large value): a write right after the delete
+    # was refused "SSD tier full" (CI saw it as a flaky refusal).
+    s = ObjectStore(make_config(tmp_path, disk=10_000))
+    started, go = _write_temp_held_back(monkeypatch, s)
+    s.put("k1", bytes(6000), write_mode="write_back")  # wakes the flusher, which waits in write_temp
+    assert started.wait(5)
+    s.delete(["k1"])
+    assert s._disk.stats()["reserved"] == 0
+    s.put("k2", bytes(6000), write_mode="write_back")  # would not fit beside k1's file
+    go.set()
+    s.flush()
+    st = s._disk.stats()
+    assert st["reserved"] == 0 and st["used"] == s._disk.file_bytes("k2", 6000)  # given back once, not twice
+    assert not s.exists(["k1"])[0] and s.get_bytes("k2") == bytes(6000)
+    s.close()
+
+
+def test_deleting_an_object_being_spilled_gives_its_room_back_at_once(tmp_path, make_config, monkeypatch):
+    import threading
+
+    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    s.put("spilled", bytes(400 << 10))  # memory mode: both spilled to SSD when room is needed
+    s.put("spilt_2", bytes(400 << 10))
+    started, go = _write_temp_held_back(monkeypatch, s)
+    errors = []
+
+    def put_big():
+        try:
+            s.put("big", bytes(700 << 10))  # needs both out of DRAM
+        except Exception as exc:  # (reported below)
+            errors.append(exc)
+
+    t = threading.Thread(target=put_big)
+    t.start()
+    try:
+        assert started.wait(5)
+        both = s._disk.stats()["reserved"]
+        s.delete(["spilled"])  # while its spill writes
+        after_delete = s._disk.stats()["reserved"]
+    finally:
+        go.set()
+        t.join(10)
+    assert both == 2 * s._disk.file_bytes("spilled", 400 << 10)  # (the two keys' names are as long)
+    assert after_delete == both // 2
+    assert not errors and s.get_bytes("big") == bytes(700 << 10)
+    st = s._disk.stats()
+    assert st["reserved"] == 0 and st["used"] == both // 2 and not s.exists(["spilled"])[0]
+    s.close()
 
 
 def test_a_full_file_system_under_the_ssd_tier_is_a_capacity_error_and_write_back_retries(tmp_path, make_config):

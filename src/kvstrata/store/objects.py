@@ -60,6 +60,7 @@ class Entry:
         "size",
         "ttl",
         "version",
+        "write_hold",
     )
 
     def __init__(self, key: str, size: int, loc: Location | None, mode: WriteMode, version: int, owner: object):
@@ -82,6 +83,7 @@ class Entry:
         self.dirty = False  # write-back data not yet on SSD
         self.disk_hold = 0  # SSD bytes reserved for a write-back version's file until it is flushed (or dies)
         self.flushing = False  # its file is being written by a write-back flush or a spill (the other leaves it)
+        self.write_hold = 0  # SSD bytes held for that write's file; given back at once if the version dies meanwhile
         self.loading = False  # being promoted from SSD; readers wait for it
         self.gpu = None  # the HBM copy (kvstrata.store.device.GpuCopy), if any
         self.referenced = False  # second-chance bit

@@ -267,7 +267,7 @@ class TieringMixin:
         does not stall every other call for seconds.
         """
         freed = 0
-        jobs: list[tuple[Entry, int]] = []
+        jobs: list[Entry] = []
         pending = 0
         written = 0
         disk = self._disk
@@ -310,19 +310,20 @@ class TieringMixin:
                 self._free_locked(e)
                 self._moved("spills", e)
             elif e.disk_hold:  # a write-back version: the room its file needs is held already
-                nbytes, e.disk_hold = e.disk_hold, 0
+                e.write_hold, e.disk_hold = e.disk_hold, 0
                 e.leases += 1
                 e.flushing = True  # the write-back flush leaves it to this spill
-                jobs.append((e, nbytes))
+                jobs.append(e)
                 pending += e.size
             else:
                 nbytes = disk.file_bytes(e.key, e.size)
                 if not disk.reserve(nbytes):  # _can_evict saw room for it alone; earlier victims took it
                     self._clock.add(e.key, e)
                     continue
+                e.write_hold = nbytes
                 e.leases += 1
                 e.flushing = True
-                jobs.append((e, nbytes))
+                jobs.append(e)
                 pending += e.size
         if dropped:
             self._free_entries(dropped)
@@ -344,18 +345,18 @@ class TieringMixin:
         finally:
             self._lock.acquire()
 
-    def _spill(self, jobs: list[tuple[Entry, int]]) -> tuple[int, int]:
+    def _spill(self, jobs: list[Entry]) -> tuple[int, int]:
         """Write pinned victims to SSD without the lock, then free their DRAM; returns the bytes freed and how many
         victims were written. Each job's commit stands alone: one that fails leaves its victim in DRAM, the others
         go on."""
         disk = self._disk
         # the deadlines the files record, noted under the lock: one changed by expire() meanwhile is written again
-        noted = [(e.expires, self._wall_expiry(e)) for e, _ in jobs]
+        noted = [(e.expires, self._wall_expiry(e)) for e in jobs]
         self._moving += len(jobs)
         self._lock.release()
         try:
             written = []
-            for (e, _), (_, wall) in zip(jobs, noted):
+            for e, (_, wall) in zip(jobs, noted):
                 try:
                     view = self._mem.view(e.loc)
                     written.append(disk.write_temp(e.key, view, e.mode, wall))
@@ -367,15 +368,16 @@ class TieringMixin:
             self._moving -= len(jobs)
         freed = 0
         done = 0
-        for (e, nbytes), (expires, _), pending in zip(jobs, noted, written):
+        for e, (expires, _), pending in zip(jobs, noted, written):
             e.leases -= 1
             e.flushing = False
+            nbytes, e.write_hold = e.write_hold, 0  # (0: the version died meanwhile and gave the room back)
             current = not e.dead and self._objects.get(e.key) is e
             stored = False
             if pending is None:
                 self._keep_hold(e, nbytes, current, reserved=True)
             elif not current:
-                disk.discard(pending)
+                disk.discard(pending, give_back=nbytes > 0)
             else:
                 error = self._commit_moved(e, pending, expires)
                 if error is None:
@@ -578,10 +580,11 @@ class TieringMixin:
                         if not disk.reserve(nbytes):
                             postponed += 1
                             continue
+                    e.write_hold = nbytes
                     e.flushing = True
                     e.leases += 1
                     # the deadline its file records, noted: one changed by expire() meanwhile is written again
-                    batch.append((e, nbytes, e.expires, self._wall_expiry(e)))
+                    batch.append((e, e.expires, self._wall_expiry(e)))
                 self._moving += len(batch)
                 now = time.monotonic()
                 if postponed:
@@ -594,7 +597,7 @@ class TieringMixin:
                         self._flush_warned = now
                         log.warning("SSD tier full: write-back of %d objects postponed", postponed)
             failed: list[tuple[str, Exception]] = []
-            for e, nbytes, expires, wall in batch:
+            for e, expires, wall in batch:
                 pending = None
                 try:
                     pending = disk.write_temp(e.key, self._mem.view(e.loc), e.mode, wall)
@@ -604,11 +607,12 @@ class TieringMixin:
                     self._moving -= 1
                     e.flushing = False
                     e.leases -= 1
+                    nbytes, e.write_hold = e.write_hold, 0  # (0: the version died meanwhile and gave the room back)
                     current = not e.dead and self._objects.get(e.key) is e
                     if pending is None:
                         self._keep_hold(e, nbytes, current, reserved=True)  # kept for the next try
                     elif not current:
-                        disk.discard(pending)
+                        disk.discard(pending, give_back=nbytes > 0)
                     else:
                         error = self._commit_moved(e, pending, expires)
                         if error is None:

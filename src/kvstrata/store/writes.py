@@ -455,6 +455,9 @@ class WriteMixin:
             del self._dirty[key]
         if e.disk_hold:  # never flushed: its file's room goes back
             self._drop_disk_hold(e)
+        if e.write_hold:  # its file is being written (flush, spill): the room goes back now, not when that write ends
+            self._disk.unreserve(e.write_hold)
+            e.write_hold = 0
         if e.gpu is not None:
             self._gpu_retire(e)
         if e.leases == 0:

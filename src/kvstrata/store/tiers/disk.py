@@ -357,10 +357,12 @@ class DiskTier(Tier):
             raise CorruptData(f"{path}: object file is missing") from exc
         rec.expires_at = expires_at
 
-    def discard(self, pending: PendingFile) -> None:
-        """Drop a temp file not committed; its reservation goes back."""
+    def discard(self, pending: PendingFile, *, give_back: bool = True) -> None:
+        """Drop a temp file not committed; its reservation goes back (unless ``give_back`` is False: given back
+        already)."""
         _unlink_or_log(pending.path, "a temporary file not committed")
-        self._reserved -= pending.nbytes
+        if give_back:
+            self._reserved -= pending.nbytes
 
     def remove(self, key: str) -> bool:
         """Delete ``key``'s file; False when it has none. The file goes first: ``ServerError`` with nothing changed
