@@ -1,0 +1,340 @@
+"""Prefix reuse of a paged KV cache through kvstrata: the offload path of an inference engine.
+
+An engine that pages its KV cache (vLLM's ``[2, num_blocks, block_size, heads, head_dim]`` per layer, an SGLang
+token pool, an MLA model's latent cache) hands :class:`PrefixKVCache` its cache once. Per request it then asks
+how much of the prompt's KV kvstrata holds, loads that prefix straight into its own blocks, computes the rest and
+offloads the full blocks kvstrata lacks::
+
+    cache = PrefixKVCache(kv, kv_caches, model="llama-3-8b")   # kv: a kvstrata Client (embedded or a worker's)
+    n = cache.lookup(tokens)                       # leading full blocks kvstrata holds
+    n = cache.load(tokens, block_ids[:n])          # copied into those blocks of the engine's cache
+    ... compute the KV of tokens[n * cache.block_tokens:] into block_ids[n:] ...
+    cache.save(tokens, block_ids)                  # offload the full blocks kvstrata does not hold yet
+
+A block's key is a hash chain over its tokens and every token before it (as vLLM's prefix caching keys them),
+under a prefix naming the model and the cache's geometry (layout, segments, bytes, dtype, tokens per block): equal
+prefixes of one model give equal keys, and a cache of another shape never reads them. ``salt`` (a LoRA adapter's
+name, the hashes of a request's images) keeps requests whose KV differs for the same tokens apart.
+
+Each block's bytes go between the engine's cache and kvstrata's shared host memory with no staging copy:
+``mget_h2d`` / ``mset_d2h`` copy every layer's K and V of the block from or to its place in the paged cache (one
+copy-engine batch per call on a GPU, a ``memcpy`` per piece on CPU). Through a worker, the same keys serve every
+process of the node: a prefill process saves, a decode process loads (prefill-to-decode hand-off), and blocks
+past the host tier's room spill to its SSD tier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstrata.errors import CapacityError, InvalidType, InvalidValue, KeyExists, KeyNotFound
+from kvstrata.ops.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+#: the longest key prefix (model name and geometry) accepted: the worker takes keys of up to 1,024 bytes, and each
+#: block's key adds a '/' and 32 hex digits
+MAX_PREFIX_BYTES = 1024 - 33
+
+
+@dataclasses.dataclass
+class SaveResult:
+    """What a :meth:`PrefixKVCache.save` did with the blocks it was given."""
+
+    stored: int = 0  # offloaded by this call
+    present: int = 0  # held by kvstrata already (looked up first, or written by another process meanwhile)
+    refused: int = 0  # no room in kvstrata's tiers: not offloaded (computed again when next needed)
+    stored_bytes: int = 0
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Running totals of one :class:`PrefixKVCache` (read them off :attr:`PrefixKVCache.stats`)."""
+
+    lookups: int = 0
+    lookup_blocks: int = 0  # full blocks the lookups were asked about
+    hit_blocks: int = 0  # of them, in the cached prefixes found
+    loaded_blocks: int = 0
+    load_misses: int = 0  # blocks a load was asked for that could not be read (gone since the lookup, say)
+    stored_blocks: int = 0
+    present_blocks: int = 0
+    refused_blocks: int = 0
+
+
+class PrefixKVCache:
+    """Offload a paged KV cache's full blocks to kvstrata and load cached prefixes back, keyed by tokens.
+
+    ``client``: a :class:`kvstrata.Client` (``kvstrata.connect(...)``). ``kv_caches``: the engine's paged cache,
+    either vLLM's list of per-layer ``[2, num_blocks, block_size, heads, head_dim]`` tensors (``block_tokens``
+    read off it) or a :class:`~kvstrata.ops.KVLayout` (``KVLayout.from_sglang``, ``KVLayout.from_mla``), which
+    needs ``block_tokens``. ``model``: names the model whose KV this is (its weights: two fine-tunes must not share
+    keys). The cache's tensors may live on a GPU or on CPU; they are read and written in place.
+
+    Thread-safe as far as the client is; the totals in :attr:`stats` are kept under a lock.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        kv_caches: Sequence[torch.Tensor] | KVLayout,
+        *,
+        model: str,
+        block_tokens: int | None = None,
+        namespace: str = "kv",
+    ) -> None:
+        if isinstance(kv_caches, KVLayout):
+            layout = kv_caches
+            if block_tokens is None:
+                raise InvalidValue("block_tokens: needed with a KVLayout (tokens per block of the cache)")
+        else:
+            if isinstance(kv_caches, torch.Tensor):
+                raise InvalidType(
+                    "kv_caches: a list of per-layer tensors or a KVLayout, not one tensor (wrap it in a list)"
+                )
+            layout = KVLayout.from_vllm(kv_caches)
+            tokens_here = layout.tensors[0].shape[2]
+            if block_tokens is not None and block_tokens != tokens_here:
+                raise InvalidValue(
+                    f"block_tokens: {block_tokens}, but the cache's blocks hold {tokens_here} tokens (dim 2)"
+                )
+            block_tokens = tokens_here
+        if type(block_tokens) is not int or block_tokens < 1:
+            raise InvalidValue(f"block_tokens: must be an int >= 1, got {block_tokens!r}")
+        for name, text in (("model", model), ("namespace", namespace)):
+            if not isinstance(text, str) or not text:
+                raise InvalidValue(f"{name}: must be a non-empty str, got {text!r}")
+        self.client = client
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self.block_bytes = layout.block_bytes
+        dtype = str(layout.dtype).removeprefix("torch.")
+        geometry = f"{layout.kind}.{layout.num_segments}x{layout.chunk_bytes}.{dtype}.{block_tokens}t"
+        self.key_prefix = f"{namespace}/{model}/{geometry}"
+        if len(self.key_prefix.encode("utf-8", "surrogatepass")) > MAX_PREFIX_BYTES:
+            raise InvalidValue(f"model: the key prefix {self.key_prefix[:60]!r}... is over {MAX_PREFIX_BYTES} bytes")
+        self.stats = PrefixCacheStats()
+        self._stats_lock = threading.Lock()
+
+    # -- keys --------------------------------------------------------------------------------------
+    def block_keys(self, tokens: Any, salt: str | bytes | None = None) -> list[str]:
+        """The key of each full block of ``tokens`` (a 1-D sequence of token ids: list, numpy array or CPU
+        tensor), each hashing its tokens and all before it. A trailing partial block has none."""
+        ids = _token_ids(tokens)
+        bt = self.block_tokens
+        if salt is None:
+            parent = b""
+        elif isinstance(salt, (str, bytes)):
+            parent = hashlib.blake2b(salt.encode() if isinstance(salt, str) else salt, digest_size=16).digest()
+        else:
+            raise InvalidType(f"salt: must be a str, bytes or None, got {type(salt).__name__}")
+        raw = ids.tobytes()
+        step = bt * 8
+        keys = []
+        prefix = self.key_prefix
+        for start in range(0, (len(ids) // bt) * step, step):
+            h = hashlib.blake2b(parent, digest_size=16)
+            h.update(raw[start : start + step])
+            parent = h.digest()
+            keys.append(f"{prefix}/{h.hexdigest()}")
+        return keys
+
+    # -- the three steps of a request ----------------------------------------------------------------
+    def lookup(self, tokens: Any, salt: str | bytes | None = None) -> int:
+        """How many leading full blocks of ``tokens`` kvstrata holds (one request; their KV is
+        ``tokens[: n * block_tokens]``). A block held after a missing one does not count: only a prefix is
+        reusable."""
+        keys = self.block_keys(tokens, salt)
+        present = self.client.exists(keys) if keys else []
+        n = next((i for i, p in enumerate(present) if not p), len(keys))
+        with self._stats_lock:
+            self.stats.lookups += 1
+            self.stats.lookup_blocks += len(keys)
+            self.stats.hit_blocks += n
+        return n
+
+    def load(
+        self, tokens: Any, block_ids: Sequence[int], salt: str | bytes | None = None, *, stream: Any = None
+    ) -> int:
+        """Copy the KV of the first ``len(block_ids)`` full blocks of ``tokens`` from kvstrata into the engine's
+        blocks ``block_ids`` (block ``i`` of the prompt into ``block_ids[i]``); returns how many leading blocks
+        were loaded. A block that cannot be read (evicted since the lookup, say) ends the prefix: the engine
+        computes from there (blocks after it may have been written too, and are to be overwritten). On a GPU
+        the copies run on a copy stream ordered after ``stream`` (default: the current one), and have landed
+        when this returns."""
+        keys = self.block_keys(tokens, salt)
+        ids = self._check_blocks(block_ids, len(keys), "load", distinct=True)
+        if not ids:
+            return 0
+        results = self.client.mget_h2d(keys[: len(ids)], self._block_tensors(ids), stream=stream)
+        n = next((i for i, r in enumerate(results) if r is not None), len(results))
+        if n < len(results):
+            first = results[n]
+            if not isinstance(first, KeyNotFound):  # a key of ours holding something else: worth a line
+                log.warning("prefix cache: block %d of %s could not be loaded: %s", n, keys[n], first)
+        with self._stats_lock:
+            self.stats.loaded_blocks += n
+            self.stats.load_misses += len(results) - n
+        return n
+
+    def save(
+        self,
+        tokens: Any,
+        block_ids: Sequence[int],
+        salt: str | bytes | None = None,
+        *,
+        start: int = 0,
+        stream: Any = None,
+    ) -> SaveResult:
+        """Offload the full blocks of ``tokens`` that kvstrata does not hold yet, from the engine's blocks
+        ``block_ids`` (block ``i`` of the prompt in ``block_ids[i]``; as many ids as the engine has full blocks
+        of the prompt, at most). Blocks before ``start`` are skipped unlooked at (the prefix just loaded); the
+        others are looked up first, so those held already cost no copy. Where the store has no room a block is
+        counted as refused, not raised: serving goes on. On a GPU the copies wait for ``stream`` (default: the
+        current one) and have landed when this returns."""
+        keys, todo, ids, result = self._plan_save(tokens, block_ids, salt, start)
+        if todo:
+            try:
+                outcomes = self.client.mset_d2h(
+                    [keys[i] for i in todo], self._block_tensors([ids[i] for i in todo]), stream=stream
+                )
+            except CapacityError as exc:  # the call as a whole found no room: none of it stored
+                outcomes = [exc] * len(todo)
+            self._count_saved(outcomes, result)
+        return result
+
+    def save_async(
+        self,
+        tokens: Any,
+        block_ids: Sequence[int],
+        salt: str | bytes | None = None,
+        *,
+        start: int = 0,
+        stream: Any = None,
+    ) -> concurrent.futures.Future:
+        """:meth:`save` with its copies in the background: the lookup is done when this returns, the Future's
+        result is the :class:`SaveResult`. The blocks must keep their KV (not be reused by the engine) until the
+        Future is done; the model's next kernels on ``stream`` need not wait for it."""
+        keys, todo, ids, result = self._plan_save(tokens, block_ids, salt, start)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if not todo:
+            done.set_result(result)
+            return done
+        inner = self.client.async_mset_d2h(
+            [keys[i] for i in todo], self._block_tensors([ids[i] for i in todo]), stream=stream
+        )
+
+        def settle(f: concurrent.futures.Future) -> None:
+            try:
+                outcomes = f.result()
+            except CapacityError as exc:
+                outcomes = [exc] * len(todo)
+            except BaseException as exc:  # (handed to the caller's Future)
+                done.set_exception(exc)
+                return
+            try:
+                self._count_saved(outcomes, result)
+            except BaseException as exc:  # (an unexpected per-key error, handed on)
+                done.set_exception(exc)
+                return
+            done.set_result(result)
+
+        inner.add_done_callback(settle)
+        return done
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _plan_save(
+        self, tokens: Any, block_ids: Sequence[int], salt: str | bytes | None, start: int
+    ) -> tuple[list[str], list[int], list[int], SaveResult]:
+        keys = self.block_keys(tokens, salt)
+        ids = self._check_blocks(block_ids, len(keys), "save", distinct=False)
+        if type(start) is not int or not 0 <= start <= len(ids):
+            raise InvalidValue(f"start: must be an int from 0 to the {len(ids)} blocks given, got {start!r}")
+        keys = keys[: len(ids)]
+        present = self.client.exists(keys[start:]) if start < len(keys) else []
+        todo = [start + i for i, p in enumerate(present) if not p]
+        result = SaveResult(present=len(present) - len(todo))
+        return keys, todo, ids, result
+
+    def _count_saved(self, outcomes: list[Any], result: SaveResult) -> None:
+        for r in outcomes:
+            if r is None:
+                result.stored += 1
+            elif isinstance(r, KeyExists):  # written by another process since the lookup
+                result.present += 1
+            elif isinstance(r, CapacityError):
+                result.refused += 1
+            else:
+                raise r
+        result.stored_bytes = result.stored * self.block_bytes
+        with self._stats_lock:
+            self.stats.stored_blocks += result.stored
+            self.stats.present_blocks += result.present
+            self.stats.refused_blocks += result.refused
+
+    def _check_blocks(self, block_ids: Sequence[int], full_blocks: int, op: str, *, distinct: bool) -> list[int]:
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+                raise InvalidValue(
+                    f"block_ids: a 1-D integer tensor or sequence, got {block_ids.dtype} {tuple(block_ids.shape)}"
+                )
+            ids = block_ids.tolist()
+        elif isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence | np.ndarray):
+            raise InvalidType(f"block_ids: a sequence of block indices, got {type(block_ids).__name__}")
+        else:
+            ids = list(block_ids)
+        nblocks = self.layout.num_blocks
+        for i, b in enumerate(ids):
+            if isinstance(b, np.integer):
+                b = ids[i] = int(b)
+            if type(b) is not int:
+                raise InvalidType(f"block_ids[{i}]: must be an int, got {type(b).__name__}")
+            if not 0 <= b < nblocks:
+                raise InvalidValue(f"block_ids[{i}]: {b} is outside the cache's {nblocks} blocks")
+        if len(ids) > full_blocks:
+            raise InvalidValue(
+                f"block_ids: {len(ids)} blocks to {op}, but the tokens fill {full_blocks} full blocks of "
+                f"{self.block_tokens} (a partial block is not offloaded)"
+            )
+        if distinct and len(set(ids)) != len(ids):
+            dup = next(b for i, b in enumerate(ids) if b in ids[:i])
+            raise InvalidValue(f"block_ids: block {dup} named twice (two prompt blocks cannot load into one)")
+        return ids
+
+    def _block_tensors(self, ids: list[int]) -> list[list[torch.Tensor]]:
+        """Each block's pieces: every layer's K and V chunk, in place in the engine's cache (uint8 views)."""
+        views = self.layout.seg_views
+        return [[v[b] for v in views] for b in ids]
+
+
+def _token_ids(tokens: Any) -> np.ndarray:
+    """``tokens`` as a 1-D int64 numpy array, or a clear error."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.device.type != "cpu":
+            raise InvalidValue(f"tokens: must be on the CPU (token ids are hashed on the host), got {tokens.device}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise InvalidValue(f"tokens: must hold integer token ids, got {tokens.dtype}")
+        arr = tokens.detach().numpy()
+    elif isinstance(tokens, (str, bytes)):
+        raise InvalidType(f"tokens: token ids (a sequence of ints), not {type(tokens).__name__}")
+    else:
+        try:
+            arr = np.asarray(tokens)
+        except (TypeError, ValueError) as exc:
+            raise InvalidType(f"tokens: not a sequence of token ids ({exc})") from None
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidValue(f"tokens: must hold integer token ids, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise InvalidValue(f"tokens: must be 1-D, got shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+__all__ = ["PrefixCacheStats", "PrefixKVCache", "SaveResult"]
