@@ -118,8 +118,8 @@ class _FailingLoads:
     def __getattr__(self, name):
         return getattr(self.kv, name)
 
-    def mget_h2d(self, keys, dst):
-        results = self.kv.mget_h2d(keys, dst)
+    def mget_h2d(self, keys, dst, **options):
+        results = self.kv.mget_h2d(keys, dst, **options)
         return [kvstrata.errors.KeyNotFound(keys[0]), *results[1:]]
 
 
@@ -142,15 +142,39 @@ def test_a_block_that_fails_to_load_is_computed_and_counted():
 
 
 def test_a_block_cached_after_a_missing_one_is_computed_not_offloaded_again():
+    from kvstrata.integrations import PrefixKVCache
+
     model = _model()
-    keys = demo.block_keys(list(range(4 * model.block_tokens)), model.block_tokens)
+    tokens = list(range(4 * model.block_tokens))
     tally = demo.Tally()
     with kvstrata.connect(embedded=True, memory_bytes=8 << 20) as kv:
-        assert kv.mset_d2h([keys[1]], [model.compute_block(keys[1])]) == [None]
-        demo.request(kv, model, keys, tally)
+        cache = PrefixKVCache(kv, model.kv_caches, model="demo-model")
+        keys = cache.block_keys(tokens)
+        assert kv.mset_d2h([keys[1]], [[model.compute_block(keys[1])]]) == [None]
+        demo.request(cache, model, tokens, tally)
         assert all(kv.exists(keys))
-    assert (tally.lookup_hits, tally.lookup_misses, tally.cached_past_miss) == (0, 3, 1)
+    assert (tally.lookup_hits, tally.lookup_misses) == (0, 4)
     assert (tally.computed, tally.offloaded, tally.already_stored) == (4, 3, 1)
+
+
+def test_reused_blocks_land_where_the_engine_placed_them():
+    """A second turn's prefix loads into other cache blocks than the first turn computed it in, bit for bit."""
+    from kvstrata.integrations import PrefixKVCache
+
+    model = _model()
+    tokens = list(range(6 * model.block_tokens))
+    with kvstrata.connect(embedded=True, memory_bytes=8 << 20) as kv:
+        cache = PrefixKVCache(kv, model.kv_caches, model="demo-model")
+        first, second = demo.Tally(), demo.Tally()
+        demo.request(cache, model, tokens[: 4 * model.block_tokens], first)
+        for c in model.kv_caches:
+            c.zero_()
+        demo.request(cache, model, tokens, second)
+    assert (first.offloaded, second.hit_blocks, second.offloaded, second.mismatches) == (4, 4, 2, 0)
+    keys = cache.block_keys(tokens)
+    filled = [b for b in range(model.num_blocks) if any(c[:, b].any() for c in model.kv_caches)]
+    assert len(filled) == 6
+    assert sorted(model.mismatches(b, model.compute_block(k)) == 0 for b in filled for k in keys).count(True) == 6
 
 
 # ----------------------------------------------------------------------------------------- 5: Ctrl-C, devices

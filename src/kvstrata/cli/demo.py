@@ -1,22 +1,22 @@
 """``kvstrata demo``: an LLM serving engine offloading its KV cache to kvstrata, on the embedded store.
 
-Simulated sessions send prompts that share system-prompt prefixes. Each prompt is cut into blocks
-of tokens; a block's key is a hash chain over its tokens and everything before it (as in vLLM's
-prefix caching), so equal prefixes give equal keys. For every request the engine looks up its
-blocks, loads the longest cached prefix into its (GPU, or here CPU) KV tensors with one
-``mget_h2d``, "computes" the rest and offloads the computed blocks the store does not hold with one
-``mset_d2h``. The host tier is smaller than the working set, so older blocks spill to a temporary
-SSD folder (sized for the planned sessions) and come back when a session returns for a second turn.
-A block the store has no room for is left out (counted as not offloaded) and computed again when it
-is next needed; a block that cannot be loaded is computed again too. Every reused block is checked
-bit for bit against what was computed for it.
+Simulated sessions send prompts that share system-prompt prefixes. The engine keeps its KV cache paged as
+vLLM does (per layer ``[2, num_blocks, block_tokens, heads, head_dim]``, on the GPU, or here on the CPU) and
+offloads it through :class:`kvstrata.integrations.PrefixKVCache`: a block's key is a hash chain over its tokens
+and everything before it, so equal prefixes give equal keys. For every request the engine places the prompt's
+blocks in its cache, looks up the longest cached prefix, loads it into those blocks (one ``mget_h2d``, straight
+into the paged cache), "computes" the rest and offloads the computed blocks the store does not hold (one
+``mset_d2h``, straight out of it). The host tier is smaller than the working set, so older blocks spill to a
+temporary SSD folder (sized for the planned sessions) and come back when a session returns for a second turn.
+A block the store has no room for is left out (counted as not offloaded) and computed again when it is next
+needed; a block that cannot be loaded is computed again too. Every reused block is checked bit for bit against
+what was computed for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import random
 import shutil
 import tempfile
@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 class Model:
-    """Shapes of a small decoder's KV cache: per block, K and V for every layer, [heads, tokens, head_dim]."""
+    """A small decoder's paged KV cache (vLLM's layout: per layer ``[2, num_blocks, block_tokens, heads,
+    head_dim]``) with room for the largest request twice over, and the KV its forward pass would compute."""
 
     def __init__(self, layers: int, heads: int, head_dim: int, block_tokens: int, device: Any) -> None:
         import torch
@@ -56,15 +57,19 @@ class Model:
         self.dtype = torch.float16
         self.device = device
         self.block_bytes = 2 * layers * heads * block_tokens * head_dim * 2
+        self.num_blocks = 2 * LARGEST_REQUEST
+        shape = (2, self.num_blocks, block_tokens, heads, head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(layers)]
+        self._placement = random.Random(7)
 
-    def empty_block(self) -> list[Any]:
-        import torch
+    def place(self, n: int) -> list[int]:
+        """Cache blocks for a request's ``n`` prompt blocks, anywhere in the cache (as a block allocator hands
+        them out)."""
+        return self._placement.sample(range(self.num_blocks), n)
 
-        shape = (self.heads, self.block_tokens, self.head_dim)
-        return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2 * self.layers)]
-
-    def compute_block(self, key: str) -> list[Any]:
-        """The KV a forward pass would produce for this block: deterministic in the key, so reuse can be checked.
+    def compute_block(self, key: str) -> Any:
+        """The KV a forward pass would produce for this block, ``[layers, 2, block_tokens, heads, head_dim]``:
+        deterministic in the key, so reuse can be checked.
 
         A window into a random buffer twice a block's size keeps the simulated prefill cheap next
         to the store's work.
@@ -76,8 +81,20 @@ class Model:
             g = torch.Generator().manual_seed(1234)
             self._base = torch.randn(2 * n, generator=g, dtype=torch.float32).to(self.dtype).to(self.device)
         shift = int(key[-12:], 16) % n
-        kv = self._base[shift : shift + n].view(2 * self.layers, self.heads, self.block_tokens, self.head_dim)
-        return list(kv.unbind(0))
+        return self._base[shift : shift + n].view(self.layers, 2, self.block_tokens, self.heads, self.head_dim)
+
+    def write_block(self, block: int, kv: Any) -> None:
+        """Put a computed block's KV in cache block ``block``."""
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, block].copy_(kv[layer])
+
+    def mismatches(self, block: int, kv: Any) -> int:
+        """How many of cache block ``block``'s K and V tensors differ from ``kv``."""
+        import torch
+
+        return sum(
+            not torch.equal(cache[i, block], kv[layer, i]) for layer, cache in enumerate(self.kv_caches) for i in (0, 1)
+        )
 
 
 @dataclasses.dataclass
@@ -90,8 +107,7 @@ class Tally:
     requests: int = 0
     blocks: int = 0
     lookup_hits: int = 0  # blocks of the longest cached prefix of each prompt
-    lookup_misses: int = 0  # blocks looked up and not cached
-    cached_past_miss: int = 0  # cached, but after a block that is not: not a prefix, so computed
+    lookup_misses: int = 0  # blocks past it (not cached, or cached after a block that is not: computed)
     hit_blocks: int = 0  # loaded and reused
     load_failed: int = 0  # in the cached prefix but not loaded: computed instead
     computed: int = 0
@@ -103,15 +119,6 @@ class Tally:
     load_s: float = 0.0
     store_s: float = 0.0
     mismatches: int = 0
-
-
-def block_keys(tokens: list[int], block_tokens: int) -> list[str]:
-    keys, parent = [], b""
-    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        h = hashlib.blake2b(parent + bytes(str(tokens[start : start + block_tokens]), "ascii"), digest_size=16)
-        parent = h.digest()
-        keys.append(f"kv/demo-model/{h.hexdigest()}")
-    return keys
 
 
 def planned_blocks(sessions: int) -> int:
@@ -231,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(kv: Any, model: Model, sessions: int, rng: random.Random, tally: Tally) -> None:
     """Every session's two turns, in the demo's order, each request counted in ``tally`` as it ends."""
+    from kvstrata.integrations import PrefixKVCache
+
+    cache = PrefixKVCache(kv, model.kv_caches, model="demo-model")
     bt = model.block_tokens
     system_prompts = [[rng.randrange(32000) for _ in range(bt * SYSTEM_BLOCKS)] for _ in range(SYSTEM_PROMPTS)]
     histories: dict[int, list[int]] = {}
@@ -243,74 +253,42 @@ def serve(kv: Any, model: Model, sessions: int, rng: random.Random, tally: Tally
         else:
             prompt = histories[session] + [rng.randrange(32000) for _ in range(bt * SECOND_TURN_BLOCKS)]
         histories[session] = prompt
-        request(kv, model, block_keys(prompt, bt), tally)
+        request(cache, model, prompt, tally)
 
 
-def request(kv: Any, model: Model, keys: list[str], tally: Tally) -> None:
-    """One prompt: look its blocks up, load the cached prefix, compute the rest, offload what the store lacks."""
-    import torch
-
-    import kvstrata
-
-    present = [bool(p) for p in kv.exists(keys)]
-    n_hit = next((i for i, p in enumerate(present) if not p), len(keys))  # longest cached prefix
-    recompute: list[str] = []  # in the cached prefix but not loaded
-    if n_hit:
-        dst = [model.empty_block() for _ in range(n_hit)]
-        t0 = time.perf_counter()
-        results = kv.mget_h2d(keys[:n_hit], dst)
-        load_s = time.perf_counter() - t0
-        hits = loaded = mismatches = 0
-        for key, tensors, r in zip(keys[:n_hit], dst, results):
-            if r is not None:  # gone between the lookup and the load: computed like a miss
-                recompute.append(key)
-                continue
-            hits += 1
-            loaded += model.block_bytes
-            expected = model.compute_block(key)
-            mismatches += sum(not torch.equal(a, b) for a, b in zip(tensors, expected))
-    else:
-        load_s, hits, loaded, mismatches = 0.0, 0, 0, 0
-    # Computed: the blocks not loaded. Offloaded: those of them the lookup did not find (a block cached after a
+def request(cache: Any, model: Model, tokens: list[int], tally: Tally) -> None:
+    """One prompt: place its blocks, look up and load the cached prefix, compute the rest, offload what the store
+    lacks (``cache``: a :class:`~kvstrata.integrations.PrefixKVCache` of ``model``'s KV cache)."""
+    keys = cache.block_keys(tokens)
+    blocks = model.place(len(keys))
+    n_hit = cache.lookup(tokens)  # the longest cached prefix
+    t0 = time.perf_counter()
+    loaded = cache.load(tokens, blocks[:n_hit]) if n_hit else 0  # a block gone since the lookup ends it
+    load_s = time.perf_counter() - t0 if n_hit else 0.0
+    mismatches = sum(model.mismatches(blocks[i], model.compute_block(keys[i])) for i in range(loaded))
+    # Computed: the blocks not loaded. Offloaded: those of them the store does not hold (a block cached after a
     # missing one is computed, since only a prefix is reusable, but the store holds it already).
-    computed = recompute + keys[n_hit:]
-    offload = recompute + [k for k, p in zip(keys[n_hit:], present[n_hit:]) if not p]
-    stored = full = exists = 0
-    store_s = 0.0
-    if offload:
-        tensors = [model.compute_block(k) for k in offload]
-        t0 = time.perf_counter()
-        try:
-            results = kv.mset_d2h(offload, tensors)
-        except kvstrata.CapacityError as exc:  # the call as a whole found no room: no block of it stored
-            results = [exc] * len(offload)
-        store_s = time.perf_counter() - t0
-        for r in results:
-            if r is None:
-                stored += 1
-            elif isinstance(r, kvstrata.CapacityError):  # memory and SSD full: this block stays out
-                full += 1
-            elif isinstance(r, kvstrata.KeyExists):  # write-once: stored since the lookup (a failed load's block)
-                exists += 1
-            else:
-                raise r
+    for i in range(loaded, len(keys)):
+        model.write_block(blocks[i], model.compute_block(keys[i]))
+    t0 = time.perf_counter()
+    saved = cache.save(tokens, blocks, start=loaded)
+    store_s = time.perf_counter() - t0 if saved.stored + saved.refused else 0.0
     # Counted once the request is through, so that an interrupted request leaves the totals consistent.
     tally.requests += 1
     tally.blocks += len(keys)
     tally.lookup_hits += n_hit
-    tally.lookup_misses += present.count(False)
-    tally.cached_past_miss += sum(present[n_hit:])
-    tally.hit_blocks += hits
-    tally.load_failed += len(recompute)
-    tally.loaded_bytes += loaded
+    tally.lookup_misses += len(keys) - n_hit
+    tally.hit_blocks += loaded
+    tally.load_failed += n_hit - loaded
+    tally.loaded_bytes += loaded * model.block_bytes
     tally.load_s += load_s
     tally.mismatches += mismatches
-    tally.computed += len(computed)
-    tally.offloaded += stored
-    tally.stored_bytes += stored * model.block_bytes
+    tally.computed += len(keys) - loaded
+    tally.offloaded += saved.stored
+    tally.stored_bytes += saved.stored_bytes
     tally.store_s += store_s
-    tally.store_full += full
-    tally.already_stored += exists + len(computed) - len(offload)
+    tally.store_full += saved.refused
+    tally.already_stored += saved.present
 
 
 def _summary(t: Tally, stats: dict, elapsed: float, model: Model) -> None:
@@ -322,12 +300,11 @@ def _summary(t: Tally, stats: dict, elapsed: float, model: Model) -> None:
     hit_pct = 100 * t.hit_blocks / max(t.blocks, 1)
     mem = stats["tiers"]["memory"]
     disk = stats["tiers"].get("disk", {})
-    past = f", {t.cached_past_miss} cached after a miss (not a prefix)" if t.cached_past_miss else ""
     print(f"  requests served            {t.requests}")
     print(f"  prompt blocks              {t.blocks}  ({t.blocks * model.block_tokens} tokens)")
     print(
         f"  lookups                    {t.lookup_hits} hits (the cached prefix of each prompt),"
-        f" {t.lookup_misses} misses (not cached){past}"
+        f" {t.lookup_misses} misses (past it)"
     )
     failed = f"; {t.load_failed} cached but not loaded: computed" if t.load_failed else ""
     print(f"  reused from kvstrata       {t.hit_blocks}  ({hit_pct:.1f}% of blocks: prefill skipped for them){failed}")
