@@ -13,6 +13,10 @@ import importlib
 JOBS: dict[str, tuple[str, str]] = {
     "gather": ("kvstrata.bench.gather", "gather rows from pinned host memory: kvstrata vs table[ids].to(cuda) and DMA"),
     "transfer": ("kvstrata.bench.transfer", "KV block transfer methods vs the DMA ceiling and baselines"),
+    "prefix": (
+        "kvstrata.bench.prefix",
+        "a paged KV cache's offload and prefix reuse (PrefixKVCache) vs per-piece torch copies and DMA",
+    ),
     "allgather": ("kvstrata.bench.allgather", "hybrid all-gather (NCCL + host path) vs NCCL and the host path alone"),
     "device": ("kvstrata.bench.device", "GPU-to-GPU device objects vs peer copy and NCCL (2 GPUs; --smoke: CPU)"),
     "store": (
