@@ -63,6 +63,12 @@ class DeviceCacheMixin:
                 if copy is not None:
                     self._gpu_cond.wait()  # another reader is loading it
                     continue
+                if e.loading:
+                    # Another reader is bringing it back from SSD (its file read runs without the lock): wait for
+                    # that load and look again. A load of our own would give it a second DRAM block, one of the
+                    # two never freed.
+                    self._wait_for(key, timeout, promote=True)
+                    continue
                 self._gpu_load(e)
             copy.leases += 1
             copy.referenced = True

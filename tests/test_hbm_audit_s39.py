@@ -1,0 +1,87 @@
+"""Session 39's audit of the HBM tier and the device calls: one test per defect found (each failed before its fix).
+
+Without a GPU the HBM tier runs on a torch CPU buffer (as in ``tests/store/test_store_device.py``): the same engine
+code, the copies memcpys.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import kvstrata.store.tiers.gpu as gpu_mod
+from kvstrata.store import ObjectStore, StoreConfig
+
+KB = 1024
+
+
+@pytest.fixture
+def cpu_hbm(monkeypatch):
+    """Stores made from here on get an HBM tier on a CPU buffer."""
+
+    class CpuStandIn(gpu_mod.GpuTier):
+        def __init__(self, capacity, *, device=0):
+            super().__init__(capacity, device="cpu")
+
+    monkeypatch.setattr(gpu_mod, "GpuTier", CpuStandIn)
+
+
+def _config(tmp_path=None, *, memory=1 << 20, **kw) -> StoreConfig:
+    return StoreConfig(
+        memory_bytes=memory,
+        segment_bytes=1 << 20,
+        disk_dir=None if tmp_path is None else str(tmp_path / "ssd"),
+        disk_bytes=0 if tmp_path is None else 32 << 20,
+        numa_node=None,
+        hugepages="off",
+        **kw,
+    )
+
+
+def _device_bytes(store, lease) -> bytes:
+    return store.device_tensor(lease.location).cpu().numpy().tobytes()
+
+
+# ------------------------------------------------------------------------------------ store: the HBM tier
+def test_device_read_of_a_key_another_reader_is_bringing_back_from_ssd_waits_for_that_load(cpu_hbm, tmp_path):
+    """acquire_device of a key on SSD only, while a plain reader's promotion of it is reading the file, loaded it
+    into DRAM a second time: one of the two DRAM blocks was never freed (the memory tier's bytes stayed used with
+    no object left)."""
+    s = ObjectStore(_config(tmp_path, gpu_bytes=512 * KB))
+    keys = [f"m{i}" for i in range(15)]
+    for i, key in enumerate(keys):
+        s.put(key, bytes([i]) * (100 * KB))  # the first ones spill to SSD
+    assert s._objects["m0"].loc is None and s._objects["m0"].on_disk
+    reading, go_on = threading.Event(), threading.Event()
+    real_read = s._disk.read_into
+    reads: list[str] = []
+
+    def read_into(key, dest):
+        reads.append(key)
+        if len(reads) == 1:  # the plain reader's promotion: held while the device read comes in
+            reading.set()
+            go_on.wait(10)
+        return real_read(key, dest)
+
+    s._disk.read_into = read_into
+    leases = {}
+    reader = threading.Thread(target=lambda: leases.setdefault("plain", s.acquire("m0", owner=1)))
+    reader.start()
+    assert reading.wait(10)
+    got = {}
+    device_reader = threading.Thread(target=lambda: got.setdefault("device", s.acquire_device("m0", owner=2)))
+    device_reader.start()
+    device_reader.join(0.2)  # it waits for the promotion under way rather than starting one of its own
+    go_on.set()
+    reader.join(10)
+    device_reader.join(10)
+    assert reads == ["m0"]
+    assert _device_bytes(s, got["device"]) == bytes([0]) * (100 * KB)
+    s.release(leases["plain"].lease_id)
+    s.release(got["device"].lease_id)
+    s.delete(keys)
+    assert s.stats()["objects"] == 0
+    assert s.stats()["tiers"]["memory"]["used"] == 0  # every DRAM block went back
+    assert s.stats()["tiers"]["gpu"]["used"] == 0
+    s.close()
