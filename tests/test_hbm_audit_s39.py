@@ -85,3 +85,23 @@ def test_device_read_of_a_key_another_reader_is_bringing_back_from_ssd_waits_for
     assert s.stats()["tiers"]["memory"]["used"] == 0  # every DRAM block went back
     assert s.stats()["tiers"]["gpu"]["used"] == 0
     s.close()
+
+
+def test_a_device_load_unpinning_its_source_lets_the_watermark_pass_evict_again(cpu_hbm):
+    """The DRAM source of an HBM load is pinned (a lease) while it is copied; the watermark pass that found only
+    pinned objects stops looking until a lease is released. The load's unpin did not say so: memory stayed above
+    the high watermark, full of objects nobody held, until some other lease happened to go."""
+    s = ObjectStore(_config(gpu_bytes=1 << 20))
+    s.put("big", bytes(950 * KB), write_mode="evictable")  # above the 90 % high watermark of the 1 MiB tier
+    real_write = s._gpu.write
+
+    def write(location, src, **kw):
+        s._evict_to_low()  # the background pass, while the copy runs: "big" is pinned, nothing can go
+        return real_write(location, src, **kw)
+
+    s._gpu.write = write
+    lease = s.acquire_device("big", owner=1)
+    s.release(lease.lease_id)
+    s._evict_to_low()  # the background pass's next look
+    assert s.stats()["tiers"]["memory"]["used"] == 0 and s.exists(["big"]) == [False]
+    s.close()

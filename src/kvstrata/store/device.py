@@ -119,9 +119,11 @@ class DeviceCacheMixin:
         self._gpu_loaded(e, copy, loc, loc)
 
     def _gpu_loaded(self, e: Entry, copy: GpuCopy, loc: Location | None, allocated: Location) -> None:
-        e.leases -= 1
-        if e.dead and e.leases == 0:
-            self._free_locked(e)
+        e.leases -= 1  # the DRAM source's pin
+        if e.leases == 0:
+            self._evict_blocked = False  # as a lease's release: the watermark pass may find it evictable now
+            if e.dead:
+                self._free_locked(e)
         copy.loading = False
         self._gpu_cond.notify_all()
         if loc is None or e.dead or e.gpu is not copy:
