@@ -11,7 +11,10 @@ import threading
 import pytest
 
 import kvstrata.store.tiers.gpu as gpu_mod
+from kvstrata.errors import InvalidValue
 from kvstrata.store import ObjectStore, StoreConfig
+from kvstrata.store.device import GPU_SEGMENT
+from kvstrata.store.tiers.base import Location
 
 KB = 1024
 
@@ -104,4 +107,18 @@ def test_a_device_load_unpinning_its_source_lets_the_watermark_pass_evict_again(
     s.release(lease.lease_id)
     s._evict_to_low()  # the background pass's next look
     assert s.stats()["tiers"]["memory"]["used"] == 0 and s.exists(["big"]) == [False]
+    s.close()
+
+
+@pytest.mark.parametrize(
+    "location",
+    [Location(GPU_SEGMENT, 250 * KB, 10 * KB), Location(GPU_SEGMENT, -4, 4), Location(GPU_SEGMENT, 0, -1)],
+    ids=["past-the-end", "negative-offset", "negative-size"],
+)
+def test_device_tensor_refuses_a_location_outside_the_hbm_tier(cpu_hbm, location):
+    """A location past the tier's end, or with a negative offset or size, gave a shorter tensor (or one at the
+    buffer's end) rather than an error naming it."""
+    s = ObjectStore(_config(gpu_bytes=256 * KB))
+    with pytest.raises(InvalidValue, match="location"):
+        s.device_tensor(location)
     s.close()

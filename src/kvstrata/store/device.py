@@ -85,6 +85,10 @@ class DeviceCacheMixin:
         """The uint8 device tensor over an HBM ``location`` (no copy)."""
         if self._gpu is None or location.segment != GPU_SEGMENT:
             raise InvalidValue(f"location: {location} is not in an HBM tier")
+        offset, size = location.offset, location.size
+        # (a slice past the buffer's end, or from a negative offset, would be a shorter tensor or the wrong bytes)
+        if offset < 0 or size < 0 or offset + size > self._gpu.capacity:
+            raise InvalidValue(f"location: {location} lies outside the HBM tier ({self._gpu.capacity} bytes)")
         return self._gpu.tensor(location)
 
     def _gpu_load(self, e: Entry) -> None:
