@@ -11,7 +11,8 @@ import threading
 import pytest
 
 import kvstrata.store.tiers.gpu as gpu_mod
-from kvstrata.errors import InvalidValue
+from kv_helpers import worker_fixtures
+from kvstrata.errors import InvalidType, InvalidValue
 from kvstrata.store import ObjectStore, StoreConfig
 from kvstrata.store.device import GPU_SEGMENT
 from kvstrata.store.tiers.base import Location
@@ -122,3 +123,20 @@ def test_device_tensor_refuses_a_location_outside_the_hbm_tier(cpu_hbm, location
     with pytest.raises(InvalidValue, match="location"):
         s.device_tensor(location)
     s.close()
+
+
+# ------------------------------------------------------------------------------------ client: the device calls
+worker, kv = worker_fixtures("hbm-audit-worker", memory=16 << 20, segment=4 << 20)
+
+
+@pytest.mark.parametrize("call", ["async_mset_d2h", "async_mget_h2d"])
+@pytest.mark.parametrize("lists", [5, [5], None, [None]], ids=["int", "int-in-list", "none", "none-in-list"])
+def test_async_device_calls_name_malformed_tensor_lists(kv, call, lists):
+    """The async calls looked for the caller's CUDA stream by iterating ``tensor_lists`` before any check: malformed
+    lists raised a bare TypeError ("'int' object is not iterable"), where the same call made synchronously names
+    ``tensor_lists`` (kvstrata.InvalidType)."""
+    with pytest.raises(InvalidType, match=r"tensor_lists"):
+        getattr(kv, call)(["audit/x"], lists).result(timeout=10)
+    with pytest.raises(InvalidType, match=r"tensor_lists"):
+        getattr(kv, call.removeprefix("async_"))(["audit/x"], lists)
+    assert kv.exists(["audit/x"]) == [False]

@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvstrata.client import batching as _batching
@@ -797,7 +797,13 @@ class DeviceCallsMixin:
             return stream
         import torch
 
+        # Malformed lists are passed over, not iterated into a bare TypeError ("'int' object is not iterable"): the
+        # call's own checks name what is wrong, in its Future.
+        if isinstance(tensor_lists, str | bytes | Mapping) or not isinstance(tensor_lists, Iterable):
+            return None
         for ts in tensor_lists:
+            if not isinstance(ts, list | tuple):
+                continue
             for t in ts:
                 if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                     return torch.cuda.current_stream(t.device)
