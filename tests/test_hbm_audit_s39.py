@@ -12,7 +12,7 @@ import pytest
 
 import kvstrata.store.tiers.gpu as gpu_mod
 from kv_helpers import worker_fixtures
-from kvstrata.errors import InvalidType, InvalidValue
+from kvstrata.errors import ClosedError, InvalidType, InvalidValue
 from kvstrata.store import ObjectStore, StoreConfig
 from kvstrata.store.device import GPU_SEGMENT
 from kvstrata.store.tiers.base import Location
@@ -123,6 +123,42 @@ def test_device_tensor_refuses_a_location_outside_the_hbm_tier(cpu_hbm, location
     with pytest.raises(InvalidValue, match="location"):
         s.device_tensor(location)
     s.close()
+
+
+def test_device_reads_that_close_overtakes_raise_closed_error(cpu_hbm):
+    """close() while acquire_device copied without the lock left that call to fail on the tier's dropped buffer with
+    a bare TypeError, and a reader waiting for that copy to load the key again from a closed store."""
+    s = ObjectStore(_config(gpu_bytes=1 << 20))
+    s.put("a", b"x" * 100_000)
+    copying, go_on = threading.Event(), threading.Event()
+    real_write = s._gpu.write
+
+    def write(location, src, **kw):
+        copying.set()
+        go_on.wait(10)
+        return real_write(location, src, **kw)
+
+    s._gpu.write = write
+    got: dict = {}
+
+    def read(name):
+        try:
+            got[name] = s.acquire_device("a", owner=name)
+        except Exception as exc:
+            got[name] = exc
+
+    loader = threading.Thread(target=read, args=("loader",))
+    loader.start()
+    assert copying.wait(10)
+    waiter = threading.Thread(target=read, args=("waiter",))
+    waiter.start()
+    waiter.join(0.1)  # waits for the loader's copy
+    s.close()
+    go_on.set()
+    loader.join(10)
+    waiter.join(10)
+    assert isinstance(got["loader"], ClosedError), got
+    assert isinstance(got["waiter"], ClosedError), got
 
 
 # ------------------------------------------------------------------------------------ client: the device calls

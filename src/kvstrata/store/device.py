@@ -53,9 +53,9 @@ class DeviceCacheMixin:
         check_key(key)
         timeout = check_timeout(timeout)
         with self._lock:
-            if self._closed:
-                raise ClosedError("the object store is closed")
             while True:
+                if self._closed:  # (also after a wait or a load, which let the lock go: close() may have run)
+                    raise ClosedError("the object store is closed")
                 e = self._wait_for(key, timeout, promote=False)
                 copy = e.gpu
                 if copy is not None and not copy.loading:
@@ -115,9 +115,11 @@ class DeviceCacheMixin:
 
                 # a blocking copy_ synchronizes the current stream: the bytes are there on return
                 self._gpu.write(loc, torch.frombuffer(src, dtype=torch.uint8))
-        except BaseException:
+        except BaseException as exc:
             self._lock.acquire()
             self._gpu_loaded(e, copy, None, loc)
+            if self._closed and isinstance(exc, Exception):  # the tier's buffer went with close(), under the copy
+                raise ClosedError("the object store is closed") from exc
             raise
         self._lock.acquire()
         self._gpu_loaded(e, copy, loc, loc)
