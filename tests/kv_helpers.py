@@ -143,3 +143,54 @@ def wait_until(predicate, seconds: float = 5.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def quiet(store):
+    """Stop ``store``'s background pass (write-back flushes, TTL sweeps, watermark eviction) and return the store:
+    for a test that drives flushes and spills itself. A flush interval does not do it: every write-back put and
+    every write past the high watermark wakes the pass at once. ``close()`` still flushes what is dirty."""
+    store._stop.set()
+    store._wake.set()
+    store._thread.join()
+    return store
+
+
+def held_back(monkeypatch, obj, name: str):
+    """Make ``obj.name`` (an I/O call) wait until the returned ``go`` event is set; ``started`` is set when a call
+    began. A test can then look at what others do *while* that call is in flight, with no timing guess."""
+    import threading
+
+    started, go = threading.Event(), threading.Event()
+    real = getattr(obj, name)
+
+    def held(*args, **kw):
+        started.set()
+        go.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(obj, name, held)
+    return started, go
+
+
+def returns_within(fn, seconds: float = 5.0, what: str = "the call"):
+    """``fn()``'s value, called on a thread of its own; AssertionError naming ``what`` when it has not returned
+    within ``seconds``: for a call that must not wait on something the test holds back (one that does wait fails
+    the test instead of hanging it; no timing guess beyond a generous bound)."""
+    import threading
+
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # raised in the caller's thread below
+            out.append((False, exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"{what} waited on what the test held back"
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from kv_helpers import held_back, quiet, returns_within
 from kvstrata.errors import CapacityError, KeyNotFound
 from kvstrata.store import ObjectStore
 from kvstrata.store.eviction import ClockPolicy
@@ -143,38 +144,29 @@ def test_write_through_copy_lets_eviction_free_dram_without_io(tmp_path, make_co
 def test_spill_and_promotion_io_do_not_block_other_readers(tmp_path, make_config, monkeypatch):
     import threading
 
-    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    # The background pass stopped: it would spill at the high watermark itself (9 x 100 KiB + "hot" is past it)
+    s = quiet(ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20)))
     s.put("hot", b"h" * 1000, write_mode="evictable")
     lease = s.acquire("hot", owner="r")  # keeps "hot" resident
-    disk = s._disk
-    slow_write, slow_read = disk.write_temp, disk.read_into
-
-    def write_temp(*a, **kw):
-        time.sleep(0.3)
-        return slow_write(*a, **kw)
-
-    def read_into(*a, **kw):
-        time.sleep(0.3)
-        return slow_read(*a, **kw)
-
     for i in range(9):
         s.put(f"m{i}", bytes([i]) * (100 * KB))
-    monkeypatch.setattr(disk, "write_temp", write_temp)
-    monkeypatch.setattr(disk, "read_into", read_into)
-    t = threading.Thread(target=lambda: s.put("m9", bytes(200 * KB)))  # must spill: slow write
+    # The file I/O waits for the test: a reader served meanwhile did not wait for it (one that did fails here)
+    writing, write_go = held_back(monkeypatch, s._disk, "write_temp")
+    t = threading.Thread(target=lambda: s.put("m9", bytes(200 * KB)))  # must spill: a held-back write
     t.start()
-    time.sleep(0.05)
-    t0 = time.monotonic()
-    assert s.get_bytes("hot") == b"h" * 1000
-    assert time.monotonic() - t0 < 0.2, "a reader waited for a spill's file write"
+    assert writing.wait(5)
+    got = returns_within(lambda: s.get_bytes("hot"), what="a reader beside a spill's file write")
+    assert got == b"h" * 1000
+    write_go.set()
     t.join()
     assert s.stats()["spills"] >= 1
-    t = threading.Thread(target=lambda: s.get_bytes("m0"))  # spilled: a slow promotion
+    reading, read_go = held_back(monkeypatch, s._disk, "read_into")
+    t = threading.Thread(target=lambda: s.get_bytes("m0"))  # spilled: a held-back promotion
     t.start()
-    time.sleep(0.05)
-    t0 = time.monotonic()
-    assert s.exists(["hot"]) == [True] and s.get_bytes("hot") == b"h" * 1000
-    assert time.monotonic() - t0 < 0.2, "a reader waited for a promotion's file read"
+    assert reading.wait(5)
+    got = returns_within(lambda: (s.exists(["hot"]), s.get_bytes("hot")), what="a reader beside a promotion")
+    assert got == ([True], b"h" * 1000)
+    read_go.set()
     t.join()
     assert s.stats()["promotions"] >= 1
     s.release(lease.lease_id)
@@ -186,7 +178,9 @@ def test_a_write_waits_for_the_write_back_flush_that_holds_the_room_it_needs(tmp
     lock released): the write waits for the flush and then drops them, instead of failing with CapacityError."""
     import threading
 
-    s = ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20))
+    # The background pass stopped: each write-back put wakes it, and it could flush them all before the test's own
+    # flush below starts (nothing would be left to wait for)
+    s = quiet(ObjectStore(make_config(tmp_path, memory=1 << 20, segment=1 << 20)))
     for i in range(9):
         s.put(f"wb{i}", bytes([i]) * (100 * KB), write_mode="write_back")  # dirty: a spill or a flush must write them
     disk = s._disk
