@@ -373,16 +373,19 @@ def test_what_a_client_held_is_back_in_the_worker_when_close_returns(worker, mon
     views = kv.get_buffers(["held"])  # a lease, kept
     assert worker.stats()["leases"] == 1
     kv.close()
-    assert worker.stats()["leases"] == 0 and worker.stats()["clients"] == 0
+    assert worker.stats()["leases"] == 0
+    # (the worker ends the connection once the cleanup is done, then takes the client off its list: a count taken
+    # at once may still have it)
+    assert wait_for(lambda: worker.stats()["clients"] == 0)
     del views
     from kvstrata.client import connection
 
     monkeypatch.setattr(connection, "GOODBYE_WAIT_S", 0.3)
     frozen = kvstrata.connect(worker.address)  # a worker that does not end the connection: close() waits no longer
-    monkeypatch.setattr(Session, "cleanup", lambda self: time.sleep(1.5) or real_cleanup(self))
+    monkeypatch.setattr(Session, "cleanup", lambda self: time.sleep(3.0) or real_cleanup(self))
     began = time.monotonic()
     frozen.close()
-    assert time.monotonic() - began < 1.2
+    assert time.monotonic() - began < 2.0  # its 0.3 s, not the cleanup's 3 s (room for a loaded machine)
 
 
 def test_a_disk_tier_larger_than_its_file_system_is_warned_about_at_start(tmp_path, caplog):
