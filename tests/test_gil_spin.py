@@ -52,11 +52,16 @@ def test_the_check_keeps_the_gil():
     collection is off meanwhile, so no finalizer's I/O lets go of it either."""
     a, b = socket.socketpair()
     r, w = os.pipe()
-    wrote = mmap.mmap(-1, 1)  # shared with the child: 1 once its write went
+    wrote = mmap.mmap(-1, 2)  # shared with the child: [0] 1 once its write went, [1] 1 once the poll began
     child = os.fork()
     if child == 0:  # the child: wake the sleeper well after the poll began, then leave (no finalizers)
         try:
-            time.sleep(0.5)
+            # the poll's start, not a fixed delay from the fork: a parent slowed down (its gc.collect() on a loaded
+            # machine) polled only after the write, which let the sleeper run
+            give_up = time.monotonic() + 60
+            while not wrote[1] and time.monotonic() < give_up:
+                time.sleep(0.001)
+            time.sleep(0.1)
             os.write(w, b"x")
             wrote[0] = 1
         finally:
@@ -77,6 +82,7 @@ def test_the_check_keeps_the_gil():
     sys.setswitchinterval(10.0)
     try:
         polls = 0
+        wrote[1] = 1  # (a store to shared memory: the GIL stays here)
         deadline = time.perf_counter() + 10.0
         while not wrote[0] and time.perf_counter() < deadline:  # the sleeper's read returns meanwhile
             assert not ready()
