@@ -21,6 +21,14 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 worker, kv = worker_fixtures("prefix-worker", memory=32 << 20, segment=8 << 20)
 
 BT = 16  # tokens per block
+#: blocks packed per copy call (Triton's kernel under the interpreter on CPU), or 0: every piece copied in place
+STAGING = pytest.mark.parametrize("staged", [0, 3], ids=["pieces", "packed"])
+
+
+def staging(cache_or_caches, staged: int) -> int:
+    """``staging_bytes`` for ``staged`` blocks of this cache (0: none)."""
+    layout = cache_or_caches if isinstance(cache_or_caches, KVLayout) else KVLayout.from_vllm(cache_or_caches)
+    return staged * layout.block_bytes
 
 
 def vllm_cache(layers=3, blocks=32, heads=4, head_dim=32, dtype=torch.float16, seed=0, device="cpu"):
@@ -37,9 +45,10 @@ def prompt(n_tokens, seed=0):
     return np.random.default_rng(seed).integers(0, 32000, n_tokens).tolist()
 
 
-def test_saved_prefix_is_found_and_loaded_into_other_blocks_bit_for_bit(kv):
+@STAGING
+def test_saved_prefix_is_found_and_loaded_into_other_blocks_bit_for_bit(kv, staged):
     src = vllm_cache(seed=1)
-    cache = PrefixKVCache(kv, src, model="tiny")
+    cache = PrefixKVCache(kv, src, model=f"tiny-{staged}", staging_bytes=staging(src, staged))
     tokens = prompt(5 * BT + 7)  # 5 full blocks and a partial one
     assert cache.lookup(tokens) == 0
     saved = cache.save(tokens, [9, 3, 17, 4, 30])
@@ -49,12 +58,25 @@ def test_saved_prefix_is_found_and_loaded_into_other_blocks_bit_for_bit(kv):
     longer = tokens[: 3 * BT] + prompt(4 * BT, seed=2)
     assert cache.lookup(longer) == 3
     dst = vllm_cache(seed=3)
-    reader = PrefixKVCache(kv, dst, model="tiny")
+    reader = PrefixKVCache(kv, dst, model=f"tiny-{staged}", staging_bytes=staging(dst, staged))
     assert reader.load(longer, [0, 1, 2]) == 3
     for got, want in ((0, 9), (1, 3), (2, 17)):
         assert all(same(a, b) for a, b in zip(block_of(dst, got), block_of(src, want)))
     assert all(same(a, b) for a, b in zip(block_of(dst, 5), block_of(vllm_cache(seed=3), 5)))  # others untouched
     assert (cache.stats.hit_blocks, reader.stats.loaded_blocks) == (3, 3)
+
+
+def test_packed_and_piecewise_store_the_same_bytes(kv):
+    src = vllm_cache(seed=23)
+    tokens = prompt(5 * BT, seed=24)
+    packed = PrefixKVCache(kv, src, model="fmt", staging_bytes=staging(src, 2))
+    assert packed.save(tokens, [4, 0, 9, 1, 2]).stored == 5
+    keys = packed.block_keys(tokens)
+    stored = [kv.get(k) for k in keys]
+    pieces = [b"".join(bytes(v[b].numpy()) for v in KVLayout.from_vllm(src).seg_views) for b in [4, 0, 9, 1, 2]]
+    assert stored == pieces
+    with pytest.raises(InvalidValue, match="staging_bytes: must be an int >= 0"):
+        PrefixKVCache(kv, src, model="fmt", staging_bytes=-1)
 
 
 def test_a_saved_block_is_looked_up_not_copied_again(kv):
@@ -91,34 +113,42 @@ def test_keys_chain_over_the_prefix_and_name_model_geometry_and_salt():
         assert other_heads.lookup(a) == 0 and cache.lookup(a, salt="lora-1") == 0 and cache.lookup(a) == 3
 
 
-def test_a_missing_block_ends_the_loaded_prefix():
+@STAGING
+def test_a_missing_block_ends_the_loaded_prefix(staged):
+    caches = vllm_cache()
     with kvstrata.connect(embedded=True, memory_bytes="16MiB") as kv:
-        cache = PrefixKVCache(kv, vllm_cache(), model="gap")
-        tokens = prompt(4 * BT, seed=6)
-        cache.save(tokens, [0, 1, 2, 3])
-        kv.delete(cache.block_keys(tokens)[1])  # evicted since the lookup, say
-        assert cache.lookup(tokens) == 1
-        assert cache.load(tokens, [10, 11, 12, 13]) == 1
-        assert cache.stats.load_misses == 3
+        cache = PrefixKVCache(kv, caches, model="gap", staging_bytes=staging(caches, staged))
+        tokens = prompt(8 * BT, seed=6)
+        cache.save(tokens, list(range(8)))
+        kv.delete(cache.block_keys(tokens)[4])  # evicted since the lookup, say (in the second packed chunk)
+        assert cache.lookup(tokens) == 4
+        for c in caches:
+            c[:, 10:18] = 0
+        assert cache.load(tokens, list(range(10, 18))) == 4
+        assert cache.stats.load_misses == 4
+        assert all(same(c[:, 10:14], c[:, 0:4]) for c in caches)
 
 
-def test_no_room_counts_blocks_as_refused_and_serving_goes_on():
+@STAGING
+def test_no_room_counts_blocks_as_refused_and_serving_goes_on(staged):
     caches = vllm_cache(layers=4, blocks=64, heads=8, head_dim=64)  # 128 KiB blocks
     with kvstrata.connect(embedded=True, memory_bytes="1MiB", segment_bytes="1MiB", reserve_bytes=0) as kv:
-        cache = PrefixKVCache(kv, caches, model="full")
+        cache = PrefixKVCache(kv, caches, model="full", staging_bytes=staging(caches, staged))
         tokens = prompt(20 * BT, seed=7)
         r = cache.save(tokens, list(range(20)))
         assert r.stored + r.refused == 20 and 0 < r.stored < 20 and r.refused > 0
         n = cache.lookup(tokens)
         assert n == r.stored  # the first ones went in, the rest found no room
         dst = vllm_cache(layers=4, blocks=64, heads=8, head_dim=64, seed=9)
-        assert PrefixKVCache(kv, dst, model="full").load(tokens, list(range(40, 40 + n))) == n
+        reader = PrefixKVCache(kv, dst, model="full", staging_bytes=staging(dst, staged))
+        assert reader.load(tokens, list(range(40, 40 + n))) == n
         assert all(same(a, b) for a, b in zip(block_of(dst, 40 + n - 1), block_of(caches, n - 1)))
 
 
-def test_save_async_returns_a_future_of_the_result(kv):
+@STAGING
+def test_save_async_returns_a_future_of_the_result(kv, staged):
     src = vllm_cache(seed=11)
-    cache = PrefixKVCache(kv, src, model="async")
+    cache = PrefixKVCache(kv, src, model=f"async-{staged}", staging_bytes=staging(src, staged))
     tokens = prompt(6 * BT, seed=8)
     cache.save(tokens, [0, 1])
     f = cache.save_async(tokens, [0, 1, 2, 3, 4, 5])
@@ -127,12 +157,13 @@ def test_save_async_returns_a_future_of_the_result(kv):
     done = cache.save_async(tokens, [0, 1, 2])  # everything held: settled at once
     assert done.done() and done.result().present == 3
     dst = vllm_cache(seed=12)
-    assert PrefixKVCache(kv, dst, model="async").load(tokens, [7, 8, 9, 10, 11, 12]) == 6
+    assert PrefixKVCache(kv, dst, model=f"async-{staged}").load(tokens, [7, 8, 9, 10, 11, 12]) == 6
     assert all(same(a, b) for a, b in zip(block_of(dst, 12), block_of(src, 5)))
 
 
+@STAGING
 @pytest.mark.parametrize("kind", ["sglang", "mla"])
-def test_other_layouts_round_trip(kv, kind):
+def test_other_layouts_round_trip(kv, kind, staged):
     g = torch.Generator().manual_seed(13)
     if kind == "sglang":  # per layer K and V token pools [slots, heads, head_dim]; a block = a page of BT slots
         k = [torch.randn(8 * BT, 2, 16, generator=g) for _ in range(2)]
@@ -146,8 +177,9 @@ def test_other_layouts_round_trip(kv, kind):
         dst_c = [torch.zeros_like(t) for t in caches]
         dst = KVLayout.from_mla(dst_c)
     tokens = prompt(2 * BT, seed=14)
-    assert PrefixKVCache(kv, layout, model=kind, block_tokens=BT).save(tokens, [5, 2]).stored == 2
-    reader = PrefixKVCache(kv, dst, model=kind, block_tokens=BT)
+    saver = PrefixKVCache(kv, layout, model=f"{kind}-{staged}", block_tokens=BT, staging_bytes=staging(layout, staged))
+    assert saver.save(tokens, [5, 2]).stored == 2
+    reader = PrefixKVCache(kv, dst, model=f"{kind}-{staged}", block_tokens=BT, staging_bytes=staging(layout, 1))
     assert reader.lookup(tokens) == 2 and reader.load(tokens, [0, 7]) == 2
     for s in range(layout.num_segments):
         assert same(dst.seg_views[s][0], layout.seg_views[s][5]) and same(dst.seg_views[s][7], layout.seg_views[s][2])
@@ -236,19 +268,30 @@ def test_a_foreign_value_under_a_block_key_is_a_miss_not_garbage(kv):
 
 
 @pytest.mark.gpu
-def test_gpu_cache_round_trip_through_a_worker(worker):
+@pytest.mark.parametrize("staging_bytes", [None, 0], ids=["packed", "pieces"])
+def test_gpu_cache_round_trip_through_a_worker(worker, staging_bytes):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     src = vllm_cache(layers=4, blocks=64, heads=8, head_dim=128, dtype=torch.bfloat16, seed=19, device="cuda")
     dst = vllm_cache(layers=4, blocks=64, heads=8, head_dim=128, dtype=torch.bfloat16, seed=20, device="cuda")
     tokens = prompt(12 * BT, seed=21)
+    model = f"gpu-{staging_bytes}"
     with client_for("unix", worker, memory=32 << 20, segment=8 << 20) as kv:
-        assert PrefixKVCache(kv, src, model="gpu").save(tokens, list(range(12))).stored == 12
-        reader = PrefixKVCache(kv, dst, model="gpu")
+        saver = PrefixKVCache(kv, src, model=model, staging_bytes=staging_bytes)
+        assert saver.staging_blocks == (0 if staging_bytes == 0 else 64)  # 64 MiB of 1 MiB blocks by default
+        assert saver.save(tokens, list(range(12))).stored == 12
+        reader = PrefixKVCache(kv, dst, model=model, staging_bytes=staging_bytes)
         assert reader.lookup(tokens) == 12
-        f = PrefixKVCache(kv, src, model="gpu").save_async(tokens + prompt(2 * BT, seed=22), list(range(14)))
+        f = saver.save_async(tokens + prompt(2 * BT, seed=22), list(range(14)))
         assert f.result(timeout=30).stored == 2
         assert reader.load(tokens, list(range(40, 52))) == 12
-    torch.cuda.synchronize()
-    for t_src, t_dst in zip(src, dst):
-        assert torch.equal(t_dst[:, 40:52], t_src[:, :12])
+        torch.cuda.synchronize()
+        for t_src, t_dst in zip(src, dst):
+            assert torch.equal(t_dst[:, 40:52], t_src[:, :12])
+        # A side stream: the packing is ordered on it, and the data is right once it is synchronized
+        side = torch.cuda.Stream()
+        longer = tokens + prompt(2 * BT, seed=22)
+        with torch.cuda.stream(side):
+            assert reader.load(longer, list(range(20, 34)), stream=side) == 14
+        side.synchronize()
+        assert all(torch.equal(d[:, 32:34], s[:, 12:14]) for s, d in zip(src, dst))

@@ -4,6 +4,9 @@ A paged KV cache of a real model's geometry (default Llama-3-8B: 32 layers, 8 KV
 blocks: 2 MiB a block, in 64 pieces of 32 KiB) on the GPU, a worker process holding the offloaded blocks, and a
 request of ``--blocks`` blocks (default 128: a 2,048-token prompt, 256 MiB). In one run:
 
+Each PrefixKVCache row twice: ``packed`` (the default on a GPU: blocks packed on the device, one DMA a block) and
+``pieces`` (``staging_bytes=0``: every layer's K and V of a block its own copy-engine copy).
+
 * ``save``: :meth:`~kvstrata.integrations.PrefixKVCache.save` of the request's blocks, none held before (lookup,
   copies out of the paged cache, commit);
 * ``load cold``: :meth:`~kvstrata.integrations.PrefixKVCache.load` of blocks this client has not read before (the
@@ -45,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     import kvstrata
     from kvstrata.bench.store import _start_worker, _stop
     from kvstrata.integrations import PrefixKVCache
+    from kvstrata.units import format_size
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda:
@@ -56,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
     kv_caches = [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(args.layers)]
     block_bytes = 2 * args.layers * bt * args.kv_heads * args.head_dim * 2
     nbytes = args.blocks * block_bytes
-    # every save writes new blocks: room for all of them, the warm-up's and the loads' included
+    # every save writes new blocks (deleted after each variant): room for one variant's, the warm-up's included
     memory = max(64 << 20, (args.iters + 4) * nbytes * 5 // 4)
-    from kvstrata.units import format_size
-
     print(
         f"kvstrata bench prefix: {args.blocks} blocks of {format_size(block_bytes)} ({args.layers} layers x K/V x "
         f"{bt} tokens x {args.kv_heads} heads x {args.head_dim}, bf16) = {format_size(nbytes)} per request, "
@@ -67,54 +69,32 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     rng = np.random.default_rng(0)
-    rows: list[dict[str, Any]] = []
+    src_ids = list(range(args.blocks))
+    dst_ids = list(range(args.blocks, num_blocks))
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def new_prompt() -> list[int]:
+        return rng.integers(0, 128_000, args.blocks * bt).tolist()
+
+    times: dict[str, dict[str, float]] = {}
+    correct = True
+    variants = {"packed": None, "pieces": 0} if cuda else {"packed": 3 * block_bytes, "pieces": 0}
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-prefix-") as tmp:
         proc, address = _start_worker(Path(tmp), memory)
         try:
             with kvstrata.connect(address, timeout=30) as kv:
-                cache = PrefixKVCache(kv, kv_caches, model="bench")
-                src_ids = list(range(args.blocks))
-                dst_ids = list(range(args.blocks, num_blocks))
-
-                def new_prompt() -> list[int]:
-                    return rng.integers(0, 128_000, args.blocks * bt).tolist()
-
-                saved: list[list[int]] = []
-
-                def save() -> None:
-                    tokens = new_prompt()
-                    r = cache.save(tokens, src_ids)
-                    if r.stored != args.blocks:
-                        raise SystemExit(f"kvstrata bench prefix: save stored {r.stored} of {args.blocks} blocks")
-                    saved.append(tokens)
-
-                t_save = host_time(save, warmup=1, iters=args.iters)
-                cold = iter(list(saved))
-
-                def load_cold() -> None:
-                    if cache.load(next(cold), dst_ids) != args.blocks:
-                        raise SystemExit("kvstrata bench prefix: a load fell short")
-
-                t_load_cold = host_time(load_cold, warmup=1, iters=len(saved) - 1)
-                kept = saved[0]
-                t_load_kept = host_time(lambda: cache.load(kept, dst_ids), warmup=2, iters=args.iters)
-                t_lookup = host_time(lambda: cache.lookup(kept), warmup=2, iters=args.iters)
-                # correctness, on a fresh prompt whose target blocks are zeroed first
-                check = new_prompt()
-                cache.save(check, src_ids)
-                for c in kv_caches:
-                    c[:, dst_ids] = 0
-                cache.load(check, dst_ids)
-                correct = all(torch.equal(c[:, src_ids], c[:, dst_ids]) for c in kv_caches)
+                for variant, staging_bytes in variants.items():
+                    cache = PrefixKVCache(kv, kv_caches, model=f"bench-{variant}", staging_bytes=staging_bytes)
+                    times[variant], ok = _measure(cache, args, src_ids, dst_ids, new_prompt, sync)
+                    correct = correct and ok
         finally:
             _stop(proc)
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     pieces = [c[kv_i, b] for b in src_ids for c in kv_caches for kv_i in (0, 1)]
     host_pieces = list(pinned.view(torch.bfloat16).split(pieces[0].numel()))
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
 
     def per_piece_d2h() -> None:
         for h, d in zip(host_pieces, pieces):
@@ -136,29 +116,22 @@ def run(args: argparse.Namespace) -> int:
         pinned.copy_(flat, non_blocking=True)
         sync()
 
-    t_pp_d2h = host_time(per_piece_d2h, iters=args.iters)
-    t_pp_h2d = host_time(per_piece_h2d, iters=args.iters)
-    t_dma_h2d = host_time(dma_h2d, iters=args.iters)
-    t_dma_d2h = host_time(dma_d2h, iters=args.iters)
-    for name, t, dma in (
-        ("save (d2h)", t_save, t_dma_d2h),
-        ("torch per piece d2h", t_pp_d2h, t_dma_d2h),
-        ("dma d2h", t_dma_d2h, t_dma_d2h),
-        ("load cold (h2d)", t_load_cold, t_dma_h2d),
-        ("load kept (h2d)", t_load_kept, t_dma_h2d),
-        ("torch per piece h2d", t_pp_h2d, t_dma_h2d),
-        ("dma h2d", t_dma_h2d, t_dma_h2d),
-    ):
+    t_dma = {"d2h": host_time(dma_d2h, iters=args.iters), "h2d": host_time(dma_h2d, iters=args.iters)}
+    table = []
+    for variant, t in times.items():
+        for op, direction in (("save", "d2h"), ("load cold", "h2d"), ("load kept", "h2d")):
+            table.append((f"{op} {variant} ({direction})", t[op], t_dma[direction]))
+    table.append(("torch per piece d2h", host_time(per_piece_d2h, iters=args.iters), t_dma["d2h"]))
+    table.append(("torch per piece h2d", host_time(per_piece_h2d, iters=args.iters), t_dma["h2d"]))
+    table += [("dma d2h", t_dma["d2h"], t_dma["d2h"]), ("dma h2d", t_dma["h2d"], t_dma["h2d"])]
+    rows: list[dict[str, Any]] = [
+        {"row": name, "ms": round(t * 1e3, 3), "GB/s": gbps(nbytes, t), "of_dma": round(dma / t, 3), "bytes": nbytes}
+        for name, t, dma in table
+    ]
+    for variant, t in times.items():
         rows.append(
-            {
-                "row": name,
-                "ms": round(t * 1e3, 3),
-                "GB/s": gbps(nbytes, t),
-                "of_dma": round(dma / t, 3),
-                "bytes": nbytes,
-            }
+            {"row": f"lookup {variant}", "ms": round(t["lookup"] * 1e3, 3), "GB/s": "", "of_dma": "", "bytes": 0}
         )
-    rows.append({"row": "lookup", "ms": round(t_lookup * 1e3, 3), "GB/s": "", "of_dma": "", "bytes": 0})
     print_table(rows, ["row", "ms", "GB/s", "of_dma"])
     print(f"loaded blocks match the saved ones bit for bit: {correct}")
     path = write_result(
@@ -182,3 +155,38 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"wrote {path}")
     return 0 if correct else 1
+
+
+def _measure(
+    cache: Any, args: argparse.Namespace, src_ids: list[int], dst_ids: list[int], new_prompt: Any, sync: Any
+) -> tuple[dict[str, float], bool]:
+    """One variant's save / load cold / load kept / lookup times, whether a fresh prompt's blocks came back bit for
+    bit; the keys it wrote deleted after."""
+    saved: list[list[int]] = []
+
+    def save() -> None:
+        tokens = new_prompt()
+        r = cache.save(tokens, src_ids)
+        if r.stored != args.blocks:
+            raise SystemExit(f"kvstrata bench prefix: save stored {r.stored} of {args.blocks} blocks")
+        saved.append(tokens)
+
+    def load(tokens: list[int]) -> None:
+        if cache.load(tokens, dst_ids) != args.blocks:
+            raise SystemExit("kvstrata bench prefix: a load fell short")
+        sync()  # (packed: the unpacking is queued on the stream when load returns)
+
+    t = {"save": host_time(save, warmup=1, iters=args.iters)}
+    cold = iter(list(saved))
+    t["load cold"] = host_time(lambda: load(next(cold)), warmup=1, iters=len(saved) - 1)
+    t["load kept"] = host_time(lambda: load(saved[0]), warmup=2, iters=args.iters)
+    t["lookup"] = host_time(lambda: cache.lookup(saved[0]), warmup=2, iters=args.iters)
+    check = new_prompt()  # correctness: a fresh prompt, its target blocks zeroed first
+    cache.save(check, src_ids)
+    caches = cache.layout.tensors
+    for c in caches:
+        c[:, dst_ids] = 0
+    load(check)
+    ok = all(torch.equal(c[:, src_ids], c[:, dst_ids]) for c in caches)
+    cache.client.delete([k for tokens in [*saved, check] for k in cache.block_keys(tokens)])
+    return t, ok
