@@ -391,6 +391,8 @@
 #   PART=s38b: every GPU test (the session's final code)
 #   PART=s39: every GPU test; kvstrata bench prefix (PrefixKVCache against per-piece torch copies and DMA, a
 #           2,048- and a 512-token request); kvstrata demo on the GPU
+#   PART=s39b: the GPU tests of pack_blocks and PrefixKVCache; kvstrata bench prefix (packed and per piece) at
+#           128 and 32 blocks; kvstrata demo on the GPU
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1234,14 +1236,19 @@ elif [ "${PART}" = s38a ]; then
 elif [ "${PART}" = s38b ]; then
   gpu_tests gpu_tests_s38b
   grep -E "^FAILED|^E " "$OUT/gpu_tests_s38b.log" | head -30 >> "$LOG"
-elif [ "${PART}" = s39 ]; then
-  gpu_tests gpu_tests_s39
-  grep -E "^FAILED|^E " "$OUT/gpu_tests_s39.log" | head -30 >> "$LOG"
+elif [ "${PART}" = s39 ] || [ "${PART}" = s39b ]; then
+  if [ "${PART}" = s39 ]; then
+    gpu_tests gpu_tests_s39
+    grep -E "^FAILED|^E " "$OUT/gpu_tests_s39.log" | head -30 >> "$LOG"
+  else
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_block_pack.py \
+      tests/test_integrations_prefix_cache.py 2>&1 | tail -15 >> "$LOG"
+  fi
   for blocks in 128 32; do
     echo "=== kvstrata bench prefix --blocks $blocks" >> "$LOG"
     timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks "$blocks" --out "$OUT/prefix_$blocks" >> "$LOG" 2>&1
     echo "rc=$?" >> "$LOG"
-    cp "$OUT/prefix_$blocks/prefix_cache.json" "$OUT/prefix_cache_b${blocks}_s39_h200.json" 2>/dev/null
+    cp "$OUT/prefix_$blocks/prefix_cache.json" "$OUT/prefix_cache_b${blocks}_${PART}_h200.json" 2>/dev/null
     rm -rf "$OUT/prefix_$blocks"
   done
   echo "=== kvstrata demo --device cuda" >> "$LOG"
