@@ -15,6 +15,7 @@ import kvstrata
 from kv_helpers import client_for, same, worker_fixtures
 from kvstrata.errors import InvalidType, InvalidValue, KeyExists
 from kvstrata.integrations import PrefixKVCache
+from kvstrata.integrations.prefix_cache import STAGING_BYTES
 from kvstrata.ops import KVLayout
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -278,7 +279,7 @@ def test_gpu_cache_round_trip_through_a_worker(worker, staging_bytes):
     model = f"gpu-{staging_bytes}"
     with client_for("unix", worker, memory=32 << 20, segment=8 << 20) as kv:
         saver = PrefixKVCache(kv, src, model=model, staging_bytes=staging_bytes)
-        assert saver.staging_blocks == (0 if staging_bytes == 0 else 64)  # 64 MiB of 1 MiB blocks by default
+        assert saver.staging_blocks == (0 if staging_bytes == 0 else STAGING_BYTES // saver.block_bytes)
         assert saver.save(tokens, list(range(12))).stored == 12
         reader = PrefixKVCache(kv, dst, model=model, staging_bytes=staging_bytes)
         assert reader.lookup(tokens) == 12

@@ -393,6 +393,8 @@
 #           2,048- and a 512-token request); kvstrata demo on the GPU
 #   PART=s39b: the GPU tests of pack_blocks and PrefixKVCache; kvstrata bench prefix (packed and per piece) at
 #           128 and 32 blocks; kvstrata demo on the GPU
+#   PART=s39c: tools/probe_prefix_steps.py at 32 and 128 blocks; the GPU tests of pack_blocks and PrefixKVCache;
+#           bench prefix at 128 blocks (its memory warmed first)
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1254,6 +1256,16 @@ elif [ "${PART}" = s39 ] || [ "${PART}" = s39b ]; then
   echo "=== kvstrata demo --device cuda" >> "$LOG"
   timeout 120 python3 -m kvstrata.cli.main demo --device cuda >> "$LOG" 2>&1
   echo "rc=$?" >> "$LOG"
+elif [ "${PART}" = s39c ]; then
+  for blocks in 32 128; do
+    echo "=== tools/probe_prefix_steps.py --blocks $blocks" >> "$LOG"
+    timeout 120 python3 tools/probe_prefix_steps.py --blocks "$blocks" >> "$LOG" 2>&1
+  done
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_block_pack.py \
+    tests/test_integrations_prefix_cache.py 2>&1 | tail -3 >> "$LOG"
+  echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
+  timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
+  cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s39c_h200.json" 2>/dev/null; rm -rf "$OUT/p"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
