@@ -785,9 +785,11 @@ def test_an_aborted_broadcast_leader_settles_once_it_stopped_writing(make, monke
     gpus = {"s": "GPU-A", "r0": "GPU-A", "r1": "GPU-B"}  # two groups: r0 and r1 both lead, both pull
     monkeypatch.setattr(DeviceObjects, "_device_info", lambda self: {"uuid": gpus[self.link.client_id], "index": -1})
     real_pump = broadcast.pump
+    copying = threading.Event()
 
     def slow_pump(n, enqueue, **kw):  # each chunk's copy takes a while (on a GPU: queued, not yet drained)
         def slowly(c):
+            copying.set()
             time.sleep(0.05)
             return enqueue(c)
 
@@ -800,7 +802,7 @@ def test_an_aborted_broadcast_leader_settles_once_it_stopped_writing(make, monke
     sent = s.dev_broadcast("k", [torch.ones(n)], receivers=2)
     (mine,) = r0.dev_subscribe(["k"], [[dst]], timeout=WAIT)
     r1.dev_subscribe(["k"], [[torch.zeros(n)]], timeout=WAIT)
-    time.sleep(0.15)
+    assert copying.wait(WAIT)  # (not a fixed pause: a receiver gone before the copies began is no abort)
     r1.close()  # another receiver goes away: the broadcast is aborted for all
     with pytest.raises(errors.ServerError, match="went away"):
         mine.result(WAIT)
