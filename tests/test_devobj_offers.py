@@ -344,13 +344,14 @@ def test_a_receive_that_took_an_offer_hands_another_object_back_whole(make):
 def test_a_publish_reaching_the_broker_after_its_receive_timed_out_is_taken_not_delivered_twice(make):
     a, b, v = make(), make(), make()
     dst = torch.zeros(16)
-    fut = b.dev_subscribe(["late"], [[dst]], timeout=0.3)[0]
+    # (1 s: the offer, sent at once, must be taken before it on a loaded machine too)
+    fut = b.dev_subscribe(["late"], [[dst]], timeout=1.0)[0]
     _waiting_wid(b, "late")
     call = a._call
 
     def slow_publish(op, args, timeout=None):  # the offer goes at once, the publish after the receive's deadline
         if op == "publish":
-            time.sleep(0.6)
+            time.sleep(1.5)
         return call(op, args, timeout)
 
     a._call = slow_publish
@@ -370,8 +371,8 @@ def test_an_offer_arriving_after_its_receive_timed_out_is_not_taken_and_the_obje
     _waiting_wid(b, "gone")
     send = a._offer_box.send
 
-    def slow_send(*args):  # read the hint while b waited; the offer arrives after its deadline
-        time.sleep(0.5)
+    def slow_send(*args):  # read the hint while b waited; the offer arrives after its deadline (well after)
+        time.sleep(1.5)
         return send(*args)
 
     a._offer_box.send = slow_send
