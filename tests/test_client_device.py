@@ -923,7 +923,7 @@ def test_a_waiting_mget_h2d_asks_stage_by_stage_within_its_one_timeout(kv, monke
     took = time.monotonic() - t0
     assert asked == [2, 2, 2]  # each stage's own, its timeout what is left of the call's
     assert isinstance(res[5], KvstrataError) and res[:5] == [None] * 5
-    assert 0.25 <= took < 1.0
+    assert 0.25 <= took < 2.0  # (the call's one 0.3 s, with room for a loaded machine)
     assert all(torch.equal(a, b) for s, d in zip(src[:5], dst[:5]) for a, b in zip(s, d))
     kv.delete(keys)
 
@@ -1018,7 +1018,7 @@ def test_a_thread_waiting_for_a_pipelined_reply_does_not_hold_up_another_threads
         sent = time.monotonic() - t0
         writer.set("tagged/late", b"here")
         reader.join(10)
-        assert sent < 0.5 and not reader.is_alive()
+        assert sent < 5 and not reader.is_alive()  # (sends held up by the reader would wait its 10 s)
         assert got and got[0]["v"] == b"here"
         assert b.tagged_reply(other)["r"] == [False]
         assert kv.exists(["tagged/late"]) == [True] and b._stash == {} and not b._untagged and not b._untagged_due
