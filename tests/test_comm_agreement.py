@@ -101,7 +101,7 @@ def _a_bad_ratio_after_validation_raises_at_once_on_its_rank(rank: int, world: i
         began = time.monotonic()
         with pytest.raises(InvalidValue, match="ratio: expected"):
             ag.all_gather(out, inp, ratio=-1)
-        assert time.monotonic() - began < 1.0
+        assert time.monotonic() - began < 5.0  # not gloo's 10 s (room for a loaded machine)
     ag.all_gather(out, inp)  # the call every rank makes
     assert torch.equal(out, _ranks_values(world, n, 1))
     ag.close()
