@@ -98,7 +98,7 @@ def _parked(w: Worker, cid: str) -> None:
 
 
 def test_a_subscriber_that_stops_reading_is_dropped_and_stalls_no_other_client(worker, raws, monkeypatch):
-    monkeypatch.setattr(outbox_mod, "STALL_SECONDS", 2.0)
+    monkeypatch.setattr(outbox_mod, "STALL_SECONDS", 4.0)
     sub = Raw(worker.address)
     raws.append(sub)
     sub.dev("sub", "hello", INFO)
@@ -121,7 +121,7 @@ def test_a_subscriber_that_stops_reading_is_dropped_and_stalls_no_other_client(w
     other = Raw(worker.address)
     raws.append(other)
     assert other.call({"op": "ping"}) == {"pong": True}
-    assert time.monotonic() - start < 1.5  # before the stall limit: nobody waited on the subscriber
+    assert time.monotonic() - start < 3.0  # before the stall limit: nobody waited on the subscriber
 
     # The subscriber read nothing for the stall limit: disconnected, and the broker forgot it
     deadline = time.monotonic() + WAIT + 2
