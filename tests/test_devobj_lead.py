@@ -45,6 +45,23 @@ def _later(delay: float, fn, *args) -> threading.Thread:
     return t
 
 
+def _once_leading(c: DeviceObjects, fn, *args) -> threading.Thread:
+    """``fn(*args)`` on another thread once this thread leads ``c``'s events (it waits in ``result()``): a fixed
+    delay let the event thread read the match first whenever this thread came late into ``result()`` (a loaded
+    machine), and copy it itself."""
+    me = threading.current_thread()
+
+    def run():
+        deadline = time.monotonic() + WAIT
+        while c._role.leader() is not me and time.monotonic() < deadline:
+            time.sleep(0.001)
+        fn(*args)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def _who_takes_offers(c: DeviceObjects) -> dict[str, str]:
     """Key -> name of the thread that took its offer (kvstrata.devobj.offers)."""
     seen: dict[str, str] = {}
@@ -72,7 +89,7 @@ def test_the_waiter_copies_its_own_match_and_the_owner_is_released(make, offers)
         src = torch.arange(4096, dtype=torch.uint8) + i
         dst = torch.full((4096,), 7, dtype=torch.uint8)
         fut = b.dev_subscribe([f"k{i}"], [[dst]], timeout=WAIT)[0]
-        _later(0.03, lambda s=src, i=i: pubs.append(a.dev_publish([f"k{i}"], [[s]])[0]))
+        _once_leading(b, lambda s=src, i=i: pubs.append(a.dev_publish([f"k{i}"], [[s]])[0]))
         assert fut.result(WAIT) is None and torch.equal(dst, src)
     me = threading.current_thread().name
     if offers:
