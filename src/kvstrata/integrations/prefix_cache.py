@@ -140,6 +140,7 @@ class PrefixKVCache:
         self.staging_blocks = max(1, staging_bytes // self.block_bytes) if staging_bytes else 0
         self.stats = PrefixCacheStats()
         self._stats_lock = threading.Lock()
+        self._side: Any = None  # (a CUDA stream, made at the first packed load)
 
     # -- keys --------------------------------------------------------------------------------------
     def block_keys(self, tokens: Any, salt: str | bytes | None = None) -> list[str]:
@@ -208,24 +209,85 @@ class PrefixKVCache:
         return n
 
     def _load_packed(self, keys: list[str], ids: list[int], stream: Any) -> list[Any]:
-        """Load chunk by chunk into a packed buffer, each chunk's leading loaded blocks unpacked into the cache;
-        stops at the first block not loaded (the rest count as not loaded)."""
+        """Load chunk by chunk into packed buffers, each chunk's leading loaded blocks unpacked into the cache; stops
+        at the first block not loaded (the rest count as not loaded). Two buffers take turns: a chunk's copies
+        cross the link while the one before is unpacked and the next is asked for (an async call, its copies
+        ordered after that buffer's last unpack through a side stream, not after everything on ``stream``)."""
         stream = self._stream(stream)
-        rows = min(self.staging_blocks, len(ids))
-        buf = self._buffer(rows)
+        chunks = self._chunks(len(ids))
+        bufs = [self._buffer(chunks[0][1] - chunks[0][0]) for _ in range(min(2, len(chunks)))]
+        side = self._side_stream()
+        freed: list[Any] = [None, None]  # per buffer: the event after its last unpack
+        futures: list[concurrent.futures.Future] = []
+
+        def ask(k: int) -> None:
+            lo, hi = chunks[k]
+            buf = bufs[k % 2]
+            if side is not None and freed[k % 2] is not None:
+                side.wait_event(freed[k % 2])
+            rows = [[r] for r in buf[: hi - lo].unbind(0)]
+            futures.append(self.client.async_mget_h2d(keys[lo:hi], rows, stream=side))
+
         results: list[Any] = []
-        for lo in range(0, len(ids), rows):
-            chunk = ids[lo : lo + rows]
-            got = self.client.mget_h2d(keys[lo : lo + rows], [[buf[i]] for i in range(len(chunk))], stream=stream)
-            m = next((i for i, r in enumerate(got) if r is not None), len(got))
-            if m:
-                # the next chunk's copies into buf wait for this (they are ordered after stream)
-                with self._on(stream):
-                    unpack_blocks(self.layout, chunk[:m], buf)
-            results += got
-            if m < len(got):
-                break
+        try:
+            for k in range(min(2, len(chunks))):
+                ask(k)
+            for k, (lo, _) in enumerate(chunks):
+                got = futures[k].result()
+                m = next((i for i, r in enumerate(got) if r is not None), len(got))
+                if m:
+                    with self._on(stream):
+                        unpack_blocks(self.layout, ids[lo : lo + m], bufs[k % 2])
+                        if stream is not None:
+                            freed[k % 2] = stream.record_event()
+                results += got
+                if m < len(got):
+                    break
+                if k + 2 < len(chunks):
+                    ask(k + 2)
+        finally:
+            concurrent.futures.wait(futures)  # (copies still landing in the buffers: never freed under them)
         return results + [KeyNotFound("not loaded: an earlier block was not")] * (len(ids) - len(results))
+
+    def _save_packed(self, keys: list[str], ids: list[int], stream: Any) -> list[Any]:
+        """Pack chunk by chunk and hand each to an async ``mset_d2h`` (its copies wait for the packing on
+        ``stream``); two buffers take turns, so a chunk is packed while the one before crosses the link."""
+        stream = self._stream(stream)
+        chunks = self._chunks(len(ids))
+        bufs = [self._buffer(chunks[0][1] - chunks[0][0]) for _ in range(min(2, len(chunks)))]
+        futures: list[concurrent.futures.Future] = []
+        try:
+            for k, (lo, hi) in enumerate(chunks):
+                if k >= 2:
+                    concurrent.futures.wait([futures[k - 2]])  # its copies out of this buffer have landed
+                buf = bufs[k % 2]
+                with self._on(stream):
+                    pack_blocks(self.layout, ids[lo:hi], buf)
+                rows = [[r] for r in buf[: hi - lo].unbind(0)]
+                futures.append(self.client.async_mset_d2h(keys[lo:hi], rows, stream=stream))
+        finally:
+            concurrent.futures.wait(futures)
+        outcomes: list[Any] = []
+        for (lo, hi), f in zip(chunks, futures):
+            try:
+                outcomes += f.result()
+            except CapacityError as exc:  # the call as a whole found no room: none of it stored
+                outcomes += [exc] * (hi - lo)
+        return outcomes
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """``(lo, hi)`` of each chunk of ``n`` blocks: all in one where they fit the staging room, else in halves of
+        it (two buffers take turns)."""
+        rows = self.staging_blocks if n <= self.staging_blocks else max(1, self.staging_blocks // 2)
+        return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
+
+    def _side_stream(self) -> Any:
+        """This cache's stream for the loads' copies to wait on (None on CPU)."""
+        if self.layout.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.layout.device)
+        return self._side
 
     def save(
         self,
@@ -249,15 +311,7 @@ class PrefixKVCache:
         if not self.staging_blocks:
             outcomes = self._mset(todo_keys, self._block_tensors(todo_ids), stream)
         else:
-            stream = self._stream(stream)
-            rows = min(self.staging_blocks, len(todo))
-            buf = self._buffer(rows)
-            outcomes = []
-            for lo in range(0, len(todo), rows):
-                chunk = todo_ids[lo : lo + rows]
-                with self._on(stream):  # (after the last chunk's copies out of buf: mset_d2h returned)
-                    pack_blocks(self.layout, chunk, buf)
-                outcomes += self._mset(todo_keys[lo : lo + rows], [[buf[i]] for i in range(len(chunk))], stream)
+            outcomes = self._save_packed(todo_keys, todo_ids, stream)
         self._count_saved(outcomes, result)
         return result
 
@@ -292,7 +346,7 @@ class PrefixKVCache:
             buf = self._buffer(len(todo))
             with self._on(stream):
                 pack_blocks(self.layout, todo_ids, buf)
-            tensor_lists = [[buf[i]] for i in range(len(todo))]
+            tensor_lists = [[r] for r in buf.unbind(0)]
         inner = self.client.async_mset_d2h([keys[i] for i in todo], tensor_lists, stream=stream)
 
         def settle(f: concurrent.futures.Future) -> None:
