@@ -93,6 +93,21 @@ def _later(delay, fn, *args):
     return t
 
 
+def _once_inside(fut, fn, *args) -> threading.Thread:
+    """``fn(*args)`` on another thread once a thread waits in ``fut.result()`` (not after a fixed delay, which a
+    loaded machine can make too short)."""
+
+    def run():
+        deadline = time.monotonic() + WAIT
+        while not fut._inside and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        fn(*args)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def test_spin_future_result_exception_and_callbacks(spin):
     f = futures.SpinFuture()
     seen = []
@@ -265,9 +280,10 @@ def test_hand_offs_through_a_worker_with_polling_waiters(tmp_path, monkeypatch, 
             fut = b.dev_subscribe([f"k{i}"], [[dst]], timeout=WAIT)[0]
             # Published from another thread once this one waits in result(): a hand-off is for a waiter inside it.
             # (Published from here, on a busy 2-core machine the event thread could settle all 20 receives before
-            # this thread got back to result(), and none was handed off.)
+            # this thread got back to result(), and none was handed off; 5 ms later, the same when this thread
+            # was later than that every time.)
             pubs: list = []
-            publisher = _later(0.005, lambda k, t, out: out.extend(a.dev_publish([k], [[t]])), f"k{i}", src, pubs)
+            publisher = _once_inside(fut, lambda k, t, out: out.extend(a.dev_publish([k], [[t]])), f"k{i}", src, pubs)
             assert fut.result(WAIT) is None and torch.equal(dst, src)
             publisher.join(WAIT)
             pubs[0].result(WAIT)  # the completion reached the broker: the publisher's tensors were released
