@@ -250,29 +250,20 @@ class PrefixKVCache:
         return results + [KeyNotFound("not loaded: an earlier block was not")] * (len(ids) - len(results))
 
     def _save_packed(self, keys: list[str], ids: list[int], stream: Any) -> list[Any]:
-        """Pack chunk by chunk and hand each to an async ``mset_d2h`` (its copies wait for the packing on
-        ``stream``); two buffers take turns, so a chunk is packed while the one before crosses the link."""
+        """Pack chunk by chunk into one buffer, each chunk stored by one ``mset_d2h`` (its copies wait for the
+        packing on ``stream``; the next packing waits for the call, whose copies have landed when it returns).
+        Packing takes ~0.1 ms a 64 MiB chunk on the H200: against that, two buffers handed to async calls measured
+        no faster (0.43 of the DMA ceiling at 128 blocks in one call, against 0.70 in this way in another; the
+        async calls add two thread hand-offs a chunk)."""
         stream = self._stream(stream)
-        chunks = self._chunks(len(ids))
-        bufs = [self._buffer(chunks[0][1] - chunks[0][0]) for _ in range(min(2, len(chunks)))]
-        futures: list[concurrent.futures.Future] = []
-        try:
-            for k, (lo, hi) in enumerate(chunks):
-                if k >= 2:
-                    concurrent.futures.wait([futures[k - 2]])  # its copies out of this buffer have landed
-                buf = bufs[k % 2]
-                with self._on(stream):
-                    pack_blocks(self.layout, ids[lo:hi], buf)
-                rows = [[r] for r in buf[: hi - lo].unbind(0)]
-                futures.append(self.client.async_mset_d2h(keys[lo:hi], rows, stream=stream))
-        finally:
-            concurrent.futures.wait(futures)
+        rows = min(self.staging_blocks, len(ids))
+        buf = self._buffer(rows)
         outcomes: list[Any] = []
-        for (lo, hi), f in zip(chunks, futures):
-            try:
-                outcomes += f.result()
-            except CapacityError as exc:  # the call as a whole found no room: none of it stored
-                outcomes += [exc] * (hi - lo)
+        for lo in range(0, len(ids), rows):
+            chunk = ids[lo : lo + rows]
+            with self._on(stream):
+                pack_blocks(self.layout, chunk, buf)
+            outcomes += self._mset(keys[lo : lo + rows], [[r] for r in buf[: len(chunk)].unbind(0)], stream)
         return outcomes
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
