@@ -60,6 +60,18 @@ def _keeper_leaves_idle_clients_alone(request: pytest.FixtureRequest, monkeypatc
 
 
 @pytest.fixture
+def cpu_hbm(monkeypatch):
+    """Stores made from here on get an HBM tier on a CPU buffer."""
+    import kvstrata.store.tiers.gpu as gpu_mod
+
+    class CpuStandIn(gpu_mod.GpuTier):
+        def __init__(self, capacity, *, device=0):
+            super().__init__(capacity, device="cpu")
+
+    monkeypatch.setattr(gpu_mod, "GpuTier", CpuStandIn)
+
+
+@pytest.fixture
 def seeded() -> torch.Generator:
     """A fixed-seed generator so a failing random case can be replayed."""
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-import kvstrata.store.tiers.gpu as gpu_mod
 from kv_helpers import worker_fixtures
 from kvstrata.errors import ClosedError, InvalidType, InvalidValue
 from kvstrata.store import ObjectStore, StoreConfig
@@ -18,17 +17,6 @@ from kvstrata.store.device import GPU_SEGMENT
 from kvstrata.store.tiers.base import Location
 
 KB = 1024
-
-
-@pytest.fixture
-def cpu_hbm(monkeypatch):
-    """Stores made from here on get an HBM tier on a CPU buffer."""
-
-    class CpuStandIn(gpu_mod.GpuTier):
-        def __init__(self, capacity, *, device=0):
-            super().__init__(capacity, device="cpu")
-
-    monkeypatch.setattr(gpu_mod, "GpuTier", CpuStandIn)
 
 
 def _config(tmp_path=None, *, memory=1 << 20, **kw) -> StoreConfig:

@@ -5,20 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvstrata.store.tiers.gpu as gpu_mod
 from kvstrata.errors import CapacityError, KeyNotFound
 from kvstrata.store import ObjectStore, StoreConfig
 
 KB = 1024
-
-
-@pytest.fixture
-def cpu_hbm(monkeypatch):
-    class CpuStandIn(gpu_mod.GpuTier):
-        def __init__(self, capacity, *, device=0):
-            super().__init__(capacity, device="cpu")
-
-    monkeypatch.setattr(gpu_mod, "GpuTier", CpuStandIn)
 
 
 def _tensor_bytes(store, lease) -> bytes:
