@@ -215,7 +215,7 @@ class PrefixKVCache:
         ordered after that buffer's last unpack through a side stream, not after everything on ``stream``)."""
         stream = self._stream(stream)
         chunks = self._chunks(len(ids))
-        bufs = [self._buffer(chunks[0][1] - chunks[0][0]) for _ in range(min(2, len(chunks)))]
+        bufs = [self._buffer(chunks[0][1] - chunks[0][0], stream) for _ in range(min(2, len(chunks)))]
         side = self._side_stream()
         freed: list[Any] = [None, None]  # per buffer: the event after its last unpack
         futures: list[concurrent.futures.Future] = []
@@ -257,7 +257,7 @@ class PrefixKVCache:
         async calls add two thread hand-offs a chunk)."""
         stream = self._stream(stream)
         rows = min(self.staging_blocks, len(ids))
-        buf = self._buffer(rows)
+        buf = self._buffer(rows, stream)
         outcomes: list[Any] = []
         for lo in range(0, len(ids), rows):
             chunk = ids[lo : lo + rows]
@@ -334,7 +334,7 @@ class PrefixKVCache:
             tensor_lists = self._block_tensors(todo_ids)
         else:  # a buffer of its own, held until the copies are done (freed with the callback's closure)
             stream = self._stream(stream)
-            buf = self._buffer(len(todo))
+            buf = self._buffer(len(todo), stream)
             with self._on(stream):
                 pack_blocks(self.layout, todo_ids, buf)
             tensor_lists = [[r] for r in buf.unbind(0)]
@@ -427,9 +427,12 @@ class PrefixKVCache:
     def _on(self, stream: Any) -> Any:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def _buffer(self, rows: int) -> torch.Tensor:
-        """A packed buffer of ``rows`` blocks on the cache's device (from torch's caching allocator)."""
-        return torch.empty((rows, self.block_bytes), dtype=torch.uint8, device=self.layout.device)
+    def _buffer(self, rows: int, stream: Any) -> torch.Tensor:
+        """A packed buffer of ``rows`` blocks on the cache's device, from torch's caching allocator on ``stream``:
+        the stream the (un)packing runs on, so that the block is not handed out again, once let go, before the
+        kernels queued there that use it have run."""
+        with self._on(stream):
+            return torch.empty((rows, self.block_bytes), dtype=torch.uint8, device=self.layout.device)
 
     def _block_tensors(self, ids: list[int]) -> list[list[torch.Tensor]]:
         """Each block's pieces: every layer's K and V chunk, in place in the engine's cache (uint8 views)."""
