@@ -89,3 +89,46 @@ def test_bad_input_names_the_argument():
         with pytest.raises(exc, match=match):
             call()
     assert pack_blocks(layout, [], good).shape == (0, layout.block_bytes)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "vllm_block_major", "sglang", "mla"])
+def test_the_cpu_path_without_the_interpreter(monkeypatch, kind):
+    from kvstrata.ops import block_pack
+
+    monkeypatch.setattr(block_pack, "interpreting", lambda: False)
+    layout = _layout(kind, torch.bfloat16, "cpu")
+    out, ref = (torch.zeros(3, layout.block_bytes, dtype=torch.uint8) for _ in range(2))
+    pack_blocks(layout, [5, 1, 10], out)
+    pack_blocks_reference(layout, [5, 1, 10], ref, to_buffer=True)
+    assert torch.equal(out, ref)
+    unpack_blocks(layout, [0, 2, 3], out)
+    assert all(torch.equal(v[0], v[5]) and torch.equal(v[3], v[10]) for v in layout.seg_views)
+
+
+def test_the_custom_ops_are_registered_and_run():
+    layout = _layout("vllm", torch.float16, "cpu")
+    out = torch.zeros(2, layout.block_bytes, dtype=torch.uint8)
+    geom = [layout.num_segments, layout.chunk_bytes, layout.block_stride, layout.block_bytes, layout.align]
+    torch.ops.kvstrata.pack_blocks(*layout.op_args(), out, torch.tensor([4, 9]), geom)
+    ref = torch.zeros_like(out)
+    pack_blocks_reference(layout, [4, 9], ref, to_buffer=True)
+    assert torch.equal(out, ref)
+    torch.ops.kvstrata.unpack_blocks(*layout.op_args(), out, torch.tensor([0, 1]), geom)
+    assert all(torch.equal(v[0], v[4]) and torch.equal(v[1], v[9]) for v in layout.seg_views)
+
+
+@pytest.mark.gpu
+def test_gpu_pack_under_torch_compile_with_device_ids():
+    layout = _layout("vllm", torch.bfloat16, "cuda", blocks=64, tokens=16, heads=8, dim=128)
+    out = torch.zeros(8, layout.block_bytes, dtype=torch.uint8, device="cuda")
+    ids = torch.arange(8, 16, device="cuda")
+
+    @torch.compile(fullgraph=True)
+    def pack(ids):
+        pack_blocks(layout, ids, out, check=False)
+
+    pack(ids)
+    ref = torch.zeros_like(out)
+    pack_blocks_reference(layout, list(range(8, 16)), ref, to_buffer=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)

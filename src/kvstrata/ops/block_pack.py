@@ -23,16 +23,22 @@ from kvstrata.ops.chunk_copy import alignment, default_ctas, launch_copy_chunks
 from kvstrata.ops.kv_layout import KVLayout
 
 
-def pack_blocks(layout: KVLayout, block_ids: Sequence[int] | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def pack_blocks(
+    layout: KVLayout, block_ids: Sequence[int] | torch.Tensor, out: torch.Tensor, *, check: bool = True
+) -> torch.Tensor:
     """Copy blocks ``block_ids`` of ``layout`` into rows of ``out`` (uint8 ``[>= n, block_bytes]``, contiguous, on
-    the layout's device); returns ``out[:n]``. Queued on the current stream."""
-    return _run(layout, block_ids, out, to_buffer=True)
+    the layout's device); returns ``out[:n]``. Queued on the current stream. Also
+    ``torch.ops.kvstrata.pack_blocks`` (for ``torch.compile`` and CUDA graphs: pass ids already on the device and
+    ``check=False``, since checking their values costs a sync)."""
+    return _run(layout, block_ids, out, to_buffer=True, check=check)
 
 
-def unpack_blocks(layout: KVLayout, block_ids: Sequence[int] | torch.Tensor, src: torch.Tensor) -> None:
+def unpack_blocks(
+    layout: KVLayout, block_ids: Sequence[int] | torch.Tensor, src: torch.Tensor, *, check: bool = True
+) -> None:
     """Copy rows of ``src`` (as :func:`pack_blocks` wrote them) into blocks ``block_ids`` of ``layout``. Queued on
-    the current stream."""
-    _run(layout, block_ids, src, to_buffer=False)
+    the current stream. Also ``torch.ops.kvstrata.unpack_blocks``."""
+    _run(layout, block_ids, src, to_buffer=False, check=check)
 
 
 def pack_blocks_reference(layout: KVLayout, block_ids: Sequence[int], out: torch.Tensor, *, to_buffer: bool) -> None:
@@ -46,10 +52,28 @@ def pack_blocks_reference(layout: KVLayout, block_ids: Sequence[int], out: torch
                 view[b].copy_(out[i, s * chunk : (s + 1) * chunk])
 
 
-def _run(layout: KVLayout, block_ids: Sequence[int] | torch.Tensor, buf: torch.Tensor, *, to_buffer: bool):
+def _run(layout: KVLayout, block_ids: Sequence[int] | torch.Tensor, buf: torch.Tensor, *, to_buffer: bool, check: bool):
     name = "out" if to_buffer else "src"
-    ids = _check_ids(block_ids, layout.num_blocks)
-    n = len(ids)
+    if check or not isinstance(block_ids, torch.Tensor):
+        ids = torch.tensor(_check_ids(block_ids, layout.num_blocks), dtype=torch.int64)
+    else:
+        ids = block_ids
+    _check_buffer(layout, buf, ids, name)
+    if ids.numel() == 0:
+        return buf[:0]
+    if layout.device.type == "cuda" and ids.device != layout.device:
+        ids = (
+            ids.pin_memory().to(layout.device, non_blocking=True) if ids.device.type == "cpu" else ids.to(layout.device)
+        )
+    tensors, table, ptrs, owners, offsets = layout.op_args()
+    geom = [layout.num_segments, layout.chunk_bytes, layout.block_stride, layout.block_bytes, layout.align]
+    op = torch.ops.kvstrata.pack_blocks if to_buffer else torch.ops.kvstrata.unpack_blocks
+    op(tensors, table, ptrs, owners, offsets, buf, ids, geom)
+    return buf[: ids.numel()]
+
+
+def _check_buffer(layout: KVLayout, buf: object, ids: torch.Tensor, name: str) -> None:
+    """What both ops check of their buffer and ids (kinds and shapes only: no sync)."""
     if not isinstance(buf, torch.Tensor):
         raise InvalidType(f"{name}: must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != layout.block_bytes or not buf.is_contiguous():
@@ -57,37 +81,100 @@ def _run(layout: KVLayout, block_ids: Sequence[int] | torch.Tensor, buf: torch.T
             f"{name}: must be a contiguous uint8 [n, {layout.block_bytes}] tensor, got {buf.dtype} "
             f"{tuple(buf.shape)}{'' if buf.is_contiguous() else ' (not contiguous)'}"
         )
-    if buf.shape[0] < n:
-        raise InvalidValue(f"{name}: {buf.shape[0]} rows for {n} blocks")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise InvalidValue(f"block_ids: a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if buf.shape[0] < ids.shape[0]:
+        raise InvalidValue(f"{name}: {buf.shape[0]} rows for {ids.shape[0]} blocks")
     if buf.device != layout.device:
         raise InvalidValue(f"{name}: on {buf.device}, the KV cache on {layout.device}")
+
+
+def _pack_impl(
+    dev_tensors: list[torch.Tensor],
+    seg_table: torch.Tensor,
+    seg_ptrs: list[int],
+    seg_owner: list[int],
+    seg_offset: list[int],
+    buf: torch.Tensor,
+    ids: torch.Tensor,
+    geom: list[int],
+    to_buffer: bool,
+) -> None:
+    """Body of both ops. ``geom`` = [segments, chunk bytes, device block stride, block bytes, device alignment]."""
+    nseg, chunk, block_stride, block_bytes, align = geom
+    n = ids.numel()
     if n == 0:
-        return buf[:0]
-    if layout.device.type != "cuda" and not interpreting():
-        pack_blocks_reference(layout, ids, buf, to_buffer=to_buffer)
-        return buf[:n]
-    dev_ids = torch.tensor(ids, dtype=torch.int64)
-    rows = torch.arange(n, dtype=torch.int64)
-    if layout.device.type == "cuda":
-        dev_ids = dev_ids.pin_memory().to(layout.device, non_blocking=True)
-        rows = rows.to(layout.device, non_blocking=True)
+        return
+    # Under torch.compile the cache may arrive as functionalization clones: address those, not the originals.
+    seg_ptrs_now = [dev_tensors[o].data_ptr() + off for o, off in zip(seg_owner, seg_offset)]
+    device = dev_tensors[0].device
+    if seg_ptrs_now != list(seg_ptrs):
+        seg_table = torch.tensor(seg_ptrs_now, dtype=torch.int64).to(device)
+    if device.type != "cuda" and not interpreting():  # the CPU path: the same copies in plain torch
+        storages = [torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()) for t in dev_tensors]
+        for i, b in enumerate(ids.tolist()):
+            for s, ptr in enumerate(seg_ptrs_now):
+                whole = storages[seg_owner[s]]
+                start = ptr - whole.data_ptr() + b * block_stride
+                dev, row = whole[start : start + chunk], buf[i, s * chunk : (s + 1) * chunk]
+                (row if to_buffer else dev).copy_(dev if to_buffer else row)
+        return
+    ids = ids.to(device=device, dtype=torch.int64)
+    rows = torch.arange(n, dtype=torch.int64, device=device)
     base = buf.data_ptr()
     launch_copy_chunks(
-        layout.seg_ptr_table,
-        dev_ids,
+        seg_table,
+        ids,
         rows,
         base,
         n_blocks=n,
-        nseg=layout.num_segments,
-        chunk_bytes=layout.chunk_bytes,
-        dev_block_stride=layout.block_stride,
-        other_block_stride=layout.block_bytes,
-        other_seg_stride=layout.chunk_bytes,
+        nseg=nseg,
+        chunk_bytes=chunk,
+        dev_block_stride=block_stride,
+        other_block_stride=block_bytes,
+        other_seg_stride=chunk,
         to_other=to_buffer,
-        align=alignment(layout.align, base, layout.block_bytes),
-        num_ctas=default_ctas(layout.device),
+        align=alignment(align, base, block_bytes),
+        num_ctas=default_ctas(device),
     )
-    return buf[:n]
+
+
+@torch.library.custom_op("kvstrata::pack_blocks", mutates_args=("buf",))
+def _pack_op(
+    dev_tensors: list[torch.Tensor],
+    seg_table: torch.Tensor,
+    seg_ptrs: list[int],
+    seg_owner: list[int],
+    seg_offset: list[int],
+    buf: torch.Tensor,
+    ids: torch.Tensor,
+    geom: list[int],
+) -> None:
+    _pack_impl(dev_tensors, seg_table, seg_ptrs, seg_owner, seg_offset, buf, ids, geom, True)
+
+
+@torch.library.custom_op("kvstrata::unpack_blocks", mutates_args=("dev_tensors",))
+def _unpack_op(
+    dev_tensors: list[torch.Tensor],
+    seg_table: torch.Tensor,
+    seg_ptrs: list[int],
+    seg_owner: list[int],
+    seg_offset: list[int],
+    buf: torch.Tensor,
+    ids: torch.Tensor,
+    geom: list[int],
+) -> None:
+    _pack_impl(dev_tensors, seg_table, seg_ptrs, seg_owner, seg_offset, buf, ids, geom, False)
+
+
+@_pack_op.register_fake
+def _(dev_tensors, seg_table, seg_ptrs, seg_owner, seg_offset, buf, ids, geom) -> None:
+    return None
+
+
+@_unpack_op.register_fake
+def _(dev_tensors, seg_table, seg_ptrs, seg_owner, seg_offset, buf, ids, geom) -> None:
+    return None
 
 
 def _check_ids(block_ids: Sequence[int] | torch.Tensor, num_blocks: int) -> list[int]:
