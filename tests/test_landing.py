@@ -138,7 +138,7 @@ def test_a_landing_commits_keys_are_read_from_kept_leases_once_shown_but_never_w
         kv.delete(["land/nottl", "land/ttl"])
         b, loc = _reserve(kv)
         head = loc.offset
-        for key, ttl in (("land/nottl", None), ("land/ttl", 0.5)):
+        for key, ttl in (("land/nottl", None), ("land/ttl", 1.5)):  # (its reads must come first, loaded or not)
             b.view(type(loc)(loc.segment, head, 3))[:] = key[-3:].encode()
             token = b.commit_start([(key, 3, head)], dict(OPTS, ttl=ttl), landing=True)
             res, head = b.commit_finish(token)
@@ -147,7 +147,7 @@ def test_a_landing_commits_keys_are_read_from_kept_leases_once_shown_but_never_w
             assert reader.get(key) == key[-3:].encode() and reader.get(key) == key[-3:].encode()
         assert reader._backend._local.lookup("land/nottl") is not None  # the second get was a local read
         assert reader._backend._local.lookup("land/ttl") is None
-        time.sleep(0.6)  # its TTL ran from the landing
+        time.sleep(1.6)  # its TTL ran from the landing
         assert reader.exists(["land/nottl", "land/ttl"]) == [True, False]
         kv.delete(["land/nottl"])
 
