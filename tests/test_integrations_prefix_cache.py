@@ -257,6 +257,8 @@ def test_bad_construction_is_refused():
             PrefixKVCache(kv, caches[0], model="m")
         with pytest.raises(InvalidValue, match="key prefix"):
             PrefixKVCache(kv, caches, model="x" * 1000)
+        with pytest.raises(InvalidValue, match="not encodable as UTF-8"):
+            PrefixKVCache(kv, caches, model="m\udc80")
 
 
 def test_a_foreign_value_under_a_block_key_is_a_miss_not_garbage(kv):

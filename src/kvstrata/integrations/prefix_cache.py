@@ -130,7 +130,11 @@ class PrefixKVCache:
         dtype = str(layout.dtype).removeprefix("torch.")
         geometry = f"{layout.kind}.{layout.num_segments}x{layout.chunk_bytes}.{dtype}.{block_tokens}t"
         self.key_prefix = f"{namespace}/{model}/{geometry}"
-        if len(self.key_prefix.encode("utf-8", "surrogatepass")) > MAX_PREFIX_BYTES:
+        try:
+            prefix_bytes = len(self.key_prefix.encode())
+        except UnicodeEncodeError:
+            raise InvalidValue("model / namespace: not encodable as UTF-8 (lone surrogate?)") from None
+        if prefix_bytes > MAX_PREFIX_BYTES:
             raise InvalidValue(f"model: the key prefix {self.key_prefix[:60]!r}... is over {MAX_PREFIX_BYTES} bytes")
         if staging_bytes is None:
             staging_bytes = STAGING_BYTES if layout.device.type == "cuda" else 0
