@@ -455,3 +455,30 @@ def test_every_close_of_a_client_closed_by_several_threads_returns_once_its_leas
         t.join()
     assert seen == [0, 0, 0, 0]
     del views
+
+
+def test_the_client_count_drops_before_close_returns(tmp_path, monkeypatch):
+    """The worker closed a client's connection before it took the client off its list: a count read right after
+    close() returned could still include it (seen when the worker's thread was slow to go on after the close)."""
+    import threading
+    import time
+
+    import kvstrata
+    from kvstrata.server.config import WorkerConfig
+    from kvstrata.server.worker import Worker
+    from kvstrata.transport import stream
+
+    real_close = stream.StreamConnection.close
+
+    def slow_close(self, *args, **kwargs):
+        out = real_close(self, *args, **kwargs)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)  # the worker's thread, late to go on after closing the connection
+        return out
+
+    monkeypatch.setattr(stream.StreamConnection, "close", slow_close)
+    with Worker(WorkerConfig(socket=str(tmp_path / "kv.sock"), memory=16 << 20, disk_dir="")).start() as worker:
+        kv = kvstrata.connect(worker.address, timeout=5)
+        kv.set("k", b"v")
+        kv.close()
+        assert worker.stats()["clients"] == 0

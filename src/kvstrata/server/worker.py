@@ -390,15 +390,16 @@ class Worker:
             if session.lane is not None:
                 self.lane_poller.detach(session)  # before cleanup closes the lane
             # Listed until its leases and writes are back, so that a client count that dropped means they are; and a
-            # client that closed waits in close() for the connection's end, so it ends after the cleanup
+            # client that closed waits in close() for the connection's end, so it ends after the cleanup. Unlisted
+            # before that end: a count read once close() returned no longer counts it.
             try:
                 released = session.cleanup()
             finally:
-                conn.close()
                 with self._lock:
                     self._sessions.pop(session.owner, None)
                     n = len(self._sessions)
                     self._update_spin()
+                conn.close()
             conn.session = None  # type: ignore[attr-defined]  # the two refer to each other: freed by refcount
             quiet = session.devobj_link and not released  # a link's connection that took nothing with it
             (log.debug if quiet else log.info)("client %s %s%s (%d connected)", session.name, why, released, n)
