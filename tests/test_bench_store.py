@@ -21,13 +21,22 @@ MOONCAKE_MISSING = mooncake.unavailable()
 
 
 def _bench(tmp_path, *extra, timeout=240):
+    """Run ``kvstrata bench store`` to its end. Past ``timeout`` it is sent SIGTERM, so that it tears its Mooncake
+    namespace and processes down before the test fails (``subprocess.run``'s kill left them for the next tests)."""
     argv = ["bench", "store", "--no-redis", "--sizes", "4KiB", "--clients", "1", "--seconds", "0.1", *extra]
-    return subprocess.run(
-        [sys.executable, "-m", "kvstrata.cli.main", *argv, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", "kvstrata.cli.main", *argv, "--out", str(tmp_path)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _our_namespaces() -> set[str]:
