@@ -19,6 +19,7 @@ from kvstrata.errors import ConnectionLost, KeyNotFound, ServerError
 sys.path.insert(0, str(Path(__file__).parent))
 import _e2e_jobs as jobs
 from _stages import stages_of
+from kv_helpers import wait_until
 
 SRC = str(Path(kvstrata.__file__).resolve().parents[1])
 
@@ -64,15 +65,6 @@ def worker(tmp_path_factory):
     assert proc.returncode == 0, log
 
 
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_many_client_processes_read_and_write(worker):
     n_proc, n_keys = 4, 10
     ctx = multiprocessing.get_context("spawn")
@@ -99,13 +91,13 @@ def test_client_killed_mid_write_leaves_nothing_behind(worker, tmp_path):
     child = ctx.Process(target=jobs.die_mid_write, args=(worker, str(ready)))
     child.start()
     with kvstrata.connect(worker) as kv:
-        assert wait_for(ready.exists, 30), "victim never got ready"
+        assert wait_until(ready.exists, 30), "victim never got ready"
         assert not kv.exists("victim")
         stats = kv.stats()
         assert stats["leases"] >= 1 and stats["creates_in_progress"] >= 1 and stats["clients"] == 2
         os.kill(child.pid, signal.SIGKILL)
         child.join(10)
-        assert wait_for(lambda: kv.stats()["clients"] == 1), "worker did not notice the dead client"
+        assert wait_until(lambda: kv.stats()["clients"] == 1, 10), "worker did not notice the dead client"
         stats = kv.stats()
         assert stats["leases"] == 0 and stats["creates_in_progress"] == 0
         assert not kv.exists("victim")
@@ -152,7 +144,7 @@ def test_bad_peers_do_not_hurt_others(worker):
         with pytest.raises(ServerError):
             good._backend.request({"op": "nonsense"})
         assert good.get("steady") == b"ok"
-        assert wait_for(lambda: good.stats()["clients"] == 1)
+        assert wait_until(lambda: good.stats()["clients"] == 1, 10)
 
 
 def test_status_command(worker):
@@ -209,7 +201,7 @@ def test_stats_name_each_client_and_what_it_holds(worker):
         assert me["pid"] == os.getpid() and me["leases"] >= 1 and me["open_writes"] == 1
         buf.seal()
         view.release()
-        assert wait_for(lambda: mine(other.stats())[0]["open_writes"] == 0)
+        assert wait_until(lambda: mine(other.stats())[0]["open_writes"] == 0, 10)
         assert len(other.stats()["client_list"]) == other.stats()["clients"]
 
 
@@ -234,7 +226,7 @@ def test_device_object_clients_in_status_and_log_and_a_frozen_worker(tmp_path):
         assert child.stdout.readline().strip() == "ready"
         child.kill()  # its key vanishes; the worker's log says so
         child.wait(30)
-        assert wait_for(lambda: kv.stats()["device_objects"]["objects"] == 0)
+        assert wait_until(lambda: kv.stats()["device_objects"]["objects"] == 0, 10)
         proc.send_signal(signal.SIGSTOP)  # a frozen worker: close() gives up on its goodbye instead of hanging
         try:
             t0 = time.monotonic()
@@ -385,7 +377,7 @@ def test_churn_under_memory_pressure_never_shows_a_torn_stale_or_foreign_value(t
         with kvstrata.connect(address) as kv:
             stats = kv.stats()
             assert stats["evictions"] + stats["spills"] > 0, stats  # the pressure was real
-            assert wait_for(lambda: kv.stats()["leases"] == 0)
+            assert wait_until(lambda: kv.stats()["leases"] == 0, 10)
             for key in keys:  # what is left is whole too (one at a time: 100 values of 1 MiB exceed the memory)
                 if kv.exists(key):
                     assert jobs.churn_check(key, kv.get(key)) is None
