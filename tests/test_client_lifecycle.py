@@ -18,7 +18,8 @@ import kvstrata
 from kvstrata.server import Worker, WorkerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_worker_e2e import SRC, start_worker, stop, wait_for
+from kv_helpers import wait_until
+from test_worker_e2e import SRC, start_worker, stop
 
 
 @pytest.fixture
@@ -168,11 +169,11 @@ def test_a_wait_ends_when_its_client_dies(worker):
     # The connection's thread waited for the key for as long as the client asked (here: forever), for nobody.
     proc = _waiting_client(worker.address)
     try:
-        assert wait_for(lambda: worker.stats()["clients"] == 1)
+        assert wait_until(lambda: worker.stats()["clients"] == 1, 10.0)
         time.sleep(0.3)  # its get is waiting in the worker by now
         proc.kill()
         proc.wait()
-        assert wait_for(lambda: worker.stats()["clients"] == 0, timeout=5.0)
+        assert wait_until(lambda: worker.stats()["clients"] == 0, 5.0)
     finally:
         proc.kill()
     with kvstrata.connect(worker.address) as kv:  # and the worker serves on
@@ -217,7 +218,7 @@ def test_status_counts_the_reads_clients_served_themselves_and_not_misses_as_ref
         with pytest.raises(kvstrata.InvalidValue):
             kv.get("")
         assert kv.stats()["request_errors"] == 0  # (refused before it was sent)
-    assert wait_for(lambda: worker.stats()["clients"] == 0)
+    assert wait_until(lambda: worker.stats()["clients"] == 0, 10.0)
 
 
 def test_kvstrata_status_says_goodbye_and_is_not_logged_as_a_crashed_client(worker, caplog):
@@ -226,7 +227,7 @@ def test_kvstrata_status_says_goodbye_and_is_not_logged_as_a_crashed_client(work
     with caplog.at_level("INFO", logger="kvstrata.worker"):
         stats, _ = fetch_stats(worker.address)
         assert stats["clients"] == 1  # itself
-        assert wait_for(lambda: "(kvstrata status) " in caplog.text.split("connected (1 connected)")[-1])
+        assert wait_until(lambda: "(kvstrata status) " in caplog.text.split("connected (1 connected)")[-1], 10.0)
     assert "went away without closing" not in caplog.text
 
 
@@ -354,8 +355,8 @@ def test_close_from_an_async_calls_callback(worker):
             outcome.append(exc)
 
     kv.async_mget_h2d(["cb"], [[torch.zeros(100_000, dtype=torch.uint8)]]).add_done_callback(close_it)
-    assert wait_for(lambda: outcome) and outcome == ["closed"]
-    assert wait_for(lambda: watcher.stats()["clients"] == 1)  # its connection (and what it held) went
+    assert wait_until(lambda: outcome, 10.0) and outcome == ["closed"]
+    assert wait_until(lambda: watcher.stats()["clients"] == 1, 10.0)  # its connection (and what it held) went
     with pytest.raises(kvstrata.ClosedError):
         kv.get("cb")
     watcher.close()
@@ -376,7 +377,7 @@ def test_what_a_client_held_is_back_in_the_worker_when_close_returns(worker, mon
     assert worker.stats()["leases"] == 0
     # (the worker ends the connection once the cleanup is done, then takes the client off its list: a count taken
     # at once may still have it)
-    assert wait_for(lambda: worker.stats()["clients"] == 0)
+    assert wait_until(lambda: worker.stats()["clients"] == 0, 10.0)
     del views
     from kvstrata.client import connection
 
@@ -430,7 +431,7 @@ def test_a_client_gone_before_its_welcome_leaves_no_lane_behind(worker):
         s.close()
     with kvstrata.connect(worker.address) as kv:  # the worker serves on
         kv.set("after", b"v")
-    assert wait_for(lambda: lanes() <= before)
+    assert wait_until(lambda: lanes() <= before, 10.0)
 
 
 def test_every_close_of_a_client_closed_by_several_threads_returns_once_its_leases_are_back(worker, monkeypatch):

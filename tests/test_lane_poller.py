@@ -23,7 +23,8 @@ from kvstrata.transport.stream import pack
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _e2e_jobs as jobs
-from test_worker_e2e import SRC, start_worker, stop, wait_for
+from kv_helpers import wait_until
+from test_worker_e2e import SRC, start_worker, stop
 
 pytestmark = [
     pytest.mark.skipif(not L.supported(), reason="the lane is offered on x86-64 only"),
@@ -71,7 +72,7 @@ def test_several_clients_small_sets_go_through_their_lanes(worker):
         assert all(n > 0 for n in through_lane), through_lane
         assert _polled(a) > polled  # served by the poller (a request whose client gave up waiting: by its thread)
         # Once they stop, the poller lowers the flags: the clients use their sockets, nothing is stranded.
-        assert wait_for(lambda: not a._backend._lane.polling() and not b._backend._lane.polling(), 5)
+        assert wait_until(lambda: not a._backend._lane.polling() and not b._backend._lane.polling(), 5)
         a.set("after/idle", b"socket")
         assert b.get("after/idle") == b"socket"
 
@@ -93,7 +94,7 @@ def test_a_lone_client_is_served_by_its_own_thread_again(worker):
     with kvstrata.connect(worker) as a:
         with kvstrata.connect(worker) as b:
             _burst([a, b], 20)
-        assert wait_for(lambda: a.stats()["clients"] == 1)
+        assert wait_until(lambda: a.stats()["clients"] == 1, 10.0)
         polled = _polled(a)
         for _ in range(3):  # the first wakes the connection thread, which then polls the lane itself
             through_lane = _burst([a], 40)
@@ -122,11 +123,11 @@ def test_a_client_killed_while_its_lane_is_polled_leaves_the_others_served(worke
     victim.start()
     try:
         with kvstrata.connect(worker) as a, kvstrata.connect(worker) as b:
-            assert wait_for(lambda: a.stats()["clients"] >= 3, 30)
+            assert wait_until(lambda: a.stats()["clients"] >= 3, 30)
             _burst([a, b], 20)
             os.kill(victim.pid, signal.SIGKILL)
             victim.join(10)
-            assert wait_for(lambda: a.stats()["clients"] == 2, 10)
+            assert wait_until(lambda: a.stats()["clients"] == 2, 10)
             assert all(n >= 0 for n in _burst([a, b], 40))
             assert a.get("burst/1/0") == b.get("burst/1/0")
     finally:
@@ -147,7 +148,7 @@ def test_garbage_on_a_polled_lane_drops_that_client_alone(worker, garbage):
             else:
                 lane.submit(b"\xc1\xc1\xc1" if garbage == "not msgpack" else pack([1, 2, 3]))
         good.set("kick", b"x")  # a set over the socket (its lane unpolled) starts a spell, which finds it
-        assert wait_for(lambda: good.stats()["clients"] == 1, 10)  # the broken client was dropped
+        assert wait_until(lambda: good.stats()["clients"] == 1, 10)  # the broken client was dropped
         with pytest.raises(KvstrataError):
             for _ in range(3):
                 bad.set("bad/after", b"never")
