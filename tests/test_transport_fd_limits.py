@@ -29,10 +29,11 @@ HIGH_FDS = 1100  # descriptors opened to push new ones past select's 1024
 
 # A worker in its own process, with HIGH_FDS descriptors open first where argv[2] says so. It prints its address,
 # then reads commands: "fill N" opens /dev/null until only N descriptors are left (prints how many it opened),
-# "free" closes them, "cpu" prints its CPU seconds so far.
+# "settle" waits until a descriptor can be opened (a client just turned away may still hold one: the worker
+# closes its socket after the client has read the refusal), "free" closes them, "cpu" prints its CPU seconds.
 WORKER = textwrap.dedent(
     """
-    import logging, os, sys
+    import logging, os, sys, time
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(int(sys.argv[2]))]
     from kvstrata.server.config import WorkerConfig
@@ -52,6 +53,14 @@ WORKER = textwrap.dedent(
             for _ in range(int(command[1])):
                 os.close(filler.pop())
             print(len(filler), flush=True)
+        elif command[0] == "settle":
+            for _ in range(500):
+                try:
+                    os.close(os.open(os.devnull, os.O_RDONLY))
+                    break
+                except OSError:
+                    time.sleep(0.01)
+            print("settled", flush=True)
         elif command[0] == "free":
             for fd in filler:
                 os.close(fd)
@@ -180,6 +189,7 @@ def test_worker_out_of_descriptors_turns_clients_away_with_the_reason(tmp_path):
         # Room to accept a client but not to make its shared-memory lane: turned away by the handshake
         worker.ask("fill 1")
         for _ in range(3):
+            worker.ask("settle")  # (else the last refused client's socket, not yet closed, takes that descriptor)
             with pytest.raises(
                 ConnectionLost, match=r"out of file descriptors \(EMFILE\): 1 clients connected.*ulimit"
             ):
