@@ -18,6 +18,9 @@ CLIENTS_SHOWN = 10
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the node worker's tiers, objects, hit rate and clients")
     p.add_argument("--address", help="worker address (default: $KVSTRATA_WORKER or the default socket)")
+    p.add_argument(
+        "--cluster", help="show every worker of this cluster (etcd://HOST:PORT/NAME), a line each, and the totals"
+    )
     p.add_argument("--prometheus", action="store_true", help="print metrics in the Prometheus text format")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the worker (default 2)")
     p.set_defaults(func=run)
@@ -32,6 +35,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.cluster is not None:
+        if args.address is not None or args.prometheus:
+            print("kvstrata status: --cluster shows every worker: drop --address and --prometheus", file=sys.stderr)
+            return 2
+        return run_cluster(args.cluster, timeout=args.timeout)
     try:
         # --prometheus: what a scraper sees at the worker's /metrics, where this command is no client
         stats, address = fetch_stats(args.address, timeout=args.timeout, leave_out_self=args.prometheus)
@@ -46,6 +54,61 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(stats, address))
     return 0
+
+
+def run_cluster(url: str, *, timeout: float) -> int:
+    """``kvstrata status --cluster URL``: each listed worker's line (its stats read over TCP), then the totals.
+    Exit status 1 when etcd can't be reached or a listed worker does not answer, 2 for a malformed address."""
+    from kvstrata.cluster import open_membership
+
+    try:
+        with open_membership(url, timeout=timeout) as membership:
+            members = membership.members()
+    except (InvalidArgument, ValueError) as exc:
+        print(f"kvstrata status: {exc}", file=sys.stderr)
+        return 2
+    except (KvstrataError, ImportError) as exc:
+        print(f"kvstrata status: {exc}", file=sys.stderr)
+        return 1
+    stats: dict[str, dict[str, Any] | str] = {}
+    for node, member in sorted(members.items()):
+        try:
+            stats[node] = fetch_stats(member.address, timeout=timeout, leave_out_self=True)[0]
+        except KvstrataError as exc:
+            stats[node] = str(exc)
+    print(render_cluster(url, members, stats))
+    return 1 if any(isinstance(s, str) for s in stats.values()) else 0
+
+
+def render_cluster(url: str, members: dict[str, Any], stats: dict[str, dict[str, Any] | str]) -> str:
+    """A line per worker of a cluster (memory tier use, objects, clients; or why it did not answer), then totals."""
+    from kvstrata.units import format_size
+
+    lines = [f"cluster {url}: {len(members)} workers listed"]
+    totals = {"used": 0, "capacity": 0, "objects": 0}
+    for node, s in stats.items():
+        member = members[node]
+        if isinstance(s, str):
+            lines.append(f"  {node:<24} {member.address:<28} NOT ANSWERING: {s}")
+            continue
+        memory = s.get("tiers", {}).get("memory", {})
+        used, cap = memory.get("used", 0), memory.get("capacity", 0)
+        totals["used"] += used
+        totals["capacity"] += cap
+        totals["objects"] += s.get("objects", 0)
+        lines.append(
+            f"  {node:<24} {member.address:<28} memory {format_size(used):>10} of {format_size(cap):>10}   "
+            f"objects {s.get('objects', 0):>8}   clients {s.get('clients', 0):>3}   "
+            f"up {s.get('uptime_seconds', 0):.0f} s"
+        )
+    if members:
+        lines.append(
+            f"  total: memory {format_size(totals['used'])} of {format_size(totals['capacity'])}, "
+            f"{totals['objects']} objects"
+        )
+    else:
+        lines.append("  (no worker has joined: start one with kvstrata worker --cluster " + url + ")")
+    return "\n".join(lines)
 
 
 def fetch_stats(

@@ -95,6 +95,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve Prometheus metrics over HTTP at HOST:PORT/metrics (a bare port: 127.0.0.1; default: none)",
     )
     p.add_argument(
+        "--cluster",
+        help="join this cluster: etcd://HOST:PORT[,HOST:PORT...][/NAME] (default: none, this node alone)",
+    )
+    p.add_argument(
+        "--cluster-listen",
+        dest="cluster_listen",
+        help="in a cluster, where to listen for clients and peers of other hosts (default tcp://0.0.0.0:0, any port)",
+    )
+    p.add_argument(
+        "--cluster-advertise",
+        dest="cluster_advertise",
+        help="the tcp://HOST:PORT other hosts reach --cluster-listen at (default: its own, with this host's IP for "
+        "a wildcard host)",
+    )
+    p.add_argument("--node-id", dest="node_id", help="this worker's name in the cluster (default: HOST:PORT)")
+    p.add_argument(
+        "--cluster-ttl",
+        dest="cluster_ttl",
+        type=float,
+        help="seconds a dead worker stays listed in the cluster before its keys go to others (default 10)",
+    )
+    p.add_argument(
         "--log-level",
         dest="log_level",
         choices=("debug", "info", "warning", "error"),
@@ -130,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
             "spin_us",
             "placement_table",
             "metrics_address",
+            "cluster",
+            "cluster_listen",
+            "cluster_advertise",
+            "node_id",
+            "cluster_ttl",
         )
     }
     if flags["log_level"] is None and getattr(args, "verbose", 0):

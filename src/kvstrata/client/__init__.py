@@ -23,13 +23,18 @@ def connect(
     name: str | None = None,
     store: Any = None,
     reserve_bytes: int | str | None = None,
+    cluster: Any = None,
+    replicas: int = 1,
     **store_options: Any,
-) -> Client:
-    """A client of the node's worker, or of an in-process store.
+) -> Any:
+    """A client of the node's worker, of an in-process store, or of a whole cluster.
 
     ``reserve_bytes``: the most shared memory this client keeps reserved for ``mset_d2h`` objects it
     lays out without asking the worker (:mod:`kvstrata.client.reservation`; default 256 MiB, 0: off).
     ``address``: ``unix:///path.sock`` (default: ``$KVSTRATA_WORKER`` or the default socket path).
+    ``cluster``: a cluster's address (``etcd://HOST:2379/NAME``) or :class:`~kvstrata.cluster.Membership`: a
+    :class:`~kvstrata.client.cluster.ClusterClient` that routes each key to the workers owning it, ``replicas`` of
+    them per key (``address`` and store options don't apply).
     ``embedded=True``: no worker process; an :class:`~kvstrata.store.ObjectStore` is built in this
     process from ``store_options`` (:class:`~kvstrata.store.StoreConfig` fields; sizes may be
     strings like ``"1GiB"``; memory defaults to a quarter of RAM, at most 4 GiB; an SSD tier only with
@@ -45,6 +50,18 @@ def connect(
     from kvstrata.client.reservation import RESERVE_BYTES
 
     reserve = RESERVE_BYTES if reserve_bytes is None else parse_size(reserve_bytes, "reserve_bytes")
+    if cluster is not None:
+        if address is not None or embedded or store is not None or store_options:
+            raise InvalidValue("cluster: a cluster client finds its workers itself (drop address, embedded, store...)")
+        from kvstrata.client.cluster import ClusterClient
+
+        def connect_worker(*, address: str, timeout: float, name: str | None) -> Client:
+            return connect(address, timeout=timeout, name=name, reserve_bytes=reserve)
+
+        # (a listed worker is up: its connection is not waited for as long as a worker starting on this node)
+        return ClusterClient(cluster, replicas=replicas, timeout=min(timeout, 3.0), name=name, connect=connect_worker)
+    if replicas != 1:
+        raise InvalidValue(f"replicas: only for a cluster client (cluster=...), got {replicas!r}")
 
     if embedded or store is not None:
         if address is not None:

@@ -248,6 +248,16 @@ class WorkerConfig:
     #: where to serve Prometheus metrics over HTTP (``GET /metrics``): ``"HOST:PORT"``, or a bare port for
     #: 127.0.0.1; "" (the default): no HTTP endpoint (``kvstrata status --prometheus`` still prints them)
     metrics_address: str = ""
+    #: the cluster this worker joins (``etcd://HOST:PORT/NAME``; kvstrata.cluster); "" (the default): none
+    cluster: str = ""
+    #: where the worker also listens for clients and peers of other hosts, in cluster mode (port 0: any free one)
+    cluster_listen: str = "tcp://0.0.0.0:0"
+    #: the address other hosts reach that listener at ("": its own, with a wildcard host replaced by this host's IP)
+    cluster_advertise: str = ""
+    #: the worker's name in the cluster ("": HOST:PORT of its cluster address)
+    node_id: str = ""
+    #: seconds a dead worker stays listed in the cluster (its etcd lease), renewed every third of that
+    cluster_ttl: float = 10.0
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -302,6 +312,7 @@ class WorkerConfig:
                 f"lower --low-watermark too (below {high})"
             )
         self.metrics_endpoint()  # raises naming the setting
+        self._check_cluster()
         if not self.disk_dir:
             object.__setattr__(self, "disk_size", 0)
         elif self.disk_size is None:
@@ -311,6 +322,34 @@ class WorkerConfig:
             self.store_config()  # the engine validates its own fields, with their names
         except InvalidValue as exc:
             raise InvalidValue(_in_worker_names(str(exc))) from None
+
+    def _check_cluster(self) -> None:
+        """The cluster settings' form (etcd is reached only at start)."""
+        from kvstrata.cluster.membership import check_node_id, check_ttl
+
+        if not isinstance(self.cluster, str):
+            raise InvalidValue(
+                f"{_named('cluster')}: must be an address such as etcd://HOST:2379/NAME, got {self.cluster!r}"
+            )
+        scheme = self.cluster.partition("://")[0] if "://" in self.cluster else None
+        if self.cluster and scheme not in ("etcd", "inproc"):
+            raise InvalidValue(
+                f"{_named('cluster')}: must be etcd://HOST:PORT[/NAME] (or inproc://NAME in one process), "
+                f"got {self.cluster!r}"
+            )
+        for name in ("cluster_listen", "cluster_advertise"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (value and not _is_tcp_address(value)):
+                raise InvalidValue(f"{_named(name)}: must be tcp://HOST:PORT, got {value!r}")
+        if self.node_id:
+            try:
+                check_node_id(self.node_id)
+            except ValueError as exc:
+                raise InvalidValue(f"{_named('node_id')}: {exc}".replace("node_id: ", "")) from None
+        try:
+            check_ttl(self.cluster_ttl)
+        except ValueError as exc:
+            raise InvalidValue(f"{_named('cluster_ttl')}: {exc}".replace("ttl: ", "")) from None
 
     @property
     def disk_size_is_default(self) -> bool:
@@ -400,6 +439,11 @@ class WorkerConfig:
 
     def apply_logging(self) -> None:
         logging.getLogger("kvstrata").setLevel(self.log_level.upper())
+
+
+def _is_tcp_address(address: str) -> bool:
+    host, colon, port = address.removeprefix("tcp://").rpartition(":")
+    return address.startswith("tcp://") and bool(colon and host) and port.isdigit() and int(port) < 65536
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

@@ -79,6 +79,10 @@ class Worker:
         #: polls every client's lane while several are connected (see _update_spin)
         self.lane_poller = LanePoller(config.spin_us * 1e-6)
         self.metrics_server: MetricsServer | None = None  # GET /metrics, with config.metrics_address
+        #: in cluster mode (config.cluster): the TCP listener for other hosts, and this worker's entry in the list
+        self._cluster_listener: Listener | None = None
+        self.membership: Any = None
+        self.member: Any = None
         #: write-back objects the store could not flush to SSD when stop() closed it: lost with the worker
         self.unflushed = 0
 
@@ -131,6 +135,12 @@ class Worker:
                     f"metrics_address: cannot serve metrics at {self.config.metrics_address!r}: {exc}"
                 ) from exc
             log.info("Prometheus metrics at %s", self.metrics_server.url)
+        if self.config.cluster:
+            try:
+                self._join_cluster()
+            except BaseException:
+                self.stop()
+                raise
         stats = self._store.stats()
         log.info(
             "worker pid %d listening on %s (memory tier %s, disk tier %s)",
@@ -145,6 +155,51 @@ class Worker:
         self._warn_if_disk_short()
         self._warn_if_memory_short()
         return self
+
+    def _join_cluster(self) -> None:
+        """Listen on ``cluster_listen`` too and list this worker in ``cluster`` (kvstrata.cluster), so that clients
+        anywhere route keys to it; it stays listed while it lives (a lease it renews) and leaves at :meth:`stop`."""
+        import socket as _socket
+
+        from kvstrata import __version__ as kvstrata_version
+        from kvstrata.cluster.membership import Member, advertised_address, open_membership
+
+        config = self.config
+        self._cluster_listener = listen(
+            config.cluster_listen, self._serve, on_hello=self._on_hello, on_abandon=self._on_abandon
+        )
+        address = config.cluster_advertise or advertised_address(self._cluster_listener.address)
+        local = self._listener.address if self._listener.address.startswith("unix://") else ""
+        self.member = Member(
+            node_id=config.node_id or address.removeprefix("tcp://"),
+            address=address,
+            socket=local,
+            host=_socket.gethostname(),
+            info={
+                "pid": _pid(),
+                "memory": config.memory,
+                "disk": config.disk_size if config.disk_dir else 0,
+                "started_at": round(self.started_at, 3),
+                "version": kvstrata_version,
+            },
+        )
+        self.membership = open_membership(config.cluster)
+        try:
+            self.membership.join(self.member, ttl=config.cluster_ttl)
+        except BaseException:
+            self.membership.close()
+            self.membership = None
+            raise
+        log.info("joined cluster %s as %s (%s)", config.cluster, self.member.node_id, address)
+
+    def _leave_cluster(self) -> None:
+        """Off the cluster's list first (clients stop routing here), then the listener for other hosts closes."""
+        membership, self.membership = self.membership, None
+        if membership is not None:
+            membership.close()
+        listener, self._cluster_listener = self._cluster_listener, None
+        if listener is not None:
+            listener.stop()
 
     def _warn_if_memory_short(self) -> None:
         """Say so at start when the memory tier is larger than the machine's RAM or this process's cgroup memory
@@ -212,6 +267,7 @@ class Worker:
         in :attr:`unflushed`.
         """
         self._stopped.set()
+        self._leave_cluster()
         if self.metrics_server is not None:
             self.metrics_server.stop()
             self.metrics_server = None
@@ -288,6 +344,9 @@ class Worker:
         stats["lane_poll_kicks"] = self.lane_poller.kicks
         stats["lane_wakeups"] = self.counters["lane_wakeups"]  # lane requests the client had to wake us for
         stats["uptime_seconds"] = round(time.time() - self.started_at, 3)
+        member = self.member
+        if member is not None:
+            stats["cluster"] = {"url": self.config.cluster, "node_id": member.node_id, "address": member.address}
         broker = getattr(self, "devobj_broker", None)  # started by the first device-object client
         if broker is not None:
             stats["device_objects"] = broker.stats()

@@ -1,0 +1,581 @@
+"""A client of a whole cluster: each key goes to the workers that own it (:mod:`kvstrata.cluster`).
+
+:class:`ClusterClient` keeps the cluster's member list (watched, so joins and departures show within a moment)
+and one :class:`~kvstrata.client.Client` per worker it has talked to: through the worker's Unix socket when the
+worker runs on this host (so values move through shared memory, and device reads run at pinned-DMA speed), else
+over TCP. A key's owners are the ``replicas`` live workers that rank first for it
+(:func:`kvstrata.cluster.placement.rank`): writes go to all of them, reads to the first that has the key.
+
+Membership changes move no data. A client keeps the member list from before the last change too, and a read that
+misses on a key's owners asks the key's owners under that list as well: a key written before one join or one
+departure is still found (with ``replicas=2``, even when one of its workers died). A worker whose connection
+fails is skipped (its keys' next-ranked workers stand in) until the list changes or ``ttl`` passes.
+
+Example (two workers of one process, listed in memory; across hosts the address is ``etcd://HOST:2379/NAME``)::
+
+    >>> import kvstrata
+    >>> from kvstrata.server import Worker, WorkerConfig
+    >>> workers = [
+    ...     Worker(WorkerConfig(socket="tcp://127.0.0.1:0", memory=16 << 20, disk_dir="", cluster="inproc://doc-kv",
+    ...                         cluster_listen="tcp://127.0.0.1:0")).start()
+    ...     for _ in range(2)
+    ... ]
+    >>> with kvstrata.connect(cluster="inproc://doc-kv") as kv:
+    ...     kv.mset({f"k{i}": b"v%d" % i for i in range(8)}) == [None] * 8
+    ...     kv.get("k3"), len(kv.nodes)
+    True
+    (b'v3', 2)
+    >>> for w in workers:
+    ...     _ = w.stop()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import socket as _socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from kvstrata.client._shared import check_key, check_keys
+from kvstrata.cluster.membership import DEFAULT_TTL_S, Member, Membership, open_membership
+from kvstrata.cluster.placement import rank
+from kvstrata.errors import (
+    ClosedError,
+    ConnectionLost,
+    InvalidType,
+    InvalidValue,
+    KeyNotFound,
+    Timeout,
+    TransportError,
+)
+
+log = logging.getLogger(__name__)
+
+Result = Any  # per key: a value (or None) on success, the exception on failure, as Client's batch calls
+#: errors that say a worker could not be reached (so its keys' next workers stand in), not that a key was refused
+UNREACHABLE = (ConnectionLost, TransportError, ClosedError, ConnectionError)
+
+
+class NoWorkers(TransportError):
+    """The cluster lists no live worker (none started, or every one unreachable)."""
+
+
+def _one_or_many(keys: Any, results: list[Any]) -> Any:
+    return results[0] if isinstance(keys, str) else results
+
+
+def _pairs(items: Any) -> list[tuple[Any, Any]]:
+    if isinstance(items, Mapping):
+        return list(items.items())
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise InvalidType(f"items: expected a mapping or an iterable of (key, value) pairs, got {type(items).__name__}")
+    pairs = list(items)
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise InvalidType(f"items[{i}]: expected a (key, value) pair, got {type(pair).__name__}")
+    return pairs
+
+
+class ClusterClient:
+    """The key-value and device-object calls of :class:`~kvstrata.client.Client`, over every worker of a cluster.
+
+    Build it with ``kvstrata.connect(cluster="etcd://HOST:2379/NAME")``. Thread-safe; close it when done.
+    ``replicas``: how many workers keep each key written through this client (reads need any one of them).
+    ``prefer_local``: reach a worker on this host through its Unix socket (shared memory) rather than TCP.
+    ``timeout``: seconds to wait for a worker's connection (a listed worker is up: a worker that does not answer
+    within it is skipped, and its keys' next workers stand in). ``ttl``: seconds a worker whose connection failed is
+    skipped while the member list still shows it (its lease has not run out yet).
+    """
+
+    def __init__(
+        self,
+        membership: Membership | str,
+        *,
+        replicas: int = 1,
+        timeout: float = 3.0,
+        prefer_local: bool = True,
+        ttl: float = DEFAULT_TTL_S,
+        name: str | None = None,
+        connect: Callable[..., Any] | None = None,
+    ) -> None:
+        if type(replicas) is not int or replicas < 1:
+            raise InvalidValue(f"replicas: must be an int of at least 1, got {replicas!r}")
+        if type(prefer_local) is not bool:
+            raise InvalidType(f"prefer_local: must be a bool, got {type(prefer_local).__name__}")
+        self._own_membership = isinstance(membership, str)
+        self.membership = open_membership(membership) if isinstance(membership, str) else membership
+        self.replicas = replicas
+        self._timeout = timeout
+        self._prefer_local = prefer_local
+        self._ttl = ttl
+        self._name = name
+        if connect is None:
+            from kvstrata.client import connect
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._members: dict[str, Member] = {}
+        self._previous: dict[str, Member] = {}  # the list before the last change: where older keys were written
+        self._clients: dict[str, Any] = {}
+        self._suspects: dict[str, float] = {}  # node -> monotonic time until which it is skipped
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        try:
+            self._on_members(self.membership.members())
+            self._stop_watch = self.membership.watch(self._on_members)
+        except BaseException:
+            if self._own_membership:
+                self.membership.close()
+            raise
+
+    # the member list -----------------------------------------------------------------------------------------
+    def _on_members(self, members: dict[str, Member]) -> None:
+        """A new member list: the old one kept for reads of older keys; clients of departed workers closed."""
+        gone = []
+        with self._lock:
+            if set(members) != set(self._members):
+                self._previous = self._members
+            for node, member in members.items():
+                if node in self._suspects and self._members.get(node) != member:  # (restarted: listed anew)
+                    del self._suspects[node]
+            for node in list(self._clients):
+                if node not in members or members[node] != self._members.get(node):
+                    gone.append(self._clients.pop(node))
+            self._suspects = {n: t for n, t in self._suspects.items() if n in members}
+            self._members = dict(members)
+        for client in gone:
+            self._close_quietly(client)
+
+    def refresh(self) -> None:
+        """Read the member list now (it is watched anyway; this is for a caller that knows it changed)."""
+        self._on_members(self.membership.members())
+
+    @property
+    def nodes(self) -> list[str]:
+        """The live workers' node ids (listed, and not skipped after a failed connection), sorted."""
+        with self._lock:
+            return sorted(self._live())
+
+    def _live(self) -> list[str]:
+        now = time.monotonic()
+        return [n for n in self._members if self._suspects.get(n, 0.0) <= now]
+
+    def owners(self, key: str) -> list[str]:
+        """The live workers a write of ``key`` goes to, in rank order."""
+        check_key(key)
+        with self._lock:
+            live = self._live()
+        if not live:
+            raise self._no_workers()
+        return rank(key, live)[: self.replicas]
+
+    def _candidates(self, key: str, live: list[str], previous: list[str]) -> list[str]:
+        """Where a read of ``key`` looks, in order: its owners now, then its owners under the previous list."""
+        found = rank(key, live)[: self.replicas]
+        if previous:
+            found += [n for n in rank(key, previous)[: self.replicas] if n not in found and n in live]
+        return found
+
+    def _views(self) -> tuple[list[str], list[str]]:
+        with self._lock:
+            live = self._live()
+            previous = [n for n in self._previous if n in self._members]
+        if not live:
+            raise self._no_workers()
+        return live, previous if set(previous) != set(live) else []
+
+    def _no_workers(self) -> NoWorkers:
+        with self._lock:
+            listed = sorted(self._members)
+        if listed:
+            return NoWorkers(f"no worker of {self.membership.url} can be reached (listed: {', '.join(listed)})")
+        return NoWorkers(f"no worker is listed in {self.membership.url} (start one with kvstrata worker --cluster)")
+
+    # per-worker clients -----------------------------------------------------------------------------------------
+    def client(self, node: str) -> Any:
+        """The :class:`~kvstrata.client.Client` of worker ``node`` (connected at first use)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("cluster client is closed")
+            client = self._clients.get(node)
+            member = self._members.get(node)
+        if client is not None:
+            return client
+        if member is None:
+            raise KeyNotFound(f"no worker {node!r} in {self.membership.url}")
+        address = member.address
+        local = member.socket.removeprefix("unix://") if member.socket.startswith("unix://") else ""
+        if self._prefer_local and local and member.host == _socket.gethostname() and os.path.exists(local):
+            address = member.socket
+        try:
+            client = self._connect(address=address, timeout=self._timeout, name=self._name)
+        except UNREACHABLE as exc:
+            self._suspect(node, exc)
+            raise
+        with self._lock:
+            if self._closed or self._members.get(node) != member:  # (closed, or the worker left meanwhile)
+                racing = client
+                client = None
+            else:
+                racing = self._clients.get(node)
+                if racing is None:
+                    self._clients[node], racing = client, None
+                else:
+                    client, racing = racing, client
+        if racing is not None:
+            self._close_quietly(racing)
+        if client is None:
+            raise ConnectionLost(f"worker {node} left {self.membership.url}")
+        return client
+
+    def _suspect(self, node: str, exc: BaseException) -> None:
+        """Skip ``node`` for ``ttl`` (its connection failed; the list may still show it), and re-read the list."""
+        log.warning("worker %s of %s unreachable, skipped for %.0f s: %s", node, self.membership.url, self._ttl, exc)
+        with self._lock:
+            self._suspects[node] = time.monotonic() + self._ttl
+            client = self._clients.pop(node, None)
+        if client is not None:
+            self._close_quietly(client)
+        try:
+            self.refresh()
+        except Exception as refresh_exc:  # (etcd out of reach: the list stays as it was)
+            log.warning("cannot re-read the members of %s: %s", self.membership.url, refresh_exc)
+
+    @staticmethod
+    def _close_quietly(client: Any) -> None:
+        try:
+            client.close()
+        except Exception:
+            pass
+
+    def _run(self, calls: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
+        """``calls[node](node's client)`` for each node, at once (a thread each past the first); each result or the
+        exception it raised. A node that cannot be reached is suspected (skipped from then on)."""
+
+        def one(node: str, call: Callable[[Any], Any]) -> Any:
+            try:
+                return call(self.client(node))
+            except UNREACHABLE as exc:
+                if not isinstance(exc, ClosedError) or not self._closed:
+                    self._suspect(node, exc)
+                return exc
+            except Exception as exc:  # (a refusal of the whole call: the keys' slots carry it)
+                return exc
+
+        items = list(calls.items())
+        if len(items) == 1:
+            node, call = items[0]
+            return {node: one(node, call)}
+        pool = self._executor()
+        futures = {node: pool.submit(one, node, call) for node, call in items[1:]}
+        out = {items[0][0]: one(*items[0])}
+        for node, future in futures.items():
+            out[node] = future.result()
+        return out
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="kvstrata-cluster")
+            return self._pool
+
+    # routing ------------------------------------------------------------------------------------------------------
+    def _write(self, keys: list[str], batch: Callable[[Any, list[int]], list[Result]]) -> list[Result]:
+        """Each key written on its owners by ``batch(client, indices)``: a key's result is None where every owner took
+        it, else the first refusal. Where a worker cannot be reached, its keys go to the next-ranked live workers
+        (once; a second failure is the key's result)."""
+        results: list[Result] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        done: list[set[str]] = [set() for _ in keys]  # the workers that took each key
+        for attempt in range(2):
+            live, _ = self._views()
+            groups: dict[str, list[int]] = {}
+            for i in todo:
+                for node in [n for n in rank(keys[i], live) if n not in done[i]][: self.replicas - len(done[i])]:
+                    groups.setdefault(node, []).append(i)
+            outcome = self._run({node: (lambda c, idx=idx: batch(c, idx)) for node, idx in groups.items()})
+            retry = set()
+            for node, idx in groups.items():
+                got = outcome[node]
+                for j, i in enumerate(idx):
+                    r = got if isinstance(got, BaseException) else got[j]
+                    if r is None:
+                        done[i].add(node)
+                    elif isinstance(r, UNREACHABLE) and attempt == 0:
+                        retry.add(i)
+                    elif results[i] is None:
+                        results[i] = r
+            todo = sorted(i for i in retry if results[i] is None)
+            if not todo:
+                break
+        for i in todo:
+            if not done[i] and results[i] is None:
+                results[i] = ConnectionLost(f"no worker of {self.membership.url} took key {keys[i]!r}")
+        return results
+
+    def _read(
+        self, keys: list[str], batch: Callable[[Any, list[int]], list[Result]], missing: Callable[[Result], bool]
+    ) -> list[Result]:
+        """Each key read from the first of its candidates (owners now, then owners under the previous list) whose
+        answer is not ``missing``: a batch per worker per round. A key missing everywhere keeps its first answer."""
+        results: list[Result] = [None] * len(keys)
+        live, previous = self._views()
+        candidates = [self._candidates(k, live, previous) for k in keys]
+        todo = list(range(len(keys)))
+        first: dict[int, Result] = {}
+        step = 0
+        while todo:
+            groups: dict[str, list[int]] = {}
+            for i in todo:
+                if step < len(candidates[i]):
+                    groups.setdefault(candidates[i][step], []).append(i)
+            if not groups:
+                break
+            outcome = self._run({node: (lambda c, idx=idx: batch(c, idx)) for node, idx in groups.items()})
+            nxt = []
+            for node, idx in groups.items():
+                got = outcome[node]
+                for j, i in enumerate(idx):
+                    r = got if isinstance(got, BaseException) else got[j]
+                    if isinstance(r, UNREACHABLE) or missing(r):
+                        first.setdefault(i, r)
+                        nxt.append(i)
+                    else:
+                        results[i] = r
+            todo = [i for i in todo if i in set(nxt)]
+            step += 1
+        for i in todo:
+            results[i] = first.get(i, KeyNotFound(f"key {keys[i]!r} not found"))
+        return results
+
+    def _wait_on_first_owners(
+        self, keys: list[str], results: list[Result], wait: Callable[[Any, list[int]], list[Result]]
+    ) -> None:
+        """The keys ``results`` has missing, waited for by ``wait(client, indices)`` on each key's first owner (where a
+        new write of it lands); their slots take what the waits return."""
+        waiting = [i for i, r in enumerate(results) if _is_miss(r)]
+        if not waiting:
+            return
+        live, _ = self._views()
+        groups: dict[str, list[int]] = {}
+        for i in waiting:
+            groups.setdefault(rank(keys[i], live)[0], []).append(i)
+        outcome = self._run({n: (lambda c, idx=idx: wait(c, idx)) for n, idx in groups.items()})
+        for node, idx in groups.items():
+            got = outcome[node]
+            for j, i in enumerate(idx):
+                results[i] = got if isinstance(got, BaseException) else got[j]
+
+    @staticmethod
+    def _raise(result: Result) -> Any:
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    # KV ---------------------------------------------------------------------------------------------------------
+    def set(self, key: str, value: Any, *, ttl: float | None = None, nx: bool = False, write_mode: str = "memory"):
+        """Store ``value`` under ``key`` on its owners (as :meth:`Client.set`)."""
+        check_key(key)
+        self._raise(self.mset([(key, value)], ttl=ttl, nx=nx, write_mode=write_mode)[0])
+
+    def mset(
+        self,
+        items: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        ttl: float | None = None,
+        nx: bool = False,
+        write_mode: str = "memory",
+    ) -> list[Result]:
+        """Store many values, each on its owners; None per stored key, the exception where a key was refused."""
+        pairs = _pairs(items)
+        keys = check_keys([k for k, _ in pairs])
+        return self._write(keys, lambda c, idx: c.mset([pairs[i] for i in idx], ttl=ttl, nx=nx, write_mode=write_mode))
+
+    def get(self, key: str, *, timeout: float = 0) -> bytes:
+        """The value of ``key`` from the first of its workers that has it; ``timeout`` as in :meth:`Client.get`
+        (a wait is on the key's first owner, where a new write lands)."""
+        check_key(key)
+        return self._raise(self.mget([key], timeout=timeout)[0])
+
+    def mget(self, keys: Iterable[str], *, timeout: float = 0) -> list[Result]:
+        """Values of ``keys``: bytes, or the exception in a missing key's slot. With ``timeout`` (None: forever),
+        keys missing everywhere are then waited for on their first owners."""
+        keys = check_keys(keys)
+        if not keys:
+            return []
+        results = self._read(keys, lambda c, idx: c.mget([keys[i] for i in idx]), _is_miss)
+        if timeout != 0:
+            self._wait_on_first_owners(keys, results, lambda c, idx: c.mget([keys[i] for i in idx], timeout=timeout))
+        return results
+
+    def read(self, key: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``key``'s value from ``offset``, from the first of its workers that has it."""
+        check_key(key)
+        return self._raise(self._read([key], lambda c, idx: [_result(c.read, key, offset, size)], _is_miss)[0])
+
+    def delete(self, keys: str | Iterable[str]) -> bool | list[bool]:
+        """Delete keys from every worker that may hold them; True where one did."""
+        return _one_or_many(keys, self._everywhere("delete", keys))
+
+    def exists(self, keys: str | Iterable[str]) -> bool | list[bool]:
+        """Whether each key is on one of its workers."""
+        listed = check_keys([keys] if isinstance(keys, str) else keys)
+        found = self._read(listed, lambda c, idx: c.exists([listed[i] for i in idx]), lambda r: r is False)
+        return _one_or_many(keys, [r is True for r in found])
+
+    def expire(self, keys: str | Iterable[str], ttl: float | None) -> bool | list[bool]:
+        """Set keys' time to live on every worker that holds them; True where one did."""
+        return _one_or_many(keys, self._everywhere("expire", keys, ttl))
+
+    def size(self, keys: str | Iterable[str]) -> int | list[int | None] | None:
+        """Each key's size in bytes, None where no worker has it."""
+        listed = check_keys([keys] if isinstance(keys, str) else keys)
+        found = self._read(listed, lambda c, idx: c.size([listed[i] for i in idx]), lambda r: r is None)
+        return _one_or_many(keys, [None if isinstance(r, BaseException) else r for r in found])
+
+    def _everywhere(self, op: str, keys: Any, *args: Any) -> list[bool]:
+        """``op`` (delete, expire) on each key's every candidate worker; True where any held the key."""
+        listed = check_keys([keys] if isinstance(keys, str) else keys)
+        if not listed:
+            return []
+        live, previous = self._views()
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(listed):
+            for node in self._candidates(key, live, previous):
+                groups.setdefault(node, []).append(i)
+        outcome = self._run(
+            {n: (lambda c, idx=idx: getattr(c, op)([listed[i] for i in idx], *args)) for n, idx in groups.items()}
+        )
+        found = [False] * len(listed)
+        for node, idx in groups.items():
+            got = outcome[node]
+            if isinstance(got, BaseException):
+                if not isinstance(got, UNREACHABLE):
+                    raise got
+                continue  # (its keys go with it)
+            for j, i in enumerate(idx):
+                found[i] = found[i] or bool(got[j])
+        return found
+
+    # device objects ------------------------------------------------------------------------------------------------
+    def mset_d2h(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
+    ) -> list[Result]:
+        """:meth:`Client.mset_d2h` with each key on its owners (write-once: an existing key is KeyExists)."""
+        keys, tensor_lists = self._device_args(keys, tensor_lists)
+        return self._write(
+            keys, lambda c, idx: c.mset_d2h([keys[i] for i in idx], [tensor_lists[i] for i in idx], stream=stream)
+        )
+
+    def mget_h2d(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
+    ) -> list[Result]:
+        """:meth:`Client.mget_h2d` from the first of each key's workers that has it; None per key filled."""
+        keys, tensor_lists = self._device_args(keys, tensor_lists)
+
+        def batch(c: Any, idx: list[int]) -> list[Result]:
+            return c.mget_h2d([keys[i] for i in idx], [tensor_lists[i] for i in idx], stream=stream)
+
+        results = self._read(keys, batch, _is_miss)
+        if timeout != 0:
+
+            def wait(c: Any, idx: list[int]) -> list[Result]:
+                tensors = [tensor_lists[i] for i in idx]
+                return c.mget_h2d([keys[i] for i in idx], tensors, timeout=timeout, stream=stream)
+
+            self._wait_on_first_owners(keys, results, wait)
+        return results
+
+    def async_mset_d2h(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, stream: Any = None
+    ) -> concurrent.futures.Future:
+        """:meth:`mset_d2h` on a background thread (ordered after ``stream``, default: the current stream now)."""
+        stream = _current_stream(tensor_lists) if stream is None else stream
+        return self._executor().submit(self.mset_d2h, keys, tensor_lists, stream=stream)
+
+    def async_mget_h2d(
+        self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
+    ) -> concurrent.futures.Future:
+        """:meth:`mget_h2d` on a background thread (ordered after ``stream``, default: the current stream now)."""
+        stream = _current_stream(tensor_lists) if stream is None else stream
+        return self._executor().submit(self.mget_h2d, keys, tensor_lists, timeout=timeout, stream=stream)
+
+    @staticmethod
+    def _device_args(keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]]) -> tuple[list[str], list[Any]]:
+        keys = check_keys(keys)
+        if isinstance(tensor_lists, str | bytes) or not isinstance(tensor_lists, Sequence):
+            raise InvalidType(f"tensor_lists: must be a list of tensor lists, got {type(tensor_lists).__name__}")
+        if len(tensor_lists) != len(keys):
+            raise InvalidValue(f"tensor_lists: {len(tensor_lists)} lists for {len(keys)} keys")
+        return keys, list(tensor_lists)
+
+    # the rest -----------------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Each live worker's :meth:`Client.stats` (or the error that kept it from answering), by node id."""
+        live, _ = self._views()
+        outcome = self._run({node: (lambda c: c.stats()) for node in live})
+        return {
+            "cluster": self.membership.url,
+            "replicas": self.replicas,
+            "nodes": {n: (repr(r) if isinstance(r, BaseException) else r) for n, r in sorted(outcome.items())},
+        }
+
+    def ping(self) -> None:
+        """Raise unless every live worker answers."""
+        live, _ = self._views()
+        for node, r in self._run({node: (lambda c: c.ping()) for node in live}).items():
+            if isinstance(r, BaseException):
+                raise ConnectionLost(f"worker {node} of {self.membership.url} did not answer: {r}") from r
+
+    def close(self) -> None:
+        """Close every worker's client, stop watching the list (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+            pool, self._pool = self._pool, None
+        self._stop_watch()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for client in clients:
+            self._close_quietly(client)
+        if self._own_membership:
+            self.membership.close()
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        closed = " closed" if self._closed else ""
+        return f"<kvstrata.ClusterClient {self.membership.url} {len(self._members)} workers{closed}>"
+
+
+def _is_miss(result: Result) -> bool:
+    return isinstance(result, KeyNotFound | Timeout)
+
+
+def _result(fn: Callable[..., Any], *args: Any) -> Result:
+    try:
+        return fn(*args)
+    except (KeyNotFound, *UNREACHABLE) as exc:
+        return exc
+
+
+def _current_stream(tensor_lists: Sequence[Sequence[Any]]) -> Any:
+    """The current CUDA stream of the first CUDA tensor's device (None without one): an async call's copies wait
+    for the work queued on it at the call, as the one-worker client's do."""
+    for tensors in tensor_lists:
+        for t in tensors:
+            device = getattr(t, "device", None)
+            if device is not None and device.type == "cuda":
+                import torch
+
+                return torch.cuda.current_stream(device)
+    return None

@@ -1,0 +1,229 @@
+"""``etcd://``: a cluster's member list in etcd v3, through its JSON gateway (the ``etcd3gw`` client).
+
+Each member is one key, ``/kvstrata/NAME/members/NODE_ID``, holding its :class:`Member` as JSON and tied to a
+lease the worker renews every ``ttl/3`` seconds from a background thread: when the worker dies the lease runs
+out and etcd deletes the key. The key is created in a transaction only where it is absent, so two workers can't
+take one node id. A renewal that finds the lease gone (etcd was out of reach longer than ``ttl``) lists the
+member again under a new lease. Watchers re-read the list after each change etcd reports (and at least every
+``refresh_s``, in case a change slipped between a read and the next watch).
+
+Several endpoints (``etcd://h1:2379,h2:2379/NAME``) are tried in turn when one cannot be reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstrata.cluster.membership import DEFAULT_TTL_S, Member, Membership, Watcher, check_ttl
+from kvstrata.errors import ClosedError, InvalidValue, KeyExists, TransportError
+
+log = logging.getLogger(__name__)
+
+KEY_ROOT = "/kvstrata"
+DEFAULT_NAME = "kvstrata"
+#: the longest a watcher goes without re-reading the list (a change between a read and the next watch waits this)
+REFRESH_S = 2.0
+
+
+def parse_etcd_url(url: str) -> tuple[list[tuple[str, int]], str]:
+    """``etcd://HOST:PORT[,HOST:PORT...][/NAME]`` -> (endpoints, NAME). Port defaults to 2379, NAME to kvstrata."""
+    rest = url.removeprefix("etcd://")
+    hosts, _, name = rest.partition("/")
+    name = name.strip("/") or DEFAULT_NAME
+    if "/" in name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise InvalidValue(f"cluster: name {name!r} in {url!r} must be letters, digits and -_. (no /)")
+    endpoints = []
+    for part in hosts.split(","):
+        host, colon, port = part.strip().rpartition(":")
+        if not colon:
+            host, port = part.strip(), "2379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidValue(f"cluster: endpoint {part!r} in {url!r} is not HOST:PORT")
+        endpoints.append((host, int(port)))
+    return endpoints, name
+
+
+def _on(lease: Any, client: Any) -> Any:
+    """``lease`` sent through ``client`` (etcd3gw's leases keep the client that granted them; any endpoint of the
+    etcd cluster knows them)."""
+    lease.client = client
+    return lease
+
+
+class EtcdMembership(Membership):
+    """A view of the member list of the kvstrata cluster ``NAME`` in etcd (see the module's docstring)."""
+
+    def __init__(self, url: str, *, timeout: float = 5.0, refresh_s: float = REFRESH_S) -> None:
+        try:
+            import etcd3gw
+        except ImportError as exc:  # (an optional dependency: pip install 'kvstrata[cluster]')
+            raise ImportError("etcd:// clusters need the etcd3gw package: pip install 'kvstrata[cluster]'") from exc
+        from etcd3gw import exceptions
+
+        self._url = url
+        self._endpoints, self.name = parse_etcd_url(url)
+        self.prefix = f"{KEY_ROOT}/{self.name}/members/"
+        self._timeout = timeout
+        self._refresh_s = refresh_s
+        self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout) for h, p in self._endpoints]
+        self._current = 0  # the endpoint that answered last
+        self._unreachable = (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError)
+        self._watch_timed_out = exceptions.WatchTimedOut
+        self._lock = threading.Lock()
+        self._member: Member | None = None
+        self._lease: Any = None
+        self._ttl = DEFAULT_TTL_S
+        self._stop_renewing = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self._watches: list[threading.Event] = []
+        self._closed = False
+        self._call(lambda client: client.status())  # (fails here, naming etcd, rather than at the first use)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)`` on the endpoint that answered last, then on each other one; TransportError naming them all
+        when none answers."""
+        errors = []
+        for step in range(len(self._clients)):
+            i = (self._current + step) % len(self._clients)
+            try:
+                result = fn(self._clients[i])
+            except self._unreachable as exc:
+                host, port = self._endpoints[i]
+                errors.append(f"{host}:{port}: {str(exc)[:200]}")
+                continue
+            self._current = i
+            return result
+        raise TransportError(f"cannot reach etcd for cluster {self._url}: " + "; ".join(errors))
+
+    # joining -----------------------------------------------------------------------------------------
+    def join(self, member: Member, *, ttl: float = DEFAULT_TTL_S) -> None:
+        ttl = check_ttl(ttl)
+        if self._closed:
+            raise ClosedError(f"membership view of {self._url} is closed")
+        if self._member is not None:
+            raise InvalidValue(f"this membership view already joined {self._url} as {self._member.node_id!r}")
+        lease = self._list(member, ttl)
+        if lease is None:
+            held = self.members().get(member.node_id)
+            where = f" (listed at {held.address}, pid {held.info.get('pid')})" if held else ""
+            raise KeyExists(f"node id {member.node_id!r} is already a member of {self._url}{where}")
+        self._member, self._lease, self._ttl = member, lease, ttl
+        self._stop_renewing.clear()
+        self._renewer = threading.Thread(target=self._renew, name=f"kvstrata-etcd-lease {member.node_id}", daemon=True)
+        self._renewer.start()
+
+    def _list(self, member: Member, ttl: float) -> Any:
+        """Put ``member``'s key under a new lease where the key is absent: the lease, or None (taken)."""
+        lease = self._call(lambda client: client.lease(ttl=max(1, math.ceil(ttl))))
+        created = self._call(lambda client: client.create(self.prefix + member.node_id, member.to_json(), lease))
+        if not created:
+            with contextlib.suppress(Exception):
+                self._call(lambda client: _on(lease, client).revoke())
+            return None
+        return lease
+
+    def _renew(self) -> None:
+        """Renew the lease every ttl/3 until :meth:`leave`; list the member again if the lease ran out."""
+        member, failing_since = self._member, None
+        while not self._stop_renewing.wait(self._ttl / 3):
+            try:
+                left = self._call(lambda client: _on(self._lease, client).refresh())
+                if left <= 0:  # etcd forgot the lease (out of reach past ttl): the key went with it
+                    log.warning("the lease of %s in %s ran out: listing it again", member.node_id, self._url)
+                    lease = self._list(member, self._ttl)
+                    if lease is None:
+                        log.error(
+                            "node id %s was taken in %s while this worker's lease was out: it is no longer listed",
+                            member.node_id,
+                            self._url,
+                        )
+                        return
+                    self._lease = lease
+                if failing_since is not None:
+                    log.info("etcd answers again: %s stays listed in %s", member.node_id, self._url)
+                failing_since = None
+            except Exception as exc:  # (out of reach for now: keep trying; the lease lasts ttl)
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("cannot renew the lease of %s in %s: %s", member.node_id, self._url, exc)
+
+    def leave(self) -> None:
+        self._stop_renewing.set()
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None and renewer is not threading.current_thread():
+            renewer.join(timeout=self._timeout + 1)
+        lease, self._lease, self._member = self._lease, None, None
+        if lease is not None:
+            try:
+                self._call(lambda client: _on(lease, client).revoke())  # (deletes the key at once)
+            except Exception as exc:  # its ttl takes it off instead
+                log.warning("could not leave %s at once (%s): the entry lapses within its ttl", self._url, exc)
+
+    # reading -----------------------------------------------------------------------------------------
+    def members(self) -> dict[str, Member]:
+        if self._closed:
+            raise ClosedError(f"membership view of {self._url} is closed")
+        entries = self._call(lambda client: client.get_prefix(self.prefix))
+        out: dict[str, Member] = {}
+        for value, _meta in entries:
+            try:
+                member = Member.from_json(value)
+            except InvalidValue as exc:  # (written by something else: skipped, not fatal to every client)
+                log.warning("skipping an entry in %s: %s", self._url, exc)
+                continue
+            out[member.node_id] = member
+        return out
+
+    def watch(self, callback: Watcher) -> Callable[[], None]:
+        if self._closed:
+            raise ClosedError(f"membership view of {self._url} is closed")
+        stopped = threading.Event()
+        self._watches.append(stopped)
+        threading.Thread(
+            target=self._watch_loop, args=(callback, stopped), name=f"kvstrata-etcd-watch {self.name}", daemon=True
+        ).start()
+        return stopped.set
+
+    def _watch_loop(self, callback: Watcher, stopped: threading.Event) -> None:
+        last: dict[str, Member] | None = None
+        while not stopped.is_set():
+            try:
+                now = self.members()
+            except ClosedError:
+                return
+            except Exception as exc:
+                log.warning("cannot read the members of %s: %s", self._url, exc)
+                stopped.wait(min(self._refresh_s, 1.0))
+                continue
+            if now != last:
+                last = now
+                try:
+                    callback(now)
+                except Exception:
+                    log.exception("a watcher of %s failed", self._url)
+            try:  # until the next change, or refresh_s
+                self._clients[self._current].watch_prefix_once(self.prefix, timeout=self._refresh_s)
+            except self._watch_timed_out:
+                pass
+            except Exception:  # (etcd out of reach: the read above says so)
+                stopped.wait(min(self._refresh_s, 1.0))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.leave()
+        for stopped in self._watches:
+            stopped.set()
+        self._closed = True

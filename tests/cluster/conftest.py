@@ -1,0 +1,146 @@
+"""Cluster-mode fixtures: a real etcd server (the ``etcd`` binary, started once per test session on free ports; its
+tests skip where the binary is missing: CI installs it, ``.ci/run``), a fresh cluster name per test, and workers
+that join a cluster (in this process, on TCP and a Unix socket each)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstrata.server import Worker, WorkerConfig
+
+#: an etcd to use instead of starting one (``http://HOST:PORT``)
+ETCD_ENV = "KVSTRATA_TEST_ETCD"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``HOST:PORT`` of a running etcd v3 (started here, or ``$KVSTRATA_TEST_ETCD``)."""
+    given = os.environ.get(ETCD_ENV, "").removeprefix("http://").strip("/")
+    if given:
+        yield given
+        return
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("no etcd binary (apt-get install etcd-server; .ci/run does)")
+    folder = tmp_path_factory.mktemp("etcd")
+    client_port, peer_port = _free_port(), _free_port()
+    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    log = (folder / "etcd.log").open("w")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--name", "kvstrata-test",
+            "--data-dir", str(folder / "data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"kvstrata-test={peer_url}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    endpoint = f"127.0.0.1:{client_port}"
+    try:
+        _wait_for_etcd(endpoint, proc, folder / "etcd.log")
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _wait_for_etcd(endpoint: str, proc: subprocess.Popen, log: Path) -> None:
+    import requests
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if requests.get(f"http://{endpoint}/health", timeout=1).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"etcd at {endpoint} did not become healthy in 30 s: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(params=["inproc", "etcd"])
+def cluster_url(request: pytest.FixtureRequest) -> str:
+    """A fresh cluster's address, on each membership backend."""
+    name = f"t{uuid.uuid4().hex[:12]}"
+    if request.param == "inproc":
+        return f"inproc://{name}"
+    return f"etcd://{request.getfixturevalue('etcd_endpoint')}/{name}"
+
+
+@pytest.fixture
+def etcd_cluster_url(etcd_endpoint: str) -> str:
+    """A fresh cluster's address in the test etcd."""
+    return f"etcd://{etcd_endpoint}/t{uuid.uuid4().hex[:12]}"
+
+
+class Workers:
+    """Workers of one cluster started in this process (each with a Unix socket and a TCP listener); stopped at the
+    end of the test."""
+
+    def __init__(self, url: str, folder: Path) -> None:
+        self.url = url
+        self.folder = folder
+        self.started: list[Worker] = []
+
+    def start(self, n: int = 1, *, memory: int = 16 << 20, ttl: float = 2.0, **settings) -> list[Worker]:
+        out = []
+        for _ in range(n):
+            sock = self.folder / f"w{len(self.started)}.sock"
+            config = WorkerConfig(
+                socket=str(sock),
+                memory=memory,
+                disk_dir="",
+                cluster=self.url,
+                cluster_listen="tcp://127.0.0.1:0",
+                cluster_ttl=ttl,
+                spin_us=0,
+                **settings,
+            )
+            worker = Worker(config).start()
+            self.started.append(worker)
+            out.append(worker)
+        return out
+
+    def by_node(self) -> dict[str, Worker]:
+        """The running workers by node id."""
+        return {w.member.node_id: w for w in self.started if w.member is not None and not w._stopped.is_set()}
+
+    def stop_all(self) -> None:
+        for worker in self.started:
+            worker.stop()
+
+
+@pytest.fixture
+def workers(cluster_url: str, tmp_path: Path) -> Iterator[Workers]:
+    group = Workers(cluster_url, tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
