@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from kv_helpers import wait_until
 
 import kvstrata
+from kv_helpers import wait_until
 from kvstrata.client.cluster import ClusterClient, NoWorkers
 from kvstrata.cluster import open_membership, owners
 from kvstrata.errors import ClosedError, InvalidType, InvalidValue, KeyExists, KeyNotFound, Timeout

@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from kv_helpers import wait_until
 
+from kv_helpers import wait_until
 from kvstrata.cluster import Member, open_membership
 from kvstrata.cluster.membership import advertised_address
 from kvstrata.errors import InvalidType, InvalidValue, KeyExists, TransportError
