@@ -6,83 +6,30 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvstrata.bench._etcd import LocalEtcd
 from kvstrata.server import Worker, WorkerConfig
 
 #: an etcd to use instead of starting one (``http://HOST:PORT``)
 ETCD_ENV = "KVSTRATA_TEST_ETCD"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
-def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def etcd_endpoint() -> Iterator[str]:
     """``HOST:PORT`` of a running etcd v3 (started here, or ``$KVSTRATA_TEST_ETCD``)."""
     given = os.environ.get(ETCD_ENV, "").removeprefix("http://").strip("/")
     if given:
         yield given
         return
-    binary = shutil.which("etcd")
-    if binary is None:
+    if shutil.which("etcd") is None:
         pytest.skip("no etcd binary (apt-get install etcd-server; .ci/run does)")
-    folder = tmp_path_factory.mktemp("etcd")
-    client_port, peer_port = _free_port(), _free_port()
-    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
-    log = (folder / "etcd.log").open("w")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--name", "kvstrata-test",
-            "--data-dir", str(folder / "data"),
-            "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"kvstrata-test={peer_url}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    endpoint = f"127.0.0.1:{client_port}"
-    try:
-        _wait_for_etcd(endpoint, proc, folder / "etcd.log")
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def _wait_for_etcd(endpoint: str, proc: subprocess.Popen, log: Path) -> None:
-    import requests
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"etcd exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if requests.get(f"http://{endpoint}/health", timeout=1).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"etcd at {endpoint} did not become healthy in 30 s: {log.read_text()[-2000:]}")
+    with LocalEtcd() as etcd:
+        yield etcd.endpoint
 
 
 @pytest.fixture(params=["inproc", "etcd"])

@@ -19,6 +19,10 @@ JOBS: dict[str, tuple[str, str]] = {
     ),
     "allgather": ("kvstrata.bench.allgather", "hybrid all-gather (NCCL + host path) vs NCCL and the host path alone"),
     "device": ("kvstrata.bench.device", "GPU-to-GPU device objects vs peer copy and NCCL (2 GPUs; --smoke: CPU)"),
+    "cluster": (
+        "kvstrata.bench.cluster",
+        "a cluster of workers over etcd (ClusterClient, replicas 1/2, TCP) vs one worker direct; failover time",
+    ),
     "store": (
         "kvstrata.bench.store",
         "kvstrata's node-local clients vs Redis and Mooncake Store: set/get 4KiB-16MiB (--sizes: any), 1 and 8 clients",

@@ -41,8 +41,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvstrata.client._shared import check_key, check_keys
+from kvstrata.client.client import _one_or_many, _pairs
 from kvstrata.cluster.membership import DEFAULT_TTL_S, Member, Membership, open_membership
-from kvstrata.cluster.placement import rank
+from kvstrata.cluster.placement import Placement
 from kvstrata.errors import (
     ClosedError,
     ConnectionLost,
@@ -62,22 +63,6 @@ UNREACHABLE = (ConnectionLost, TransportError, ClosedError, ConnectionError)
 
 class NoWorkers(TransportError):
     """The cluster lists no live worker (none started, or every one unreachable)."""
-
-
-def _one_or_many(keys: Any, results: list[Any]) -> Any:
-    return results[0] if isinstance(keys, str) else results
-
-
-def _pairs(items: Any) -> list[tuple[Any, Any]]:
-    if isinstance(items, Mapping):
-        return list(items.items())
-    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
-        raise InvalidType(f"items: expected a mapping or an iterable of (key, value) pairs, got {type(items).__name__}")
-    pairs = list(items)
-    for i, pair in enumerate(pairs):
-        if not isinstance(pair, tuple | list) or len(pair) != 2:
-            raise InvalidType(f"items[{i}]: expected a (key, value) pair, got {type(pair).__name__}")
-    return pairs
 
 
 class ClusterClient:
@@ -121,6 +106,8 @@ class ClusterClient:
         self._previous: dict[str, Member] = {}  # the list before the last change: where older keys were written
         self._clients: dict[str, Any] = {}
         self._suspects: dict[str, float] = {}  # node -> monotonic time until which it is skipped
+        #: ((live nodes, previous list's nodes), their placements), rebuilt when either changes
+        self._placed: tuple[Any, Any] = ((None, None), (None, None))
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         try:
@@ -166,26 +153,27 @@ class ClusterClient:
     def owners(self, key: str) -> list[str]:
         """The live workers a write of ``key`` goes to, in rank order."""
         check_key(key)
-        with self._lock:
-            live = self._live()
-        if not live:
-            raise self._no_workers()
-        return rank(key, live)[: self.replicas]
+        return self._views()[0].rank(key)[: self.replicas]
 
-    def _candidates(self, key: str, live: list[str], previous: list[str]) -> list[str]:
+    def _candidates(self, key: str, live: Placement, previous: Placement | None) -> list[str]:
         """Where a read of ``key`` looks, in order: its owners now, then its owners under the previous list."""
-        found = rank(key, live)[: self.replicas]
-        if previous:
-            found += [n for n in rank(key, previous)[: self.replicas] if n not in found and n in live]
+        found = live.rank(key)[: self.replicas]
+        if previous is not None:
+            found += [n for n in previous.rank(key)[: self.replicas] if n not in found and n in live.nodes]
         return found
 
-    def _views(self) -> tuple[list[str], list[str]]:
+    def _views(self) -> tuple[Placement, Placement | None]:
+        """Placements over the live workers and over the previous list's (None where it is the same set)."""
         with self._lock:
-            live = self._live()
-            previous = [n for n in self._previous if n in self._members]
+            live = tuple(sorted(self._live()))
+            previous = tuple(sorted(n for n in self._previous if n in self._members))
+            if self._placed[0] != (live, previous):
+                before = Placement(previous) if previous and set(previous) != set(live) else None
+                self._placed = ((live, previous), (Placement(live), before))
+            views = self._placed[1]
         if not live:
             raise self._no_workers()
-        return live, previous if set(previous) != set(live) else []
+        return views
 
     def _no_workers(self) -> NoWorkers:
         with self._lock:
@@ -294,7 +282,7 @@ class ClusterClient:
             live, _ = self._views()
             groups: dict[str, list[int]] = {}
             for i in todo:
-                for node in [n for n in rank(keys[i], live) if n not in done[i]][: self.replicas - len(done[i])]:
+                for node in [n for n in live.rank(keys[i]) if n not in done[i]][: self.replicas - len(done[i])]:
                     groups.setdefault(node, []).append(i)
             outcome = self._run({node: (lambda c, idx=idx: batch(c, idx)) for node, idx in groups.items()})
             retry = set()
@@ -362,7 +350,7 @@ class ClusterClient:
         live, _ = self._views()
         groups: dict[str, list[int]] = {}
         for i in waiting:
-            groups.setdefault(rank(keys[i], live)[0], []).append(i)
+            groups.setdefault(live.rank(keys[i])[0], []).append(i)
         outcome = self._run({n: (lambda c, idx=idx: wait(c, idx)) for n, idx in groups.items()})
         for node, idx in groups.items():
             got = outcome[node]
@@ -516,7 +504,7 @@ class ClusterClient:
     def stats(self) -> dict[str, Any]:
         """Each live worker's :meth:`Client.stats` (or the error that kept it from answering), by node id."""
         live, _ = self._views()
-        outcome = self._run({node: (lambda c: c.stats()) for node in live})
+        outcome = self._run({node: (lambda c: c.stats()) for node in live.nodes})
         return {
             "cluster": self.membership.url,
             "replicas": self.replicas,
@@ -526,7 +514,7 @@ class ClusterClient:
     def ping(self) -> None:
         """Raise unless every live worker answers."""
         live, _ = self._views()
-        for node, r in self._run({node: (lambda c: c.ping()) for node in live}).items():
+        for node, r in self._run({node: (lambda c: c.ping()) for node in live.nodes}).items():
             if isinstance(r, BaseException):
                 raise ConnectionLost(f"worker {node} of {self.membership.url} did not answer: {r}") from r
 

@@ -6,6 +6,9 @@ the only keys that move are those it now scores best on (about 1/N of them), and
 leaves, only its keys move, each to its next-best node. So a client that keeps the previous member list finds a
 key written before one change on the previous list's owners (:class:`kvstrata.client.cluster.ClusterClient`).
 
+The score is 64-bit XXH3 of the key, seeded by the node id's own XXH3: about 0.1 us a node per key, so routing a
+batch costs little beside its round trip.
+
 >>> rank("prompt/0", ["a", "b", "c"]) == rank("prompt/0", ["c", "b", "a"])
 True
 >>> owners("prompt/0", ["a", "b", "c"], 2) == rank("prompt/0", ["a", "b", "c"])[:2]
@@ -14,25 +17,53 @@ True
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
+
+import xxhash
 
 from kvstrata.errors import InvalidValue
 
+_hash = xxhash.xxh3_64_intdigest
+
+
+def _check_replicas(replicas: object) -> int:
+    if type(replicas) is not int or replicas < 1:
+        raise InvalidValue(f"replicas: must be an int of at least 1, got {replicas!r}")
+    return replicas
+
 
 def score(key: str, node_id: str) -> int:
-    """The weight of ``node_id`` for ``key``: 64 bits of blake2b over both (ids hold no NUL, so pairs can't blur)."""
-    digest = hashlib.blake2b(node_id.encode() + b"\0" + key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    """The weight of ``node_id`` for ``key``."""
+    return _hash(key.encode(), seed=_hash(node_id.encode()))
+
+
+class Placement:
+    """Rendezvous ranks over one set of nodes (their seeds computed once): build one per member list."""
+
+    def __init__(self, node_ids: Iterable[str]) -> None:
+        self.nodes = tuple(sorted(set(node_ids)))
+        self._seeded = [(_hash(node.encode()), node) for node in self.nodes]
+
+    def rank(self, key: str) -> list[str]:
+        """The nodes in the order they hold ``key``: best first (ties, which need equal hashes, by id)."""
+        data = key.encode()
+        scored = sorted(((-_hash(data, seed=seed), node) for seed, node in self._seeded))
+        return [node for _, node in scored]
+
+    def owners(self, key: str, replicas: int = 1) -> list[str]:
+        """The ``replicas`` nodes that hold ``key`` (fewer where there are fewer nodes)."""
+        return self.rank(key)[: _check_replicas(replicas)]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
 
 
 def rank(key: str, node_ids: Iterable[str]) -> list[str]:
-    """``node_ids`` in the order they hold ``key``: best first (ties, which need equal digests, by id)."""
-    return sorted(node_ids, key=lambda node: (-score(key, node), node))
+    """``node_ids`` in the order they hold ``key``: best first."""
+    return Placement(node_ids).rank(key)
 
 
 def owners(key: str, node_ids: Iterable[str], replicas: int = 1) -> list[str]:
     """The ``replicas`` nodes that hold ``key`` (fewer where the cluster has fewer nodes)."""
-    if type(replicas) is not int or replicas < 1:
-        raise InvalidValue(f"replicas: must be an int of at least 1, got {replicas!r}")
-    return rank(key, node_ids)[:replicas]
+    _check_replicas(replicas)
+    return Placement(node_ids).owners(key, replicas)
