@@ -19,6 +19,7 @@ from typing import Any
 
 from kvstrata.client import batching as _batching
 from kvstrata.client import device as _device
+from kvstrata.client import device_bytes as _device_bytes
 from kvstrata.client import kept_reads as _kept_reads
 from kvstrata.client import placed_reads as _placed_reads
 from kvstrata.client import reservation as _reservation
@@ -66,6 +67,16 @@ def _finish(steps: Generator[None, None, Any]) -> Any:
         return end.value
 
 
+def _settle(future: concurrent.futures.Future, call: Any) -> None:
+    """``future`` given what ``call()`` returns, or the exception it raises."""
+    try:
+        result = call()
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 def _chain_bytes(tensor_lists: Any) -> int | None:
     """The bytes a ``mset_d2h`` of ``tensor_lists`` lays out in a reservation (each key rounded), or None where
     they cannot be told (bad input: the call's own checks name it)."""
@@ -103,8 +114,11 @@ class DeviceCallsMixin:
         for the queued copies and aborts every object not shown yet (a commit ahead of its copies shows none of
         its objects); reserved bytes not committed go to the next call. A list of keys is checked once the first
         batch of copies into the reservation is queued (those create nothing): a bad key raises after they landed,
-        with nothing stored.
+        with nothing stored. Through a worker over TCP (no shared memory) each key's tensors go over the connection as
+        one value instead (:mod:`kvstrata.client.device_bytes`).
         """
+        if not self._b().shm:  # (a worker over TCP: the tensors' bytes go over the connection)
+            return _device_bytes.mset_d2h(self, P.check_keys(keys), tensor_lists, stream)
         return _finish(self._mset_d2h_steps(keys, tensor_lists, stream=stream))
 
     def _mset_d2h_steps(
@@ -426,7 +440,11 @@ class DeviceCallsMixin:
 
         A bad tensor raises when it is reached, after the copies already queued landed (the tensors of earlier keys
         may then hold their data); a key that fails (missing, wrong size) may have had its tensors written.
+        Through a worker over TCP (no shared memory) the values come over the connection instead
+        (:mod:`kvstrata.client.device_bytes`).
         """
+        if not self._b().shm:
+            return _device_bytes.mget_h2d(self, P.check_keys(keys), tensor_lists, P.check_timeout(timeout), stream)
         results, event, held = self._mget_h2d_queue(keys, tensor_lists, timeout=timeout, stream=stream)
         try:
             if event is not None:
@@ -696,6 +714,9 @@ class DeviceCallsMixin:
         def queue() -> None:
             if not future.set_running_or_notify_cancel():
                 return
+            if not self._b().shm:  # (a worker over TCP: the whole call here, in order with the others)
+                _settle(future, lambda: self.mset_d2h(keys, tensor_lists, stream=stream))
+                return
             steps = self._mset_d2h_steps(keys, tensor_lists, stream=stream, chain=True)
             try:
                 next(steps)
@@ -743,6 +764,10 @@ class DeviceCallsMixin:
 
         def queue() -> None:
             if not future.set_running_or_notify_cancel():
+                return
+            if not self._b().shm:  # (a worker over TCP: the whole call here, copies done when it returns)
+                future.copies_queued(None)
+                _settle(future, lambda: self.mget_h2d(keys, tensor_lists, timeout=timeout, stream=stream))
                 return
             try:
                 results, event, held = self._mget_h2d_queue(keys, tensor_lists, timeout=timeout, stream=stream)
