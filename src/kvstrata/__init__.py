@@ -2,10 +2,12 @@
 
 Layers, each calling only downward::
 
-    memory  <-  ops  <-  store  <-  server / client / transport / devobj  <-  comm
-                                                                              cli and bench on top
+    memory  <-  ops  <-  store  <-  cluster / transport  <-  server / client / devobj  <-  comm / integrations
+                                                                                          cli and bench on top
 
-One node for now: the cluster mode over etcd and the model-code integrations are not built yet.
+One node's worker serves its processes through shared memory; workers of many nodes form a cluster over etcd
+(``kvstrata.cluster``; ``kvstrata.connect(cluster="etcd://HOST:2379/NAME")``). ``kvstrata.integrations`` holds the
+KV-cache offload path for model code.
 
 Submodules are imported lazily so ``import kvstrata`` stays cheap and works without a GPU.
 """
@@ -37,7 +39,10 @@ from kvstrata.errors import (
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("memory", "ops", "store", "client", "server", "transport", "devobj", "comm", "bench", "cli")
+_LAZY_SUBMODULES = (
+    "memory", "ops", "store", "cluster", "client", "server", "transport", "devobj", "comm", "integrations",
+    "bench", "cli",
+)  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
