@@ -185,12 +185,38 @@ class Worker:
         )
         self.membership = open_membership(config.cluster)
         try:
-            self.membership.join(self.member, ttl=config.cluster_ttl)
+            self._join_as(self.member)
         except BaseException:
             self.membership.close()
             self.membership = None
             raise
         log.info("joined cluster %s as %s (%s)", config.cluster, self.member.node_id, address)
+
+    def _join_as(self, member: Any) -> None:
+        """Join as ``member``; where a worker of this host that is gone still holds the node id (restarted within
+        its lease: a crash, or systemd's restart), wait for its lease to run out (at most ``cluster_ttl``)."""
+        from kvstrata.errors import KeyExists
+
+        deadline = time.monotonic() + self.config.cluster_ttl + 2.0
+        told = False
+        while True:
+            try:
+                self.membership.join(member, ttl=self.config.cluster_ttl)
+                return
+            except KeyExists:
+                held = self.membership.members().get(member.node_id)
+                if (held is not None and not _dead_here(held)) or time.monotonic() > deadline:
+                    raise
+                if not told:
+                    log.warning(
+                        "node id %s is still listed for pid %s of this host, which is gone: waiting for its lease "
+                        "to run out (at most %g s)",
+                        member.node_id,
+                        held.info.get("pid") if held is not None else "?",
+                        self.config.cluster_ttl,
+                    )
+                    told = True
+                time.sleep(0.2)
 
     def _leave_cluster(self) -> None:
         """Off the cluster's list first (clients stop routing here), then the listener for other hosts closes."""
@@ -503,6 +529,22 @@ def _tune_gc() -> None:
     gc.freeze()
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)
+
+
+def _dead_here(member: Any) -> bool:
+    """Whether ``member`` was a worker of this host whose process is gone (so its entry is only waiting to lapse)."""
+    import socket as _socket
+
+    pid = member.info.get("pid")
+    if member.host != _socket.gethostname() or type(pid) is not int or pid == _pid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # (alive, another user's)
+        return False
+    return False
 
 
 def _pid() -> int:
