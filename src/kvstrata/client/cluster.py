@@ -254,6 +254,8 @@ class ClusterClient:
                 return exc
 
         items = list(calls.items())
+        if not items:  # (no key to send anywhere: an empty batch, or a retry with no worker left to stand in)
+            return {}
         if len(items) == 1:
             node, call = items[0]
             return {node: one(node, call)}
