@@ -117,8 +117,46 @@ def churn_check(key: str, value) -> str | None:
     return None
 
 
-def churn_writer(address: str, me: int, keys: list[str], seconds: float, mode: str) -> int:
-    """Overwrite, batch-write, device-write (CPU tensors) and delete random keys for ``seconds``; writes made."""
+#: writes each churn writer makes at the least (however slow the machine)
+CHURN_MIN_WRITES = 21
+
+
+class ChurnEnd:
+    """When a churn job stops: each job goes on for ``seconds`` and until it has done its share (``going(True)``),
+    then creates its file ``mine`` and goes on until every job's file of ``flags`` exists, so every read and write
+    overlaps the others' however late each job starts or slowly it runs; at most ``cap`` seconds past ``seconds``."""
+
+    def __init__(self, flags: list[str], mine: str, seconds: float, cap: float = 60.0):
+        self.flags, self.mine = flags, mine
+        self.end = time.monotonic() + seconds
+        self.cap = cap
+
+    def going(self, done_my_share: bool) -> bool:
+        now = time.monotonic()
+        if now < self.end:
+            return True
+        if now > self.end + self.cap:
+            return False
+        if not done_my_share:
+            return True
+        self.mark()
+        return not all(map(os.path.exists, self.flags))
+
+    def mark(self) -> None:
+        if not os.path.exists(self.mine):
+            open(self.mine, "w").close()
+
+    def __enter__(self) -> ChurnEnd:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mark()  # done, or failed: the others need not wait for me
+
+
+def churn_writer(address: str, me: int, keys: list[str], seconds: float, mode: str, flags: list[str], mine: str) -> int:
+    """Overwrite, batch-write, device-write (CPU tensors) and delete random keys for ``seconds`` and at least
+    :data:`CHURN_MIN_WRITES` times, then until every churn job is done (:class:`ChurnEnd`, my file ``mine``);
+    writes made."""
     import random
 
     import torch
@@ -128,9 +166,8 @@ def churn_writer(address: str, me: int, keys: list[str], seconds: float, mode: s
 
     rng = random.Random(me)
     made = 0
-    with kvstrata.connect(address, timeout=20, name=f"churn-writer-{me}") as kv:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+    with kvstrata.connect(address, timeout=20, name=f"churn-writer-{me}") as kv, ChurnEnd(flags, mine, seconds) as end:
+        while end.going(made >= CHURN_MIN_WRITES):
             key, op = rng.choice(keys), rng.random()
             try:
                 if op < 0.5:
@@ -150,8 +187,11 @@ def churn_writer(address: str, me: int, keys: list[str], seconds: float, mode: s
     return made
 
 
-def churn_reader(address: str, me: int, keys: list[str], seconds: float) -> tuple[dict[str, int], list[str]]:
-    """Read random keys every way for ``seconds`` and check each value found; values checked per way, and what
+def churn_reader(
+    address: str, me: int, keys: list[str], seconds: float, flags: list[str], mine: str
+) -> tuple[dict[str, int], list[str]]:
+    """Read random keys every way for ``seconds`` and until every way has checked a value, then until every churn
+    job is done (:class:`ChurnEnd`, my file ``mine``), and check each value found; values checked per way, and what
     was wrong (at most 5)."""
     import random
 
@@ -170,9 +210,8 @@ def churn_reader(address: str, me: int, keys: list[str], seconds: float) -> tupl
         if wrong is not None:
             bad.append(f"{how}: {wrong}")
 
-    with kvstrata.connect(address, timeout=20, name=f"churn-reader-{me}") as kv:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and len(bad) < 5:
+    with kvstrata.connect(address, timeout=20, name=f"churn-reader-{me}") as kv, ChurnEnd(flags, mine, seconds) as end:
+        while len(bad) < 5 and end.going(all(checked.values())):
             key, op = rng.choice(keys), rng.random()
             try:
                 if op < 0.35:

@@ -366,14 +366,22 @@ def test_churn_under_memory_pressure_never_shows_a_torn_stale_or_foreign_value(t
         keys = [f"churn/{i}" for i in range(100)]
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(4) as pool:
-            writers = [pool.apply_async(jobs.churn_writer, (address, w, keys, 3.0, mode)) for w in range(2)]
-            readers = [pool.apply_async(jobs.churn_reader, (address, r, keys, 3.0)) for r in range(2)]
+            # every job goes on until all have done their share (jobs.ChurnEnd), however late each one starts
+            w_flags = [str(tmp_path / f"writer-{w}.done") for w in range(2)]
+            r_flags = [str(tmp_path / f"reader-{r}.done") for r in range(2)]
+            flags = w_flags + r_flags
+            writers = [
+                pool.apply_async(jobs.churn_writer, (address, w, keys, 3.0, mode, flags, w_flags[w])) for w in range(2)
+            ]
+            readers = [
+                pool.apply_async(jobs.churn_reader, (address, r, keys, 3.0, flags, r_flags[r])) for r in range(2)
+            ]
             made = [w.get(90) for w in writers]
             reads = [r.get(90) for r in readers]
         for checked, bad in reads:
             assert not bad, bad
             assert all(n > 0 for n in checked.values()), checked  # every way of reading was exercised
-        assert min(made) > 20, made
+        assert min(made) >= jobs.CHURN_MIN_WRITES, made
         with kvstrata.connect(address) as kv:
             stats = kv.stats()
             assert stats["evictions"] + stats["spills"] > 0, stats  # the pressure was real
