@@ -19,6 +19,10 @@ JOBS: dict[str, tuple[str, str]] = {
     ),
     "allgather": ("kvstrata.bench.allgather", "hybrid all-gather (NCCL + host path) vs NCCL and the host path alone"),
     "device": ("kvstrata.bench.device", "GPU-to-GPU device objects vs peer copy and NCCL (2 GPUs; --smoke: CPU)"),
+    "checkpoint": (
+        "kvstrata.bench.checkpoint",
+        "a model's weights saved and loaded through a worker vs torch.save/torch.load via /dev/shm (and DMA on a GPU)",
+    ),
     "cluster": (
         "kvstrata.bench.cluster",
         "a cluster of workers over etcd (ClusterClient, replicas 1/2, TCP) vs one worker direct; failover time",
