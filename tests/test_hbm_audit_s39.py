@@ -164,3 +164,23 @@ def test_async_device_calls_name_malformed_tensor_lists(kv, call, lists):
     with pytest.raises(InvalidType, match=r"tensor_lists"):
         getattr(kv, call.removeprefix("async_"))(["audit/x"], lists)
     assert kv.exists(["audit/x"]) == [False]
+
+
+def test_unregister_all_tries_every_region_when_one_fails(monkeypatch):
+    """A CUDA error unregistering one host region left the regions after it registered (and listed) for good."""
+    import kvstrata.memory
+    from kvstrata.store.tiers.gpu import GpuTier
+
+    tried = []
+
+    def unregister(address):
+        tried.append(address)
+        if address == 2:
+            raise RuntimeError("cudaHostUnregister failed")
+
+    monkeypatch.setattr(kvstrata.memory, "unregister", unregister)
+    tier = GpuTier.__new__(GpuTier)
+    tier._registered = {1: 10, 2: 20, 3: 30}
+    with pytest.raises(RuntimeError, match="cudaHostUnregister"):
+        tier.unregister_all()
+    assert tried == [1, 2, 3] and tier._registered == {}

@@ -89,12 +89,20 @@ class GpuTier(BlockTier):
             unregister(address)
 
     def unregister_all(self) -> None:
-        """Undo :meth:`register_host` (before the host memory is unmapped)."""
+        """Undo :meth:`register_host` (before the host memory is unmapped). Every region is tried, whatever fails
+        (a CUDA error on one must not leave the others registered past their unmapping); the first error is raised
+        once all were tried."""
         from kvstrata.memory import unregister
 
-        for address in self._registered:
-            unregister(address)
+        first: BaseException | None = None
+        for address in list(self._registered):
+            try:
+                unregister(address)
+            except Exception as exc:
+                first = first or exc
         self._registered.clear()
+        if first is not None:
+            raise first
 
     def stats(self) -> dict:
         return {**self._alloc.stats(), "device": str(self.device), "host_registered": sum(self._registered.values())}
