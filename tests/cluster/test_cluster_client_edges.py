@@ -3,9 +3,12 @@ left to stand in, async calls beyond the fan-out pool's size, calls after close(
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import uuid
 
 import pytest
+import torch
 
 import kvstrata
 
@@ -39,3 +42,34 @@ def test_a_replica_with_no_worker_left_to_stand_in(workers):
         assert kv.mset({"k": b"v", "j": b"w"}) == [None, None]
         assert kv.nodes == [a.member.node_id]
         assert kv.mget(["k", "j", "before"]) == [b"v", b"w", b"1"]
+
+
+def test_many_async_device_calls_at_once_do_not_starve_the_fan_out(workers):
+    """More async calls than pool threads, each spanning both workers: each one's per-worker calls still run (on one
+    pool, the async calls held every thread and waited forever for the per-worker calls queued behind them)."""
+    workers.start(2)
+    gate = threading.Event()
+
+    class GatedKeys(list):  # (every async call is queued before the first one starts)
+        def __iter__(self):
+            gate.wait(10)
+            return super().__iter__()
+
+    with kvstrata.connect(cluster=workers.url) as kv:
+        futures = [
+            kv.async_mset_d2h(
+                GatedKeys(f"a{i}/{j}" for j in range(8)), [[torch.full((4,), float(j))] for j in range(8)]
+            )
+            for i in range(80)
+        ]
+        gate.set()
+        done, pending = concurrent.futures.wait(futures, timeout=8)
+        if pending:  # (the deadlock: cancel what is queued, so that the calls holding the threads end, and close too)
+            for pool in (kv._pool, getattr(kv, "_async_pool", None)):
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
+        assert not pending, f"{len(pending)} of 80 async calls never finished"
+        assert all(f.result() == [None] * 8 for f in done)
+        dst = [[torch.empty(4)] for _ in range(8)]
+        assert kv.async_mget_h2d([f"a79/{j}" for j in range(8)], dst).result(timeout=8) == [None] * 8
+        assert dst[5][0].tolist() == [5.0] * 4

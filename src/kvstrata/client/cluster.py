@@ -108,7 +108,11 @@ class ClusterClient:
         self._suspects: dict[str, float] = {}  # node -> monotonic time until which it is skipped
         #: ((live nodes, previous list's nodes), their placements), rebuilt when either changes
         self._placed: tuple[Any, Any] = ((None, None), (None, None))
+        #: the per-worker calls of one batch (_run); the async_* calls run on a pool of their own (_async_pool), since
+        #: each waits for its batch's per-worker calls: on one pool, 32 async calls at once took every thread and
+        #: waited forever for the calls queued behind them
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._async_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         try:
             self._on_members(self.membership.members())
@@ -271,6 +275,14 @@ class ClusterClient:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="kvstrata-cluster")
             return self._pool
+
+    def _async_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._async_pool is None:
+                self._async_pool = concurrent.futures.ThreadPoolExecutor(
+                    32, thread_name_prefix="kvstrata-cluster-async"
+                )
+            return self._async_pool
 
     # routing ------------------------------------------------------------------------------------------------------
     def _write(self, keys: list[str], batch: Callable[[Any, list[int]], list[Result]]) -> list[Result]:
@@ -484,14 +496,14 @@ class ClusterClient:
     ) -> concurrent.futures.Future:
         """:meth:`mset_d2h` on a background thread (ordered after ``stream``, default: the current stream now)."""
         stream = _current_stream(tensor_lists) if stream is None else stream
-        return self._executor().submit(self.mset_d2h, keys, tensor_lists, stream=stream)
+        return self._async_executor().submit(self.mset_d2h, keys, tensor_lists, stream=stream)
 
     def async_mget_h2d(
         self, keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]], *, timeout: float = 0, stream: Any = None
     ) -> concurrent.futures.Future:
         """:meth:`mget_h2d` on a background thread (ordered after ``stream``, default: the current stream now)."""
         stream = _current_stream(tensor_lists) if stream is None else stream
-        return self._executor().submit(self.mget_h2d, keys, tensor_lists, timeout=timeout, stream=stream)
+        return self._async_executor().submit(self.mget_h2d, keys, tensor_lists, timeout=timeout, stream=stream)
 
     @staticmethod
     def _device_args(keys: Sequence[str], tensor_lists: Sequence[Sequence[Any]]) -> tuple[list[str], list[Any]]:
@@ -527,10 +539,12 @@ class ClusterClient:
                 return
             self._closed = True
             clients, self._clients = list(self._clients.values()), {}
-            pool, self._pool = self._pool, None
+            pools = [self._async_pool, self._pool]  # (the async calls first: they use the other pool)
+            self._pool = self._async_pool = None
         self._stop_watch()
-        if pool is not None:
-            pool.shutdown(wait=True)
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         for client in clients:
             self._close_quietly(client)
         if self._own_membership:
