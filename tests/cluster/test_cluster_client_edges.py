@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvstrata
+from kvstrata.errors import ClosedError
 
 
 @pytest.fixture
@@ -73,3 +74,28 @@ def test_many_async_device_calls_at_once_do_not_starve_the_fan_out(workers):
         dst = [[torch.empty(4)] for _ in range(8)]
         assert kv.async_mget_h2d([f"a79/{j}" for j in range(8)], dst).result(timeout=8) == [None] * 8
         assert dst[5][0].tolist() == [5.0] * 4
+
+
+def test_calls_after_close_raise_closed_and_start_no_threads(workers):
+    workers.start(2)
+    kv = kvstrata.connect(cluster=workers.url)
+    keys = [f"k{i}" for i in range(16)]  # (on both workers)
+    assert kv.mset(dict.fromkeys(keys, b"v")) == [None] * 16
+    kv.close()
+    calls = {
+        "mset": lambda: kv.mset(dict.fromkeys(keys, b"v")),
+        "mget": lambda: kv.mget(keys),
+        "exists": lambda: kv.exists(keys),  # (was [False] * 16: "no key is there")
+        "size": lambda: kv.size(keys),  # (was [None] * 16)
+        "delete": lambda: kv.delete(keys),
+        "expire": lambda: kv.expire(keys, 5),
+        "stats": kv.stats,
+        "async_mset_d2h": lambda: kv.async_mset_d2h(["d"], [[torch.ones(2)]]),
+        "async_mget_h2d": lambda: kv.async_mget_h2d(["d"], [[torch.ones(2)]]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ClosedError):
+            call()
+            pytest.fail(f"{name} after close() did not raise ClosedError")
+    assert kv._pool is None and getattr(kv, "_async_pool", None) is None
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvstrata-cluster")]

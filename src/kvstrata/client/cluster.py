@@ -169,6 +169,8 @@ class ClusterClient:
     def _views(self) -> tuple[Placement, Placement | None]:
         """Placements over the live workers and over the previous list's (None where it is the same set)."""
         with self._lock:
+            if self._closed:  # (every call routes through here first)
+                raise ClosedError("cluster client is closed")
             live = tuple(sorted(self._live()))
             previous = tuple(sorted(n for n in self._previous if n in self._members))
             if self._placed[0] != (live, previous):
@@ -264,7 +266,10 @@ class ClusterClient:
             node, call = items[0]
             return {node: one(node, call)}
         pool = self._executor()
-        futures = {node: pool.submit(one, node, call) for node, call in items[1:]}
+        try:
+            futures = {node: pool.submit(one, node, call) for node, call in items[1:]}
+        except RuntimeError as exc:  # (close() shut the pool down meanwhile)
+            raise ClosedError("cluster client is closed") from exc
         out = {items[0][0]: one(*items[0])}
         for node, future in futures.items():
             out[node] = future.result()
@@ -272,12 +277,16 @@ class ClusterClient:
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
+            if self._closed:  # (not a new pool that nothing would shut down)
+                raise ClosedError("cluster client is closed")
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="kvstrata-cluster")
             return self._pool
 
     def _async_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
+            if self._closed:
+                raise ClosedError("cluster client is closed")
             if self._async_pool is None:
                 self._async_pool = concurrent.futures.ThreadPoolExecutor(
                     32, thread_name_prefix="kvstrata-cluster-async"
