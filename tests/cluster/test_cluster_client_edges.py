@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kvstrata
-from kvstrata.errors import ClosedError
+from kvstrata.client.cluster import ClusterClient
+from kvstrata.errors import ClosedError, InvalidType, InvalidValue
 
 
 @pytest.fixture
@@ -99,3 +100,32 @@ def test_calls_after_close_raise_closed_and_start_no_threads(workers):
             pytest.fail(f"{name} after close() did not raise ClosedError")
     assert kv._pool is None and getattr(kv, "_async_pool", None) is None
     assert not [t.name for t in threading.enumerate() if t.name.startswith("kvstrata-cluster")]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"timeout": "3"}, InvalidType, "timeout"),
+        ({"timeout": 0}, InvalidValue, "timeout"),
+        ({"timeout": float("nan")}, InvalidValue, "timeout"),
+        ({"ttl": None}, InvalidType, "ttl"),
+        ({"ttl": -1}, InvalidValue, "ttl"),
+        ({"ttl": float("inf")}, InvalidValue, "ttl"),
+        ({"ttl": True}, InvalidType, "ttl"),
+    ],
+)
+def test_bad_timeouts_and_ttls_are_named(cluster_url, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ClusterClient(cluster_url, **kwargs)
+
+
+def test_a_bad_wait_is_refused_even_when_every_key_is_there(workers):
+    workers.start(2)
+    with kvstrata.connect(cluster=workers.url) as kv:
+        kv.set("k", b"v")
+        for bad, error in (("1", InvalidType), (-1, InvalidValue)):
+            with pytest.raises(error, match="timeout"):
+                kv.mget(["k"], timeout=bad)
+            with pytest.raises(error, match="timeout"):
+                kv.mget_h2d(["k"], [[torch.empty(1, dtype=torch.uint8)]], timeout=bad)
+        assert kv.get("k", timeout=None) == b"v"

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
+import numbers
 import os
 import socket as _socket
 import threading
@@ -53,6 +55,7 @@ from kvstrata.errors import (
     Timeout,
     TransportError,
 )
+from kvstrata.server.protocol import check_timeout
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,8 @@ class ClusterClient:
             raise InvalidValue(f"replicas: must be an int of at least 1, got {replicas!r}")
         if type(prefer_local) is not bool:
             raise InvalidType(f"prefer_local: must be a bool, got {type(prefer_local).__name__}")
+        timeout = _seconds("timeout", timeout, positive=True)
+        ttl = _seconds("ttl", ttl, positive=False)
         self._own_membership = isinstance(membership, str)
         self.membership = open_membership(membership) if isinstance(membership, str) else membership
         self.replicas = replicas
@@ -415,6 +420,7 @@ class ClusterClient:
         """Values of ``keys``: bytes, or the exception in a missing key's slot. With ``timeout`` (None: forever),
         keys missing everywhere are then waited for on their first owners."""
         keys = check_keys(keys)
+        timeout = check_timeout(timeout)  # (refused here, not only once a key turns out missing)
         if not keys:
             return []
         results = self._read(keys, lambda c, idx: c.mget([keys[i] for i in idx]), _is_miss)
@@ -486,6 +492,7 @@ class ClusterClient:
     ) -> list[Result]:
         """:meth:`Client.mget_h2d` from the first of each key's workers that has it; None per key filled."""
         keys, tensor_lists = self._device_args(keys, tensor_lists)
+        timeout = check_timeout(timeout)
 
         def batch(c: Any, idx: list[int]) -> list[Result]:
             return c.mget_h2d([keys[i] for i in idx], [tensor_lists[i] for i in idx], stream=stream)
@@ -568,6 +575,15 @@ class ClusterClient:
     def __repr__(self) -> str:
         closed = " closed" if self._closed else ""
         return f"<kvstrata.ClusterClient {self.membership.url} {len(self._members)} workers{closed}>"
+
+
+def _seconds(name: str, value: Any, *, positive: bool) -> float:
+    """A finite number of seconds (> 0 where ``positive``, else >= 0), or InvalidType / InvalidValue naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidType(f"{name}: must be seconds (a number), got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise InvalidValue(f"{name}: must be a finite number of seconds {'> 0' if positive else '>= 0'}, got {value}")
+    return float(value)
 
 
 def _is_miss(result: Result) -> bool:
