@@ -4,17 +4,20 @@ Each member is one key, ``/kvstrata/NAME/members/NODE_ID``, holding its :class:`
 lease the worker renews every ``ttl/3`` seconds from a background thread: when the worker dies the lease runs
 out and etcd deletes the key. The key is created in a transaction only where it is absent, so two workers can't
 take one node id. A renewal that finds the lease gone (etcd was out of reach longer than ``ttl``) lists the
-member again under a new lease. Watchers re-read the list after each change etcd reports (and at least every
-``refresh_s``, in case a change slipped between a read and the next watch).
+member again under a new lease. Watchers re-read the list after each change etcd reports, watching from the revision
+each read saw (so no change slips in between), and at least every ``refresh_s``; each watch has its own connections.
 
 Several endpoints (``etcd://h1:2379,h2:2379/NAME``) are tried in turn when one cannot be reached.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -62,7 +65,7 @@ class EtcdMembership(Membership):
 
     def __init__(self, url: str, *, timeout: float = 5.0, refresh_s: float = REFRESH_S) -> None:
         try:
-            import etcd3gw
+            import etcd3gw  # noqa: F401
         except ImportError as exc:  # (an optional dependency: pip install 'kvstrata[cluster]')
             raise ImportError("etcd:// clusters need the etcd3gw package: pip install 'kvstrata[cluster]'") from exc
         from etcd3gw import exceptions
@@ -70,19 +73,19 @@ class EtcdMembership(Membership):
         self._url = url
         self._endpoints, self.name = parse_etcd_url(url)
         self.prefix = f"{KEY_ROOT}/{self.name}/members/"
+        self._prefix_end = self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1)  # (the end of the prefix's key range)
         self._timeout = timeout
         self._refresh_s = refresh_s
-        self._clients = [etcd3gw.client(host=h, port=p, timeout=timeout) for h, p in self._endpoints]
+        self._clients = [self._new_client(h, p) for h, p in self._endpoints]
         self._current = 0  # the endpoint that answered last
         self._unreachable = (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError)
-        self._watch_timed_out = exceptions.WatchTimedOut
         self._lock = threading.Lock()
         self._member: Member | None = None
         self._lease: Any = None
         self._ttl = DEFAULT_TTL_S
         self._stop_renewing = threading.Event()
         self._renewer: threading.Thread | None = None
-        self._watches: list[threading.Event] = []
+        self._watches: list[_Watch] = []
         self._closed = False
         self._call(lambda client: client.status())  # (fails here, naming etcd, rather than at the first use)
 
@@ -90,19 +93,29 @@ class EtcdMembership(Membership):
     def url(self) -> str:
         return self._url
 
-    def _call(self, fn: Callable[[Any], Any]) -> Any:
+    def _new_client(self, host: str, port: int) -> Any:
+        import etcd3gw
+
+        return etcd3gw.client(host=host, port=port, timeout=self._timeout)
+
+    def _call(self, fn: Callable[[Any], Any], watch: _Watch | None = None) -> Any:
         """``fn(client)`` on the endpoint that answered last, then on each other one; TransportError naming them all
-        when none answers."""
+        when none answers. ``watch``: on that watch's own clients."""
+        clients = self._clients if watch is None else watch.clients
+        current = self._current if watch is None else watch.current
         errors = []
-        for step in range(len(self._clients)):
-            i = (self._current + step) % len(self._clients)
+        for step in range(len(clients)):
+            i = (current + step) % len(clients)
             try:
-                result = fn(self._clients[i])
+                result = fn(clients[i])
             except self._unreachable as exc:
                 host, port = self._endpoints[i]
                 errors.append(f"{host}:{port}: {str(exc)[:200]}")
                 continue
-            self._current = i
+            if watch is None:
+                self._current = i
+            else:
+                watch.current = i
             return result
         raise TransportError(f"cannot reach etcd for cluster {self._url}: " + "; ".join(errors))
 
@@ -173,57 +186,138 @@ class EtcdMembership(Membership):
 
     # reading -----------------------------------------------------------------------------------------
     def members(self) -> dict[str, Member]:
+        return self._read()[0]
+
+    def _read(self, watch: _Watch | None = None) -> tuple[dict[str, Member], int]:
+        """The live members, and the etcd revision they were read at."""
         if self._closed:
             raise ClosedError(f"membership view of {self._url} is closed")
-        entries = self._call(lambda client: client.get_prefix(self.prefix))
+        request = {"key": _b64(self.prefix), "range_end": _b64(self._prefix_end)}
+        result = self._call(lambda client: client.post(client.get_url("/kv/range"), json=request), watch)
+        revision = int(result.get("header", {}).get("revision", 0))
         out: dict[str, Member] = {}
-        for value, _meta in entries:
+        for entry in result.get("kvs", []):
             try:
-                member = Member.from_json(value)
+                member = Member.from_json(base64.b64decode(entry.get("value", "")))
             except InvalidValue as exc:  # (written by something else: skipped, not fatal to every client)
                 log.warning("skipping an entry in %s: %s", self._url, exc)
                 continue
             out[member.node_id] = member
-        return out
+        return out, revision
 
     def watch(self, callback: Watcher) -> Callable[[], None]:
         if self._closed:
             raise ClosedError(f"membership view of {self._url} is closed")
         stopped = threading.Event()
-        self._watches.append(stopped)
-        threading.Thread(
-            target=self._watch_loop, args=(callback, stopped), name=f"kvstrata-etcd-watch {self.name}", daemon=True
-        ).start()
-        return stopped.set
+        watch = _Watch(stopped, [self._new_client(h, p) for h, p in self._endpoints])
+        thread = threading.Thread(
+            target=self._watch_loop, args=(callback, watch), name=f"kvstrata-etcd-watch {self.name}", daemon=True
+        )
+        watch.thread = thread
+        with self._lock:
+            self._watches.append(watch)
+        thread.start()
+        return watch.stop
 
-    def _watch_loop(self, callback: Watcher, stopped: threading.Event) -> None:
+    def _watch_loop(self, callback: Watcher, watch: _Watch) -> None:
+        """Read the list, call ``callback`` if it changed, wait for etcd's next change to it (or ``refresh_s``);
+        on clients of its own, so that ending a watch's stream never touches a connection another thread uses."""
         last: dict[str, Member] | None = None
-        while not stopped.is_set():
-            try:
-                now = self.members()
-            except ClosedError:
-                return
-            except Exception as exc:
-                log.warning("cannot read the members of %s: %s", self._url, exc)
-                stopped.wait(min(self._refresh_s, 1.0))
-                continue
-            if now != last:
-                last = now
+        try:
+            while not watch.stopped.is_set():
                 try:
-                    callback(now)
-                except Exception:
-                    log.exception("a watcher of %s failed", self._url)
-            try:  # until the next change, or refresh_s
-                self._clients[self._current].watch_prefix_once(self.prefix, timeout=self._refresh_s)
-            except self._watch_timed_out:
-                pass
-            except Exception:  # (etcd out of reach: the read above says so)
-                stopped.wait(min(self._refresh_s, 1.0))
+                    now, revision = self._read(watch)
+                except Exception as exc:
+                    if watch.stopped.is_set() or self._closed:
+                        return
+                    log.warning("cannot read the members of %s: %s", self._url, exc)
+                    watch.stopped.wait(min(self._refresh_s, 1.0))
+                    continue
+                if watch.stopped.is_set():
+                    return
+                if now != last:
+                    last = now
+                    try:
+                        callback(now)
+                    except Exception:
+                        log.exception("a watcher of %s failed", self._url)
+                self._wait_for_change(watch, revision + 1)
+        finally:
+            for client in watch.clients:
+                with contextlib.suppress(Exception):
+                    client.session.close()
+
+    def _wait_for_change(self, watch: _Watch, start_revision: int) -> None:
+        """Until etcd reports a change of the list from ``start_revision`` on (so none slips in after the read),
+        ``refresh_s`` passes with no word from etcd, the stream fails, or the watch stops."""
+        client = watch.clients[watch.current]
+        request = {"create_request": {"key": _b64(self.prefix), "range_end": _b64(self._prefix_end)}}
+        request["create_request"]["start_revision"] = start_revision
+        try:
+            response = client.session.post(
+                client.get_url("/watch"), json=request, stream=True, timeout=(self._timeout, self._refresh_s)
+            )
+        except Exception:  # (out of reach: the next read says so, and moves on to another endpoint)
+            watch.stopped.wait(min(self._refresh_s, 1.0))
+            return
+        with watch.lock:
+            watch.response = response
+        try:
+            if watch.stopped.is_set() or response.status_code != 200:
+                return
+            for line in response.iter_lines():
+                if watch.stopped.is_set():
+                    return
+                if not line.strip():
+                    continue
+                result = json.loads(line).get("result", {})
+                if result.get("events") or result.get("canceled") or "compact_revision" in result:
+                    return  # (a change, or etcd ended the watch: compacted past start_revision)
+        except Exception:  # (no word in refresh_s, the stream cut, or stop() shut it): read the list again
+            return
+        finally:
+            with watch.lock:
+                watch.response = None
+            with contextlib.suppress(Exception):
+                response.close()
 
     def close(self) -> None:
         if self._closed:
             return
         self.leave()
-        for stopped in self._watches:
-            stopped.set()
         self._closed = True
+        with self._lock:
+            watches, self._watches = self._watches, []
+        for watch in watches:
+            watch.stop()
+        for watch in watches:
+            if watch.thread is not None and watch.thread is not threading.current_thread():
+                watch.thread.join(timeout=self._timeout + 1)
+        for client in self._clients:
+            with contextlib.suppress(Exception):
+                client.session.close()
+
+
+class _Watch:
+    """One :meth:`EtcdMembership.watch`: its stop flag, thread, etcd clients and the watch stream it waits on."""
+
+    def __init__(self, stopped: threading.Event, clients: list[Any]) -> None:
+        self.stopped = stopped
+        self.clients = clients
+        self.current = 0  # the endpoint that answered last
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.response: Any = None
+
+    def stop(self) -> None:
+        """Stop the calls; a wait on etcd's stream ends now (its socket shut), not at ``refresh_s``."""
+        self.stopped.set()
+        with self.lock:
+            response = self.response
+        if response is not None:
+            with contextlib.suppress(Exception):
+                response.raw.connection.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
