@@ -68,3 +68,28 @@ def test_close_ends_the_watch_at_once_and_its_connections(etcd_endpoint, etcd_cl
     assert wait_until(lambda: etcd_connections(etcd_endpoint) <= before, 5), (
         f"{etcd_connections(etcd_endpoint) - before} connections to etcd left open after close()"
     )
+
+
+def test_a_renewal_relisting_while_the_member_leaves_does_not_list_it_again(etcd_cluster_url):
+    """The renewer found the lease gone and was listing the member anew when leave() came: the new listing is taken
+    back (before, it stayed listed, a ghost of a stopped worker, until its lease ran out)."""
+    entered, go = threading.Event(), threading.Event()
+    with open_membership(etcd_cluster_url, timeout=1) as a, open_membership(etcd_cluster_url) as reader:
+        a.join(Member("n1", "tcp://127.0.0.1:7001"), ttl=1)
+        real_list = a._list
+
+        def held_list(member, ttl):
+            entered.set()
+            go.wait(10)
+            return real_list(member, ttl)
+
+        a._list = held_list
+        renewer = a._renewer
+        client = reader._clients[0]
+        client.post(client.get_url("/kv/lease/revoke"), json={"ID": a._lease.id})  # (etcd forgot it)
+        assert entered.wait(10), "the renewer never found its lease gone"
+        a.leave()
+        go.set()
+        renewer.join(10)
+        assert not renewer.is_alive()
+        assert reader.members() == {}, "the member left, yet the renewer listed it again"

@@ -131,38 +131,58 @@ class EtcdMembership(Membership):
             held = self.members().get(member.node_id)
             where = f" (listed at {held.address}, pid {held.info.get('pid')})" if held else ""
             raise KeyExists(f"node id {member.node_id!r} is already a member of {self._url}{where}")
-        self._member, self._lease, self._ttl = member, lease, ttl
-        self._stop_renewing.clear()
-        self._renewer = threading.Thread(target=self._renew, name=f"kvstrata-etcd-lease {member.node_id}", daemon=True)
+        stop = threading.Event()  # (this join's: a renewer of an earlier join that is still ending stays stopped)
+        with self._lock:
+            self._member, self._lease, self._ttl, self._stop_renewing = member, lease, ttl, stop
+        self._renewer = threading.Thread(
+            target=self._renew, args=(member, ttl, stop), name=f"kvstrata-etcd-lease {member.node_id}", daemon=True
+        )
         self._renewer.start()
 
     def _list(self, member: Member, ttl: float) -> Any:
         """Put ``member``'s key under a new lease where the key is absent: the lease, or None (taken)."""
         lease = self._call(lambda client: client.lease(ttl=max(1, math.ceil(ttl))))
-        created = self._call(lambda client: client.create(self.prefix + member.node_id, member.to_json(), lease))
-        if not created:
-            with contextlib.suppress(Exception):
-                self._call(lambda client: _on(lease, client).revoke())
-            return None
-        return lease
+        try:
+            created = self._call(lambda client: client.create(self.prefix + member.node_id, member.to_json(), lease))
+        except BaseException:
+            created = False
+            raise
+        finally:
+            if not created:
+                with contextlib.suppress(Exception):
+                    self._call(lambda client: _on(lease, client).revoke())
+        return lease if created else None
 
-    def _renew(self) -> None:
-        """Renew the lease every ttl/3 until :meth:`leave`; list the member again if the lease ran out."""
-        member, failing_since = self._member, None
-        while not self._stop_renewing.wait(self._ttl / 3):
+    def _renew(self, member: Member, ttl: float, stop: threading.Event) -> None:
+        """Renew the lease every ttl/3 until :meth:`leave` sets ``stop``; list the member again if the lease ran
+        out (and take that listing back at once where leave() came meanwhile)."""
+        failing_since = None
+        while not stop.wait(ttl / 3):
+            with self._lock:
+                lease = self._lease
+            if lease is None:
+                return
             try:
-                left = self._call(lambda client: _on(self._lease, client).refresh())
+                left = self._call(lambda client, lease=lease: _on(lease, client).refresh())
+                if left <= 0 and stop.is_set():  # (leave() revoked it)
+                    return
                 if left <= 0:  # etcd forgot the lease (out of reach past ttl): the key went with it
                     log.warning("the lease of %s in %s ran out: listing it again", member.node_id, self._url)
-                    lease = self._list(member, self._ttl)
-                    if lease is None:
+                    relisted = self._list(member, ttl)
+                    if relisted is None:
                         log.error(
                             "node id %s was taken in %s while this worker's lease was out: it is no longer listed",
                             member.node_id,
                             self._url,
                         )
                         return
-                    self._lease = lease
+                    with self._lock:  # (leave() sets stop before it takes the lease under this lock)
+                        left_meanwhile = stop.is_set()
+                        if not left_meanwhile:
+                            self._lease = relisted
+                    if left_meanwhile:
+                        self._call(lambda client, lease=relisted: _on(lease, client).revoke())
+                        return
                 if failing_since is not None:
                     log.info("etcd answers again: %s stays listed in %s", member.node_id, self._url)
                 failing_since = None
@@ -173,16 +193,17 @@ class EtcdMembership(Membership):
                     log.warning("cannot renew the lease of %s in %s: %s", member.node_id, self._url, exc)
 
     def leave(self) -> None:
-        self._stop_renewing.set()
+        with self._lock:
+            self._stop_renewing.set()
+            lease, self._lease, self._member = self._lease, None, None
         renewer, self._renewer = self._renewer, None
-        if renewer is not None and renewer is not threading.current_thread():
-            renewer.join(timeout=self._timeout + 1)
-        lease, self._lease, self._member = self._lease, None, None
         if lease is not None:
             try:
                 self._call(lambda client: _on(lease, client).revoke())  # (deletes the key at once)
             except Exception as exc:  # its ttl takes it off instead
                 log.warning("could not leave %s at once (%s): the entry lapses within its ttl", self._url, exc)
+        if renewer is not None and renewer is not threading.current_thread():
+            renewer.join(timeout=self._timeout + 1)
 
     # reading -----------------------------------------------------------------------------------------
     def members(self) -> dict[str, Member]:
