@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvstrata
-from kv_helpers import client_for, worker_fixtures
+from kv_helpers import client_for, held_back, wait_until, worker_fixtures
 from kvstrata.errors import (
     CapacityError,
     ClosedError,
@@ -346,6 +346,31 @@ def test_async_mget_h2d_waiting_calls_can_be_cancelled_and_close_settles_every_c
     for fut in more:  # served, or refused because the client closed: never left pending
         assert fut.done()
         assert fut.exception() is None or isinstance(fut.exception(), ClosedError)
+
+
+@pytest.mark.parametrize("mode", ["embedded", "unix"])
+def test_async_calls_still_queued_when_close_begins_are_refused_not_left_running(mode, worker, monkeypatch):
+    """A queued async call that the issuing thread starts once close() has begun raises ClosedError into its Future.
+    (Its check for a worker over TCP, ``_b().shm``, raised that ClosedError outside the Future, on the thread,
+    and left the Future running for good.)"""
+    kv = client_for(mode, worker, memory=MEMORY, segment=8 << 20)
+    assert kv.mset_d2h(["aq/there"], [[torch.ones(8)]]) == [None]
+    started, go = held_back(monkeypatch, kv, "_mget_h2d_queue")
+    first = kv.async_mget_h2d(["aq/there"], [[torch.zeros(8)]])
+    assert started.wait(10)  # the issuing thread is in the first call: the calls below stay queued
+    queued = [kv.async_mset_d2h(["aq/new"], [[torch.ones(8)]]), kv.async_mget_h2d(["aq/there"], [[torch.zeros(8)]])]
+    closer = threading.Thread(target=kv.close)
+    closer.start()
+    try:
+        assert wait_until(lambda: kv._closed, 10)
+    finally:
+        go.set()
+        closer.join(30)
+    assert not closer.is_alive()
+    assert first.done() and (first.exception() is None or isinstance(first.exception(), ClosedError))
+    for fut in queued:
+        assert fut.done(), fut
+        assert isinstance(fut.exception(), ClosedError)
 
 
 @pytest.mark.gpu

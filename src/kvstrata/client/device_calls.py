@@ -714,7 +714,9 @@ class DeviceCallsMixin:
         def queue() -> None:
             if not future.set_running_or_notify_cancel():
                 return
-            if not self._b().shm:  # (a worker over TCP: the whole call here, in order with the others)
+            # (_backend, not _b(): a call queued before close() is settled by the call itself, which raises
+            # ClosedError into the Future; a ClosedError here escaped it and left the Future running for good)
+            if not self._backend.shm:  # (a worker over TCP: the whole call here, in order with the others)
                 _settle(future, lambda: self.mset_d2h(keys, tensor_lists, stream=stream))
                 return
             steps = self._mset_d2h_steps(keys, tensor_lists, stream=stream, chain=True)
@@ -765,7 +767,7 @@ class DeviceCallsMixin:
         def queue() -> None:
             if not future.set_running_or_notify_cancel():
                 return
-            if not self._b().shm:  # (a worker over TCP: the whole call here, copies done when it returns)
+            if not self._backend.shm:  # (a worker over TCP: the whole call here, copies done when it returns)
                 future.copies_queued(None)
                 _settle(future, lambda: self.mget_h2d(keys, tensor_lists, timeout=timeout, stream=stream))
                 return
