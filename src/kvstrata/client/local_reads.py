@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import sys
 import time
 from collections import OrderedDict
 from typing import Any
 
+from kvstrata._imports import imported
 from kvstrata.server.validity import RECLAIM_OFFSET, SLOTS  # the worker's slot numbers index this table
 
 MAX_ENTRIES = 256
@@ -365,5 +365,5 @@ NATIVE_PREFIX = True
 def _native() -> Any:
     """The native module of :mod:`kvstrata.ops.tensor_runs` where a device call of this process loaded it, else None:
     a lookup never starts a build or an import (as :func:`kvstrata.store.placements._native`)."""
-    module = sys.modules.get("kvstrata.ops.tensor_runs")
+    module = imported("kvstrata.ops.tensor_runs")  # (another thread may be importing it: not half made)
     return None if module is None or not NATIVE_PREFIX else module.loaded()

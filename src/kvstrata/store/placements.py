@@ -25,12 +25,13 @@ A key whose bucket another key took since is simply not found. Only immutable ob
 
 from __future__ import annotations
 
-import sys
 import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+from kvstrata._imports import imported
 
 BUCKETS = 1 << 16  # 2 MiB: the placements of the last tens of thousands of objects written
 WORDS = 4
@@ -153,7 +154,7 @@ def _native() -> Any:
     """The native module of :mod:`kvstrata.ops.tensor_runs` where a device call of this process loaded it (its lookup
     reads the same words, holding the table's buffer for the call), else None: a lookup never starts a build or an
     import."""
-    module = sys.modules.get("kvstrata.ops.tensor_runs")
+    module = imported("kvstrata.ops.tensor_runs")  # (another thread may be importing it: not half made)
     return None if module is None or not NATIVE_LOOKUP else module.loaded()
 
 
