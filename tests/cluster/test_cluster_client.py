@@ -170,7 +170,7 @@ def test_tcp_only_clients_work_too(workers):
         big = bytes(range(256)) * 8192  # 2 MiB: past the inline limit of a Unix-socket client
         kv.set("big", big)
         assert kv.get("big") == big
-        assert all(c.address.startswith("tcp://") for c in kv._clients.values())
+        assert all(c.address.startswith("tcp://") for c, _ in kv._clients.values())
 
 
 def test_no_workers_and_a_closed_client_are_named(cluster_url):

@@ -108,9 +108,13 @@ class ClusterClient:
         self._connect = connect
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
-        self._previous: dict[str, Member] = {}  # the list before the last change: where older keys were written
-        self._clients: dict[str, Any] = {}
-        self._suspects: dict[str, float] = {}  # node -> monotonic time until which it is skipped
+        #: the live workers (listed, not skipped) at the last call, and before their last change: where keys written
+        #: before that change (a join, a departure, a worker skipped or back) were written
+        self._live_now: tuple[str, ...] = ()
+        self._live_before: tuple[str, ...] = ()
+        self._clients: dict[str, tuple[Any, tuple]] = {}  # node -> (its client, the incarnation it is connected to)
+        #: node -> (monotonic time until which it is skipped, the incarnation whose connection failed)
+        self._suspects: dict[str, tuple[float, tuple]] = {}
         #: ((live nodes, previous list's nodes), their placements), rebuilt when either changes
         self._placed: tuple[Any, Any] = ((None, None), (None, None))
         #: the per-worker calls of one batch (_run); the async_* calls run on a pool of their own (_async_pool), since
@@ -129,18 +133,18 @@ class ClusterClient:
 
     # the member list -----------------------------------------------------------------------------------------
     def _on_members(self, members: dict[str, Member]) -> None:
-        """A new member list: the old one kept for reads of older keys; clients of departed workers closed."""
+        """A new member list: clients of departed or restarted workers closed, a restarted worker no longer skipped
+        (its new incarnation is not the one whose connection failed)."""
         gone = []
         with self._lock:
-            if set(members) != set(self._members):
-                self._previous = self._members
-            for node, member in members.items():
-                if node in self._suspects and self._members.get(node) != member:  # (restarted: listed anew)
-                    del self._suspects[node]
             for node in list(self._clients):
-                if node not in members or members[node] != self._members.get(node):
-                    gone.append(self._clients.pop(node))
-            self._suspects = {n: t for n, t in self._suspects.items() if n in members}
+                if node not in members or _incarnation(members[node]) != self._clients[node][1]:
+                    gone.append(self._clients.pop(node)[0])
+            self._suspects = {
+                n: (until, inc)
+                for n, (until, inc) in self._suspects.items()
+                if n in members and _incarnation(members[n]) == inc
+            }
             self._members = dict(members)
         for client in gone:
             self._close_quietly(client)
@@ -157,7 +161,7 @@ class ClusterClient:
 
     def _live(self) -> list[str]:
         now = time.monotonic()
-        return [n for n in self._members if self._suspects.get(n, 0.0) <= now]
+        return [n for n in self._members if n not in self._suspects or self._suspects[n][0] <= now]
 
     def owners(self, key: str) -> list[str]:
         """The live workers a write of ``key`` goes to, in rank order."""
@@ -165,19 +169,22 @@ class ClusterClient:
         return self._views()[0].rank(key)[: self.replicas]
 
     def _candidates(self, key: str, live: Placement, previous: Placement | None) -> list[str]:
-        """Where a read of ``key`` looks, in order: its owners now, then its owners under the previous list."""
+        """Where a read of ``key`` looks, in order: its owners now, then its owners before the last change of the
+        live workers (a key written then went there)."""
         found = live.rank(key)[: self.replicas]
         if previous is not None:
             found += [n for n in previous.rank(key)[: self.replicas] if n not in found and n in live.nodes]
         return found
 
     def _views(self) -> tuple[Placement, Placement | None]:
-        """Placements over the live workers and over the previous list's (None where it is the same set)."""
+        """Placements over the live workers and over those before their last change (None where the same set)."""
         with self._lock:
             if self._closed:  # (every call routes through here first)
                 raise ClosedError("cluster client is closed")
             live = tuple(sorted(self._live()))
-            previous = tuple(sorted(n for n in self._previous if n in self._members))
+            if live != self._live_now:
+                self._live_before, self._live_now = self._live_now, live
+            previous = tuple(n for n in self._live_before if n in self._members)
             if self._placed[0] != (live, previous):
                 before = Placement(previous) if previous and set(previous) != set(live) else None
                 self._placed = ((live, previous), (Placement(live), before))
@@ -196,46 +203,63 @@ class ClusterClient:
     # per-worker clients -----------------------------------------------------------------------------------------
     def client(self, node: str) -> Any:
         """The :class:`~kvstrata.client.Client` of worker ``node`` (connected at first use)."""
+        return self._client(node)[0]
+
+    def _client(self, node: str) -> tuple[Any, tuple]:
+        """Worker ``node``'s client and the incarnation of the worker it is connected to."""
         with self._lock:
             if self._closed:
                 raise ClosedError("cluster client is closed")
-            client = self._clients.get(node)
+            held = self._clients.get(node)
             member = self._members.get(node)
-        if client is not None:
-            return client
+        if held is not None:
+            return held
         if member is None:
             raise KeyNotFound(f"no worker {node!r} in {self.membership.url}")
         address = member.address
         local = member.socket.removeprefix("unix://") if member.socket.startswith("unix://") else ""
         if self._prefer_local and local and member.host == _socket.gethostname() and os.path.exists(local):
             address = member.socket
+        incarnation = _incarnation(member)
         try:
             client = self._connect(address=address, timeout=self._timeout, name=self._name)
         except UNREACHABLE as exc:
-            self._suspect(node, exc)
+            self._suspect(node, exc, incarnation)
             raise
         with self._lock:
-            if self._closed or self._members.get(node) != member:  # (closed, or the worker left meanwhile)
-                racing = client
-                client = None
+            listed = self._members.get(node)
+            if self._closed or listed is None or _incarnation(listed) != incarnation:  # (closed, or it left)
+                racing, held = client, None
             else:
-                racing = self._clients.get(node)
-                if racing is None:
-                    self._clients[node], racing = client, None
+                held = self._clients.get(node)
+                if held is None:
+                    self._clients[node] = held = (client, incarnation)
+                    racing = None
                 else:
-                    client, racing = racing, client
+                    racing = client
         if racing is not None:
             self._close_quietly(racing)
-        if client is None:
+        if held is None:
             raise ConnectionLost(f"worker {node} left {self.membership.url}")
-        return client
+        return held
 
-    def _suspect(self, node: str, exc: BaseException) -> None:
-        """Skip ``node`` for ``ttl`` (its connection failed; the list may still show it), and re-read the list."""
-        log.warning("worker %s of %s unreachable, skipped for %.0f s: %s", node, self.membership.url, self._ttl, exc)
+    def _suspect(self, node: str, exc: BaseException, incarnation: tuple) -> None:
+        """Skip ``node`` for ``ttl`` (its connection failed; the list may still show it), and re-read the list. Not
+        where the list shows another incarnation of it already (it restarted: the failed connection was the old
+        one's)."""
         with self._lock:
-            self._suspects[node] = time.monotonic() + self._ttl
-            client = self._clients.pop(node, None)
+            listed = self._members.get(node)
+            if listed is not None and _incarnation(listed) != incarnation:
+                suspected = False
+            else:
+                self._suspects[node] = (time.monotonic() + self._ttl, incarnation)
+                suspected = True
+            held = self._clients.get(node)
+            client = self._clients.pop(node)[0] if held is not None and held[1] == incarnation else None
+        if suspected:
+            log.warning(
+                "worker %s of %s unreachable, skipped for %.0f s: %s", node, self.membership.url, self._ttl, exc
+            )
         if client is not None:
             self._close_quietly(client)
         try:
@@ -255,11 +279,13 @@ class ClusterClient:
         exception it raised. A node that cannot be reached is suspected (skipped from then on)."""
 
         def one(node: str, call: Callable[[Any], Any]) -> Any:
+            incarnation: tuple | None = None
             try:
-                return call(self.client(node))
+                client, incarnation = self._client(node)
+                return call(client)
             except UNREACHABLE as exc:
-                if not isinstance(exc, ClosedError) or not self._closed:
-                    self._suspect(node, exc)
+                if incarnation is not None and (not isinstance(exc, ClosedError) or not self._closed):
+                    self._suspect(node, exc, incarnation)  # (a failed connect suspected it already)
                 return exc
             except Exception as exc:  # (a refusal of the whole call: the keys' slots carry it)
                 return exc
@@ -357,7 +383,9 @@ class ClusterClient:
                 for j, i in enumerate(idx):
                     r = got if isinstance(got, BaseException) else got[j]
                     if isinstance(r, UNREACHABLE) or missing(r):
-                        first.setdefault(i, r)
+                        # a key's answer where no worker has it: a worker's miss rather than one's silence
+                        if i not in first or (isinstance(first[i], UNREACHABLE) and not isinstance(r, UNREACHABLE)):
+                            first[i] = r
                         nxt.append(i)
                     else:
                         results[i] = r
@@ -441,7 +469,7 @@ class ClusterClient:
         """Whether each key is on one of its workers."""
         listed = check_keys([keys] if isinstance(keys, str) else keys)
         found = self._read(listed, lambda c, idx: c.exists([listed[i] for i in idx]), lambda r: r is False)
-        return _one_or_many(keys, [r is True for r in found])
+        return _one_or_many(keys, [self._raise(r) is True for r in found])
 
     def expire(self, keys: str | Iterable[str], ttl: float | None) -> bool | list[bool]:
         """Set keys' time to live on every worker that holds them; True where one did."""
@@ -451,7 +479,7 @@ class ClusterClient:
         """Each key's size in bytes, None where no worker has it."""
         listed = check_keys([keys] if isinstance(keys, str) else keys)
         found = self._read(listed, lambda c, idx: c.size([listed[i] for i in idx]), lambda r: r is None)
-        return _one_or_many(keys, [None if isinstance(r, BaseException) else r for r in found])
+        return _one_or_many(keys, [None if isinstance(r, KeyNotFound) else self._raise(r) for r in found])
 
     def _everywhere(self, op: str, keys: Any, *args: Any) -> list[bool]:
         """``op`` (delete, expire) on each key's every candidate worker; True where any held the key."""
@@ -554,7 +582,7 @@ class ClusterClient:
             if self._closed:
                 return
             self._closed = True
-            clients, self._clients = list(self._clients.values()), {}
+            clients, self._clients = [client for client, _ in self._clients.values()], {}
             pools = [self._async_pool, self._pool]  # (the async calls first: they use the other pool)
             self._pool = self._async_pool = None
         self._stop_watch()
@@ -584,6 +612,13 @@ def _seconds(name: str, value: Any, *, positive: bool) -> float:
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise InvalidValue(f"{name}: must be a finite number of seconds {'> 0' if positive else '>= 0'}, got {value}")
     return float(value)
+
+
+def _incarnation(member: Member | None) -> tuple:
+    """What tells one run of a worker from the next under the same node id (a restart on the same address)."""
+    if member is None:
+        return ()
+    return (member, member.info.get("pid"), member.info.get("started_at"))
 
 
 def _is_miss(result: Result) -> bool:
