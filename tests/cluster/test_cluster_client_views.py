@@ -103,3 +103,28 @@ def test_a_key_no_worker_could_answer_for_is_an_error_not_a_miss(workers):
         kv._suspects.clear()
         with pytest.raises((ConnectionLost, TransportError)):
             kv.size("k")
+
+
+def test_a_worker_restarted_with_its_predecessors_pid_waits_out_its_lease(etcd_cluster_url, tmp_path):
+    """A container restarted with the same hostname and pid (often 1) finds its predecessor's entry under its pid:
+    it waits for that lease to run out rather than refusing to start (two live workers of one process under one id
+    are still refused)."""
+
+    def config(name: str) -> WorkerConfig:
+        return WorkerConfig(
+            socket=str(tmp_path / f"{name}.sock"), memory=16 << 20, disk_dir="", cluster=etcd_cluster_url,
+            cluster_listen="tcp://127.0.0.1:0", node_id="p", cluster_ttl=1, spin_us=0,
+        )  # fmt: skip
+
+    first = Worker(config("first")).start()
+    membership, first.membership = first.membership, None
+    membership._stop_renewing.set()  # a crash: its lease is no longer renewed, nor revoked
+    first.stop()
+    second = Worker(config("second")).start()  # (same pid: waits ~1 s for the lease to lapse)
+    try:
+        assert second.member.node_id == "p"
+        with pytest.raises(Exception, match="already a member"):
+            Worker(config("third")).start()  # a live worker of this process holds it: refused
+    finally:
+        second.stop()
+        membership.close()

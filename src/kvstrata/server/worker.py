@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -83,6 +84,7 @@ class Worker:
         self._cluster_listener: Listener | None = None
         self.membership: Any = None
         self.member: Any = None
+        _WORKERS.add(self)
         #: write-back objects the store could not flush to SSD when stop() closed it: lost with the worker
         self.unflushed = 0
 
@@ -205,7 +207,7 @@ class Worker:
                 return
             except KeyExists:
                 held = self.membership.members().get(member.node_id)
-                if (held is not None and not _dead_here(held)) or time.monotonic() > deadline:
+                if (held is not None and not _dead_here(held, member)) or time.monotonic() > deadline:
                     raise
                 if not told:
                     log.warning(
@@ -531,13 +533,17 @@ def _tune_gc() -> None:
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)
 
 
-def _dead_here(member: Any) -> bool:
-    """Whether ``member`` was a worker of this host whose process is gone (so its entry is only waiting to lapse)."""
+def _dead_here(member: Any, me: Any) -> bool:
+    """Whether ``member`` (listed under the node id ``me`` wants) was a worker of this host whose process is gone, so
+    its entry only waits to lapse: its pid is not running, or is this process's while it is not this worker (a
+    container restarted with the same pid, often 1, and hostname: the predecessor was this pid too)."""
     import socket as _socket
 
     pid = member.info.get("pid")
-    if member.host != _socket.gethostname() or type(pid) is not int or pid == _pid():
+    if member.host != _socket.gethostname() or type(pid) is not int:
         return False
+    if pid == _pid():
+        return member.info.get("started_at") != me.info.get("started_at") and not _running_here(member)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -545,6 +551,17 @@ def _dead_here(member: Any) -> bool:
     except OSError:  # (alive, another user's)
         return False
     return False
+
+
+#: this process's workers (a restarted container's predecessor had this pid too: see _dead_here)
+_WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def _running_here(member: Any) -> bool:
+    """Whether a worker of this process is listed as ``member`` now (two workers of one process under one id)."""
+    return any(
+        w.member is not None and not w._stopped.is_set() and w.member.info == member.info for w in list(_WORKERS)
+    )
 
 
 def _pid() -> int:
