@@ -121,7 +121,7 @@ def test_status_prometheus_leaves_itself_out_of_more_clients_than_the_worker_lis
     conns = [connect(worker.address, timeout=10, hello={"shm": False, "name": f"c{i}"}) for i in range(n)]
     try:
         assert wait_until(lambda: worker.stats()["clients"] == n)
-        args = argparse.Namespace(address=worker.address, prometheus=True, timeout=5.0)
+        args = argparse.Namespace(address=worker.address, prometheus=True, timeout=5.0, cluster=None)
         assert run(args) == 0
         assert f"\nkvstrata_clients {n}\n" in capsys.readouterr().out
         # (each probe's connection is let go by the worker's thread after it closed: wait for that before the next)
