@@ -128,3 +128,10 @@ def test_a_worker_restarted_with_its_predecessors_pid_waits_out_its_lease(etcd_c
     finally:
         second.stop()
         membership.close()
+
+
+def test_connect_names_a_bad_timeout_for_a_cluster():
+    from kvstrata.errors import InvalidType
+
+    with pytest.raises(InvalidType, match="timeout"):
+        kvstrata.connect(cluster=f"inproc://t-{uuid.uuid4().hex[:8]}", timeout=None)

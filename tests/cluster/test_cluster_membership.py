@@ -190,3 +190,30 @@ def test_advertised_address_replaces_a_wildcard_host():
     assert advertised_address("tcp://10.1.2.3:7390") == "tcp://10.1.2.3:7390"
     host, port = advertised_address("tcp://0.0.0.0:7390").removeprefix("tcp://").rsplit(":", 1)
     assert port == "7390" and host not in ("0.0.0.0", "")
+
+
+def test_a_create_that_timed_out_after_it_took_is_not_taken_for_another_members(etcd_endpoint):
+    """etcd made the entry, but the answer timed out; the retry on the next endpoint finds the entry: it is ours (our
+    lease), not a live worker's under our id."""
+    from etcd3gw import exceptions
+
+    url = f"etcd://{etcd_endpoint},{etcd_endpoint}/timed-out-create"
+    with open_membership(url) as m, open_membership(url) as reader:
+        first = m._clients[0]
+        real_create = first.create
+
+        def create_then_time_out(*args, **kwargs):
+            real_create(*args, **kwargs)
+            raise exceptions.ConnectionTimeoutError("read timed out (after etcd applied it)")
+
+        first.create = create_then_time_out
+        m._current = 0
+        m.join(member(1), ttl=5)
+        assert set(reader.members()) == {"node-1"}
+        m.leave()
+        assert reader.members() == {}
+
+
+def test_cluster_names_are_ascii():
+    with pytest.raises(InvalidValue, match="name"):
+        open_membership("etcd://h:1/caf\u00e9")

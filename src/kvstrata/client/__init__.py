@@ -59,7 +59,8 @@ def connect(
             return connect(address, timeout=timeout, name=name, reserve_bytes=reserve)
 
         # (a listed worker is up: its connection is not waited for as long as a worker starting on this node)
-        return ClusterClient(cluster, replicas=replicas, timeout=min(timeout, 3.0), name=name, connect=connect_worker)
+        wait = min(timeout, 3.0) if isinstance(timeout, int | float) and not isinstance(timeout, bool) else timeout
+        return ClusterClient(cluster, replicas=replicas, timeout=wait, name=name, connect=connect_worker)
     if replicas != 1:
         raise InvalidValue(f"replicas: only for a cluster client (cluster=...), got {replicas!r}")
 

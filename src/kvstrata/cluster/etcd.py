@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -39,7 +40,7 @@ def parse_etcd_url(url: str) -> tuple[list[tuple[str, int]], str]:
     rest = url.removeprefix("etcd://")
     hosts, _, name = rest.partition("/")
     name = name.strip("/") or DEFAULT_NAME
-    if "/" in name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise InvalidValue(f"cluster: name {name!r} in {url!r} must be letters, digits and -_. (no /)")
     endpoints = []
     for part in hosts.split(","):
@@ -142,8 +143,12 @@ class EtcdMembership(Membership):
     def _list(self, member: Member, ttl: float) -> Any:
         """Put ``member``'s key under a new lease where the key is absent: the lease, or None (taken)."""
         lease = self._call(lambda client: client.lease(ttl=max(1, math.ceil(ttl))))
+        key = self.prefix + member.node_id
         try:
-            created = self._call(lambda client: client.create(self.prefix + member.node_id, member.to_json(), lease))
+            created = self._call(lambda client: client.create(key, member.to_json(), lease))
+            if not created:  # (a create that timed out on one endpoint, then retried on the next, may be ours)
+                entries = self._call(lambda client: client.get(key, metadata=True))
+                created = any(str(meta.get("lease")) == str(lease.id) for _, meta in entries)
         except BaseException:
             created = False
             raise
