@@ -12,7 +12,7 @@ import pytest
 
 import kvstrata
 from kvstrata.client.cluster import ClusterClient
-from kvstrata.errors import ConnectionLost, TransportError
+from kvstrata.errors import ConnectionLost, KeyExists, TransportError
 from kvstrata.server import Worker, WorkerConfig
 
 
@@ -135,3 +135,26 @@ def test_connect_names_a_bad_timeout_for_a_cluster():
 
     with pytest.raises(InvalidType, match="timeout"):
         kvstrata.connect(cluster=f"inproc://t-{uuid.uuid4().hex[:8]}", timeout=None)
+
+
+def test_a_write_once_refused_by_one_replica_is_taken_back_from_the_others(workers):
+    """nx / mset_d2h with replicas: where one owner holds the key already, the others do not keep the new value (the
+    replicas would then disagree)."""
+    import torch
+
+    started = workers.start(2)
+    with kvstrata.connect(cluster=workers.url, replicas=2) as kv:
+        first_owner = kv.owners("k")[0]
+        direct = {w.member.node_id: kvstrata.connect(w.address) for w in started}
+        try:
+            direct[first_owner].set("k", b"old")  # (on one replica only, as a write that half failed leaves it)
+            direct[first_owner].mset_d2h(["t"], [[torch.zeros(4)]])
+            with pytest.raises(KeyExists):
+                kv.set("k", b"new", nx=True)
+            assert isinstance(kv.mset_d2h(["t"], [[torch.ones(4)]])[0], KeyExists)
+            other = next(n for n in direct if n != first_owner)
+            assert direct[other].exists(["k", "t"]) == [False, False]
+            assert direct[first_owner].get("k") == b"old"
+        finally:
+            for c in direct.values():
+                c.close()

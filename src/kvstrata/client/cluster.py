@@ -51,6 +51,7 @@ from kvstrata.errors import (
     ConnectionLost,
     InvalidType,
     InvalidValue,
+    KeyExists,
     KeyNotFound,
     Timeout,
     TransportError,
@@ -325,10 +326,14 @@ class ClusterClient:
             return self._async_pool
 
     # routing ------------------------------------------------------------------------------------------------------
-    def _write(self, keys: list[str], batch: Callable[[Any, list[int]], list[Result]]) -> list[Result]:
+    def _write(
+        self, keys: list[str], batch: Callable[[Any, list[int]], list[Result]], *, write_once: bool = False
+    ) -> list[Result]:
         """Each key written on its owners by ``batch(client, indices)``: a key's result is None where every owner took
         it, else the first refusal. Where a worker cannot be reached, its keys go to the next-ranked live workers
-        (once; a second failure is the key's result)."""
+        (once; a second failure is the key's result). ``write_once`` (nx, mset_d2h): a key one owner refused as
+        existing is taken back from the owners that stored it (it was not there before this write), so its
+        replicas keep the one value that was there first."""
         results: list[Result] = [None] * len(keys)
         todo = list(range(len(keys)))
         done: list[set[str]] = [set() for _ in keys]  # the workers that took each key
@@ -356,6 +361,14 @@ class ClusterClient:
         for i in todo:
             if not done[i] and results[i] is None:
                 results[i] = ConnectionLost(f"no worker of {self.membership.url} took key {keys[i]!r}")
+        if write_once:
+            undo: dict[str, list[int]] = {}
+            for i, r in enumerate(results):
+                if isinstance(r, KeyExists):
+                    for node in done[i]:
+                        undo.setdefault(node, []).append(i)
+            if undo:
+                self._run({n: (lambda c, idx=idx: c.delete([keys[i] for i in idx])) for n, idx in undo.items()})
         return results
 
     def _read(
@@ -436,7 +449,9 @@ class ClusterClient:
         """Store many values, each on its owners; None per stored key, the exception where a key was refused."""
         pairs = _pairs(items)
         keys = check_keys([k for k, _ in pairs])
-        return self._write(keys, lambda c, idx: c.mset([pairs[i] for i in idx], ttl=ttl, nx=nx, write_mode=write_mode))
+        return self._write(
+            keys, lambda c, idx: c.mset([pairs[i] for i in idx], ttl=ttl, nx=nx, write_mode=write_mode), write_once=nx
+        )
 
     def get(self, key: str, *, timeout: float = 0) -> bytes:
         """The value of ``key`` from the first of its workers that has it; ``timeout`` as in :meth:`Client.get`
@@ -512,7 +527,9 @@ class ClusterClient:
         """:meth:`Client.mset_d2h` with each key on its owners (write-once: an existing key is KeyExists)."""
         keys, tensor_lists = self._device_args(keys, tensor_lists)
         return self._write(
-            keys, lambda c, idx: c.mset_d2h([keys[i] for i in idx], [tensor_lists[i] for i in idx], stream=stream)
+            keys,
+            lambda c, idx: c.mset_d2h([keys[i] for i in idx], [tensor_lists[i] for i in idx], stream=stream),
+            write_once=True,
         )
 
     def mget_h2d(
