@@ -120,9 +120,10 @@ def test_a_member_stays_listed_past_its_ttl_while_it_lives(etcd_cluster_url):
     import time
 
     with open_membership(etcd_cluster_url) as a, open_membership(etcd_cluster_url) as reader:
-        a.join(member(1), ttl=1)
-        time.sleep(2.5)  # (renewed every third of a second)
-        assert set(reader.members()) == {"node-1"}
+        a.join(member(1), ttl=2)
+        lease = a._lease.id
+        time.sleep(3)  # past the lease's 2 s: listed still only where it was renewed (every 2/3 s)
+        assert set(reader.members()) == {"node-1"} and a._lease.id == lease
 
 
 def test_a_member_whose_lease_was_revoked_behind_its_back_is_listed_again(etcd_cluster_url):
