@@ -395,6 +395,9 @@
 #           128 and 32 blocks; kvstrata demo on the GPU
 #   PART=s39c: tools/probe_prefix_steps.py at 32 and 128 blocks; the GPU tests of pack_blocks and PrefixKVCache;
 #           bench prefix at 128 blocks (its memory warmed first)
+#   PART=s40: the GPU tests of session 40's work and session 39's left unrun (TCP device calls, checkpoints,
+#     pack_blocks' custom ops under torch.compile, PrefixKVCache); kvstrata bench checkpoint (8 layers x 4096, bf16,
+#     against torch.save/torch.load via /dev/shm and the DMA ceiling); kvstrata bench prefix --blocks 128.
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1266,6 +1269,15 @@ elif [ "${PART}" = s39c ]; then
   echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s39c_h200.json" 2>/dev/null; rm -rf "$OUT/p"
+elif [ "${PART}" = s40 ]; then
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device_bytes.py \
+    tests/test_integrations_checkpoint.py tests/test_ops_block_pack.py tests/test_integrations_prefix_cache.py \
+    2>&1 | tail -8 >> "$LOG"
+  echo "=== kvstrata bench checkpoint" >> "$LOG"
+  timeout 240 python3 -m kvstrata.cli.main bench checkpoint --name checkpoint_gpu_s40_h200 --out "$OUT" >> "$LOG" 2>&1
+  echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
+  timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
+  cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
