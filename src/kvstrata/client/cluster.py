@@ -6,10 +6,11 @@ worker runs on this host (so values move through shared memory, and device reads
 over TCP. A key's owners are the ``replicas`` live workers that rank first for it
 (:func:`kvstrata.cluster.placement.rank`): writes go to all of them, reads to the first that has the key.
 
-Membership changes move no data. A client keeps the member list from before the last change too, and a read that
-misses on a key's owners asks the key's owners under that list as well: a key written before one join or one
-departure is still found (with ``replicas=2``, even when one of its workers died). A worker whose connection
-fails is skipped (its keys' next-ranked workers stand in) until the list changes or ``ttl`` passes.
+Membership changes move no data. A client keeps the set of live workers from before its last change too (a join,
+a departure, a worker skipped or back), and a read that misses on a key's owners asks the key's owners under that
+set as well: a key written before one such change is still found (with ``replicas=2``, even when one of its
+workers died). A worker whose connection fails is skipped (its keys' next-ranked workers stand in) until the list
+shows another run of it or ``ttl`` passes.
 
 Example (two workers of one process, listed in memory; across hosts the address is ``etcd://HOST:2379/NAME``)::
 
