@@ -398,6 +398,8 @@
 #   PART=s40: the GPU tests of session 40's work and session 39's left unrun (TCP device calls, checkpoints,
 #     pack_blocks' custom ops under torch.compile, PrefixKVCache); kvstrata bench checkpoint (8 layers x 4096, bf16,
 #     against torch.save/torch.load via /dev/shm and the DMA ceiling); kvstrata bench prefix --blocks 128.
+#   PART=s41: every GPU test (session 40's work among them: TCP device calls, checkpoints, CUDA weights through a
+#     cluster), kvstrata bench checkpoint and bench prefix --blocks 128 on the H200
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1278,6 +1280,13 @@ elif [ "${PART}" = s40 ]; then
   echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
+elif [ "${PART}" = s41 ]; then
+  gpu_tests gpu_tests_s41
+  echo "=== kvstrata bench checkpoint" >> "$LOG"
+  timeout 150 python3 -m kvstrata.cli.main bench checkpoint --name checkpoint_gpu_s41_h200 --out "$OUT" >> "$LOG" 2>&1
+  echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
+  timeout 120 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
+  cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s41_h200.json" 2>/dev/null; rm -rf "$OUT/p"
 elif [ "${PART}" = s24e ]; then
   tool_runs 2 probe_kept_quiet --rounds 150
 elif [ "${PART}" = s24d ]; then
