@@ -6,6 +6,9 @@ from __future__ import annotations
 import threading
 
 import psutil
+import pytest
+
+pytest.importorskip("etcd3gw", reason="the etcd backend's tests need etcd3gw (pip install 'kvstrata[cluster]')")
 from etcd3gw.client import Etcd3Client
 
 from kv_helpers import wait_until
