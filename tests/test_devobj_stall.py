@@ -18,6 +18,7 @@ from kv_helpers import worker_config
 from kvstrata.devobj import outbox as outbox_mod
 from kvstrata.errors import ConnectionLost
 from kvstrata.server import Worker
+from kvstrata.transport import PROTOCOL_VERSION
 
 WAIT = 5.0
 INFO = {"info": {"pid": 1, "node_id": "n1", "device": {"uuid": "GPU-a", "index": 0}}}
@@ -34,7 +35,8 @@ class Raw:
     def __init__(self, address: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.connect(address.split("://", 1)[1])
-        assert "err" not in self.call({"op": "hello", "protocol": 1, "pid": os.getpid() + 1, "shm": False})
+        hello = {"op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid() + 1, "shm": False}
+        assert "err" not in self.call(hello)
 
     def send(self, msg: dict) -> None:
         payload = msgpack.packb(msg, use_bin_type=True)

@@ -17,6 +17,7 @@ from kvstrata.client._shared import Lease, Loc
 from kvstrata.client.connection import WorkerConnection
 from kvstrata.errors import CapacityError, InvalidType, ProtocolError
 from kvstrata.server import protocol as P
+from kvstrata.transport.stream import ATTACH_MIN_BYTES, attach
 
 _ONE = 1  # a flag of 1: a mutable object (kvstrata.server.handlers._acquire)
 #: a ``mget`` of at least this many keys leases them and copies their values out of shared memory (:meth:`mget`)
@@ -55,12 +56,14 @@ class RemoteBackend(WorkerConnection):
 
     # calls ---------------------------------------------------------------------------------------
     def put(self, key: str, data: memoryview, opts: dict) -> None:
-        msg = {"op": "put", "key": key, "v": data}
+        msg = {"op": "put", "key": key, "v": attach(data)}  # (a large value beside the message: no copy to encode)
         if opts["ttl"] is not None or opts["nx"] or opts["mode"] != "memory":  # the worker's defaults go unsaid
             msg.update(opts)
         self.request(msg)
 
     def mput(self, items: list[tuple[str, memoryview]], opts: dict) -> list[Any]:
+        if any(len(v) >= ATTACH_MIN_BYTES for _, v in items):
+            items = [(k, attach(v)) for k, v in items]
         reply = self.request({"op": "mput", "items": items, **opts})
         return [self._item(i) for i in reply["items"]]
 
@@ -273,7 +276,8 @@ class RemoteBackend(WorkerConnection):
 
     def _value(self, item: dict) -> bytes:
         if "v" in item:
-            return item["v"]
+            v = item["v"]
+            return v if type(v) is bytes else bytes(v)  # (an attachment: a view of the reply's frame)
         try:
             return bytes(self.view(self._loc(item["loc"])))  # the one copy, straight out of shared memory
         finally:
@@ -516,7 +520,8 @@ class RemoteBackend(WorkerConnection):
         )
 
     def read(self, key: str, offset: int, size: int) -> bytes:
-        return self.request({"op": "read", "key": key, "offset": offset, "size": size})["v"]
+        v = self.request({"op": "read", "key": key, "offset": offset, "size": size})["v"]
+        return v if type(v) is bytes else bytes(v)  # (an attachment: a view of the reply's frame)
 
     def keys_op(self, op: str, keys: list[str], **kw: Any) -> list[Any]:
         return self.request({"op": op, "keys": keys, **kw})["r"]

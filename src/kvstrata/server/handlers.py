@@ -17,6 +17,7 @@ from kvstrata.errors import CapacityError, InvalidType, KvstrataError, ServerErr
 from kvstrata.server import protocol as P
 from kvstrata.server.validity import SLOTS
 from kvstrata.store.tiers.base import Location
+from kvstrata.transport.stream import attach
 
 if TYPE_CHECKING:
     from kvstrata.server.session import Session
@@ -27,9 +28,10 @@ MPUT_CHUNK = 256
 _LOCATION_TYPES = frozenset({Location})
 
 
-def _value(msg: dict) -> bytes:
+def _value(msg: dict) -> bytes | memoryview:
+    """A message's value: bytes, or a memoryview of its frame where it came as an attachment."""
     v = msg.get("v")
-    if not isinstance(v, bytes):
+    if type(v) is not memoryview and not isinstance(v, bytes):
         raise InvalidType(f"value: expected bytes on the wire, got {type(v).__name__}")
     return v
 
@@ -242,7 +244,7 @@ def _copied(s: Session, key: str) -> dict:
     """A read whose object is on SSD only and cannot come back into DRAM (every byte there leased): its bytes in
     the reply, read straight from SSD, as a copying read in process gets them (``ObjectStore.get_bytes``)."""
     try:
-        return {"v": s.store.get_bytes(key, timeout=0)}
+        return {"v": attach(s.store.get_bytes(key, timeout=0))}
     except (KvstrataError, ValueError) as exc:
         return P.error_record(exc)
 
@@ -252,7 +254,7 @@ def _get(s: Session, msg: dict) -> dict:
     try:
         lease = s.store.acquire(key, owner=s.owner, timeout=P.check_timeout(msg.get("timeout", 0)))
     except CapacityError:  # on SSD only, and DRAM all leased: the bytes straight from SSD (see _copied)
-        return {"v": s.store.get_bytes(key, timeout=0)}
+        return {"v": attach(s.store.get_bytes(key, timeout=0))}
     reply: dict = {}
     if msg.get("cache") and s.shm and lease.size < P.INLINE_MAX and s.validity.cacheable(key, lease):
         # The client keeps this lease and serves later gets from shared memory (see server.validity).
@@ -331,7 +333,7 @@ def release(s: Session, msg: dict) -> dict:
 def _read(s: Session, msg: dict) -> dict:
     key = P.check_key(msg.get("key"))
     offset, size = P.check_size(msg.get("offset"), "offset"), P.check_size(msg.get("size"))
-    return {"v": s.store.read(key, offset, size)}
+    return {"v": attach(s.store.read(key, offset, size))}
 
 
 def _keys_op(method: str):

@@ -32,7 +32,7 @@ from kvstrata.server import protocol as P
 from kvstrata.server.gil_spin import ReadyCheck
 from kvstrata.server.handlers import HANDLERS, release
 from kvstrata.transport import Connection
-from kvstrata.transport.stream import MAX_FDS, pack, unpack
+from kvstrata.transport.stream import ATTACH_MIN_BYTES, MAX_FDS, Attachment, pack, unpack
 
 if TYPE_CHECKING:
     from kvstrata.server.worker import Worker
@@ -441,14 +441,25 @@ class Session:
         }
 
     def lease_item(self, lease: Any, reply: dict) -> dict:
-        """Inline the bytes of a small object (and drop the lease), else hand out the lease."""
+        """Inline the bytes of a small object (and drop the lease), else hand out the lease. With no shared memory
+        (TCP) a large object's bytes go as an attachment straight out of the store, its lease held until sent."""
         if not self.shm or lease.size < P.INLINE_MAX:
+            if lease.size >= ATTACH_MIN_BYTES:
+                lease_id = lease.lease_id
+                self.leases.add(lease_id)
+                return {"v": Attachment(self.store.buffer(lease.location), lambda: self._sent(lease_id))}
             try:
                 return {"v": bytes(self.store.buffer(lease.location))}
             finally:
                 self.store.release(lease.lease_id)
         self.leases.add(lease.lease_id)
         return {"lease": lease.lease_id, "loc": self.loc(lease.location, reply)}
+
+    def _sent(self, lease_id: int) -> None:
+        """Drop the lease an attachment's bytes were sent under (unless the client's leaving released it already)."""
+        if lease_id in self.leases:
+            self.leases.discard(lease_id)
+            self.store.release(lease_id)
 
 
 _WRITE_MODES: dict[str, Any] = {}

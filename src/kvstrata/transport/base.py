@@ -21,8 +21,8 @@ from typing import Any
 
 from kvstrata.errors import InvalidValue, TransportError
 
-# Raised on every change that makes old peers misread new messages.
-PROTOCOL_VERSION = 1
+# Raised on every change that makes old peers misread new messages (2: frames may carry attachments, stream.py).
+PROTOCOL_VERSION = 2
 
 Message = dict[str, Any]
 Handler = Callable[["Connection"], None]
@@ -31,7 +31,7 @@ Handler = Callable[["Connection"], None]
 class Connection(abc.ABC):
     """A bidirectional, ordered, reliable message channel. ``send`` and ``recv`` are each thread-safe."""
 
-    #: what the peer said in the handshake (``{"protocol": 1, ...}``); empty before it
+    #: what the peer said in the handshake (``{"protocol": 2, ...}``); empty before it
     peer_info: Message
     #: descriptors the peer attached to its handshake message (owned by this side)
     handshake_fds: list[int]

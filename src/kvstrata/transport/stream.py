@@ -4,6 +4,13 @@ Frame: ``<u32 payload length><u32 number of fds>`` then the msgpack payload. Des
 SCM_RIGHTS ancillary data on the first byte of the header, so the receiver reads every header with
 ``recvmsg`` and collects them there.
 
+Attachments: a large value wrapped in :class:`Attachment` travels beside the msgpack, not inside it, so that neither
+side copies it to encode or decode it (over TCP a 64 MiB value was copied four times on its way, at a fresh page
+fault a page). Such a frame sets the top bit of the fd word (:data:`_ATTACHED`); its payload is ``<u32 msgpack
+length>``, the msgpack, then the attachments' bytes back to back, each standing in the msgpack as an extension value
+that holds its length (:data:`_ATTACHMENT_EXT`). The receiver hands each out as a memoryview of the frame's own
+buffer (a copy where the frame was small enough to share the connection's read buffer).
+
 A receiver trusts a header's length only as far as bytes back it: a large frame's buffer starts at a megabyte and
 doubles as its payload fills it, and a frame of 16 MiB or more is read into anonymous memory mapped without
 reserve, backed page by page as the bytes arrive. So a peer that announces a gigabyte and sends nine bytes costs a
@@ -38,6 +45,15 @@ from kvstrata.transport.base import Connection, Message
 _HEADER = struct.Struct("<II")
 MAX_FRAME = 1 << 30  # a bigger message is a bug or an attack: values that big go through shared memory
 MAX_FDS = 64
+#: the top bit of a header's fd word: the payload carries attachments (see the module docstring)
+_ATTACHED = 1 << 31
+_ATTACHMENT_EXT = 1  # the msgpack extension type code of an attachment's place
+_META_LEN = struct.Struct("<I")
+_ATTACHMENT_LEN = struct.Struct("<Q")
+#: values this large or larger go as attachments (:func:`attach`); a frame holding one is always read into its own
+#: buffer (over _READ_CHUNK), never into the connection's shared read buffer
+ATTACH_MIN_BYTES = 1 << 16
+_IOV_MAX = 512  # buffers per sendmsg (Linux takes at most 1024)
 _CMSG_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _POLL_FLAGS = _CMSG_FLAGS | int(socket.MSG_DONTWAIT)
 _CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: enum flag arithmetic is slow on this hot path
@@ -70,11 +86,87 @@ def _frame_buffer(length: int, have: int) -> bytearray | mmap.mmap:
     return bytearray(max(have, min(length, _FIRST_LARGE_ALLOC)))
 
 
+class Attachment:
+    """A bytes-like value sent beside a message rather than inside its msgpack (see the module docstring).
+
+    ``done`` (if given) runs once the bytes went out, or could not: a worker sending straight out of its store holds
+    the object's lease until then. A transport that cannot send it out of band (in process, a lane) copies it into the
+    message instead, and runs ``done`` after the copy.
+    """
+
+    __slots__ = ("_done", "data")
+
+    def __init__(self, data: Any, done: Any = None) -> None:
+        view = data if type(data) is memoryview else memoryview(data)
+        self.data = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        self._done = done
+
+    def __len__(self) -> int:
+        return self.data.nbytes
+
+    def release(self) -> None:
+        """Run ``done`` (once)."""
+        done, self._done = self._done, None
+        if done is not None:
+            done()
+
+
+def attach(data: Any, done: Any = None) -> Any:
+    """``data`` as an :class:`Attachment` where it is at least :data:`ATTACH_MIN_BYTES` long, else ``data`` (and
+    ``done`` run now)."""
+    if len(data) >= ATTACH_MIN_BYTES:
+        return Attachment(data, done)
+    if done is not None:
+        done()
+    return data
+
+
+def _inline(obj: Any) -> Any:
+    """msgpack's ``default``: an attachment's bytes copied into the message (a transport with no out-of-band path)."""
+    if type(obj) is Attachment:
+        try:
+            return bytes(obj.data)
+        finally:
+            obj.release()
+    raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+
 def pack(msg: Message) -> bytes:
+    """``msg`` encoded whole, attachments copied in (the in-process transport and the lanes)."""
     try:
-        return msgpack.packb(msg, use_bin_type=True)
+        return msgpack.packb(msg, use_bin_type=True, default=_inline)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidType(f"msg: cannot encode {type(exc).__name__}: {exc}") from exc
+
+
+def pack_attached(msg: Message) -> tuple[bytes, list[Attachment]]:
+    """``msg``'s msgpack with each :class:`Attachment` left in its place as an extension value, and the attachments
+    in the order they stand there (the order the receiver meets them). Plain messages cost one packb, as
+    :func:`pack`'s."""
+    try:
+        return msgpack.packb(msg, use_bin_type=True), []
+    except TypeError:
+        pass  # (an attachment, or a value that cannot be encoded at all: the second pass tells which)
+    except (ValueError, OverflowError) as exc:
+        raise InvalidType(f"msg: cannot encode {type(exc).__name__}: {exc}") from exc
+    found: list[Attachment] = []
+
+    def place(obj: Any) -> Any:
+        if type(obj) is Attachment:
+            found.append(obj)
+            return msgpack.ExtType(_ATTACHMENT_EXT, _ATTACHMENT_LEN.pack(obj.data.nbytes))
+        raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+    try:
+        return msgpack.packb(msg, use_bin_type=True, default=place), found
+    except (TypeError, ValueError, OverflowError) as exc:
+        _release_all(found)
+        raise InvalidType(f"msg: cannot encode {type(exc).__name__}: {exc}") from exc
+
+
+def _release_all(attachments: list[Attachment]) -> None:
+    for a in attachments:
+        a.release()
 
 
 def unpack(payload: bytes | memoryview) -> Message:
@@ -84,6 +176,40 @@ def unpack(payload: bytes | memoryview) -> Message:
         raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from exc
     if not isinstance(msg, dict):
         raise ProtocolError(f"expected a map message, got {type(msg).__name__}")
+    return msg
+
+
+def unpack_attached(payload: Any, *, copy: bool) -> Message:
+    """A frame's message whose payload carries attachments: each one a memoryview of ``payload`` (``copy``: bytes,
+    where ``payload`` is a buffer the connection reuses). ProtocolError where the lengths do not add up."""
+    view = memoryview(payload)
+    if view.nbytes < _META_LEN.size:
+        raise ProtocolError(f"a frame with attachments of {view.nbytes} bytes: too short for its msgpack's length")
+    start = _META_LEN.size + _META_LEN.unpack_from(view)[0]
+    if start > view.nbytes:
+        raise ProtocolError(f"a frame's msgpack of {start - _META_LEN.size} bytes runs past its {view.nbytes} bytes")
+    at = [start]
+
+    def take(code: int, data: bytes) -> Any:
+        if code != _ATTACHMENT_EXT or len(data) != _ATTACHMENT_LEN.size:
+            raise ProtocolError(f"unknown msgpack extension {code} ({len(data)} bytes)")
+        lo = at[0]
+        hi = lo + _ATTACHMENT_LEN.unpack(data)[0]
+        if hi > view.nbytes:
+            raise ProtocolError(f"an attachment runs to byte {hi} of a {view.nbytes}-byte frame")
+        at[0] = hi
+        return bytes(view[lo:hi]) if copy else view[lo:hi]
+
+    try:
+        msg = msgpack.unpackb(view[_META_LEN.size : start], raw=False, strict_map_key=False, ext_hook=take)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"expected a map message, got {type(msg).__name__}")
+    if at[0] != view.nbytes:
+        raise ProtocolError(f"{view.nbytes - at[0]} bytes at the end of a frame that no attachment claims")
     return msg
 
 
@@ -148,15 +274,30 @@ class StreamConnection(Connection):
             raise ConnectionLost(f"connection to {self._address} was lost")
 
     def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
-        payload = pack(msg)
-        if len(payload) > MAX_FRAME:
-            raise InvalidValue(f"msg: {len(payload)} bytes encoded, over the {MAX_FRAME}-byte frame limit")
+        """Send ``msg`` (its :class:`Attachment` values out of band, each released once sent or not)."""
+        payload, attachments = pack_attached(msg)
+        try:
+            self._send_frame(payload, attachments, fds)
+        finally:
+            if attachments:
+                _release_all(attachments)
+
+    def _send_frame(self, payload: bytes, attachments: list[Attachment], fds: Sequence[int]) -> None:
+        length = len(payload)
+        parts: list[Any] = [payload]
+        flag = 0
+        if attachments:
+            flag = _ATTACHED
+            length += _META_LEN.size + sum(a.data.nbytes for a in attachments)
+            parts = [_META_LEN.pack(len(payload)), payload, *(a.data for a in attachments)]
+        if length > MAX_FRAME:
+            raise InvalidValue(f"msg: {length} bytes encoded, over the {MAX_FRAME}-byte frame limit")
         fds = list(fds)
         if fds and not self.can_pass_fds:
             raise InvalidValue(f"fds: {self._address} cannot pass file descriptors")
         if len(fds) > MAX_FDS:
             raise InvalidValue(f"fds: at most {MAX_FDS} per message, got {len(fds)}")
-        header = _HEADER.pack(len(payload), len(fds))
+        header = _HEADER.pack(length, len(fds) | flag)
         self._check_open()
         with self._send_lock:
             try:
@@ -164,11 +305,11 @@ class StreamConnection(Connection):
                     sent = socket.send_fds(self._sock, [header], fds)
                     if sent < len(header):
                         self._sock.sendall(header[sent:])
-                    self._sock.sendall(payload)
-                elif len(payload) < 65536:
-                    self._sock.sendall(header + payload)
+                    sendall_msg(self._sock, parts)
+                elif length < 65536:
+                    self._sock.sendall(header + b"".join(parts))
                 else:  # avoid copying a large payload just to prepend 8 bytes
-                    sendall_msg(self._sock, [header, payload])
+                    sendall_msg(self._sock, [header, *parts])
             except OSError as exc:
                 self._lost = True
                 if self._closed:
@@ -214,6 +355,8 @@ class StreamConnection(Connection):
                 deadline = _deadline(timeout, waited_since)
             self._fill_until(deadline, timeout)
         length, nfds = _HEADER.unpack_from(self._rbuf, self._rpos)
+        attached = nfds & _ATTACHED
+        nfds ^= attached
         if length > max_bytes or nfds > MAX_FDS:
             raise ProtocolError(
                 f"frame header from {self._address} announces {length} bytes (limit {max_bytes}) and {nfds} "
@@ -227,7 +370,7 @@ class StreamConnection(Connection):
             self._rpos = start + have
             if self._rpos == self._rend:
                 self._rpos = self._rend = 0
-            self._large = _LargeFrame(payload, have, length, nfds)
+            self._large = _LargeFrame(payload, have, length, nfds, attached)
             return self._finish_large(timeout, waited_since)
         while self._rend - start < length:
             if deadline is None:
@@ -236,13 +379,14 @@ class StreamConnection(Connection):
             start = self._rpos + _HEADER.size  # _fill may have moved the unread bytes
         view = self._rview[start : start + length]
         self._rpos = start + length
-        return self._decode(view, nfds)
+        return self._decode(view, nfds, attached, copy=True)
 
-    def _decode(self, payload: Any, nfds: int) -> tuple[Message, list[int]]:
-        """A whole frame's message and its ``nfds`` descriptors (closed if the payload does not decode)."""
+    def _decode(self, payload: Any, nfds: int, attached: int = 0, *, copy: bool = False) -> tuple[Message, list[int]]:
+        """A whole frame's message and its ``nfds`` descriptors (closed if the payload does not decode).
+        ``copy``: ``payload`` is the connection's read buffer, which the next frame overwrites."""
         fds = self._take_fds(nfds) if nfds or self._rfds else []
         try:
-            return unpack(payload), fds
+            return (unpack_attached(payload, copy=copy) if attached else unpack(payload)), fds
         except ProtocolError:
             for fd in fds:
                 os.close(fd)
@@ -262,13 +406,14 @@ class StreamConnection(Connection):
                     frame.have += self._read_into(rest, deadline, timeout)
         self._large = None
         try:
-            return self._decode(payload, frame.nfds)
+            return self._decode(payload, frame.nfds, frame.attached)
         finally:
-            if isinstance(payload, mmap.mmap):
+            if isinstance(payload, mmap.mmap) and not frame.attached:
                 try:
                     payload.close()  # (the message holds copies: msgpack copies what it decodes)
                 except BufferError:  # a view of it still alive somewhere: unmapped when that goes
                     pass
+            # (attachments are views of the mapping: it is unmapped when the last of them goes)
 
     def _take_fds(self, nfds: int) -> list[int]:
         """The ``nfds`` descriptors of the frame just read; ProtocolError if too few came, or ones no frame claims.
@@ -440,13 +585,14 @@ class StreamConnection(Connection):
 class _LargeFrame:
     """A frame over _READ_CHUNK being read into its own buffer: ``payload[:have]`` arrived of ``length``."""
 
-    __slots__ = ("have", "length", "nfds", "payload")
+    __slots__ = ("attached", "have", "length", "nfds", "payload")
 
-    def __init__(self, payload: bytearray | mmap.mmap, have: int, length: int, nfds: int) -> None:
+    def __init__(self, payload: bytearray | mmap.mmap, have: int, length: int, nfds: int, attached: int) -> None:
         self.payload = payload
         self.have = have
         self.length = length
         self.nfds = nfds
+        self.attached = attached
 
 
 def _deadline(timeout: float | None, waited_since: float) -> float:
@@ -460,7 +606,7 @@ def sendall_msg(sock: socket.socket, buffers: list[Any]) -> None:
     """``sendmsg`` until every byte of ``buffers`` is out (sendmsg may stop early on a stream socket)."""
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
-        sent = sock.sendmsg(views)
+        sent = sock.sendmsg(views[:_IOV_MAX])
         while views and sent >= len(views[0]):
             sent -= len(views[0])
             views.pop(0)
