@@ -18,7 +18,7 @@ def tcp_worker(tmp_path):
     """One worker on a Unix socket and on TCP (as a cluster worker is): returns (unix client, tcp client)."""
     w = Worker(
         WorkerConfig(
-            socket=str(tmp_path / "w.sock"), memory=32 << 20, disk_dir="", cluster="inproc://device-bytes-" +
+            socket=str(tmp_path / "w.sock"), memory=64 << 20, disk_dir="", cluster="inproc://device-bytes-" +
             tmp_path.name, cluster_listen="tcp://127.0.0.1:0",
         )
     ).start()  # fmt: skip
@@ -54,6 +54,18 @@ def test_tcp_and_shared_memory_store_the_same_objects(tcp_worker, dtype):
         assert reader.mget_h2d(["r0", "r1", "l0", "l1"], dst) == [None] * 4
         assert all(same(a, b) for a, b in zip(src, dst))
     assert remote.get("r0") == local.get("r0") == b"".join(bytes(t.view(torch.uint8).numpy()) for t in src[0])
+
+
+def test_large_tensors_over_tcp_come_back_bit_for_bit(tcp_worker):
+    """Values of 64 KiB and more travel as attachments and are read into the tensors from the reply's own buffer."""
+    local, remote = tcp_worker
+    g = torch.Generator().manual_seed(3)
+    src = [[torch.randn(n, generator=g), torch.randint(0, 9, (5,), generator=g)] for n in (16_384, 1 << 20, 10)]
+    assert remote.mset_d2h(["a", "b", "c"], src) == [None] * 3
+    for reader in (remote, local):
+        dst = [[torch.empty_like(t) for t in ts] for ts in src]
+        assert reader.mget_h2d(["a", "b", "c"], dst) == [None] * 3
+        assert all(same(a, b) for a, b in zip(src, dst))
 
 
 def test_tcp_device_calls_are_write_once_and_check_sizes(tcp_worker):

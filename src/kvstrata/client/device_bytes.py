@@ -65,7 +65,7 @@ def mget_h2d(
     import torch
 
     checked = _checked(keys, tensor_lists)
-    values = client.mget(keys, timeout=timeout)
+    values = client._b().mget_views(keys, timeout) if keys else []  # (as the reply brought them: no copy)
     results: list[Result] = []
     for key, (tensors, total), value in zip(keys, checked, values):
         if isinstance(value, BaseException):
@@ -76,7 +76,7 @@ def mget_h2d(
                 InvalidValue(f"key {key!r}: the object holds {len(value)} bytes, its tensors {total} (no copy made)")
             )
             continue
-        source = torch.frombuffer(bytearray(value), dtype=torch.uint8) if total else None
+        source = torch.frombuffer(value, dtype=torch.uint8) if total else None
         offset = 0
         with _on(stream, tensors):
             for t in tensors:

@@ -274,6 +274,21 @@ class RemoteBackend(WorkerConnection):
         items = self.request({"op": "mget", "keys": keys, "timeout": timeout})["items"]
         return [r if isinstance(r, BaseException) else self._value(r) for r in map(self._item, items)]
 
+    def mget_views(self, keys: list[str], timeout: float) -> list[Any]:
+        """:meth:`mget` through a worker with no shared memory (TCP), each value as the reply brought it: a writable
+        view of the reply's frame (an attachment) or a bytearray (a small value), never copied again; the
+        exception in a missing key's slot (:mod:`kvstrata.client.device_bytes` reads tensors out of these)."""
+        if self.shm:
+            raise ProtocolError("mget_views: for a worker over TCP (with shared memory, lease the values instead)")
+        items = self.request({"op": "mget", "keys": keys, "timeout": timeout})["items"]
+        out: list[Any] = []
+        for r in map(self._item, items):
+            if not isinstance(r, BaseException):
+                v = r["v"]
+                r = v if type(v) is memoryview and not v.readonly else bytearray(v)
+            out.append(r)
+        return out
+
     def _value(self, item: dict) -> bytes:
         if "v" in item:
             v = item["v"]
