@@ -87,6 +87,8 @@ class Worker:
         _WORKERS.add(self)
         #: write-back objects the store could not flush to SSD when stop() closed it: lost with the worker
         self.unflushed = 0
+        #: what stop()'s hand-off of objects to the other workers of its cluster did (kvstrata.server.drain), if any
+        self.drained: dict[str, Any] | None = None
 
     # lifecycle -----------------------------------------------------------------------------------
     @property
@@ -220,6 +222,50 @@ class Worker:
                     told = True
                 time.sleep(0.2)
 
+    def _heirs(self) -> dict[str, str] | None:
+        """The other live members' addresses by node id, read before this worker leaves (None: not in a cluster, or
+        the list could not be read: nothing is handed on, and the log says why)."""
+        membership, me = self.membership, self.member
+        if membership is None or me is None:
+            return None
+        try:
+            members = membership.members()
+        except Exception as exc:  # (etcd out of reach: the objects stay here, as without a drain)
+            log.warning("cannot read the member list of %s to hand objects on: %s", self.config.cluster, exc)
+            return None
+        return {node: m.address for node, m in members.items() if node != me.node_id}
+
+    def _drain(self, heirs: dict[str, str], seconds: float) -> None:
+        """Hand this worker's objects to their owners among ``heirs`` (see :mod:`kvstrata.server.drain`)."""
+        from kvstrata.cluster.placement import Placement
+        from kvstrata.server.drain import drain
+
+        store = self._store
+        placement = Placement(heirs)
+        report = drain(
+            store.listing(),
+            lambda key: store.get_bytes(key, timeout=0),
+            lambda key: placement.owners(key, 1)[0] if heirs else None,
+            heirs,
+            deadline=time.monotonic() + seconds,
+            name=f"drain from {self.member.node_id if self.member else '?'}",
+        )
+        self.drained = report.as_dict()
+        level = logging.WARNING if report.failed or report.left else logging.INFO
+        log.log(
+            level,
+            "handed on %d objects (%s) to %d workers in %.2f s; %d were there already, %d failed, %d left at the "
+            "deadline%s",
+            report.moved,
+            _fmt(report.bytes_moved),
+            len(heirs),
+            report.seconds,
+            report.present,
+            report.failed,
+            report.left,
+            f" ({'; '.join(report.errors[:3])})" if report.errors else "",
+        )
+
     def _leave_cluster(self) -> None:
         """Off the cluster's list first (clients stop routing here), then the listener for other hosts closes."""
         membership, self.membership = self.membership, None
@@ -288,12 +334,19 @@ class Worker:
         log.info("received %s: shutting down", signal.Signals(signum).name)
         self._stopped.set()
 
-    def stop(self) -> int:
+    def stop(self, *, drain_s: float | None = None) -> int:
         """Stop listening, disconnect clients, flush write-back data and close the store (idempotent).
 
-        Returns how many write-back objects could not be flushed to SSD (lost with the worker; 0: none), also kept
-        in :attr:`unflushed`.
+        In a cluster, ``drain_s`` (default: the ``cluster_drain`` setting; 0: none) is how long it may spend, once its
+        clients are gone, writing its objects to the workers that own their keys without it
+        (:mod:`kvstrata.server.drain`; what it did is in :attr:`drained`). Returns how many write-back objects could
+        not be flushed to SSD (lost with the worker; 0: none), also kept in :attr:`unflushed`.
         """
+        if self._stopped.is_set():
+            drain_s = 0.0
+        elif drain_s is None:
+            drain_s = float(getattr(self.config, "cluster_drain", 0.0) or 0.0)
+        heirs = self._heirs() if drain_s > 0 else None
         self._stopped.set()
         self._leave_cluster()
         if self.metrics_server is not None:
@@ -313,6 +366,8 @@ class Worker:
         deadline = time.monotonic() + 5  # let requests in flight finish before the store goes
         while self._sessions and time.monotonic() < deadline:
             time.sleep(0.01)
+        if heirs and self._store is not None and drain_s:
+            self._drain(heirs, drain_s)
         if self.placements is not None and self._store is not None:
             self._store.publish_placements(None)  # a shared store outlives this worker: stop its writes here
         if self._store is not None and hasattr(self._store, "set_visibility"):

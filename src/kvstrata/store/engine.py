@@ -294,6 +294,17 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
                         out[i] = not e.expires or e.expires > now
         return out
 
+    def listing(self) -> list[tuple[str, float | None]]:
+        """Every visible object's key and its seconds left to live (None: no deadline), now: a snapshot, which later
+        writes are not in (a cluster worker handing its objects on as it leaves, :mod:`kvstrata.server.drain`)."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                (key, e.expires - now if e.expires else None)
+                for key, e in self._objects.items()
+                if e.sealed and not e.dead and (not e.expires or e.expires > now)
+            ]
+
     def expire(self, keys: Iterable[str], ttl: float | None) -> list[bool]:
         """Set the time to live of existing keys (None/0: forever); True where the key existed."""
         keys = check_keys(keys)
