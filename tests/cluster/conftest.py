@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -91,3 +91,22 @@ def workers(cluster_url: str, tmp_path: Path) -> Iterator[Workers]:
         yield group
     finally:
         group.stop_all()
+
+
+@pytest.fixture
+def workers_at(tmp_path: Path) -> Iterator[Callable[[str], Workers]]:
+    """``workers_at(url)``: a :class:`Workers` group of the cluster at ``url`` (for tests that run an etcd of their
+    own: TLS, auth), each in a folder of its own; all stopped at the end of the test."""
+    groups: list[Workers] = []
+
+    def make(url: str) -> Workers:
+        folder = tmp_path / f"group{len(groups)}"
+        folder.mkdir()
+        groups.append(Workers(url, folder))
+        return groups[-1]
+
+    try:
+        yield make
+    finally:
+        for group in groups:
+            group.stop_all()

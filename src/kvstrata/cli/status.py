@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("status", help="show the node worker's tiers, objects, hit rate and clients")
     p.add_argument("--address", help="worker address (default: $KVSTRATA_WORKER or the default socket)")
     p.add_argument(
-        "--cluster", help="show every worker of this cluster (etcd://HOST:PORT/NAME), a line each, and the totals"
+        "--cluster",
+        help="show every worker of this cluster (etcd://HOST:PORT/NAME, or etcds:// over TLS: see kvstrata worker "
+        "--help), a line each, and the totals",
     )
     p.add_argument("--prometheus", action="store_true", help="print metrics in the Prometheus text format")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the worker (default 2)")

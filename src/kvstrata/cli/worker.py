@@ -96,7 +96,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--cluster",
-        help="join this cluster: etcd://HOST:PORT[,HOST:PORT...][/NAME] (default: none, this node alone)",
+        help="join this cluster: etcd://HOST:PORT[,HOST:PORT...][/NAME], or etcds://... over TLS "
+        "(?cacert=&cert=&key=, else $KVSTRATA_ETCD_CACERT/_CERT/_KEY); etcd auth: ?user=NAME or $KVSTRATA_ETCD_USER, "
+        "password in $KVSTRATA_ETCD_PASSWORD (default: none, this node alone)",
     )
     p.add_argument(
         "--cluster-listen",

@@ -8,7 +8,9 @@ list (:meth:`~Membership.members`) and are told of each change (:meth:`~Membersh
 One interface, backends picked by the address's scheme (as :mod:`kvstrata.transport` picks transports):
 
 - ``etcd://HOST:PORT[,HOST:PORT...]/NAME``: an etcd v3 cluster (:mod:`kvstrata.cluster.etcd`); ``NAME`` keeps
-  several kvstrata clusters apart in one etcd (default ``kvstrata``).
+  several kvstrata clusters apart in one etcd (default ``kvstrata``). ``etcds://``: the same over TLS, with
+  ``?cacert=PATH&cert=PATH&key=PATH``; ``?user=NAME`` (either scheme) with the password in
+  ``$KVSTRATA_ETCD_PASSWORD`` for etcd's auth (:mod:`kvstrata.cluster.etcd` says more).
 - ``inproc://NAME``: a list in this process, for tests and for workers run inside one program.
 
 >>> registry = open_membership("inproc://doc")
@@ -100,7 +102,7 @@ class Membership(abc.ABC):
     @property
     @abc.abstractmethod
     def url(self) -> str:
-        """The address this view was opened with (``etcd://...``, ``inproc://...``)."""
+        """The address this view was opened with (``etcd://...``, ``etcds://...``, ``inproc://...``)."""
 
     @abc.abstractmethod
     def join(self, member: Member, *, ttl: float = DEFAULT_TTL_S) -> None:
@@ -256,20 +258,22 @@ def advertised_address(listen_address: str) -> str:
 
 
 def open_membership(url: str, *, timeout: float = 5.0) -> Membership:
-    """A view of the cluster at ``url``: ``etcd://HOST:PORT[,HOST:PORT...][/NAME]`` or ``inproc://NAME``.
+    """A view of the cluster at ``url``: ``etcd://HOST:PORT[,HOST:PORT...][/NAME]``, ``etcds://`` (the same over
+    TLS; certificates and user as :mod:`kvstrata.cluster.etcd` says) or ``inproc://NAME``.
 
     ``timeout``: seconds each request to etcd may take. An etcd that cannot be reached raises
-    :class:`~kvstrata.errors.TransportError` naming it.
+    :class:`~kvstrata.errors.TransportError` naming it; a malformed address, a missing certificate file or a user
+    etcd refuses, :class:`~kvstrata.errors.InvalidValue`.
     """
     if not isinstance(url, str):
         raise InvalidType(f"cluster: must be an address str, got {type(url).__name__}")
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise InvalidValue(f"cluster: {url!r} has no scheme (etcd://HOST:PORT/NAME or inproc://NAME)")
+        raise InvalidValue(f"cluster: {url!r} has no scheme (etcd://HOST:PORT/NAME, etcds://... or inproc://NAME)")
     if scheme == "inproc":
         return InProcessMembership(rest)
-    if scheme == "etcd":
+    if scheme in ("etcd", "etcds"):
         from kvstrata.cluster.etcd import EtcdMembership
 
         return EtcdMembership(url, timeout=timeout)
-    raise InvalidValue(f"cluster: unknown scheme {scheme!r} in {url!r} (etcd:// or inproc://)")
+    raise InvalidValue(f"cluster: unknown scheme {scheme!r} in {url!r} (etcd://, etcds:// or inproc://)")

@@ -248,7 +248,7 @@ class WorkerConfig:
     #: where to serve Prometheus metrics over HTTP (``GET /metrics``): ``"HOST:PORT"``, or a bare port for
     #: 127.0.0.1; "" (the default): no HTTP endpoint (``kvstrata status --prometheus`` still prints them)
     metrics_address: str = ""
-    #: the cluster this worker joins (``etcd://HOST:PORT/NAME``; kvstrata.cluster); "" (the default): none
+    #: the cluster this worker joins (``etcd://HOST:PORT/NAME``, ``etcds://`` over TLS; kvstrata.cluster); "": none
     cluster: str = ""
     #: where the worker also listens for clients and peers of other hosts, in cluster mode (port 0: any free one)
     cluster_listen: str = "tcp://0.0.0.0:0"
@@ -332,10 +332,10 @@ class WorkerConfig:
                 f"{_named('cluster')}: must be an address such as etcd://HOST:2379/NAME, got {self.cluster!r}"
             )
         scheme = self.cluster.partition("://")[0] if "://" in self.cluster else None
-        if self.cluster and scheme not in ("etcd", "inproc"):
+        if self.cluster and scheme not in ("etcd", "etcds", "inproc"):
             raise InvalidValue(
-                f"{_named('cluster')}: must be etcd://HOST:PORT[/NAME] (or inproc://NAME in one process), "
-                f"got {self.cluster!r}"
+                f"{_named('cluster')}: must be etcd://HOST:PORT[/NAME], etcds://HOST:PORT[/NAME] (over TLS) "
+                f"(or inproc://NAME in one process), got {self.cluster!r}"
             )
         for name in ("cluster_listen", "cluster_advertise"):
             value = getattr(self, name)
