@@ -27,12 +27,13 @@ def kvstrata_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess
     )
 
 
-def start_worker(folder: Path, i: int, url: str, ttl: float = 2) -> subprocess.Popen:
+def start_worker(folder: Path, i: int, url: str, ttl: float = 2, *more: str) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable, "-m", "kvstrata.cli.main", "worker",
             "--socket", str(folder / f"w{i}.sock"), "--memory", "16MiB", "--disk-dir", "",
             "--cluster", url, "--cluster-listen", "tcp://127.0.0.1:0", "--cluster-ttl", str(ttl), "--node-id", f"w{i}",
+            *more,
         ],
         env=ENV,
         stdout=subprocess.DEVNULL,
@@ -103,6 +104,27 @@ def test_status_of_a_cluster_out_of_reach_or_empty(etcd_cluster_url):
     assert both.returncode == 2
 
 
+def test_a_worker_stopped_with_sigterm_hands_its_keys_on(etcd_cluster_url, tmp_path):
+    """--cluster-drain: the keys of a worker stopped on purpose stay readable; it logs what it handed on."""
+    procs = [start_worker(tmp_path, i, etcd_cluster_url, 2, "--cluster-drain", "20") for i in range(2)]
+    try:
+        with open_membership(etcd_cluster_url) as membership:
+            assert wait_until(lambda: len(membership.members()) == 2, 60), (tmp_path / "w0.log").read_text()
+            with kvstrata.connect(cluster=etcd_cluster_url) as kv:
+                items = {f"k{i}": os.urandom(100 + 997 * i) for i in range(40)}
+                assert kv.mset(items) == [None] * 40
+                procs[0].send_signal(signal.SIGTERM)
+                assert procs[0].wait(30) == 0
+                assert wait_until(lambda: set(membership.members()) == {"w1"}, 15)
+                assert kv.mget(list(items)) == list(items.values())
+        assert "handed on" in (tmp_path / "w0.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.parametrize(
     "settings, named",
     [
@@ -111,6 +133,8 @@ def test_status_of_a_cluster_out_of_reach_or_empty(etcd_cluster_url):
         ({"cluster": "inproc://x", "cluster_advertise": "h:1"}, r"cluster_advertise \(--cluster-advertise\)"),
         ({"cluster": "inproc://x", "node_id": "has space"}, r"node_id \(--node-id\)"),
         ({"cluster": "inproc://x", "cluster_ttl": 0.5}, r"cluster_ttl \(--cluster-ttl\)"),
+        ({"cluster": "inproc://x", "cluster_drain": -1}, r"cluster_drain \(--cluster-drain\)"),
+        ({"cluster": "inproc://x", "cluster_drain": float("nan")}, r"cluster_drain \(--cluster-drain\)"),
     ],
 )
 def test_bad_cluster_settings_are_named(settings, named):

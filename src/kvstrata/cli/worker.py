@@ -119,6 +119,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds a dead worker stays listed in the cluster before its keys go to others (default 10)",
     )
     p.add_argument(
+        "--cluster-drain",
+        dest="cluster_drain",
+        type=float,
+        help="seconds a worker stopping on purpose (SIGTERM, SIGINT) may spend handing its objects to the workers "
+        "that own their keys without it (default 0: none, its keys leave with it)",
+    )
+    p.add_argument(
         "--log-level",
         dest="log_level",
         choices=("debug", "info", "warning", "error"),
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             "cluster_advertise",
             "node_id",
             "cluster_ttl",
+            "cluster_drain",
         )
     }
     if flags["log_level"] is None and getattr(args, "verbose", 0):

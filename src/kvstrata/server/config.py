@@ -258,6 +258,9 @@ class WorkerConfig:
     node_id: str = ""
     #: seconds a dead worker stays listed in the cluster (its etcd lease), renewed every third of that
     cluster_ttl: float = 10.0
+    #: seconds a worker stopping on purpose may spend handing its objects to the workers that own their keys once
+    #: it is gone (kvstrata.server.drain); 0 (the default): none, its keys leave with it
+    cluster_drain: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -350,6 +353,8 @@ class WorkerConfig:
             check_ttl(self.cluster_ttl)
         except ValueError as exc:
             raise InvalidValue(f"{_named('cluster_ttl')}: {exc}".replace("ttl: ", "")) from None
+        if not _real(self.cluster_drain) or self.cluster_drain < 0:
+            raise InvalidValue(f"{_named('cluster_drain')}: seconds, 0 or more, got {self.cluster_drain!r}")
 
     @property
     def disk_size_is_default(self) -> bool:

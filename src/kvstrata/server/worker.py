@@ -87,6 +87,7 @@ class Worker:
         _WORKERS.add(self)
         #: write-back objects the store could not flush to SSD when stop() closed it: lost with the worker
         self.unflushed = 0
+        self._stop_began = False  # (set by stop(): _stopped is set by a signal before stop() runs)
         #: what stop()'s hand-off of objects to the other workers of its cluster did (kvstrata.server.drain), if any
         self.drained: dict[str, Any] | None = None
 
@@ -342,7 +343,8 @@ class Worker:
         (:mod:`kvstrata.server.drain`; what it did is in :attr:`drained`). Returns how many write-back objects could
         not be flushed to SSD (lost with the worker; 0: none), also kept in :attr:`unflushed`.
         """
-        if self._stopped.is_set():
+        first, self._stop_began = not self._stop_began, True
+        if not first:  # (a second stop hands nothing on: the first did, or is doing it)
             drain_s = 0.0
         elif drain_s is None:
             drain_s = float(getattr(self.config, "cluster_drain", 0.0) or 0.0)
