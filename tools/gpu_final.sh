@@ -400,6 +400,8 @@
 #     against torch.save/torch.load via /dev/shm and the DMA ceiling); kvstrata bench prefix --blocks 128.
 #   PART=s41: every GPU test (session 40's work among them: TCP device calls, checkpoints, CUDA weights through a
 #     cluster), kvstrata bench checkpoint and bench prefix --blocks 128 on the H200
+#   PART=s41b: every GPU test (the attachments, the drain, etcd TLS code), then tools/probe_tcp_values.py with the
+#     code before the attachments (ab_old/src, carried) and after, twice each, on the GPU host's CPUs
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1280,6 +1282,16 @@ elif [ "${PART}" = s40 ]; then
   echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
+elif [ "${PART}" = s41b ]; then
+  gpu_tests gpu_tests_s41b
+  for r in 1 2; do
+    for v in ab_old new; do
+      use "$v"
+      echo "=== tools/probe_tcp_values.py ($v code, round $r)" >> "$LOG"
+      timeout 100 python3 tools/probe_tcp_values.py --sizes-kib 256,4096,65536 --rounds 3 >> "$LOG" 2>&1
+    done
+  done
+  use new
 elif [ "${PART}" = s41 ]; then
   gpu_tests gpu_tests_s41
   echo "=== kvstrata bench checkpoint" >> "$LOG"
