@@ -347,7 +347,7 @@ class Worker:
         if not first:  # (a second stop hands nothing on: the first did, or is doing it)
             drain_s = 0.0
         elif drain_s is None:
-            drain_s = float(getattr(self.config, "cluster_drain", 0.0) or 0.0)
+            drain_s = float(self.config.cluster_drain)
         heirs = self._heirs() if drain_s > 0 else None
         self._stopped.set()
         self._leave_cluster()
