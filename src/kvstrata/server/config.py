@@ -201,8 +201,9 @@ OTHER_VARIABLES = frozenset(
         "KVSTRATA_PROFILE_SUBSCRIBER",
     }
 )
-#: families of KVSTRATA_* variables read elsewhere (device objects, the native module, staging, the benches)
-OTHER_PREFIXES = ("KVSTRATA_DEVOBJ_", "KVSTRATA_NATIVE", "KVSTRATA_STAGING_", "KVSTRATA_BENCH_")
+#: families of KVSTRATA_* variables read elsewhere (device objects, the native module, staging, the benches, and the
+#: etcd TLS files, user and password of kvstrata.cluster.etcd)
+OTHER_PREFIXES = ("KVSTRATA_DEVOBJ_", "KVSTRATA_NATIVE", "KVSTRATA_STAGING_", "KVSTRATA_BENCH_", "KVSTRATA_ETCD_")
 
 
 def flag_of(name: str) -> str:
