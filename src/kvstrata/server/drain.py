@@ -7,6 +7,12 @@ key's first owner among the workers that stay, write-once (``nx``): a newer valu
 With ``replicas=R`` clients, the key's other R-1 owners are unchanged by one worker leaving, so the first owner is
 the one place a key may be missing.
 
+Limit: "already there" is all it can tell; the cluster keeps no write times. Where the heir holds an older copy
+(the key's owner before a join moved the key here, a copy writes through this worker never replaced, since clients
+write to the owners they see now), that older copy stays and this worker's newer one is dropped: as if there had been
+no drain. Overwriting instead would clobber what clients write to the heir once they see this worker gone, during
+the hand-off. (A write time per object, last writer wins, would settle both: not built.)
+
 It runs after the worker left the list and stopped serving its clients, so every write it acknowledged is in the
 store and none comes after the snapshot of keys it hands over. It speaks the wire protocol through the transport
 (``mput`` requests, values of 64 KiB or more as attachments), batch by batch, until ``deadline``; what is left then
