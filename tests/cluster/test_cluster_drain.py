@@ -103,7 +103,7 @@ def test_drain_counts_a_worker_out_of_reach_and_a_key_gone_meanwhile():
 
     owner = {"a": "n1", "b": "n1", "gone": "n1", "orphan": "n9"}
     t0 = time.monotonic()
-    report = drain(listing, read, owner.get, {"n1": "tcp://127.0.0.1:1"}, deadline=time.monotonic() + 2, name="test")
+    report = drain(listing, read, lambda key: [owner[key]], {"n1": "tcp://127.0.0.1:1"}, deadline=time.monotonic() + 2, name="test")
     assert time.monotonic() - t0 < 5
     assert report.moved == 0 and report.failed == 4 and report.left == 0  # a, b, gone (not read: no n1) and orphan
     assert any("orphan" in e for e in report.errors) and any("n1" in e for e in report.errors)

@@ -126,6 +126,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "that own their keys without it (default 0: none, its keys leave with it)",
     )
     p.add_argument(
+        "--cluster-replicas",
+        dest="cluster_replicas",
+        type=int,
+        help="how many workers keep each key: the default of the cluster's clients, and what a drain or a rebalance "
+        "restores (default 1)",
+    )
+    p.add_argument(
+        "--no-cluster-rebalance",
+        dest="cluster_rebalance",
+        action="store_const",
+        const=False,
+        help="move no data when the member list changes (default: each worker copies its objects to their keys' new "
+        "owners and drops those it no longer owns)",
+    )
+    p.add_argument(
         "--log-level",
         dest="log_level",
         choices=("debug", "info", "warning", "error"),
@@ -167,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
             "node_id",
             "cluster_ttl",
             "cluster_drain",
+            "cluster_replicas",
+            "cluster_rebalance",
         )
     }
     if flags["log_level"] is None and getattr(args, "verbose", 0):

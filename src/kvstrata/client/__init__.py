@@ -24,7 +24,7 @@ def connect(
     store: Any = None,
     reserve_bytes: int | str | None = None,
     cluster: Any = None,
-    replicas: int = 1,
+    replicas: int | None = None,
     **store_options: Any,
 ) -> Any:
     """A client of the node's worker, of an in-process store, or of a whole cluster.
@@ -34,7 +34,7 @@ def connect(
     ``address``: ``unix:///path.sock`` (default: ``$KVSTRATA_WORKER`` or the default socket path).
     ``cluster``: a cluster's address (``etcd://HOST:2379/NAME``) or :class:`~kvstrata.cluster.Membership`: a
     :class:`~kvstrata.client.cluster.ClusterClient` that routes each key to the workers owning it, ``replicas`` of
-    them per key (``address`` and store options don't apply).
+    them per key (default: the cluster's ``cluster_replicas``; ``address`` and store options don't apply).
     ``embedded=True``: no worker process; an :class:`~kvstrata.store.ObjectStore` is built in this
     process from ``store_options`` (:class:`~kvstrata.store.StoreConfig` fields; sizes may be
     strings like ``"1GiB"``; memory defaults to a quarter of RAM, at most 4 GiB; an SSD tier only with
@@ -61,7 +61,7 @@ def connect(
         # (a listed worker is up: its connection is not waited for as long as a worker starting on this node)
         wait = min(timeout, 3.0) if isinstance(timeout, int | float) and not isinstance(timeout, bool) else timeout
         return ClusterClient(cluster, replicas=replicas, timeout=wait, name=name, connect=connect_worker)
-    if replicas != 1:
+    if replicas is not None:
         raise InvalidValue(f"replicas: only for a cluster client (cluster=...), got {replicas!r}")
 
     if embedded or store is not None:

@@ -79,7 +79,9 @@ class ClusterClient:
     """The key-value and device-object calls of :class:`~kvstrata.client.Client`, over every worker of a cluster.
 
     Build it with ``kvstrata.connect(cluster="etcd://HOST:2379/NAME")``. Thread-safe; close it when done.
-    ``replicas``: how many workers keep each key written through this client (reads need any one of them).
+    ``replicas``: how many workers keep each key written through this client (reads need any one of them); None (the
+    default): what the cluster's workers say (their ``cluster_replicas`` setting: the most any listed worker says),
+    1 where they say nothing.
     ``prefer_local``: reach a worker on this host through its Unix socket (shared memory) rather than TCP.
     ``timeout``: seconds to wait for a worker's connection (a listed worker is up: a worker that does not answer
     within it is skipped, and its keys' next workers stand in). ``ttl``: seconds a worker whose connection failed is
@@ -90,22 +92,24 @@ class ClusterClient:
         self,
         membership: Membership | str,
         *,
-        replicas: int = 1,
+        replicas: int | None = None,
         timeout: float = 3.0,
         prefer_local: bool = True,
         ttl: float = DEFAULT_TTL_S,
         name: str | None = None,
         connect: Callable[..., Any] | None = None,
     ) -> None:
-        if type(replicas) is not int or replicas < 1:
-            raise InvalidValue(f"replicas: must be an int of at least 1, got {replicas!r}")
+        if replicas is not None and (type(replicas) is not int or replicas < 1):
+            raise InvalidValue(f"replicas: must be an int of at least 1 (or None: the cluster's), got {replicas!r}")
         if type(prefer_local) is not bool:
             raise InvalidType(f"prefer_local: must be a bool, got {type(prefer_local).__name__}")
         timeout = _seconds("timeout", timeout, positive=True)
         ttl = _seconds("ttl", ttl, positive=False)
         self._own_membership = isinstance(membership, str)
         self.membership = open_membership(membership) if isinstance(membership, str) else membership
-        self.replicas = replicas
+        self._replicas_given = replicas
+        #: how many workers each key written through this client goes to
+        self.replicas = replicas or 1
         self._timeout = timeout
         self._prefer_local = prefer_local
         self._ttl = ttl
@@ -153,6 +157,8 @@ class ClusterClient:
                 if n in members and _incarnation(members[n]) == inc
             }
             self._members = dict(members)
+            if self._replicas_given is None and members:
+                self.replicas = max(_said_replicas(m) for m in members.values())
         for client in gone:
             self._close_quietly(client)
 
@@ -657,6 +663,12 @@ def _seconds(name: str, value: Any, *, positive: bool) -> float:
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise InvalidValue(f"{name}: must be a finite number of seconds {'> 0' if positive else '>= 0'}, got {value}")
     return float(value)
+
+
+def _said_replicas(member: Member) -> int:
+    """How many copies of each key worker ``member`` says its cluster keeps (1 where it says nothing usable)."""
+    said = member.info.get("replicas")
+    return said if type(said) is int and 1 <= said <= 16 else 1
 
 
 def _incarnation(member: Member | None) -> tuple:

@@ -208,7 +208,9 @@ OTHER_PREFIXES = ("KVSTRATA_DEVOBJ_", "KVSTRATA_NATIVE", "KVSTRATA_STAGING_", "K
 
 def flag_of(name: str) -> str:
     """The ``kvstrata worker`` flag of setting ``name``."""
-    return "--no-placement-table" if name == "placement_table" else "--" + name.replace("_", "-")
+    if name in ("placement_table", "cluster_rebalance"):  # (on by default: the flag turns it off)
+        return "--no-" + name.replace("_", "-")
+    return "--" + name.replace("_", "-")
 
 
 def _named(name: str) -> str:
@@ -262,6 +264,13 @@ class WorkerConfig:
     #: seconds a worker stopping on purpose may spend handing its objects to the workers that own their keys once
     #: it is gone (kvstrata.server.drain); 0 (the default): none, its keys leave with it
     cluster_drain: float = 0.0
+    #: how many workers each key is kept on (clients that do not choose write each key to that many; a drain and a
+    #: rebalance restore that many copies)
+    cluster_replicas: int = 1
+    #: on each change of the member list, copy this worker's objects to the workers that now own their keys and drop
+    #: those it no longer owns (kvstrata.server.rebalance); off: a change moves no data (clients still find a key
+    #: written before one change)
+    cluster_rebalance: bool = True
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -356,6 +365,10 @@ class WorkerConfig:
             raise InvalidValue(f"{_named('cluster_ttl')}: {exc}".replace("ttl: ", "")) from None
         if not _real(self.cluster_drain) or self.cluster_drain < 0:
             raise InvalidValue(f"{_named('cluster_drain')}: seconds, 0 or more, got {self.cluster_drain!r}")
+        if type(self.cluster_replicas) is not int or not 1 <= self.cluster_replicas <= 16:
+            raise InvalidValue(f"{_named('cluster_replicas')}: an int from 1 to 16, got {self.cluster_replicas!r}")
+        if not isinstance(self.cluster_rebalance, bool):
+            raise InvalidValue(f"{_named('cluster_rebalance')}: must be true or false, got {self.cluster_rebalance!r}")
 
     @property
     def disk_size_is_default(self) -> bool:
@@ -521,6 +534,8 @@ def _coerce(name: str, raw: str, typ: str) -> Any:
             return int(raw, 8)
         if name == "gpu_device":
             return None if raw.lower() in ("", "none") else int(raw)
+        if typ == "int" and name == "cluster_replicas":
+            return int(raw)
     except ValueError:
         raise InvalidValue(f"KVSTRATA_{name.upper()}: cannot read {raw!r} as {typ}") from None
     return raw

@@ -90,6 +90,9 @@ class Worker:
         self._stop_began = False  # (set by stop(): _stopped is set by a signal before stop() runs)
         #: what stop()'s hand-off of objects to the other workers of its cluster did (kvstrata.server.drain), if any
         self.drained: dict[str, Any] | None = None
+        #: in a cluster with cluster_rebalance: hands objects on at each change of the member list
+        self.rebalancer: Any = None
+        self._stop_watch: Any = None
 
     # lifecycle -----------------------------------------------------------------------------------
     @property
@@ -186,16 +189,41 @@ class Worker:
                 "disk": config.disk_size if config.disk_dir else 0,
                 "started_at": round(self.started_at, 3),
                 "version": kvstrata_version,
+                "replicas": config.cluster_replicas,
             },
         )
         self.membership = open_membership(config.cluster)
         try:
             self._join_as(self.member)
+            if config.cluster_rebalance:
+                self._start_rebalancer()
         except BaseException:
             self.membership.close()
             self.membership = None
             raise
         log.info("joined cluster %s as %s (%s)", config.cluster, self.member.node_id, address)
+
+    def _start_rebalancer(self) -> None:
+        """Hand objects on at each change of the member list from now on (kvstrata.server.rebalance)."""
+        from kvstrata.server.rebalance import Rebalancer
+
+        store = self._store
+
+        def drop(keys: list[str], versions: list[int]) -> list[bool]:
+            if self.validity is None:
+                return store.delete(keys, versions=versions)
+            with self.validity.change(keys):  # (clients reading from shared memory stop trusting these keys)
+                return store.delete(keys, versions=versions)
+
+        self.rebalancer = Rebalancer(
+            self.member.node_id,
+            self.membership.members(),
+            listing=store.listing,
+            read=lambda key: store.get_bytes(key, timeout=0),
+            drop=drop,
+            replicas=self.config.cluster_replicas,
+        )
+        self._stop_watch = self.membership.watch(self.rebalancer.update)
 
     def _join_as(self, member: Any) -> None:
         """Join as ``member``; where a worker of this host that is gone still holds the node id (restarted within
@@ -242,11 +270,19 @@ class Worker:
         from kvstrata.server.drain import drain
 
         store = self._store
-        placement = Placement(heirs)
+        replicas = self.config.cluster_replicas
+        me = self.member.node_id if self.member else ""
+        with_me, without_me = Placement([*heirs, me]), Placement(heirs)
+
+        def targets(key: str) -> list[str]:
+            """The key's owners without this worker that were not with it (one, where it was an owner)."""
+            was = with_me.owners(key, replicas)
+            return [n for n in without_me.owners(key, replicas) if n not in was]
+
         report = drain(
             store.listing(),
             lambda key: store.get_bytes(key, timeout=0),
-            lambda key: placement.owners(key, 1)[0] if heirs else None,
+            targets,
             heirs,
             deadline=time.monotonic() + seconds,
             name=f"drain from {self.member.node_id if self.member else '?'}",
@@ -269,6 +305,12 @@ class Worker:
 
     def _leave_cluster(self) -> None:
         """Off the cluster's list first (clients stop routing here), then the listener for other hosts closes."""
+        stop_watch, self._stop_watch = self._stop_watch, None
+        if stop_watch is not None:
+            stop_watch()
+        rebalancer, self.rebalancer = self.rebalancer, None
+        if rebalancer is not None:  # (before the drain: it takes over, and no copy here is dropped meanwhile)
+            rebalancer.close()
         membership, self.membership = self.membership, None
         if membership is not None:
             membership.close()
@@ -432,6 +474,11 @@ class Worker:
         member = self.member
         if member is not None:
             stats["cluster"] = {"url": self.config.cluster, "node_id": member.node_id, "address": member.address}
+            stats["cluster"]["replicas"] = self.config.cluster_replicas
+            rebalancer = self.rebalancer
+            if rebalancer is not None:
+                stats["cluster"]["rebalance"] = {"runs": rebalancer.runs, "running": rebalancer.running}
+                stats["cluster"]["rebalance"]["last"] = rebalancer.last
         broker = getattr(self, "devobj_broker", None)  # started by the first device-object client
         if broker is not None:
             stats["device_objects"] = broker.stats()

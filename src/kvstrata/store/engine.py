@@ -30,9 +30,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from kvstrata.errors import InvalidType, KvstrataError, ServerError
+from kvstrata.errors import InvalidType, InvalidValue, KvstrataError, ServerError
 from kvstrata.memory.shm import SharedSegment
 from kvstrata.store.batch import BatchMixin
 from kvstrata.store.config import STORE_COUNTERS, StoreConfig
@@ -241,8 +241,12 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         return self._mem.view(location)
 
     # -- metadata ----------------------------------------------------------------------------------
-    def delete(self, keys: Iterable[str]) -> list[bool]:
+    def delete(self, keys: Iterable[str], *, versions: Sequence[int] | None = None) -> list[bool]:
         """Delete keys; True where the key existed. Bytes under a lease are freed at its release.
+
+        ``versions`` (one per key, as :meth:`listing` gives them): delete a key only while its visible version is still
+        that one (False where it was written again meanwhile): a cluster worker dropping copies it handed on, never a
+        newer write that came after (:mod:`kvstrata.server.rebalance`).
 
         Many keys are deleted :data:`LOCK_CHUNK` at a time, the lock let go between chunks: 100,000 keys held it
         ~200 ms in one go on the development machine, stalling every other client's request meanwhile.
@@ -250,6 +254,10 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
         A key whose SSD file cannot be deleted (a read-only remount, EIO) stays, unchanged: the other keys are
         deleted, then ``ServerError`` names the keys kept (a retry answers False for those deleted)."""
         keys = check_keys(keys)
+        if versions is not None:
+            versions = list(versions)
+            if len(versions) != len(keys):
+                raise InvalidValue(f"versions: one per key, got {len(versions)} for {len(keys)} keys")
         out = []
         kept: list[tuple[str, ServerError]] = []
         objects, retire = self._objects, self._retire
@@ -257,9 +265,9 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
             freed: list[Entry] = []  # blocks of a batch written together go back as one range
             with self._lock:
                 now = time.monotonic()
-                for k in keys[lo : lo + LOCK_CHUNK]:
+                for i, k in enumerate(keys[lo : lo + LOCK_CHUNK], lo):
                     e = objects.get(k)
-                    if e is None:
+                    if e is None or (versions is not None and e.version != versions[i]):
                         out.append(False)
                         continue
                     if e.expires and e.expires <= now:  # expired already: counted as _lookup would, not deleted
@@ -294,13 +302,14 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
                         out[i] = not e.expires or e.expires > now
         return out
 
-    def listing(self) -> list[tuple[str, float | None]]:
-        """Every visible object's key and its seconds left to live (None: no deadline), now: a snapshot, which later
-        writes are not in (a cluster worker handing its objects on as it leaves, :mod:`kvstrata.server.drain`)."""
+    def listing(self) -> list[tuple[str, float | None, int]]:
+        """Every visible object's key, its seconds left to live (None: no deadline) and its version (a number that
+        changes with each write of the key), now: a snapshot, which later writes are not in (a cluster worker handing
+        its objects on: :mod:`kvstrata.server.drain`, :mod:`kvstrata.server.rebalance`)."""
         now = time.monotonic()
         with self._lock:
             return [
-                (key, e.expires - now if e.expires else None)
+                (key, e.expires - now if e.expires else None, e.version)
                 for key, e in self._objects.items()
                 if e.sealed and not e.dead and (not e.expires or e.expires > now)
             ]

@@ -1,0 +1,204 @@
+"""Writing a worker's objects to other workers of its cluster: what a drain (:mod:`kvstrata.server.drain`, a worker
+leaving) and a rebalance (:mod:`kvstrata.server.rebalance`, a member list that changed) both do.
+
+:func:`hand_off` speaks the wire protocol through the transport, like any client: per target worker, batch by batch,
+an ``exists`` first (a key the target holds already costs no read and no bytes: its value wins, as write-once
+would keep it), then ``mput`` of the rest, values of 64 KiB or more as attachments, each key's time to live (what is
+left of it) along. ``overwrite`` sends every listed key and replaces what the target holds (a rebalance's second
+look, for keys written here after the change began). It stops at ``deadline`` or once ``cancelled()`` says so; what
+is left then is counted, never lost silently, and a target out of reach fails its keys, never the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
+from kvstrata.server import protocol as P
+from kvstrata.transport import connect
+from kvstrata.transport.stream import attach
+
+#: most keys and bytes one request of a hand-off carries
+BATCH_KEYS = 256
+BATCH_BYTES = 64 << 20
+#: reasons kept in a report (the first ones; the counts say how many failed)
+ERRORS_KEPT = 10
+
+#: one object to hand on: its key and its seconds left to live (None: no deadline)
+Item = tuple[str, float | None]
+
+
+@dataclass
+class HandoffReport:
+    """What a hand-off did: copies written (``moved``, ``bytes_moved``), copies the target held already (``present``:
+    its value kept), copies that could not be written (``failed``; ``errors``: the first few reasons), copies not
+    tried before the deadline or a cancel (``left``), and this worker's own copies dropped once handed on
+    (``dropped``: a rebalance's keys this worker no longer owns)."""
+
+    moved: int = 0
+    present: int = 0
+    failed: int = 0
+    left: int = 0
+    dropped: int = 0
+    bytes_moved: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        counts = ("moved", "present", "failed", "left", "dropped", "bytes_moved", "seconds")
+        return {k: getattr(self, k) for k in counts} | {"errors": list(self.errors)}
+
+    def note(self, why: str) -> None:
+        if len(self.errors) < ERRORS_KEPT:
+            self.errors.append(why)
+
+
+def hand_off(
+    plan: Mapping[str, Sequence[Item]],
+    read: Callable[[str], bytes],
+    addresses: Mapping[str, str],
+    *,
+    deadline: float,
+    name: str,
+    report: HandoffReport,
+    overwrite: bool = False,
+    cancelled: Callable[[], bool] | None = None,
+) -> Counter[str]:
+    """Write the items of ``plan[node]`` to each worker ``node`` (reached at ``addresses[node]``).
+
+    ``read(key)``: the value to send (KeyNotFound where the key went meanwhile: skipped, not counted);
+    ``deadline``: ``time.monotonic()`` after which no batch starts. Counts go into ``report``. Returns per key how
+    many of its target workers hold it now (took it, or had it already).
+    """
+    held: Counter[str] = Counter()
+    stop = cancelled or (lambda: False)
+    for node, items in plan.items():
+        if not items:
+            continue
+        if time.monotonic() >= deadline or stop():
+            report.left += len(items)
+            continue
+        address = addresses.get(node)
+        if address is None:
+            report.failed += len(items)
+            report.note(f"{node}: not a listed worker")
+            continue
+        _hand_to(node, address, list(items), read, deadline, name, report, overwrite, stop, held)
+    return held
+
+
+def _hand_to(
+    node: str,
+    address: str,
+    items: list[Item],
+    read: Callable[[str], bytes],
+    deadline: float,
+    name: str,
+    report: HandoffReport,
+    overwrite: bool,
+    stop: Callable[[], bool],
+    held: Counter[str],
+) -> None:
+    try:
+        wait = max(0.1, min(5.0, deadline - time.monotonic()))
+        conn = connect(address, timeout=wait, hello={"shm": False, "name": name})
+    except (KvstrataError, OSError) as exc:
+        report.failed += len(items)
+        report.note(f"{node} ({address}): {exc}")
+        return
+    target = _Target(node, conn, deadline, report, held)
+    try:
+        for at in range(0, len(items), BATCH_KEYS):
+            if time.monotonic() >= deadline or stop():
+                report.left += len(items) - at
+                return
+            chunk = items[at : at + BATCH_KEYS]
+            if not overwrite:
+                chunk = target.missing(chunk)
+            target.send(chunk, read, overwrite)
+    finally:
+        conn.close()
+
+
+class _Target:
+    """One target worker's connection, and the counts of what it was sent."""
+
+    def __init__(self, node: str, conn: Any, deadline: float, report: HandoffReport, held: Counter[str]) -> None:
+        self.node, self.conn, self.deadline, self.report, self.held = node, conn, deadline, report, held
+
+    def _call(self, msg: dict[str, Any], count: int) -> dict[str, Any] | None:
+        """The reply to ``msg``, or None with its ``count`` keys counted as failed."""
+        try:
+            self.conn.send(msg)
+            reply, _ = self.conn.recv(timeout=max(1.0, self.deadline - time.monotonic()))
+        except (KvstrataError, OSError) as exc:
+            self.report.failed += count
+            self.report.note(f"{self.node}: {exc}")
+            return None
+        if "err" in reply:
+            self.report.failed += count
+            self.report.note(f"{self.node}: {P.error_from_record(reply['err'])}")
+            return None
+        return reply
+
+    def missing(self, items: list[Item]) -> list[Item]:
+        """The items the target lacks (those it has are counted as present)."""
+        reply = self._call({"op": "exists", "keys": [key for key, _ in items]}, len(items))
+        if reply is None:
+            return []
+        lacking = []
+        for item, there in zip(items, reply.get("r", ())):
+            if there:
+                self.report.present += 1
+                self.held[item[0]] += 1
+            else:
+                lacking.append(item)
+        return lacking
+
+    def send(self, items: list[Item], read: Callable[[str], bytes], overwrite: bool) -> None:
+        """Read and write ``items``: an ``mput`` per time to live, split at :data:`BATCH_BYTES`."""
+        by_ttl: dict[float | None, list[tuple[str, bytes]]] = defaultdict(list)
+        nbytes = 0
+        for key, ttl in items:
+            try:
+                value = read(key)
+            except KeyNotFound:  # (deleted or expired since the listing)
+                continue
+            except KvstrataError as exc:
+                self.report.failed += 1
+                self.report.note(f"{key!r}: {exc}")
+                continue
+            # a ttl as a whole number of ms: keys of one deadline-ish share a request
+            by_ttl[None if ttl is None else max(0.001, round(ttl, 3))].append((key, value))
+            nbytes += len(value)
+            if nbytes >= BATCH_BYTES:
+                self._flush(by_ttl, overwrite)
+                nbytes = 0
+        self._flush(by_ttl, overwrite)
+
+    def _flush(self, by_ttl: dict[float | None, list[tuple[str, bytes]]], overwrite: bool) -> None:
+        for ttl, pairs in by_ttl.items():
+            msg: dict[str, Any] = {"op": "mput", "items": [[k, attach(v)] for k, v in pairs], "nx": not overwrite}
+            if ttl is not None:
+                msg["ttl"] = ttl
+            reply = self._call(msg, len(pairs))
+            if reply is None:
+                continue
+            for (key, value), item in zip(pairs, reply.get("items", ())):
+                if "err" not in item:
+                    self.report.moved += 1
+                    self.report.bytes_moved += len(value)
+                    self.held[key] += 1
+                    continue
+                exc = P.error_from_record(item["err"])
+                if isinstance(exc, KeyExists):  # (written there between the exists and the mput: it wins)
+                    self.report.present += 1
+                    self.held[key] += 1
+                else:
+                    self.report.failed += 1
+                    self.report.note(f"{key!r} -> {self.node}: {exc}")
+        by_ttl.clear()
