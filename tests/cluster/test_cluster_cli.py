@@ -42,14 +42,17 @@ def start_worker(folder: Path, i: int, url: str, ttl: float = 2, *more: str) -> 
 
 
 def test_workers_join_and_a_killed_one_loses_no_replicated_key(etcd_cluster_url, tmp_path):
-    procs = [start_worker(tmp_path, i, etcd_cluster_url) for i in range(3)]
+    """--cluster-replicas 2: a SIGKILLed worker's keys are read from their other copy at once, the workers left make
+    two copies again (a rebalance), so a second worker stopping without a drain loses none either."""
+    procs = [start_worker(tmp_path, i, etcd_cluster_url, 2, "--cluster-replicas", "2") for i in range(3)]
     try:
         with open_membership(etcd_cluster_url) as membership:
             assert wait_until(lambda: len(membership.members()) == 3, 60), (tmp_path / "w0.log").read_text()
             shown = kvstrata_cli("status", "--cluster", etcd_cluster_url)
             assert shown.returncode == 0, shown.stderr
             assert "3 workers listed" in shown.stdout and all(f"w{i} " in shown.stdout for i in range(3))
-            with kvstrata.connect(cluster=etcd_cluster_url, replicas=2) as kv:
+            with kvstrata.connect(cluster=etcd_cluster_url) as kv:
+                assert kv.replicas == 2  # (the workers' setting)
                 items = {f"shard{i}": os.urandom(1000 + i) for i in range(30)}
                 assert kv.mset(items) == [None] * 30
                 os.kill(procs[1].pid, signal.SIGKILL)
@@ -58,9 +61,19 @@ def test_workers_join_and_a_killed_one_loses_no_replicated_key(etcd_cluster_url,
                 assert wait_until(lambda: set(membership.members()) == {"w0", "w2"}, 15), "w1 stayed listed"
                 assert kv.mget(list(items)) == list(items.values())
                 assert kv.mset({"after": b"a"}) == [None]
-            procs[0].send_signal(signal.SIGTERM)  # a clean stop leaves the list at once
+                w2 = kv.client("w2")
+                assert wait_until(lambda: all(w2.exists(list(items))), 20), (tmp_path / "w0.log").read_text()
+
+                def settled() -> bool:  # (each worker's rebalance done: past its grace, nothing running)
+                    shown = kvstrata_cli("status", "--cluster", etcd_cluster_url).stdout
+                    return shown.count("last rebalance") == 2 and "rebalancing" not in shown
+
+                assert wait_until(settled, 30), kvstrata_cli("status", "--cluster", etcd_cluster_url).stdout
+            procs[0].send_signal(signal.SIGTERM)  # a clean stop leaves the list at once (no drain: w2 has them all)
             assert procs[0].wait(timeout=30) == 0
             assert set(membership.members()) == {"w2"}
+            with kvstrata.connect(cluster=etcd_cluster_url) as kv:
+                assert kv.mget(list(items)) == list(items.values())
     finally:
         for p in procs:
             if p.poll() is None:

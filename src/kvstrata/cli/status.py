@@ -101,7 +101,7 @@ def render_cluster(url: str, members: dict[str, Any], stats: dict[str, dict[str,
         lines.append(
             f"  {node:<24} {member.address:<28} memory {format_size(used):>10} of {format_size(cap):>10}   "
             f"objects {s.get('objects', 0):>8}   clients {s.get('clients', 0):>3}   "
-            f"up {s.get('uptime_seconds', 0):.0f} s"
+            f"up {s.get('uptime_seconds', 0):.0f} s{_rebalance_note(s)}"
         )
     if members:
         lines.append(
@@ -111,6 +111,20 @@ def render_cluster(url: str, members: dict[str, Any], stats: dict[str, dict[str,
     else:
         lines.append("  (no worker has joined: start one with kvstrata worker --cluster " + url + ")")
     return "\n".join(lines)
+
+
+def _rebalance_note(stats: dict[str, Any]) -> str:
+    """What the worker's last rebalance did (kvstrata.server.rebalance), where it ran one: '' otherwise."""
+    rebalance = (stats.get("cluster") or {}).get("rebalance") or {}
+    last = rebalance.get("last")
+    if rebalance.get("running"):
+        return "   rebalancing"
+    if not last:
+        return ""
+    note = f"   last rebalance: {last.get('moved', 0)} handed on, {last.get('dropped', 0)} dropped"
+    if last.get("failed") or last.get("left"):
+        note += f", {last.get('failed', 0)} failed, {last.get('left', 0)} left"
+    return note
 
 
 def fetch_stats(

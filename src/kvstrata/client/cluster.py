@@ -6,11 +6,12 @@ worker runs on this host (so values move through shared memory, and device reads
 over TCP. A key's owners are the ``replicas`` live workers that rank first for it
 (:func:`kvstrata.cluster.placement.rank`): writes go to all of them, reads to the first that has the key.
 
-Membership changes move no data. A client keeps the set of live workers from before its last change too (a join,
-a departure, a worker skipped or back), and a read that misses on a key's owners asks the key's owners under that
-set as well: a key written before one such change is still found (with ``replicas=2``, even when one of its
-workers died). A worker whose connection fails is skipped (its keys' next-ranked workers stand in) until the list
-shows another run of it or ``ttl`` passes.
+At each change of the member list the workers hand their objects to the keys' new owners
+(:mod:`kvstrata.server.rebalance`, unless they run with ``cluster_rebalance`` off). Meanwhile, a client keeps the set
+of live workers from before its last change too (a join, a departure, a worker skipped or back), and a read that
+misses on a key's owners asks the key's owners under that set as well: a key written before the change is found
+while it moves (with ``replicas=2``, even when one of its workers died). A worker whose connection fails is skipped
+(its keys' next-ranked workers stand in) until the list shows another run of it or ``ttl`` passes.
 
 Example (two workers of one process, listed in memory; across hosts the address is ``etcd://HOST:2379/NAME``)::
 
@@ -108,6 +109,7 @@ class ClusterClient:
         self._own_membership = isinstance(membership, str)
         self.membership = open_membership(membership) if isinstance(membership, str) else membership
         self._replicas_given = replicas
+        self._told_replicas = False  # (warned that it differs from the workers' count)
         #: how many workers each key written through this client goes to
         self.replicas = replicas or 1
         self._timeout = timeout
@@ -157,8 +159,20 @@ class ClusterClient:
                 if n in members and _incarnation(members[n]) == inc
             }
             self._members = dict(members)
-            if self._replicas_given is None and members:
-                self.replicas = max(_said_replicas(m) for m in members.values())
+            said = max((_said_replicas(m) for m in members.values()), default=None)
+            if self._replicas_given is None and said is not None:
+                self.replicas = said
+            mismatch = said is not None and self._replicas_given not in (None, said) and not self._told_replicas
+            self._told_replicas |= mismatch
+        if mismatch:  # (the workers restore their own count at each change: more copies are dropped, fewer kept)
+            log.warning(
+                "replicas=%d, but the workers of %s keep %d copies of each key (their cluster_replicas): at each "
+                "change of the member list they hand on and keep %d",
+                self._replicas_given,
+                self.membership.url,
+                said,
+                said,
+            )
         for client in gone:
             self._close_quietly(client)
 
