@@ -1,4 +1,5 @@
-"""``kvstrata bench cluster`` at a tiny size: workers over a real etcd, every row, the failover row, the ratios."""
+"""``kvstrata bench cluster`` at a tiny size: workers over a real etcd, every row, the failover and join rows, the
+ratios."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvstrata.cli.main import main
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary (apt-get install etcd-server)")
 def test_a_short_run_writes_every_row_and_the_failover(tmp_path, capsys):
     args = ["bench", "cluster", "--workers", "2", "--sizes", "4KiB", "--batch", "8", "--seconds", "0.05"]
+    args += ["--join-bytes", "8MiB"]
     assert main([*args, "--ttl", "1", "--name", "c", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "c.json").read_text())
     assert record["correct"] is True and record["environment"]["command"]
@@ -22,6 +24,10 @@ def test_a_short_run_writes_every_row_and_the_failover(tmp_path, capsys):
     assert all(r["vs_direct"] == 1.0 for r in record["rows"] if r["system"] == "direct")
     failover = record["failover"]
     assert failover["all_keys_read"] is True and 0 < failover["dropped_from_list_after_s"] < 30
+    join = record["join"]
+    assert join["all_keys_read"] is True and join["bytes_in_cluster"] == 8 << 20
+    assert 0 < join["keys_moved"] < 8 and join["bytes_moved"] == join["keys_moved"] << 20
+    assert join["moved_GBps"] > 0 and join["vs_client_write"] > 0 and join["old_copies_dropped_s"] >= join["moved_s"]
     assert "failover" in capsys.readouterr().out
 
 

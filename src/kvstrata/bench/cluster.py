@@ -13,6 +13,11 @@ per second over the ``direct`` row's of the same op and size (measured in the sa
 against what was written. Then the failover: with ``replicas=2``, one worker is SIGKILLed; the row gives how long
 the first read of every key took after it (the dead worker's connections failing over to the replicas), whether
 every key came back, and how long until the worker dropped out of the member list (its lease, ``--ttl``).
+Then a join: ``--join-bytes`` of 1 MiB values are written through a TCP cluster client (timed: the baseline, the
+rate a client gets into the cluster), a new worker joins, and the row gives how long until every key it now owns
+was at it (the other workers' rebalance, :mod:`kvstrata.server.rebalance`), that as GB/s and over the baseline's
+(``vs_client_write``), how long until the copies they no longer own were dropped (after the rebalance's grace),
+and whether every key then reads back from its one owner.
 All of it runs on one host (loopback): it measures kvstrata's routing and its cost, not a network.
 """
 
@@ -41,11 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", type=positive(float), default=2.0, help="the workers' --cluster-ttl (default 2)")
     parser.add_argument("--etcd", default=None, help="HOST:PORT of an etcd to use (default: start one)")
     parser.add_argument("--name", default="cluster", help="the result file's name (default cluster)")
+    parser.add_argument(
+        "--join-bytes", type=_one_size, default="256MiB", help="bytes in the cluster when a worker joins (256MiB)"
+    )
 
 
-def _start_workers(n: int, url: str, folder: Path, ttl: float, memory: int) -> list[subprocess.Popen]:
+def _one_size(text: str) -> int:
+    sizes = size_list(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"one size, got {text!r}")
+    return sizes[0]
+
+
+def _start_workers(n: int, url: str, folder: Path, ttl: float, memory: int, first: int = 0) -> list[subprocess.Popen]:
     procs = []
-    for i in range(n):
+    for i in range(first, first + n):
         command = [sys.executable, "-m", "kvstrata.cli.main", "worker", "--socket", str(folder / f"w{i}.sock")]
         command += ["--memory", str(memory), "--disk-dir", "", "--cluster", url, "--node-id", f"w{i}"]
         command += ["--cluster-listen", "tcp://127.0.0.1:0", "--cluster-ttl", str(ttl)]
@@ -121,6 +136,71 @@ def _failover(kv: Any, membership: Any, victim: subprocess.Popen, node: str, bat
     }
 
 
+def _join(url: str, folder: Path, ttl: float, memory: int, index: int, total: int, membership: Any) -> dict[str, Any]:
+    """Fill the cluster with ``total`` bytes of 1 MiB values through a TCP cluster client (timed), start worker
+    ``w{index}``, and time the rebalance that hands it its keys (see the module)."""
+    import numpy as np
+
+    import kvstrata
+    from kvstrata.client.cluster import ClusterClient
+    from kvstrata.cluster.placement import Placement
+
+    value = 1 << 20
+    n = max(1, total // value)
+    rng = np.random.default_rng(0)
+    items = {f"join/{i}": rng.integers(0, 255, value, dtype=np.uint8).tobytes() for i in range(n)}
+    old = sorted(membership.members())
+    with ClusterClient(url, prefer_local=False, replicas=1) as kv:
+        t0 = time.perf_counter()
+        for start in range(0, n, 32):
+            if any(r is not None for r in kv.mset(list(items.items())[start : start + 32])):
+                raise RuntimeError("join: the keys were not all written")
+        write_s = time.perf_counter() - t0
+    node = f"w{index}"
+    placement = Placement([*old, node])
+    theirs = [k for k in items if placement.owners(k)[0] == node]
+    (proc,) = _start_workers(1, url, folder, ttl, memory, first=index)
+    try:
+        _wait(lambda: node in membership.members(), 120, f"{node} to join")
+        listed = time.monotonic()
+        with kvstrata.connect(address=str(folder / f"{node}.sock")) as newcomer:
+            _wait(lambda: all(newcomer.exists(theirs)), 300, f"{node} to hold its keys")
+        moved_s = time.monotonic() - listed
+        olds = [kvstrata.connect(address=str(folder / f"{w}.sock")) for w in old]
+        try:
+
+            def dropped() -> bool:
+                return not any(any(c.exists(theirs)) for c in olds)
+
+            settled_s = _wait(dropped, 300, "the old copies to be dropped") + moved_s
+        finally:
+            for c in olds:
+                c.close()
+        with kvstrata.connect(cluster=url) as kv:
+            correct = kv.mget(list(items)) == list(items.values())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    moved = len(theirs) * value
+    client_gbps = gbps(n * value, write_s)
+    return {
+        "workers_before": len(old),
+        "bytes_in_cluster": n * value,
+        "value_bytes": value,
+        "client_write_GBps": client_gbps,
+        "keys_moved": len(theirs),
+        "bytes_moved": moved,
+        "moved_s": round(moved_s, 3),
+        "moved_GBps": gbps(moved, moved_s),
+        "vs_client_write": round(gbps(moved, moved_s) / client_gbps, 2) if client_gbps else None,
+        "old_copies_dropped_s": round(settled_s, 3),
+        "all_keys_read": correct,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import kvstrata
     from kvstrata.bench._etcd import LocalEtcd
@@ -129,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 2:
         print("kvstrata bench cluster: --workers: at least 2 (the failover kills one)", file=sys.stderr)
         return 2
-    memory = max(64 << 20, 3 * 8 * args.batch * max(args.sizes) * 2 + (32 << 20))
+    join_bytes = args.join_bytes
+    memory = max(64 << 20, 3 * 8 * args.batch * max(args.sizes) * 2 + (32 << 20)) + 2 * join_bytes
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-cluster-") as tmp:
         folder = Path(tmp)
         etcd = None if args.etcd else LocalEtcd(folder / "etcd")
@@ -171,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
                 row["vs_direct"] = round(row["keys_per_s"] / base["keys_per_s"], 2)
             failover = _failover(clients["cluster-r2"], membership, procs[1], "w1", args.batch)
             print(f"  failover: {failover}", flush=True)
+            join = _join(url, folder, args.ttl, memory, args.workers, join_bytes, membership)
+            print(f"  join: {join}", flush=True)
             for kv in clients.values():
                 kv.close()
             membership.close()
@@ -185,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
                     p.kill()
             if etcd is not None:
                 etcd.__exit__(None, None, None)
-    correct = all(r["correct"] for r in rows) and failover["all_keys_read"]
+    correct = all(r["correct"] for r in rows) and failover["all_keys_read"] and join["all_keys_read"]
     print_table(rows, ["system", "op", "size", "batch", "keys_per_s", "GBps", "p50_ms", "vs_direct", "correct"])
     path = write_result(
         args.name,
@@ -196,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
             "ttl_s": args.ttl,
             "rows": rows,
             "failover": failover,
+            "join": join,
             "correct": correct,
             "note": "one host, loopback: routing cost, not a network",
         },
