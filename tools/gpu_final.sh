@@ -402,6 +402,8 @@
 #     cluster), kvstrata bench checkpoint and bench prefix --blocks 128 on the H200
 #   PART=s41b: every GPU test (the attachments, the drain, etcd TLS code), then tools/probe_tcp_values.py with the
 #     code before the attachments (ab_old/src, carried) and after, twice each, on the GPU host's CPUs
+#   PART=s42: with etcd and etcd3gw carried (.etcdbin on PATH, .whl installed by the caller): every GPU test (the
+#     etcd variants too), the cluster tests (rebalance), bench cluster twice with a 1 GiB join, on the host's 16 CPUs
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1282,6 +1284,18 @@ elif [ "${PART}" = s40 ]; then
   echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
+elif [ "${PART}" = s42 ]; then
+  export PATH="$PWD/.etcdbin:$PATH"
+  { etcd --version | sed -n 1p; python3 -c "import etcd3gw; print('etcd3gw', etcd3gw.__file__)"; } >> "$LOG" 2>&1
+  gpu_tests gpu_tests_s42
+  echo "=== pytest tests/cluster (CPU, etcd)" >> "$LOG"
+  timeout 240 python3 -m pytest -q tests/cluster -p no:cacheprovider --timeout 120 > "$OUT/cluster_tests_s42.log" 2>&1
+  tail -3 "$OUT/cluster_tests_s42.log" | tee -a "$LOG"
+  for r in 1 2; do
+    echo "=== kvstrata bench cluster --join-bytes 1GiB (round $r)" >> "$LOG"
+    timeout 150 python3 -m kvstrata.cli.main bench cluster --join-bytes 1GiB --name "cluster_s42_h200host_$r" \
+      --out "$OUT" >> "$LOG" 2>&1
+  done
 elif [ "${PART}" = s41b ]; then
   gpu_tests gpu_tests_s41b
   for r in 1 2; do
