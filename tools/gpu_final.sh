@@ -1285,7 +1285,7 @@ elif [ "${PART}" = s40 ]; then
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
 elif [ "${PART}" = s42 ]; then
-  export PATH="$PWD/.etcdbin:$PATH"
+  export PATH="$PWD/.etcdbin:$PATH" PYTHONPATH="$PWD/src:/tmp/site"  # (the carried wheels' --target)
   { etcd --version | sed -n 1p; python3 -c "import etcd3gw; print('etcd3gw', etcd3gw.__file__)"; } >> "$LOG" 2>&1
   gpu_tests gpu_tests_s42
   echo "=== pytest tests/cluster (CPU, etcd)" >> "$LOG"
