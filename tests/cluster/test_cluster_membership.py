@@ -97,7 +97,7 @@ def test_a_killed_members_lease_runs_out(etcd_cluster_url):
     """A worker process SIGKILLed (nothing runs to leave) drops out of the etcd list once its ttl passes."""
     proc = subprocess.Popen(
         [sys.executable, "-c", JOIN_AND_WAIT, etcd_cluster_url],
-        env=dict(os.environ, PYTHONPATH=SRC),
+        env=dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", "")),
         stdout=subprocess.PIPE,
         text=True,
     )
