@@ -17,7 +17,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import xxhash
 
@@ -59,6 +59,14 @@ class Placement:
                 self._ranked.clear()  # (a bounded memo: cleared whole, cheaper than an LRU's bookkeeping per key)
             self._ranked[key] = ranked
         return ranked
+
+    def rank_each(self, keys: Iterable[str]) -> Iterator[list[str]]:
+        """:meth:`rank` of each key in turn, none kept (a worker going over all its objects once: kept ranks would
+        only push the hot keys out)."""
+        seeded = self._seeded
+        for key in keys:
+            data = key.encode()
+            yield [node for _, node in sorted((-_hash(data, seed=seed), node) for seed, node in seeded)]
 
     def owners(self, key: str, replicas: int = 1) -> list[str]:
         """The ``replicas`` nodes that hold ``key`` (fewer where there are fewer nodes)."""

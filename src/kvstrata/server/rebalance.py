@@ -37,8 +37,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstrata.cluster.placement import Placement
 from kvstrata.server.handoff import HandoffReport, Item, hand_off
@@ -52,10 +51,9 @@ GRACE_S = 1.0
 DEADLINE_S = 3600.0
 
 
-@dataclass(frozen=True)
-class Move:
+class Move(NamedTuple):
     """One object to hand on: ``targets`` (workers that now own its key and may lack it), and whether this worker's
-    copy goes once they hold it (``drop``). ``version``: the one the listing saw."""
+    copy goes once they hold it (``drop``). ``version``: the one the listing saw. (A NamedTuple: one per object.)"""
 
     key: str
     ttl: float | None
@@ -75,11 +73,13 @@ def plan_moves(
     """The moves of worker ``me`` for a change of the member list from ``before`` to ``after`` (``rejoined``: workers in
     both that came back, empty, under the same node id), over its objects (``ObjectStore.listing()``)."""
     moves = []
-    staying = set(after.nodes)
-    for key, ttl, version in listing:
-        now = after.rank(key)[:replicas]
+    listing = list(listing)
+    staying, listed = frozenset(after.nodes), frozenset(before.nodes)
+    union = Placement(staying | listed)  # (one rank per key over both lists, filtered: a third of ranking twice)
+    for (key, ttl, version), ranked in zip(listing, union.rank_each(key for key, _, _ in listing)):
+        now = [n for n in ranked if n in staying][:replicas]
         owner_now = me in now
-        was = before.rank(key)[:replicas]
+        was = [n for n in ranked if n in listed][:replicas]
         if me in was:
             targets = tuple(n for n in now if n not in was or n in rejoined)
             if owner_now:  # (the others that had it and keep it would send the same: only the first of them does)
