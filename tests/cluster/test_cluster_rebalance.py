@@ -316,3 +316,45 @@ def test_a_worker_lists_its_replica_count(workers):
     (worker,) = workers.start(1, cluster_replicas=2)
     assert worker.member.info["replicas"] == 2
     assert worker.stats()["cluster"]["replicas"] == 2
+
+
+def test_a_rebalance_that_failed_in_part_runs_again_until_everything_is_handed_on(workers, monkeypatch):
+    """A key that could not be read (or a worker out of reach) fails its part; the rebalance runs again, backing off,
+    and drops nothing it did not hand on."""
+    from kvstrata.cluster.membership import Member
+    from kvstrata.errors import ServerError
+    from kvstrata.server import rebalance as rb
+
+    monkeypatch.setattr(rb, "RETRY_FIRST_S", 0.05)
+    (target,) = workers.start(1, memory=32 << 20, cluster_rebalance=False)
+    node = target.member.node_id
+    me = Member("me", "tcp://127.0.0.1:1")
+    after = Placement(["me", node])
+    keys = [f"k{i}" for i in range(100) if after.owners(f"k{i}")[0] == node][:5]
+    failures = {"left": 2}
+    with ObjectStore(StoreConfig(memory_bytes=16 << 20)) as store:
+        for key in keys:
+            store.put(key, key.encode())
+
+        def read(key: str) -> bytes:
+            if key == keys[0] and failures["left"]:
+                failures["left"] -= 1
+                raise ServerError("disk read failed")
+            return store.get_bytes(key, timeout=0)
+
+        rebalancer = rb.Rebalancer(
+            "me", {"me": me}, listing=store.listing, read=read,
+            drop=lambda ks, vs: store.delete(ks, versions=vs), grace=0.05,
+        )  # fmt: skip
+        try:
+            rebalancer.update({"me": me, node: target.member})
+            assert wait_until(lambda: rebalancer.runs >= 1, 10)
+            assert rebalancer.last["failed"] == 1 and not rebalancer.settled()
+            assert store.exists([keys[0]]) == [True]  # (not handed on: kept)
+            assert rebalancer.wait_settled(10) and rebalancer.runs == 3 and rebalancer.retry_in == 0
+            assert rebalancer.last["failed"] == 0 and rebalancer.last["present"] == 0  # (the rest went in try 1)
+            assert not any(store.exists(keys))
+        finally:
+            rebalancer.close()
+    with kvstrata.connect(address=target.address) as direct:
+        assert direct.mget(keys) == [k.encode() for k in keys]

@@ -124,6 +124,8 @@ def _rebalance_note(stats: dict[str, Any]) -> str:
     note = f"   last rebalance: {last.get('moved', 0)} handed on, {last.get('dropped', 0)} dropped"
     if last.get("failed") or last.get("left"):
         note += f", {last.get('failed', 0)} failed, {last.get('left', 0)} left"
+    if rebalance.get("retry_in_s"):
+        note += f" (tried again within {rebalance['retry_in_s']:g} s)"
     return note
 
 

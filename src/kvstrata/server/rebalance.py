@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 GRACE_S = 1.0
 #: seconds one rebalance may run (a stop or a newer change cuts it short anyway)
 DEADLINE_S = 3600.0
+#: a rebalance that could not hand everything on (a worker out of reach, one full) runs again after this many seconds,
+#: doubling up to RETRY_MAX_S while it keeps failing (what was handed on is found there: an ``exists``, no bytes)
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
 
 
 class Move(NamedTuple):
@@ -188,6 +192,8 @@ class Rebalancer:
         self.runs = 0
         self.running = False
         self._seen = self._handled = 0  # (lists told, lists looked at: settled() when equal)
+        self.retry_in = 0.0  # seconds to the next try of a rebalance that failed in part (0: none pending)
+        self._retry_timer: threading.Timer | None = None
         self.last: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._loop, name=f"kvstrata-rebalance-{me}", daemon=True)
         self._thread.start()
@@ -211,7 +217,7 @@ class Rebalancer:
     def settled(self) -> bool:
         """Whether the objects are handed on for the newest list told (no run in progress or to come)."""
         with self._lock:
-            return self._handled == self._seen and not self.running
+            return self._handled == self._seen and not self.running and not self.retry_in
 
     def wait_settled(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for :meth:`settled`; whether it is."""
@@ -228,6 +234,8 @@ class Rebalancer:
             self._closed = True
             self._cancel.set()
             self._changed.set()
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -254,12 +262,28 @@ class Rebalancer:
         if _signature(before) == _signature(after):
             return
         try:
-            self._run(before, after)
-        except Exception:  # (never the worker: the next change tries again)
+            report = self._run(before, after)
+        except Exception:  # (never the worker: tried again, as a run that failed in part)
             log.exception("rebalance of %s failed", self.me)
+            report = None
+        if self._cancel.is_set():  # (a newer list, or closing: the next run starts from the same base)
             return
-        if not self._cancel.is_set():
-            self._base = after
+        if report is not None and not report.failed and not report.left:
+            self._base, self.retry_in = after, 0.0
+            return
+        with self._lock:  # (the base stays: the next try plans the same moves, finds what went, sends the rest)
+            if self._closed:
+                return
+            self.retry_in = min(RETRY_MAX_S, self.retry_in * 2) if self.retry_in else RETRY_FIRST_S
+            self._retry_timer = threading.Timer(self.retry_in, self._retry)
+            self._retry_timer.daemon = True
+            self._retry_timer.start()
+
+    def _retry(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._seen += 1  # (settled() again once this try is done)
+                self._changed.set()
 
     def _run(self, before: Mapping[str, Any], after: Mapping[str, Any]) -> HandoffReport:
         rejoined = frozenset(

@@ -478,6 +478,7 @@ class Worker:
             rebalancer = self.rebalancer
             if rebalancer is not None:
                 stats["cluster"]["rebalance"] = {"runs": rebalancer.runs, "running": rebalancer.running}
+                stats["cluster"]["rebalance"]["retry_in_s"] = rebalancer.retry_in
                 stats["cluster"]["rebalance"]["last"] = rebalancer.last
         broker = getattr(self, "devobj_broker", None)  # started by the first device-object client
         if broker is not None:
