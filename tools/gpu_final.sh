@@ -404,6 +404,8 @@
 #     code before the attachments (ab_old/src, carried) and after, twice each, on the GPU host's CPUs
 #   PART=s42: with etcd and etcd3gw carried (.etcdbin on PATH, .whl installed by the caller): every GPU test (the
 #     etcd variants too), the cluster tests (rebalance), bench cluster twice with a 1 GiB join, on the host's 16 CPUs
+#   PART=s42b: (etcd carried, as s42) kvstrata bench cluster's join row (1 GiB, short other rows) with the hand-off
+#     before its pipelining and leases (ab_old/src, carried) and after, twice each
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1284,6 +1286,18 @@ elif [ "${PART}" = s40 ]; then
   echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
+elif [ "${PART}" = s42b ]; then
+  export PATH="$PWD/.etcdbin:$PATH"
+  for r in 1 2; do
+    for v in ab_old new; do
+      use "$v"
+      export PYTHONPATH="$PYTHONPATH:/tmp/site"
+      echo "=== kvstrata bench cluster --join-bytes 1GiB ($v code, round $r)" >> "$LOG"
+      timeout 120 python3 -m kvstrata.cli.main bench cluster --join-bytes 1GiB --sizes 256KiB --seconds 0.3 \
+        --name "cluster_join_s42b_${v}_$r" --out "$OUT" 2>&1 | grep -v WARNING | grep "join:" >> "$LOG"
+    done
+  done
+  use new
 elif [ "${PART}" = s42 ]; then
   export PATH="$PWD/.etcdbin:$PATH" PYTHONPATH="$PWD/src:/tmp/site"  # (the carried wheels' --target)
   { etcd --version | sed -n 1p; python3 -c "import etcd3gw; print('etcd3gw', etcd3gw.__file__)"; } >> "$LOG" 2>&1

@@ -73,7 +73,7 @@ def test_single_key_calls_and_write_options_pass_through(workers):
 
 
 def test_replicas_keep_keys_readable_when_a_worker_stops(workers):
-    started = workers.start(3)
+    started = workers.start(3, cluster_replicas=2)  # (the workers keep what the client writes)
     with kvstrata.connect(cluster=workers.url, replicas=2) as kv:
         items = {f"k{i}": b"x%d" % i for i in range(40)}
         assert kv.mset(items) == [None] * 40
@@ -87,7 +87,7 @@ def test_replicas_keep_keys_readable_when_a_worker_stops(workers):
 def test_a_worker_that_vanishes_without_leaving_is_skipped(workers):
     """A worker whose connections fail while the list still shows it (its lease has not run out): reads go to the
     key's other replica, writes to the next-ranked live worker, at once."""
-    started = workers.start(3, ttl=30)
+    started = workers.start(3, ttl=30, cluster_replicas=2)
     with kvstrata.connect(cluster=workers.url, replicas=2) as kv:
         items = {f"k{i}": b"x%d" % i for i in range(40)}
         assert kv.mset(items) == [None] * 40

@@ -37,7 +37,7 @@ def test_empty_batches_are_empty(workers):
 
 def test_a_replica_with_no_worker_left_to_stand_in(workers):
     """replicas=2 over two workers, one gone: the live one takes each key (no crash on the empty retry)."""
-    a, b = workers.start(2, ttl=30)
+    a, b = workers.start(2, ttl=30, cluster_replicas=2)
     with kvstrata.connect(cluster=workers.url, replicas=2) as kv:
         assert kv.mset({"before": b"1"}) == [None]
         vanish(b)

@@ -88,7 +88,7 @@ def test_a_worker_restarted_on_the_same_address_is_not_skipped_for_its_predecess
 
 
 def test_a_key_no_worker_could_answer_for_is_an_error_not_a_miss(workers):
-    started = workers.start(2)
+    started = workers.start(2, cluster_replicas=2)
     connect = Blockable()
     with ClusterClient(workers.url, replicas=2, ttl=30, connect=connect) as kv:
         assert kv.mset({"k": b"v"}) == [None]
@@ -142,7 +142,7 @@ def test_a_write_once_refused_by_one_replica_is_taken_back_from_the_others(worke
     replicas would then disagree)."""
     import torch
 
-    started = workers.start(2)
+    started = workers.start(2, cluster_replicas=2)
     with kvstrata.connect(cluster=workers.url, replicas=2) as kv:
         first_owner = kv.owners("k")[0]
         direct = {w.member.node_id: kvstrata.connect(w.address) for w in started}

@@ -12,7 +12,7 @@ is left then is counted, never lost silently, and a target out of reach fails it
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +20,12 @@ from typing import Any
 from kvstrata.errors import KeyExists, KeyNotFound, KvstrataError
 from kvstrata.server import protocol as P
 from kvstrata.transport import connect
-from kvstrata.transport.stream import attach
+from kvstrata.transport.stream import Attachment, attach
 
-#: most keys and bytes one request of a hand-off carries
+#: most keys and bytes one request of a hand-off carries, and how many requests are in flight to one worker at once
 BATCH_KEYS = 256
-BATCH_BYTES = 64 << 20
+BATCH_BYTES = 16 << 20
+WINDOW = 2
 #: reasons kept in a report (the first ones; the counts say how many failed)
 ERRORS_KEPT = 10
 
@@ -59,7 +60,7 @@ class HandoffReport:
 
 def hand_off(
     plan: Mapping[str, Sequence[Item]],
-    read: Callable[[str], bytes],
+    read: Callable[[str], Any],
     addresses: Mapping[str, str],
     *,
     deadline: float,
@@ -70,7 +71,9 @@ def hand_off(
 ) -> Counter[str]:
     """Write the items of ``plan[node]`` to each worker ``node`` (reached at ``addresses[node]``).
 
-    ``read(key)``: the value to send (KeyNotFound where the key went meanwhile: skipped, not counted);
+    ``read(key)``: the value to send: bytes, or an :class:`~kvstrata.transport.stream.Attachment` (sent straight
+    from where it lies, its ``done`` run once sent: a lease on the object, given back) (KeyNotFound where the key
+    went meanwhile: skipped, not counted);
     ``deadline``: ``time.monotonic()`` after which no batch starts. Counts go into ``report``. Returns per key how
     many of its target workers hold it now (took it, or had it already).
     """
@@ -95,7 +98,7 @@ def _hand_to(
     node: str,
     address: str,
     items: list[Item],
-    read: Callable[[str], bytes],
+    read: Callable[[str], Any],
     deadline: float,
     name: str,
     report: HandoffReport,
@@ -120,34 +123,63 @@ def _hand_to(
             if not overwrite:
                 chunk = target.missing(chunk)
             target.send(chunk, read, overwrite)
+        target.settle(0)
     finally:
+        target.settle(0)  # (a deadline or a cancel between batches: what was sent is still counted)
         conn.close()
 
 
 class _Target:
-    """One target worker's connection, and the counts of what it was sent."""
+    """One target worker's connection, and the counts of what it was sent.
+
+    Up to :data:`WINDOW` ``mput`` requests are in flight at once (replies come in order): the next batch is read
+    from the store and sent while the target stores the last one.
+    """
 
     def __init__(self, node: str, conn: Any, deadline: float, report: HandoffReport, held: Counter[str]) -> None:
         self.node, self.conn, self.deadline, self.report, self.held = node, conn, deadline, report, held
+        self.pending: deque[list[tuple[str, int]]] = deque()  # (key, bytes) of each mput awaiting its reply
+        self.broken = False
 
-    def _call(self, msg: dict[str, Any], count: int) -> dict[str, Any] | None:
-        """The reply to ``msg``, or None with its ``count`` keys counted as failed."""
+    def _failed(self, count: int, exc: BaseException) -> None:
+        self.report.failed += count
+        self.report.note(f"{self.node}: {exc}")
+
+    def _reply(self, count: int) -> dict[str, Any] | None:
+        """The next reply, or None with ``count`` keys counted as failed (and the connection given up on, where it
+        failed: later replies could not be told apart)."""
+        if self.broken:
+            self.report.failed += count
+            return None
         try:
-            self.conn.send(msg)
             reply, _ = self.conn.recv(timeout=max(1.0, self.deadline - time.monotonic()))
         except (KvstrataError, OSError) as exc:
-            self.report.failed += count
-            self.report.note(f"{self.node}: {exc}")
+            self.broken = True
+            self._failed(count, exc)
             return None
         if "err" in reply:
-            self.report.failed += count
-            self.report.note(f"{self.node}: {P.error_from_record(reply['err'])}")
+            self._failed(count, P.error_from_record(reply["err"]))
             return None
         return reply
 
+    def _send(self, msg: dict[str, Any], count: int) -> bool:
+        if self.broken:
+            self.report.failed += count
+            return False
+        try:
+            self.conn.send(msg)
+        except (KvstrataError, OSError) as exc:
+            self.broken = True
+            self._failed(count, exc)
+            return False
+        return True
+
     def missing(self, items: list[Item]) -> list[Item]:
         """The items the target lacks (those it has are counted as present)."""
-        reply = self._call({"op": "exists", "keys": [key for key, _ in items]}, len(items))
+        self.settle(0)  # (the exists reply comes after those of the mputs in flight)
+        if not self._send({"op": "exists", "keys": [key for key, _ in items]}, len(items)):
+            return []
+        reply = self._reply(len(items))
         if reply is None:
             return []
         lacking = []
@@ -159,7 +191,7 @@ class _Target:
                 lacking.append(item)
         return lacking
 
-    def send(self, items: list[Item], read: Callable[[str], bytes], overwrite: bool) -> None:
+    def send(self, items: list[Item], read: Callable[[str], Any], overwrite: bool) -> None:
         """Read and write ``items``: an ``mput`` per time to live, split at :data:`BATCH_BYTES`."""
         by_ttl: dict[float | None, list[tuple[str, bytes]]] = defaultdict(list)
         nbytes = 0
@@ -182,16 +214,31 @@ class _Target:
 
     def _flush(self, by_ttl: dict[float | None, list[tuple[str, bytes]]], overwrite: bool) -> None:
         for ttl, pairs in by_ttl.items():
-            msg: dict[str, Any] = {"op": "mput", "items": [[k, attach(v)] for k, v in pairs], "nx": not overwrite}
+            values = [v if type(v) is Attachment else attach(v) for _, v in pairs]
+            msg: dict[str, Any] = {"op": "mput", "items": [[k, v] for (k, _), v in zip(pairs, values)]}
+            msg["nx"] = not overwrite
             if ttl is not None:
                 msg["ttl"] = ttl
-            reply = self._call(msg, len(pairs))
+            if self._send(msg, len(pairs)):
+                self.pending.append([(k, len(v)) for k, v in pairs])
+                self.settle(WINDOW - 1)
+            else:  # (never sent: the leases the values were read under go back)
+                for value in values:
+                    if type(value) is Attachment:
+                        value.release()
+        by_ttl.clear()
+
+    def settle(self, keep: int) -> None:
+        """Take the replies of the requests in flight until ``keep`` are left."""
+        while len(self.pending) > keep:
+            sent = self.pending.popleft()
+            reply = self._reply(len(sent))
             if reply is None:
                 continue
-            for (key, value), item in zip(pairs, reply.get("items", ())):
+            for (key, size), item in zip(sent, reply.get("items", ())):
                 if "err" not in item:
                     self.report.moved += 1
-                    self.report.bytes_moved += len(value)
+                    self.report.bytes_moved += size
                     self.held[key] += 1
                     continue
                 exc = P.error_from_record(item["err"])
@@ -201,4 +248,3 @@ class _Target:
                 else:
                     self.report.failed += 1
                     self.report.note(f"{key!r} -> {self.node}: {exc}")
-        by_ttl.clear()

@@ -219,7 +219,7 @@ class Worker:
             self.member.node_id,
             self.membership.members(),
             listing=store.listing,
-            read=lambda key: store.get_bytes(key, timeout=0),
+            read=self._lend,
             drop=drop,
             replicas=self.config.cluster_replicas,
         )
@@ -264,6 +264,21 @@ class Worker:
             return None
         return {node: m.address for node, m in members.items() if node != me.node_id}
 
+    def _lend(self, key: str) -> Any:
+        """``key``'s value for a hand-off to another worker (kvstrata.server.handoff): a large one sent straight out of
+        the store, under a lease given back once it is sent (no copy, no fresh memory to fault in), a small one
+        copied. KeyNotFound where it went meanwhile."""
+        from kvstrata.transport.stream import ATTACH_MIN_BYTES, Attachment
+
+        store = self._store
+        lease = store.acquire(key, owner=_HANDOFF, timeout=0)
+        if lease.size < ATTACH_MIN_BYTES:
+            try:
+                return bytes(store.buffer(lease.location))
+            finally:
+                store.release(lease.lease_id)
+        return Attachment(store.buffer(lease.location), lambda: store.release(lease.lease_id))
+
     def _drain(self, heirs: dict[str, str], seconds: float) -> None:
         """Hand this worker's objects to their owners among ``heirs`` (see :mod:`kvstrata.server.drain`)."""
         from kvstrata.cluster.placement import Placement
@@ -281,7 +296,7 @@ class Worker:
 
         report = drain(
             store.listing(),
-            lambda key: store.get_bytes(key, timeout=0),
+            self._lend,
             targets,
             heirs,
             deadline=time.monotonic() + seconds,
@@ -658,6 +673,8 @@ def _dead_here(member: Any, me: Any) -> bool:
     return False
 
 
+#: the owner of the leases a hand-off reads objects under (kvstrata.server.handoff)
+_HANDOFF = object()
 #: this process's workers (a restarted container's predecessor had this pid too: see _dead_here)
 _WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
 
