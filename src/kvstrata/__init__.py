@@ -18,6 +18,7 @@ import importlib
 from typing import Any
 
 from kvstrata.errors import (
+    AuthenticationError,
     CapacityError,
     ClosedError,
     ConnectionLost,
@@ -54,6 +55,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AuthenticationError",
     "CapacityError",
     "ClosedError",
     "ConnectionLost",

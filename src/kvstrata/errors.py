@@ -98,7 +98,13 @@ class ProtocolError(TransportError):
     """The peer spoke a protocol version or message this side does not understand."""
 
 
+class AuthenticationError(KvstrataError, PermissionError):
+    """A worker that asks for a token (``--auth-token-file``, ``$KVSTRATA_TOKEN``) refused this connection: no token
+    given, or not the worker's. Not a worker out of reach: every try with the same token fails the same way."""
+
+
 __all__ = [
+    "AuthenticationError",
     "CapacityError",
     "ClosedError",
     "ConnectionLost",

@@ -103,7 +103,8 @@ def test_drain_counts_a_worker_out_of_reach_and_a_key_gone_meanwhile():
 
     owner = {"a": "n1", "b": "n1", "gone": "n1", "orphan": "n9"}
     t0 = time.monotonic()
-    report = drain(listing, read, lambda key: [owner[key]], {"n1": "tcp://127.0.0.1:1"}, deadline=time.monotonic() + 2, name="test")
+    addresses = {"n1": "tcp://127.0.0.1:1"}
+    report = drain(listing, read, lambda key: [owner[key]], addresses, deadline=time.monotonic() + 2, name="test")
     assert time.monotonic() - t0 < 5
     assert report.moved == 0 and report.failed == 4 and report.left == 0  # a, b, gone (not read: no n1) and orphan
     assert any("orphan" in e for e in report.errors) and any("n1" in e for e in report.errors)
@@ -114,3 +115,19 @@ def test_stop_twice_is_harmless(workers, drain_s):
     (worker,) = workers.start(1)
     worker.stop(drain_s=drain_s)
     worker.stop(drain_s=drain_s)
+
+
+def test_a_copy_the_leaving_worker_did_not_own_goes_to_the_keys_owner(workers):
+    """A stray (written straight to a worker that does not own the key, or not dropped yet by a rebalance) is handed to
+    the key's owner too, write-once: never 'no worker to take it'."""
+    started = workers.start(3, memory=32 << 20, cluster_rebalance=False)
+    leaving = started[0]
+    nodes = sorted(w.member.node_id for w in started)
+    stray = next(f"s{i}" for i in range(200) if owners(f"s{i}", nodes, 1)[0] != leaving.member.node_id)
+    with kvstrata.connect(address=leaving.address) as direct:
+        direct.set(stray, b"only here")
+    leaving.stop(drain_s=10)
+    assert leaving.drained["moved"] == 1 and leaving.drained["failed"] == 0
+    with kvstrata.connect(cluster=workers.url) as kv:
+        assert wait_until(lambda: len(kv.nodes) == 2, 10)
+        assert kv.get(stray) == b"only here"

@@ -141,6 +141,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "owners and drops those it no longer owns)",
     )
     p.add_argument(
+        "--auth-token-file",
+        dest="auth_token_file",
+        help="a file holding the secret token clients and other workers must prove they hold to use this worker's "
+        "TCP listeners (they set $KVSTRATA_TOKEN; it never crosses the wire; default: $KVSTRATA_TOKEN if set, else "
+        "none)",
+    )
+    p.add_argument(
         "--log-level",
         dest="log_level",
         choices=("debug", "info", "warning", "error"),
@@ -184,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             "cluster_drain",
             "cluster_replicas",
             "cluster_rebalance",
+            "auth_token_file",
         )
     }
     if flags["log_level"] is None and getattr(args, "verbose", 0):

@@ -188,6 +188,7 @@ _STORE_NAMES = {
 OTHER_VARIABLES = frozenset(
     {
         "KVSTRATA_WORKER",  # where clients look for the worker (and where a worker listens, without a socket set)
+        "KVSTRATA_TOKEN",  # the token a worker's TCP listeners ask for, and clients answer with (kvstrata.transport)
         "KVSTRATA_CONFIG",  # the worker's YAML file, without --config
         "KVSTRATA_LOG",  # kvstrata.devobj.debug
         "KVSTRATA_CACHE_DIR",  # kvstrata.ops.calibration
@@ -271,6 +272,10 @@ class WorkerConfig:
     #: those it no longer owns (kvstrata.server.rebalance); off: a change moves no data (clients still find a key
     #: written before one change)
     cluster_rebalance: bool = True
+    #: a file holding the secret token clients and peers must prove they hold to use this worker's TCP listeners
+    #: (kvstrata.transport.core: a challenge, the token never sent); "" (the default): ``$KVSTRATA_TOKEN`` if set,
+    #: else none. Unix sockets are guarded by their file mode instead.
+    auth_token_file: str = ""
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -367,8 +372,27 @@ class WorkerConfig:
             raise InvalidValue(f"{_named('cluster_drain')}: seconds, 0 or more, got {self.cluster_drain!r}")
         if type(self.cluster_replicas) is not int or not 1 <= self.cluster_replicas <= 16:
             raise InvalidValue(f"{_named('cluster_replicas')}: an int from 1 to 16, got {self.cluster_replicas!r}")
+        if not isinstance(self.auth_token_file, str):
+            raise InvalidValue(f"{_named('auth_token_file')}: a path, got {self.auth_token_file!r}")
+        if self.auth_token_file:
+            self.auth_token()  # (a file that is missing, unreadable or empty: named now, not at start)
         if not isinstance(self.cluster_rebalance, bool):
             raise InvalidValue(f"{_named('cluster_rebalance')}: must be true or false, got {self.cluster_rebalance!r}")
+
+    def auth_token(self, environ: Mapping[str, str] | None = None) -> bytes | None:
+        """The token this worker's TCP listeners ask for: the ``auth_token_file``'s contents (surrounding whitespace
+        dropped), else ``$KVSTRATA_TOKEN``; None: none. InvalidValue for a file that cannot be read or is empty."""
+        if not self.auth_token_file:
+            token = (os.environ if environ is None else environ).get("KVSTRATA_TOKEN", "").strip()
+            return token.encode() or None
+        try:
+            with open(os.path.expanduser(self.auth_token_file), "rb") as f:
+                token = f.read(1 << 16).strip()
+        except OSError as exc:
+            raise InvalidValue(f"{_named('auth_token_file')}: cannot read {self.auth_token_file}: {exc}") from None
+        if not token:
+            raise InvalidValue(f"{_named('auth_token_file')}: {self.auth_token_file} is empty")
+        return token
 
     @property
     def disk_size_is_default(self) -> bool:

@@ -39,13 +39,15 @@ def drain(
     *,
     deadline: float,
     name: str = "drain",
+    token: bytes | None = None,
 ) -> DrainReport:
     """Write each listed object to the workers ``targets_of(key)`` names (their addresses in ``addresses``).
 
     ``listing``: ``(key, seconds left to live or None, ...)`` per object (as ``ObjectStore.listing`` gives them);
     ``read(key)``: its bytes (KeyNotFound where it went meanwhile: skipped); ``deadline``: ``time.monotonic()`` after
     which no batch starts (the rest counted as ``left``). A worker that cannot be reached or fails a batch has that
-    batch counted as ``failed``, and so has a key with no worker to take it.
+    batch counted as ``failed``, and so has a key with no worker to take it. ``token``: what to answer the other
+    workers' challenges with (their ``--auth-token-file``).
     """
     start = time.monotonic()
     report = DrainReport()
@@ -57,6 +59,6 @@ def drain(
             report.note(f"{key!r}: no worker to take it")
         for node in targets:
             plan[node].append((key, ttl))
-    hand_off(plan, read, addresses, deadline=deadline, name=name, report=report)
+    hand_off(plan, read, addresses, deadline=deadline, name=name, report=report, token=token)
     report.seconds = round(time.monotonic() - start, 3)
     return report

@@ -68,12 +68,14 @@ def hand_off(
     report: HandoffReport,
     overwrite: bool = False,
     cancelled: Callable[[], bool] | None = None,
+    token: bytes | None = None,
 ) -> Counter[str]:
     """Write the items of ``plan[node]`` to each worker ``node`` (reached at ``addresses[node]``).
 
     ``read(key)``: the value to send: bytes, or an :class:`~kvstrata.transport.stream.Attachment` (sent straight
     from where it lies, its ``done`` run once sent: a lease on the object, given back) (KeyNotFound where the key
-    went meanwhile: skipped, not counted);
+    went meanwhile: skipped, not counted); ``token``: what to answer the targets' challenges with (none: no answer,
+    not ``$KVSTRATA_TOKEN``: a worker answers with its own setting);
     ``deadline``: ``time.monotonic()`` after which no batch starts. Counts go into ``report``. Returns per key how
     many of its target workers hold it now (took it, or had it already).
     """
@@ -90,7 +92,7 @@ def hand_off(
             report.failed += len(items)
             report.note(f"{node}: not a listed worker")
             continue
-        _hand_to(node, address, list(items), read, deadline, name, report, overwrite, stop, held)
+        _hand_to(node, address, list(items), read, deadline, name, report, overwrite, stop, held, token)
     return held
 
 
@@ -105,10 +107,11 @@ def _hand_to(
     overwrite: bool,
     stop: Callable[[], bool],
     held: Counter[str],
+    token: bytes | None,
 ) -> None:
     try:
         wait = max(0.1, min(5.0, deadline - time.monotonic()))
-        conn = connect(address, timeout=wait, hello={"shm": False, "name": name})
+        conn = connect(address, timeout=wait, hello={"shm": False, "name": name}, token=token or b"")
     except (KvstrataError, OSError) as exc:
         report.failed += len(items)
         report.note(f"{node} ({address}): {exc}")

@@ -122,18 +122,20 @@ def rebalance(
     deadline: float | None = None,
     cancelled: threading.Event | None = None,
     name: str = "rebalance",
+    token: bytes | None = None,
 ) -> HandoffReport:
     """Hand on worker ``me``'s objects for a change of the member list from ``before`` to ``after`` (see the module).
 
     ``listing()``: its objects now (``ObjectStore.listing``); ``read(key)``: a value; ``drop(keys, versions)``: delete
     those keys still at those versions (True per key dropped). ``cancelled``: set to stop (nothing dropped then).
+    ``token``: what to answer the other workers' challenges with (their ``--auth-token-file``).
     """
     start = time.monotonic()
     report = HandoffReport()
     deadline = start + DEADLINE_S if deadline is None else deadline
     stop = cancelled or threading.Event()
     first = plan_moves(listing(), me, before, after, replicas, rejoined)
-    send: dict[str, Any] = dict(deadline=deadline, name=name, report=report, cancelled=stop.is_set)
+    send: dict[str, Any] = dict(deadline=deadline, name=name, report=report, cancelled=stop.is_set, token=token)
     held = hand_off(_plan(first), read, addresses, **send)
     if stop.wait(grace) or time.monotonic() >= deadline:
         report.seconds = round(time.monotonic() - start, 3)
@@ -178,8 +180,10 @@ class Rebalancer:
         drop: Callable[[list[str], list[int]], list[bool]],
         replicas: int = 1,
         grace: float = GRACE_S,
+        token: bytes | None = None,
     ) -> None:
         self.me = me
+        self._token = token
         self._listing, self._read, self._drop = listing, read, drop
         self.replicas = replicas
         self.grace = grace
@@ -302,6 +306,7 @@ class Rebalancer:
             grace=self.grace,
             cancelled=self._cancel,
             name=f"rebalance from {self.me}",
+            token=self._token,
         )
         self.runs += 1
         self.last = report.as_dict() | {"cancelled": self._cancel.is_set()}

@@ -93,6 +93,9 @@ class Worker:
         #: in a cluster with cluster_rebalance: hands objects on at each change of the member list
         self.rebalancer: Any = None
         self._stop_watch: Any = None
+        #: what clients and peers of its TCP listeners must prove they hold (kvstrata.transport.core), and what it
+        #: answers other workers' challenges with when it hands objects on
+        self._token: bytes | None = config.auth_token()
 
     # lifecycle -----------------------------------------------------------------------------------
     @property
@@ -126,6 +129,7 @@ class Worker:
                 self._serve,
                 on_hello=self._on_hello,
                 on_abandon=self._on_abandon,
+                token=self._token if self.config.address.startswith("tcp://") else None,
                 mode=self.config.socket_mode,
             )
         except BaseException:
@@ -174,7 +178,7 @@ class Worker:
 
         config = self.config
         self._cluster_listener = listen(
-            config.cluster_listen, self._serve, on_hello=self._on_hello, on_abandon=self._on_abandon
+            config.cluster_listen, self._serve, on_hello=self._on_hello, on_abandon=self._on_abandon, token=self._token
         )
         address = config.cluster_advertise or advertised_address(self._cluster_listener.address)
         local = self._listener.address if self._listener.address.startswith("unix://") else ""
@@ -222,6 +226,7 @@ class Worker:
             read=self._lend,
             drop=drop,
             replicas=self.config.cluster_replicas,
+            token=self._token,
         )
         self._stop_watch = self.membership.watch(self.rebalancer.update)
 
@@ -290,9 +295,11 @@ class Worker:
         with_me, without_me = Placement([*heirs, me]), Placement(heirs)
 
         def targets(key: str) -> list[str]:
-            """The key's owners without this worker that were not with it (one, where it was an owner)."""
-            was = with_me.owners(key, replicas)
-            return [n for n in without_me.owners(key, replicas) if n not in was]
+            """The key's owners without this worker that were not with it (one, where it was an owner); all of them
+            for a copy here it did not own (a stray, or one a rebalance had not dropped yet: write-once keeps
+            theirs)."""
+            was, now = with_me.owners(key, replicas), without_me.owners(key, replicas)
+            return [n for n in now if n not in was] if me in was else now
 
         report = drain(
             store.listing(),
@@ -301,6 +308,7 @@ class Worker:
             heirs,
             deadline=time.monotonic() + seconds,
             name=f"drain from {self.member.node_id if self.member else '?'}",
+            token=self._token,
         )
         self.drained = report.as_dict()
         level = logging.WARNING if report.failed or report.left else logging.INFO

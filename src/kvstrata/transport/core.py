@@ -1,8 +1,18 @@
-"""``connect`` and ``listen``: backends chosen by address scheme, retries, and the version handshake."""
+"""``connect`` and ``listen``: backends chosen by address scheme, retries, and the version handshake.
+
+A listener given a ``token`` (a worker's TCP listeners with ``--auth-token-file`` or ``$KVSTRATA_TOKEN``) answers
+each hello with a challenge: a fresh random nonce, to which the client answers HMAC-SHA256(token, nonce). The token
+never crosses the wire and an answer overheard is worth nothing for the next connection; a client with no token or
+another one is refused (:class:`~kvstrata.errors.AuthenticationError`) before the worker does anything for it.
+It authenticates; it does not encrypt: the data that follows crosses the network as it is (run the cluster on a
+network you trust, or under a VPN or WireGuard).
+"""
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import logging
 import os
 import random
@@ -11,7 +21,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstrata.errors import ConnectionLost, InvalidValue, KvstrataError, ProtocolError, TransportError
+from kvstrata.errors import (
+    AuthenticationError,
+    ConnectionLost,
+    InvalidValue,
+    KvstrataError,
+    ProtocolError,
+    TransportError,
+)
 from kvstrata.transport.base import PROTOCOL_VERSION, Connection, Handler, Listener, Message, get_backend
 
 log = logging.getLogger(__name__)
@@ -26,6 +43,11 @@ HELLO_MAX_BYTES = 1 << 16
 #: at most one warning per this many seconds about clients turned away for want of resources (a burst of clients
 #: past the worker's descriptor limit would otherwise log a line each)
 REFUSAL_LOG_EVERY_S = 10.0
+#: the environment variable a client's token comes from, where its connect is given none
+TOKEN_ENV = "KVSTRATA_TOKEN"
+#: bytes of a challenge's nonce
+NONCE_BYTES = 32
+_AUTH_CONTEXT = b"kvstrata-auth-v1:"
 #: errors that say the process (EMFILE) or the system (ENFILE) has no descriptor left to give
 OUT_OF_FDS_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
 
@@ -92,13 +114,15 @@ def connect(
     hello: Message | None = None,
     retry_delay: float = 0.01,
     max_retry_delay: float = 0.5,
+    token: str | bytes | None = None,
 ) -> Connection:
     """Connect to ``address`` and handshake, retrying with jittered backoff until ``timeout`` seconds pass.
 
     Retries only what may heal by itself (nothing listening yet, socket file not there yet, reset, the
     listener's accept backlog full).
     The handshake sends ``{"op": "hello", "protocol": PROTOCOL_VERSION, **hello}``; the reply is in
-    ``conn.peer_info`` and any descriptors attached to it in ``conn.handshake_fds``.
+    ``conn.peer_info`` and any descriptors attached to it in ``conn.handshake_fds``. ``token``: what to answer a
+    listener's challenge with (default ``$KVSTRATA_TOKEN``; see the module).
 
     >>> from kvstrata.transport import connect, listen
     >>> lst = listen("inproc://*", lambda c: c.send(c.recv()[0]))
@@ -130,21 +154,45 @@ def connect(
         except OSError as exc:
             raise TransportError(f"could not connect to {address}: {exc}") from exc
     try:
-        _client_handshake(conn, hello or {}, max(deadline - time.monotonic(), 0.5))
+        secret = _as_token(token if token is not None else os.environ.get(TOKEN_ENV), "token")
+        _client_handshake(conn, hello or {}, max(deadline - time.monotonic(), 0.5), secret)
     except BaseException:
         conn.close()
         raise
     return conn
 
 
-def _client_handshake(conn: Connection, hello: Message, timeout: float) -> None:
+def _as_token(token: str | bytes | None, name: str) -> bytes | None:
+    """A token as bytes (None or empty: none); InvalidValue for anything but a str or bytes."""
+    if token is None:
+        return None
+    if isinstance(token, str):
+        token = token.strip().encode()
+    if not isinstance(token, bytes):
+        raise InvalidValue(f"{name}: a str or bytes, got {type(token).__name__}")
+    return token or None
+
+
+def answer(token: bytes, nonce: bytes) -> bytes:
+    """The answer to a challenge's ``nonce`` with ``token``: HMAC-SHA256, bound to kvstrata's handshake."""
+    return hmac.new(token, _AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def _client_handshake(conn: Connection, hello: Message, timeout: float, token: bytes | None = None) -> None:
     conn.send({**hello, "op": "hello", "protocol": PROTOCOL_VERSION, "pid": os.getpid()})
-    try:
-        reply, fds = conn.recv(timeout=timeout)
-    except KvstrataError as exc:
-        if isinstance(exc, TransportError):
-            raise
-        raise TransportError(f"no handshake from {conn.address}: {exc}") from exc
+    reply, fds = _handshake_reply(conn, timeout)
+    if reply.get("op") == "challenge":
+        nonce = reply.get("nonce")
+        if token is None:
+            raise AuthenticationError(
+                f"{conn.address} asks for a token: set ${TOKEN_ENV} to the cluster's (the worker's --auth-token-file)"
+            )
+        if not isinstance(nonce, bytes) or len(nonce) < 16:
+            raise ProtocolError(f"{conn.address} sent a malformed challenge")
+        conn.send({"op": "auth", "mac": answer(token, nonce)})
+        reply, fds = _handshake_reply(conn, timeout)
+        if reply.get("op") == "refused" and reply.get("auth"):
+            raise AuthenticationError(f"{conn.address} refused the token: {reply.get('error')}")
     if reply.get("op") != "welcome":
         for fd in fds:
             os.close(fd)
@@ -156,8 +204,42 @@ def _client_handshake(conn: Connection, hello: Message, timeout: float) -> None:
     conn.handshake_fds = fds
 
 
+def _handshake_reply(conn: Connection, timeout: float) -> tuple[Message, list[int]]:
+    try:
+        return conn.recv(timeout=timeout)
+    except KvstrataError as exc:
+        if isinstance(exc, TransportError):
+            raise
+        raise TransportError(f"no handshake from {conn.address}: {exc}") from exc
+
+
+def _challenge(conn: Connection, token: bytes) -> bool:
+    """Ask the client that sent a hello to prove it holds ``token``; whether it did (if not, it was told why)."""
+    nonce = os.urandom(NONCE_BYTES)
+    try:
+        conn.send({"op": "challenge", "nonce": nonce, "scheme": "hmac-sha256"})
+        reply, fds = conn.recv(timeout=HANDSHAKE_TIMEOUT, max_bytes=HELLO_MAX_BYTES)
+    except KvstrataError as exc:  # (a client with no token gives up here: it raised AuthenticationError)
+        log.debug("no answer to the challenge from a client on %s: %s", conn.address, exc)
+        return False
+    for fd in fds:
+        os.close(fd)
+    mac = reply.get("mac") if reply.get("op") == "auth" else None
+    if isinstance(mac, bytes) and hmac.compare_digest(mac, answer(token, nonce)):
+        return True
+    _refusals.note(conn.address, "a client's token was not this worker's (authentication failed)")
+    try:
+        conn.send({"op": "refused", "error": "authentication failed: not this worker's token", "auth": True})
+    except KvstrataError:
+        pass
+    return False
+
+
 def _server_handshake(
-    conn: Connection, on_hello: HelloHook | None, on_abandon: Callable[[Connection], None] | None = None
+    conn: Connection,
+    on_hello: HelloHook | None,
+    on_abandon: Callable[[Connection], None] | None = None,
+    token: bytes | None = None,
 ) -> bool:
     try:
         hello, fds = conn.recv(timeout=HANDSHAKE_TIMEOUT, max_bytes=HELLO_MAX_BYTES)
@@ -177,6 +259,8 @@ def _server_handshake(
             conn.send({"op": "refused", "error": why})
         except KvstrataError:
             pass
+        return False
+    if token is not None and not _challenge(conn, token):
         return False
     conn.peer_info = hello
     try:
@@ -214,6 +298,7 @@ def listen(
     *,
     on_hello: HelloHook | None = None,
     on_abandon: Callable[[Connection], None] | None = None,
+    token: str | bytes | None = None,
     **options: Any,
 ) -> Listener:
     """Listen on ``address``; each connection is handshaken, then ``handler(conn)`` runs in its own thread.
@@ -221,11 +306,13 @@ def listen(
     The handler owns the connection (close it when done). ``options`` go to the backend
     (``mode=0o600`` for ``unix://``). ``on_hello`` may add fields and descriptors to the handshake reply;
     ``on_abandon(conn)`` undoes what it set up where the welcome could not be sent (no handler runs then).
+    ``token``: serve only clients that prove they hold it (see the module).
     """
+    secret = _as_token(token, "token")
 
     def serve(conn: Connection) -> None:
         try:
-            if _server_handshake(conn, on_hello, on_abandon):
+            if _server_handshake(conn, on_hello, on_abandon, secret):
                 handler(conn)
                 return
         except KvstrataError as exc:
