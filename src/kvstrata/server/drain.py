@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from kvstrata.server.handoff import HandoffReport, Item, hand_off
 
@@ -33,7 +34,7 @@ DrainReport = HandoffReport
 
 def drain(
     listing: Iterable[tuple],
-    read: Callable[[str], bytes],
+    read: Callable[[str], Any],
     targets_of: Callable[[str], Sequence[str]],
     addresses: Mapping[str, str],
     *,

@@ -109,7 +109,7 @@ def _plan(moves: Iterable[Move]) -> dict[str, list[Item]]:
 
 def rebalance(
     listing: Callable[[], list[tuple[str, float | None, int]]],
-    read: Callable[[str], bytes],
+    read: Callable[[str], Any],
     drop: Callable[[list[str], list[int]], list[bool]],
     me: str,
     before: Placement,
@@ -176,7 +176,7 @@ class Rebalancer:
         members: Mapping[str, Any],
         *,
         listing: Callable[[], list[tuple[str, float | None, int]]],
-        read: Callable[[str], bytes],
+        read: Callable[[str], Any],
         drop: Callable[[list[str], list[int]], list[bool]],
         replicas: int = 1,
         grace: float = GRACE_S,
