@@ -406,6 +406,7 @@
 #     etcd variants too), the cluster tests (rebalance), bench cluster twice with a 1 GiB join, on the host's 16 CPUs
 #   PART=s42b: (etcd carried, as s42) kvstrata bench cluster's join row (1 GiB, short other rows) with the hand-off
 #     before its pipelining and leases (ab_old/src, carried) and after, twice each
+#   PART=s42c: (etcd carried, as s42) every GPU test and the cluster tests, on the session's last code
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1286,6 +1287,13 @@ elif [ "${PART}" = s40 ]; then
   echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
+elif [ "${PART}" = s42c ]; then
+  export PATH="$PWD/.etcdbin:$PATH" PYTHONPATH="$PWD/src:/tmp/site"
+  gpu_tests gpu_tests_s42c
+  echo "=== pytest tests/cluster tests/test_transport_auth.py (CPU, etcd)" >> "$LOG"
+  timeout 240 python3 -m pytest -q tests/cluster tests/test_transport_auth.py -p no:cacheprovider --timeout 120 \
+    > "$OUT/cluster_tests_s42c.log" 2>&1
+  tail -3 "$OUT/cluster_tests_s42c.log" | tee -a "$LOG"
 elif [ "${PART}" = s42b ]; then
   export PATH="$PWD/.etcdbin:$PATH"
   for r in 1 2; do
