@@ -12,15 +12,7 @@ from kvstrata.errors import AuthenticationError, InvalidValue
 from kvstrata.server import Worker, WorkerConfig
 from kvstrata.transport import connect, listen
 from kvstrata.transport.core import TOKEN_ENV
-
-
-def echo(conn):
-    try:
-        while True:
-            msg, _ = conn.recv()
-            conn.send(msg)
-    except Exception:
-        conn.close()
+from test_transport import echo
 
 
 @pytest.fixture
