@@ -200,7 +200,7 @@ def test_a_version_guarded_delete_spares_a_key_written_since_and_checks_its_argu
     with ObjectStore(StoreConfig(memory_bytes=8 << 20)) as store:
         store.put("a", b"1")
         store.put("b", b"1")
-        versions = {k: v for k, _, v in store.listing()}
+        versions = {k: v for k, _, v, _ in store.listing()}
         store.put("b", b"2")
         assert store.delete(["a", "b", "c"], versions=[versions["a"], versions["b"], 7]) == [True, False, False]
         assert store.get_bytes("b") == b"2"
@@ -360,3 +360,19 @@ def test_a_rebalance_that_failed_in_part_runs_again_until_everything_is_handed_o
             rebalancer.close()
     with kvstrata.connect(address=target.address) as direct:
         assert direct.mget(keys) == [k.encode() for k in keys]
+
+
+def test_a_moved_object_keeps_its_write_mode_and_time_to_live(workers):
+    workers.start(2, memory=32 << 20)
+    with kvstrata.connect(cluster=workers.url) as kv:
+        kv.mset({f"e{i}": b"evictable" for i in range(60)}, write_mode="evictable", ttl=600)
+        kv.mset({f"m{i}": b"plain" for i in range(60)})
+    (newcomer,) = workers.start(1, memory=32 << 20)
+    settle(workers, 3)
+    held = {key: (ttl, mode) for key, ttl, _, mode in newcomer.store.listing()}
+    assert any(k.startswith("e") for k in held) and any(k.startswith("m") for k in held)
+    for key, (ttl, mode) in held.items():
+        if key.startswith("e"):
+            assert mode == "evictable" and 500 < ttl <= 600
+        else:
+            assert mode == "memory" and ttl is None

@@ -16,7 +16,8 @@ are rare. (A write time per object, last writer wins, would settle it: not built
 
 It runs after the worker left the list and stopped serving its clients, so every write it acknowledged is in the
 store and none comes after the snapshot of keys it hands over. Batch by batch until ``deadline``: what is left then
-is counted, not lost silently. Expired keys are skipped; a key's time to live goes with it (what was left of it).
+is counted, not lost silently. Expired keys are skipped; a key's time to live (what was left of it) and write mode
+go with it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def drain(
 ) -> DrainReport:
     """Write each listed object to the workers ``targets_of(key)`` names (their addresses in ``addresses``).
 
-    ``listing``: ``(key, seconds left to live or None, ...)`` per object (as ``ObjectStore.listing`` gives them);
+    ``listing``: ``(key, seconds left to live or None[, version, write mode])`` per object (as
+    ``ObjectStore.listing`` gives them; the write mode goes along, default ``memory``);
     ``read(key)``: its bytes (KeyNotFound where it went meanwhile: skipped); ``deadline``: ``time.monotonic()`` after
     which no batch starts (the rest counted as ``left``). A worker that cannot be reached or fails a batch has that
     batch counted as ``failed``, and so has a key with no worker to take it. ``token``: what to answer the other
@@ -53,13 +55,14 @@ def drain(
     start = time.monotonic()
     report = DrainReport()
     plan: dict[str, list[Item]] = defaultdict(list)
-    for key, ttl, *_ in listing:
+    for key, ttl, *rest in listing:
+        mode = rest[1] if len(rest) > 1 else "memory"
         targets = [node for node in targets_of(key) if node in addresses]
         if not targets:
             report.failed += 1
             report.note(f"{key!r}: no worker to take it")
         for node in targets:
-            plan[node].append((key, ttl))
+            plan[node].append((key, ttl, mode))
     hand_off(plan, read, addresses, deadline=deadline, name=name, report=report, token=token)
     report.seconds = round(time.monotonic() - start, 3)
     return report

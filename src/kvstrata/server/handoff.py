@@ -4,9 +4,10 @@ leaving) and a rebalance (:mod:`kvstrata.server.rebalance`, a member list that c
 :func:`hand_off` speaks the wire protocol through the transport, like any client: per target worker, batch by batch,
 an ``exists`` first (a key the target holds already costs no read and no bytes: its value wins, as write-once
 would keep it), then ``mput`` of the rest, values of 64 KiB or more as attachments, each key's time to live (what is
-left of it) along. ``overwrite`` sends every listed key and replaces what the target holds (a rebalance's second
-look, for keys written here after the change began). It stops at ``deadline`` or once ``cancelled()`` says so; what
-is left then is counted, never lost silently, and a target out of reach fails its keys, never the caller.
+left of it) and write mode along (reference counts and a mutable object's state do not: it arrives a plain object).
+``overwrite`` sends every listed key and replaces what the target holds (a rebalance's second look, for keys written
+here after the change began). It stops at ``deadline`` or once ``cancelled()`` says so; what is left then is
+counted, never lost silently, and a target out of reach fails its keys, never the caller.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ WINDOW = 2
 #: reasons kept in a report (the first ones; the counts say how many failed)
 ERRORS_KEPT = 10
 
-#: one object to hand on: its key and its seconds left to live (None: no deadline)
-Item = tuple[str, float | None]
+#: one object to hand on: its key, its seconds left to live (None: no deadline) and its write mode (``memory``,
+#: ``write_through``...: it keeps it at its new owner)
+Item = tuple[str, float | None, str]
 
 
 @dataclass
@@ -180,7 +182,7 @@ class _Target:
     def missing(self, items: list[Item]) -> list[Item]:
         """The items the target lacks (those it has are counted as present)."""
         self.settle(0)  # (the exists reply comes after those of the mputs in flight)
-        if not self._send({"op": "exists", "keys": [key for key, _ in items]}, len(items)):
+        if not self._send({"op": "exists", "keys": [item[0] for item in items]}, len(items)):
             return []
         reply = self._reply(len(items))
         if reply is None:
@@ -195,10 +197,10 @@ class _Target:
         return lacking
 
     def send(self, items: list[Item], read: Callable[[str], Any], overwrite: bool) -> None:
-        """Read and write ``items``: an ``mput`` per time to live, split at :data:`BATCH_BYTES`."""
-        by_ttl: dict[float | None, list[tuple[str, bytes]]] = defaultdict(list)
+        """Read and write ``items``: an ``mput`` per time to live and write mode, split at :data:`BATCH_BYTES`."""
+        by_ttl: dict[tuple[float | None, str], list[tuple[str, bytes]]] = defaultdict(list)
         nbytes = 0
-        for key, ttl in items:
+        for key, ttl, mode in items:
             try:
                 value = read(key)
             except KeyNotFound:  # (deleted or expired since the listing)
@@ -208,20 +210,22 @@ class _Target:
                 self.report.note(f"{key!r}: {exc}")
                 continue
             # a ttl as a whole number of ms: keys of one deadline-ish share a request
-            by_ttl[None if ttl is None else max(0.001, round(ttl, 3))].append((key, value))
+            by_ttl[None if ttl is None else max(0.001, round(ttl, 3)), mode].append((key, value))
             nbytes += len(value)
             if nbytes >= BATCH_BYTES:
                 self._flush(by_ttl, overwrite)
                 nbytes = 0
         self._flush(by_ttl, overwrite)
 
-    def _flush(self, by_ttl: dict[float | None, list[tuple[str, bytes]]], overwrite: bool) -> None:
-        for ttl, pairs in by_ttl.items():
+    def _flush(self, by_ttl: dict[tuple[float | None, str], list[tuple[str, bytes]]], overwrite: bool) -> None:
+        for (ttl, mode), pairs in by_ttl.items():
             values = [v if type(v) is Attachment else attach(v) for _, v in pairs]
             msg: dict[str, Any] = {"op": "mput", "items": [[k, v] for (k, _), v in zip(pairs, values)]}
             msg["nx"] = not overwrite
             if ttl is not None:
                 msg["ttl"] = ttl
+            if mode != "memory":
+                msg["mode"] = mode
             if self._send(msg, len(pairs)):
                 self.pending.append([(k, len(v)) for k, v in pairs])
                 self.settle(WINDOW - 1)

@@ -64,10 +64,11 @@ class Move(NamedTuple):
     version: int
     targets: tuple[str, ...]
     drop: bool
+    mode: str = "memory"
 
 
 def plan_moves(
-    listing: Iterable[tuple[str, float | None, int]],
+    listing: Iterable[tuple],
     me: str,
     before: Placement,
     after: Placement,
@@ -80,7 +81,8 @@ def plan_moves(
     listing = list(listing)
     staying, listed = frozenset(after.nodes), frozenset(before.nodes)
     union = Placement(staying | listed)  # (one rank per key over both lists, filtered: a third of ranking twice)
-    for (key, ttl, version), ranked in zip(listing, union.rank_each(key for key, _, _ in listing)):
+    for entry, ranked in zip(listing, union.rank_each(entry[0] for entry in listing)):
+        key, ttl, version = entry[:3]
         now = [n for n in ranked if n in staying][:replicas]
         owner_now = me in now
         was = [n for n in ranked if n in listed][:replicas]
@@ -95,7 +97,7 @@ def plan_moves(
         else:
             targets = tuple(n for n in now if n != me)
         if targets:
-            moves.append(Move(key, ttl, version, targets, drop=not owner_now))
+            moves.append(Move(key, ttl, version, targets, not owner_now, entry[3] if len(entry) > 3 else "memory"))
     return moves
 
 
@@ -103,12 +105,12 @@ def _plan(moves: Iterable[Move]) -> dict[str, list[Item]]:
     plan: dict[str, list[Item]] = defaultdict(list)
     for move in moves:
         for node in move.targets:
-            plan[node].append((move.key, move.ttl))
+            plan[node].append((move.key, move.ttl, move.mode))
     return plan
 
 
 def rebalance(
-    listing: Callable[[], list[tuple[str, float | None, int]]],
+    listing: Callable[[], list[tuple]],
     read: Callable[[str], Any],
     drop: Callable[[list[str], list[int]], list[bool]],
     me: str,
@@ -175,7 +177,7 @@ class Rebalancer:
         me: str,
         members: Mapping[str, Any],
         *,
-        listing: Callable[[], list[tuple[str, float | None, int]]],
+        listing: Callable[[], list[tuple]],
         read: Callable[[str], Any],
         drop: Callable[[list[str], list[int]], list[bool]],
         replicas: int = 1,

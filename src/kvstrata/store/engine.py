@@ -302,14 +302,14 @@ class ObjectStore(LeaseMixin, BatchMixin, WriteMixin, ReadMixin, ReservationMixi
                         out[i] = not e.expires or e.expires > now
         return out
 
-    def listing(self) -> list[tuple[str, float | None, int]]:
-        """Every visible object's key, its seconds left to live (None: no deadline) and its version (a number that
-        changes with each write of the key), now: a snapshot, which later writes are not in (a cluster worker handing
-        its objects on: :mod:`kvstrata.server.drain`, :mod:`kvstrata.server.rebalance`)."""
+    def listing(self) -> list[tuple[str, float | None, int, str]]:
+        """Every visible object's key, its seconds left to live (None: no deadline), its version (a number that
+        changes with each write of the key) and its write mode, now: a snapshot, which later writes are not in (a
+        cluster worker handing its objects on: :mod:`kvstrata.server.drain`, :mod:`kvstrata.server.rebalance`)."""
         now = time.monotonic()
         with self._lock:
             return [
-                (key, e.expires - now if e.expires else None, e.version)
+                (key, e.expires - now if e.expires else None, e.version, e.mode.value)
                 for key, e in self._objects.items()
                 if e.sealed and not e.dead and (not e.expires or e.expires > now)
             ]
