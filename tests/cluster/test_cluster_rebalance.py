@@ -376,3 +376,43 @@ def test_a_moved_object_keeps_its_write_mode_and_time_to_live(workers):
             assert mode == "evictable" and 500 < ttl <= 600
         else:
             assert mode == "memory" and ttl is None
+
+
+def test_a_run_cut_short_by_a_newer_list_plans_the_next_from_the_list_it_was_for(workers):
+    """Lists L0 = {me, T}, L1 = {me, T, X}, L2 = {me, T} (X died): a key written under L1 to (me, X) must reach T under
+    L2, though L2 equals L0: the run for L1, cut short by L2, leaves L1 as the next run's base."""
+    import threading as _threading
+
+    from kvstrata.cluster.membership import Member
+    from kvstrata.server import rebalance as rb
+
+    (target,) = workers.start(1, memory=32 << 20, cluster_rebalance=False)
+    node = target.member.node_id
+    me, x = Member("me", "tcp://127.0.0.1:1"), Member("x", "tcp://127.0.0.1:1")
+    l0 = l2 = {"me": me, node: target.member}
+    l1 = l0 | {"x": x}
+    key = next(f"k{i}" for i in range(500) if set(owners(f"k{i}", list(l1), 2)) == {"me", "x"})
+    release = _threading.Event()
+    with ObjectStore(StoreConfig(memory_bytes=16 << 20)) as store:
+        store.put(key, b"written under L1")
+
+        def read(k: str) -> bytes:
+            release.wait(10)  # (the run for L1 is still going when L2 comes)
+            return store.get_bytes(k, timeout=0)
+
+        rebalancer = rb.Rebalancer(
+            "me", l0, listing=store.listing, read=read, drop=lambda ks, vs: store.delete(ks, versions=vs),
+            replicas=2, grace=0.05,
+        )  # fmt: skip
+        try:
+            rebalancer.update(l1)
+            assert wait_until(lambda: rebalancer.running, 5)
+            rebalancer.update(l2)
+            release.set()
+            assert rebalancer.wait_settled(30)
+            assert rebalancer.last["cancelled"] is False and rebalancer.last["moved"] == 1, rebalancer.last
+        finally:
+            rebalancer.close()
+        assert store.exists([key]) == [True]  # (an owner under L2 too: kept)
+    with kvstrata.connect(address=target.address) as direct:
+        assert direct.get(key) == b"written under L1"

@@ -23,8 +23,10 @@ concurrent writes wins, as with any two writers of one key); a new stray is sent
 copies that every new owner holds, each only while it is still the version it sent (``ObjectStore.delete`` with
 ``versions``): never a write that came after.
 
-A newer change while a rebalance runs stops it (nothing dropped); the next one plans from the list of the last
-finished rebalance to the newest list, so what was sent is found at its owners and what was not is sent then.
+A newer change while a rebalance runs stops it (nothing dropped); the next one plans from the list the stopped one
+was for (clients wrote under it meanwhile) to the newest, so what was sent is found at its owners and what was not
+is sent then (as a stray where this worker no longer owns it). A run that failed in part runs again from the same
+list, backing off.
 Limits: a worker that died with ``replicas=1`` took its keys with it (a drain on planned stops, or ``replicas=2``,
 keeps them); a client that saw no change for longer than the grace period (a partition) can still write where the
 key no longer belongs: such a stray is found at the next change.
@@ -272,7 +274,12 @@ class Rebalancer:
         except Exception:  # (never the worker: tried again, as a run that failed in part)
             log.exception("rebalance of %s failed", self.me)
             report = None
-        if self._cancel.is_set():  # (a newer list, or closing: the next run starts from the same base)
+        if self._cancel.is_set():  # (a newer list, or closing)
+            # Clients wrote under ``after`` while this ran: the next run plans from it. What this one did not move yet
+            # is found then as copies here this worker does not own under ``after`` (strays: sent to their owners).
+            # From the old base, a key written only under ``after`` (say to a worker that died meanwhile, and here)
+            # would look unmoved when the newest list equals the old base: its lost copy never made again.
+            self._base = after
             return
         if report is not None and not report.failed and not report.left:
             self._base, self.retry_in = after, 0.0
