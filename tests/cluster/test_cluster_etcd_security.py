@@ -161,6 +161,22 @@ def test_http_against_https_and_https_against_http_fail_clearly_and_at_once(mtls
     assert time.monotonic() - started < 10
 
 
+def test_each_way_a_plain_etcd_turns_a_tls_hello_away_is_read_as_the_scheme_mismatch():
+    # (which of these a client sees depends on how etcd's close races the hello: CI once saw the reset)
+    from types import SimpleNamespace
+
+    from kvstrata.cluster.etcd import EtcdMembership
+
+    view = SimpleNamespace(_address=parse_etcd_address("etcds://127.0.0.1:1/x"))
+    for seen in (
+        "[SSL: WRONG_VERSION_NUMBER] wrong version number",
+        "EOF occurred in violation of protocol",
+        "('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))",
+    ):
+        assert "needs an etcd:// address" in EtcdMembership._hint(view, [f"127.0.0.1:1: {seen}"])
+    assert EtcdMembership._hint(view, ["127.0.0.1:1: Connection refused"]) == ""
+
+
 def test_bad_tls_settings_are_refused_by_name_when_the_view_opens(certs, tmp_path, monkeypatch):
     missing = str(tmp_path / "absent.pem")
     with pytest.raises(InvalidValue, match=rf"cacert file '{missing}' \(from \?cacert=\) does not exist"):

@@ -426,7 +426,10 @@ class EtcdMembership(Membership):
         if not self._address.tls and ("RemoteDisconnected" in text or "Connection aborted" in text):
             return " (an etcd that serves HTTPS needs an etcds:// address)"
         upper = text.upper()
-        if self._address.tls and any(sign in upper for sign in ("WRONG_VERSION_NUMBER", "EOF OCCURRED", "_EOF_")):
+        # (a plain-HTTP etcd answers a TLS hello with a 400 and closes: the client reads that as a bad record, an
+        # EOF, or, where the close races the rest of the hello, a reset)
+        plain_signs = ("WRONG_VERSION_NUMBER", "EOF OCCURRED", "_EOF_", "CONNECTIONRESETERROR", "CONNECTION RESET")
+        if self._address.tls and any(sign in upper for sign in plain_signs):
             return " (it did not answer in TLS: an etcd over plain HTTP needs an etcd:// address)"
         if self._address.tls and "CERTIFICATE_VERIFY_FAILED" in upper:
             return f" (etcd's certificate is not signed by the CA given: ?cacert= or ${ENV_CACERT})"
