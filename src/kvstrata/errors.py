@@ -51,6 +51,13 @@ class KeyExists(ServerError):
     """A write-once or ``nx`` write found the key already present."""
 
 
+class NotOwner(ServerError):
+    """A cluster worker refused a write of a key it does not own under its member list, which is not the list the
+    client routed the write by (the client's view of the cluster was out of date). A
+    :class:`~kvstrata.client.cluster.ClusterClient` re-reads the list and writes the key to its owners; a caller
+    sees it only where the lists still disagree after that."""
+
+
 class OwnerGone(ServerError):
     """The process that owned a device object went away (closed, died, lost its worker connection): its keys
     vanished, and receives of them failed or were dropped. The message starts with ``OwnerGone:``."""
@@ -116,6 +123,7 @@ __all__ = [
     "KeyExists",
     "KeyNotFound",
     "KvstrataError",
+    "NotOwner",
     "ProtocolError",
     "ServerError",
     "Timeout",

@@ -13,6 +13,11 @@ misses on a key's owners asks the key's owners under that set as well: a key wri
 while it moves (with ``replicas=2``, even when one of its workers died). A worker whose connection fails is skipped
 (its keys' next-ranked workers stand in) until the list shows another run of it or ``ttl`` passes.
 
+Each write carries the fingerprint of the member list it was routed by. A worker whose own list differs refuses the
+keys it does not own under that list (:class:`~kvstrata.errors.NotOwner`): this client's list is out of date (its
+watch is behind), so the worker may have handed those keys on already, and a value written there now would sit out
+of its readers' sight. The client then reads the list again and writes those keys to their owners under it.
+
 Example (two workers of one process, listed in memory; across hosts the address is ``etcd://HOST:2379/NAME``)::
 
     >>> import kvstrata
@@ -47,7 +52,7 @@ from typing import Any
 from kvstrata.client._shared import check_key, check_keys
 from kvstrata.client.client import _one_or_many, _pairs
 from kvstrata.cluster.membership import DEFAULT_TTL_S, Member, Membership, open_membership
-from kvstrata.cluster.placement import Placement
+from kvstrata.cluster.placement import Placement, fingerprint
 from kvstrata.errors import (
     ClosedError,
     ConnectionLost,
@@ -55,6 +60,7 @@ from kvstrata.errors import (
     InvalidValue,
     KeyExists,
     KeyNotFound,
+    NotOwner,
     Timeout,
     TransportError,
 )
@@ -70,6 +76,10 @@ UNREACHABLE = (ConnectionLost, TransportError, ClosedError, ConnectionError)
 #: workers on the development machine: 190 us in turn, 410 at once). Device calls always go at once.
 PARALLEL_MIN_KEYS = 64
 PARALLEL_MIN_BYTES = 1 << 20
+#: seconds a client writes without its list's fingerprint after a worker refused a write routed by a list the client
+#: had just read again: the worker's list is the one behind (it catches up within moments), and the client's writes
+#: are routed by a list as fresh as the membership store's
+UNCHECKED_S = 1.0
 
 
 class NoWorkers(TransportError):
@@ -121,6 +131,8 @@ class ClusterClient:
         self._connect = connect
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}
+        self._members_fingerprint: int | None = None  # (Placement.fingerprint of the listed workers)
+        self._unchecked_until = 0.0  # (monotonic time until which writes carry no fingerprint: UNCHECKED_S)
         #: the live workers (listed, not skipped) at the last call, and before their last change: where keys written
         #: before that change (a join, a departure, a worker skipped or back) were written
         self._live_now: tuple[str, ...] = ()
@@ -159,6 +171,7 @@ class ClusterClient:
                 if n in members and _incarnation(members[n]) == inc
             }
             self._members = dict(members)
+            self._members_fingerprint = fingerprint(members)
             said = max((_said_replicas(m) for m in members.values()), default=None)
             if self._replicas_given is None and said is not None:
                 self.replicas = said
@@ -179,6 +192,27 @@ class ClusterClient:
     def refresh(self) -> None:
         """Read the member list now (it is watched anyway; this is for a caller that knows it changed)."""
         self._on_members(self.membership.members())
+
+    def _routed_by(self) -> int | None:
+        """The fingerprint each routed write carries (its worker checks it: Worker.check_owner); None: none now.
+
+        (It is read as the write is sent, a moment after the write was routed: a change of the list in between sends
+        the new list's fingerprint with a write routed by the old one, which the worker then does not check. That
+        window is as short as the routing, where a client's out-of-date list lasts as long as its watch lags.)"""
+        if self._unchecked_until and time.monotonic() < self._unchecked_until:
+            return None
+        return self._members_fingerprint
+
+    def _refused_as_not_owner(self) -> None:
+        """A worker refused a write routed by this client's member list (NotOwner): read the list again. Where it
+        has not changed, the worker's is the list behind: writes carry no fingerprint for :data:`UNCHECKED_S`."""
+        before = self._members_fingerprint
+        try:
+            self.refresh()
+        except Exception as exc:  # (the membership store out of reach: the retry goes unchecked)
+            log.warning("cannot re-read the members of %s after a worker refused a write: %s", self.membership.url, exc)
+        if self._members_fingerprint == before:
+            self._unchecked_until = time.monotonic() + UNCHECKED_S
 
     @property
     def nodes(self) -> list[str]:
@@ -253,6 +287,9 @@ class ClusterClient:
         except UNREACHABLE as exc:
             self._suspect(node, exc, incarnation)
             raise
+        backend = getattr(client, "_backend", None)
+        if hasattr(backend, "routed_by"):  # (a worker connection: its routed writes say which list routed them)
+            backend.routed_by = self._routed_by
         with self._lock:
             listed = self._members.get(node)
             if self._closed or listed is None or _incarnation(listed) != incarnation:  # (closed, or it left)
@@ -361,13 +398,18 @@ class ClusterClient:
     ) -> list[Result]:
         """Each key written on its owners by ``batch(client, indices)``: a key's result is None where every owner took
         it, else the first refusal. Where a worker cannot be reached, its keys go to the next-ranked live workers
-        (once; a second failure is the key's result). ``write_once`` (nx, mset_d2h): a key one owner refused as
+        (once; a second failure is the key's result); where a worker refused keys as not its own under its member
+        list (NotOwner: this client's list is out of date), the list is read again and they go to their owners under
+        it (once). ``write_once`` (nx, mset_d2h): a key one owner refused as
         existing is taken back from the owners that stored it (it was not there before this write), so its
         replicas keep the one value that was there first."""
         results: list[Result] = [None] * len(keys)
         todo = list(range(len(keys)))
         done: list[set[str]] = [set() for _ in keys]  # the workers that took each key
+        stale = False  # a worker refused keys routed by an out-of-date list
         for attempt in range(2):
+            if stale:
+                self._refused_as_not_owner()
             live, _ = self._views()
             groups: dict[str, list[int]] = {}
             for i in todo:
@@ -385,6 +427,9 @@ class ClusterClient:
                         done[i].add(node)
                     elif isinstance(r, UNREACHABLE) and attempt == 0:
                         retry.add(i)
+                    elif isinstance(r, NotOwner) and attempt == 0:
+                        retry.add(i)
+                        stale = True
                     elif results[i] is None:
                         results[i] = r
             todo = sorted(i for i in retry if results[i] is None)

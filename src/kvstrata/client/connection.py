@@ -18,6 +18,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvstrata._proc import PID
@@ -174,6 +175,9 @@ class WorkerConnection:
         self._hits_told = 0  # the local-read cache's hits the worker was told of
         self._read_tag = 0  # the tag of the last pipelined reply read off the connection
         self._landing_last = 0  # the tag of the last commit sent ahead of its copies (RemoteBackend.can_land)
+        #: a cluster client's: the fingerprint of the member list its writes are routed by now (None: say none), sent
+        #: with each routed write (protocol.ROUTED_WRITE_OPS) for the worker to check (Worker.check_owner)
+        self.routed_by: Callable[[], int | None] | None = None
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
         self._start_keeper()
 
@@ -274,6 +278,11 @@ class WorkerConnection:
             raise ConnectionLost(f"connection to the worker at {self.address} was lost ({self._broken}); reconnect")
         if self._pid != PID[0]:
             raise ClosedError("this client was connected in the parent process; connect again after fork()")
+        routed_by = self.routed_by
+        if routed_by is not None and msg["op"] in P.ROUTED_WRITE_OPS:
+            view = routed_by()
+            if view is not None:
+                msg["view"] = view
         local = self._local
         if local is not None:
             if len(local):

@@ -45,6 +45,9 @@ class Placement:
     def __init__(self, node_ids: Iterable[str]) -> None:
         self.nodes = tuple(sorted(set(node_ids)))
         self._seeded = [(_hash(node.encode()), node) for node in self.nodes]
+        #: names the node set: two placements rank every key alike if and only if (but for a 2**-64 chance of a
+        #: collision) their fingerprints are equal (cluster workers refuse writes routed by another list by it)
+        self.fingerprint = fingerprint(self.nodes)
         #: recent keys' ranks (hot keys are ranked once per member list: ~0.1 us a key then, ~2 us unranked)
         self._ranked: dict[str, list[str]] = {}
 
@@ -74,6 +77,11 @@ class Placement:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+
+def fingerprint(node_ids: Iterable[str]) -> int:
+    """A 64-bit name of a set of node ids (order and repeats do not count)."""
+    return _hash("\n".join(sorted(set(node_ids))).encode())
 
 
 def rank(key: str, node_ids: Iterable[str]) -> list[str]:

@@ -25,8 +25,9 @@ import weakref
 from collections import Counter
 from typing import Any
 
+from kvstrata.cluster.placement import Placement
 from kvstrata.devobj import service as devobj_service
-from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, TransportError
+from kvstrata.errors import ClosedError, ConnectionLost, InvalidValue, NotOwner, TransportError
 from kvstrata.server import lane as _lane
 from kvstrata.server import protocol as P
 from kvstrata.server.config import WorkerConfig
@@ -92,7 +93,10 @@ class Worker:
         self.drained: dict[str, Any] | None = None
         #: in a cluster with cluster_rebalance: hands objects on at each change of the member list
         self.rebalancer: Any = None
-        self._stop_watch: Any = None
+        #: in a cluster: (a placement over the member list as this worker last saw it, its node id), which a write a
+        #: client routed by another list is checked against (check_owner); None outside one
+        self._owning: tuple[Any, str] | None = None
+        self._stop_watch: Any = None  # (ends the watch of the member list: _on_members)
         #: what clients and peers of its TCP listeners must prove they hold (kvstrata.transport.core), and what it
         #: answers other workers' challenges with when it hands objects on
         self._token: bytes | None = config.auth_token()
@@ -199,15 +203,46 @@ class Worker:
         self.membership = open_membership(config.cluster)
         try:
             self._join_as(self.member)
+            members = self.membership.members()
+            self._owning = (Placement(members), self.member.node_id)
             if config.cluster_rebalance:
-                self._start_rebalancer()
+                self._start_rebalancer(members)
+            self._stop_watch = self.membership.watch(self._on_members)
         except BaseException:
             self.membership.close()
             self.membership = None
             raise
         log.info("joined cluster %s as %s (%s)", config.cluster, self.member.node_id, address)
 
-    def _start_rebalancer(self) -> None:
+    def _on_members(self, members: dict[str, Any]) -> None:
+        """A new member list: writes routed by another one are checked against it (check_owner) before the objects
+        it no longer owns are handed on (a stale client's write that came after that would sit out of sight)."""
+        self._owning = (Placement(members), self.member.node_id)
+        rebalancer = self.rebalancer
+        if rebalancer is not None:
+            rebalancer.update(members)
+
+    def check_owner(self, view: Any, keys: list[str]) -> None:
+        """Refuse a write a cluster client routed by the member list whose fingerprint is ``view``
+        (:attr:`Placement.fingerprint <kvstrata.cluster.placement.Placement.fingerprint>`) where that is not this
+        worker's list and ``keys`` has one this worker does not own under its list: :class:`NotOwner`, and the client
+        re-reads the list. A stale client's write would otherwise land on a worker that handed the key on already, out
+        of its readers' sight. Costs nothing where the lists agree (nearly always), nor outside a cluster."""
+        owning = self._owning
+        if owning is None or view == owning[0].fingerprint:
+            return
+        placement, me = owning
+        replicas = self.config.cluster_replicas
+        for key in keys:
+            owners = placement.rank(key)[:replicas]
+            if me not in owners:
+                self.counters["not_owner"] += 1
+                raise NotOwner(
+                    f"worker {me} does not own key {key!r} under its member list ({len(placement)} workers: owned by "
+                    f"{', '.join(owners) or 'none'}), and the write was routed by another list: re-read the list"
+                )
+
+    def _start_rebalancer(self, members: dict[str, Any]) -> None:
         """Hand objects on at each change of the member list from now on (kvstrata.server.rebalance)."""
         from kvstrata.server.rebalance import Rebalancer
 
@@ -221,14 +256,13 @@ class Worker:
 
         self.rebalancer = Rebalancer(
             self.member.node_id,
-            self.membership.members(),
+            members,
             listing=store.listing,
             read=self._lend,
             drop=drop,
             replicas=self.config.cluster_replicas,
             token=self._token,
         )
-        self._stop_watch = self.membership.watch(self.rebalancer.update)
 
     def _join_as(self, member: Any) -> None:
         """Join as ``member``; where a worker of this host that is gone still holds the node id (restarted within
@@ -286,7 +320,6 @@ class Worker:
 
     def _drain(self, heirs: dict[str, str], seconds: float) -> None:
         """Hand this worker's objects to their owners among ``heirs`` (see :mod:`kvstrata.server.drain`)."""
-        from kvstrata.cluster.placement import Placement
         from kvstrata.server.drain import drain
 
         store = self._store
@@ -331,6 +364,7 @@ class Worker:
         stop_watch, self._stop_watch = self._stop_watch, None
         if stop_watch is not None:
             stop_watch()
+        self._owning = None  # (off the list: writes it is still sent are taken, and drained)
         rebalancer, self.rebalancer = self.rebalancer, None
         if rebalancer is not None:  # (before the drain: it takes over, and no copy here is dropped meanwhile)
             rebalancer.close()
@@ -498,6 +532,8 @@ class Worker:
         if member is not None:
             stats["cluster"] = {"url": self.config.cluster, "node_id": member.node_id, "address": member.address}
             stats["cluster"]["replicas"] = self.config.cluster_replicas
+            # writes routed by an out-of-date member list, refused as not this worker's (Worker.check_owner)
+            stats["cluster"]["stale_writes_refused"] = self.counters["not_owner"]
             rebalancer = self.rebalancer
             if rebalancer is not None:
                 stats["cluster"]["rebalance"] = {"runs": rebalancer.runs, "running": rebalancer.running}

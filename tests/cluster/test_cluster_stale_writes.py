@@ -1,0 +1,133 @@
+"""A write routed by an out-of-date member list: each routed write carries its list's fingerprint, and a worker whose
+list differs refuses the keys it does not own under its own (NotOwner). A client whose watch is behind reads the list
+again and writes those keys to their new owners (without this, they sat on a worker that had handed the keys on
+already, under an older value's readers); a client whose list is current while a worker's is behind writes on
+unchecked for a moment; matching lists, writes with no fingerprint, and workers outside a cluster check nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvstrata
+from kv_helpers import wait_until
+from kvstrata.cluster import owners
+from kvstrata.cluster.placement import Placement, fingerprint
+from kvstrata.errors import NotOwner
+from kvstrata.server import Worker, WorkerConfig
+from kvstrata.server import protocol as P
+
+
+def values(keys: range, seed: int) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    sizes = [1, 100, 5000, 70_000]  # (the largest go as attachments)
+    return {f"key-{i}": rng.integers(0, 255, sizes[i % len(sizes)], dtype=np.uint8).tobytes() for i in keys}
+
+
+def settled(workers, n_nodes: int) -> None:
+    running = list(workers.by_node().values())
+
+    def done() -> bool:
+        return all(len(w.rebalancer.nodes) == n_nodes and w.rebalancer.settled() for w in running)
+
+    assert wait_until(done, 20), [(w.rebalancer.nodes, w.rebalancer.settled()) for w in running]
+
+
+def holders(workers, keys: list[str]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {k: set() for k in keys}
+    for node, worker in workers.by_node().items():
+        for key, there in zip(keys, worker.store.exists(keys)):
+            if there:
+                out[key].add(node)
+    return out
+
+
+def _stop_watching(client) -> None:
+    """``client``'s list stays as it is now (until something makes it read the list again)."""
+    client._stop_watch()
+    client._stop_watch = lambda: None
+
+
+def test_a_client_whose_list_is_behind_reads_it_again_and_writes_to_the_new_owners(workers):
+    workers.start(2, memory=64 << 20)
+    old = values(range(300), seed=0)
+    with kvstrata.connect(cluster=workers.url) as kv:
+        assert kv.mset(old) == [None] * len(old)
+        _stop_watching(kv)
+        workers.start(1, memory=64 << 20)
+        settled(workers, 3)  # (the newcomer holds its keys' old values; the first two dropped theirs)
+        assert len(kv.nodes) == 2
+        new = values(range(300), seed=1)
+        assert kv.mset(new) == [None] * len(new)
+        assert len(kv.nodes) == 3  # (a worker refused keys it had handed on: the client read the list again)
+        assert kv.mget(list(new)) == list(new.values())
+    nodes = sorted(workers.by_node())
+    newcomer = workers.started[2].member.node_id
+    moved = [k for k in new if owners(k, nodes, 1)[0] == newcomer]
+    assert moved
+    where = holders(workers, list(new))
+    assert all(where[k] == {owners(k, nodes, 1)[0]} for k in new)  # at its owner now, no stray left behind
+    with kvstrata.connect(cluster=workers.url) as fresh:
+        assert fresh.mget(list(new)) == list(new.values())  # the new values, the moved keys' too
+    assert sum(w.stats()["cluster"]["stale_writes_refused"] for w in workers.started[:2]) >= 1
+    assert workers.started[2].stats()["cluster"]["stale_writes_refused"] == 0
+
+
+def test_a_worker_whose_list_is_behind_refuses_once_and_the_client_writes_on_unchecked(workers):
+    a, _, c = workers.start(3, memory=64 << 20)
+    a._stop_watch()  # (a's list stays at three workers: a worker whose watch lags)
+    a._stop_watch = None
+    c.stop()
+    with kvstrata.connect(cluster=workers.url) as kv:
+        assert len(kv.nodes) == 2
+        data = values(range(300), seed=2)
+        nodes = sorted(workers.by_node())
+        me = a.member.node_id
+        all_three = Placement([*nodes, c.member.node_id])
+        gained = [k for k in data if owners(k, nodes, 1)[0] == me and me not in all_three.owners(k, 1)]
+        assert gained  # (a owns these now, and did not under the list it still has)
+        with pytest.raises(NotOwner, match=rf"worker {me} does not own key '{gained[0]}' under its member list"):
+            kv.client(me).set(gained[0], b"x")  # (the per-worker client says which list routed it as well)
+        assert kv.mset(data) == [None] * len(data)
+        assert kv._unchecked_until > 0  # (its list did not change on reading it again: the worker's was behind)
+        assert kv.mget(list(data)) == list(data.values())
+    where = holders(workers, list(data))
+    assert all(where[k] == {owners(k, nodes, 1)[0]} for k in data)
+
+
+def test_only_a_write_routed_by_another_list_is_checked_and_only_for_keys_not_owned(workers, tmp_path):
+    a, _ = workers.start(2)
+    nodes = sorted(workers.by_node())
+    me = a.member.node_id
+    mine = next(f"k{i}" for i in range(100) if owners(f"k{i}", nodes, 1)[0] == me)
+    theirs = next(f"k{i}" for i in range(100) if owners(f"k{i}", nodes, 1)[0] != me)
+    with kvstrata.connect(address=a.config.socket) as direct:  # (no fingerprint: a node-local client, any key)
+        assert direct.mset({mine: b"1", theirs: b"2"}) == [None, None]
+        backend = direct._backend
+        backend.routed_by = lambda: fingerprint(nodes)  # the worker's own list: nothing checked
+        assert direct.mset({mine: b"3", theirs: b"4"}) == [None, None]
+        backend.routed_by = lambda: fingerprint([*nodes, "gone:1"])  # another list: keys not owned refused
+        direct.set(mine, b"5")
+        assert direct.mset({mine: b"6"}) == [None]
+        with pytest.raises(NotOwner, match=rf"does not own key '{theirs}'.*owned by {owners(theirs, nodes, 1)[0]}"):
+            direct.mset({mine: b"7", theirs: b"8"})  # (the whole request: nothing of it written)
+        with pytest.raises(NotOwner):
+            direct.set(theirs, b"9" * 100_000)
+        assert direct.mget([mine, theirs]) == [b"6", b"4"]  # nothing refused was written, or lost
+        assert direct.exists(["k-never"]) == [False]  # (reads and the rest carry no fingerprint)
+    lone = Worker(WorkerConfig(socket=str(tmp_path / "lone.sock"), memory=16 << 20, disk_dir="")).start()
+    try:
+        with kvstrata.connect(address=lone.config.socket) as kv:
+            kv._backend.routed_by = lambda: 12345  # (outside a cluster nothing is owned, nothing checked)
+            kv.set(theirs, b"x")
+            assert kv.get(theirs) == b"x"
+    finally:
+        lone.stop()
+
+
+def test_the_keys_of_a_routed_write_are_read_leniently():
+    assert P.routed_keys({"op": "put", "key": "a"}) == ["a"]
+    assert P.routed_keys({"op": "mput", "items": [["a", b""], ("b", 1), [], [3, b""], "c"]}) == ["a", "b"]
+    assert P.routed_keys({"op": "put", "key": 5}) == [] and P.routed_keys({"op": "mput", "items": "x"}) == []
+    assert fingerprint(["b", "a", "a"]) == fingerprint(["a", "b"]) == Placement(["a", "b"]).fingerprint
+    assert fingerprint(["a"]) != fingerprint(["a", "b"])
