@@ -131,6 +131,23 @@ def test_refused_key_frees_its_piece_and_the_others_stand():
         assert s.reservation("me").offset == loc.offset + 256  # the head moved past every carved piece
 
 
+def test_a_key_the_caller_refuses_frees_its_piece_with_or_without_landing():
+    # (a cluster worker refuses keys not its own in a commit routed by another member list: Worker.not_owned)
+    refusal = KvstrataError("not this worker's")
+
+    def refuse(key):
+        return refusal if key.startswith("theirs") else None
+
+    for landed in (None, lambda: True):
+        with _store() as s:
+            loc = s.reserve("me", 4096)
+            items = [("mine", 64, loc.offset), ("theirs", 64, loc.offset + 64), ("mine2", 64, loc.offset + 128)]
+            assert s.commit("me", items, refuse=refuse, landed=landed) == [None, refusal, None]
+            s.cut_landings("me")
+            assert s.exists(["mine", "theirs", "mine2"]) == [True, False, True]
+            assert _used(s) == 2 * 64 + (4096 - 192)  # the refused piece went back, the head moved past it
+
+
 def test_offset_mismatch_is_refused_from_that_item_on_and_nothing_is_carved():
     with _store() as s:
         loc = s.reserve("me", 4096)

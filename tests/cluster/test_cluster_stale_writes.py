@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import kvstrata
+from _stages import fake_gpu
 from kv_helpers import wait_until
 from kvstrata.cluster import owners
 from kvstrata.cluster.placement import Placement, fingerprint
-from kvstrata.errors import NotOwner
+from kvstrata.errors import KeyNotFound, NotOwner
 from kvstrata.server import Worker, WorkerConfig
-from kvstrata.server import protocol as P
 
 
 def values(keys: range, seed: int) -> dict[str, bytes]:
@@ -95,39 +96,75 @@ def test_a_worker_whose_list_is_behind_refuses_once_and_the_client_writes_on_unc
     assert all(where[k] == {owners(k, nodes, 1)[0]} for k in data)
 
 
-def test_only_a_write_routed_by_another_list_is_checked_and_only_for_keys_not_owned(workers, tmp_path):
+def test_only_a_write_routed_by_another_list_is_checked_and_only_its_keys_not_owned_are_refused(workers, tmp_path):
     a, _ = workers.start(2)
     nodes = sorted(workers.by_node())
     me = a.member.node_id
-    mine = next(f"k{i}" for i in range(100) if owners(f"k{i}", nodes, 1)[0] == me)
-    theirs = next(f"k{i}" for i in range(100) if owners(f"k{i}", nodes, 1)[0] != me)
+    mine = [f"k{i}" for i in range(40) if owners(f"k{i}", nodes, 1)[0] == me][:3]
+    theirs = [f"k{i}" for i in range(40) if owners(f"k{i}", nodes, 1)[0] != me][:3]
     with kvstrata.connect(address=a.config.socket) as direct:  # (no fingerprint: a node-local client, any key)
-        assert direct.mset({mine: b"1", theirs: b"2"}) == [None, None]
+        assert direct.mset({mine[0]: b"1", theirs[0]: b"2"}) == [None, None]
         backend = direct._backend
         backend.routed_by = lambda: fingerprint(nodes)  # the worker's own list: nothing checked
-        assert direct.mset({mine: b"3", theirs: b"4"}) == [None, None]
+        assert direct.mset({mine[0]: b"3", theirs[0]: b"4"}) == [None, None]
         backend.routed_by = lambda: fingerprint([*nodes, "gone:1"])  # another list: keys not owned refused
-        direct.set(mine, b"5")
-        assert direct.mset({mine: b"6"}) == [None]
-        with pytest.raises(NotOwner, match=rf"does not own key '{theirs}'.*owned by {owners(theirs, nodes, 1)[0]}"):
-            direct.mset({mine: b"7", theirs: b"8"})  # (the whole request: nothing of it written)
-        with pytest.raises(NotOwner):
-            direct.set(theirs, b"9" * 100_000)
-        assert direct.mget([mine, theirs]) == [b"6", b"4"]  # nothing refused was written, or lost
+        direct.set(mine[0], b"5")
+        got = direct.mset({mine[0]: b"6", theirs[0]: b"7", mine[1]: b"8" * 100_000, theirs[1]: b"9" * 100_000})
+        assert got[0] is None and got[2] is None and isinstance(got[1], NotOwner) and isinstance(got[3], NotOwner)
+        assert f"does not own key '{theirs[0]}'" in str(got[1]) and owners(theirs[0], nodes, 1)[0] in str(got[1])
+        with pytest.raises(NotOwner, match=rf"worker {me} does not own key '{theirs[2]}' under its member list"):
+            direct.set(theirs[2], b"x" * 100_000)
+        # device writes: through shared memory (create) here, or carved from a reservation (commit) on a GPU host
+        blocks = [[torch.full((300,), float(i))] for i in range(4)]
+        done = direct.mset_d2h([mine[2], theirs[2], "d-" + mine[2], "d-" + theirs[2]], blocks)
+        refused = [isinstance(r, NotOwner) for r in done]
+        assert refused[:2] == [False, True] and all(r is None for r, no in zip(done, refused) if not no)
+        assert direct.mget([mine[0], theirs[0], mine[1]]) == [b"6", b"4", b"8" * 100_000]
+        assert all(isinstance(r, KeyNotFound) for r in direct.mget(theirs[1:]))  # (no refused key written)
         assert direct.exists(["k-never"]) == [False]  # (reads and the rest carry no fingerprint)
+    assert a.stats()["cluster"]["stale_writes_refused"] >= 4
+    assert a.store.stats()["creates_in_progress"] == 0 and a.store.stats()["reserved_bytes"] == 0
     lone = Worker(WorkerConfig(socket=str(tmp_path / "lone.sock"), memory=16 << 20, disk_dir="")).start()
     try:
         with kvstrata.connect(address=lone.config.socket) as kv:
             kv._backend.routed_by = lambda: 12345  # (outside a cluster nothing is owned, nothing checked)
-            kv.set(theirs, b"x")
-            assert kv.get(theirs) == b"x"
+            kv.set(theirs[0], b"x")
+            assert kv.get(theirs[0]) == b"x"
     finally:
         lone.stop()
 
 
-def test_the_keys_of_a_routed_write_are_read_leniently():
-    assert P.routed_keys({"op": "put", "key": "a"}) == ["a"]
-    assert P.routed_keys({"op": "mput", "items": [["a", b""], ("b", 1), [], [3, b""], "c"]}) == ["a", "b"]
-    assert P.routed_keys({"op": "put", "key": 5}) == [] and P.routed_keys({"op": "mput", "items": "x"}) == []
+def test_a_device_write_carved_from_a_reservation_refuses_keys_not_owned_and_frees_their_pieces(workers, monkeypatch):
+    a, _ = workers.start(2, memory=64 << 20)
+    nodes = sorted(workers.by_node())
+    me = a.member.node_id
+    keys = [f"dev/{i}" for i in range(24)]
+    mine = [owners(k, nodes, 1)[0] == me for k in keys]
+    assert any(mine) and not all(mine)
+    g = torch.Generator().manual_seed(3)
+    lists = [[torch.randint(0, 255, (700,), generator=g, dtype=torch.uint8)] for _ in keys]
+    with kvstrata.connect(address=a.config.socket) as direct:
+        assert direct.mset_d2h(["dev/warm"], lists[:1]) == [None]  # (now a reservation is held)
+        fake_gpu(monkeypatch, "copies")  # (CPU tensors taken for CUDA ones: laid out in the reservation, committed)
+        backend = direct._backend
+        calls = []
+        real_commit = backend.commit_start
+        monkeypatch.setattr(backend, "commit_start", lambda *a, **kw: calls.append(1) or real_commit(*a, **kw))
+        backend.routed_by = lambda: fingerprint([*nodes, "gone:1"])
+        done = direct.mset_d2h(keys, lists)
+        assert calls  # (the commit path, not create)
+        assert [r is None for r in done] == mine and all(isinstance(r, NotOwner) for r, m in zip(done, mine) if not m)
+        backend.routed_by = None
+        got = direct.mget(keys)
+        for key, ts, m, r in zip(keys, lists, mine, got):
+            assert r == ts[0].numpy().tobytes() if m else isinstance(r, KeyNotFound), key
+        # the refused keys' pieces went back: written now (routed by the worker's own list), they fit and read back
+        redo = [k for k, m in zip(keys, mine) if not m]
+        assert direct.mset_d2h(redo, [ts for ts, m in zip(lists, mine) if not m]) == [None] * len(redo)
+        assert direct.mget(redo) == [ts[0].numpy().tobytes() for ts, m in zip(lists, mine) if not m]
+    assert a.store.stats()["creates_in_progress"] == 0
+
+
+def test_a_fingerprint_names_a_set_of_node_ids():
     assert fingerprint(["b", "a", "a"]) == fingerprint(["a", "b"]) == Placement(["a", "b"]).fingerprint
     assert fingerprint(["a"]) != fingerprint(["a", "b"])

@@ -194,7 +194,7 @@ class ClusterClient:
         self._on_members(self.membership.members())
 
     def _routed_by(self) -> int | None:
-        """The fingerprint each routed write carries (its worker checks it: Worker.check_owner); None: none now.
+        """The fingerprint each routed write carries (its worker checks it: Worker.not_owned); None: none now.
 
         (It is read as the write is sent, a moment after the write was routed: a change of the list in between sends
         the new list's fingerprint with a write routed by the old one, which the worker then does not check. That

@@ -176,7 +176,7 @@ class WorkerConnection:
         self._read_tag = 0  # the tag of the last pipelined reply read off the connection
         self._landing_last = 0  # the tag of the last commit sent ahead of its copies (RemoteBackend.can_land)
         #: a cluster client's: the fingerprint of the member list its writes are routed by now (None: say none), sent
-        #: with each routed write (protocol.ROUTED_WRITE_OPS) for the worker to check (Worker.check_owner)
+        #: with each routed write (protocol.ROUTED_WRITE_OPS) for the worker to check (Worker.not_owned)
         self.routed_by: Callable[[], int | None] | None = None
         self._absorb_segments(self._conn.peer_info.get("segs", []), fds)
         self._start_keeper()

@@ -36,10 +36,27 @@ def _value(msg: dict) -> bytes | memoryview:
     return v
 
 
+def _refuser(s: Session, msg: dict) -> Any:
+    """For a write a cluster client routed (its ``"view"``: the fingerprint of its member list), the worker's per-key
+    refusal of keys not its own under a list that differs (Worker.not_owned); None where nothing is checked."""
+    view = msg.get("view")
+    return None if view is None else s.worker.not_owned(view)
+
+
+def _routed(s: Session, msg: dict, key: str) -> None:
+    """NotOwner where ``key`` of a one-key write is refused (see :func:`_refuser`)."""
+    refuse = _refuser(s, msg)
+    refusal = None if refuse is None else refuse(key)
+    if refusal is not None:
+        raise refusal
+
+
 def _put(s: Session, msg: dict) -> dict:
     # the single small put is the hot path: inline (every call here is ~0.3 us of ~10)
     opts = s.write_options(msg)
     key, value = P.check_key(msg.get("key")), msg.get("v")
+    if "view" in msg:
+        _routed(s, msg, key)
     if type(value) is not bytes:
         value = _value(msg)
     validity = s.validity
@@ -70,6 +87,14 @@ def _mput(s: Session, msg: dict) -> dict:
             at.append(i)
         except (KvstrataError, ValueError, TypeError) as exc:
             items[i] = P.error_record(exc)
+    refuse = _refuser(s, msg)
+    if refuse is not None:  # keys of a write routed by another member list that are not this worker's: refused
+        refusals = [refuse(key) for key, _ in good]
+        for i, refusal in zip(at, refusals):
+            if refusal is not None:
+                items[i] = P.error_record(refusal)
+        good = [pair for pair, refusal in zip(good, refusals) if refusal is None]
+        at = [i for i, refusal in zip(at, refusals) if refusal is None]
     ttl = opts["ttl"]
     for lo in range(0, len(good), MPUT_CHUNK):
         chunk = good[lo : lo + MPUT_CHUNK]
@@ -91,6 +116,7 @@ def _create(s: Session, msg: dict) -> dict:
     key = P.check_key(msg.get("key"))
     size = P.check_size(msg.get("size"))
     opts = s.write_options(msg)
+    _routed(s, msg, key)
     location = s.store.create(key, size, owner=s.owner, **opts)
     s.writes[key] = opts["ttl"]
     reply: dict = {}
@@ -106,7 +132,13 @@ def _mcreate(s: Session, msg: dict) -> dict:
     pairs = msg.get("items", [])
     if type(pairs) is not list or not _PAIR_TYPES.issuperset(map(type, pairs)) or any(len(p) != 2 for p in pairs):
         raise InvalidType("items: expected a list of [key, size] pairs")
-    results = s.store.create_many(pairs, owner=s.owner, **opts)
+    refuse = _refuser(s, msg)
+    refusals = None if refuse is None else [refuse(p[0]) if type(p[0]) is str else None for p in pairs]
+    if refusals is None or refusals.count(None) == len(pairs):
+        results = s.store.create_many(pairs, owner=s.owner, **opts)
+    else:  # keys of a write routed by another member list that are not this worker's: refused, the rest created
+        created = iter(s.store.create_many([p for p, r in zip(pairs, refusals) if r is None], owner=s.owner, **opts))
+        results = [next(created) if r is None else r for r in refusals]
     reply: dict = {}
     errs = []
     ttl = opts["ttl"]
@@ -209,6 +241,9 @@ def _commit(s: Session, msg: dict) -> dict:
     visible when the client says in the lane page that the copies landed (``store.reservations``; every
     request of anyone after that sees them), freed if it says they failed; a TTL runs from then."""
     opts = s.write_options(msg)
+    refuse = _refuser(s, msg)  # (keys not this worker's refused one by one, their pieces freed)
+    if refuse is not None:
+        opts = {**opts, "refuse": refuse}
     keys = msg.get("keys")
     if keys is not None:  # the items as columns (protocol: "columns"), each item a tuple made in C
         if type(keys) is not list or len(keys) > P.MAX_BATCH:

@@ -41,9 +41,8 @@ MAX_KEY_BYTES = 1024
 WRITE_MODES = ("memory", "write_through", "write_back", "evictable")
 ONE_WAY_OPS = frozenset({"release", "linger"})
 #: writes a cluster client routes by its member list, and tags with that list's fingerprint (``"view"``): a worker
-#: whose own list differs refuses the keys it does not own under its list (:class:`~kvstrata.errors.NotOwner`).
-#: Not ``commit``: it writes into space reserved before (same host only), which a refusal would have to give back.
-ROUTED_WRITE_OPS = frozenset({"put", "mput", "create", "mcreate"})
+#: whose own list differs refuses the keys it does not own under its list, each (:class:`~kvstrata.errors.NotOwner`)
+ROUTED_WRITE_OPS = frozenset({"put", "mput", "create", "mcreate", "commit"})
 _INT = frozenset({int})
 
 _ERROR_TYPES: dict[str, type[BaseException]] = {
@@ -71,18 +70,6 @@ def error_from_record(record: list | tuple) -> BaseException:
     if cls is None:
         return kverrors.ServerError(f"{name}: {message}")
     return cls(message)
-
-
-def routed_keys(msg: dict) -> list[str]:
-    """The keys a :data:`ROUTED_WRITE_OPS` request writes: its ``key``, or the first of each of its ``items`` (what
-    is malformed is left out: the request's own handler refuses it, by name)."""
-    key = msg.get("key")
-    if key is not None:
-        return [key] if type(key) is str else []
-    items = msg.get("items")
-    if type(items) is not list and type(items) is not tuple:
-        return []
-    return [it[0] for it in items if type(it) in (list, tuple) and it and type(it[0]) is str]
 
 
 def check_key(key: Any, name: str = "key") -> str:

@@ -340,8 +340,6 @@ class Session:
                         self.writes.pop(key, None)
                     except (KvstrataError, ValueError, TypeError):
                         pass  # not this client's unsealed write (any more): nothing to abort
-            if "view" in msg and op in P.ROUTED_WRITE_OPS:  # a cluster client's write, routed by its member list
-                self.worker.check_owner(msg["view"], P.routed_keys(msg))
             reply = handler(self, msg)
         except (KeyNotFound, KeyExists, Timeout) as exc:  # answers, not faults (the store counts misses)
             reply = P.error_record(exc)

@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from kvstrata.cluster.placement import Placement
@@ -94,7 +95,7 @@ class Worker:
         #: in a cluster with cluster_rebalance: hands objects on at each change of the member list
         self.rebalancer: Any = None
         #: in a cluster: (a placement over the member list as this worker last saw it, its node id), which a write a
-        #: client routed by another list is checked against (check_owner); None outside one
+        #: client routed by another list is checked against (not_owned); None outside one
         self._owning: tuple[Any, str] | None = None
         self._stop_watch: Any = None  # (ends the watch of the member list: _on_members)
         #: what clients and peers of its TCP listeners must prove they hold (kvstrata.transport.core), and what it
@@ -215,32 +216,37 @@ class Worker:
         log.info("joined cluster %s as %s (%s)", config.cluster, self.member.node_id, address)
 
     def _on_members(self, members: dict[str, Any]) -> None:
-        """A new member list: writes routed by another one are checked against it (check_owner) before the objects
+        """A new member list: writes routed by another one are checked against it (not_owned) before the objects
         it no longer owns are handed on (a stale client's write that came after that would sit out of sight)."""
         self._owning = (Placement(members), self.member.node_id)
         rebalancer = self.rebalancer
         if rebalancer is not None:
             rebalancer.update(members)
 
-    def check_owner(self, view: Any, keys: list[str]) -> None:
-        """Refuse a write a cluster client routed by the member list whose fingerprint is ``view``
-        (:attr:`Placement.fingerprint <kvstrata.cluster.placement.Placement.fingerprint>`) where that is not this
-        worker's list and ``keys`` has one this worker does not own under its list: :class:`NotOwner`, and the client
-        re-reads the list. A stale client's write would otherwise land on a worker that handed the key on already, out
-        of its readers' sight. Costs nothing where the lists agree (nearly always), nor outside a cluster."""
+    def not_owned(self, view: Any) -> Callable[[str], NotOwner | None] | None:
+        """For a write a cluster client routed by the member list whose fingerprint is ``view``
+        (:attr:`Placement.fingerprint <kvstrata.cluster.placement.Placement.fingerprint>`): a function giving a
+        key's :class:`NotOwner` refusal where that is not this worker's list and the key is not its own under its
+        list, else None; None in place of the function where nothing is checked (the lists agree, nearly always, or
+        no cluster). The client re-reads its list: a stale client's write would otherwise land on a worker that had
+        handed the key on already, out of its readers' sight (kvstrata.server.handlers refuses the keys)."""
         owning = self._owning
         if owning is None or view == owning[0].fingerprint:
-            return
+            return None
         placement, me = owning
         replicas = self.config.cluster_replicas
-        for key in keys:
+
+        def refuse(key: str) -> NotOwner | None:
             owners = placement.rank(key)[:replicas]
-            if me not in owners:
-                self.counters["not_owner"] += 1
-                raise NotOwner(
-                    f"worker {me} does not own key {key!r} under its member list ({len(placement)} workers: owned by "
-                    f"{', '.join(owners) or 'none'}), and the write was routed by another list: re-read the list"
-                )
+            if me in owners:
+                return None
+            self.counters["not_owner"] += 1
+            return NotOwner(
+                f"worker {me} does not own key {key!r} under its member list ({len(placement)} workers: owned by "
+                f"{', '.join(owners) or 'none'}), and the write was routed by another list: re-read the list"
+            )
+
+        return refuse
 
     def _start_rebalancer(self, members: dict[str, Any]) -> None:
         """Hand objects on at each change of the member list from now on (kvstrata.server.rebalance)."""
@@ -532,7 +538,7 @@ class Worker:
         if member is not None:
             stats["cluster"] = {"url": self.config.cluster, "node_id": member.node_id, "address": member.address}
             stats["cluster"]["replicas"] = self.config.cluster_replicas
-            # writes routed by an out-of-date member list, refused as not this worker's (Worker.check_owner)
+            # writes routed by an out-of-date member list, refused as not this worker's (Worker.not_owned)
             stats["cluster"]["stale_writes_refused"] = self.counters["not_owner"]
             rebalancer = self.rebalancer
             if rebalancer is not None:

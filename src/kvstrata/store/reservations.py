@@ -188,6 +188,7 @@ class ReservationMixin:
         write_mode: WriteMode | str = WriteMode.MEMORY,
         nx: bool = False,
         landed: Callable[[], bool | None] | None = None,
+        refuse: Callable[[str], KvstrataError | None] | None = None,
     ) -> list[KvstrataError | ValueError | TypeError | None]:
         """Make each ``(key, size, offset)`` a sealed object at ``offset`` of ``owner``'s reservation, whose
         bytes the owner wrote there; per item None or the exception. With ``landed`` (write mode ``memory``
@@ -198,9 +199,9 @@ class ReservationMixin:
         moves past its ``size`` rounded up to ALIGNMENT. An item that breaks this (or has a bad size or
         offset, or there is no reservation) gets a ProtocolError/ValueError and so does every item after it:
         none of them is carved. A key refused otherwise (``nx`` and it exists, a bad key, an SSD tier full
-        for a write-through) gets its exception and its piece is freed. Committed objects are as if created
-        and sealed: new versions, waiters woken, TTLs started, written through to SSD where ``write_mode``
-        says so.
+        for a write-through, an exception ``refuse(key)`` returns: a cluster worker's key not its own) gets its
+        exception and its piece is freed. Committed objects are as if created and sealed: new versions, waiters
+        woken, TTLs started, written through to SSD where ``write_mode`` says so.
 
         With ``landed``, the commit does only what its results depend on: it checks the items and takes their
         keys (a write-once write meanwhile sees them, as unsealed creates). The rest, cutting the pieces off the
@@ -270,6 +271,8 @@ class ReservationMixin:
                         if key in seen or key in creating or (key in objects and self._lookup(key) is not None):
                             raise KeyExists(f"key {key!r} already exists")
                         seen.add(key)
+                    if refuse is not None and (refusal := refuse(key)) is not None:
+                        raise refusal
                 except (KvstrataError, ValueError, TypeError) as exc:
                     out[i] = exc
                     continue
