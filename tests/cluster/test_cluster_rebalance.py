@@ -196,6 +196,20 @@ def test_a_rebalance_cancelled_drops_nothing_and_a_target_out_of_reach_is_counte
         assert all(store.exists(keys))
 
 
+def test_a_hand_off_to_a_worker_gone_stops_trying_to_connect_once_called_off():
+    # (it tried for up to 5 s before: a rebalance to a worker that died was held that long after a newer list came)
+    from kvstrata.server.handoff import HandoffReport, hand_off
+
+    report, t0 = HandoffReport(), time.monotonic()
+    plan = {"gone": [(f"k{i}", None, "memory") for i in range(10)]}
+    hand_off(
+        plan, lambda k: b"v", {"gone": "tcp://127.0.0.1:1"}, deadline=t0 + 30, name="t", report=report,
+        cancelled=lambda: time.monotonic() - t0 > 0.3,
+    )  # fmt: skip
+    assert time.monotonic() - t0 < 2.0
+    assert report.left == 10 and report.failed == 0 and not report.errors
+
+
 def test_a_version_guarded_delete_spares_a_key_written_since_and_checks_its_arguments():
     with ObjectStore(StoreConfig(memory_bytes=8 << 20)) as store:
         store.put("a", b"1")

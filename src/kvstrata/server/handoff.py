@@ -113,8 +113,11 @@ def _hand_to(
 ) -> None:
     try:
         wait = max(0.1, min(5.0, deadline - time.monotonic()))
-        conn = connect(address, timeout=wait, hello={"shm": False, "name": name}, token=token or b"")
+        conn = connect(address, timeout=wait, hello={"shm": False, "name": name}, token=token or b"", cancelled=stop)
     except (KvstrataError, OSError) as exc:
+        if stop():  # (called off while it tried: a worker gone, whose departure a newer list shows)
+            report.left += len(items)
+            return
         report.failed += len(items)
         report.note(f"{node} ({address}): {exc}")
         return

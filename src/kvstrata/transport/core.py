@@ -115,6 +115,7 @@ def connect(
     retry_delay: float = 0.01,
     max_retry_delay: float = 0.5,
     token: str | bytes | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Connection:
     """Connect to ``address`` and handshake, retrying with jittered backoff until ``timeout`` seconds pass.
 
@@ -122,7 +123,8 @@ def connect(
     listener's accept backlog full).
     The handshake sends ``{"op": "hello", "protocol": PROTOCOL_VERSION, **hello}``; the reply is in
     ``conn.peer_info`` and any descriptors attached to it in ``conn.handshake_fds``. ``token``: what to answer a
-    listener's challenge with (default ``$KVSTRATA_TOKEN``; see the module).
+    listener's challenge with (default ``$KVSTRATA_TOKEN``; see the module). ``cancelled``: asked before each retry;
+    True ends the tries at once (TransportError saying so): a caller whose work was called off meanwhile.
 
     >>> from kvstrata.transport import connect, listen
     >>> lst = listen("inproc://*", lambda c: c.send(c.recv()[0]))
@@ -149,6 +151,9 @@ def connect(
                 raise TransportError(
                     f"could not connect to {address} within {timeout:.3g} s ({attempt} attempts; last: {exc})"
                 ) from exc
+            if cancelled is not None and cancelled():
+                why = f"connecting to {address} was called off ({attempt} attempts; last: {exc})"
+                raise TransportError(why) from exc
             time.sleep(min(left, delay * random.uniform(0.5, 1.5)))
             delay = min(delay * 2, max_retry_delay)
         except OSError as exc:
