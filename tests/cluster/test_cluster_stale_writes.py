@@ -13,6 +13,7 @@ import torch
 import kvstrata
 from _stages import fake_gpu
 from kv_helpers import wait_until
+from kvstrata.cli.status import _rebalance_note
 from kvstrata.cluster import owners
 from kvstrata.cluster.placement import Placement, fingerprint
 from kvstrata.errors import KeyNotFound, NotOwner
@@ -71,6 +72,7 @@ def test_a_client_whose_list_is_behind_reads_it_again_and_writes_to_the_new_owne
     with kvstrata.connect(cluster=workers.url) as fresh:
         assert fresh.mget(list(new)) == list(new.values())  # the new values, the moved keys' too
     assert sum(w.stats()["cluster"]["stale_writes_refused"] for w in workers.started[:2]) >= 1
+    assert any("stale write" in _rebalance_note(w.stats()) for w in workers.started[:2])  # (kvstrata status)
     assert workers.started[2].stats()["cluster"]["stale_writes_refused"] == 0
 
 

@@ -114,19 +114,23 @@ def render_cluster(url: str, members: dict[str, Any], stats: dict[str, dict[str,
 
 
 def _rebalance_note(stats: dict[str, Any]) -> str:
-    """What the worker's last rebalance did (kvstrata.server.rebalance), where it ran one: '' otherwise."""
-    rebalance = (stats.get("cluster") or {}).get("rebalance") or {}
+    """What the worker's last rebalance did (kvstrata.server.rebalance), where it ran one, and how many writes routed
+    by an out-of-date member list it refused, where any: '' where neither."""
+    cluster = stats.get("cluster") or {}
+    rebalance = cluster.get("rebalance") or {}
     last = rebalance.get("last")
+    stale = cluster.get("stale_writes_refused")
+    tail = f"   {stale} stale write{'s' * (stale != 1)} refused" if stale else ""
     if rebalance.get("running"):
-        return "   rebalancing"
+        return "   rebalancing" + tail
     if not last:
-        return ""
+        return tail
     note = f"   last rebalance: {last.get('moved', 0)} handed on, {last.get('dropped', 0)} dropped"
     if last.get("failed") or last.get("left"):
         note += f", {last.get('failed', 0)} failed, {last.get('left', 0)} left"
     if rebalance.get("retry_in_s"):
         note += f" (tried again within {rebalance['retry_in_s']:g} s)"
-    return note
+    return note + tail
 
 
 def fetch_stats(
