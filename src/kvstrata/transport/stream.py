@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import errno
 import math
 import mmap
@@ -79,10 +80,20 @@ _MAPPED_FRAME_BYTES = 16 << 20
 _FIRST_LARGE_ALLOC = 1 << 20
 
 
+#: asks the kernel to back a large frame's buffer with 2 MiB pages where it can (transparent huge pages in "madvise"
+#: mode, the common default): first writes into fresh pages cost ~half as much then (64 MiB on the development
+#: machine: 43 -> 20 ms, beside 12 ms into warm pages), and a frame's bytes are all first writes
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
 def _frame_buffer(length: int, have: int) -> bytearray | mmap.mmap:
     """Room for a large frame's ``length`` bytes, ``have`` of them arrived, that costs memory only as bytes arrive."""
     if length >= _MAPPED_FRAME_BYTES:
-        return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        if _MADV_HUGEPAGE is not None:
+            with contextlib.suppress(OSError):  # (THP off, or not built in: 4 KiB pages, as without the advice)
+                buffer.madvise(_MADV_HUGEPAGE)
+        return buffer
     return bytearray(max(have, min(length, _FIRST_LARGE_ALLOC)))
 
 
