@@ -535,8 +535,17 @@ def test_tcp_clients_get_everything_inline():
         big = os.urandom(3 << 20)
         kv.set("over-tcp", big)
         assert kv.get("over-tcp") == big and kv.mget(["over-tcp"]) == [big]
-        with pytest.raises(ServerError, match="shared memory"):
-            kv.get_buffers(["over-tcp"])
+        # views of the values as the reply brought them (no lease, no copy after the socket's read)
+        buffers = kv.get_buffers(["over-tcp", "absent", "over-tcp"])
+        assert bytes(buffers[0]) == big and isinstance(buffers[1], KeyNotFound) and buffers[2].lease_id is None
+        assert buffers[0].memoryview().readonly and buffers[0].numpy()[:4].tobytes() == big[:4]
+        assert buffers[2].tensor().numel() == len(big)
+        with buffers[0]:
+            pass
+        assert buffers[0].released and _stats(kv)["leases"] == 0
+        with pytest.raises(ClosedError, match="released"):
+            buffers[0].memoryview()
+        assert kv.get_buffers([]) == []
 
 
 def test_a_hung_worker_is_reported_not_waited_on_forever(tmp_path):

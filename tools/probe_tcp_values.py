@@ -5,6 +5,7 @@
 
 Each size: as many keys as make ~256 MiB (4 to 64), written then read back, best of ``--rounds`` rounds; the last
 value read is checked. The ceiling row: one 64 MiB ``sendall`` a round between two threads of this process.
+``get_buffers``: the values as the reply brought them, not copied into bytes (TCP views, session 43 on).
 (Session 41 measured the TCP attachments with it: bench/results/README.md.)
 """
 
@@ -80,7 +81,8 @@ def main() -> None:
                     size = kib << 10
                     value = np.random.default_rng(kib).integers(0, 255, size, dtype=np.uint8).tobytes()
                     n = max(4, min(64, (256 << 20) // size))
-                    best_set = best_get = float("inf")
+                    best_set = best_get = best_views = float("inf")
+                    views = hasattr(kv, "get_buffers") and "tcp" in address  # (TCP views: session 43 on)
                     for _ in range(args.rounds):
                         start = time.perf_counter()
                         for i in range(n):
@@ -90,8 +92,22 @@ def main() -> None:
                         for i in range(n):
                             got = kv.get(f"k{kib}-{i}")
                         best_get = min(best_get, (time.perf_counter() - start) / n)
+                        if views:
+                            start = time.perf_counter()
+                            for i in range(n):
+                                try:
+                                    buffer = kv.get_buffers([f"k{kib}-{i}"])[0]
+                                except kvstrata.ServerError:  # (a version whose TCP clients have no views)
+                                    views = False
+                                    break
+                                buffer.release()
+                            else:
+                                best_views = min(best_views, (time.perf_counter() - start) / n)
                     assert got == value, "a value came back different"
-                    print(f"{kib:>8} KiB  set {size / best_set / 1e9:5.2f} GB/s  get {size / best_get / 1e9:5.2f} GB/s")
+                    row = f"{kib:>8} KiB  set {size / best_set / 1e9:5.2f} GB/s  get {size / best_get / 1e9:5.2f} GB/s"
+                    if views:
+                        row += f"  get_buffers {size / best_views / 1e9:5.2f} GB/s"
+                    print(row)
         finally:
             worker.stdin.close()
             worker.wait(30)

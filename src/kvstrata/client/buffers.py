@@ -146,7 +146,8 @@ class WritableBuffer:
 
 
 class ReadBuffer:
-    """A read-only zero-copy view of a stored object, holding a lease so it cannot be freed or moved.
+    """A read-only zero-copy view of a stored object, holding a lease so it cannot be freed or moved (``lease_id``
+    None: a value a worker sent over TCP, in this process's memory, with no lease to hold).
 
     Release it with ``release()``, a ``with`` block, or by dropping it (garbage collection). Closing the
     client releases it too (its methods then raise ``ClosedError``). Views taken from it must not be used
@@ -155,14 +156,14 @@ class ReadBuffer:
     the object under every reader).
     """
 
-    def __init__(self, client: Any, key: str, lease_id: int, view: memoryview, tensor_view: Any = None) -> None:
+    def __init__(self, client: Any, key: str, lease_id: int | None, view: memoryview, tensor_view: Any = None) -> None:
         self.key = key
         self.size = len(view)
         self.lease_id = lease_id
         self._view: memoryview | None = view.toreadonly()
         self._raw = view  # writable underneath: torch has no read-only tensors
         self._client = client
-        self._finalizer = weakref.finalize(self, client._defer_release, lease_id)
+        self._finalizer = None if lease_id is None else weakref.finalize(self, client._defer_release, lease_id)
 
     def _live(self) -> memoryview:
         if self._view is None:
@@ -201,8 +202,9 @@ class ReadBuffer:
             return
         self._view = None
         self._raw = None  # type: ignore[assignment]
-        self._finalizer.detach()
-        self._client._release_leases([self.lease_id])
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._client._release_leases([self.lease_id])
 
     def __enter__(self) -> ReadBuffer:
         return self

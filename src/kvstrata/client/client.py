@@ -334,9 +334,19 @@ class Client(DeviceCallsMixin, DeviceObjectsMixin):
 
     def get_buffers(self, keys: str | Iterable[str], *, timeout: float = 0) -> list[ReadBuffer | KvstrataError]:
         """Zero-copy read-only views of objects, each holding a lease until released (or collected); the exception in
-        a missing key's slot. ``timeout`` as in :meth:`get`: 0 does not wait, None waits for every key."""
+        a missing key's slot. ``timeout`` as in :meth:`get`: 0 does not wait, None waits for every key.
+
+        Through a worker over TCP (no shared memory): views of the values as the reply brought them, in this
+        process's memory (no lease; nothing copied after the socket's read: ``get``'s bytes cost a second copy of
+        each value, into fresh memory)."""
         keys = check_keys(keys)
         backend = self._b()
+        if not backend.shm and hasattr(backend, "mget_views"):
+            views = backend.mget_views(keys, P.check_timeout(timeout)) if keys else []
+            return [
+                v if isinstance(v, BaseException) else ReadBuffer(self, key, None, memoryview(v))
+                for key, v in zip(keys, views)
+            ]
         out: list[Any] = []
         leases = backend.acquire(keys, P.check_timeout(timeout), cache=True) if keys else []
         for key, lease in zip(keys, leases):
