@@ -136,7 +136,10 @@ def test_only_a_write_routed_by_another_list_is_checked_and_only_its_keys_not_ow
         lone.stop()
 
 
-def test_a_device_write_carved_from_a_reservation_refuses_keys_not_owned_and_frees_their_pieces(workers, monkeypatch):
+@pytest.mark.parametrize("tensors", ["cpu-as-cuda", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_device_write_carved_from_a_reservation_refuses_keys_not_owned_and_frees_their_pieces(
+    workers, monkeypatch, tensors
+):
     a, _ = workers.start(2, memory=64 << 20)
     nodes = sorted(workers.by_node())
     me = a.member.node_id
@@ -145,9 +148,12 @@ def test_a_device_write_carved_from_a_reservation_refuses_keys_not_owned_and_fre
     assert any(mine) and not all(mine)
     g = torch.Generator().manual_seed(3)
     lists = [[torch.randint(0, 255, (700,), generator=g, dtype=torch.uint8)] for _ in keys]
+    if tensors == "cuda":
+        lists = [[t.cuda() for t in ts] for ts in lists]
     with kvstrata.connect(address=a.config.socket) as direct:
         assert direct.mset_d2h(["dev/warm"], lists[:1]) == [None]  # (now a reservation is held)
-        fake_gpu(monkeypatch, "copies")  # (CPU tensors taken for CUDA ones: laid out in the reservation, committed)
+        if tensors != "cuda":
+            fake_gpu(monkeypatch, "copies")  # (CPU tensors taken for CUDA ones: laid out in the reservation)
         backend = direct._backend
         calls = []
         real_commit = backend.commit_start
@@ -159,11 +165,11 @@ def test_a_device_write_carved_from_a_reservation_refuses_keys_not_owned_and_fre
         backend.routed_by = None
         got = direct.mget(keys)
         for key, ts, m, r in zip(keys, lists, mine, got):
-            assert r == ts[0].numpy().tobytes() if m else isinstance(r, KeyNotFound), key
+            assert r == ts[0].cpu().numpy().tobytes() if m else isinstance(r, KeyNotFound), key
         # the refused keys' pieces went back: written now (routed by the worker's own list), they fit and read back
         redo = [k for k, m in zip(keys, mine) if not m]
         assert direct.mset_d2h(redo, [ts for ts, m in zip(lists, mine) if not m]) == [None] * len(redo)
-        assert direct.mget(redo) == [ts[0].numpy().tobytes() for ts, m in zip(lists, mine) if not m]
+        assert direct.mget(redo) == [ts[0].cpu().numpy().tobytes() for ts, m in zip(lists, mine) if not m]
     assert a.store.stats()["creates_in_progress"] == 0
 
 
