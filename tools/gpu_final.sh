@@ -407,6 +407,8 @@
 #   PART=s42b: (etcd carried, as s42) kvstrata bench cluster's join row (1 GiB, short other rows) with the hand-off
 #     before its pipelining and leases (ab_old/src, carried) and after, twice each
 #   PART=s42c: (etcd carried, as s42) every GPU test and the cluster tests, on the session's last code
+#   PART=s43: (etcd carried, as s42) every GPU test, the cluster tests, then tools/probe_tcp_values.py with the code
+#     before the huge-page frame buffers and TCP get_buffers (ab_old/src, carried) and after, twice each
 #   PART=m: every GPU test (stops at the first failure), bench device --quick (traced), bench store (device
 #           rows), bench transfer at 32 layers x 16 KiB (with request latency, GEMM beside, store+load)
 # JSON and one combined log land in $OUT (no PNGs: at most 8 files come back).
@@ -1287,6 +1289,20 @@ elif [ "${PART}" = s40 ]; then
   echo "=== kvstrata bench prefix --blocks 128" >> "$LOG"
   timeout 240 python3 -m kvstrata.cli.main bench prefix --blocks 128 --out "$OUT/p" >> "$LOG" 2>&1
   cp "$OUT/p/prefix_cache.json" "$OUT/prefix_cache_b128_s40_h200.json" 2>/dev/null; rm -rf "$OUT/p"
+elif [ "${PART}" = s43 ]; then
+  export PATH="$PWD/.etcdbin:$PATH" PYTHONPATH="$PWD/src:/tmp/site"
+  gpu_tests gpu_tests_s43
+  echo "=== pytest tests/cluster (CPU, etcd; the stale-write fencing's real-CUDA commit path among the GPU tests)" >> "$LOG"
+  timeout 200 python3 -m pytest -q tests/cluster -p no:cacheprovider --timeout 120 > "$OUT/cluster_tests_s43.log" 2>&1
+  tail -3 "$OUT/cluster_tests_s43.log" | tee -a "$LOG"
+  for r in 1 2; do
+    for v in ab_old new; do
+      use "$v"
+      echo "=== tools/probe_tcp_values.py ($v code, round $r)" >> "$LOG"
+      timeout 60 python3 tools/probe_tcp_values.py --sizes-kib 4096,65536 --rounds 3 >> "$LOG" 2>&1
+    done
+  done
+  use new
 elif [ "${PART}" = s42c ]; then
   export PATH="$PWD/.etcdbin:$PATH" PYTHONPATH="$PWD/src:/tmp/site"
   gpu_tests gpu_tests_s42c
