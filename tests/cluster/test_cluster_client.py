@@ -173,6 +173,35 @@ def test_tcp_only_clients_work_too(workers):
         assert all(c.address.startswith("tcp://") for c, _ in kv._clients.values())
 
 
+@pytest.mark.parametrize("prefer_local", [True, False], ids=["unix", "tcp"])
+def test_get_buffers_reads_each_key_from_its_workers_without_a_copy(workers, prefer_local):
+    workers.start(3)
+    items = {f"w/{i}": np.full(300_000 + i, i, dtype=np.uint8).tobytes() for i in range(8)}
+    with ClusterClient(workers.url, prefer_local=prefer_local) as kv, kvstrata.connect(cluster=workers.url) as writer:
+        assert writer.mset(items) == [None] * len(items)
+        buffers = kv.get_buffers([*items, "w/absent"])
+        assert [bytes(b) for b in buffers[:-1]] == list(items.values())
+        assert isinstance(buffers[-1], KeyNotFound)
+        assert all((b.lease_id is not None) == prefer_local for b in buffers[:-1])  # (leased in shared memory)
+        assert buffers[2].numpy()[0] == 2 and buffers[2].memoryview().readonly
+        for b in buffers[:-1]:
+            b.release()
+        (one,) = kv.get_buffers("w/3")
+        assert bytes(one) == items["w/3"]
+        one.release()
+        timer = threading.Timer(0.3, lambda: writer.set("w/later", b"here"))
+        timer.start()
+        try:
+            (later,) = kv.get_buffers(["w/later"], timeout=20)  # (waited for on its first owner)
+        finally:
+            timer.join()
+        assert bytes(later) == b"here"
+        assert kv.get_buffers([]) == []
+        with pytest.raises(InvalidValue, match="timeout"):
+            kv.get_buffers(["w/0"], timeout=-1)
+    assert wait_until(lambda: all(w.store.stats()["leases"] == 0 for w in workers.by_node().values()), 10)
+
+
 def test_no_workers_and_a_closed_client_are_named(cluster_url):
     with kvstrata.connect(cluster=cluster_url) as kv:
         with pytest.raises(NoWorkers, match="no worker is listed"):

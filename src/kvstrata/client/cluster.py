@@ -559,6 +559,24 @@ class ClusterClient:
             self._wait_on_first_owners(keys, results, lambda c, idx: c.mget([keys[i] for i in idx], timeout=timeout))
         return results
 
+    def get_buffers(self, keys: str | Iterable[str], *, timeout: float = 0) -> list[Result]:
+        """:meth:`Client.get_buffers` from the first of each key's workers that has it: a zero-copy leased view where
+        the worker is on this host (its shared memory), the value as the reply brought it over TCP (no copy after the
+        socket's read, where :meth:`mget` copies each value into bytes); the exception in a missing key's slot.
+        ``timeout`` as in :meth:`mget`. A buffer is its worker client's: released (and unusable) if that worker
+        leaves the list or restarts."""
+        keys = check_keys(keys)
+        timeout = check_timeout(timeout)
+        if not keys:
+            return []
+        many = len(keys) >= PARALLEL_MIN_KEYS
+        results = self._read(keys, lambda c, idx: c.get_buffers([keys[i] for i in idx]), _is_miss, parallel=many)
+        if timeout != 0:
+            self._wait_on_first_owners(
+                keys, results, lambda c, idx: c.get_buffers([keys[i] for i in idx], timeout=timeout)
+            )
+        return results
+
     def read(self, key: str, offset: int, size: int) -> bytes:
         """``size`` bytes of ``key``'s value from ``offset``, from the first of its workers that has it."""
         check_key(key)
