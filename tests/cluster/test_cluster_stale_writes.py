@@ -6,6 +6,8 @@ unchecked for a moment; matching lists, writes with no fingerprint, and workers 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -93,6 +95,9 @@ def test_a_worker_whose_list_is_behind_refuses_once_and_the_client_writes_on_unc
             kv.client(me).set(gained[0], b"x")  # (the per-worker client says which list routed it as well)
         assert kv.mset(data) == [None] * len(data)
         assert kv._unchecked_until > 0  # (its list did not change on reading it again: the worker's was behind)
+        assert kv._routed_by() is None
+        kv._unchecked_until = time.monotonic() - 0.01  # (UNCHECKED_S later: its writes carry the fingerprint again)
+        assert kv._routed_by() == fingerprint(nodes)
         assert kv.mget(list(data)) == list(data.values())
     where = holders(workers, list(data))
     assert all(where[k] == {owners(k, nodes, 1)[0]} for k in data)
