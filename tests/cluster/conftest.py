@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kv_helpers import wait_until
 from kvstrata.bench._etcd import LocalEtcd
 from kvstrata.server import Worker, WorkerConfig
 
@@ -78,6 +79,25 @@ class Workers:
     def by_node(self) -> dict[str, Worker]:
         """The running workers by node id."""
         return {w.member.node_id: w for w in self.started if w.member is not None and not w._stopped.is_set()}
+
+    def holders(self, keys: list[str]) -> dict[str, set[str]]:
+        """Per key, the running workers whose stores hold it."""
+        out: dict[str, set[str]] = {k: set() for k in keys}
+        for node, worker in self.by_node().items():
+            for key, there in zip(keys, worker.store.exists(keys)):
+                if there:
+                    out[key].add(node)
+        return out
+
+    def settle(self, n_nodes: int, timeout: float = 20) -> None:
+        """Wait until every running worker was told of a list of ``n_nodes`` workers and handed its objects on for
+        it (kvstrata.server.rebalance)."""
+        running = list(self.by_node().values())
+
+        def done() -> bool:
+            return all(len(w.rebalancer.nodes) == n_nodes and w.rebalancer.settled() for w in running)
+
+        assert wait_until(done, timeout), [(w.rebalancer.nodes, w.rebalancer.settled()) for w in running]
 
     def stop_all(self) -> None:
         for worker in self.started:

@@ -28,26 +28,6 @@ def values(n: int, seed: int = 0) -> dict[str, bytes]:
     return {f"key-{i}": rng.integers(0, 255, sizes[i % len(sizes)], dtype=np.uint8).tobytes() for i in range(n)}
 
 
-def settle(workers, n_nodes: int, timeout: float = 20) -> None:
-    """Wait until every running worker was told of a list of ``n_nodes`` workers and handed its objects on for it."""
-    running = list(workers.by_node().values())
-
-    def done() -> bool:
-        return all(len(w.rebalancer.nodes) == n_nodes and w.rebalancer.settled() for w in running)
-
-    assert wait_until(done, timeout), [(w.rebalancer.nodes, w.rebalancer.settled()) for w in running]
-
-
-def holders(workers, keys: list[str]) -> dict[str, set[str]]:
-    """Per key, the running workers whose stores hold it."""
-    out: dict[str, set[str]] = {k: set() for k in keys}
-    for node, worker in workers.by_node().items():
-        for key, there in zip(keys, worker.store.exists(keys)):
-            if there:
-                out[key].add(node)
-    return out
-
-
 # the plan (no workers) ----------------------------------------------------------------------------------------------
 def _listing(keys):
     return [(k, None, i + 1) for i, k in enumerate(keys)]
@@ -230,9 +210,9 @@ def test_joins_move_keys_to_their_new_owners_and_every_key_stays_readable(worker
         assert kv.mset(data) == [None] * len(data)
     for n in (3, 4):  # (two joins: a client's fallback to the list before the last change covers only one)
         workers.start(1, memory=64 << 20)
-        settle(workers, n)
+        workers.settle(n)
     nodes = sorted(workers.by_node())
-    where = holders(workers, list(data))
+    where = workers.holders(list(data))
     assert all(where[k] == {owners(k, nodes, 1)[0]} for k in data)  # at its owner, nowhere else
     newcomers = {w.member.node_id for w in workers.started[2:]}
     assert any(where[k] & newcomers for k in data)
@@ -250,17 +230,17 @@ def test_with_two_replicas_a_death_leaves_two_copies_and_a_second_death_loses_no
     with kvstrata.connect(cluster=workers.url) as kv:
         assert kv.replicas == 2  # (the workers' setting)
         assert kv.mset(data) == [None] * len(data)
-    assert all(len(h) == 2 for h in holders(workers, list(data)).values())
+    assert all(len(h) == 2 for h in workers.holders(list(data)).values())
     _die(workers, workers.started[0])
-    settle(workers, 2)
-    assert all(len(h) == 2 for h in holders(workers, list(data)).values())
+    workers.settle(2)
+    assert all(len(h) == 2 for h in workers.holders(list(data)).values())
     workers.start(1, memory=64 << 20, cluster_replicas=2)
-    settle(workers, 3)
+    workers.settle(3)
     nodes = sorted(workers.by_node())
-    where = holders(workers, list(data))
+    where = workers.holders(list(data))
     assert all(where[k] == set(owners(k, nodes, 2)) for k in data)
     _die(workers, workers.started[1])
-    settle(workers, 2)
+    workers.settle(2)
     with kvstrata.connect(cluster=workers.url) as kv:
         assert kv.mget(list(data)) == list(data.values())
 
@@ -276,18 +256,18 @@ def _die(workers, worker) -> None:
 def test_a_worker_back_under_its_node_id_gets_its_keys_back(workers):
     workers.start(2, memory=64 << 20)
     (leaving,) = workers.start(1, memory=64 << 20, node_id="comes-back")
-    settle(workers, 3)
+    workers.settle(3)
     data = values(200, seed=2)
     with kvstrata.connect(cluster=workers.url) as kv:
         kv.mset(data)
     its = [k for k in data if owners(k, sorted(workers.by_node()), 1)[0] == "comes-back"]
     assert its
     leaving.stop(drain_s=20)  # (its keys go to their owners without it)
-    settle(workers, 2)
+    workers.settle(2)
     (back,) = workers.start(1, memory=64 << 20, node_id="comes-back")
-    settle(workers, 3)
+    workers.settle(3)
     assert all(back.store.exists(its))
-    where = holders(workers, list(data))
+    where = workers.holders(list(data))
     assert all(where[k] == {"comes-back"} for k in its)
     with kvstrata.connect(cluster=workers.url) as kv:
         assert kv.mget(list(data)) == list(data.values())
@@ -382,7 +362,7 @@ def test_a_moved_object_keeps_its_write_mode_and_time_to_live(workers):
         kv.mset({f"e{i}": b"evictable" for i in range(60)}, write_mode="evictable", ttl=600)
         kv.mset({f"m{i}": b"plain" for i in range(60)})
     (newcomer,) = workers.start(1, memory=32 << 20)
-    settle(workers, 3)
+    workers.settle(3)
     held = {key: (ttl, mode) for key, ttl, _, mode in newcomer.store.listing()}
     assert any(k.startswith("e") for k in held) and any(k.startswith("m") for k in held)
     for key, (ttl, mode) in held.items():

@@ -14,7 +14,6 @@ import torch
 
 import kvstrata
 from _stages import fake_gpu
-from kv_helpers import wait_until
 from kvstrata.cli.status import _rebalance_note
 from kvstrata.cluster import owners
 from kvstrata.cluster.placement import Placement, fingerprint
@@ -26,24 +25,6 @@ def values(keys: range, seed: int) -> dict[str, bytes]:
     rng = np.random.default_rng(seed)
     sizes = [1, 100, 5000, 70_000]  # (the largest go as attachments)
     return {f"key-{i}": rng.integers(0, 255, sizes[i % len(sizes)], dtype=np.uint8).tobytes() for i in keys}
-
-
-def settled(workers, n_nodes: int) -> None:
-    running = list(workers.by_node().values())
-
-    def done() -> bool:
-        return all(len(w.rebalancer.nodes) == n_nodes and w.rebalancer.settled() for w in running)
-
-    assert wait_until(done, 20), [(w.rebalancer.nodes, w.rebalancer.settled()) for w in running]
-
-
-def holders(workers, keys: list[str]) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {k: set() for k in keys}
-    for node, worker in workers.by_node().items():
-        for key, there in zip(keys, worker.store.exists(keys)):
-            if there:
-                out[key].add(node)
-    return out
 
 
 def _stop_watching(client) -> None:
@@ -59,7 +40,7 @@ def test_a_client_whose_list_is_behind_reads_it_again_and_writes_to_the_new_owne
         assert kv.mset(old) == [None] * len(old)
         _stop_watching(kv)
         workers.start(1, memory=64 << 20)
-        settled(workers, 3)  # (the newcomer holds its keys' old values; the first two dropped theirs)
+        workers.settle(3)  # (the newcomer holds its keys' old values; the first two dropped theirs)
         assert len(kv.nodes) == 2
         new = values(range(300), seed=1)
         assert kv.mset(new) == [None] * len(new)
@@ -69,7 +50,7 @@ def test_a_client_whose_list_is_behind_reads_it_again_and_writes_to_the_new_owne
     newcomer = workers.started[2].member.node_id
     moved = [k for k in new if owners(k, nodes, 1)[0] == newcomer]
     assert moved
-    where = holders(workers, list(new))
+    where = workers.holders(list(new))
     assert all(where[k] == {owners(k, nodes, 1)[0]} for k in new)  # at its owner now, no stray left behind
     with kvstrata.connect(cluster=workers.url) as fresh:
         assert fresh.mget(list(new)) == list(new.values())  # the new values, the moved keys' too
@@ -99,7 +80,7 @@ def test_a_worker_whose_list_is_behind_refuses_once_and_the_client_writes_on_unc
         kv._unchecked_until = time.monotonic() - 0.01  # (UNCHECKED_S later: its writes carry the fingerprint again)
         assert kv._routed_by() == fingerprint(nodes)
         assert kv.mget(list(data)) == list(data.values())
-    where = holders(workers, list(data))
+    where = workers.holders(list(data))
     assert all(where[k] == {owners(k, nodes, 1)[0]} for k in data)
 
 
