@@ -12,10 +12,12 @@ that holds its length (:data:`_ATTACHMENT_EXT`). The receiver hands each out as 
 buffer (a copy where the frame was small enough to share the connection's read buffer).
 
 A receiver trusts a header's length only as far as bytes back it: a large frame's buffer starts at a megabyte and
-doubles as its payload fills it, and a frame of 16 MiB or more is read into anonymous memory mapped without
-reserve, backed page by page as the bytes arrive. So a peer that announces a gigabyte and sends nine bytes costs a
-page. (Doubling alone made 16-64 MiB frames 20-35% slower to receive than a buffer allocated whole; the mapping
-receives them faster than either, with no zero-fill or copy, but pays a page fault a page: slower below ~16 MiB.)
+doubles as its payload fills it, and a frame of 8 MiB or more is read into anonymous memory mapped without
+reserve, backed page by page as the bytes arrive (2 MiB pages where the kernel gives them). So a peer that announces
+a gigabyte and sends nine bytes costs a page. (Doubling alone made 16-64 MiB frames 20-35% slower to receive than a
+buffer allocated whole; the mapping receives them faster than either, with no copy, but paid a fault per 4 KiB page:
+slower below ~16 MiB. With huge pages it is faster from 8 MiB: 8 MiB values over TCP 0.59-0.70 -> 0.89-1.09 GB/s
+set, 0.66-0.80 -> 1.10-1.27 get on the development machine, session 43.)
 ``recv``'s ``max_bytes`` caps frames further where the peer is not known yet (a listener's handshake).
 """
 
@@ -76,7 +78,7 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswit
 
 #: a frame at least this large is read into its own mapping (see the module docstring); a smaller one into a buffer
 #: that starts at _FIRST_LARGE_ALLOC and doubles as the bytes fill it
-_MAPPED_FRAME_BYTES = 16 << 20
+_MAPPED_FRAME_BYTES = 8 << 20
 _FIRST_LARGE_ALLOC = 1 << 20
 
 
