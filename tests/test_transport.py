@@ -341,6 +341,8 @@ def test_a_large_frame_is_read_into_memory_advised_for_huge_pages():
     # (first writes into fresh 2 MiB pages cost about half of 4 KiB ones': the 64 MiB TCP rows, session 43)
     import ctypes
     import mmap
+    import subprocess
+    import sys
 
     from kvstrata.transport import stream
 
@@ -361,3 +363,7 @@ def test_a_large_frame_is_read_into_memory_advised_for_huge_pages():
                 advised = "hg" in line.split()[1:]  # (smaps' mnemonic for MADV_HUGEPAGE)
     buffer.close()
     assert advised, "the frame buffer's mapping was not advised for huge pages"
+    off = "import kvstrata.transport.stream as s; print(s._MADV_HUGEPAGE)"
+    got = subprocess.run([sys.executable, "-c", off], env={**os.environ, "KVSTRATA_HUGE_FRAMES": "0"},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert got.stdout.strip() == "None"  # (KVSTRATA_HUGE_FRAMES=0: no advice)

@@ -84,8 +84,10 @@ _FIRST_LARGE_ALLOC = 1 << 20
 
 #: asks the kernel to back a large frame's buffer with 2 MiB pages where it can (transparent huge pages in "madvise"
 #: mode, the common default): first writes into fresh pages cost ~half as much then (64 MiB on the development
-#: machine: 43 -> 20 ms, beside 12 ms into warm pages), and a frame's bytes are all first writes
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+#: machine: 43 -> 20 ms, beside 12 ms into warm pages), and a frame's bytes are all first writes. Where the kernel's
+#: THP defrag setting makes such faults compact memory first (``madvise``, the default) a fragmented host can stall
+#: them: ``KVSTRATA_HUGE_FRAMES=0`` asks for none.
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None) if os.environ.get("KVSTRATA_HUGE_FRAMES", "1") != "0" else None
 
 
 def _frame_buffer(length: int, have: int) -> bytearray | mmap.mmap:
