@@ -110,6 +110,9 @@ def test_only_a_write_routed_by_another_list_is_checked_and_only_its_keys_not_ow
         assert direct.mget([mine[0], theirs[0], mine[1]]) == [b"6", b"4", b"8" * 100_000]
         assert all(isinstance(r, KeyNotFound) for r in direct.mget(theirs[1:]))  # (no refused key written)
         assert direct.exists(["k-never"]) == [False]  # (reads and the rest carry no fingerprint)
+        backend.routed_by = lambda: "not a fingerprint"  # (garbage from a client of its own: another list, no more)
+        got = direct.mset({mine[0]: b"g", theirs[0]: b"h"})
+        assert got[0] is None and isinstance(got[1], NotOwner)
     assert a.stats()["cluster"]["stale_writes_refused"] >= 4
     assert a.store.stats()["creates_in_progress"] == 0 and a.store.stats()["reserved_bytes"] == 0
     lone = Worker(WorkerConfig(socket=str(tmp_path / "lone.sock"), memory=16 << 20, disk_dir="")).start()
