@@ -194,6 +194,7 @@ OTHER_VARIABLES = frozenset(
         "KVSTRATA_CACHE_DIR",  # kvstrata.ops.calibration
         "KVSTRATA_AUTO_CALIBRATE",
         "KVSTRATA_AG_FLAG_KERNEL",  # kvstrata.comm.hostpath
+        "KVSTRATA_HUGE_FRAMES",  # kvstrata.transport.stream: 0 asks for no huge pages under large frames
         "KVSTRATA_TEST_WAIT",  # the tests
         # tools/
         "KVSTRATA_ASYNC_MSET_THREADS",
